@@ -1,0 +1,413 @@
+"""The staleness protocol in memory: no database, no I/O.
+
+It is the oracle of the model-based tests (the PostgreSQL implementation must agree with it
+operation by operation) and the protocol engine of the discrete-event simulator. Operations
+and outcomes mirror `staleflow_db.protocol`; refusals raise the same exceptions and change
+nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable
+
+from .enums import DropReason, GroupState, InstanceState, SampleState, SegmentKind
+from .errors import Conflict, InvalidInput, NotFound
+from .rules import (
+    BufferCounts,
+    Limits,
+    Reservation,
+    cascade_moves,
+    occupy_target,
+    reserve_target,
+    window_has_room,
+)
+from .types import (
+    GroupOutcome,
+    Report,
+    RouteOutcome,
+    RouteResult,
+    RunConfig,
+)
+
+
+@dataclass
+class RefSegment:
+    version: int
+    instance_id: int
+    tokens: list[int]
+    logprobs: list[float]
+
+
+@dataclass
+class RefSample:
+    id: int
+    group_id: int
+    idx: int
+    state: SampleState = SampleState.QUEUED
+    v_traj: int | None = None
+    attempt: int = 0
+    instance_id: int | None = None
+    segments: list[RefSegment] = field(default_factory=list)
+    reward: float | None = None
+    reward_attempt: int = 0
+    reason: str | None = None
+
+    @property
+    def n_tokens(self) -> int:
+        return sum(len(s.tokens) for s in self.segments)
+
+
+@dataclass
+class RefGroup:
+    id: int
+    client_key: str
+    prompt: list[int]
+    sample_ids: list[int]
+    state: GroupState = GroupState.QUEUED
+    reserved_buffer: int | None = None
+    min_version: int | None = None  # least V_traj of any member when it was routed
+    buffer: int | None = None  # where it was occupied
+    group_version: int | None = None
+    reason: str | None = None
+    replacement_of: int | None = None
+
+
+@dataclass
+class RefInstance:
+    id: int
+    version: int
+    state: InstanceState = InstanceState.ACTIVE
+
+
+class ReferenceProtocol:
+    def __init__(self, config: RunConfig):
+        config.validate()
+        self.config = config
+        self.limits = Limits(config.batch_size, config.buffer_capacity, config.eta)
+        self.version = 0
+        self.groups: dict[int, RefGroup] = {}
+        self.samples: dict[int, RefSample] = {}
+        self.instances: dict[int, RefInstance] = {}
+        self.buffers: dict[int, BufferCounts] = {}
+        self.keys: dict[str, int] = {}
+        self.consume_lease: dict[int, int] = {}  # buffer -> lease token of the latest consume
+        self.published: dict[int, dict] = {}  # version -> parameter metadata
+
+    # ---- prompts and instances -------------------------------------------------------------
+
+    def enqueue(self, client_key: str, prompt: list[int], replacement_of: int | None = None) -> int:
+        if client_key in self.keys:
+            return self.keys[client_key]
+        if not prompt or len(prompt) > self.config.max_prompt_tokens:
+            raise InvalidInput(f"prompt of {len(prompt)} tokens (allowed 1..{self.config.max_prompt_tokens})")
+        gid = len(self.groups) + 1
+        first = len(self.samples) + 1
+        ids = list(range(first, first + self.config.samples_per_group))
+        self.groups[gid] = RefGroup(gid, client_key, list(prompt), ids, replacement_of=replacement_of)
+        for i, sid in enumerate(ids):
+            self.samples[sid] = RefSample(sid, gid, i)
+        self.keys[client_key] = gid
+        return gid
+
+    def register_instance(self, version: int) -> int:
+        if not 0 <= version <= self.version:
+            raise InvalidInput(f"instance version {version} outside 0..{self.version}")
+        iid = len(self.instances) + 1
+        self.instances[iid] = RefInstance(iid, version)
+        return iid
+
+    def heartbeat(self, instance_id: int, version: int) -> None:
+        inst = self._instance(instance_id)
+        if inst.state != InstanceState.ACTIVE:
+            raise Conflict([(instance_id, f"instance is {inst.state.value}")])
+        if not inst.version <= version <= self.version:
+            raise InvalidInput(f"instance version {version} outside {inst.version}..{self.version}")
+        inst.version = version
+
+    def expire_instance(self, instance_id: int) -> list[int]:
+        """Fence the instance and requeue its running samples with the tokens they reported."""
+        inst = self._instance(instance_id)
+        if inst.state != InstanceState.ACTIVE:
+            return []
+        inst.state = InstanceState.EXPIRED
+        requeued = []
+        for s in self.samples.values():
+            if s.state == SampleState.RUNNING and s.instance_id == instance_id:
+                s.state, s.instance_id = SampleState.QUEUED, None
+                requeued.append(s.id)
+        return requeued
+
+    # ---- route (Reserve) -------------------------------------------------------------------
+
+    def route(self, pairs: Iterable[tuple[int, int]]) -> list[RouteResult]:
+        return [self._route_one(sid, iid) for sid, iid in pairs]
+
+    def _route_one(self, sample_id: int, instance_id: int) -> RouteResult:
+        s = self.samples.get(sample_id)
+        inst = self.instances.get(instance_id)
+        if s is None or s.state != SampleState.QUEUED:
+            return RouteResult(sample_id, RouteOutcome.NOT_QUEUED)
+        if inst is None or inst.state != InstanceState.ACTIVE:
+            return RouteResult(sample_id, RouteOutcome.INSTANCE_INACTIVE)
+        g = self.groups[s.group_id]
+        if s.n_tokens == 0:
+            v = max(inst.version, s.v_traj or 0)  # version raise: a fresh sample takes the newer version
+        elif inst.version >= s.v_traj:
+            v = s.v_traj
+        else:
+            return RouteResult(sample_id, RouteOutcome.TOO_OLD)
+        if g.state == GroupState.QUEUED:
+            b = reserve_target(self.buffers, v, self.version, self.limits)
+            if b is None:
+                return RouteResult(sample_id, RouteOutcome.NOT_ADMITTED)
+            self.buffers.setdefault(b, BufferCounts(b)).reserved += 1
+            g.state, g.reserved_buffer, g.min_version = GroupState.RESERVED, b, v
+        elif g.state == GroupState.RESERVED:
+            if v + self.config.eta < g.reserved_buffer:
+                return RouteResult(sample_id, RouteOutcome.JOIN_REFUSED)
+            g.min_version = min(g.min_version, v)
+        else:
+            return RouteResult(sample_id, RouteOutcome.GROUP_CLOSED)
+        s.v_traj, s.state, s.instance_id = v, SampleState.RUNNING, instance_id
+        s.attempt += 1
+        return RouteResult(sample_id, RouteOutcome.ROUTED, s.attempt, v, g.reserved_buffer)
+
+    # ---- segments --------------------------------------------------------------------------
+
+    def report(self, reports: list[Report]) -> None:
+        """All-or-nothing: a lost lease or bad input anywhere refuses the whole batch."""
+        conflicts, pending = [], {}
+        for r in reports:
+            s = self.samples.get(r.sample_id)
+            if s is None:
+                raise NotFound(f"sample {r.sample_id}")
+            r.check_shape()
+            if r.sample_id in pending:
+                raise InvalidInput(f"sample {r.sample_id} appears twice in one report batch")
+            if s.state != SampleState.RUNNING or s.attempt != r.attempt:
+                conflicts.append((r.sample_id, "lease lost (stale attempt or sample not running)"))
+                continue
+            last = s.segments[-1].version if s.segments else s.v_traj
+            if not (max(last, s.v_traj) <= r.version <= self.version):
+                raise InvalidInput(f"sample {r.sample_id}: segment version {r.version} outside {last}..{self.version}")
+            if s.n_tokens + len(r.tokens) > self.config.max_response_tokens:
+                raise InvalidInput(f"sample {r.sample_id}: response over {self.config.max_response_tokens} tokens")
+            pending[r.sample_id] = r
+        if conflicts:
+            raise Conflict(conflicts)
+        for r in reports:
+            s = self.samples[r.sample_id]
+            if r.tokens:
+                s.segments.append(RefSegment(r.version, s.instance_id, list(r.tokens), list(r.logprobs)))
+            if r.kind == SegmentKind.FINISHED:
+                s.state = SampleState.FINISHED
+            elif r.kind == SegmentKind.INTERRUPTED:
+                s.state, s.instance_id = SampleState.QUEUED, None
+
+    # ---- reward and Occupy -----------------------------------------------------------------
+
+    def claim_rewards(self, limit: int) -> list[tuple[int, int]]:
+        claimed = []
+        for s in sorted(self.samples.values(), key=lambda s: s.id):
+            if len(claimed) >= limit:
+                break
+            if s.state == SampleState.FINISHED:
+                s.state = SampleState.SCORING
+                s.reward_attempt += 1
+                claimed.append((s.id, s.reward_attempt))
+        return claimed
+
+    def release_reward_claims(self, sample_ids: Iterable[int]) -> None:
+        """A reward claim that expired: the sample is claimable again."""
+        for sid in sample_ids:
+            if self.samples[sid].state == SampleState.SCORING:
+                self.samples[sid].state = SampleState.FINISHED
+
+    def record_rewards(self, rewards: list[tuple[int, int, float]]) -> list[GroupOutcome]:
+        conflicts = []
+        for sid, attempt, _ in rewards:
+            s = self.samples.get(sid)
+            if s is None:
+                raise NotFound(f"sample {sid}")
+            if s.state != SampleState.SCORING or s.reward_attempt != attempt:
+                conflicts.append((sid, "reward claim lost (stale attempt or sample not scoring)"))
+        if len({sid for sid, _, _ in rewards}) != len(rewards):
+            raise InvalidInput("a sample appears twice in one reward batch")
+        if conflicts:
+            raise Conflict(conflicts)
+        for sid, _, reward in rewards:
+            s = self.samples[sid]
+            s.state, s.reward = SampleState.REWARDED, float(reward)
+        touched = sorted({self.samples[sid].group_id for sid, _, _ in rewards})
+        return [o for o in (self._maybe_occupy(self.groups[gid]) for gid in touched) if o]
+
+    def _maybe_occupy(self, g: RefGroup) -> GroupOutcome | None:
+        if g.state != GroupState.RESERVED:
+            return None
+        rewarded = [self.samples[i] for i in g.sample_ids if self.samples[i].state == SampleState.REWARDED]
+        if len(rewarded) < self.config.group_size:
+            return None
+        chosen = rewarded[: self.config.group_size]
+        chosen_ids = {s.id for s in chosen}
+        self._release(g)
+        if self.config.dapo_filter and len({s.reward for s in chosen}) == 1:
+            self._drop_group(g, GroupState.FILTERED, DropReason.FILTERED)
+            replacement = self.enqueue(f"{g.client_key}~r", g.prompt, replacement_of=g.id)
+            return GroupOutcome(g.id, GroupState.FILTERED, replacement=replacement)
+        version = min(s.v_traj for s in chosen)
+        b = occupy_target(self.buffers, version, self.version, self.limits)
+        if b is None:
+            self._drop_group(g, GroupState.ABORTED, DropReason.NO_BUFFER)
+            return GroupOutcome(g.id, GroupState.ABORTED, reason=DropReason.NO_BUFFER.value)
+        self.buffers.setdefault(b, BufferCounts(b)).occupied += 1
+        g.state, g.buffer, g.group_version = GroupState.OCCUPIED, b, version
+        for i in g.sample_ids:
+            if i not in chosen_ids:
+                self._abort_sample(self.samples[i], DropReason.SURPLUS.value)
+        return GroupOutcome(g.id, GroupState.OCCUPIED, buffer=b)
+
+    # ---- release, abort --------------------------------------------------------------------
+
+    def _release(self, g: RefGroup) -> None:
+        """Give back the group's reservation, then let earlier reservations move later."""
+        b = g.reserved_buffer
+        self.buffers[b].reserved -= 1
+        g.reserved_buffer = None
+        reservations = [
+            Reservation(o.id, o.reserved_buffer, o.min_version + self.config.eta)
+            for o in self.groups.values()
+            if o.state == GroupState.RESERVED and o.reserved_buffer is not None
+        ]
+        for gid, _, to in cascade_moves(b, self.buffers, reservations, self.limits):
+            self.groups[gid].reserved_buffer = to
+
+    def _abort_sample(self, s: RefSample, reason: str) -> None:
+        if s.state not in (SampleState.ABORTED,):
+            s.state, s.reason, s.instance_id = SampleState.ABORTED, reason, None
+
+    def _drop_group(self, g: RefGroup, state: GroupState, reason: DropReason) -> None:
+        g.state, g.reason = state, reason.value
+        for i in g.sample_ids:
+            self._abort_sample(self.samples[i], reason.value)
+
+    def abort_group(self, group_id: int, reason: DropReason = DropReason.USER) -> bool:
+        g = self.groups.get(group_id)
+        if g is None:
+            raise NotFound(f"group {group_id}")
+        if g.state not in (GroupState.QUEUED, GroupState.RESERVED):
+            return False
+        if g.state == GroupState.RESERVED:
+            self._release(g)
+        self._drop_group(g, GroupState.ABORTED, reason)
+        return True
+
+    def abort_samples(self, sample_ids: Iterable[int], reason: DropReason = DropReason.USER) -> list[int]:
+        """Abort members; a group that can no longer reach N live members is aborted too."""
+        aborted = []
+        for sid in sample_ids:
+            s = self.samples.get(sid)
+            if s is None:
+                raise NotFound(f"sample {sid}")
+            g = self.groups[s.group_id]
+            if s.state == SampleState.ABORTED or g.state not in (GroupState.QUEUED, GroupState.RESERVED):
+                continue
+            self._abort_sample(s, reason.value)
+            aborted.append(sid)
+            live = sum(self.samples[i].state != SampleState.ABORTED for i in g.sample_ids)
+            if live < self.config.group_size:
+                self.abort_group(g.id, DropReason.INSUFFICIENT_MEMBERS)
+        return aborted
+
+    def abort_after_ready(self) -> list[int]:
+        """Reserved groups none of whose window buffers still needs entries can never land."""
+        doomed = [
+            g.id
+            for g in sorted(self.groups.values(), key=lambda g: g.id)
+            if g.state == GroupState.RESERVED
+            and not window_has_room(self.buffers, g.min_version, self.version, self.limits)
+        ]
+        for gid in doomed:
+            self.abort_group(gid, DropReason.WINDOW_READY)
+        return doomed
+
+    # ---- Consume and publish ---------------------------------------------------------------
+
+    def consume(self, version: int) -> tuple[int, list[int]] | None:
+        """Lease the ready buffer at the run's version: (lease token, group ids) or None."""
+        if version != self.version:
+            raise Conflict([(version, f"run is at version {self.version}")])
+        buf = self.buffers.get(version)
+        if buf is None or buf.occupied < self.config.batch_size:
+            return None
+        lease = self.consume_lease.get(version, 0) + 1
+        self.consume_lease[version] = lease
+        groups = sorted(g.id for g in self.groups.values() if g.state == GroupState.OCCUPIED and g.buffer == version)
+        return lease, groups
+
+    def publish(self, version: int, lease: int, params: dict | None = None) -> int:
+        """Buffer `version` consumed and the run at `version + 1`, atomically; idempotent."""
+        if version == self.version - 1 and version in self.published:
+            return self.version
+        if version != self.version:
+            raise Conflict([(version, f"run is at version {self.version}")])
+        if self.consume_lease.get(version) != lease:
+            raise Conflict([(version, "consume lease lost (another trainer consumed this buffer)")])
+        buf = self.buffers[version]
+        buf.consumed = True
+        for g in self.groups.values():
+            if g.state == GroupState.OCCUPIED and g.buffer == version:
+                g.state = GroupState.CONSUMED
+        self.version += 1
+        self.published[version] = dict(params or {})
+        # With B' > B a consumed buffer may still hold reservations: move them on or drop them.
+        stranded = sorted(
+            (g for g in self.groups.values() if g.state == GroupState.RESERVED and g.reserved_buffer == version),
+            key=lambda g: g.id,
+        )
+        for g in stranded:
+            buf.reserved -= 1
+            b = reserve_target(self.buffers, g.min_version, self.version, self.limits)
+            if b is None:
+                g.reserved_buffer = None
+                self._drop_group(g, GroupState.ABORTED, DropReason.WINDOW_CLOSED)
+            else:
+                self.buffers.setdefault(b, BufferCounts(b)).reserved += 1
+                g.reserved_buffer = b
+        return self.version
+
+    # ---- helpers ---------------------------------------------------------------------------
+
+    def _instance(self, instance_id: int) -> RefInstance:
+        inst = self.instances.get(instance_id)
+        if inst is None:
+            raise NotFound(f"instance {instance_id}")
+        return inst
+
+    def queued_samples(self) -> list[int]:
+        return [s.id for s in self.samples.values() if s.state == SampleState.QUEUED]
+
+    def check_invariants(self) -> list[str]:
+        """Every violated invariant of SPEC §2, in words; empty when healthy."""
+        bad = []
+        for b, buf in self.buffers.items():
+            groups = [g for g in self.groups.values() if g.buffer == b and g.state in (GroupState.OCCUPIED, GroupState.CONSUMED)]
+            reserved = [g for g in self.groups.values() if g.state == GroupState.RESERVED and g.reserved_buffer == b]
+            if len(groups) != buf.occupied or len(reserved) != buf.reserved:
+                bad.append(f"buffer {b}: counters {buf.occupied}/{buf.reserved} vs entries {len(groups)}/{len(reserved)}")
+            if buf.occupied + buf.reserved > self.config.buffer_capacity:
+                bad.append(f"buffer {b} over capacity")
+            if buf.consumed and buf.occupied != self.config.batch_size:
+                bad.append(f"buffer {b} consumed with {buf.occupied} groups")
+            for g in groups:
+                if not g.group_version <= b <= g.group_version + self.config.eta:
+                    bad.append(f"group {g.id} of version {g.group_version} in buffer {b}")
+        for s in self.samples.values():
+            versions = [seg.version for seg in s.segments]
+            if versions and (versions != sorted(versions) or versions[0] < s.v_traj):
+                bad.append(f"sample {s.id}: segment versions {versions} with V_traj {s.v_traj}")
+            if s.state == SampleState.ABORTED and not s.reason:
+                bad.append(f"sample {s.id} aborted without a reason")
+        if sorted(b for b, buf in self.buffers.items() if buf.consumed) != list(range(self.version)):
+            bad.append(f"consumed buffers are not exactly 0..{self.version - 1}")
+        return bad

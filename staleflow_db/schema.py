@@ -1,0 +1,293 @@
+"""Every durable fact of StaleFlow, as SQLAlchemy Core tables.
+
+The Alembic migrations create exactly this (a test compares them); the audit views and the
+append-only trigger live in the migrations as SQL (`staleflow_db/sql/`).
+"""
+
+from __future__ import annotations
+
+from sqlalchemy import (
+    BigInteger,
+    Boolean,
+    CheckConstraint,
+    Column,
+    DateTime,
+    Double,
+    Enum,
+    ForeignKey,
+    Index,
+    Integer,
+    MetaData,
+    PrimaryKeyConstraint,
+    SmallInteger,
+    Table,
+    Text,
+    UniqueConstraint,
+    func,
+    text,
+)
+from sqlalchemy.dialects.postgresql import ARRAY, JSONB, REAL
+
+from .enums import CommandKind, CommandState, GroupState, InstanceState, Role, SampleState
+
+metadata = MetaData(
+    naming_convention={
+        "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+        "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+        "ck": "ck_%(table_name)s_%(constraint_name)s",
+        "fk": "fk_%(table_name)s_%(column_0_name)s",
+        "pk": "pk_%(table_name)s",
+    }
+)
+
+
+def _enum(py_enum, name: str) -> Enum:
+    return Enum(py_enum, name=name, values_callable=lambda e: [m.value for m in e], create_constraint=False)
+
+
+sample_state = _enum(SampleState, "sample_state")
+group_state = _enum(GroupState, "group_state")
+instance_state = _enum(InstanceState, "instance_state")
+command_kind = _enum(CommandKind, "command_kind")
+command_state = _enum(CommandState, "command_state")
+role = _enum(Role, "token_role")
+
+
+def _created() -> Column:
+    return Column("created_at", DateTime(timezone=True), nullable=False, server_default=func.now())
+
+
+runs = Table(
+    "runs",
+    metadata,
+    Column("id", BigInteger, primary_key=True, autoincrement=True),
+    Column("name", Text, nullable=False, unique=True),
+    Column("batch_size", Integer, nullable=False),
+    Column("buffer_capacity", Integer, nullable=False),
+    Column("group_size", Integer, nullable=False),
+    Column("samples_per_group", Integer, nullable=False),
+    Column("eta", Integer, nullable=False),
+    Column("max_response_tokens", Integer, nullable=False),
+    Column("max_prompt_tokens", Integer, nullable=False),
+    Column("dapo_filter", Boolean, nullable=False),
+    Column("version", Integer, nullable=False, server_default="0"),
+    _created(),
+    CheckConstraint("batch_size >= 1 AND group_size >= 1 AND eta >= 0", name="positive"),
+    CheckConstraint("buffer_capacity >= batch_size AND samples_per_group >= group_size", name="redundancy"),
+    CheckConstraint("version >= 0", name="version"),
+)
+
+prompt_groups = Table(
+    "prompt_groups",
+    metadata,
+    Column("id", BigInteger, primary_key=True, autoincrement=True),
+    Column("run_id", BigInteger, ForeignKey("runs.id", ondelete="CASCADE"), nullable=False),
+    Column("client_key", Text, nullable=False),
+    Column("prompt_tokens", ARRAY(Integer), nullable=False),
+    Column("meta", JSONB, nullable=False, server_default=text("'{}'::jsonb")),
+    Column("state", group_state, nullable=False, server_default=GroupState.QUEUED.value),
+    Column("reserved_buffer", Integer),
+    Column("min_version", Integer),  # least V_traj of any member when it was routed
+    Column("buffer", Integer),  # the buffer it was occupied in (its training step)
+    Column("group_version", Integer),  # min V_traj of its N trained members
+    Column("reason", Text),
+    Column("replacement_of", BigInteger, ForeignKey("prompt_groups.id")),
+    _created(),
+    Column("finished_at", DateTime(timezone=True)),
+    UniqueConstraint("run_id", "client_key"),
+    CheckConstraint("(state = 'reserved') = (reserved_buffer IS NOT NULL)", name="reserved_has_buffer"),
+    CheckConstraint(
+        "(state IN ('occupied', 'consumed')) = (buffer IS NOT NULL AND group_version IS NOT NULL)",
+        name="occupied_has_buffer",
+    ),
+    CheckConstraint("state NOT IN ('filtered', 'aborted') OR reason IS NOT NULL", name="drop_has_reason"),
+    Index("ix_prompt_groups_reserved", "run_id", "reserved_buffer", postgresql_where=text("state = 'reserved'")),
+    Index("ix_prompt_groups_occupied", "run_id", "buffer", postgresql_where=text("state = 'occupied'")),
+)
+
+instances = Table(
+    "instances",
+    metadata,
+    Column("id", BigInteger, primary_key=True, autoincrement=True),
+    Column("run_id", BigInteger, ForeignKey("runs.id", ondelete="CASCADE"), nullable=False),
+    Column("name", Text, nullable=False),
+    Column("state", instance_state, nullable=False, server_default=InstanceState.ACTIVE.value),
+    Column("version", Integer, nullable=False),
+    Column("lease_expires_at", DateTime(timezone=True), nullable=False),
+    Column("snapshot", JSONB, nullable=False, server_default=text("'{}'::jsonb")),
+    Column("snapshot_at", DateTime(timezone=True)),
+    _created(),
+    Index("ix_instances_active", "run_id", postgresql_where=text("state = 'active'")),
+)
+
+samples = Table(
+    "samples",
+    metadata,
+    Column("id", BigInteger, primary_key=True, autoincrement=True),
+    Column("run_id", BigInteger, ForeignKey("runs.id", ondelete="CASCADE"), nullable=False),
+    Column("group_id", BigInteger, ForeignKey("prompt_groups.id", ondelete="CASCADE"), nullable=False),
+    Column("idx", SmallInteger, nullable=False),
+    Column("state", sample_state, nullable=False, server_default=SampleState.QUEUED.value),
+    Column("v_traj", Integer),
+    Column("attempt", Integer, nullable=False, server_default="0"),  # lease token of the route
+    Column("instance_id", BigInteger, ForeignKey("instances.id")),
+    Column("delivered", Boolean, nullable=False, server_default=text("false")),
+    Column("n_tokens", Integer, nullable=False, server_default="0"),
+    Column("n_segments", Integer, nullable=False, server_default="0"),
+    Column("last_version", Integer),  # version of its latest segment
+    Column("finish_reason", Text),
+    Column("reward", Double),
+    Column("reward_attempt", Integer, nullable=False, server_default="0"),
+    Column("reward_deadline", DateTime(timezone=True)),
+    Column("reason", Text),
+    Column("updated_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    UniqueConstraint("group_id", "idx"),
+    CheckConstraint("(state = 'running') = (instance_id IS NOT NULL)", name="running_has_instance"),
+    CheckConstraint("state <> 'aborted' OR reason IS NOT NULL", name="abort_has_reason"),
+    CheckConstraint("state <> 'rewarded' OR reward IS NOT NULL", name="rewarded_has_reward"),
+    CheckConstraint("(state = 'scoring') = (reward_deadline IS NOT NULL)", name="scoring_has_deadline"),
+    CheckConstraint("state IN ('queued', 'aborted') OR v_traj IS NOT NULL", name="routed_has_version"),
+    Index("ix_samples_queued", "run_id", "id", postgresql_where=text("state = 'queued'")),
+    Index("ix_samples_finished", "run_id", "id", postgresql_where=text("state = 'finished'")),
+    Index("ix_samples_scoring", "run_id", "reward_deadline", postgresql_where=text("state = 'scoring'")),
+    Index("ix_samples_running", "instance_id", postgresql_where=text("state = 'running'")),
+    Index("ix_samples_group", "group_id"),
+    postgresql_with={"fillfactor": "70"},
+)
+
+segments = Table(
+    "segments",
+    metadata,
+    Column("sample_id", BigInteger, ForeignKey("samples.id", ondelete="CASCADE"), nullable=False),
+    Column("seq", Integer, nullable=False),
+    Column("run_id", BigInteger, nullable=False),
+    Column("version", Integer, nullable=False),
+    Column("instance_id", BigInteger, nullable=False),
+    Column("attempt", Integer, nullable=False),
+    Column("token_ids", ARRAY(Integer), nullable=False),
+    Column("logprobs", ARRAY(REAL), nullable=False),
+    Column("finish_reason", Text),
+    _created(),
+    PrimaryKeyConstraint("sample_id", "seq"),
+    CheckConstraint("cardinality(token_ids) = cardinality(logprobs)", name="aligned"),
+)
+
+buffers = Table(
+    "buffers",
+    metadata,
+    Column("run_id", BigInteger, ForeignKey("runs.id", ondelete="CASCADE"), nullable=False),
+    Column("idx", Integer, nullable=False),
+    Column("batch_size", Integer, nullable=False),
+    Column("capacity", Integer, nullable=False),
+    Column("occupied", Integer, nullable=False, server_default="0"),
+    Column("reserved", Integer, nullable=False, server_default="0"),
+    Column("lease", Integer, nullable=False, server_default="0"),  # consume lease token
+    Column("leased_at", DateTime(timezone=True)),
+    Column("consumed_at", DateTime(timezone=True)),
+    _created(),
+    PrimaryKeyConstraint("run_id", "idx"),
+    CheckConstraint("occupied >= 0 AND reserved >= 0", name="non_negative"),
+    CheckConstraint("occupied + reserved <= capacity", name="capacity"),
+    CheckConstraint("occupied <= batch_size", name="batch"),
+    CheckConstraint("consumed_at IS NULL OR occupied = batch_size", name="consumed_full"),
+)
+
+commands = Table(
+    "commands",
+    metadata,
+    Column("id", BigInteger, primary_key=True, autoincrement=True),
+    Column("run_id", BigInteger, ForeignKey("runs.id", ondelete="CASCADE"), nullable=False),
+    Column("instance_id", BigInteger, ForeignKey("instances.id", ondelete="CASCADE"), nullable=False),
+    Column("kind", command_kind, nullable=False),
+    Column("sample_id", BigInteger, ForeignKey("samples.id", ondelete="CASCADE")),
+    Column("attempt", Integer),  # the route attempt an interrupt/abort is aimed at
+    Column("target_version", Integer),  # for pull
+    Column("state", command_state, nullable=False, server_default=CommandState.PENDING.value),
+    Column("epoch", BigInteger),  # coordinator leadership epoch that issued it
+    _created(),
+    Column("delivered_at", DateTime(timezone=True)),
+    Index("ix_commands_pending", "instance_id", "id", postgresql_where=text("state = 'pending'")),
+)
+
+param_versions = Table(
+    "param_versions",
+    metadata,
+    Column("run_id", BigInteger, ForeignKey("runs.id", ondelete="CASCADE"), nullable=False),
+    Column("version", Integer, nullable=False),
+    Column("size_bytes", BigInteger),
+    Column("checksum", Text),
+    Column("location", Text),
+    _created(),
+    PrimaryKeyConstraint("run_id", "version"),
+)
+
+events = Table(
+    "events",
+    metadata,
+    Column("id", BigInteger, primary_key=True, autoincrement=True),
+    Column("run_id", BigInteger, ForeignKey("runs.id", ondelete="CASCADE"), nullable=False),
+    Column("at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    Column("kind", Text, nullable=False),
+    Column("sample_id", BigInteger),
+    Column("group_id", BigInteger),
+    Column("buffer", Integer),
+    Column("instance_id", BigInteger),
+    Column("data", JSONB),
+    Index("ix_events_run", "run_id", "id"),
+)
+
+coordinator_leases = Table(
+    "coordinator_leases",
+    metadata,
+    Column("run_id", BigInteger, ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True),
+    Column("holder", Text, nullable=False),
+    Column("epoch", BigInteger, nullable=False),
+    Column("expires_at", DateTime(timezone=True), nullable=False),
+)
+
+coordinator_cycles = Table(
+    "coordinator_cycles",
+    metadata,
+    Column("id", BigInteger, primary_key=True, autoincrement=True),
+    Column("run_id", BigInteger, ForeignKey("runs.id", ondelete="CASCADE"), nullable=False),
+    Column("epoch", BigInteger, nullable=False),
+    Column("at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    Column("snapshot_ms", Double, nullable=False),
+    Column("decide_ms", Double, nullable=False),
+    Column("write_ms", Double, nullable=False),
+    Column("routed", Integer, nullable=False),
+    Column("interrupted", Integer, nullable=False),
+    Column("pulled", Integer, nullable=False),
+    Column("migrated", Integer, nullable=False),
+    Index("ix_coordinator_cycles_run", "run_id", "id"),
+)
+
+api_tokens = Table(
+    "api_tokens",
+    metadata,
+    Column("id", BigInteger, primary_key=True, autoincrement=True),
+    Column("token_hash", Text, nullable=False, unique=True),
+    Column("role", role, nullable=False),
+    Column("run_id", BigInteger, ForeignKey("runs.id", ondelete="CASCADE")),  # NULL: every run
+    Column("name", Text),
+    _created(),
+    Column("revoked_at", DateTime(timezone=True)),
+)
+
+idempotency = Table(
+    "idempotency",
+    metadata,
+    Column("request_id", Text, primary_key=True),
+    Column("operation", Text, nullable=False),
+    Column("response", JSONB, nullable=False),
+    _created(),
+)
+
+ENUM_TYPES = {
+    "sample_state": SampleState,
+    "group_state": GroupState,
+    "instance_state": InstanceState,
+    "command_kind": CommandKind,
+    "command_state": CommandState,
+    "token_role": Role,
+}

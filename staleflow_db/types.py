@@ -1,0 +1,92 @@
+"""Plain values passed in and out of protocol operations (shared by the database
+implementation and the reference model)."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from .enums import GroupState, SegmentKind
+from .errors import InvalidInput
+
+
+@dataclass
+class RunConfig:
+    batch_size: int  # B
+    group_size: int  # N
+    eta: int  # staleness bound
+    buffer_capacity: int | None = None  # B' >= B (batch-level redundancy); defaults to B
+    samples_per_group: int | None = None  # N' >= N (group-level redundancy); defaults to N
+    max_response_tokens: int = 1024
+    max_prompt_tokens: int = 1024
+    dapo_filter: bool = False
+
+    def __post_init__(self) -> None:
+        if self.buffer_capacity is None:
+            self.buffer_capacity = self.batch_size
+        if self.samples_per_group is None:
+            self.samples_per_group = self.group_size
+
+    def validate(self) -> None:
+        problems = []
+        if self.batch_size < 1:
+            problems.append("batch_size (B) must be >= 1")
+        if self.group_size < 1:
+            problems.append("group_size (N) must be >= 1")
+        if self.eta < 0:
+            problems.append("eta must be >= 0")
+        if self.buffer_capacity < self.batch_size:
+            problems.append("buffer_capacity (B') must be >= batch_size (B)")
+        if self.samples_per_group < self.group_size:
+            problems.append("samples_per_group (N') must be >= group_size (N)")
+        if self.max_response_tokens < 1 or self.max_prompt_tokens < 1:
+            problems.append("token limits must be >= 1")
+        if problems:
+            raise InvalidInput("; ".join(problems))
+
+
+class RouteOutcome(str, enum.Enum):
+    ROUTED = "routed"
+    NOT_QUEUED = "not_queued"  # already routed, finished or aborted
+    INSTANCE_INACTIVE = "instance_inactive"
+    TOO_OLD = "too_old"  # instance version below the sample's V_traj
+    NOT_ADMITTED = "not_admitted"  # admission control: no buffer of the window has room
+    JOIN_REFUSED = "join_refused"  # the group's buffer is outside this member's window
+    GROUP_CLOSED = "group_closed"  # the group is already occupied or dropped
+
+
+@dataclass
+class RouteResult:
+    sample_id: int
+    outcome: RouteOutcome
+    attempt: int | None = None
+    v_traj: int | None = None
+    buffer: int | None = None
+
+
+@dataclass
+class Report:
+    """One stretch of generation of one sample, fenced by the attempt it was routed with."""
+
+    sample_id: int
+    attempt: int
+    version: int
+    tokens: list[int]
+    logprobs: list[float]
+    kind: SegmentKind = SegmentKind.FINISHED
+    finish_reason: str | None = None
+
+    def check_shape(self) -> None:
+        if len(self.tokens) != len(self.logprobs):
+            raise InvalidInput(
+                f"sample {self.sample_id}: {len(self.tokens)} tokens but {len(self.logprobs)} log-probs"
+            )
+
+
+@dataclass
+class GroupOutcome:
+    group_id: int
+    state: GroupState
+    buffer: int | None = None
+    reason: str | None = None
+    replacement: int | None = None
