@@ -93,6 +93,7 @@ class ReferenceProtocol:
         self.keys: dict[str, int] = {}
         self.consume_lease: dict[int, int] = {}  # buffer -> lease token of the latest consume
         self.published: dict[int, dict] = {}  # version -> parameter metadata
+        self.reserved: dict[int, RefGroup] = {}  # groups holding a reservation, by id
 
     # ---- prompts and instances -------------------------------------------------------------
 
@@ -163,6 +164,7 @@ class ReferenceProtocol:
                 return RouteResult(sample_id, RouteOutcome.NOT_ADMITTED)
             self.buffers.setdefault(b, BufferCounts(b)).reserved += 1
             g.state, g.reserved_buffer, g.min_version = GroupState.RESERVED, b, v
+            self.reserved[g.id] = g
         elif g.state == GroupState.RESERVED:
             if v + self.config.eta < g.reserved_buffer:
                 return RouteResult(sample_id, RouteOutcome.JOIN_REFUSED)
@@ -274,10 +276,9 @@ class ReferenceProtocol:
         b = g.reserved_buffer
         self.buffers[b].reserved -= 1
         g.reserved_buffer = None
+        del self.reserved[g.id]
         reservations = [
-            Reservation(o.id, o.reserved_buffer, o.min_version + self.config.eta)
-            for o in self.groups.values()
-            if o.state == GroupState.RESERVED and o.reserved_buffer is not None
+            Reservation(o.id, o.reserved_buffer, o.min_version + self.config.eta) for o in self.reserved.values()
         ]
         for gid, _, to in cascade_moves(b, self.buffers, reservations, self.limits):
             self.groups[gid].reserved_buffer = to
@@ -323,9 +324,8 @@ class ReferenceProtocol:
         """Reserved groups none of whose window buffers still needs entries can never land."""
         doomed = [
             g.id
-            for g in sorted(self.groups.values(), key=lambda g: g.id)
-            if g.state == GroupState.RESERVED
-            and not window_has_room(self.buffers, g.min_version, self.version, self.limits)
+            for g in sorted(self.reserved.values(), key=lambda g: g.id)
+            if not window_has_room(self.buffers, g.min_version, self.version, self.limits)
         ]
         for gid in doomed:
             self.abort_group(gid, DropReason.WINDOW_READY)
@@ -361,15 +361,13 @@ class ReferenceProtocol:
         self.version += 1
         self.published[version] = dict(params or {})
         # With B' > B a consumed buffer may still hold reservations: move them on or drop them.
-        stranded = sorted(
-            (g for g in self.groups.values() if g.state == GroupState.RESERVED and g.reserved_buffer == version),
-            key=lambda g: g.id,
-        )
+        stranded = sorted((g for g in self.reserved.values() if g.reserved_buffer == version), key=lambda g: g.id)
         for g in stranded:
             buf.reserved -= 1
             b = reserve_target(self.buffers, g.min_version, self.version, self.limits)
             if b is None:
                 g.reserved_buffer = None
+                del self.reserved[g.id]
                 self._drop_group(g, GroupState.ABORTED, DropReason.WINDOW_CLOSED)
             else:
                 self.buffers.setdefault(b, BufferCounts(b)).reserved += 1
