@@ -1,0 +1,63 @@
+"""Where the database is, and engines to reach it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import Engine, create_engine
+from sqlalchemy.engine import make_url
+
+from staleflow_db.settings import Settings, get_settings, to_libpq_url, to_sqlalchemy_url
+
+
+def database_url(settings: Settings | None = None) -> str:
+    """libpq URL of the StaleFlow database.
+
+    ``STALEFLOW_DATABASE_URL`` if set; otherwise the embedded server under
+    ``$STALEFLOW_HOME``, started (or reused) on the way and left running for the
+    other processes.
+    """
+    settings = settings or get_settings()
+    if settings.database_url:
+        return settings.database_url
+    from staleflow_db.embedded import EmbeddedPostgres  # only when it is needed
+
+    return EmbeddedPostgres(settings.home).ensure_running()
+
+
+def with_database(url: str, database: str) -> str:
+    """The same server and credentials, another database."""
+    return make_url(url).set(database=database).render_as_string(hide_password=False)
+
+
+def session_options(settings: Settings | None = None) -> str:
+    """libpq ``options``: per-connection timeouts, so no session can hang forever on a
+    lock or sit idle in a transaction holding one."""
+    s = settings or get_settings()
+    return (
+        f"-c statement_timeout={s.statement_timeout}"
+        f" -c lock_timeout={s.lock_timeout}"
+        f" -c idle_in_transaction_session_timeout={s.idle_in_transaction_session_timeout}"
+    )
+
+
+def make_engine(url: str | None = None, *, settings: Settings | None = None,
+                **kw: Any) -> Engine:
+    """A pooled SQLAlchemy engine on the psycopg 3 driver.
+
+    ``url`` defaults to :func:`database_url`; keyword arguments override the defaults
+    and go to ``create_engine`` (``connect_args`` are merged, not replaced).
+    """
+    settings = settings or get_settings()
+    url = to_sqlalchemy_url(url or database_url(settings))
+    connect_args = {"options": session_options(settings), "application_name": "staleflow"}
+    connect_args.update(kw.pop("connect_args", {}))
+    opts: dict[str, Any] = {"pool_pre_ping": True}
+    if "poolclass" not in kw:  # sizes are only valid for the default QueuePool
+        opts.update(pool_size=settings.pool_size, max_overflow=settings.max_overflow)
+    opts.update(kw)
+    return create_engine(url, connect_args=connect_args, **opts)
+
+
+__all__ = ["database_url", "make_engine", "session_options", "with_database",
+           "to_libpq_url", "to_sqlalchemy_url"]
