@@ -1,0 +1,45 @@
+"""The ``staleflow`` command.
+
+Each command group lives in its own module exporting a ``typer.Typer`` and is
+registered below with one ``add_typer`` line; keep this root small.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import typer
+
+from workers.cli_db import app as db_app
+
+app = typer.Typer(
+    name="staleflow",
+    help="StaleFlow: PostgreSQL-backed data layer for asynchronous RL post-training.",
+    no_args_is_help=True,
+    add_completion=False,
+)
+
+
+@app.callback()
+def _root(verbose: bool = typer.Option(False, "--verbose", "-v", help="Debug logging.")) -> None:
+    # Progress messages (server start, migrations) go to stderr, so stdout stays
+    # parseable: `psql "$(staleflow db url)"`.
+    logging.basicConfig(
+        level=logging.DEBUG if verbose else logging.INFO,
+        format="%(message)s",
+        stream=sys.stderr,
+    )
+    for noisy in ("sqlalchemy", "httpx", "httpcore"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    # Alembic says these two lines on every connection; its "Running upgrade" lines stay.
+    logging.getLogger("alembic.runtime.migration").addFilter(
+        lambda r: not r.getMessage().startswith(("Context impl", "Will assume"))
+    )
+
+
+app.add_typer(db_app, name="db")
+
+
+if __name__ == "__main__":
+    app()
