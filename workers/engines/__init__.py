@@ -1,0 +1,1 @@
+"""Rollout engines: the shared interface (base) and its implementations."""

@@ -1,0 +1,138 @@
+"""The rollout-engine interface shared by every engine (`torch`, `sim`, `vllm`).
+
+Engine-agnostic on purpose: plain dataclasses, no torch import, so the rollout worker, the
+cost-model `sim` engine and tests can use it without loading a deep-learning stack.
+
+Vocabulary (see SPEC.md): a sample's response is built from *segments*; one call to
+`add_request` ... `Finished`/`interrupt` is one *stretch* on this engine and becomes one
+segment. `prefix_tokens` are the response tokens of earlier segments: the engine continues
+after them and never re-emits them.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+
+@dataclass(frozen=True)
+class TokensEvent:
+    """New tokens of one running sample in this step (one per decode iteration)."""
+
+    sample_id: str
+    tokens: list[int]
+    logprobs: list[float]
+
+
+@dataclass(frozen=True)
+class FinishedEvent:
+    """A sample finished. `tokens`/`logprobs` cover this stretch only (after the prefix).
+
+    finish_reason: "eos" (EOS sampled; it is included in `tokens`), "length"
+    (max_new_tokens or the model's max sequence reached) or "capacity" (the sample alone
+    no longer fits in the KV cache).
+    """
+
+    sample_id: str
+    tokens: list[int]
+    logprobs: list[float]
+    finish_reason: str
+    prefix_len: int = 0
+
+
+@dataclass(frozen=True)
+class PreemptedEvent:
+    """KV capacity ran out: a running sample went back to the waiting queue.
+
+    Its generated tokens are kept; it is recomputed (prefilled again) when readmitted.
+    `waiting` is the waiting-queue length right after the preemption: the `φ_wait`
+    migration rule interrupts the sample instead when that exceeds its threshold.
+    """
+
+    sample_id: str
+    num_tokens: int
+    waiting: int
+
+
+EngineEvent = TokensEvent | FinishedEvent | PreemptedEvent
+
+
+@dataclass(frozen=True)
+class Partial:
+    """What `interrupt` returns: the stretch so far (excluding the prefix it started from)."""
+
+    sample_id: str
+    tokens: list[int]
+    logprobs: list[float]
+    prefix_len: int = 0
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """What a rollout worker heartbeats into its snapshot (SPEC §4 step 1)."""
+
+    version: int
+    running: int
+    waiting: int
+    kv_tokens: int  # tokens whose K/V are held in the cache right now
+    kv_capacity: int  # tokens the cache can hold
+    # per running sample: prompt + response tokens so far (the routing length `l`)
+    running_tokens: dict[str, int] = field(default_factory=dict)
+    tokens_per_s: float = 0.0  # generated tokens per second over a recent window
+    preemptions: int = 0  # total since start
+
+
+class Engine(abc.ABC):
+    """One rollout instance's inference engine, driven by a single caller thread.
+
+    Continuous batching: `add_request` queues a sample (waiting); each `step()` admits
+    waiting samples while KV room exists, runs one decode iteration for every running
+    sample and returns what happened. Sampling is deterministic given (weights, seed,
+    tokens so far) for engines that can promise it, so a sample interrupted here and
+    continued elsewhere with the same weights yields the same sequence.
+    """
+
+    @property
+    @abc.abstractmethod
+    def version(self) -> int:
+        """Model version of the currently loaded weights."""
+
+    @abc.abstractmethod
+    def add_request(
+        self,
+        sample_id: str,
+        prompt_tokens: Sequence[int],
+        prefix_tokens: Sequence[int] = (),
+        prefix_logprobs: Sequence[float] = (),
+        max_new_tokens: int = 256,
+        seed: int = 0,
+    ) -> None:
+        """Queue a sample. `prefix_*` continue an interrupted sample; `max_new_tokens`
+        bounds this stretch (callers pass the response budget minus len(prefix))."""
+
+    @abc.abstractmethod
+    def step(self) -> list[EngineEvent]:
+        """One scheduling + decode iteration. Returns [] when there is nothing to do."""
+
+    @abc.abstractmethod
+    def interrupt(self, sample_ids: Sequence[str]) -> list[Partial]:
+        """Stop running/waiting samples, returning their stretch so far; unknown ids are
+        skipped. The samples are dropped from the engine."""
+
+    @abc.abstractmethod
+    def abort(self, sample_ids: Sequence[str]) -> None:
+        """Drop samples without returning anything (unknown ids are ignored)."""
+
+    @abc.abstractmethod
+    def load_weights(self, state_dict: Mapping[str, Any], version: int) -> None:
+        """Install new weights. Running samples keep going on them; callers that want
+        one version per segment interrupt first."""
+
+    @abc.abstractmethod
+    def stats(self) -> EngineStats:
+        """Current load, for snapshots and the coordinator's cost model."""
+
+    def has_work(self) -> bool:
+        s = self.stats()
+        return s.running + s.waiting > 0
