@@ -20,6 +20,7 @@ from .rules import (
     cascade_moves,
     occupy_target,
     reserve_target,
+    route_decision,
     window_has_room,
 )
 from .types import (
@@ -142,35 +143,34 @@ class ReferenceProtocol:
     # ---- route (Reserve) -------------------------------------------------------------------
 
     def route(self, pairs: Iterable[tuple[int, int]]) -> list[RouteResult]:
+        pairs = list(pairs)
+        for sid, iid in pairs:  # unknown ids refuse the whole batch before anything changes
+            if sid not in self.samples:
+                raise NotFound(f"sample {sid}")
+            if iid not in self.instances:
+                raise NotFound(f"instance {iid}")
         return [self._route_one(sid, iid) for sid, iid in pairs]
 
     def _route_one(self, sample_id: int, instance_id: int) -> RouteResult:
-        s = self.samples.get(sample_id)
-        inst = self.instances.get(instance_id)
-        if s is None or s.state != SampleState.QUEUED:
+        s, inst = self.samples[sample_id], self.instances[instance_id]
+        if s.state != SampleState.QUEUED:
             return RouteResult(sample_id, RouteOutcome.NOT_QUEUED)
-        if inst is None or inst.state != InstanceState.ACTIVE:
+        if inst.state != InstanceState.ACTIVE:
             return RouteResult(sample_id, RouteOutcome.INSTANCE_INACTIVE)
         g = self.groups[s.group_id]
-        if s.n_tokens == 0:
-            v = max(inst.version, s.v_traj or 0)  # version raise: a fresh sample takes the newer version
-        elif inst.version >= s.v_traj:
-            v = s.v_traj
-        else:
-            return RouteResult(sample_id, RouteOutcome.TOO_OLD)
-        if g.state == GroupState.QUEUED:
-            b = reserve_target(self.buffers, v, self.version, self.limits)
-            if b is None:
-                return RouteResult(sample_id, RouteOutcome.NOT_ADMITTED)
+        if g.state not in (GroupState.QUEUED, GroupState.RESERVED):
+            return RouteResult(sample_id, RouteOutcome.GROUP_CLOSED)
+        outcome, v, b = route_decision(
+            s.n_tokens > 0, s.v_traj, inst.version, g.reserved_buffer, self.buffers, self.version, self.limits
+        )
+        if outcome != RouteOutcome.ROUTED:
+            return RouteResult(sample_id, RouteOutcome(outcome))
+        if b is not None:
             self.buffers.setdefault(b, BufferCounts(b)).reserved += 1
             g.state, g.reserved_buffer, g.min_version = GroupState.RESERVED, b, v
             self.reserved[g.id] = g
-        elif g.state == GroupState.RESERVED:
-            if v + self.config.eta < g.reserved_buffer:
-                return RouteResult(sample_id, RouteOutcome.JOIN_REFUSED)
-            g.min_version = min(g.min_version, v)
         else:
-            return RouteResult(sample_id, RouteOutcome.GROUP_CLOSED)
+            g.min_version = min(g.min_version, v)
         s.v_traj, s.state, s.instance_id = v, SampleState.RUNNING, instance_id
         s.attempt += 1
         return RouteResult(sample_id, RouteOutcome.ROUTED, s.attempt, v, g.reserved_buffer)

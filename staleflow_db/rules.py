@@ -120,3 +120,33 @@ def cascade_moves(
         by_group[mover.group_id] = Reservation(mover.group_id, target, mover.max_buffer)
         moves.append((mover.group_id, source, target))
         target = source
+
+
+def route_decision(
+    has_tokens: bool,
+    v_traj: int | None,
+    instance_version: int,
+    group_reserved_buffer: int | None,
+    buffers: Mapping[int, BufferCounts],
+    version_now: int,
+    limits: Limits,
+) -> tuple[str, int | None, int | None]:
+    """Where routing one queued sample of a live group leads: (outcome, V_traj, buffer to reserve).
+
+    A sample with no tokens yet takes the instance's newer version (version raise); one with
+    tokens may only continue at a version >= its V_traj. The group's first routed member
+    reserves (admission control); later members join only if the group's buffer lies in their
+    window. Outcomes are `RouteOutcome` values.
+    """
+    if not has_tokens:
+        v = max(instance_version, v_traj or 0)
+    elif instance_version >= v_traj:
+        v = v_traj
+    else:
+        return "too_old", None, None
+    if group_reserved_buffer is None:
+        b = reserve_target(buffers, v, version_now, limits)
+        return ("routed", v, b) if b is not None else ("not_admitted", None, None)
+    if v + limits.eta < group_reserved_buffer:
+        return "join_refused", None, None
+    return "routed", v, None

@@ -1,0 +1,24 @@
+"""The staleness protocol as PostgreSQL transactions (SPEC §2).
+
+Every public method is one transaction. Methods that change buffer accounting (route,
+record_rewards, aborts, publish) serialize on the run's row; the others are fenced by
+attempt numbers instead. Refusals raise `staleflow_db.errors` exceptions and change nothing.
+"""
+
+from __future__ import annotations
+
+from sqlalchemy import Engine
+
+from .rollout import Command, Prompt, RolloutOps, Work
+from .scoring import RewardTask, ScoringOps
+from .training import Batch, SegmentInfo, TrainGroup, TrainingOps, TrainSample
+
+
+class Protocol(RolloutOps, ScoringOps, TrainingOps):
+    def __init__(self, engine: Engine):
+        self.engine = engine
+
+
+__all__ = [
+    "Batch", "Command", "Prompt", "Protocol", "RewardTask", "SegmentInfo", "TrainGroup", "TrainSample", "Work",
+]

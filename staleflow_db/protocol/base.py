@@ -1,0 +1,304 @@
+"""Shared machinery of the protocol transactions: the per-run lock, buffer counters, releases
+with their cascade, drops, commands, the event log and request-id idempotency."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Sequence
+
+from sqlalchemy import Connection, Engine, text
+
+from ..enums import DropReason
+from ..errors import NotFound
+from ..rules import BufferCounts, Limits, Reservation, cascade_moves
+
+
+def dumps(value: Any) -> str:
+    def default(o: Any) -> Any:
+        if dataclasses.is_dataclass(o):
+            return dataclasses.asdict(o)
+        if isinstance(o, enum.Enum):
+            return o.value
+        raise TypeError(f"cannot serialise {type(o).__name__}")
+
+    return json.dumps(value, default=default, separators=(",", ":"))
+
+
+@dataclass
+class RunRow:
+    id: int
+    version: int
+    batch_size: int
+    buffer_capacity: int
+    group_size: int
+    samples_per_group: int
+    eta: int
+    max_response_tokens: int
+    max_prompt_tokens: int
+    dapo_filter: bool
+
+    @property
+    def limits(self) -> Limits:
+        return Limits(self.batch_size, self.buffer_capacity, self.eta)
+
+
+RUN_COLUMNS = (
+    "id, version, batch_size, buffer_capacity, group_size, samples_per_group, eta, "
+    "max_response_tokens, max_prompt_tokens, dapo_filter"
+)
+
+
+def load_run(conn: Connection, run_id: int, *, lock: bool) -> RunRow:
+    sql = f"SELECT {RUN_COLUMNS} FROM runs WHERE id = :run" + (" FOR UPDATE" if lock else "")
+    row = conn.execute(text(sql), {"run": run_id}).first()
+    if row is None:
+        raise NotFound(f"run {run_id}")
+    return RunRow(*row)
+
+
+class RunTx:
+    """One transaction holding the run's lock: every change to buffer accounting of a run is
+    serialized here (a global budget, so no SKIP LOCKED), and flushed in batched statements."""
+
+    def __init__(self, conn: Connection, run: RunRow):
+        self.conn, self.run = conn, run
+        rows = conn.execute(
+            text(
+                "SELECT idx, occupied, reserved, consumed_at IS NOT NULL FROM buffers"
+                " WHERE run_id = :run AND idx >= :v"
+            ),
+            {"run": run.id, "v": run.version},
+        ).all()
+        self.buffers = {r[0]: BufferCounts(*r) for r in rows}
+        self._original = {b: (c.occupied, c.reserved) for b, c in self.buffers.items()}
+        self._reservations: dict[int, Reservation] | None = None
+        self.moved: dict[int, int] = {}  # group -> new reserved buffer, from cascades
+        self.events: list[tuple] = []
+
+    def buffer(self, idx: int) -> BufferCounts:
+        return self.buffers.setdefault(idx, BufferCounts(idx))
+
+    # ---- reservations ----------------------------------------------------------------------
+
+    def reservations(self) -> dict[int, Reservation]:
+        if self._reservations is None:
+            rows = self.conn.execute(
+                text(
+                    "SELECT id, reserved_buffer, min_version FROM prompt_groups"
+                    " WHERE run_id = :run AND state = 'reserved'"
+                ),
+                {"run": self.run.id},
+            ).all()
+            self._reservations = {g: Reservation(g, b, mv + self.run.eta) for g, b, mv in rows}
+        return self._reservations
+
+    def add_reservation(self, group_id: int, buffer: int, min_version: int) -> None:
+        self.buffer(buffer).reserved += 1
+        if self._reservations is not None:
+            self._reservations[group_id] = Reservation(group_id, buffer, min_version + self.run.eta)
+
+    def update_reservation_window(self, group_id: int, min_version: int) -> None:
+        if self._reservations is not None and group_id in self._reservations:
+            r = self._reservations[group_id]
+            self._reservations[group_id] = Reservation(group_id, r.buffer, min_version + self.run.eta)
+
+    def release(self, group_id: int) -> None:
+        """Give back a group's reservation; earlier reservations then move as late as they can."""
+        res = self.reservations().pop(group_id)
+        buffer = self.moved.pop(group_id, res.buffer)
+        self.buffers[buffer].reserved -= 1
+        for gid, _, to in cascade_moves(buffer, self.buffers, self._reservations.values(), self.run.limits):
+            self._reservations[gid] = Reservation(gid, to, self._reservations[gid].max_buffer)
+            self.moved[gid] = to
+            self.events.append(("reservation_moved", None, gid, to, None, None))
+
+    def reserved_buffer(self, group_id: int) -> int:
+        return self.reservations()[group_id].buffer
+
+    # ---- writes ----------------------------------------------------------------------------
+
+    def flush(self) -> None:
+        """Persist counters and moved reservations, then the events, in a few statements."""
+        changed = [
+            c for b, c in self.buffers.items() if self._original.get(b) != (c.occupied, c.reserved)
+        ]
+        if changed:
+            self.conn.execute(
+                text(
+                    "INSERT INTO buffers (run_id, idx, batch_size, capacity, occupied, reserved)"
+                    " SELECT :run, u.idx, :bs, :cap, u.occ, u.res"
+                    " FROM unnest(CAST(:idx AS int[]), CAST(:occ AS int[]), CAST(:res AS int[])) AS u(idx, occ, res)"
+                    " ON CONFLICT (run_id, idx) DO UPDATE"
+                    " SET occupied = excluded.occupied, reserved = excluded.reserved"
+                ),
+                {
+                    "run": self.run.id,
+                    "bs": self.run.batch_size,
+                    "cap": self.run.buffer_capacity,
+                    "idx": [c.index for c in changed],
+                    "occ": [c.occupied for c in changed],
+                    "res": [c.reserved for c in changed],
+                },
+            )
+            self._original.update({c.index: (c.occupied, c.reserved) for c in changed})
+        if self.moved:
+            self.conn.execute(
+                text(
+                    "UPDATE prompt_groups g SET reserved_buffer = u.b"
+                    " FROM unnest(CAST(:ids AS bigint[]), CAST(:bs AS int[])) AS u(id, b)"
+                    " WHERE g.id = u.id AND g.state = 'reserved'"
+                ),
+                {"ids": list(self.moved), "bs": list(self.moved.values())},
+            )
+            self.moved.clear()
+        log_events(self.conn, self.run.id, self.events)
+        self.events.clear()
+
+    def drop_groups(self, group_ids: Sequence[int], state: str, reason: DropReason | str) -> list[int]:
+        """Filter or abort groups (releasing reservations first) and abort their live members."""
+        if not group_ids:
+            return []
+        reason = getattr(reason, "value", reason)
+        for gid in group_ids:
+            if gid in self.reservations():
+                self.release(gid)
+        self.conn.execute(
+            text(
+                "UPDATE prompt_groups SET state = CAST(:state AS group_state), reason = :reason,"
+                " reserved_buffer = NULL, finished_at = now() WHERE id = ANY(CAST(:ids AS bigint[]))"
+            ),
+            {"ids": list(group_ids), "state": state, "reason": reason},
+        )
+        self.events.extend((f"group_{state}", None, g, None, None, {"reason": reason}) for g in group_ids)
+        return abort_members(self.conn, self.run.id, group_ids, reason, self.events)
+
+
+def abort_members(conn: Connection, run_id: int, group_ids: Sequence[int], reason: str, events: list) -> list[int]:
+    """Abort every live member of the groups; running ones also get an abort command."""
+    return abort_samples_where(conn, run_id, "group_id", group_ids, reason, events)
+
+
+def abort_samples_where(
+    conn: Connection, run_id: int, column: str, ids: Sequence[int], reason: str, events: list
+) -> list[int]:
+    """Abort the live samples whose `column` ("id" or "group_id") is in `ids`."""
+    assert column in ("id", "group_id")
+    if not ids:
+        return []
+    rows = conn.execute(
+        text(
+            f"WITH s AS (SELECT id, instance_id, attempt FROM samples"
+            f"   WHERE {column} = ANY(CAST(:ids AS bigint[])) AND state <> 'aborted' ORDER BY id FOR UPDATE),"
+            " u AS (UPDATE samples x SET state = 'aborted', reason = :reason, instance_id = NULL,"
+            "   reward_deadline = NULL, updated_at = now() FROM s WHERE x.id = s.id RETURNING x.id)"
+            " SELECT s.id, s.instance_id, s.attempt FROM s"
+        ),
+        {"ids": list(ids), "reason": reason},
+    ).all()
+    running = [(sid, inst, att) for sid, inst, att in rows if inst is not None]
+    send_commands(conn, run_id, "abort", running)
+    events.extend(("sample_aborted", sid, None, None, inst, {"reason": reason}) for sid, inst, _ in rows)
+    return [r[0] for r in rows]
+
+
+def send_commands(
+    conn: Connection, run_id: int, kind: str, targets: Sequence[tuple[int, int, int]], epoch: int | None = None
+) -> None:
+    """Queue `kind` commands for (sample, instance, attempt) triples."""
+    if not targets:
+        return
+    conn.execute(
+        text(
+            "INSERT INTO commands (run_id, instance_id, kind, sample_id, attempt, epoch)"
+            " SELECT :run, u.inst, CAST(:kind AS command_kind), u.sid, u.att, :epoch"
+            " FROM unnest(CAST(:sids AS bigint[]), CAST(:insts AS bigint[]), CAST(:atts AS int[])) AS u(sid, inst, att)"
+        ),
+        {
+            "run": run_id,
+            "kind": kind,
+            "epoch": epoch,
+            "sids": [t[0] for t in targets],
+            "insts": [t[1] for t in targets],
+            "atts": [t[2] for t in targets],
+        },
+    )
+
+
+def log_events(conn: Connection, run_id: int, events: Sequence[tuple]) -> None:
+    """Append (kind, sample, group, buffer, instance, data) rows to the event log in one statement."""
+    if not events:
+        return
+    cols = list(zip(*events))
+    conn.execute(
+        text(
+            "INSERT INTO events (run_id, kind, sample_id, group_id, buffer, instance_id, data)"
+            " SELECT :run, u.k, u.s, u.g, u.b, u.i, u.d FROM unnest(CAST(:k AS text[]), CAST(:s AS bigint[]),"
+            " CAST(:g AS bigint[]), CAST(:b AS int[]), CAST(:i AS bigint[]), CAST(:d AS jsonb[])) AS u(k, s, g, b, i, d)"
+        ),
+        {
+            "run": run_id,
+            "k": list(cols[0]),
+            "s": list(cols[1]),
+            "g": list(cols[2]),
+            "b": list(cols[3]),
+            "i": list(cols[4]),
+            "d": [None if d is None else json.dumps(d) for d in cols[5]],
+        },
+    )
+
+
+class TxMixin:
+    """Transactions and request-id idempotency for the operation classes."""
+
+    engine: Engine
+
+    @contextmanager
+    def tx(self) -> Iterator[Connection]:
+        with self.engine.begin() as conn:
+            yield conn
+
+    @contextmanager
+    def run_tx(self, run_id: int) -> Iterator[RunTx]:
+        with self.engine.begin() as conn:
+            rtx = RunTx(conn, load_run(conn, run_id, lock=True))
+            yield rtx
+            rtx.flush()
+
+    @staticmethod
+    def replay(conn: Connection, request_id: str | None, operation: str) -> Any | None:
+        """The stored outcome of a request already applied, or None."""
+        if request_id is None:
+            return None
+        row = conn.execute(
+            text("SELECT operation, response FROM idempotency WHERE request_id = :r"), {"r": request_id}
+        ).first()
+        if row is None:
+            return None
+        if row[0] != operation:
+            from ..errors import Conflict
+
+            raise Conflict([(0, f"request id {request_id!r} was already used for {row[0]}")])
+        return row[1]
+
+    @staticmethod
+    def remember(conn: Connection, request_id: str | None, operation: str, outcome: Any) -> None:
+        if request_id is not None:
+            conn.execute(
+                text("INSERT INTO idempotency (request_id, operation, response) VALUES (:r, :o, CAST(:resp AS jsonb))"),
+                {"r": request_id, "o": operation, "resp": dumps(outcome)},
+            )
+
+    def idempotent(
+        self, request_id: str | None, operation: str, run: Callable[[Connection], Any], decode: Callable[[Any], Any]
+    ) -> Any:
+        with self.tx() as conn:
+            stored = self.replay(conn, request_id, operation)
+            if stored is not None:
+                return decode(stored)
+            outcome = run(conn)
+            self.remember(conn, request_id, operation, outcome)
+            return outcome

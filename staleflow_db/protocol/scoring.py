@@ -1,0 +1,239 @@
+"""Reward side of the protocol: claiming finished samples, recording rewards (which triggers
+Occupy and the DAPO filter), and every kind of abort."""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from sqlalchemy import Connection, text
+
+from ..enums import DropReason
+from ..errors import Conflict, InvalidInput, NotFound
+from ..rules import occupy_target, window_has_room
+from ..enums import GroupState
+from ..types import GroupOutcome
+from .base import RunTx, TxMixin, abort_samples_where, load_run
+from .rollout import Prompt, check_batch, enqueue_prompts
+
+
+@dataclass
+class RewardTask:
+    sample_id: int
+    reward_attempt: int
+    group_id: int
+    prompt_tokens: list[int]
+    response_tokens: list[int]
+    finish_reason: str | None
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+class ScoringOps(TxMixin):
+    def claim_rewards(self, run_id: int, limit: int = 100, lease_seconds: float = 60.0) -> list[RewardTask]:
+        """Lease finished samples to a reward worker (expired claims become claimable again)."""
+        if not 1 <= limit <= 10_000:
+            raise InvalidInput("limit must be in 1..10000")
+        with self.tx() as conn:
+            load_run(conn, run_id, lock=False)
+            conn.execute(
+                text(
+                    "UPDATE samples SET state = 'finished', reward_deadline = NULL"
+                    " WHERE run_id = :run AND state = 'scoring' AND reward_deadline <= now()"
+                ),
+                {"run": run_id},
+            )
+            rows = conn.execute(
+                text(
+                    "WITH c AS MATERIALIZED (SELECT id FROM samples WHERE run_id = :run AND state = 'finished'"
+                    "   ORDER BY id LIMIT :n FOR UPDATE SKIP LOCKED),"
+                    " u AS (UPDATE samples s SET state = 'scoring', reward_attempt = s.reward_attempt + 1,"
+                    "   reward_deadline = now() + make_interval(secs => :ttl), updated_at = now()"
+                    "   FROM c WHERE s.id = c.id RETURNING s.id, s.reward_attempt, s.group_id, s.finish_reason)"
+                    " SELECT u.id, u.reward_attempt, u.group_id, g.prompt_tokens,"
+                    "  coalesce((SELECT array_agg(t ORDER BY x.seq, o) FROM segments x,"
+                    "    unnest(x.token_ids) WITH ORDINALITY AS z(t, o) WHERE x.sample_id = u.id), '{}'),"
+                    "  u.finish_reason, g.meta"
+                    " FROM u JOIN prompt_groups g ON g.id = u.group_id ORDER BY u.id"
+                ),
+                {"run": run_id, "n": limit, "ttl": lease_seconds},
+            ).all()
+            return [RewardTask(r[0], r[1], r[2], list(r[3]), list(r[4]), r[5], r[6]) for r in rows]
+
+    def record_rewards(
+        self, run_id: int, rewards: Sequence[tuple[int, int, float]], request_id: str | None = None
+    ) -> list[GroupOutcome]:
+        """Store rewards, fenced by the claim attempt; groups that reach N rewarded members are
+        placed (Occupy) or filtered. All or nothing."""
+        check_batch(rewards, "rewards")
+
+        def run(conn: Connection) -> list[GroupOutcome]:
+            rtx = RunTx(conn, load_run(conn, run_id, lock=True))
+            outcomes = rewards_in(rtx, rewards)
+            rtx.flush()
+            return outcomes
+
+        return self.idempotent(
+            request_id,
+            "reward",
+            run,
+            lambda stored: [GroupOutcome(**{**o, "state": GroupState(o["state"])}) for o in stored],
+        )
+
+    def abort_samples(self, run_id: int, sample_ids: Sequence[int], reason: DropReason = DropReason.USER) -> list[int]:
+        """Abort members; a group that can no longer reach N live members is aborted too."""
+        check_batch(sample_ids, "samples")
+        with self.run_tx(run_id) as rtx:
+            rows = rtx.conn.execute(
+                text(
+                    "SELECT s.id, s.group_id, s.state, g.state FROM samples s JOIN prompt_groups g ON g.id = s.group_id"
+                    " WHERE s.run_id = :run AND s.id = ANY(CAST(:ids AS bigint[]))"
+                ),
+                {"run": run_id, "ids": list(sample_ids)},
+            ).all()
+            info = {r[0]: r for r in rows}
+            for sid in sample_ids:
+                if sid not in info:
+                    raise NotFound(f"sample {sid} in run {run_id}")
+            gids = sorted({r[1] for r in rows if r[3] in ("queued", "reserved")})
+            live = defaultdict(int)
+            for gid, n in rtx.conn.execute(
+                text(
+                    "SELECT group_id, count(*) FROM samples WHERE group_id = ANY(CAST(:g AS bigint[]))"
+                    " AND state <> 'aborted' GROUP BY group_id"
+                ),
+                {"g": gids},
+            ).all():
+                live[gid] = n
+            chosen, doomed = [], []
+            for sid in sample_ids:  # one at a time, as the reference model does
+                _, gid, state, gstate = info[sid]
+                if state == "aborted" or gstate not in ("queued", "reserved") or gid in doomed:
+                    continue
+                chosen.append(sid)
+                live[gid] -= 1
+                if live[gid] < rtx.run.group_size:
+                    doomed.append(gid)
+            aborted = abort_samples_where(rtx.conn, run_id, "id", chosen, getattr(reason, "value", reason), rtx.events)
+            rtx.drop_groups(doomed, "aborted", DropReason.INSUFFICIENT_MEMBERS)
+            return sorted(aborted)
+
+    def abort_group(self, run_id: int, group_id: int, reason: DropReason = DropReason.USER) -> bool:
+        with self.run_tx(run_id) as rtx:
+            state = rtx.conn.execute(
+                text("SELECT state FROM prompt_groups WHERE id = :g AND run_id = :run FOR UPDATE"),
+                {"g": group_id, "run": run_id},
+            ).scalar()
+            if state is None:
+                raise NotFound(f"group {group_id} in run {run_id}")
+            if state not in ("queued", "reserved"):
+                return False
+            rtx.drop_groups([group_id], "aborted", reason)
+            return True
+
+    def abort_after_ready(self, run_id: int) -> list[int]:
+        """With redundancy: reserved groups whose whole window is ready can never land; drop them."""
+        with self.run_tx(run_id) as rtx:
+            run = rtx.run
+            doomed = sorted(
+                gid
+                for gid, r in rtx.reservations().items()
+                if not window_has_room(rtx.buffers, r.max_buffer - run.eta, run.version, run.limits)
+            )
+            rtx.drop_groups(doomed, "aborted", DropReason.WINDOW_READY)
+            return doomed
+
+
+def rewards_in(rtx: RunTx, rewards: Sequence[tuple[int, int, float]]) -> list[GroupOutcome]:
+    conn, run = rtx.conn, rtx.run
+    ids = [r[0] for r in rewards]
+    if len(set(ids)) != len(ids):
+        raise InvalidInput("a sample appears twice in one reward batch")
+    for sid, _, reward in rewards:
+        if not isinstance(reward, (int, float)) or not math.isfinite(reward):
+            raise InvalidInput(f"sample {sid}: reward must be a finite number")
+    rows = {
+        r[0]: r
+        for r in conn.execute(
+            text(
+                "SELECT id, state, reward_attempt, group_id FROM samples"
+                " WHERE run_id = :run AND id = ANY(CAST(:ids AS bigint[])) ORDER BY id FOR UPDATE"
+            ),
+            {"run": run.id, "ids": ids},
+        ).all()
+    }
+    conflicts = []
+    for sid, attempt, _ in rewards:
+        if sid not in rows:
+            raise NotFound(f"sample {sid} in run {run.id}")
+        if rows[sid][1] != "scoring" or rows[sid][2] != attempt:
+            conflicts.append((sid, "reward claim lost (stale attempt or sample not scoring)"))
+    if conflicts:
+        raise Conflict(conflicts)
+    conn.execute(
+        text(
+            "UPDATE samples s SET state = 'rewarded', reward = u.r, reward_deadline = NULL, updated_at = now()"
+            " FROM unnest(CAST(:ids AS bigint[]), CAST(:rs AS float8[])) AS u(id, r) WHERE s.id = u.id"
+        ),
+        {"ids": ids, "rs": [float(r[2]) for r in rewards]},
+    )
+    rtx.events.extend(("sample_rewarded", sid, None, None, None, {"reward": float(r)}) for sid, _, r in rewards)
+    return occupy_ready_groups(rtx, sorted({rows[sid][3] for sid in ids}))
+
+
+def occupy_ready_groups(rtx: RunTx, group_ids: list[int]) -> list[GroupOutcome]:
+    """Occupy (or filter) each reserved group that now has N rewarded members."""
+    conn, run = rtx.conn, rtx.run
+    groups = {
+        r[0]: r
+        for r in conn.execute(
+            text(
+                "SELECT id, state, client_key, prompt_tokens, meta FROM prompt_groups"
+                " WHERE id = ANY(CAST(:ids AS bigint[])) ORDER BY id FOR UPDATE"
+            ),
+            {"ids": group_ids},
+        ).all()
+    }
+    members = defaultdict(list)
+    for gid, sid, state, v_traj, reward in conn.execute(
+        text(
+            "SELECT group_id, id, state, v_traj, reward FROM samples"
+            " WHERE group_id = ANY(CAST(:ids AS bigint[])) ORDER BY group_id, idx"
+        ),
+        {"ids": group_ids},
+    ).all():
+        members[gid].append((sid, state, v_traj, reward))
+    outcomes = []
+    for gid in group_ids:
+        _, state, key, prompt, meta = groups[gid]
+        rewarded = [m for m in members[gid] if m[1] == "rewarded"]
+        if state != "reserved" or len(rewarded) < run.group_size:
+            continue
+        chosen = rewarded[: run.group_size]
+        rtx.release(gid)
+        if run.dapo_filter and len({m[3] for m in chosen}) == 1:
+            rtx.drop_groups([gid], "filtered", DropReason.FILTERED)
+            (replacement,) = enqueue_prompts(conn, run, [Prompt(f"{key}~r", list(prompt), meta)], replacement_of=[gid])
+            outcomes.append(GroupOutcome(gid, GroupState.FILTERED, replacement=replacement))
+            continue
+        version = min(m[2] for m in chosen)
+        b = occupy_target(rtx.buffers, version, run.version, run.limits)
+        if b is None:
+            rtx.drop_groups([gid], "aborted", DropReason.NO_BUFFER)
+            outcomes.append(GroupOutcome(gid, GroupState.ABORTED, reason=DropReason.NO_BUFFER.value))
+            continue
+        rtx.buffer(b).occupied += 1
+        conn.execute(
+            text(
+                "UPDATE prompt_groups SET state = 'occupied', buffer = :b, group_version = :v, reserved_buffer = NULL"
+                " WHERE id = :g"
+            ),
+            {"g": gid, "b": b, "v": version},
+        )
+        rtx.events.append(("group_occupied", None, gid, b, None, {"version": version}))
+        chosen_ids = {m[0] for m in chosen}
+        surplus = [m[0] for m in members[gid] if m[0] not in chosen_ids and m[1] != "aborted"]
+        abort_samples_where(conn, run.id, "id", surplus, DropReason.SURPLUS.value, rtx.events)
+        outcomes.append(GroupOutcome(gid, GroupState.OCCUPIED, buffer=b))
+    return outcomes

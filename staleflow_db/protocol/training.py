@@ -1,0 +1,226 @@
+"""Trainer side of the protocol: Consume (lease the ready buffer and return its batch) and
+publish (buffer consumed and the run's version +1, atomically), plus the run status."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+from sqlalchemy import text
+
+from ..enums import DropReason
+from ..errors import Conflict, InvalidInput
+from ..rules import buffer_state, reserve_target
+from .base import TxMixin, abort_members, load_run
+
+
+@dataclass
+class SegmentInfo:
+    seq: int
+    version: int
+    instance_id: int
+    n_tokens: int
+
+
+@dataclass
+class TrainSample:
+    sample_id: int
+    idx: int
+    v_traj: int
+    tokens: list[int]
+    logprobs: list[float]
+    reward: float
+    finish_reason: str | None
+    segments: list[SegmentInfo]
+
+
+@dataclass
+class TrainGroup:
+    group_id: int
+    group_version: int
+    prompt_tokens: list[int]
+    meta: dict[str, Any]
+    samples: list[TrainSample] = field(default_factory=list)
+
+
+@dataclass
+class Batch:
+    run_id: int
+    version: int  # the buffer index: trains model `version` into `version + 1`
+    lease: int
+    groups: list[TrainGroup]
+
+
+class TrainingOps(TxMixin):
+    def consume(self, run_id: int, version: int) -> Batch | None:
+        """Lease buffer `version` once it is ready and return its full batch; None while it is
+        not ready. A second consume (a restarted trainer) takes a new lease and fences the old."""
+        with self.tx() as conn:
+            run = load_run(conn, run_id, lock=True)
+            if version != run.version:
+                raise Conflict([(version, f"run {run_id} is at version {run.version}")])
+            lease = conn.execute(
+                text(
+                    "UPDATE buffers SET lease = lease + 1, leased_at = now()"
+                    " WHERE run_id = :run AND idx = :v AND occupied >= batch_size RETURNING lease"
+                ),
+                {"run": run_id, "v": version},
+            ).scalar()
+            if lease is None:
+                return None
+            groups = {
+                g: TrainGroup(g, gv, list(p), m)
+                for g, gv, p, m in conn.execute(
+                    text(
+                        "SELECT id, group_version, prompt_tokens, meta FROM prompt_groups"
+                        " WHERE run_id = :run AND state = 'occupied' AND buffer = :v ORDER BY id"
+                    ),
+                    {"run": run_id, "v": version},
+                ).all()
+            }
+            segs = defaultdict(list)
+            rows = conn.execute(
+                text(
+                    "SELECT x.sample_id, x.seq, x.version, x.instance_id, x.token_ids, x.logprobs"
+                    " FROM segments x JOIN samples s ON s.id = x.sample_id"
+                    " WHERE s.group_id = ANY(CAST(:g AS bigint[])) AND s.state = 'rewarded' ORDER BY x.sample_id, x.seq"
+                ),
+                {"g": list(groups)},
+            ).all()
+            for r in rows:
+                segs[r[0]].append(r)
+            for sid, gid, idx, v_traj, reward, fin in conn.execute(
+                text(
+                    "SELECT id, group_id, idx, v_traj, reward, finish_reason FROM samples"
+                    " WHERE group_id = ANY(CAST(:g AS bigint[])) AND state = 'rewarded' ORDER BY group_id, idx"
+                ),
+                {"g": list(groups)},
+            ).all():
+                parts = segs[sid]
+                groups[gid].samples.append(
+                    TrainSample(
+                        sid, idx, v_traj,
+                        [t for p in parts for t in p[4]],
+                        [lp for p in parts for lp in p[5]],
+                        reward, fin,
+                        [SegmentInfo(p[1], p[2], p[3], len(p[4])) for p in parts],
+                    )
+                )
+            return Batch(run_id, version, lease, list(groups.values()))
+
+    def publish(
+        self,
+        run_id: int,
+        version: int,
+        lease: int,
+        size_bytes: int | None = None,
+        checksum: str | None = None,
+        location: str | None = None,
+    ) -> int:
+        """Mark buffer `version` consumed and move the run to `version + 1`; returns the new
+        version. Only from the expected version and lease; a repeated publish is a no-op."""
+        with self.run_tx(run_id) as rtx:
+            conn, run = rtx.conn, rtx.run
+            if version == run.version - 1:
+                return run.version  # already published: a retry
+            if version != run.version:
+                raise Conflict([(version, f"run {run_id} is at version {run.version}")])
+            row = conn.execute(
+                text("SELECT lease, occupied, batch_size FROM buffers WHERE run_id = :run AND idx = :v"),
+                {"run": run_id, "v": version},
+            ).first()
+            if row is None or row[1] < row[2]:
+                raise Conflict([(version, f"buffer {version} is not ready")])
+            if row[0] != lease:
+                raise Conflict([(version, f"consume lease {lease} lost (the latest is {row[0]})")])
+            if size_bytes is not None and size_bytes < 0:
+                raise InvalidInput("size_bytes must be >= 0")
+            conn.execute(
+                text("UPDATE buffers SET consumed_at = now() WHERE run_id = :run AND idx = :v"),
+                {"run": run_id, "v": version},
+            )
+            conn.execute(
+                text(
+                    "UPDATE prompt_groups SET state = 'consumed', finished_at = now()"
+                    " WHERE run_id = :run AND state = 'occupied' AND buffer = :v"
+                ),
+                {"run": run_id, "v": version},
+            )
+            conn.execute(text("UPDATE runs SET version = version + 1 WHERE id = :run"), {"run": run_id})
+            conn.execute(
+                text(
+                    "INSERT INTO param_versions (run_id, version, size_bytes, checksum, location)"
+                    " VALUES (:run, :v, :size, :sum, :loc)"
+                ),
+                {"run": run_id, "v": version + 1, "size": size_bytes, "sum": checksum, "loc": location},
+            )
+            run.version = version + 1
+            rtx.buffers[version].consumed = True
+            rtx.events.append(("published", None, None, version, None, {"version": version + 1}))
+            self._move_stranded(rtx, version)
+            return run.version
+
+    @staticmethod
+    def _move_stranded(rtx, consumed: int) -> None:
+        """With B' > B a consumed buffer may still hold reservations: move them on or drop them."""
+        run, buf = rtx.run, rtx.buffers[consumed]
+        stranded = sorted(gid for gid, r in rtx.reservations().items() if r.buffer == consumed)
+        for gid in stranded:
+            res = rtx.reservations().pop(gid)
+            rtx.moved.pop(gid, None)
+            buf.reserved -= 1
+            min_version = res.max_buffer - run.eta
+            b = reserve_target(rtx.buffers, min_version, run.version, run.limits)
+            if b is None:
+                rtx.conn.execute(
+                    text(
+                        "UPDATE prompt_groups SET state = 'aborted', reason = :r, reserved_buffer = NULL,"
+                        " finished_at = now() WHERE id = :g"
+                    ),
+                    {"g": gid, "r": DropReason.WINDOW_CLOSED.value},
+                )
+                abort_members(rtx.conn, run.id, [gid], DropReason.WINDOW_CLOSED.value, rtx.events)
+            else:
+                rtx.add_reservation(gid, b, min_version)
+                rtx.moved[gid] = b
+
+    def status(self, run_id: int) -> dict[str, Any]:
+        """Versions, buffers and in-flight counts, in one read-only transaction."""
+        with self.tx() as conn:
+            run = load_run(conn, run_id, lock=False)
+            buffers = conn.execute(
+                text("SELECT idx, occupied, reserved, consumed_at IS NOT NULL FROM buffers WHERE run_id = :run AND idx >= :v ORDER BY idx"),
+                {"run": run_id, "v": max(0, run.version - 1)},
+            ).all()
+            samples = dict(
+                conn.execute(text("SELECT state::text, count(*) FROM samples WHERE run_id = :run GROUP BY 1"), {"run": run_id}).all()
+            )
+            groups = dict(
+                conn.execute(text("SELECT state::text, count(*) FROM prompt_groups WHERE run_id = :run GROUP BY 1"), {"run": run_id}).all()
+            )
+            queued = conn.execute(
+                text(
+                    "SELECT v_traj, count(*) FROM samples WHERE run_id = :run AND state = 'queued'"
+                    " GROUP BY v_traj ORDER BY v_traj NULLS LAST"
+                ),
+                {"run": run_id},
+            ).all()
+            instances = conn.execute(
+                text("SELECT count(*) FROM instances WHERE run_id = :run AND state = 'active'"), {"run": run_id}
+            ).scalar()
+        from ..rules import BufferCounts
+
+        return {
+            "run_id": run_id,
+            "version": run.version,
+            "config": {k: getattr(run, k) for k in ("batch_size", "buffer_capacity", "group_size", "samples_per_group", "eta", "max_response_tokens", "max_prompt_tokens", "dapo_filter")},
+            "buffers": [
+                {"index": b[0], "occupied": b[1], "reserved": b[2], "state": buffer_state(BufferCounts(*b), run.limits)}
+                for b in buffers
+            ],
+            "samples": samples,
+            "groups": groups,
+            "queued_by_version": [{"v_traj": v, "count": n} for v, n in queued],
+            "active_instances": instances,
+        }
