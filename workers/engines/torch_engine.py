@@ -56,7 +56,13 @@ class TorchEngine(Engine):
         temperature: float = 1.0,
         device: str | torch.device = "cpu",
         dtype: torch.dtype = torch.float32,
+        num_threads: int | None = 1,
     ):
+        # Process-wide torch setting. The tiny model's ops are far too small for intra-op
+        # threads to help; on a shared CPU they spin and slow decoding several-fold.
+        # None leaves the setting alone (for a bigger model or an embedding process).
+        if num_threads is not None and torch.device(device).type == "cpu":
+            torch.set_num_threads(num_threads)
         self.model = (model or TinyTransformer(config, seed=model_seed)).to(device=device, dtype=dtype)
         self.cfg = self.model.cfg
         self.pool = KVPool(self.cfg, kv_capacity_tokens, block_size, device=device, dtype=dtype)
