@@ -17,6 +17,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+import random
 import shlex
 import shutil
 import socket
@@ -82,25 +83,31 @@ class ServerInfo:
     status: str  # "starting", "ready", "stopping", ...
 
 
+def _pidfile_pid(pgdata: Path) -> int | None:
+    try:
+        first = (pgdata / "postmaster.pid").read_text().split("\n", 1)[0].strip()
+    except FileNotFoundError:
+        return None
+    return int(first) if first.isdigit() else None
+
+
 def _read_postmaster(pgdata: Path) -> ServerInfo | None:
     """The running server of ``pgdata``, or None (no pid file, or a stale one)."""
+    pid = _pidfile_pid(pgdata)
+    if pid is None or not _is_our_postmaster(pid, pgdata):
+        return None
     try:
         lines = (pgdata / "postmaster.pid").read_text().splitlines()
     except FileNotFoundError:
         return None
     # Lines: pid, data dir, start time, port, socket dir, listen address, shmem, status.
     # The file is written in stages while the server starts, so it may be short.
-    if len(lines) < 4 or not lines[0].strip().isdigit():
-        return None
-    pid = int(lines[0])
-    if not _is_our_postmaster(pid, pgdata):
-        return None
-    sock = lines[4].strip() if len(lines) > 4 else ""
+    f = [line.strip() for line in lines] + [""] * 8
     return ServerInfo(
         pid=pid,
-        port=int(lines[3]) if lines[3].strip().isdigit() else 0,
-        socket_dir=Path(sock) if sock else None,
-        status=lines[7].strip() if len(lines) > 7 else "starting",
+        port=int(f[3]) if f[3].isdigit() else 0,
+        socket_dir=Path(f[4]) if f[4] else None,
+        status=f[7] or "starting",
     )
 
 
@@ -146,6 +153,9 @@ def _system_user() -> tuple[int, int] | None:
 
 def _port_is_free(port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        # As postgres binds: a port whose old connections linger in TIME_WAIT after a
+        # stop is still usable, and keeping it is the point of persisting it.
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind(("127.0.0.1", port))
         except OSError:
@@ -154,6 +164,14 @@ def _port_is_free(port: int) -> bool:
 
 
 def _free_port() -> int:
+    # Below the usual ephemeral ranges (Linux 32768+, macOS 49152+): a port the kernel
+    # hands to outgoing connections could be in use by some client exactly when the
+    # server restarts, and the persisted port would be lost.
+    rng = random.Random()
+    for _ in range(100):
+        port = rng.randrange(20000, 32000)
+        if _port_is_free(port):
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -230,6 +248,7 @@ class EmbeddedPostgres:
             info = self.info()
             started = info is None
             if started:
+                self._remove_foreign_pidfile()
                 self._start_server(user, timeout)
             elif info.status != "ready":
                 self._wait_ready(timeout)
@@ -311,6 +330,15 @@ class EmbeddedPostgres:
         if self.pgdata.exists():
             self.pgdata.rmdir()
         tmp.rename(self.pgdata)
+
+    def _remove_foreign_pidfile(self) -> None:
+        # A pid file naming a live process that is not this cluster's postmaster (pid
+        # reuse after a reboot) makes postgres refuse to start. A dead pid is left for
+        # postgres itself, which then checks for orphaned backends via shared memory.
+        pid = _pidfile_pid(self.pgdata)
+        if pid is not None and psutil.pid_exists(pid) and not _is_our_postmaster(pid, self.pgdata):
+            log.warning("removing stale postmaster.pid (pid %d is another process)", pid)
+            (self.pgdata / "postmaster.pid").unlink(missing_ok=True)
 
     def _choose_port(self) -> int:
         port_file = self.pgdata / PORT_FILE
