@@ -1,0 +1,189 @@
+"""Parameter server across real processes over gloo: push/pull, concurrent pulls of two
+versions, integrity checks (in transit and on disk), restart from disk."""
+
+from __future__ import annotations
+
+import functools
+import json
+import multiprocessing as mp
+import os
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from workers.param_server import (
+    ChecksumError, ParamClient, ParamServer, ParamServerError, main, state_dict_checksum,
+)
+
+SPAWN = mp.get_context("spawn")
+WAIT_S = 60  # generous guard so a broken PS fails the test instead of hanging it
+
+
+def _state_dict(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "layer.0.weight": torch.randn(64, 33, generator=g),
+        "layer.0.bias": torch.randn(33, generator=g).to(torch.bfloat16),
+        "emb": torch.randn(100, 16, generator=g).half(),
+        "step": torch.tensor([seed], dtype=torch.int64),
+        "mask": torch.rand(7, generator=g) > 0.5,
+        "empty": torch.zeros(0, 4),
+    }
+
+
+def _same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(
+        a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in a)
+
+
+def _record_published(path: str, version: int, size: int, checksum: str, location: str) -> None:
+    with open(path, "a") as f:
+        f.write(json.dumps([version, size, checksum, location]) + "\n")
+
+
+class _PS:
+    """A PS in its own (spawned) process, serving on a free port."""
+
+    def __init__(self, data_dir: Path, **kw):
+        self.ready = data_dir.parent / f"ready-{time.monotonic_ns()}.json"
+        self.proc = SPAWN.Process(target=main, args=(str(data_dir),),
+                                  kwargs={"ready_file": str(self.ready), "transfer_timeout_s": WAIT_S, **kw})
+        self.proc.start()
+        deadline = time.monotonic() + WAIT_S
+        while not self.ready.exists():
+            if not self.proc.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"PS did not start (exit code {self.proc.exitcode})")
+            time.sleep(0.02)
+        info = json.loads(self.ready.read_text())
+        self.client = ParamClient((info["host"], info["port"]), timeout_s=WAIT_S)
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.join(WAIT_S)
+        assert self.proc.exitcode == 0  # SIGTERM is a clean shutdown
+
+
+@pytest.fixture
+def start_ps(tmp_path):
+    started: list[_PS] = []
+
+    def start(**kw) -> _PS:
+        ps = _PS(tmp_path / "ps", **kw)
+        started.append(ps)
+        return ps
+
+    yield start
+    for ps in started:
+        if ps.proc.is_alive():
+            ps.stop()
+
+
+def _pull_held(addr, version, replied, go, out) -> None:
+    """Child process: pull `version` but pause after the PS answered (transfer in flight)."""
+    def hold(msg):
+        replied.set()
+        go.wait(WAIT_S)
+
+    try:
+        sd, v, checksum = ParamClient(addr, timeout_s=WAIT_S).pull(version, _on_reply=hold)
+        out.put((v, checksum, _same(sd, _state_dict(version))))
+    except Exception as e:  # report instead of dying silently
+        out.put(repr(e))
+
+
+def test_push_pull_roundtrip_persists_and_notifies(start_ps, tmp_path):
+    log = tmp_path / "published.jsonl"
+    ps = start_ps(on_published=functools.partial(_record_published, str(log)))
+    c = ps.client
+    assert c.latest() is None
+    with pytest.raises(ParamServerError, match="not available"):
+        c.pull()
+    sd = _state_dict(1)
+    checksum = c.push(sd, 1)
+    assert checksum == state_dict_checksum(sd)
+    got, version, got_checksum = c.pull()
+    assert (version, got_checksum) == (1, checksum) and _same(got, sd)
+    latest = c.latest()
+    size = sum(t.numel() * t.element_size() for t in sd.values())
+    assert (latest["version"], latest["size"], latest["checksum"]) == (1, size, checksum)
+    # the PS's file is plain safetensors; the JSON beside it records the same facts
+    assert _same(load_file(latest["location"]), sd)
+    side = json.loads((Path(latest["location"]).with_suffix(".json")).read_text())
+    assert side == {"version": 1, "size": size, "checksum": checksum, "file": "v1.safetensors"}
+    assert [json.loads(x) for x in log.read_text().splitlines()] == [[1, size, checksum, latest["location"]]]
+
+
+def test_versions_only_move_forward(start_ps):
+    c = start_ps().client
+    c.push(_state_dict(2), 2)
+    assert c.push(_state_dict(2), 2) == state_dict_checksum(_state_dict(2))  # retry: no-op
+    with pytest.raises(ParamServerError, match="published"):
+        c.push(_state_dict(3), 2)  # same version, other weights
+    with pytest.raises(ParamServerError, match="published"):
+        c.push(_state_dict(1), 1)
+    assert c.latest()["version"] == 2
+
+
+def test_two_concurrent_pulls_of_two_versions(start_ps):
+    ps = start_ps()
+    c = ps.client
+    c.push(_state_dict(1), 1)
+    replied, go, out = SPAWN.Event(), SPAWN.Event(), SPAWN.Queue()
+    child = SPAWN.Process(target=_pull_held, args=(c.addr, 1, replied, go, out))
+    child.start()
+    try:
+        assert replied.wait(WAIT_S)  # v1 is now being pulled by the child
+        c.push(_state_dict(2), 2)
+        sd2, v, _ = c.pull()  # latest, while the child's pull of v1 is in flight
+        assert v == 2 and _same(sd2, _state_dict(2))
+        sd1, v, _ = c.pull(1)  # v1 kept: a pull of it is in flight
+        assert v == 1 and _same(sd1, _state_dict(1))
+    finally:
+        go.set()
+    assert out.get(timeout=WAIT_S) == (1, state_dict_checksum(_state_dict(1)), True)
+    child.join(WAIT_S)
+    # no pull of v1 in flight any more: the PS dropped it
+    with pytest.raises(ParamServerError, match="not available"):
+        c.pull(1)
+    assert c.latest()["version"] == 2
+
+
+def test_tampered_transfer_is_detected(start_ps):
+    c = start_ps(_tamper_pulls=True).client
+    sd = _state_dict(5)
+    c.push(sd, 5)
+    with pytest.raises(ChecksumError):
+        c.pull()
+    got, _, _ = c.pull(verify=False)  # the bytes really differ
+    assert not _same(got, sd)
+
+
+def test_restart_serves_the_persisted_version(start_ps):
+    first = start_ps()
+    sd = _state_dict(3)
+    checksum = first.client.push(sd, 3)
+    first.stop()
+    second = start_ps()  # no trainer involved: straight from disk
+    assert second.client.latest()["checksum"] == checksum
+    got, version, got_checksum = second.client.pull()
+    assert (version, got_checksum) == (3, checksum) and _same(got, sd)
+    second.client.push(_state_dict(4), 4)
+    assert sorted(p.name for p in (second.ready.parent / "ps").iterdir()) == ["v4.json", "v4.safetensors"]
+
+
+def test_corrupt_file_on_disk_is_refused(tmp_path):
+    d = tmp_path / "ps"
+    ps = ParamServer(d)  # in-process: the restart check is what this test is about
+    ps.start()
+    ParamClient(ps.address, timeout_s=WAIT_S).push(_state_dict(7), 7)
+    ps.stop()
+    path = d / "v7.safetensors"
+    raw = bytearray(path.read_bytes())
+    raw[-10] ^= 0xFF
+    path.write_bytes(bytes(raw))
+    with pytest.raises(ChecksumError):
+        ParamServer(d)
+    assert os.path.exists(path)  # evidence is kept for the operator
