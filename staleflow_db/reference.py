@@ -160,8 +160,9 @@ class ReferenceProtocol:
         g = self.groups[s.group_id]
         if g.state not in (GroupState.QUEUED, GroupState.RESERVED):
             return RouteResult(sample_id, RouteOutcome.GROUP_CLOSED)
+        last = s.segments[-1].version if s.segments else None
         outcome, v, b = route_decision(
-            s.n_tokens > 0, s.v_traj, inst.version, g.reserved_buffer, self.buffers, self.version, self.limits
+            s.n_tokens > 0, s.v_traj, last, inst.version, g.reserved_buffer, self.buffers, self.version, self.limits
         )
         if outcome != RouteOutcome.ROUTED:
             return RouteResult(sample_id, RouteOutcome(outcome))

@@ -125,6 +125,7 @@ def cascade_moves(
 def route_decision(
     has_tokens: bool,
     v_traj: int | None,
+    last_version: int | None,
     instance_version: int,
     group_reserved_buffer: int | None,
     buffers: Mapping[int, BufferCounts],
@@ -134,13 +135,13 @@ def route_decision(
     """Where routing one queued sample of a live group leads: (outcome, V_traj, buffer to reserve).
 
     A sample with no tokens yet takes the instance's newer version (version raise); one with
-    tokens may only continue at a version >= its V_traj. The group's first routed member
+    tokens may only continue at a version >= its latest segment's (so >= V_traj). The group's first routed member
     reserves (admission control); later members join only if the group's buffer lies in their
     window. Outcomes are `RouteOutcome` values.
     """
     if not has_tokens:
         v = max(instance_version, v_traj or 0)
-    elif instance_version >= v_traj:
+    elif instance_version >= max(v_traj, last_version if last_version is not None else v_traj):
         v = v_traj
     else:
         return "too_old", None, None

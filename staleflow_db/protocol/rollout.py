@@ -316,7 +316,7 @@ def route_in(rtx: RunTx, pairs: Sequence[tuple[int, int]]) -> list[RouteResult]:
         r[0]: r
         for r in conn.execute(
             text(
-                "SELECT s.id, s.group_id, s.state, s.v_traj, s.n_tokens FROM samples s"
+                "SELECT s.id, s.group_id, s.state, s.v_traj, s.n_tokens, s.last_version FROM samples s"
                 " WHERE s.run_id = :run AND s.id = ANY(CAST(:ids AS bigint[])) ORDER BY s.id FOR UPDATE"
             ),
             {"run": run.id, "ids": sample_ids},
@@ -347,7 +347,7 @@ def route_in(rtx: RunTx, pairs: Sequence[tuple[int, int]]) -> list[RouteResult]:
     rtx.reservations()  # load before this batch adds any, so the cache stays complete
     results, routed, touched = [], [], set()
     for sid, iid in pairs:
-        _, gid, state, v_traj, n_tokens = samples[sid]
+        _, gid, state, v_traj, n_tokens, last_version = samples[sid]
         _, inst_state, inst_version = instances[iid]
         g = groups[gid]
         if state != "queued":
@@ -360,7 +360,7 @@ def route_in(rtx: RunTx, pairs: Sequence[tuple[int, int]]) -> list[RouteResult]:
             results.append(RouteResult(sid, RouteOutcome.GROUP_CLOSED))
             continue
         reserved_at = rtx.reserved_buffer(gid) if g[1] == "reserved" else None
-        outcome, v, b = route_decision(n_tokens > 0, v_traj, inst_version, reserved_at, rtx.buffers, run.version, run.limits)
+        outcome, v, b = route_decision(n_tokens > 0, v_traj, last_version, inst_version, reserved_at, rtx.buffers, run.version, run.limits)
         if outcome != RouteOutcome.ROUTED:
             results.append(RouteResult(sid, RouteOutcome(outcome)))
             continue
