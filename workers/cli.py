@@ -11,6 +11,7 @@ import sys
 
 import typer
 
+from workers.cli_audit import audit
 from workers.cli_db import app as db_app
 
 app = typer.Typer(
@@ -39,6 +40,7 @@ def _root(verbose: bool = typer.Option(False, "--verbose", "-v", help="Debug log
 
 
 app.add_typer(db_app, name="db")
+app.command()(audit)
 
 
 if __name__ == "__main__":

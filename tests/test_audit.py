@@ -1,0 +1,45 @@
+"""`staleflow audit` as a real process on a database holding a finished step."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from staleflow_db.audit import summary
+from protocol_helpers import Driver
+
+
+def _run_audit(db_url, *args):
+    env = {**os.environ, "STALEFLOW_DATABASE_URL": db_url}
+    return subprocess.run([sys.executable, "-m", "workers.cli", "audit", *args], env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_audit_summarises_steps_drops_and_violations(engine, db_url):
+    d = Driver(engine, name="audited", batch_size=2, group_size=1, samples_per_group=2, eta=1)
+    inst = d.p.register_instance(d.run, "i", 0)
+    groups = d.enqueue(2)
+    d.complete([d.members(g)[0] for g in groups], inst, reward=0.5)
+    d.train(0)
+    data = summary(engine, d.run)
+    assert data["steps"] == [{"step": 0, "samples": 2, "tokens": 4, "mean_reward": 0.5, "staleness": {0: 2}}]
+    assert data["drops"] == [{"reason": "surplus", "samples": 2, "tokens": 0}]
+    assert data["violations"] == []
+
+    out = _run_audit(db_url, "audited")
+    assert out.returncode == 0, out.stderr
+    assert "staleness_violations: none" in out.stdout and "surplus" in out.stdout
+    parsed = json.loads(_run_audit(db_url, str(d.run), "--json").stdout)
+    assert parsed["steps"][0]["staleness"] == {"0": 2}
+
+    missing = _run_audit(db_url, "no-such-run")
+    assert missing.returncode == 2 and "no-such-run" in missing.stderr
+
+    with engine.begin() as c:  # break an invariant behind the protocol's back
+        from sqlalchemy import text
+
+        c.execute(text("UPDATE prompt_groups SET buffer = 5 WHERE run_id = :r AND state = 'consumed'"), {"r": d.run})
+    broken = _run_audit(db_url, "audited")
+    assert broken.returncode == 1 and "invariant violations" in broken.stdout
