@@ -52,8 +52,9 @@ _DTYPES = {
     torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
 }
 _BY_NAME = {v: k for k, v in _DTYPES.items()}
-_CHUNK = 256 << 20  # bytes per send/recv: keeps single messages well below 2 GiB
-_HASH_BLOCK = 64 << 20
+# bytes per send/recv message: small enough that hashing (and on the PS writing) chunk k
+# overlaps the transfer of chunk k+1, large enough that per-message overhead is noise
+_CHUNK = 16 << 20
 
 OnPublished = Callable[[int, int, str, str], None]  # (version, size, checksum, location)
 
@@ -121,18 +122,26 @@ def _bytes(t: torch.Tensor) -> memoryview:
     return memoryview((ctypes.c_ubyte * t.numel()).from_address(t.data_ptr())).cast("B")
 
 
+def _hasher(metas: list[TensorMeta]):
+    """sha256 primed with the canonical header; feed it the flat bytes in order."""
+    return hashlib.sha256(_header(metas))
+
+
+def _update(h, chunk: torch.Tensor) -> None:
+    h.update(_bytes(chunk.cpu()))  # hashlib drops the GIL on big updates
+
+
 def flat_checksum(flat: torch.Tensor, metas: list[TensorMeta]) -> str:
-    flat = flat.cpu()
-    h = hashlib.sha256(_header(metas))
-    for i in range(0, flat.numel(), _HASH_BLOCK):  # hashlib drops the GIL on big updates
-        h.update(_bytes(flat[i:i + _HASH_BLOCK]))
+    h = _hasher(metas)
+    for i in range(0, flat.numel(), _CHUNK):
+        _update(h, flat[i:i + _CHUNK])
     return h.hexdigest()
 
 
 def state_dict_checksum(state_dict: Mapping[str, torch.Tensor]) -> str:
     """The checksum the PS publishes for this state dict (same as over its flat buffer)."""
     metas = layout({n: (t.dtype, tuple(t.shape)) for n, t in state_dict.items()})
-    h = hashlib.sha256(_header(metas))
+    h = _hasher(metas)
     for m in metas:
         if m.nbytes:
             t = state_dict[m.name].detach().cpu().contiguous().reshape(-1).view(torch.uint8)
@@ -141,26 +150,47 @@ def state_dict_checksum(state_dict: Mapping[str, torch.Tensor]) -> str:
 
 
 # ---- persistence (safetensors format, written and read without copies) --------------------
+class VersionWriter:
+    """Streams one version to `<dir>/v{version}.safetensors` as its bytes arrive; nothing
+    is visible until commit() (fsync, rename, then the JSON sidecar, written last)."""
+
+    def __init__(self, data_dir: Path, version: int, metas: list[TensorMeta]):
+        self.data_dir, self.version = data_dir, version
+        self.path = data_dir / f"v{version}.safetensors"
+        self.size = sum(m.nbytes for m in metas)
+        hdr = {m.name: {"dtype": m.dtype, "shape": list(m.shape),
+                        "data_offsets": [m.offset, m.offset + m.nbytes]} for m in metas}
+        hdr["__metadata__"] = {"version": str(version)}
+        raw = json.dumps(hdr, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)  # safetensors aligns the data section to 8 bytes
+        self._tmp = self.path.with_suffix(".tmp")
+        self._f = open(self._tmp, "wb")
+        self._f.write(struct.pack("<Q", len(raw)) + raw)
+
+    def write(self, chunk: torch.Tensor) -> None:
+        self._f.write(_bytes(chunk.cpu()))
+
+    def commit(self, checksum: str) -> Path:
+        self._f.flush()
+        os.fsync(self._f.fileno())
+        self._f.close()
+        os.replace(self._tmp, self.path)
+        side = {"version": self.version, "size": self.size, "checksum": checksum, "file": self.path.name}
+        tmp_json = self.data_dir / f"v{self.version}.json.tmp"
+        tmp_json.write_text(json.dumps(side))
+        os.replace(tmp_json, self.data_dir / f"v{self.version}.json")
+        return self.path
+
+    def abort(self) -> None:
+        self._f.close()
+        self._tmp.unlink(missing_ok=True)
+
+
 def save_version(data_dir: Path, version: int, flat: torch.Tensor, metas: list[TensorMeta],
                  checksum: str) -> Path:
-    path = data_dir / f"v{version}.safetensors"
-    hdr = {m.name: {"dtype": m.dtype, "shape": list(m.shape),
-                    "data_offsets": [m.offset, m.offset + m.nbytes]} for m in metas}
-    hdr["__metadata__"] = {"version": str(version), "checksum": checksum}
-    raw = json.dumps(hdr, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)
-    tmp = path.with_suffix(".tmp")
-    with open(tmp, "wb") as f:
-        f.write(struct.pack("<Q", len(raw)) + raw)
-        f.write(_bytes(flat.cpu()))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    side = {"version": version, "size": flat.numel(), "checksum": checksum, "file": path.name}
-    tmp_json = data_dir / f"v{version}.json.tmp"
-    tmp_json.write_text(json.dumps(side))
-    os.replace(tmp_json, data_dir / f"v{version}.json")
-    return path
+    w = VersionWriter(data_dir, version, metas)
+    w.write(flat)
+    return w.commit(checksum)
 
 
 def load_version(path: Path, expected_checksum: str | None = None) -> tuple[torch.Tensor, list[TensorMeta], str]:
@@ -201,16 +231,28 @@ def _group(store: TCPStore, rank: int, backend: str, local_host: str, timeout_s:
     raise ValueError(f"unknown backend {backend!r}")
 
 
-def _send(pg, flat: torch.Tensor, peer: int) -> None:
-    works = [pg.send([flat[i:i + _CHUNK]], peer, k) for k, i in enumerate(range(0, flat.numel(), _CHUNK))]
+def _chunks(flat: torch.Tensor) -> list[torch.Tensor]:
+    return [flat[i:i + _CHUNK] for i in range(0, flat.numel(), _CHUNK)]
+
+
+def _send(pg, flat: torch.Tensor, peer: int, on_chunk: Callable[[torch.Tensor], None] | None = None) -> None:
+    """Post every chunk, run on_chunk over them in order while they go out, then wait."""
+    chunks = _chunks(flat)
+    works = [pg.send([c], peer, k) for k, c in enumerate(chunks)]
+    for c in chunks if on_chunk else ():
+        on_chunk(c)
     for w in works:
         w.wait()
 
 
-def _recv(pg, flat: torch.Tensor, peer: int) -> None:
-    works = [pg.recv([flat[i:i + _CHUNK]], peer, k) for k, i in enumerate(range(0, flat.numel(), _CHUNK))]
-    for w in works:
+def _recv(pg, flat: torch.Tensor, peer: int, on_chunk: Callable[[torch.Tensor], None] | None = None) -> None:
+    """Post every chunk; as each arrives (in order) run on_chunk while later ones stream."""
+    chunks = _chunks(flat)
+    works = [pg.recv([c], peer, k) for k, c in enumerate(chunks)]
+    for w, c in zip(works, chunks):
         w.wait()
+        if on_chunk:
+            on_chunk(c)
 
 
 def _metas_json(metas: list[TensorMeta]) -> list:
@@ -356,26 +398,38 @@ class ParamServer:
                 self._prune()
 
     def _serve_push(self, h, req: dict, reply) -> None:
-        version, claimed = int(req["version"]), req["checksum"]
+        """Receive, hash and write to disk chunk by chunk as the bytes arrive; the sender's
+        checksum comes after the data (it hashes while sending). Publish only if equal."""
+        version = int(req["version"])
         with self._push_lock:
             with self._lock:
                 latest = self._versions.get(self._latest) if self._latest is not None else None
-            if latest is not None and version <= latest.version:
-                if version == latest.version and claimed == latest.checksum:
-                    reply({"ok": True, **latest.info(), "duplicate": True})  # a retried push
-                else:
-                    reply({"error": f"push of v{version} but v{latest.version} is published"})
+            if latest is not None and version < latest.version:
+                reply({"error": f"push of v{version} but v{latest.version} is published"})
                 return
             metas = _metas_from_json(req["meta"])
             store, local = self._open_transfer(h)
             reply({"store_port": store.port, "backend": self.backend})
             pg = _group(store, 0, self.backend, local, self.timeout_s)
             flat = torch.empty(sum(m.nbytes for m in metas), dtype=torch.uint8, device=self.device)
-            _recv(pg, flat, 1)
-            checksum = flat_checksum(flat, metas)
-            if checksum != claimed:
-                raise ChecksumError(f"push of v{version}: received {checksum[:12]}, sender {claimed[:12]}")
-            path = save_version(self.data_dir, version, flat, metas, checksum)
+            hasher = _hasher(metas)
+            writer = VersionWriter(self.data_dir, version, metas)
+            try:
+                _recv(pg, flat, 1, on_chunk=lambda c: (_update(hasher, c), writer.write(c)))
+                claimed = json.loads(h.rfile.readline() or b"{}").get("checksum")
+                checksum = hasher.hexdigest()
+                if checksum != claimed:
+                    raise ChecksumError(f"push of v{version}: received {checksum[:12]}, sender {str(claimed)[:12]}")
+                if latest is not None and version == latest.version:
+                    writer.abort()  # a retried push is fine, other weights under its number not
+                    if checksum != latest.checksum:
+                        raise ParamServerError(f"push of v{version} but v{latest.version} is published")
+                    reply({"ok": True, **latest.info(), "duplicate": True})
+                    return
+                path = writer.commit(checksum)
+            except BaseException:
+                writer.abort()
+                raise
             entry = _Version(version, flat, metas, checksum, str(path))
             with self._lock:
                 self._versions[version] = entry
@@ -440,21 +494,21 @@ class ParamClient:
             return self._read(f)["latest"]
 
     def push(self, state_dict: Mapping[str, torch.Tensor], version: int) -> str:
-        """Send a new version; returns once the PS has verified, persisted and published it."""
+        """Send a new version; returns its checksum once the PS has verified, persisted and
+        published it. Re-pushing the published version with the same weights is a no-op."""
         first = next(iter(state_dict.values()), None)
         dev = first.device if first is not None and first.is_cuda else "cpu"
-        flat, metas = flatten(state_dict, dev)
-        checksum = flat_checksum(flat, metas)
-        sock, f = self._connect({"op": "push", "version": int(version), "checksum": checksum,
-                                 "meta": _metas_json(metas)})
+        flat, metas = flatten(state_dict, dev)  # a snapshot: training may go on meanwhile
+        sock, f = self._connect({"op": "push", "version": int(version), "meta": _metas_json(metas)})
         with sock, f:
             msg = self._read(f)
-            if msg.get("duplicate"):
-                return msg["checksum"]
             store, pg = self._join(sock, msg)
             if msg["backend"] == "gloo" and flat.is_cuda:
                 flat = flat.cpu()
-            _send(pg, flat, 0)
+            hasher = _hasher(metas)
+            _send(pg, flat, 0, on_chunk=lambda c: _update(hasher, c))
+            f.write(json.dumps({"checksum": hasher.hexdigest()}).encode() + b"\n")
+            f.flush()
             done = self._read(f)  # after the PS verified and persisted
             del pg, store
         return done["checksum"]
@@ -473,12 +527,13 @@ class ParamClient:
             store, pg = self._join(sock, msg)
             recv_dev = device if msg["backend"] == "nccl" else "cpu"
             flat = torch.empty(msg["size"], dtype=torch.uint8, device=recv_dev)
-            _recv(pg, flat, 0)
+            hasher = _hasher(metas)
+            _recv(pg, flat, 0, on_chunk=(lambda c: _update(hasher, c)) if verify else None)
             f.write(b'{"ack": true}\n')
             f.flush()
             del pg, store
         if verify:
-            got = flat_checksum(flat, metas)
+            got = hasher.hexdigest()
             if got != msg["checksum"]:
                 raise ChecksumError(f"pulled v{msg['version']}: {got[:12]} != published {msg['checksum'][:12]}")
         flat = flat.to(device)
