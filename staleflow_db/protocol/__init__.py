@@ -9,16 +9,18 @@ from __future__ import annotations
 
 from sqlalchemy import Engine
 
+from .coordination import CoordinationOps, InstanceView, QueuedView, Snapshot
 from .rollout import Command, Prompt, RolloutOps, Work
 from .scoring import RewardTask, ScoringOps
 from .training import Batch, SegmentInfo, TrainGroup, TrainingOps, TrainSample
 
 
-class Protocol(RolloutOps, ScoringOps, TrainingOps):
+class Protocol(RolloutOps, ScoringOps, TrainingOps, CoordinationOps):
     def __init__(self, engine: Engine):
         self.engine = engine
 
 
 __all__ = [
-    "Batch", "Command", "Prompt", "Protocol", "RewardTask", "SegmentInfo", "TrainGroup", "TrainSample", "Work",
+    "Batch", "Command", "InstanceView", "Prompt", "Protocol", "QueuedView", "RewardTask", "SegmentInfo", "Snapshot",
+    "TrainGroup", "TrainSample", "Work",
 ]

@@ -1,0 +1,187 @@
+"""Coordinator side: leadership by an expiring lease row, the per-cycle snapshot (one short
+read-only transaction) and the per-cycle commands (one write transaction, fenced by the
+leader's epoch so a deposed leader cannot clobber state)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from sqlalchemy import Connection, text
+
+from ..errors import Conflict
+from ..types import RouteResult
+from .base import RunTx, TxMixin, load_run, send_commands
+from .rollout import check_batch, route_in
+
+
+@dataclass
+class InstanceView:
+    id: int
+    name: str
+    version: int
+    snapshot: dict[str, Any]
+    snapshot_age_s: float | None
+    running: list[tuple[int, int]]  # (sample id, response tokens reported so far)
+
+
+@dataclass
+class QueuedView:
+    sample_id: int
+    group_id: int
+    v_traj: int | None  # None: fresh, takes the version of the instance it is routed to
+    last_version: int | None
+    length: int  # prompt + response tokens so far
+    group_buffer: int | None  # the group's reserved buffer (join rule), if any
+
+
+@dataclass
+class Snapshot:
+    run_id: int
+    version: int
+    config: dict[str, int | bool]
+    buffers: dict[int, tuple[int, int]]  # idx -> (occupied, reserved), unconsumed only
+    instances: list[InstanceView]
+    queued: list[QueuedView]
+    latest_params: int | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class CoordinationOps(TxMixin):
+    def acquire_leadership(self, run_id: int, holder: str, ttl_seconds: float = 5.0) -> int | None:
+        """Become (or stay) the run's coordinator: returns the leadership epoch, or None while
+        another holder's lease is live. Taking over bumps the epoch, fencing the old leader."""
+        with self.tx() as conn:
+            load_run(conn, run_id, lock=False)
+            row = conn.execute(
+                text(
+                    "INSERT INTO coordinator_leases AS l (run_id, holder, epoch, expires_at)"
+                    " VALUES (:run, :h, 1, now() + make_interval(secs => :ttl))"
+                    " ON CONFLICT (run_id) DO UPDATE SET holder = excluded.holder, expires_at = excluded.expires_at,"
+                    "   epoch = CASE WHEN l.holder = excluded.holder THEN l.epoch ELSE l.epoch + 1 END"
+                    " WHERE l.holder = excluded.holder OR l.expires_at <= now()"
+                    " RETURNING epoch"
+                ),
+                {"run": run_id, "h": holder, "ttl": ttl_seconds},
+            ).first()
+            return None if row is None else row[0]
+
+    def release_leadership(self, run_id: int, holder: str) -> None:
+        with self.tx() as conn:
+            conn.execute(
+                text("UPDATE coordinator_leases SET expires_at = now() WHERE run_id = :run AND holder = :h"),
+                {"run": run_id, "h": holder},
+            )
+
+    def snapshot(self, run_id: int, max_queued: int = 20_000) -> Snapshot:
+        """Everything a coordinator cycle decides on, from one consistent read-only view."""
+        with self.engine.connect() as conn, conn.begin():
+            conn.execute(text("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ READ ONLY"))
+            run = load_run(conn, run_id, lock=False)
+            buffers = {
+                i: (o, r)
+                for i, o, r in conn.execute(
+                    text("SELECT idx, occupied, reserved FROM buffers WHERE run_id = :run AND idx >= :v ORDER BY idx"),
+                    {"run": run_id, "v": run.version},
+                ).all()
+            }
+            running: dict[int, list[tuple[int, int]]] = {}
+            for inst, sid, n in conn.execute(
+                text(
+                    "SELECT s.instance_id, s.id, s.n_tokens FROM samples s JOIN instances i ON i.id = s.instance_id"
+                    " WHERE i.run_id = :run AND i.state = 'active' AND s.state = 'running' ORDER BY s.id"
+                ),
+                {"run": run_id},
+            ).all():
+                running.setdefault(inst, []).append((sid, n))
+            instances = [
+                InstanceView(i, name, v, snap or {}, age, running.get(i, []))
+                for i, name, v, snap, age in conn.execute(
+                    text(
+                        "SELECT id, name, version, snapshot, extract(epoch FROM now() - snapshot_at) FROM instances"
+                        " WHERE run_id = :run AND state = 'active' AND lease_expires_at > now() ORDER BY id"
+                    ),
+                    {"run": run_id},
+                ).all()
+            ]
+            queued = [
+                QueuedView(*r)
+                for r in conn.execute(
+                    text(
+                        "SELECT s.id, s.group_id, s.v_traj, s.last_version, cardinality(g.prompt_tokens) + s.n_tokens,"
+                        "  g.reserved_buffer FROM samples s JOIN prompt_groups g ON g.id = s.group_id"
+                        " WHERE s.run_id = :run AND s.state = 'queued' ORDER BY s.id LIMIT :n"
+                    ),
+                    {"run": run_id, "n": max_queued},
+                ).all()
+            ]
+            latest = conn.execute(
+                text("SELECT max(version) FROM param_versions WHERE run_id = :run"), {"run": run_id}
+            ).scalar()
+        config = {
+            k: getattr(run, k)
+            for k in ("batch_size", "buffer_capacity", "group_size", "samples_per_group", "eta", "max_response_tokens")
+        }
+        return Snapshot(run_id, run.version, config, buffers, instances, queued, latest)
+
+    def apply_commands(
+        self,
+        run_id: int,
+        holder: str,
+        epoch: int,
+        routes: Sequence[tuple[int, int]] = (),
+        interrupts: Sequence[int] = (),
+        pulls: Sequence[tuple[int, int]] = (),
+        cycle: dict[str, float] | None = None,
+    ) -> list[RouteResult]:
+        """One cycle's routes, interrupts and pulls in one transaction, only from the leader."""
+        check_batch(routes, "routes")
+
+        def fenced(conn: Connection) -> RunTx:
+            rtx = RunTx(conn, load_run(conn, run_id, lock=True))
+            row = conn.execute(
+                text(
+                    "SELECT 1 FROM coordinator_leases WHERE run_id = :run AND holder = :h AND epoch = :e"
+                    " AND expires_at > now() FOR SHARE"
+                ),
+                {"run": run_id, "h": holder, "e": epoch},
+            ).first()
+            if row is None:
+                raise Conflict([(epoch, "not the coordinator of this run (leadership lost or expired)")])
+            return rtx
+
+        with self.tx() as conn:
+            rtx = fenced(conn)
+            results = route_in(rtx, routes) if routes else []
+            if interrupts:
+                targets = conn.execute(
+                    text(
+                        "SELECT id, instance_id, attempt FROM samples WHERE run_id = :run AND state = 'running'"
+                        " AND id = ANY(CAST(:ids AS bigint[]))"
+                    ),
+                    {"run": run_id, "ids": list(interrupts)},
+                ).all()
+                send_commands(conn, run_id, "interrupt", [tuple(t) for t in targets], epoch)
+            if pulls:
+                conn.execute(
+                    text(
+                        "INSERT INTO commands (run_id, instance_id, kind, target_version, epoch)"
+                        " SELECT :run, u.i, 'pull', u.v, :e FROM unnest(CAST(:is AS bigint[]), CAST(:vs AS int[])) AS u(i, v)"
+                        " JOIN instances x ON x.id = u.i AND x.run_id = :run AND x.state = 'active'"
+                    ),
+                    {"run": run_id, "e": epoch, "is": [p[0] for p in pulls], "vs": [p[1] for p in pulls]},
+                )
+            if cycle is not None:
+                conn.execute(
+                    text(
+                        "INSERT INTO coordinator_cycles (run_id, epoch, snapshot_ms, decide_ms, write_ms, routed,"
+                        " interrupted, pulled, migrated) VALUES (:run, :e, :s, :d, :w, :r, :i, :p, :m)"
+                    ),
+                    {
+                        "run": run_id, "e": epoch, "s": cycle.get("snapshot_ms", 0.0), "d": cycle.get("decide_ms", 0.0),
+                        "w": cycle.get("write_ms", 0.0), "r": sum(r.outcome == "routed" for r in results),
+                        "i": len(interrupts), "p": len(pulls), "m": int(cycle.get("migrated", 0)),
+                    },
+                )
+            rtx.flush()
+            return results

@@ -1,0 +1,52 @@
+"""Coordinator data layer: leader lease with epochs, the cycle snapshot, fenced commands."""
+
+from __future__ import annotations
+
+import pytest
+from sqlalchemy import text
+
+from staleflow_db.enums import SegmentKind
+from staleflow_db.errors import Conflict
+from staleflow_db.types import Report, RouteOutcome
+
+from protocol_helpers import Driver
+
+
+def test_one_leader_at_a_time_and_takeover_fences_the_old_one(engine):
+    d = Driver(engine, batch_size=1, group_size=1, eta=1)
+    assert d.p.acquire_leadership(d.run, "a", ttl_seconds=30) == 1
+    assert d.p.acquire_leadership(d.run, "a", ttl_seconds=30) == 1  # renewal keeps the epoch
+    assert d.p.acquire_leadership(d.run, "b", ttl_seconds=30) is None  # a's lease is live
+    with engine.begin() as c:
+        c.execute(text("UPDATE coordinator_leases SET expires_at = now() - interval '1 s'"))
+    assert d.p.acquire_leadership(d.run, "b", ttl_seconds=30) == 2
+    inst = d.p.register_instance(d.run, "i", 0)
+    (g,) = d.enqueue(1)
+    with pytest.raises(Conflict, match="not the coordinator"):
+        d.p.apply_commands(d.run, "a", 1, routes=[(d.members(g)[0], inst)])
+    assert d.sample(d.members(g)[0])[0] == "queued"
+    (r,) = d.p.apply_commands(d.run, "b", 2, routes=[(d.members(g)[0], inst)], cycle={"snapshot_ms": 1.0})
+    assert r.outcome == RouteOutcome.ROUTED
+    assert d.rows("SELECT epoch, routed FROM coordinator_cycles WHERE run_id = :r") == [(2, 1)]
+    d.p.release_leadership(d.run, "b")
+    assert d.p.acquire_leadership(d.run, "c") == 3
+
+
+def test_snapshot_and_commands(engine):
+    d = Driver(engine, batch_size=2, group_size=1, eta=1)
+    inst = d.p.register_instance(d.run, "i", 0)
+    d.p.heartbeat(inst, 0, {"running": 1, "kv_tokens": 12})
+    g1, g2 = d.enqueue(2)
+    (s1,), (s2,) = d.members(g1), d.members(g2)
+    att = d.routed([s1], inst)
+    d.p.report(d.run, [Report(s1, att[s1], 0, [4, 5], [-1.0, -1.0], SegmentKind.PARTIAL)])
+    epoch = d.p.acquire_leadership(d.run, "coord")
+    snap = d.p.snapshot(d.run)
+    assert snap.version == 0 and snap.buffers == {1: (0, 1)}
+    (iv,) = snap.instances
+    assert (iv.id, iv.version, iv.snapshot["kv_tokens"], iv.running) == (inst, 0, 12, [(s1, 2)])
+    (q,) = snap.queued
+    assert (q.sample_id, q.v_traj, q.length, q.group_buffer) == (s2, None, 3, None)
+    d.p.apply_commands(d.run, "coord", epoch, interrupts=[s1, s2], pulls=[(inst, 0)])
+    _, cmds = d.p.poll_work(inst)
+    assert [(c.kind, c.sample_id, c.target_version) for c in cmds] == [("interrupt", s1, None), ("pull", None, 0)]
