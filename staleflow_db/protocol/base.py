@@ -53,7 +53,11 @@ RUN_COLUMNS = (
 
 
 def load_run(conn: Connection, run_id: int, *, lock: bool) -> RunRow:
-    sql = f"SELECT {RUN_COLUMNS} FROM runs WHERE id = :run" + (" FOR UPDATE" if lock else "")
+    # NO KEY UPDATE, not UPDATE: it serializes run-locked transactions just the same, but
+    # leaves FOR KEY SHARE free, which every FK check on runs (an event or sample insert by
+    # report, claim, heartbeat ...) takes. FOR UPDATE made those wait for the run lock, and
+    # deadlock: report holds sample locks -> waits on runs; route holds runs -> waits on them.
+    sql = f"SELECT {RUN_COLUMNS} FROM runs WHERE id = :run" + (" FOR NO KEY UPDATE" if lock else "")
     row = conn.execute(text(sql), {"run": run_id}).first()
     if row is None:
         raise NotFound(f"run {run_id}")
@@ -249,6 +253,26 @@ def log_events(conn: Connection, run_id: int, events: Sequence[tuple]) -> None:
             "d": [None if d is None else json.dumps(d) for d in cols[5]],
         },
     )
+
+
+def response_so_far(column: str, sample: str) -> str:
+    """SQL for a sample's segments' `column` (token_ids or logprobs) concatenated in order."""
+    return (
+        f"coalesce((SELECT array_agg(z.e ORDER BY x.seq, z.o) FROM segments x,"
+        f" unnest(x.{column}) WITH ORDINALITY AS z(e, o) WHERE x.sample_id = {sample}), '{{}}')"
+    )
+
+
+def under_run_lock(run_id: int, body: Callable[[RunTx], Any]) -> Callable[[Connection], Any]:
+    """A transaction body that holds the run's lock and flushes buffer accounting at the end."""
+
+    def run(conn: Connection) -> Any:
+        rtx = RunTx(conn, load_run(conn, run_id, lock=True))
+        outcome = body(rtx)
+        rtx.flush()
+        return outcome
+
+    return run
 
 
 class TxMixin:

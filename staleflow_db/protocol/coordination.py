@@ -11,8 +11,8 @@ from sqlalchemy import Connection, text
 
 from ..errors import Conflict
 from ..types import RouteResult
-from .base import RunTx, TxMixin, load_run, send_commands
-from .rollout import check_batch, route_in
+from .base import RunTx, TxMixin, load_run
+from .rollout import check_batch, interrupt_running, route_in
 
 
 @dataclass
@@ -154,14 +154,7 @@ class CoordinationOps(TxMixin):
             rtx = fenced(conn)
             results = route_in(rtx, routes) if routes else []
             if interrupts:
-                targets = conn.execute(
-                    text(
-                        "SELECT id, instance_id, attempt FROM samples WHERE run_id = :run AND state = 'running'"
-                        " AND id = ANY(CAST(:ids AS bigint[]))"
-                    ),
-                    {"run": run_id, "ids": list(interrupts)},
-                ).all()
-                send_commands(conn, run_id, "interrupt", [tuple(t) for t in targets], epoch)
+                interrupt_running(conn, run_id, interrupts, epoch)
             if pulls:
                 conn.execute(
                     text(

@@ -14,7 +14,7 @@ from ..enums import SegmentKind
 from ..errors import Conflict, InvalidInput, NotFound, TooLarge
 from ..rules import route_decision
 from ..types import Report, RouteOutcome, RouteResult, RunConfig
-from .base import RunTx, TxMixin, load_run, log_events
+from .base import RunTx, TxMixin, load_run, log_events, response_so_far, send_commands, under_run_lock
 
 MAX_BATCH = 10_000  # items per call: larger batches hold the run lock too long
 
@@ -173,15 +173,8 @@ class RolloutOps(TxMixin):
     def route(self, run_id: int, pairs: Sequence[tuple[int, int]], request_id: str | None = None) -> list[RouteResult]:
         """Route queued samples to instances; the group's first member reserves a buffer entry."""
         check_batch(pairs, "routes")
-
-        def run(conn: Connection) -> list[RouteResult]:
-            rtx = RunTx(conn, load_run(conn, run_id, lock=True))
-            results = route_in(rtx, pairs)
-            rtx.flush()
-            return results
-
         return self.idempotent(
-            request_id, "route", run, lambda stored: [RouteResult(**{**r, "outcome": RouteOutcome(r["outcome"])}) for r in stored]
+            request_id, "route", under_run_lock(run_id, lambda rtx: route_in(rtx, pairs)), lambda stored: [RouteResult(**{**r, "outcome": RouteOutcome(r["outcome"])}) for r in stored]
         )
 
     # ---- segments --------------------------------------------------------------------------
@@ -209,10 +202,7 @@ class RolloutOps(TxMixin):
                     " u AS (UPDATE samples s SET delivered = true FROM d WHERE s.id = d.id"
                     "   RETURNING s.id, s.attempt, s.group_id, s.v_traj, s.n_tokens)"
                     " SELECT u.id, u.attempt, u.group_id, u.v_traj, u.n_tokens, g.prompt_tokens,"
-                    "  coalesce((SELECT array_agg(t ORDER BY x.seq, o) FROM segments x,"
-                    "    unnest(x.token_ids) WITH ORDINALITY AS z(t, o) WHERE x.sample_id = u.id), '{}'),"
-                    "  coalesce((SELECT array_agg(l ORDER BY x.seq, o) FROM segments x,"
-                    "    unnest(x.logprobs) WITH ORDINALITY AS z(l, o) WHERE x.sample_id = u.id), '{}')"
+                    f"  {response_so_far('token_ids', 'u.id')}, {response_so_far('logprobs', 'u.id')}"
                     " FROM u JOIN prompt_groups g ON g.id = u.group_id ORDER BY u.id"
                 ),
                 {"i": instance_id, "n": limit},
@@ -231,20 +221,23 @@ class RolloutOps(TxMixin):
             ).all()
             return work, sorted((Command(*c) for c in cmds), key=lambda c: c.id)
 
-    def interrupt(self, run_id: int, sample_ids: Sequence[int], epoch: int | None = None) -> int:
+    def interrupt(self, run_id: int, sample_ids: Sequence[int]) -> int:
         """Ask the instances running these samples to interrupt them (they report what they have)."""
-        from .base import send_commands
-
         with self.tx() as conn:
-            rows = conn.execute(
-                text(
-                    "SELECT id, instance_id, attempt FROM samples WHERE run_id = :run AND state = 'running'"
-                    " AND id = ANY(CAST(:ids AS bigint[]))"
-                ),
-                {"run": run_id, "ids": list(sample_ids)},
-            ).all()
-            send_commands(conn, run_id, "interrupt", [tuple(r) for r in rows], epoch)
-            return len(rows)
+            return interrupt_running(conn, run_id, sample_ids, None)
+
+
+def interrupt_running(conn: Connection, run_id: int, sample_ids: Sequence[int], epoch: int | None) -> int:
+    """Queue interrupt commands for those of the samples that are running; returns how many."""
+    rows = conn.execute(
+        text(
+            "SELECT id, instance_id, attempt FROM samples WHERE run_id = :run AND state = 'running'"
+            " AND id = ANY(CAST(:ids AS bigint[]))"
+        ),
+        {"run": run_id, "ids": list(sample_ids)},
+    ).all()
+    send_commands(conn, run_id, "interrupt", [tuple(r) for r in rows], epoch)
+    return len(rows)
 
 
 def enqueue_prompts(conn: Connection, run, prompts: Sequence[Prompt], replacement_of: Sequence[int] | None = None) -> list[int]:

@@ -8,14 +8,14 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from sqlalchemy import Connection, text
+from sqlalchemy import text
 
 from ..enums import DropReason
 from ..errors import Conflict, InvalidInput, NotFound
 from ..rules import occupy_target, window_has_room
 from ..enums import GroupState
 from ..types import GroupOutcome
-from .base import RunTx, TxMixin, abort_samples_where, load_run
+from .base import RunTx, TxMixin, abort_samples_where, load_run, response_so_far, under_run_lock
 from .rollout import Prompt, check_batch, enqueue_prompts
 
 
@@ -52,9 +52,7 @@ class ScoringOps(TxMixin):
                     "   reward_deadline = now() + make_interval(secs => :ttl), updated_at = now()"
                     "   FROM c WHERE s.id = c.id RETURNING s.id, s.reward_attempt, s.group_id, s.finish_reason)"
                     " SELECT u.id, u.reward_attempt, u.group_id, g.prompt_tokens,"
-                    "  coalesce((SELECT array_agg(t ORDER BY x.seq, o) FROM segments x,"
-                    "    unnest(x.token_ids) WITH ORDINALITY AS z(t, o) WHERE x.sample_id = u.id), '{}'),"
-                    "  u.finish_reason, g.meta"
+                    f"  {response_so_far('token_ids', 'u.id')}, u.finish_reason, g.meta"
                     " FROM u JOIN prompt_groups g ON g.id = u.group_id ORDER BY u.id"
                 ),
                 {"run": run_id, "n": limit, "ttl": lease_seconds},
@@ -67,17 +65,10 @@ class ScoringOps(TxMixin):
         """Store rewards, fenced by the claim attempt; groups that reach N rewarded members are
         placed (Occupy) or filtered. All or nothing."""
         check_batch(rewards, "rewards")
-
-        def run(conn: Connection) -> list[GroupOutcome]:
-            rtx = RunTx(conn, load_run(conn, run_id, lock=True))
-            outcomes = rewards_in(rtx, rewards)
-            rtx.flush()
-            return outcomes
-
         return self.idempotent(
             request_id,
             "reward",
-            run,
+            under_run_lock(run_id, lambda rtx: rewards_in(rtx, rewards)),
             lambda stored: [GroupOutcome(**{**o, "state": GroupState(o["state"])}) for o in stored],
         )
 
