@@ -1,0 +1,9 @@
+"""StaleFlow REST API: FastAPI over the PostgreSQL data layer (`staleflow_db`)."""
+
+from __future__ import annotations
+
+
+def create_app(settings=None):  # noqa: ANN001, ANN201 - lazy: importing the package stays cheap
+    from .app import create_app as _create
+
+    return _create(settings)

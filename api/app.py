@@ -1,0 +1,108 @@
+"""The app factory. Stateless by design: everything durable is in PostgreSQL, so any number
+of replicas may serve one database; in-process state is caches and long-poll wake-ups."""
+
+from __future__ import annotations
+
+from contextlib import asynccontextmanager
+from typing import AsyncIterator
+
+from fastapi import FastAPI
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from staleflow_db import migrate
+from staleflow_db.db import database_url, make_engine
+
+from . import errors
+from .auth import TokenCache
+from .deps import AppState
+from .errors import BodyTooLarge, error_body
+from .metrics import LatencyMiddleware, Metrics
+from .notify import Notifier
+from .routers import audit, coordinator, health, rollout, runs, training
+from .service import ApiProtocol
+from .settings import ApiSettings
+
+API_VERSION = "1"
+
+
+def create_app(settings: ApiSettings | None = None) -> FastAPI:
+    settings = settings or ApiSettings.from_env()
+    url = database_url(settings.db)  # starts the embedded server when no URL is configured
+    engine = make_engine(url, settings=settings.db)
+    metrics = Metrics(engine)
+    state = AppState(
+        settings=settings,
+        engine=engine,
+        protocol=ApiProtocol(engine),
+        notifier=Notifier(engine, url, settings.notify_debounce, settings.listen),
+        tokens=TokenCache(engine, settings.token_cache_seconds),
+        metrics=metrics,
+        url=url,
+        schema_head=migrate.head(),
+    )
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        await state.notifier.start()
+        try:
+            yield
+        finally:
+            await state.notifier.stop()
+            engine.dispose()
+
+    app = FastAPI(
+        title="StaleFlow",
+        version=API_VERSION,
+        description="Data layer for asynchronous RL post-training: every lifecycle step of a trajectory is "
+        "one PostgreSQL transaction. Errors are `{\"error\": {\"code\", \"message\"}}`.",
+        lifespan=lifespan,
+    )
+    app.state.staleflow = state
+    errors.install(app, settings.retry_after)
+    for module in (runs, rollout, training, coordinator, audit, health):
+        app.include_router(module.router)
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(LatencyMiddleware, metrics=metrics)
+    return app
+
+
+def app_from_env() -> FastAPI:
+    """Factory for `uvicorn --factory` (what `staleflow serve` runs in each worker)."""
+    return create_app(ApiSettings.from_env())
+
+
+class BodyLimit:
+    """Refuse bodies over the limit before they are read into memory (413)."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int):
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        for name, value in scope.get("headers", ()):
+            if name == b"content-length" and value.isdigit() and int(value) > self.max_bytes:
+                await _send_413(send, self.max_bytes)
+                return
+        seen = 0
+
+        async def limited() -> Message:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_bytes:
+                    raise BodyTooLarge(f"request body over {self.max_bytes} bytes")
+            return message
+
+        await self.app(scope, limited, send)
+
+
+async def _send_413(send: Send, limit: int) -> None:
+    import json
+
+    body = json.dumps(error_body("too_large", f"request body over {limit} bytes")).encode()
+    await send({"type": "http.response.start", "status": 413,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})

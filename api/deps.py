@@ -1,0 +1,152 @@
+"""Dependencies of the routers: the app's state, authentication and run scope, request ids,
+and the long-poll loop."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Annotated, Callable, TypeVar
+
+from fastapi import Depends, Header, HTTPException, Path, Query, Request
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from sqlalchemy import Engine
+from starlette.concurrency import run_in_threadpool
+
+from staleflow_db.enums import Role
+from staleflow_db.errors import NotFound
+
+from . import queries
+from .auth import Principal, TokenCache
+from .metrics import Metrics
+from .notify import Notifier, wait_for
+from .service import ApiProtocol
+from .settings import ApiSettings
+
+T = TypeVar("T")
+
+
+@dataclass
+class AppState:
+    settings: ApiSettings
+    engine: Engine
+    protocol: ApiProtocol
+    notifier: Notifier
+    tokens: TokenCache
+    metrics: Metrics
+    url: str | None = None
+    schema_head: str | None = None
+    # instance -> run never changes once registered, so it is cached without expiry.
+    instance_runs: dict[int, int] = field(default_factory=dict)
+
+    def instance_in_run(self, run_id: int, instance_id: int) -> None:
+        run = self.instance_runs.get(instance_id)
+        if run is None:
+            run = queries.instance_run(self.engine, instance_id)
+            if run is not None:
+                if len(self.instance_runs) > 100_000:
+                    self.instance_runs.clear()
+                self.instance_runs[instance_id] = run
+        if run != run_id:
+            raise NotFound(f"instance {instance_id} in run {run_id}")
+
+
+def get_state(request: Request) -> AppState:
+    return request.app.state.staleflow
+
+
+State = Annotated[AppState, Depends(get_state)]
+
+_bearer = HTTPBearer(auto_error=False, description="a token from `staleflow token create`")
+
+RunId = Annotated[int, Path(ge=1, le=2**63 - 1, description="run id")]
+InstanceId = Annotated[int, Path(ge=1, le=2**63 - 1, description="instance id")]
+IdempotencyKey = Annotated[
+    str | None,
+    Header(
+        alias="Idempotency-Key", min_length=1, max_length=200, pattern=r"^[\x21-\x7e]+$",
+        description="request id: a retry with the same key returns the stored outcome",
+    ),
+]
+Wait = Annotated[
+    float, Query(ge=0, le=3600, allow_inf_nan=False, description="long-poll: seconds to wait (capped by the server)")
+]
+Page = Annotated[int, Query(ge=1, le=10_000)]
+Offset = Annotated[int, Query(ge=0, le=2**31 - 1)]
+
+
+def principal(state: State, creds: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]) -> Principal:
+    if creds is None or not creds.credentials:
+        raise HTTPException(401, "missing bearer token (Authorization: Bearer <token>)", {"WWW-Authenticate": "Bearer"})
+    if len(creds.credentials) > 200:
+        raise HTTPException(401, "invalid token", {"WWW-Authenticate": "Bearer"})
+    found = state.tokens.lookup(creds.credentials)
+    if found is None:
+        raise HTTPException(401, "invalid or revoked token", {"WWW-Authenticate": "Bearer"})
+    return found
+
+
+def _check_role(who: Principal, roles: tuple[Role, ...]) -> None:
+    if who.role != Role.ADMIN and who.role not in roles:
+        allowed = ", ".join(r.value for r in (Role.ADMIN, *roles))
+        raise HTTPException(403, f"role {who.role.value} may not do this (needs {allowed})")
+
+
+def allow(*roles: Role, global_only: bool = False) -> Callable[..., Principal]:
+    """Any run (or none): the role must match; `global_only` also refuses run-scoped tokens."""
+
+    def dep(who: Annotated[Principal, Depends(principal)]) -> Principal:
+        _check_role(who, roles)
+        if global_only and who.run_id is not None:
+            raise HTTPException(403, f"this token is limited to run {who.run_id}")
+        return who
+
+    return dep
+
+
+def allow_run(*roles: Role) -> Callable[..., Principal]:
+    """Endpoints under /v1/runs/{run_id}: the role must match and the token must cover the run."""
+
+    def dep(run_id: RunId, who: Annotated[Principal, Depends(principal)]) -> Principal:
+        _check_role(who, roles)
+        if not who.may_use_run(run_id):
+            raise HTTPException(403, f"this token is limited to run {who.run_id}")
+        return who
+
+    return dep
+
+
+def run_filter(who: Principal, run_id: int | None) -> int | None:
+    """For reads across runs: a run-scoped token sees only its run."""
+    if who.run_id is None:
+        return run_id
+    if run_id is not None and run_id != who.run_id:
+        raise HTTPException(403, f"this token is limited to run {who.run_id}")
+    return who.run_id
+
+
+ANY_ROLE = tuple(Role)
+Anyone = Annotated[Principal, Depends(allow_run(*ANY_ROLE))]
+
+
+async def long_poll(
+    request: Request,
+    state: AppState,
+    run_id: int,
+    topic: str,
+    wait: float,
+    fetch: Callable[[], T],
+    done: Callable[[T], bool],
+) -> T:
+    """Call `fetch` (a short transaction, in a thread) until `done` or the wait ends. Between
+    calls no transaction is open: the wait is on an in-process event (woken on commit here
+    or by NOTIFY from another replica) with a polling fallback."""
+    deadline = time.monotonic() + min(wait, state.settings.max_wait)
+    notifier = state.notifier
+    while True:
+        event = notifier.event(run_id, topic)
+        result = await run_in_threadpool(fetch)
+        remaining = deadline - time.monotonic()
+        if done(result) or remaining <= 0 or await request.is_disconnected():
+            return result
+        await wait_for(event, min(remaining, state.settings.poll_interval))
+

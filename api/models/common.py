@@ -1,0 +1,94 @@
+"""Field types shared by the request and response models.
+
+Bounds mirror the database column types (int4, int8, text without NUL, jsonb), so input the
+database would reject is refused with a 422 before any transaction starts.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Annotated, Any
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+
+INT32_MAX = 2**31 - 1
+INT64_MAX = 2**63 - 1
+
+Id = Annotated[int, Field(ge=1, le=INT64_MAX)]
+Count = Annotated[int, Field(ge=0, le=INT32_MAX)]
+Version = Annotated[int, Field(ge=0, le=INT32_MAX)]
+Attempt = Annotated[int, Field(ge=0, le=INT32_MAX)]
+TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
+# float4 column: finite and inside its range.
+LogProb = Annotated[float, Field(ge=-3.0e38, le=3.0e38, allow_inf_nan=False)]
+Finite = Annotated[float, Field(allow_inf_nan=False, ge=-1e300, le=1e300)]
+LeaseSeconds = Annotated[float, Field(ge=1.0, le=3600.0, allow_inf_nan=False)]
+Limit = Annotated[int, Field(ge=1, le=10_000)]
+
+_NO_NUL = r"^[^\x00]*$"  # PostgreSQL text cannot hold NUL
+
+
+Name = Annotated[str, Field(min_length=1, max_length=200, pattern=_NO_NUL)]
+Key = Annotated[str, Field(min_length=1, max_length=500, pattern=_NO_NUL)]
+Location = Annotated[str, Field(min_length=1, max_length=2000, pattern=_NO_NUL)]
+
+MAX_META_BYTES = 64 * 1024
+
+
+def _check_json(value: Any, depth: int = 0) -> None:
+    """jsonb refuses NUL in strings and non-finite numbers; bound the depth as well."""
+    if depth > 16:
+        raise ValueError("nested deeper than 16 levels")
+    if isinstance(value, str):
+        if "\x00" in value:
+            raise ValueError("strings may not contain NUL")
+    elif isinstance(value, float):
+        if not math.isfinite(value):
+            raise ValueError("numbers must be finite")
+    elif isinstance(value, int) and not isinstance(value, bool):
+        if abs(value) > 10**30:
+            raise ValueError("integer too large")
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _check_json(k, depth + 1)
+            _check_json(v, depth + 1)
+    elif isinstance(value, list):
+        for v in value:
+            _check_json(v, depth + 1)
+
+
+def _valid_meta(value: dict[str, Any]) -> dict[str, Any]:
+    _check_json(value)
+    if len(repr(value)) > MAX_META_BYTES:
+        raise ValueError(f"over {MAX_META_BYTES} bytes")
+    return value
+
+
+# Free-form JSON object carried with a prompt (and given back to reward workers and trainers).
+Meta = Annotated[dict[str, Any], AfterValidator(_valid_meta)]
+
+
+class In(BaseModel):
+    """Request bodies: unknown fields are refused, so a typo is a 422, not a silent default."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class Out(BaseModel):
+    pass
+
+
+class ErrorDetail(Out):
+    code: str = Field(description="machine-readable: invalid_input, too_large, not_found, conflict, ...")
+    message: str
+    items: list[dict[str, Any]] | None = Field(None, description="conflict: the ids refused and why")
+    details: list[dict[str, Any]] | None = Field(None, description="validation: each field refused")
+
+
+class ErrorOut(Out):
+    error: ErrorDetail
+
+
+def errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI `responses` for the error statuses an endpoint can answer."""
+    return {s: {"model": ErrorOut} for s in statuses}

@@ -1,0 +1,164 @@
+"""The coordinator's reads and writes, and the audit views."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from pydantic import Field
+
+from staleflow_db.enums import DropReason
+from staleflow_db.types import RouteOutcome
+
+from .common import INT64_MAX, Id, In, Out, Version
+from .runs import BufferOut, RunConfigOut
+
+
+class InstanceView(Out):
+    instance_id: int
+    name: str
+    version: int
+    heartbeat_at: datetime | None = Field(description="time of the latest snapshot")
+    lease_expires_at: datetime
+    snapshot: dict[str, Any] = Field(description="as the instance last reported it (see InstanceSnapshotIn)")
+
+
+class QueuedSampleOut(Out):
+    sample_id: int
+    group_id: int
+    length: int = Field(description="prompt + tokens so far: the KV it needs")
+    v_traj: int | None = Field(description="None: never routed")
+    tokens: int = Field(description="response tokens generated so far")
+    last_version: int | None = Field(description="version of its latest segment")
+
+
+class ReservedGroupOut(Out):
+    group_id: int
+    buffer: int
+    min_version: int
+
+
+class ClusterSnapshotOut(Out):
+    """One read-only transaction: everything a coordinator cycle decides from (SPEC §4)."""
+
+    taken_at: datetime
+    run_version: int
+    ps_version: int | None = Field(description="latest published parameter version")
+    config: RunConfigOut
+    instances: list[InstanceView]
+    queued: list[QueuedSampleOut]
+    buffers: list[BufferOut]
+    reserved_groups: list[ReservedGroupOut]
+
+
+class Fenced(In):
+    epoch: int | None = Field(
+        None, ge=0, le=INT64_MAX,
+        description="coordinator leadership epoch; refused (409) unless it is the run's current lease epoch",
+    )
+
+
+class RouteItem(In):
+    sample_id: Id
+    instance_id: Id
+
+
+class RouteIn(Fenced):
+    routes: list[RouteItem] = Field(min_length=1)
+
+
+class RouteResultOut(Out):
+    sample_id: int
+    outcome: RouteOutcome
+    attempt: int | None = None
+    v_traj: int | None = None
+    buffer: int | None = None
+
+
+class RouteOut(Out):
+    results: list[RouteResultOut]
+
+
+class InterruptIn(Fenced):
+    sample_ids: list[Id] = Field(min_length=1)
+
+
+class PullIn(Fenced):
+    instance_ids: list[Id] = Field(min_length=1)
+    target_version: Version | None = Field(None, description="default: the run's current version")
+
+
+class CommandsOut(Out):
+    commands: int = Field(description="commands queued (samples no longer running are skipped)")
+
+
+class AbortSamplesIn(Fenced):
+    sample_ids: list[Id] = Field(min_length=1)
+    reason: DropReason = DropReason.USER
+
+
+class AbortedOut(Out):
+    aborted: list[int]
+
+
+class DroppedGroupsOut(Out):
+    groups: list[int] = Field(description="groups aborted")
+
+
+class AbortGroupIn(Fenced):
+    reason: DropReason = DropReason.USER
+
+
+class AbortGroupOut(Out):
+    group_id: int
+    aborted: bool = Field(description="false when the group had already finished")
+
+
+class TrainedSampleRow(Out):
+    run_id: int
+    step: int
+    sample_id: int
+    group_id: int
+    idx: int
+    v_traj: int
+    staleness: int
+    group_version: int
+    group_staleness: int
+    segment_versions: list[int] | None
+    segment_instances: list[int] | None
+    n_segments: int
+    n_tokens: int
+    reward: float | None
+    finish_reason: str | None
+
+
+class DroppedSampleRow(Out):
+    run_id: int
+    sample_id: int
+    group_id: int
+    idx: int
+    reason: str | None
+    group_state: str
+    v_traj: int | None
+    n_tokens: int
+    n_segments: int
+    dropped_at: datetime
+
+
+class ViolationRow(Out):
+    run_id: int
+    invariant: str
+    subject: str
+    detail: str
+
+
+class TrainedSamples(Out):
+    rows: list[TrainedSampleRow]
+
+
+class DroppedSamples(Out):
+    rows: list[DroppedSampleRow]
+
+
+class Violations(Out):
+    rows: list[ViolationRow]

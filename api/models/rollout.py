@@ -1,0 +1,111 @@
+"""Rollout instances: registration, heartbeats with snapshots, work delivery, segment reports."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from staleflow_db.enums import SegmentKind
+
+from .common import INT64_MAX, Attempt, Count, Finite, Id, In, LeaseSeconds, LogProb, Name, Out, TokenId, Version
+
+
+class RegisterIn(In):
+    name: Name = Field(description="a label (host, GPU); the id is new on every registration")
+    version: Version = Field(description="model version the instance has loaded")
+    lease_seconds: LeaseSeconds = 30.0
+
+
+class RegisterOut(Out):
+    instance_id: int
+    run_id: int
+    lease_seconds: float
+
+
+class RunningSampleIn(In):
+    sample_id: Id
+    tokens: Count = Field(description="response tokens generated so far (all segments)")
+
+
+class InstanceSnapshotIn(In):
+    """What the coordinator needs to route (SPEC §4): load, KV cache, per-sample progress."""
+
+    running: Count = 0
+    waiting: Count = 0
+    kv_used: Count = Field(0, description="KV-cache tokens held")
+    kv_capacity: Count = Field(0, description="KV-cache tokens available in all")
+    running_samples: list[RunningSampleIn] = Field(default_factory=list, max_length=100_000)
+    throughput: float = Field(0.0, ge=0.0, le=1e12, allow_inf_nan=False, description="generated tokens/s")
+    pulling: bool = False
+    routed_seen: int | None = Field(None, ge=0, le=INT64_MAX, description="cumulative routed requests taken in")
+    max_running: Count | None = None
+
+
+class HeartbeatIn(In):
+    version: Version
+    snapshot: InstanceSnapshotIn = Field(default_factory=InstanceSnapshotIn)
+    lease_seconds: LeaseSeconds = 30.0
+
+
+class HeartbeatOut(Out):
+    instance_id: int
+    lease_seconds: float
+
+
+class DeregisterOut(Out):
+    instance_id: int
+    requeued: list[int] = Field(description="samples that went back to the queue")
+
+
+class WorkOut(Out):
+    """A routed sample: generate after `prompt_tokens + prefix_tokens` (prefix empty when fresh)."""
+
+    sample_id: int
+    attempt: int = Field(description="fences every report on this sample")
+    group_id: int
+    v_traj: int
+    prompt_tokens: list[int]
+    prefix_tokens: list[int]
+    prefix_logprobs: list[float]
+    max_new_tokens: int
+
+
+class CommandOut(Out):
+    id: int
+    kind: str = Field(description="interrupt, abort or pull")
+    sample_id: int | None
+    attempt: int | None
+    target_version: int | None
+
+
+class PollOut(Out):
+    work: list[WorkOut]
+    commands: list[CommandOut]
+
+
+class ReportIn(In):
+    sample_id: Id
+    attempt: Attempt
+    version: Version = Field(description="model version that generated these tokens")
+    tokens: list[TokenId]
+    logprobs: list[LogProb]
+    kind: SegmentKind = SegmentKind.FINISHED
+    finish_reason: Name | None = None
+
+
+class ReportsIn(In):
+    reports: list[ReportIn] = Field(min_length=1)
+
+
+class ReportsOut(Out):
+    applied: int
+
+
+class ExpireOut(Out):
+    expired: list[int]
+
+
+__all__ = [
+    "CommandOut", "DeregisterOut", "ExpireOut", "Finite", "HeartbeatIn", "HeartbeatOut", "InstanceSnapshotIn",
+    "PollOut", "RegisterIn", "RegisterOut", "ReportIn", "ReportsIn", "ReportsOut", "RunningSampleIn",
+    "WorkOut",
+]

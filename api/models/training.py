@@ -1,0 +1,108 @@
+"""Reward workers (claim, score) and the trainer (consume, publish)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import Field
+
+from staleflow_db.enums import GroupState
+
+from .common import INT64_MAX, Attempt, Finite, Id, In, LeaseSeconds, Location, Name, Out
+
+
+class ClaimIn(In):
+    limit: int = Field(100, ge=1, le=10_000)
+    lease_seconds: LeaseSeconds = Field(60.0, description="unscored claims become claimable again after this")
+
+
+class RewardTaskOut(Out):
+    sample_id: int
+    reward_attempt: int = Field(description="fences the reward for this claim")
+    group_id: int
+    prompt_tokens: list[int]
+    response_tokens: list[int]
+    finish_reason: str | None
+    meta: dict[str, Any]
+
+
+class ClaimOut(Out):
+    tasks: list[RewardTaskOut]
+
+
+class RewardIn(In):
+    sample_id: Id
+    reward_attempt: Attempt
+    reward: Finite
+
+
+class RewardsIn(In):
+    rewards: list[RewardIn] = Field(min_length=1)
+
+
+class GroupOutcomeOut(Out):
+    group_id: int
+    state: GroupState
+    buffer: int | None = None
+    reason: str | None = None
+    replacement: int | None = Field(None, description="group enqueued in place of a filtered one")
+
+
+class RewardsOut(Out):
+    groups: list[GroupOutcomeOut] = Field(description="groups that completed (occupied, filtered or dropped)")
+
+
+class SegmentInfoOut(Out):
+    seq: int
+    version: int
+    instance_id: int
+    n_tokens: int
+
+
+class TrainSampleOut(Out):
+    sample_id: int
+    idx: int
+    v_traj: int
+    tokens: list[int]
+    logprobs: list[float]
+    reward: float
+    finish_reason: str | None
+    segments: list[SegmentInfoOut]
+
+
+class TrainGroupOut(Out):
+    group_id: int
+    group_version: int
+    prompt_tokens: list[int]
+    meta: dict[str, Any]
+    samples: list[TrainSampleOut]
+
+
+class BatchOut(Out):
+    run_id: int
+    version: int = Field(description="the buffer: trains model `version` into `version + 1`")
+    lease: int = Field(description="publish with this lease; a later consume fences it")
+    groups: list[TrainGroupOut]
+
+
+class ConsumeOut(Out):
+    ready: bool
+    version: int
+    batch: BatchOut | None = Field(None, description="the whole batch once the buffer is ready")
+
+
+class PublishIn(In):
+    lease: Attempt
+    size_bytes: int | None = Field(None, ge=0, le=INT64_MAX)
+    checksum: Name | None = None
+    location: Location | None = Field(None, description="where instances pull the parameters from")
+
+
+class PublishOut(Out):
+    version: int = Field(description="the run's version after publishing")
+
+
+__all__ = [
+    "BatchOut", "ClaimIn", "ClaimOut", "ConsumeOut", "GroupOutcomeOut", "PublishIn", "PublishOut", "RewardIn",
+    "RewardTaskOut", "RewardsIn", "RewardsOut", "SegmentInfoOut", "TrainGroupOut", "TrainSampleOut",
+]

@@ -1,0 +1,171 @@
+"""Wake-ups for long-polls (ENGINEERING pattern 7).
+
+After a commit the handler calls `publish(run, topics)`: waiters of this process wake at once,
+and other replicas hear about it through at most one debounced NOTIFY per run (payload
+``<sender>|<run>|<topic,topic>``) on channel ``staleflow``. NOTIFY takes a global lock at
+commit, so it is never sent per row nor inside the protocol transactions. Waiters also
+re-check on a timer, so a lost NOTIFY (or a writer that bypasses the API, which may send
+``pg_notify('staleflow', '-|<run>|work')`` itself) costs latency, never correctness.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections import defaultdict
+
+import psycopg
+from sqlalchemy import Engine, text
+
+log = logging.getLogger(__name__)
+
+CHANNEL = "staleflow"
+
+# Topics: what a waiter is waiting for.
+WORK = "work"  # routes and commands for instances
+REWARDS = "rewards"  # finished samples to score
+BATCH = "batch"  # buffers that may have become ready
+TOPICS = (WORK, REWARDS, BATCH)
+
+
+class Notifier:
+    def __init__(self, engine: Engine, url: str | None, debounce: float, listen: bool = True):
+        self.engine, self.url, self.debounce, self.listen = engine, url, debounce, listen
+        self.sender_id = uuid.uuid4().hex[:12]
+        self._events: dict[tuple[int, str], asyncio.Event] = {}
+        self._pending: dict[int, set[str]] = defaultdict(set)
+        self._dirty: asyncio.Event | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._tasks: list[asyncio.Task] = []
+        self.listening = False  # the LISTEN connection is up (for /readyz and tests)
+
+    # ---- waiting (event-loop thread only) ---------------------------------------------------
+
+    def event(self, run_id: int, topic: str) -> asyncio.Event:
+        """The event the next `publish` of (run, topic) sets. Take it *before* checking the
+        database, so a commit between the check and the wait is not missed."""
+        key = (run_id, topic)
+        ev = self._events.get(key)
+        if ev is None:
+            ev = self._events[key] = asyncio.Event()
+        return ev
+
+    def _wake(self, run_id: int, topics: set[str] | tuple[str, ...]) -> None:
+        """A topic wakes its own waiters and those of its subtopics: `work` wakes `work:<instance>`."""
+        for topic in topics:
+            ev = self._events.pop((run_id, topic), None)
+            if ev is not None:
+                ev.set()
+            if ":" not in topic:
+                prefix = topic + ":"
+                for key in [k for k in self._events if k[0] == run_id and k[1].startswith(prefix)]:
+                    self._events.pop(key).set()
+
+    def _wake_all(self) -> None:
+        events, self._events = self._events, {}
+        for ev in events.values():
+            ev.set()
+
+    # ---- publishing (any thread) -------------------------------------------------------------
+
+    def publish(self, run_id: int, *topics: str) -> None:
+        if self._loop is None or not topics:
+            return
+        self._loop.call_soon_threadsafe(self._publish, run_id, topics)
+
+    def _publish(self, run_id: int, topics: tuple[str, ...]) -> None:
+        self._wake(run_id, topics)
+        if self.listen and self._dirty is not None:
+            self._pending[run_id].update(topics)
+            self._dirty.set()
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._dirty = asyncio.Event()
+        if self.listen and self.url:
+            self._tasks = [asyncio.create_task(self._sender()), asyncio.create_task(self._listener())]
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks = []
+        self._wake_all()
+
+    async def _sender(self) -> None:
+        """Leading-edge debounce: the first change goes out at once, later ones in the same
+        window are merged into one NOTIFY per run."""
+        assert self._dirty is not None
+        while True:
+            await self._dirty.wait()
+            self._dirty.clear()
+            batch, self._pending = self._pending, defaultdict(set)
+            payloads = [f"{self.sender_id}|{run}|{','.join(_compact(t))}" for run, t in batch.items()]
+            try:
+                await asyncio.to_thread(self._send, payloads)
+            except Exception as exc:  # the database is down: waiters fall back to polling
+                log.debug("NOTIFY failed: %s", exc)
+            await asyncio.sleep(self.debounce)
+
+    def _send(self, payloads: list[str]) -> None:
+        with self.engine.connect() as conn:
+            conn.execute(text("SELECT pg_notify(:ch, p) FROM unnest(CAST(:ps AS text[])) AS p"),
+                         {"ch": CHANNEL, "ps": payloads})
+            conn.commit()
+
+    async def _listener(self) -> None:
+        backoff = 0.2
+        while True:
+            try:
+                async with await psycopg.AsyncConnection.connect(
+                    self.url, autocommit=True, connect_timeout=5, application_name="staleflow-api-listen",
+                ) as conn:
+                    await conn.execute(f"LISTEN {CHANNEL}")
+                    self.listening, backoff = True, 0.2
+                    self._wake_all()  # anything may have happened while we were not listening
+                    while True:
+                        async for n in conn.notifies(timeout=10.0):
+                            self._received(n.payload)
+                        await conn.execute("SELECT 1")  # a dead connection raises here
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                if self.listening:
+                    log.warning("LISTEN connection lost (%s); long-polls fall back to polling", exc)
+                self.listening = False
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 5.0)
+
+    def _received(self, payload: str) -> None:
+        try:
+            sender, run, topics = payload.split("|", 2)
+            run_id = int(run)
+        except ValueError:
+            return
+        if sender != self.sender_id:
+            self._wake(run_id, tuple(t for t in topics.split(",") if t.split(":")[0] in TOPICS) or TOPICS)
+
+
+def instance_topic(instance_id: int) -> str:
+    return f"{WORK}:{instance_id}"
+
+
+def _compact(topics: set[str], most: int = 64) -> list[str]:
+    """NOTIFY payloads are limited (8000 bytes): many subtopics collapse into their parent."""
+    if len(topics) <= most:
+        return sorted(topics)
+    return sorted({t.split(":")[0] for t in topics})
+
+
+async def wait_for(event: asyncio.Event, timeout: float) -> bool:
+    """True if the event fired within `timeout` seconds."""
+    if timeout <= 0:
+        return event.is_set()
+    try:
+        await asyncio.wait_for(event.wait(), timeout)
+        return True
+    except asyncio.TimeoutError:
+        return False

@@ -1,0 +1,138 @@
+"""The coordinator's door: one-transaction snapshot, routes (Reserve), commands, aborts, expiry.
+
+Writes may carry the coordinator's leadership `epoch`; it is checked against the run's lease in
+the same transaction, so a deposed leader cannot route or interrupt (ENGINEERING pattern 9).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Path
+
+from staleflow_db.enums import Role
+from staleflow_db.protocol.base import load_run
+from staleflow_db.types import RouteOutcome
+
+from .. import queries
+from ..auth import Principal
+from ..deps import IdempotencyKey, RunId, State, allow_run
+from ..models import (
+    AbortedOut, AbortGroupIn, AbortGroupOut, AbortSamplesIn, ClusterSnapshotOut, CommandsOut, DroppedGroupsOut, ExpireOut, InterruptIn,
+    PullIn, RouteIn, RouteOut, errors,
+)
+from ..notify import BATCH, WORK, instance_topic
+from ..service import dump, scoped_key
+
+router = APIRouter(prefix="/v1/runs/{run_id}", tags=["coordinator"], responses=errors(401, 403, 404, 422, 503))
+Coordinator = Depends(allow_run(Role.COORDINATOR))
+
+
+@router.get("/snapshot", response_model=ClusterSnapshotOut)
+def snapshot(run_id: RunId, state: State, who: Principal = Coordinator) -> ClusterSnapshotOut:
+    """Active instances with their latest snapshots, queued samples with lengths, unconsumed
+    buffers and reserved groups, from one repeatable-read transaction."""
+    return ClusterSnapshotOut.model_validate(queries.snapshot(state.engine, run_id))
+
+
+@router.post("/routes", response_model=RouteOut, responses=errors(409, 413))
+def route(run_id: RunId, body: RouteIn, state: State, key: IdempotencyKey = None, who: Principal = Coordinator) -> RouteOut:
+    """Route queued samples to instances in one transaction; a group's first routed member
+    reserves a buffer entry. Each result says routed (with the attempt) or why not."""
+    pairs = [(r.sample_id, r.instance_id) for r in body.routes]
+
+    def call(conn) -> RouteOut:
+        queries.check_epoch(conn, run_id, body.epoch)
+        return RouteOut.model_validate({"results": dump(state.protocol.route(run_id, pairs))})
+
+    out, replayed = state.protocol.once(scoped_key(key, f"run{run_id}"), "route", body, call, RouteOut)
+    if not replayed:
+        routed = {r.sample_id for r in out.results if r.outcome == RouteOutcome.ROUTED}
+        targets = {instance_topic(i) for s, i in pairs if s in routed}
+        if targets:
+            state.notifier.publish(run_id, *targets)
+    return out
+
+
+@router.post("/commands/interrupt", response_model=CommandsOut, responses=errors(409, 413))
+def interrupt(
+    run_id: RunId, body: InterruptIn, state: State, key: IdempotencyKey = None, who: Principal = Coordinator,
+) -> CommandsOut:
+    """Ask the instances running these samples to interrupt them (they report what they have
+    as an interrupted segment; the sample returns to the queue)."""
+
+    def call(conn) -> CommandsOut:
+        queries.check_epoch(conn, run_id, body.epoch)
+        load_run(conn, run_id, lock=False)
+        return CommandsOut(commands=state.protocol.interrupt(run_id, body.sample_ids, body.epoch))
+
+    out, _ = state.protocol.once(scoped_key(key, f"run{run_id}"), "interrupt", body, call, CommandsOut)
+    state.notifier.publish(run_id, WORK)
+    return out
+
+
+@router.post("/commands/pull", response_model=CommandsOut, responses=errors(409, 413))
+def pull(
+    run_id: RunId, body: PullIn, state: State, key: IdempotencyKey = None, who: Principal = Coordinator,
+) -> CommandsOut:
+    """Tell instances to load newer weights (`target_version`, default the run's version)."""
+
+    def call(conn) -> CommandsOut:
+        queries.check_epoch(conn, run_id, body.epoch)
+        run = load_run(conn, run_id, lock=False)
+        return CommandsOut(commands=queries.pull(conn, run, body.instance_ids, body.target_version, body.epoch))
+
+    out, _ = state.protocol.once(scoped_key(key, f"run{run_id}"), "pull", body, call, CommandsOut)
+    state.notifier.publish(run_id, *(instance_topic(i) for i in set(body.instance_ids)))
+    return out
+
+
+@router.post("/samples/abort", response_model=AbortedOut, responses=errors(409, 413))
+def abort_samples(
+    run_id: RunId, body: AbortSamplesIn, state: State, key: IdempotencyKey = None, who: Principal = Coordinator,
+) -> AbortedOut:
+    """Abort samples (stragglers, surplus); a group left with fewer than N live members is
+    aborted too. Running samples get an abort command."""
+
+    def call(conn) -> AbortedOut:
+        queries.check_epoch(conn, run_id, body.epoch)
+        return AbortedOut(aborted=state.protocol.abort_samples(run_id, body.sample_ids, body.reason))
+
+    out, _ = state.protocol.once(scoped_key(key, f"run{run_id}"), "abort_samples", body, call, AbortedOut)
+    state.notifier.publish(run_id, WORK, BATCH)
+    return out
+
+
+@router.post("/groups/{group_id}/abort", response_model=AbortGroupOut, responses=errors(409))
+def abort_group(
+    run_id: RunId, group_id: Annotated[int, Path(ge=1, le=2**63 - 1)], body: AbortGroupIn, state: State,
+    key: IdempotencyKey = None, who: Principal = Coordinator,
+) -> AbortGroupOut:
+    """Abort a whole group and release its reservation."""
+
+    def call(conn) -> AbortGroupOut:
+        queries.check_epoch(conn, run_id, body.epoch)
+        return AbortGroupOut(group_id=group_id, aborted=state.protocol.abort_group(run_id, group_id, body.reason))
+
+    out, _ = state.protocol.once(scoped_key(key, f"run{run_id}"), f"abort_group{group_id}", body, call, AbortGroupOut)
+    state.notifier.publish(run_id, WORK, BATCH)
+    return out
+
+
+@router.post("/abort-after-ready", response_model=DroppedGroupsOut)
+def abort_after_ready(run_id: RunId, state: State, who: Principal = Coordinator) -> DroppedGroupsOut:
+    """With redundancy: drop in-flight groups whose whole window is ready (they can never land)."""
+    out = DroppedGroupsOut(groups=state.protocol.abort_after_ready(run_id))
+    state.notifier.publish(run_id, WORK, BATCH)
+    return out
+
+
+@router.post("/instances/expire", response_model=ExpireOut)
+def expire_instances(run_id: RunId, state: State, who: Principal = Coordinator) -> ExpireOut:
+    """Fence instances whose lease ran out; their samples go back to the queue with their tokens."""
+
+    def call(conn) -> ExpireOut:
+        load_run(conn, run_id, lock=False)
+        return ExpireOut(expired=state.protocol.expire_instances(run_id))
+
+    return state.protocol.once(None, "expire", None, call, ExpireOut)[0]

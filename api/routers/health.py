@@ -1,0 +1,57 @@
+"""Liveness, readiness and Prometheus metrics (no token: they are for the platform)."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel
+from sqlalchemy import text
+
+from ..deps import State
+
+router = APIRouter(tags=["health"])
+
+
+class Health(BaseModel):
+    status: str
+
+
+class Ready(BaseModel):
+    status: str
+    database: bool
+    schema_revision: str | None
+    expected_revision: str | None
+    listening: bool
+
+
+@router.get("/healthz", response_model=Health)
+def healthz() -> Health:
+    """The process answers (says nothing about the database)."""
+    return Health(status="ok")
+
+
+@router.get("/readyz", response_model=Ready, responses={503: {"model": Ready}})
+def readyz(state: State) -> JSONResponse:
+    """Ready to serve: the database answers and its schema is at the newest migration."""
+    expected = state.schema_head
+    try:
+        with state.engine.connect() as c:
+            rev = c.execute(text("SELECT version_num FROM alembic_version")).scalar()
+        reachable = True
+    except Exception:
+        rev, reachable = None, False
+    ok = reachable and rev == expected
+    body = Ready(
+        status="ready" if ok else ("database unavailable" if not reachable else "schema not current"),
+        database=reachable, schema_revision=rev, expected_revision=expected, listening=state.notifier.listening,
+    )
+    headers = None if ok else {"Retry-After": str(state.settings.retry_after)}
+    return JSONResponse(body.model_dump(), status_code=200 if ok else 503, headers=headers)
+
+
+@router.get("/metrics", response_class=Response, responses={200: {"content": {CONTENT_TYPE_LATEST: {}}}})
+def metrics(state: State) -> Response:
+    """Prometheus text format: request latencies, queue depth by version, buffer states, staleness."""
+    return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+

@@ -1,0 +1,100 @@
+"""Rollout instances: register, heartbeat (with the snapshot), long-poll for work and commands,
+report segments, deregister."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Depends, Request
+from starlette.concurrency import run_in_threadpool
+
+from staleflow_db.enums import Role, SegmentKind
+from staleflow_db.types import Report
+
+from ..auth import Principal
+from ..deps import IdempotencyKey, InstanceId, RunId, State, Wait, allow_run, long_poll
+from ..models import (
+    DeregisterOut, HeartbeatIn, HeartbeatOut, PollOut, RegisterIn, RegisterOut, ReportsIn, ReportsOut, errors,
+)
+from ..models.common import Limit
+from ..notify import REWARDS, instance_topic
+from ..service import dump, scoped_key
+
+router = APIRouter(prefix="/v1/runs/{run_id}", tags=["rollout"], responses=errors(401, 403, 404, 422, 503))
+Rollout = Depends(allow_run(Role.ROLLOUT))
+
+
+@router.post("/instances", status_code=201, response_model=RegisterOut)
+def register(
+    run_id: RunId, body: RegisterIn, state: State, key: IdempotencyKey = None, who: Principal = Rollout,
+) -> RegisterOut:
+    """Register a rollout instance: a new id for every process start (send an Idempotency-Key
+    so a retried registration does not leave a second instance behind)."""
+
+    def call(_conn) -> RegisterOut:
+        iid = state.protocol.register_instance(run_id, body.name, body.version, body.lease_seconds)
+        return RegisterOut(instance_id=iid, run_id=run_id, lease_seconds=body.lease_seconds)
+
+    out, _ = state.protocol.once(scoped_key(key, f"run{run_id}"), "register", body, call, RegisterOut)
+    return out
+
+
+@router.post("/instances/{instance_id}/heartbeat", response_model=HeartbeatOut, responses=errors(409))
+def heartbeat(
+    run_id: RunId, instance_id: InstanceId, body: HeartbeatIn, state: State, who: Principal = Rollout,
+) -> HeartbeatOut:
+    """Extend the lease and store the snapshot. 409: the lease expired (register again)."""
+    state.instance_in_run(run_id, instance_id)
+    state.protocol.heartbeat(instance_id, body.version, body.snapshot.model_dump(), body.lease_seconds)
+    return HeartbeatOut(instance_id=instance_id, lease_seconds=body.lease_seconds)
+
+
+@router.delete("/instances/{instance_id}", response_model=DeregisterOut)
+def deregister(run_id: RunId, instance_id: InstanceId, state: State, who: Principal = Rollout) -> DeregisterOut:
+    """Clean shutdown: the instance's running samples go back to the queue with their tokens."""
+    state.instance_in_run(run_id, instance_id)
+    return DeregisterOut(instance_id=instance_id, requeued=state.protocol.deregister_instance(instance_id))
+
+
+@router.post("/instances/{instance_id}/poll", response_model=PollOut, responses=errors(409))
+async def poll(
+    request: Request, run_id: RunId, instance_id: InstanceId, state: State, key: IdempotencyKey = None,
+    wait: Wait = 0.0, limit: Limit = 1000, who: Principal = Rollout,
+) -> PollOut:
+    """Long-poll: newly routed samples (with the tokens and log-probs to continue from) and
+    commands (interrupt, abort, pull). Returns as soon as there is something, or empty after
+    `wait` seconds. Delivery is once: send an Idempotency-Key so a retry after a lost response
+    gets the same delivery back."""
+    await run_in_threadpool(state.instance_in_run, run_id, instance_id)
+    skey = scoped_key(key, f"inst{instance_id}")
+
+    def call(_conn) -> PollOut:
+        work, commands = state.protocol.poll_work(instance_id, limit)
+        return PollOut.model_validate({"work": dump(work), "commands": dump(commands)})
+
+    def fetch() -> PollOut:
+        return state.protocol.once(skey, "poll", None, call, PollOut, store=_nonempty)[0]
+
+    return await long_poll(request, state, run_id, instance_topic(instance_id), wait, fetch, _nonempty)
+
+
+def _nonempty(out: PollOut) -> bool:
+    return bool(out.work or out.commands)
+
+
+@router.post("/segments", response_model=ReportsOut, responses=errors(409, 413))
+def report(
+    run_id: RunId, body: ReportsIn, state: State, key: IdempotencyKey = None, who: Principal = Rollout,
+) -> ReportsOut:
+    """Report segments (finished, interrupted or partial), each fenced by the attempt it was
+    routed with. All or nothing: one stale attempt refuses the batch with 409 naming it."""
+    reports = [
+        Report(r.sample_id, r.attempt, r.version, r.tokens, r.logprobs, SegmentKind(r.kind), r.finish_reason)
+        for r in body.reports
+    ]
+
+    def call(_conn) -> ReportsOut:
+        return ReportsOut(applied=state.protocol.report(run_id, reports))
+
+    out, replayed = state.protocol.once(scoped_key(key, f"run{run_id}"), "report", body, call, ReportsOut)
+    if not replayed and any(r.kind == SegmentKind.FINISHED for r in reports):
+        state.notifier.publish(run_id, REWARDS)
+    return out

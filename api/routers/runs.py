@@ -1,0 +1,100 @@
+"""Runs, their status and parameter versions, prompts, and API tokens."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Path
+
+from staleflow_db.enums import Role
+from staleflow_db.protocol import Prompt
+from staleflow_db.types import RunConfig
+
+from .. import auth, queries
+from ..auth import Principal
+from ..deps import IdempotencyKey, Offset, Page, RunId, State, allow, allow_run, principal, run_filter
+from ..models import (
+    EnqueueIn, EnqueueOut, ParamVersionList, Revoked, RunCreate, RunList, RunOut, RunStatus, TokenCreate,
+    TokenCreated, TokenList, errors,
+)
+from ..notify import WORK
+from ..service import scoped_key
+
+router = APIRouter(prefix="/v1", responses=errors(401, 403, 422, 503))
+RUN_ROLES = tuple(Role)
+
+
+@router.post("/runs", status_code=201, response_model=RunOut, responses=errors(409), tags=["runs"])
+def create_run(
+    body: RunCreate, state: State, key: IdempotencyKey = None,
+    who: Principal = Depends(allow(global_only=True)),
+) -> RunOut:
+    """Create a run with its protocol configuration (admin). Names are unique."""
+    cfg = RunConfig(**body.config.model_dump())
+
+    def call(_conn) -> RunOut:
+        run_id = state.protocol.create_run(body.name, cfg)
+        return RunOut.model_validate(queries.get_run(_conn, run_id))
+
+    out, _ = state.protocol.once(scoped_key(key, "runs"), "create_run", body, call, RunOut)
+    return out
+
+
+@router.get("/runs", response_model=RunList, tags=["runs"])
+def list_runs(
+    state: State, who: Annotated[Principal, Depends(principal)], limit: Page = 100, offset: Offset = 0,
+) -> RunList:
+    """Runs by id; a run-scoped token sees only its own."""
+    return RunList(runs=queries.list_runs(state.engine, run_filter(who, None), limit, offset))
+
+
+@router.get("/runs/{run_id}", response_model=RunStatus, responses=errors(404), tags=["runs"])
+def run_status(run_id: RunId, state: State, who: Principal = Depends(allow_run(*RUN_ROLES))) -> RunStatus:
+    """Version, buffers with their states, sample and group counts, queue by version."""
+    return RunStatus.model_validate(state.protocol.status(run_id))
+
+
+@router.get("/runs/{run_id}/versions", response_model=ParamVersionList, responses=errors(404), tags=["runs"])
+def param_versions(
+    run_id: RunId, state: State, limit: Page = 10, who: Principal = Depends(allow_run(*RUN_ROLES)),
+) -> ParamVersionList:
+    """Published parameter versions, newest first (size, checksum, where to pull them)."""
+    return ParamVersionList(versions=queries.param_versions(state.engine, run_id, limit))
+
+
+@router.post(
+    "/runs/{run_id}/prompts", response_model=EnqueueOut, responses=errors(404, 413), tags=["runs"],
+)
+def enqueue(
+    run_id: RunId, body: EnqueueIn, state: State,
+    who: Principal = Depends(allow_run(Role.TRAINER, Role.COORDINATOR)),
+) -> EnqueueOut:
+    """Enqueue prompt groups. Idempotent by `client_key`: a key seen before returns its group."""
+    prompts = [Prompt(p.client_key, p.prompt_tokens, p.meta) for p in body.prompts]
+    ids = state.protocol.enqueue(run_id, prompts)
+    state.notifier.publish(run_id, WORK)
+    return EnqueueOut(group_ids=ids)
+
+
+@router.post("/tokens", status_code=201, response_model=TokenCreated, responses=errors(404), tags=["tokens"])
+def create_token(body: TokenCreate, state: State, who: Principal = Depends(allow())) -> TokenCreated:
+    """Create a token (admin). A run-scoped admin creates tokens for its own run only."""
+    run_id = run_filter(who, body.run_id) if who.run_id is not None else body.run_id
+    return TokenCreated.model_validate(auth.create_token(state.engine, body.role, run_id, body.name))
+
+
+@router.get("/tokens", response_model=TokenList, tags=["tokens"])
+def list_tokens(state: State, who: Principal = Depends(allow())) -> TokenList:
+    """Tokens without their secrets (admin)."""
+    return TokenList(tokens=auth.list_tokens(state.engine, who.run_id))
+
+
+@router.delete("/tokens/{token_id}", response_model=Revoked, responses=errors(404), tags=["tokens"])
+def revoke_token(
+    token_id: Annotated[int, Path(ge=1, le=2**63 - 1)], state: State, who: Principal = Depends(allow()),
+) -> Revoked:
+    """Revoke a token (admin). Replicas stop accepting it within the token cache time."""
+    revoked = auth.revoke_token(state.engine, token_id, who.run_id)
+    state.tokens.forget()
+    return Revoked(id=token_id, revoked=revoked)
+

@@ -1,0 +1,93 @@
+"""Reward workers (claim finished samples, post rewards) and the trainer (long-poll for the ready
+batch at its version, publish the next version)."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Path, Request
+
+from staleflow_db.enums import Role
+
+from ..auth import Principal
+from ..deps import IdempotencyKey, RunId, State, Wait, allow_run, long_poll
+from ..models import (
+    BatchOut, ClaimIn, ClaimOut, ConsumeOut, PublishIn, PublishOut, RewardsIn, RewardsOut, errors,
+)
+from ..notify import BATCH, REWARDS, WORK
+from ..service import dump, scoped_key
+
+router = APIRouter(prefix="/v1/runs/{run_id}", responses=errors(401, 403, 404, 422, 503))
+Reward = Depends(allow_run(Role.REWARD))
+Trainer = Depends(allow_run(Role.TRAINER))
+VersionPath = Annotated[int, Path(ge=0, le=2**31 - 1, description="the buffer: model version it trains")]
+
+
+@router.post("/rewards/claim", response_model=ClaimOut, tags=["reward"])
+async def claim(
+    request: Request, run_id: RunId, body: ClaimIn, state: State, key: IdempotencyKey = None,
+    wait: Wait = 0.0, who: Principal = Reward,
+) -> ClaimOut:
+    """Long-poll: lease up to `limit` finished samples for scoring. Claims not scored within
+    `lease_seconds` become claimable again; with an Idempotency-Key a retry gets the same claim."""
+    skey = scoped_key(key, f"run{run_id}")
+
+    def call(_conn) -> ClaimOut:
+        tasks = state.protocol.claim_rewards(run_id, body.limit, body.lease_seconds)
+        return ClaimOut.model_validate({"tasks": dump(tasks)})
+
+    def fetch() -> ClaimOut:
+        return state.protocol.once(skey, "claim", body, call, ClaimOut, store=lambda o: bool(o.tasks))[0]
+
+    return await long_poll(request, state, run_id, REWARDS, wait, fetch, lambda o: bool(o.tasks))
+
+
+@router.post("/rewards", response_model=RewardsOut, responses=errors(409, 413), tags=["reward"])
+def record_rewards(
+    run_id: RunId, body: RewardsIn, state: State, key: IdempotencyKey = None, who: Principal = Reward,
+) -> RewardsOut:
+    """Post rewards, each fenced by its claim's `reward_attempt`. Groups that reach N rewarded
+    members are placed in a buffer (or filtered, or dropped) in the same transaction."""
+    rewards = [(r.sample_id, r.reward_attempt, r.reward) for r in body.rewards]
+
+    def call(_conn) -> RewardsOut:
+        return RewardsOut.model_validate({"groups": dump(state.protocol.record_rewards(run_id, rewards))})
+
+    out, replayed = state.protocol.once(scoped_key(key, f"run{run_id}"), "reward", body, call, RewardsOut)
+    if not replayed and out.groups:
+        # Occupied groups may make a buffer ready; surplus members get abort commands.
+        state.notifier.publish(run_id, BATCH, WORK)
+    return out
+
+
+@router.post(
+    "/batches/{version}/consume", response_model=ConsumeOut, responses=errors(409), tags=["trainer"],
+)
+async def consume(
+    request: Request, run_id: RunId, version: VersionPath, state: State, wait: Wait = 0.0, who: Principal = Trainer,
+) -> ConsumeOut:
+    """Long-poll until buffer `version` is ready, then lease it and return the whole batch.
+    409 when the run is not at `version`. A repeated consume takes a new lease (fencing the
+    earlier one), so a retry after a lost response is safe without a request id."""
+
+    def fetch() -> ConsumeOut:
+        batch = state.protocol.consume(run_id, version)
+        if batch is None:
+            return ConsumeOut(ready=False, version=version)
+        return ConsumeOut(ready=True, version=version, batch=BatchOut.model_validate(dump(batch)))
+
+    return await long_poll(request, state, run_id, BATCH, wait, fetch, lambda o: o.ready)
+
+
+@router.post(
+    "/batches/{version}/publish", response_model=PublishOut, responses=errors(409), tags=["trainer"],
+)
+def publish(
+    run_id: RunId, version: VersionPath, body: PublishIn, state: State, who: Principal = Trainer,
+) -> PublishOut:
+    """Buffer `version` is trained: mark it consumed and make `version + 1` the run's version,
+    with the new parameters' size, checksum and location. Only with the latest consume lease
+    and in version order (409 otherwise); publishing the same version again is a no-op."""
+    new = state.protocol.publish(run_id, version, body.lease, body.size_bytes, body.checksum, body.location)
+    state.notifier.publish(run_id, BATCH, WORK)
+    return PublishOut(version=new)
