@@ -14,6 +14,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from workers.engines.tiny_model import TinyConfig, TinyTransformer
+from workers.engines.torch_engine import TorchEngine
 from workers.param_server import (
     ChecksumError, ParamClient, ParamServer, ParamServerError, main, state_dict_checksum,
 )
@@ -187,3 +189,18 @@ def test_corrupt_file_on_disk_is_refused(tmp_path):
     with pytest.raises(ChecksumError):
         ParamServer(d)
     assert os.path.exists(path)  # evidence is kept for the operator
+
+
+def test_engine_runs_on_pulled_weights(start_ps):
+    """Trainer -> PS -> rollout instance: what an instance pulls is the pushed model."""
+    cfg = TinyConfig(vocab_size=32, d_model=16, n_layers=1, n_heads=2, max_seq=32)
+    c = start_ps().client
+    c.push(TinyTransformer(cfg, seed=11).state_dict(), 1)
+    sd, version, _ = c.pull()
+    pulled, trained = TorchEngine(cfg, model_seed=0), TorchEngine(cfg, model_seed=11)
+    pulled.load_weights(sd, version)
+    outs = []
+    for e in (pulled, trained):
+        e.add_request("a", [1, 2, 3], max_new_tokens=8, seed=5)
+        outs.append([ev for _ in range(9) for ev in e.step()][-1])
+    assert pulled.version == 1 and outs[0] == outs[1] and outs[0].finish_reason in ("eos", "length")

@@ -24,12 +24,12 @@ Design
 
 from __future__ import annotations
 
-import argparse
 import ctypes
 import datetime
 import hashlib
 import json
 import logging
+import math
 import os
 import signal
 import socket
@@ -55,8 +55,12 @@ _BY_NAME = {v: k for k, v in _DTYPES.items()}
 # bytes per send/recv message: small enough that hashing (and on the PS writing) chunk k
 # overlaps the transfer of chunk k+1, large enough that per-message overhead is noise
 _CHUNK = 16 << 20
+_FLUSH_EVERY = 128 << 20  # bytes written between background fdatasync calls on the PS
 
-OnPublished = Callable[[int, int, str, str], None]  # (version, size, checksum, location)
+# on_published(version, size_bytes, checksum, location): called once a version is on disk
+# and served, again on a retried push of it, and at start-up for the version loaded from
+# disk -- so it must be idempotent (e.g. an upsert of the version's row).
+OnPublished = Callable[[int, int, str, str], None]
 
 
 class ParamServerError(RuntimeError):
@@ -85,16 +89,22 @@ def layout(specs: Mapping[str, tuple[torch.dtype, tuple[int, ...]]]) -> list[Ten
         dt, shape = specs[n]
         if dt not in _DTYPES:
             raise TypeError(f"{n}: unsupported dtype {dt}")
-        size = dt.itemsize
-        for d in shape:
-            size *= d
+        size = dt.itemsize * math.prod(shape)
         metas.append(TensorMeta(n, _DTYPES[dt], tuple(int(d) for d in shape), off, size))
         off += size
     return metas
 
 
+def _metas_json(metas: list[TensorMeta]) -> list:
+    return [[m.name, m.dtype, list(m.shape)] for m in metas]
+
+
+def _metas_from_json(raw: list) -> list[TensorMeta]:
+    return layout({n: (_BY_NAME[d], tuple(s)) for n, d, s in raw})
+
+
 def _header(metas: list[TensorMeta]) -> bytes:
-    return json.dumps([[m.name, m.dtype, list(m.shape)] for m in metas], separators=(",", ":")).encode()
+    return json.dumps(_metas_json(metas), separators=(",", ":")).encode()
 
 
 def flatten(state_dict: Mapping[str, torch.Tensor], device: str | torch.device = "cpu"
@@ -164,14 +174,27 @@ class VersionWriter:
         raw = json.dumps(hdr, separators=(",", ":")).encode()
         raw += b" " * (-len(raw) % 8)  # safetensors aligns the data section to 8 bytes
         self._tmp = self.path.with_suffix(".tmp")
-        self._f = open(self._tmp, "wb")
+        self._f = open(self._tmp, "wb", buffering=0)
         self._f.write(struct.pack("<Q", len(raw)) + raw)
+        self._unsynced = 0
+        self._flusher: threading.Thread | None = None
 
     def write(self, chunk: torch.Tensor) -> None:
         self._f.write(_bytes(chunk.cpu()))
+        # Flush to disk in the background while the transfer goes on: otherwise the page
+        # cache absorbs a whole version and commit()'s fsync pays the full disk time.
+        self._unsynced += chunk.numel()
+        if self._unsynced >= _FLUSH_EVERY and not (self._flusher and self._flusher.is_alive()):
+            self._unsynced = 0
+            self._flusher = threading.Thread(target=os.fdatasync, args=(self._f.fileno(),), daemon=True)
+            self._flusher.start()
+
+    def _join_flusher(self) -> None:
+        if self._flusher is not None:
+            self._flusher.join()
 
     def commit(self, checksum: str) -> Path:
-        self._f.flush()
+        self._join_flusher()
         os.fsync(self._f.fileno())
         self._f.close()
         os.replace(self._tmp, self.path)
@@ -182,15 +205,9 @@ class VersionWriter:
         return self.path
 
     def abort(self) -> None:
+        self._join_flusher()
         self._f.close()
         self._tmp.unlink(missing_ok=True)
-
-
-def save_version(data_dir: Path, version: int, flat: torch.Tensor, metas: list[TensorMeta],
-                 checksum: str) -> Path:
-    w = VersionWriter(data_dir, version, metas)
-    w.write(flat)
-    return w.commit(checksum)
 
 
 def load_version(path: Path, expected_checksum: str | None = None) -> tuple[torch.Tensor, list[TensorMeta], str]:
@@ -199,14 +216,11 @@ def load_version(path: Path, expected_checksum: str | None = None) -> tuple[torc
         hdr = json.loads(f.read(n))
         hdr.pop("__metadata__", None)
         metas = layout({k: (_BY_NAME[v["dtype"]], tuple(v["shape"])) for k, v in hdr.items()})
-        canonical = all(hdr[m.name]["data_offsets"] == [m.offset, m.offset + m.nbytes] for m in metas)
-        if canonical:
-            flat = torch.empty(sum(m.nbytes for m in metas), dtype=torch.uint8)
-            if f.readinto(_bytes(flat)) != flat.numel():
-                raise ChecksumError(f"{path}: truncated")
-    if not canonical:  # a safetensors file from elsewhere: re-pack once
-        from safetensors.torch import load_file
-        flat, metas = flatten(load_file(str(path)))
+        if any(hdr[m.name]["data_offsets"] != [m.offset, m.offset + m.nbytes] for m in metas):
+            raise ParamServerError(f"{path}: not in the PS's canonical layout")
+        flat = torch.empty(sum(m.nbytes for m in metas), dtype=torch.uint8)
+        if f.readinto(_bytes(flat)) != flat.numel():
+            raise ChecksumError(f"{path}: truncated")
     checksum = flat_checksum(flat, metas)
     if expected_checksum is not None and checksum != expected_checksum:
         raise ChecksumError(f"{path}: checksum {checksum[:12]} != recorded {expected_checksum[:12]}")
@@ -253,14 +267,6 @@ def _recv(pg, flat: torch.Tensor, peer: int, on_chunk: Callable[[torch.Tensor], 
         w.wait()
         if on_chunk:
             on_chunk(c)
-
-
-def _metas_json(metas: list[TensorMeta]) -> list:
-    return [[m.name, m.dtype, list(m.shape)] for m in metas]
-
-
-def _metas_from_json(raw: list) -> list[TensorMeta]:
-    return layout({n: (_BY_NAME[d], tuple(s)) for n, d, s in raw})
 
 
 # ---- server ------------------------------------------------------------------------------
@@ -313,6 +319,8 @@ class ParamServer:
         return self._server.server_address[:2]
 
     def start(self) -> tuple[str, int]:
+        if self._latest is not None:  # a crash may have come between persist and hook
+            self._notify(self._versions[self._latest])
         self._thread = threading.Thread(target=self._server.serve_forever, name="ps", daemon=True)
         self._thread.start()
         return self.address
@@ -424,6 +432,7 @@ class ParamServer:
                     writer.abort()  # a retried push is fine, other weights under its number not
                     if checksum != latest.checksum:
                         raise ParamServerError(f"push of v{version} but v{latest.version} is published")
+                    self._notify(latest)  # the first attempt's hook may have failed
                     reply({"ok": True, **latest.info(), "duplicate": True})
                     return
                 path = writer.commit(checksum)
@@ -436,11 +445,14 @@ class ParamServer:
                 self._latest = version
                 self._prune()
             self._remove_old_files(version)
-            if self.on_published is not None:
-                self.on_published(version, flat.numel(), checksum, str(path))
+            self._notify(entry)
             reply({"ok": True, **entry.info()})
             del pg
         log.info("published v%d (%d bytes, %s)", version, flat.numel(), checksum[:12])
+
+    def _notify(self, e: _Version) -> None:
+        if self.on_published is not None:
+            self.on_published(e.version, e.flat.numel(), e.checksum, e.location)
 
     def _prune(self) -> None:
         for v in [v for v, e in self._versions.items() if v != self._latest and e.pulls == 0]:
@@ -563,14 +575,3 @@ def main(data_dir: str | os.PathLike, host: str = "127.0.0.1", port: int = 0, *,
     stop.wait()
     ps.stop()
 
-
-if __name__ == "__main__":
-    ap = argparse.ArgumentParser(description="StaleFlow parameter server")
-    ap.add_argument("--dir", required=True)
-    ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--port", type=int, default=0)
-    ap.add_argument("--backend", default="gloo", choices=["gloo", "nccl"])
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--ready-file")
-    a = ap.parse_args()
-    main(a.dir, a.host, a.port, backend=a.backend, device=a.device, ready_file=a.ready_file)
