@@ -13,6 +13,8 @@ import typer
 
 from workers.cli_audit import audit
 from workers.cli_db import app as db_app
+from workers.cli_serve import serve
+from workers.cli_token import app as token_app
 
 app = typer.Typer(
     name="staleflow",
@@ -40,6 +42,8 @@ def _root(verbose: bool = typer.Option(False, "--verbose", "-v", help="Debug log
 
 
 app.add_typer(db_app, name="db")
+app.command()(serve)
+app.add_typer(token_app, name="token")
 app.command()(audit)
 
 

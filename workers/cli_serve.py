@@ -1,0 +1,55 @@
+"""``staleflow serve``: the REST API under uvicorn.
+
+With the embedded default (no STALEFLOW_DATABASE_URL) it starts the server if needed,
+migrates it, and makes sure the local user has an admin token in ``$STALEFLOW_HOME/token``
+(mode 0600), which the client reads by itself. With an external database it migrates only
+when asked (``--upgrade``): schema changes there are an operator's decision.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Optional
+
+import typer
+
+from staleflow_db import migrate
+from staleflow_db.db import database_url, make_engine
+from staleflow_db.settings import get_settings
+
+log = logging.getLogger(__name__)
+
+
+def serve(
+    host: str = typer.Option("127.0.0.1", "--host", help="address to listen on"),
+    port: int = typer.Option(8000, "--port", min=0, max=65535),
+    workers: int = typer.Option(1, "--workers", min=1, help="uvicorn worker processes (replicas)"),
+    upgrade: Optional[bool] = typer.Option(
+        None, "--upgrade/--no-upgrade", help="migrate the database first (default: only the embedded one)"
+    ),
+    access_log: bool = typer.Option(False, "--access-log/--no-access-log"),
+) -> None:
+    """Serve the StaleFlow REST API (/v1/..., /healthz, /readyz, /metrics)."""
+    import uvicorn
+
+    from api.auth import ensure_local_token
+
+    settings = get_settings()
+    embedded = settings.database_url is None
+    url = database_url(settings)
+    if upgrade or (upgrade is None and embedded):
+        migrate.upgrade(url)
+    if embedded:
+        engine = make_engine(url, settings=settings)
+        try:
+            log.info("admin token for the local user: %s", ensure_local_token(engine, settings.home))
+        finally:
+            engine.dispose()
+    # Every worker process reads the same database from here, embedded or not.
+    os.environ["STALEFLOW_DATABASE_URL"] = url
+    log.info("serving on http://%s:%s (%d worker%s)", host, port, workers, "s" if workers > 1 else "")
+    uvicorn.run(
+        "api.app:app_from_env", factory=True, host=host, port=port, workers=workers,
+        access_log=access_log, log_level="info", timeout_graceful_shutdown=5,
+    )

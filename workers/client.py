@@ -1,0 +1,309 @@
+"""Typed client of the StaleFlow REST API, used by every worker.
+
+- One method per endpoint; requests and responses are the API's own pydantic models.
+- Retries with exponential backoff and jitter on connection errors and 502/503/504 (the
+  database is down, a replica restarts), for up to `retry_for` seconds.
+- Every write that is not idempotent by itself gets one request id (Idempotency-Key) per
+  logical call, reused on each retry, so a retried call returns the stored outcome.
+- Long-polls (`poll`, `claim`, `consume`) set the read timeout above the server's wait.
+
+Configuration: `base_url` or STALEFLOW_API_URL (default http://127.0.0.1:8000); `token` or
+STALEFLOW_TOKEN or the file `$STALEFLOW_HOME/token` that `staleflow serve` writes locally.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import random
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Iterable, Sequence, TypeVar
+
+import httpx
+from pydantic import BaseModel
+
+from api import models as m
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T", bound=BaseModel)
+RETRY_STATUSES = {502, 503, 504}
+
+
+class ApiError(Exception):
+    """A refusal from the API: `status`, `code` and `message` from its error body."""
+
+    def __init__(self, status: int, code: str, message: str, body: dict[str, Any] | None = None):
+        super().__init__(f"{status} {code}: {message}")
+        self.status, self.code, self.message = status, code, message
+        self.items = (body or {}).get("items") or []
+        self.details = (body or {}).get("details") or []
+
+
+class Unauthorized(ApiError): ...
+class Forbidden(ApiError): ...
+class NotFound(ApiError): ...
+class Conflict(ApiError): ...
+class TooLarge(ApiError): ...
+class InvalidInput(ApiError): ...
+class Unavailable(ApiError): ...
+
+
+ERRORS = {401: Unauthorized, 403: Forbidden, 404: NotFound, 409: Conflict, 413: TooLarge, 422: InvalidInput}
+
+
+def default_token() -> str | None:
+    token = os.environ.get("STALEFLOW_TOKEN", "").strip()
+    if token:
+        return token
+    home = Path(os.environ.get("STALEFLOW_HOME", "").strip() or "~/.staleflow").expanduser()
+    path = home / "token"
+    return path.read_text().strip() if path.is_file() else None
+
+
+def _as(model: type[T], item: Any) -> T:
+    """Accept the model itself, a dict, a dataclass (e.g. staleflow_db.types.Report) or a tuple
+    in field order."""
+    if isinstance(item, model):
+        return item
+    if dataclasses.is_dataclass(item) and not isinstance(item, type):
+        item = {f.name: getattr(item, f.name) for f in dataclasses.fields(item)}
+    elif isinstance(item, (tuple, list)):
+        item = dict(zip(model.model_fields, item))
+    return model.model_validate(item)
+
+
+class StaleFlowClient:
+    def __init__(
+        self,
+        base_url: str | None = None,
+        token: str | None = None,
+        *,
+        timeout: float = 30.0,
+        retry_for: float = 60.0,
+        backoff: float = 0.05,
+        max_backoff: float = 2.0,
+        http: httpx.Client | None = None,
+    ):
+        self.token = token if token is not None else default_token()
+        self.timeout, self.retry_for, self.backoff, self.max_backoff = timeout, retry_for, backoff, max_backoff
+        headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
+        if http is not None:  # e.g. starlette's TestClient for an in-process app
+            self.http = http
+            self.http.headers.update(headers)
+        else:
+            url = base_url or os.environ.get("STALEFLOW_API_URL", "").strip() or "http://127.0.0.1:8000"
+            self.http = httpx.Client(base_url=url, headers=headers, timeout=timeout)
+
+    def close(self) -> None:
+        self.http.close()
+
+    def __enter__(self) -> StaleFlowClient:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # ---- transport -------------------------------------------------------------------------
+
+    def request(
+        self,
+        method: str,
+        path: str,
+        *,
+        body: BaseModel | None = None,
+        params: dict[str, Any] | None = None,
+        key: bool = False,
+        wait: float | None = None,
+    ) -> httpx.Response:
+        """One logical call: retried on connection errors and 502/503/504 with the same
+        request id; raises ApiError for any other error status."""
+        headers = {"Idempotency-Key": uuid.uuid4().hex} if key else {}
+        timeout = httpx.Timeout(self.timeout + (wait or 0.0), connect=min(self.timeout, 10.0))
+        content = body.model_dump_json(exclude_none=True).encode() if body is not None else None
+        if content is not None:
+            headers["Content-Type"] = "application/json"
+        deadline = time.monotonic() + self.retry_for
+        delay = self.backoff
+        while True:
+            try:
+                r = self.http.request(method, path, content=content, params=params, headers=headers, timeout=timeout)
+            except httpx.TransportError as exc:
+                if time.monotonic() + delay > deadline:
+                    raise Unavailable(0, "unreachable", f"{method} {path}: {exc!r}") from exc
+                log.debug("%s %s: %r; retrying in %.2fs", method, path, exc, delay)
+            else:
+                if r.status_code not in RETRY_STATUSES:
+                    if r.status_code >= 400:
+                        raise self._error(r)
+                    return r
+                if time.monotonic() + delay > deadline:
+                    raise self._error(r, Unavailable)
+                log.debug("%s %s: %s; retrying in %.2fs", method, path, r.status_code, delay)
+            time.sleep(delay * random.uniform(0.5, 1.0))
+            delay = min(delay * 2, self.max_backoff)
+
+    @staticmethod
+    def _error(r: httpx.Response, cls: type[ApiError] | None = None) -> ApiError:
+        try:
+            err = r.json()["error"]
+            code, message = err["code"], err["message"]
+        except Exception:
+            err, code, message = None, "error", r.text[:500]
+        cls = cls or ERRORS.get(r.status_code, ApiError)
+        return cls(r.status_code, code, message, err)
+
+    def _call(self, model: type[T], method: str, path: str, **kw: Any) -> T:
+        return model.model_validate_json(self.request(method, path, **kw).content)
+
+    # ---- runs, prompts, tokens -------------------------------------------------------------
+
+    def create_run(self, name: str, **config: Any) -> m.RunOut:
+        """`config`: batch_size, group_size, eta and optionally buffer_capacity,
+        samples_per_group, max_response_tokens, max_prompt_tokens, dapo_filter."""
+        body = m.RunCreate(name=name, config=m.RunConfigIn(**config))
+        return self._call(m.RunOut, "POST", "/v1/runs", body=body, key=True)
+
+    def list_runs(self, limit: int = 100, offset: int = 0) -> list[m.RunOut]:
+        return self._call(m.RunList, "GET", "/v1/runs", params={"limit": limit, "offset": offset}).runs
+
+    def run_status(self, run_id: int) -> m.RunStatus:
+        return self._call(m.RunStatus, "GET", f"/v1/runs/{run_id}")
+
+    def param_versions(self, run_id: int, limit: int = 10) -> list[m.ParamVersionOut]:
+        return self._call(m.ParamVersionList, "GET", f"/v1/runs/{run_id}/versions", params={"limit": limit}).versions
+
+    def enqueue(self, run_id: int, prompts: Iterable[m.PromptIn | dict | tuple]) -> list[int]:
+        """Idempotent by each prompt's client_key (no request id needed)."""
+        body = m.EnqueueIn(prompts=[_as(m.PromptIn, p) for p in prompts])
+        return self._call(m.EnqueueOut, "POST", f"/v1/runs/{run_id}/prompts", body=body).group_ids
+
+    def create_token(self, role: str, run_id: int | None = None, name: str | None = None) -> m.TokenCreated:
+        return self._call(m.TokenCreated, "POST", "/v1/tokens", body=m.TokenCreate(role=role, run_id=run_id, name=name))
+
+    def list_tokens(self) -> list[m.TokenOut]:
+        return self._call(m.TokenList, "GET", "/v1/tokens").tokens
+
+    def revoke_token(self, token_id: int) -> bool:
+        return self._call(m.Revoked, "DELETE", f"/v1/tokens/{token_id}").revoked
+
+    # ---- rollout instances -----------------------------------------------------------------
+
+    def register(self, run_id: int, name: str, version: int, lease_seconds: float = 30.0) -> m.RegisterOut:
+        body = m.RegisterIn(name=name, version=version, lease_seconds=lease_seconds)
+        return self._call(m.RegisterOut, "POST", f"/v1/runs/{run_id}/instances", body=body, key=True)
+
+    def heartbeat(
+        self, run_id: int, instance_id: int, version: int,
+        snapshot: m.InstanceSnapshotIn | dict | None = None, lease_seconds: float = 30.0,
+    ) -> m.HeartbeatOut:
+        snap = _as(m.InstanceSnapshotIn, snapshot or {})
+        body = m.HeartbeatIn(version=version, snapshot=snap, lease_seconds=lease_seconds)
+        return self._call(m.HeartbeatOut, "POST", f"/v1/runs/{run_id}/instances/{instance_id}/heartbeat", body=body)
+
+    def deregister(self, run_id: int, instance_id: int) -> list[int]:
+        return self._call(m.DeregisterOut, "DELETE", f"/v1/runs/{run_id}/instances/{instance_id}").requeued
+
+    def poll(self, run_id: int, instance_id: int, wait: float = 10.0, limit: int = 1000) -> m.PollOut:
+        """Long-poll for routed work and commands; empty after `wait` seconds."""
+        return self._call(
+            m.PollOut, "POST", f"/v1/runs/{run_id}/instances/{instance_id}/poll",
+            params={"wait": wait, "limit": limit}, key=True, wait=wait,
+        )
+
+    def report(self, run_id: int, reports: Sequence[m.ReportIn | dict | Any]) -> int:
+        body = m.ReportsIn(reports=[_as(m.ReportIn, r) for r in reports])
+        return self._call(m.ReportsOut, "POST", f"/v1/runs/{run_id}/segments", body=body, key=True).applied
+
+    # ---- reward and trainer ----------------------------------------------------------------
+
+    def claim(self, run_id: int, limit: int = 100, lease_seconds: float = 60.0, wait: float = 10.0) -> list[m.RewardTaskOut]:
+        body = m.ClaimIn(limit=limit, lease_seconds=lease_seconds)
+        return self._call(
+            m.ClaimOut, "POST", f"/v1/runs/{run_id}/rewards/claim", body=body, params={"wait": wait}, key=True, wait=wait,
+        ).tasks
+
+    def record_rewards(self, run_id: int, rewards: Sequence[m.RewardIn | dict | tuple]) -> list[m.GroupOutcomeOut]:
+        """`rewards`: (sample_id, reward_attempt, reward) each."""
+        body = m.RewardsIn(rewards=[_as(m.RewardIn, r) for r in rewards])
+        return self._call(m.RewardsOut, "POST", f"/v1/runs/{run_id}/rewards", body=body, key=True).groups
+
+    def consume(self, run_id: int, version: int, wait: float = 10.0) -> m.BatchOut | None:
+        """The whole batch of buffer `version` once it is ready; None if not ready within `wait`."""
+        out = self._call(
+            m.ConsumeOut, "POST", f"/v1/runs/{run_id}/batches/{version}/consume", params={"wait": wait}, wait=wait,
+        )
+        return out.batch
+
+    def publish(
+        self, run_id: int, version: int, lease: int,
+        size_bytes: int | None = None, checksum: str | None = None, location: str | None = None,
+    ) -> int:
+        """Publish `version + 1` (buffer `version` trained); returns the run's new version."""
+        body = m.PublishIn(lease=lease, size_bytes=size_bytes, checksum=checksum, location=location)
+        return self._call(m.PublishOut, "POST", f"/v1/runs/{run_id}/batches/{version}/publish", body=body).version
+
+    # ---- coordinator -----------------------------------------------------------------------
+
+    def snapshot(self, run_id: int) -> m.ClusterSnapshotOut:
+        return self._call(m.ClusterSnapshotOut, "GET", f"/v1/runs/{run_id}/snapshot")
+
+    def route(self, run_id: int, pairs: Sequence[tuple[int, int]], epoch: int | None = None) -> list[m.RouteResultOut]:
+        """`pairs`: (sample_id, instance_id) each."""
+        body = m.RouteIn(routes=[m.RouteItem(sample_id=s, instance_id=i) for s, i in pairs], epoch=epoch)
+        return self._call(m.RouteOut, "POST", f"/v1/runs/{run_id}/routes", body=body, key=True).results
+
+    def interrupt(self, run_id: int, sample_ids: Sequence[int], epoch: int | None = None) -> int:
+        body = m.InterruptIn(sample_ids=list(sample_ids), epoch=epoch)
+        return self._call(m.CommandsOut, "POST", f"/v1/runs/{run_id}/commands/interrupt", body=body, key=True).commands
+
+    def pull(self, run_id: int, instance_ids: Sequence[int], target_version: int | None = None,
+             epoch: int | None = None) -> int:
+        body = m.PullIn(instance_ids=list(instance_ids), target_version=target_version, epoch=epoch)
+        return self._call(m.CommandsOut, "POST", f"/v1/runs/{run_id}/commands/pull", body=body, key=True).commands
+
+    def abort_samples(self, run_id: int, sample_ids: Sequence[int], reason: str = "user",
+                      epoch: int | None = None) -> list[int]:
+        body = m.AbortSamplesIn(sample_ids=list(sample_ids), reason=reason, epoch=epoch)
+        return self._call(m.AbortedOut, "POST", f"/v1/runs/{run_id}/samples/abort", body=body, key=True).aborted
+
+    def abort_group(self, run_id: int, group_id: int, reason: str = "user", epoch: int | None = None) -> bool:
+        body = m.AbortGroupIn(reason=reason, epoch=epoch)
+        return self._call(m.AbortGroupOut, "POST", f"/v1/runs/{run_id}/groups/{group_id}/abort", body=body, key=True).aborted
+
+    def abort_after_ready(self, run_id: int) -> list[int]:
+        return self._call(m.DroppedGroupsOut, "POST", f"/v1/runs/{run_id}/abort-after-ready").groups
+
+    def expire_instances(self, run_id: int) -> list[int]:
+        return self._call(m.ExpireOut, "POST", f"/v1/runs/{run_id}/instances/expire").expired
+
+    # ---- audit and health ------------------------------------------------------------------
+
+    def trained_samples(self, run_id: int | None = None, limit: int = 1000, offset: int = 0) -> list[m.TrainedSampleRow]:
+        return self._call(m.TrainedSamples, "GET", "/v1/audit/trained", params=_page(run_id, limit, offset)).rows
+
+    def dropped_samples(self, run_id: int | None = None, limit: int = 1000, offset: int = 0) -> list[m.DroppedSampleRow]:
+        return self._call(m.DroppedSamples, "GET", "/v1/audit/dropped", params=_page(run_id, limit, offset)).rows
+
+    def violations(self, run_id: int | None = None, limit: int = 1000, offset: int = 0) -> list[m.ViolationRow]:
+        return self._call(m.Violations, "GET", "/v1/audit/violations", params=_page(run_id, limit, offset)).rows
+
+    def healthz(self) -> bool:
+        return self.http.get("/healthz").status_code == 200
+
+    def readyz(self) -> dict[str, Any]:
+        """The readiness body (no retries: a 503 is the answer, not a failure)."""
+        return self.http.get("/readyz").json()
+
+    def metrics(self) -> str:
+        return self.request("GET", "/metrics").text
+
+
+def _page(run_id: int | None, limit: int, offset: int) -> dict[str, Any]:
+    params: dict[str, Any] = {"limit": limit, "offset": offset}
+    if run_id is not None:
+        params["run_id"] = run_id
+    return params
