@@ -219,3 +219,12 @@ def test_edge_requests():
     e.add_request("dup", [1])
     with pytest.raises(ValueError):
         e.add_request("dup", [1])
+
+
+def test_sample_outgrowing_the_whole_cache_finishes_with_capacity():
+    e = _engine(kv_capacity_tokens=32, block_size=16)
+    e.add_request("long", [2, 5, 7, 9, 11, 3, 4, 6, 8, 10], max_new_tokens=100, seed=1)
+    done = _run(e)["long"]  # seed 1 runs past 32 tokens without EOS
+    # 32 cached tokens and the one sampled from the last of them; no slot to feed it
+    assert done.finish_reason == "capacity" and 10 + len(done.tokens) == 33
+    assert e.stats().kv_tokens == 0
