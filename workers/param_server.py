@@ -149,14 +149,8 @@ def flat_checksum(flat: torch.Tensor, metas: list[TensorMeta]) -> str:
 
 
 def state_dict_checksum(state_dict: Mapping[str, torch.Tensor]) -> str:
-    """The checksum the PS publishes for this state dict (same as over its flat buffer)."""
-    metas = layout({n: (t.dtype, tuple(t.shape)) for n, t in state_dict.items()})
-    h = _hasher(metas)
-    for m in metas:
-        if m.nbytes:
-            t = state_dict[m.name].detach().cpu().contiguous().reshape(-1).view(torch.uint8)
-            h.update(_bytes(t))
-    return h.hexdigest()
+    """The checksum the PS publishes for this state dict."""
+    return flat_checksum(*flatten(state_dict))
 
 
 # ---- persistence (safetensors format, written and read without copies) --------------------
@@ -174,7 +168,7 @@ class VersionWriter:
         raw = json.dumps(hdr, separators=(",", ":")).encode()
         raw += b" " * (-len(raw) % 8)  # safetensors aligns the data section to 8 bytes
         self._tmp = self.path.with_suffix(".tmp")
-        self._f = open(self._tmp, "wb", buffering=0)
+        self._f = open(self._tmp, "wb")  # buffered: writes are complete, never partial
         self._f.write(struct.pack("<Q", len(raw)) + raw)
         self._unsynced = 0
         self._flusher: threading.Thread | None = None
@@ -195,13 +189,22 @@ class VersionWriter:
 
     def commit(self, checksum: str) -> Path:
         self._join_flusher()
+        self._f.flush()
         os.fsync(self._f.fileno())
         self._f.close()
         os.replace(self._tmp, self.path)
         side = {"version": self.version, "size": self.size, "checksum": checksum, "file": self.path.name}
         tmp_json = self.data_dir / f"v{self.version}.json.tmp"
-        tmp_json.write_text(json.dumps(side))
+        with open(tmp_json, "w") as f:
+            f.write(json.dumps(side))
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(tmp_json, self.data_dir / f"v{self.version}.json")
+        dir_fd = os.open(self.data_dir, os.O_RDONLY)  # make both renames durable
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
         return self.path
 
     def abort(self) -> None:
