@@ -141,6 +141,8 @@ def test_taken_port_is_replaced(embedded_pg: EmbeddedPostgres) -> None:
     old = embedded_pg.info().port
     embedded_pg.stop()
     with socket.socket() as squatter:
+        # REUSEADDR: the stopped server's connections may linger in TIME_WAIT.
+        squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         squatter.bind(("127.0.0.1", old))
         squatter.listen()
         assert embedded_pg.start() is True
