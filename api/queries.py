@@ -1,6 +1,6 @@
-"""The API's own SQL: reads the protocol has no method for (run lists, the coordinator snapshot,
-audit views, metrics), pull commands and the coordinator epoch fence. Protocol transitions
-stay in `staleflow_db.protocol`."""
+"""The API's own SQL: reads the protocol has no method for (run lists, audit views, metrics),
+pull commands and the coordinator epoch fence. Protocol transitions stay in
+`staleflow_db.protocol`."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ from sqlalchemy import Connection, Engine, text
 
 from staleflow_db.errors import Conflict, InvalidInput, NotFound
 from staleflow_db.protocol.base import RUN_COLUMNS, RunRow, load_run, log_events
-from staleflow_db.rules import BufferCounts, buffer_state
 
 CONFIG_COLUMNS = (
     "batch_size", "buffer_capacity", "group_size", "samples_per_group", "eta",
@@ -97,69 +96,6 @@ def pull(conn: Connection, run: RunRow, instance_ids: Sequence[int], target: int
         )
         log_events(conn, run.id, [("pull", None, None, None, i, {"target": target}) for i in active])
     return len(active)
-
-
-def snapshot(engine: Engine, run_id: int) -> dict[str, Any]:
-    """Instances with their snapshots, queued samples with lengths, buffers and reservations,
-    all from one repeatable-read transaction."""
-    with engine.connect() as c, c.begin():
-        c.execute(text("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ READ ONLY"))
-        run = load_run(c, run_id, lock=False)
-        taken_at = c.execute(text("SELECT now()")).scalar()
-        ps = c.execute(text("SELECT max(version) FROM param_versions WHERE run_id = :r"), {"r": run_id}).scalar()
-        instances = c.execute(
-            text(
-                "SELECT id, name, version, snapshot_at, lease_expires_at, snapshot FROM instances"
-                " WHERE run_id = :r AND state = 'active' ORDER BY id"
-            ),
-            {"r": run_id},
-        ).all()
-        queued = c.execute(
-            text(
-                "SELECT s.id, s.group_id, cardinality(g.prompt_tokens) + s.n_tokens, s.v_traj, s.n_tokens, s.last_version"
-                " FROM samples s JOIN prompt_groups g ON g.id = s.group_id"
-                " WHERE s.run_id = :r AND s.state = 'queued' ORDER BY s.id"
-            ),
-            {"r": run_id},
-        ).all()
-        buffers = c.execute(
-            text(
-                "SELECT idx, occupied, reserved, consumed_at IS NOT NULL FROM buffers"
-                " WHERE run_id = :r AND idx >= :v ORDER BY idx"
-            ),
-            {"r": run_id, "v": run.version},
-        ).all()
-        reserved = c.execute(
-            text(
-                "SELECT id, reserved_buffer, min_version FROM prompt_groups"
-                " WHERE run_id = :r AND state = 'reserved' ORDER BY id"
-            ),
-            {"r": run_id},
-        ).all()
-    return {
-        "taken_at": taken_at,
-        "run_version": run.version,
-        "ps_version": ps,
-        "config": {k: getattr(run, k) for k in CONFIG_COLUMNS},
-        "instances": [
-            {"instance_id": i[0], "name": i[1], "version": i[2], "heartbeat_at": i[3], "lease_expires_at": i[4],
-             "snapshot": i[5]}
-            for i in instances
-        ],
-        "queued": [
-            {"sample_id": q[0], "group_id": q[1], "length": q[2], "v_traj": q[3], "tokens": q[4], "last_version": q[5]}
-            for q in queued
-        ],
-        "buffers": buffer_rows(buffers, run),
-        "reserved_groups": [{"group_id": g[0], "buffer": g[1], "min_version": g[2]} for g in reserved],
-    }
-
-
-def buffer_rows(rows: Sequence[Any], run: RunRow) -> list[dict[str, Any]]:
-    return [
-        {"index": b[0], "occupied": b[1], "reserved": b[2], "state": buffer_state(BufferCounts(*b), run.limits)}
-        for b in rows
-    ]
 
 
 AUDIT_VIEWS = {

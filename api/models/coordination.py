@@ -3,52 +3,81 @@
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any
+from typing import Annotated, Any
 
 from pydantic import Field
 
 from staleflow_db.enums import DropReason
 from staleflow_db.types import RouteOutcome
 
-from .common import INT64_MAX, Id, In, Out, Version
-from .runs import BufferOut, RunConfigOut
+from .common import INT64_MAX, Id, In, LeaseSeconds, Name, Out, Version
 
 
-class InstanceView(Out):
+class RunningOut(Out):
+    sample_id: int
+    tokens: int = Field(description="response tokens reported so far")
+
+
+class InstanceViewOut(Out):
     instance_id: int
     name: str
     version: int
-    heartbeat_at: datetime | None = Field(description="time of the latest snapshot")
-    lease_expires_at: datetime
     snapshot: dict[str, Any] = Field(description="as the instance last reported it (see InstanceSnapshotIn)")
+    snapshot_age_s: float | None = Field(description="seconds since that snapshot; None: none yet")
+    running: list[RunningOut] = Field(description="its running samples, from the database")
 
 
 class QueuedSampleOut(Out):
     sample_id: int
     group_id: int
-    length: int = Field(description="prompt + tokens so far: the KV it needs")
-    v_traj: int | None = Field(description="None: never routed")
-    tokens: int = Field(description="response tokens generated so far")
+    v_traj: int | None = Field(description="None: fresh, takes the version of the instance it is routed to")
     last_version: int | None = Field(description="version of its latest segment")
+    length: int = Field(description="prompt + response tokens so far: the KV it needs")
+    group_buffer: int | None = Field(description="the group's reserved buffer (join rule), if any")
 
 
-class ReservedGroupOut(Out):
-    group_id: int
-    buffer: int
-    min_version: int
+class SnapshotBufferOut(Out):
+    index: int
+    occupied: int
+    reserved: int
 
 
 class ClusterSnapshotOut(Out):
     """One read-only transaction: everything a coordinator cycle decides from (SPEC §4)."""
 
-    taken_at: datetime
-    run_version: int
-    ps_version: int | None = Field(description="latest published parameter version")
-    config: RunConfigOut
-    instances: list[InstanceView]
+    run_id: int
+    version: int
+    config: dict[str, Any]
+    buffers: list[SnapshotBufferOut] = Field(description="unconsumed buffers")
+    instances: list[InstanceViewOut] = Field(description="active instances with a live lease")
     queued: list[QueuedSampleOut]
-    buffers: list[BufferOut]
-    reserved_groups: list[ReservedGroupOut]
+    latest_params: int | None = Field(description="latest published parameter version")
+
+
+class LeaseIn(In):
+    holder: Name = Field(description="this coordinator process (e.g. host:pid)")
+    ttl_seconds: LeaseSeconds = 5.0
+
+
+class LeaseOut(Out):
+    epoch: int | None = Field(description="the leadership epoch; None while another holder's lease is live")
+
+
+class ReleaseIn(In):
+    holder: Name
+
+
+class CycleIn(In):
+    """One coordinator cycle's commands, applied in one transaction fenced by holder and epoch."""
+
+    holder: Name
+    epoch: int = Field(ge=0, le=INT64_MAX)
+    routes: list[tuple[Id, Id]] = Field(default_factory=list, description="(sample_id, instance_id)")
+    interrupts: list[Id] = Field(default_factory=list)
+    pulls: list[tuple[Id, Version]] = Field(default_factory=list, description="(instance_id, target_version)")
+    cycle: dict[str, Annotated[float, Field(allow_inf_nan=False, ge=-1e12, le=1e12)]] | None = Field(
+        None, description="timings and counts to record: snapshot_ms, decide_ms, write_ms, migrated"
+    )
 
 
 class Fenced(In):

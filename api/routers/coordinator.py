@@ -12,14 +12,16 @@ from fastapi import APIRouter, Depends, Path
 
 from staleflow_db.enums import Role
 from staleflow_db.protocol.base import load_run
+from staleflow_db.protocol.rollout import interrupt_running
 from staleflow_db.types import RouteOutcome
 
 from .. import queries
 from ..auth import Principal
 from ..deps import IdempotencyKey, RunId, State, allow_run
 from ..models import (
-    AbortedOut, AbortGroupIn, AbortGroupOut, AbortSamplesIn, ClusterSnapshotOut, CommandsOut, DroppedGroupsOut, ExpireOut, InterruptIn,
-    PullIn, RouteIn, RouteOut, errors,
+    AbortedOut, AbortGroupIn, AbortGroupOut, AbortSamplesIn, ClusterSnapshotOut, CommandsOut, CycleIn, DroppedGroupsOut,
+    ExpireOut, InstanceViewOut, InterruptIn, LeaseIn, LeaseOut, PullIn, QueuedSampleOut, ReleaseIn, RouteIn, RouteOut,
+    RunningOut, SnapshotBufferOut, errors,
 )
 from ..notify import BATCH, WORK, instance_topic
 from ..service import dump, scoped_key
@@ -30,9 +32,63 @@ Coordinator = Depends(allow_run(Role.COORDINATOR))
 
 @router.get("/snapshot", response_model=ClusterSnapshotOut)
 def snapshot(run_id: RunId, state: State, who: Principal = Coordinator) -> ClusterSnapshotOut:
-    """Active instances with their latest snapshots, queued samples with lengths, unconsumed
-    buffers and reserved groups, from one repeatable-read transaction."""
-    return ClusterSnapshotOut.model_validate(queries.snapshot(state.engine, run_id))
+    """Active instances with their latest snapshots and running samples, queued samples with
+    lengths, unconsumed buffers, from one repeatable-read transaction."""
+    snap = state.protocol.snapshot(run_id)
+    return ClusterSnapshotOut(
+        run_id=snap.run_id, version=snap.version, config=snap.config, latest_params=snap.latest_params,
+        buffers=[SnapshotBufferOut(index=i, occupied=o, reserved=r) for i, (o, r) in sorted(snap.buffers.items())],
+        instances=[
+            InstanceViewOut(
+                instance_id=i.id, name=i.name, version=i.version, snapshot=i.snapshot, snapshot_age_s=i.snapshot_age_s,
+                running=[RunningOut(sample_id=s, tokens=n) for s, n in i.running],
+            )
+            for i in snap.instances
+        ],
+        queued=[QueuedSampleOut.model_validate(dump(q)) for q in snap.queued],
+    )
+
+
+@router.post("/coordinator/lease", response_model=LeaseOut)
+def acquire_lease(run_id: RunId, body: LeaseIn, state: State, who: Principal = Coordinator) -> LeaseOut:
+    """Become or stay the run's coordinator: the epoch to fence writes with, or None while
+    another holder's lease is live. Taking over bumps the epoch (fencing the old leader)."""
+    return LeaseOut(epoch=state.protocol.acquire_leadership(run_id, body.holder, body.ttl_seconds))
+
+
+@router.post("/coordinator/release", response_model=LeaseOut)
+def release_lease(run_id: RunId, body: ReleaseIn, state: State, who: Principal = Coordinator) -> LeaseOut:
+    """Step down (a standby may take over at once)."""
+
+    def call(conn) -> LeaseOut:
+        load_run(conn, run_id, lock=False)
+        state.protocol.release_leadership(run_id, body.holder)
+        return LeaseOut(epoch=None)
+
+    return state.protocol.once(None, "release", None, call, LeaseOut)[0]
+
+
+@router.post("/coordinator/cycle", response_model=RouteOut, responses=errors(409, 413))
+def cycle(run_id: RunId, body: CycleIn, state: State, key: IdempotencyKey = None, who: Principal = Coordinator) -> RouteOut:
+    """One cycle's routes, interrupts and pulls in one transaction, refused (409) unless
+    `holder` leads the run at `epoch`."""
+
+    def call(_conn) -> RouteOut:
+        results = state.protocol.apply_commands(
+            run_id, body.holder, body.epoch, body.routes, body.interrupts, body.pulls, body.cycle,
+        )
+        return RouteOut.model_validate({"results": dump(results)})
+
+    out, replayed = state.protocol.once(scoped_key(key, f"run{run_id}"), "cycle", body, call, RouteOut)
+    if not replayed:
+        routed = {r.sample_id for r in out.results if r.outcome == RouteOutcome.ROUTED}
+        topics = {instance_topic(i) for s, i in body.routes if s in routed}
+        topics |= {instance_topic(i) for i, _ in body.pulls}
+        if body.interrupts:
+            topics.add(WORK)
+        if topics:
+            state.notifier.publish(run_id, *topics)
+    return out
 
 
 @router.post("/routes", response_model=RouteOut, responses=errors(409, 413))
@@ -64,7 +120,7 @@ def interrupt(
     def call(conn) -> CommandsOut:
         queries.check_epoch(conn, run_id, body.epoch)
         load_run(conn, run_id, lock=False)
-        return CommandsOut(commands=state.protocol.interrupt(run_id, body.sample_ids, body.epoch))
+        return CommandsOut(commands=interrupt_running(conn, run_id, body.sample_ids, body.epoch))
 
     out, _ = state.protocol.once(scoped_key(key, f"run{run_id}"), "interrupt", body, call, CommandsOut)
     state.notifier.publish(run_id, WORK)

@@ -1,0 +1,161 @@
+"""Helpers for the API tests: a real `staleflow serve` subprocess on a free port, tokens, an
+in-process app behind starlette's TestClient (an httpx client), and a full protocol walk."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+import httpx
+
+from api.auth import create_token
+from api.settings import ApiSettings
+from staleflow_db.db import make_engine
+from staleflow_db.settings import Settings
+from workers.client import StaleFlowClient
+
+with warnings.catch_warnings():  # starlette nags about httpx; it is what the client uses
+    warnings.simplefilter("ignore")
+    from starlette.testclient import TestClient
+
+REPO = Path(__file__).resolve().parent.parent
+ROLES = ("admin", "rollout", "reward", "trainer", "coordinator")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ApiServer:
+    """`python -m workers.cli serve` against `db_url`, as its own process."""
+
+    def __init__(self, db_url: str, **env: str):
+        self.db_url, self.port = db_url, free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.env = {**os.environ, "STALEFLOW_DATABASE_URL": db_url, **env}
+        self.log = tempfile.NamedTemporaryFile(prefix="sf-api-", suffix=".log", delete=False)
+        self.proc: subprocess.Popen | None = None
+
+    def launch(self) -> ApiServer:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "workers.cli", "serve", "--port", str(self.port), "--no-upgrade"],
+            cwd=REPO, env=self.env, stdout=self.log, stderr=subprocess.STDOUT,
+        )
+        return self
+
+    def start(self, timeout: float = 30.0) -> ApiServer:
+        """Launch (unless launched) and wait until it answers."""
+        if self.proc is None:
+            self.launch()
+        assert self.proc is not None
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"API server exited with {self.proc.returncode}:\n{self.output()}")
+            try:
+                if httpx.get(self.url + "/healthz", timeout=1.0).status_code == 200:
+                    return self
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+        self.stop()
+        raise RuntimeError(f"API server did not come up in {timeout}s:\n{self.output()}")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+
+    def output(self) -> str:
+        self.log.flush()
+        return Path(self.log.name).read_text(errors="replace")[-5000:]
+
+    def client(self, token: str | None, **kw: Any) -> StaleFlowClient:
+        return StaleFlowClient(self.url, token, **kw)
+
+    def __enter__(self) -> ApiServer:
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+        os.unlink(self.log.name)
+
+
+def token(db_url: str, role: str, run_id: int | None = None) -> str:
+    engine = make_engine(db_url)
+    try:
+        return create_token(engine, role, run_id)["token"]
+    finally:
+        engine.dispose()
+
+
+def app_settings(db_url: str, **kw: Any) -> ApiSettings:
+    return ApiSettings(db=Settings(database_url=db_url), **kw)
+
+
+@contextmanager
+def in_process(db_url: str, **settings: Any) -> Iterator[TestClient]:
+    """The app in this process (lifespan included) behind a synchronous httpx client."""
+    from api.app import create_app
+
+    with TestClient(create_app(app_settings(db_url, **settings)), raise_server_exceptions=False) as http:
+        yield http
+
+
+def walk_lifecycle(
+    admin: StaleFlowClient, roles: dict[str, StaleFlowClient], run_id: int, batch_source: Any = None,
+) -> dict[str, Any]:
+    """Drive one full step through the API: enqueue -> register -> route -> segments (a partial,
+    an interrupt and a continuation) -> rewards -> occupy -> consume -> publish.
+    `batch_source()` replaces the trainer's own consume (e.g. a long-poll already waiting)."""
+    rollout, reward, trainer, coord = roles["rollout"], roles["reward"], roles["trainer"], roles["coordinator"]
+    status = admin.run_status(run_id)
+    B, N = status.config.batch_size, status.config.group_size
+    trainer.enqueue(run_id, [(f"p{i}", [1, 2, 3 + i]) for i in range(B)])
+    inst = rollout.register(run_id, "gpu0", 0).instance_id
+    rollout.heartbeat(run_id, inst, 0, {"running": 0, "waiting": 0, "kv_used": 0, "kv_capacity": 4096})
+    queued = [q.sample_id for q in coord.snapshot(run_id).queued]
+    results = coord.route(run_id, [(s, inst) for s in queued])
+    assert all(r.outcome == "routed" for r in results), results
+    work = rollout.poll(run_id, inst, wait=5).work
+    assert sorted(w.sample_id for w in work) == sorted(queued)
+    first = work[0]
+    # A partial checkpoint, then an interrupt: the sample returns to the queue with its tokens.
+    rollout.report(run_id, [{"sample_id": first.sample_id, "attempt": first.attempt, "version": 0,
+                             "tokens": [7], "logprobs": [-0.5], "kind": "partial"}])
+    assert coord.interrupt(run_id, [first.sample_id]) == 1
+    cmds = rollout.poll(run_id, inst, wait=5).commands
+    assert [(c.kind, c.sample_id) for c in cmds] == [("interrupt", first.sample_id)]
+    rollout.report(run_id, [{"sample_id": first.sample_id, "attempt": first.attempt, "version": 0,
+                             "tokens": [8], "logprobs": [-0.25], "kind": "interrupted"}])
+    (again,) = coord.route(run_id, [(first.sample_id, inst)])
+    (cont,) = rollout.poll(run_id, inst, wait=5).work
+    assert cont.prefix_tokens == [7, 8] and cont.attempt == again.attempt
+    finished = [w for w in work if w.sample_id != first.sample_id] + [cont]
+    rollout.report(run_id, [{"sample_id": w.sample_id, "attempt": w.attempt, "version": 0,
+                             "tokens": [9, 10], "logprobs": [-0.1, -0.2]} for w in finished])
+    tasks = reward.claim(run_id, limit=100, wait=5)
+    assert len(tasks) == B * N
+    outcomes = reward.record_rewards(run_id, [(t.sample_id, t.reward_attempt, float(t.sample_id % 2)) for t in tasks])
+    assert {o.state for o in outcomes} == {"occupied"} and len(outcomes) == B
+    batch = batch_source() if batch_source else trainer.consume(run_id, 0, wait=5)
+    assert batch is not None and len(batch.groups) == B
+    new = trainer.publish(run_id, 0, batch.lease, size_bytes=123, checksum="sha256:0", location="ps://0")
+    rollout.deregister(run_id, inst)
+    return {"instance": inst, "batch": batch, "version": new, "continued": cont}

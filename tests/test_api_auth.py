@@ -1,0 +1,140 @@
+"""The auth matrix: every endpoint x every role, plus no token, a bad token and a token of
+another run. Allowed callers get past auth (any status but 401/403: the ids here may not
+exist); everyone else gets 401 (no or bad token) or 403 (wrong role or run)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from api.auth import create_token
+from staleflow_db.protocol import Protocol
+from staleflow_db.types import RunConfig
+from tests.api_helpers import ROLES, in_process
+
+ALL = set(ROLES)
+ADMIN = {"admin"}
+TRAINER_COORD = {"admin", "trainer", "coordinator"}
+ROLLOUT, REWARD, TRAINER, COORD = ({"admin", r} for r in ("rollout", "reward", "trainer", "coordinator"))
+
+# (method, path, json body, allowed roles, status for an allowed token of *another* run)
+# {A}: the run the tokens belong to. Bodies are valid, so allowed callers are not stopped at 422.
+RUN_CFG = {"name": "made-by-matrix", "config": {"batch_size": 1, "group_size": 1, "eta": 0}}
+MATRIX: list[tuple[str, str, Any, set[str], int]] = [
+    ("POST", "/v1/runs", RUN_CFG, ADMIN, 403),
+    ("GET", "/v1/runs", None, ALL, 200),  # lists only the token's own run
+    ("GET", "/v1/runs/{A}", None, ALL, 403),
+    ("GET", "/v1/runs/{A}/versions", None, ALL, 403),
+    ("POST", "/v1/runs/{A}/prompts", {"prompts": [{"client_key": "k", "prompt_tokens": [1]}]}, TRAINER_COORD, 403),
+    ("POST", "/v1/tokens", {"role": "rollout", "run_id": "{A}"}, ADMIN, 403),
+    ("GET", "/v1/tokens", None, ADMIN, 200),  # lists only the token's own run
+    ("DELETE", "/v1/tokens/999999", None, ADMIN, 404),
+    ("POST", "/v1/runs/{A}/instances", {"name": "i", "version": 0}, ROLLOUT, 403),
+    ("POST", "/v1/runs/{A}/instances/{I}/heartbeat", {"version": 0}, ROLLOUT, 403),
+    ("DELETE", "/v1/runs/{A}/instances/{I}", None, ROLLOUT, 403),
+    ("POST", "/v1/runs/{A}/instances/{I}/poll?wait=0", None, ROLLOUT, 403),
+    ("POST", "/v1/runs/{A}/segments",
+     {"reports": [{"sample_id": 1, "attempt": 1, "version": 0, "tokens": [], "logprobs": []}]}, ROLLOUT, 403),
+    ("POST", "/v1/runs/{A}/rewards/claim?wait=0", {"limit": 1}, REWARD, 403),
+    ("POST", "/v1/runs/{A}/rewards", {"rewards": [{"sample_id": 1, "reward_attempt": 1, "reward": 1.0}]}, REWARD, 403),
+    ("POST", "/v1/runs/{A}/batches/0/consume?wait=0", None, TRAINER, 403),
+    ("POST", "/v1/runs/{A}/batches/0/publish", {"lease": 1}, TRAINER, 403),
+    ("GET", "/v1/runs/{A}/snapshot", None, COORD, 403),
+    ("POST", "/v1/runs/{A}/coordinator/lease", {"holder": "h"}, COORD, 403),
+    ("POST", "/v1/runs/{A}/coordinator/release", {"holder": "nobody"}, COORD, 403),
+    ("POST", "/v1/runs/{A}/coordinator/cycle", {"holder": "h", "epoch": 99}, COORD, 403),
+    ("POST", "/v1/runs/{A}/routes", {"routes": [{"sample_id": 1, "instance_id": 1}]}, COORD, 403),
+    ("POST", "/v1/runs/{A}/commands/interrupt", {"sample_ids": [1]}, COORD, 403),
+    ("POST", "/v1/runs/{A}/commands/pull", {"instance_ids": ["{I}"]}, COORD, 403),
+    ("POST", "/v1/runs/{A}/samples/abort", {"sample_ids": [999999]}, COORD, 403),
+    ("POST", "/v1/runs/{A}/groups/999999/abort", {}, COORD, 403),
+    ("POST", "/v1/runs/{A}/abort-after-ready", None, COORD, 403),
+    ("POST", "/v1/runs/{A}/instances/expire", None, COORD, 403),
+    ("GET", "/v1/audit/trained?run_id={A}", None, TRAINER_COORD, 403),
+    ("GET", "/v1/audit/dropped?run_id={A}", None, TRAINER_COORD, 403),
+    ("GET", "/v1/audit/violations?run_id={A}", None, TRAINER_COORD, 403),
+]
+PUBLIC = [("GET", "/healthz"), ("GET", "/readyz"), ("GET", "/metrics")]
+
+
+def _fill(value: Any, ids: dict[str, int]) -> Any:
+    if isinstance(value, str):
+        for k, v in ids.items():
+            if value == "{" + k + "}":
+                return v
+            value = value.replace("{" + k + "}", str(v))
+        return value
+    if isinstance(value, dict):
+        return {k: _fill(v, ids) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_fill(v, ids) for v in value]
+    return value
+
+
+def test_every_endpoint_by_every_role(db_url, engine):
+    p = Protocol(engine)
+    run_a = p.create_run("a", RunConfig(batch_size=1, group_size=1, eta=0))
+    run_b = p.create_run("b", RunConfig(batch_size=1, group_size=1, eta=0))
+    ids = {"A": run_a, "I": p.register_instance(run_a, "i", 0)}
+    mine = {r: create_token(engine, r, run_a)["token"] for r in ROLES}
+    mine["admin"] = create_token(engine, "admin")["token"]  # creating runs needs an all-runs admin
+    theirs = {r: create_token(engine, r, run_b)["token"] for r in ROLES}
+    scoped_admin = create_token(engine, "admin", run_a)["token"]
+
+    failures: list[str] = []
+    with in_process(db_url, max_wait=0.2) as http:
+        schema = http.get("/openapi.json").json()["paths"]
+        endpoints = {(m.upper(), path) for path, ops in schema.items() for m in ops if path.startswith("/v1")}
+        covered = {(m, _fill(path, ids).split("?")[0]) for m, path, *_ in MATRIX}
+        concrete = {(m, p.replace("{run_id}", str(run_a)).replace("{instance_id}", str(ids["I"]))) for m, p in endpoints}
+        assert {e for e in concrete if "{" not in e[1]} <= covered, "an endpoint is missing from the matrix"
+        assert len(endpoints) == len(MATRIX) and len(covered) == len(MATRIX)
+
+        def call(method: str, path: str, body: Any, tok: str | None) -> int:
+            headers = {"Authorization": f"Bearer {tok}"} if tok else {}
+            return http.request(method, path, json=body, headers=headers).status_code
+
+        for method, path, body, allowed, other_run in MATRIX:
+            path, body = _fill(path, ids), _fill(body, ids)
+            where = f"{method} {path}"
+            for bad in (None, "sf_not-a-token"):
+                if (got := call(method, path, body, bad)) != 401:
+                    failures.append(f"{where} with token {bad!r}: {got}, expected 401")
+            for role in ROLES:
+                got = call(method, path, body, mine[role])
+                if role in allowed and got in (401, 403):
+                    failures.append(f"{where} as {role}: {got}, expected to pass auth")
+                if role not in allowed and got != 403:
+                    failures.append(f"{where} as {role}: {got}, expected 403")
+            role = sorted(allowed - {"admin"})[0] if allowed != ADMIN and allowed != ALL else "admin"
+            if (got := call(method, path, body, theirs[role])) != other_run:
+                failures.append(f"{where} as {role} of another run: {got}, expected {other_run}")
+            if method == "POST" and path == "/v1/runs" and call(method, path, body, scoped_admin) != 403:
+                failures.append("a run-scoped admin created a run")
+        for method, path in PUBLIC:
+            if (got := call(method, path, None, None)) != 200:
+                failures.append(f"{method} {path} without a token: {got}, expected 200")
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize("action", ["consume", "publish"])
+def test_rollout_token_can_never_train(db_url, engine, action):
+    run = Protocol(engine).create_run("r", RunConfig(batch_size=1, group_size=1, eta=0))
+    rollout = create_token(engine, "rollout")["token"]  # even one valid for every run
+    with in_process(db_url) as http:
+        body = {"lease": 1} if action == "publish" else None
+        r = http.post(f"/v1/runs/{run}/batches/0/{action}", json=body, headers={"Authorization": f"Bearer {rollout}"})
+    assert r.status_code == 403 and r.json()["error"]["code"] == "forbidden"
+
+
+def test_revoked_token_is_refused(db_url, engine):
+    admin = create_token(engine, "admin")
+    victim = create_token(engine, "trainer")
+    with in_process(db_url, token_cache_seconds=0) as http:
+        auth = {"Authorization": f"Bearer {victim['token']}"}
+        assert http.get("/v1/runs", headers=auth).status_code == 200
+        r = http.delete(f"/v1/tokens/{victim['id']}", headers={"Authorization": f"Bearer {admin['token']}"})
+        assert r.json() == {"id": victim["id"], "revoked": True}
+        r = http.get("/v1/runs", headers=auth)
+        assert r.status_code == 401 and r.headers["WWW-Authenticate"] == "Bearer"

@@ -1,0 +1,158 @@
+"""End to end over real HTTP: `staleflow serve` subprocesses on the test database, spoken to
+through the worker client. Lifecycle, long-poll wake-ups across replicas, a PostgreSQL
+restart, and request-id replay of a call whose response was lost."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import pytest
+
+from staleflow_db import migrate
+from tests.api_helpers import ROLES, ApiServer, token, walk_lifecycle
+from workers.client import Conflict, StaleFlowClient
+
+pytestmark = pytest.mark.slow
+
+
+def _role_clients(server: ApiServer, db_url: str, run_id: int) -> dict[str, StaleFlowClient]:
+    return {r: server.client(token(db_url, r, run_id)) for r in ROLES}
+
+
+def test_lifecycle_over_http_with_clean_audit(db_url):
+    with ApiServer(db_url) as server:
+        admin = server.client(token(db_url, "admin"))
+        run = admin.create_run("e2e", batch_size=2, group_size=2, eta=1, samples_per_group=2)
+        roles = _role_clients(server, db_url, run.id)
+
+        # The trainer long-polls before anything exists: the rewards' commit must wake it.
+        woke: dict[str, object] = {}
+
+        def trainer_waits() -> None:
+            t0 = time.monotonic()
+            woke["batch"] = roles["trainer"].consume(run.id, 0, wait=25)
+            woke["after"] = time.monotonic() - t0
+
+        waiter = threading.Thread(target=trainer_waits)
+        waiter.start()
+
+        def batch_from_waiter():
+            waiter.join(30)
+            return woke["batch"]
+
+        out = walk_lifecycle(admin, roles, run.id, batch_from_waiter)
+        assert out["batch"] is not None and woke["after"] < 20
+
+        assert out["version"] == 1
+        assert admin.run_status(run.id).version == 1
+        assert admin.violations(run.id) == []
+        trained = admin.trained_samples(run.id)
+        assert len(trained) == 4 and {t.step for t in trained} == {0}
+        assert all(0 <= t.staleness <= 1 for t in trained)
+        cont = next(t for t in trained if t.sample_id == out["continued"].sample_id)
+        assert cont.n_segments == 3 and cont.n_tokens == 4
+        assert admin.param_versions(run.id)[0].location == "ps://0"
+        metrics = admin.metrics()
+        assert f'staleflow_run_version{{run="{run.id}"}} 1.0' in metrics
+        assert "staleflow_api_request_seconds_bucket" in metrics and "staleflow_staleness_bucket" in metrics
+
+
+def test_long_poll_wakes_on_commit_through_another_replica(db_url):
+    # Replica A re-checks only every 30 s: a prompt wake-up can come from NOTIFY alone.
+    a, b = ApiServer(db_url, STALEFLOW_API_POLL_INTERVAL="30").launch(), ApiServer(db_url).launch()
+    with a, b:  # launched together, waited for in turn
+        admin = b.client(token(db_url, "admin"))
+        run = admin.create_run("replicas", batch_size=1, group_size=1, eta=0)
+        on_a, on_b = _role_clients(a, db_url, run.id), _role_clients(b, db_url, run.id)
+        on_b["trainer"].enqueue(run.id, [("only", [1, 2])])
+        inst = on_a["rollout"].register(run.id, "gpu0", 0).instance_id
+        for _ in range(50):  # A's LISTEN connection comes up in the background
+            if on_a["admin"].readyz()["listening"]:
+                break
+            time.sleep(0.1)
+
+        got: dict[str, object] = {}
+
+        def poll_on_a() -> None:
+            t0 = time.monotonic()
+            got["work"] = on_a["rollout"].poll(run.id, inst, wait=25).work
+            got["after"] = time.monotonic() - t0
+
+        t = threading.Thread(target=poll_on_a)
+        t.start()
+        time.sleep(0.5)  # the poll is waiting on A
+        (sample,) = [q.sample_id for q in on_b["coordinator"].snapshot(run.id).queued]
+        assert on_b["coordinator"].route(run.id, [(sample, inst)])[0].outcome == "routed"
+        t.join(30)
+        assert [w.sample_id for w in got["work"]] == [sample]
+        assert got["after"] < 5, f"woke after {got['after']:.1f}s: NOTIFY did not reach replica A"
+
+
+class DropFirstResponse(httpx.HTTPTransport):
+    """Delivers the request, then loses the response once, as a network fault would."""
+
+    def __init__(self, path_suffix: str):
+        super().__init__()
+        self.suffix, self.dropped = path_suffix, 0
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        response = super().handle_request(request)
+        if request.url.path.endswith(self.suffix) and not self.dropped:
+            response.read()
+            self.dropped += 1
+            raise httpx.ReadError("connection reset after the server answered")
+        return response
+
+
+def test_retry_after_lost_response_replays_stored_outcome(db_url):
+    with ApiServer(db_url) as server:
+        admin = server.client(token(db_url, "admin"))
+        run = admin.create_run("replay", batch_size=1, group_size=1, eta=0)
+        roles = _role_clients(server, db_url, run.id)
+        roles["trainer"].enqueue(run.id, [("k", [1])])
+        inst = roles["rollout"].register(run.id, "gpu0", 0).instance_id
+        (sample,) = [q.sample_id for q in roles["coordinator"].snapshot(run.id).queued]
+        roles["coordinator"].route(run.id, [(sample, inst)])
+
+        lossy = httpx.Client(base_url=server.url, transport=DropFirstResponse("/poll"))
+        flaky = StaleFlowClient(token=roles["rollout"].token, http=lossy)
+        (work,) = flaky.poll(run.id, inst, wait=5).work  # delivered once, lost, replayed
+        assert work.sample_id == sample
+
+        lossy = httpx.Client(base_url=server.url, transport=DropFirstResponse("/segments"))
+        flaky = StaleFlowClient(token=roles["rollout"].token, http=lossy)
+        report = [{"sample_id": sample, "attempt": work.attempt, "version": 0, "tokens": [3], "logprobs": [-1.0]}]
+        assert flaky.report(run.id, report) == 1  # the retry is not a stale attempt
+        with pytest.raises(Conflict):  # a genuinely new call with the same data is
+            roles["rollout"].report(run.id, report)
+        assert admin.run_status(run.id).samples == {"finished": 1}
+
+
+def test_survives_postgres_restart(embedded_pg):
+    embedded_pg.start()
+    url = embedded_pg.url()
+    migrate.upgrade(url)
+    with ApiServer(url) as server:
+        admin = server.client(token(url, "admin"), retry_for=60)
+        run = admin.create_run("restart", batch_size=1, group_size=1, eta=0)
+        embedded_pg.stop()
+        raw = httpx.get(f"{server.url}/v1/runs/{run.id}", headers={"Authorization": f"Bearer {admin.token}"}, timeout=10)
+        assert raw.status_code == 503 and raw.headers["Retry-After"]
+        assert raw.json()["error"]["code"] == "database_unavailable"
+        assert httpx.get(f"{server.url}/readyz", timeout=10).status_code == 503
+
+        result: dict[str, object] = {}
+        t = threading.Thread(target=lambda: result.update(ids=admin.enqueue(run.id, [("during", [1])])))
+        t.start()  # retried on 503 until the database is back
+        time.sleep(1.0)
+        embedded_pg.start()
+        t.join(60)
+        assert len(result["ids"]) == 1
+        assert admin.run_status(run.id).groups == {"queued": 1}
+        for _ in range(100):
+            if httpx.get(f"{server.url}/readyz", timeout=10).json()["listening"]:
+                break
+            time.sleep(0.1)
+        assert httpx.get(f"{server.url}/readyz", timeout=10).status_code == 200
