@@ -15,7 +15,7 @@ from staleflow_db.db import database_url, make_engine
 from . import errors
 from .auth import TokenCache
 from .deps import AppState
-from .errors import BodyTooLarge, error_body
+from .errors import error_body
 from .metrics import LatencyMiddleware, Metrics
 from .notify import Notifier
 from .routers import audit, coordinator, health, rollout, runs, training
@@ -72,7 +72,9 @@ def app_from_env() -> FastAPI:
 
 
 class BodyLimit:
-    """Refuse bodies over the limit before they are read into memory (413)."""
+    """Refuse bodies over the limit with 413 before the app sees them. A declared length is
+    checked up front; a chunked body is read here (counting) and handed on from memory,
+    because an error raised while FastAPI reads the body would become a 400."""
 
     def __init__(self, app: ASGIApp, max_bytes: int):
         self.app, self.max_bytes = app, max_bytes
@@ -81,22 +83,31 @@ class BodyLimit:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        for name, value in scope.get("headers", ()):
-            if name == b"content-length" and value.isdigit() and int(value) > self.max_bytes:
+        length = next((v for k, v in scope.get("headers", ()) if k == b"content-length"), None)
+        if length is not None:
+            if length.isdigit() and int(length) > self.max_bytes:
                 await _send_413(send, self.max_bytes)
                 return
+            await self.app(scope, receive, send)
+            return
+        messages: list[Message] = []
         seen = 0
-
-        async def limited() -> Message:
-            nonlocal seen
+        while True:
             message = await receive()
-            if message["type"] == "http.request":
-                seen += len(message.get("body", b""))
-                if seen > self.max_bytes:
-                    raise BodyTooLarge(f"request body over {self.max_bytes} bytes")
-            return message
+            messages.append(message)
+            if message["type"] != "http.request":
+                break
+            seen += len(message.get("body", b""))
+            if seen > self.max_bytes:
+                await _send_413(send, self.max_bytes)
+                return
+            if not message.get("more_body", False):
+                break
 
-        await self.app(scope, limited, send)
+        async def replay() -> Message:
+            return messages.pop(0) if messages else await receive()
+
+        await self.app(scope, replay, send)
 
 
 async def _send_413(send: Send, limit: int) -> None:

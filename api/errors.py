@@ -27,10 +27,6 @@ HTTP_CODES = {
 }
 
 
-class BodyTooLarge(Exception):
-    pass
-
-
 def error_body(code: str, message: str, **extra: Any) -> dict[str, Any]:
     return {"error": {"code": code, "message": message, **extra}}
 
@@ -72,10 +68,6 @@ def install(app: FastAPI, retry_after: int) -> None:
             items = [{"id": i, "reason": why} for i, why in exc.items[:100]]
             return _json(409, exc.code, str(exc), items=items)
         return _json(400, exc.code, str(exc))
-
-    @app.exception_handler(BodyTooLarge)
-    async def body_too_large(_: Request, exc: BodyTooLarge) -> JSONResponse:
-        return _json(413, "too_large", str(exc))
 
     @app.exception_handler(DBAPIError)
     async def database(_: Request, exc: DBAPIError) -> JSONResponse:

@@ -1,0 +1,142 @@
+"""Hand-written bad input: oversized payloads, stale attempts, publishing out of order, unknown
+ids, malformed bodies, reused request ids. Each is a clear 4xx JSON error that changes nothing."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from sqlalchemy import text
+
+from api.auth import create_token
+from staleflow_db.protocol import Prompt, Protocol
+from staleflow_db.types import RunConfig
+from tests.api_helpers import in_process
+
+TABLES = ("runs", "prompt_groups", "samples", "segments", "buffers", "commands", "events", "idempotency",
+          "param_versions", "instances", "api_tokens")
+
+
+def fingerprint(engine) -> dict[str, object]:
+    """Every table's rows, hashed: equal before and after means nothing changed."""
+    with engine.connect() as c:
+        return {t: c.execute(text(f"SELECT md5(coalesce(string_agg(x::text, ',' ORDER BY x::text), '')) FROM {t} x")).scalar()
+                for t in TABLES}
+
+
+@pytest.fixture
+def world(db_url, engine):
+    """A run with one routed, running sample (attempt known) and one instance, and an admin."""
+    p = Protocol(engine)
+    run = p.create_run("r", RunConfig(batch_size=1, group_size=1, eta=0, max_response_tokens=8, max_prompt_tokens=4))
+    (group,) = p.enqueue(run, [Prompt("k", [1, 2])])
+    inst = p.register_instance(run, "gpu0", 0)
+    with engine.connect() as c:
+        sample = c.execute(text("SELECT id FROM samples WHERE group_id = :g"), {"g": group}).scalar()
+    (routed,) = p.route(run, [(sample, inst)])
+    other_run = p.create_run("other", RunConfig(batch_size=1, group_size=1, eta=0))
+    other_inst = p.register_instance(other_run, "gpu1", 0)
+    admin = create_token(engine, "admin")["token"]
+    with in_process(db_url, max_body_bytes=64 * 1024, max_wait=0.2) as http:
+        http.headers["Authorization"] = f"Bearer {admin}"
+        yield {"http": http, "run": run, "inst": inst, "sample": sample, "attempt": routed.attempt, "group": group,
+               "other_inst": other_inst, "engine": engine}
+
+
+def report(w, **over):
+    r = {"sample_id": w["sample"], "attempt": w["attempt"], "version": 0, "tokens": [5], "logprobs": [-0.1]}
+    return {"reports": [{**r, **over}]}
+
+
+def expect(response, status: int, code: str | None = None) -> dict:
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert set(body) == {"error"} and body["error"]["message"], body
+    if code:
+        assert body["error"]["code"] == code, body
+    return body["error"]
+
+
+def test_bad_input_is_a_clear_4xx_that_changes_nothing(world):
+    http, run, inst, engine = world["http"], world["run"], world["inst"], world["engine"]
+    before = fingerprint(engine)
+    seg = f"/v1/runs/{run}/segments"
+
+    # oversized: the whole body, the run's response limit, the run's prompt limit, the batch limit
+    expect(http.post(seg, content=b"{" + b" " * 70_000 + b"}", headers={"Content-Type": "application/json"}), 413, "too_large")
+    chunked = http.post(seg, content=iter([b'{"reports": [' + b" " * 40_000, b" " * 40_000 + b"]}"]),
+                        headers={"Content-Type": "application/json"})
+    expect(chunked, 413, "too_large")
+    err = expect(http.post(seg, json=report(world, tokens=list(range(9)), logprobs=[0.0] * 9)), 413, "too_large")
+    assert "8 tokens" in err["message"]
+    expect(http.post(f"/v1/runs/{run}/prompts", json={"prompts": [{"client_key": "x", "prompt_tokens": [1] * 5}]}), 422)
+    many = [{"sample_id": i + 1, "reward_attempt": 1, "reward": 0.0} for i in range(10_001)]
+    expect(http.post(f"/v1/runs/{run}/rewards", json={"rewards": many}), 413, "too_large")
+
+    # stale attempts and lost claims: 409 naming the sample
+    err = expect(http.post(seg, json=report(world, attempt=world["attempt"] - 1)), 409, "conflict")
+    assert err["items"] == [{"id": world["sample"], "reason": "lease lost (stale attempt or sample not running)"}]
+    expect(http.post(f"/v1/runs/{run}/rewards", json={"rewards": [
+        {"sample_id": world["sample"], "reward_attempt": 1, "reward": 1.0}]}), 409, "conflict")
+    expect(http.post(seg, json=report(world, version=3)), 422, "invalid_input")  # a version the run never had
+
+    # out of order: consume or publish another version than the run's, or with no lease
+    expect(http.post(f"/v1/runs/{run}/batches/1/consume"), 409, "conflict")
+    expect(http.post(f"/v1/runs/{run}/batches/1/publish", json={"lease": 1}), 409, "conflict")
+    expect(http.post(f"/v1/runs/{run}/batches/0/publish", json={"lease": 1}), 409, "conflict")  # not ready
+
+    # unknown ids, and ids of another run
+    expect(http.get("/v1/runs/999999"), 404, "not_found")
+    expect(http.post(f"/v1/runs/{run}/instances/999999/heartbeat", json={"version": 0}), 404, "not_found")
+    expect(http.post(f"/v1/runs/{run}/instances/{world['other_inst']}/poll"), 404, "not_found")
+    expect(http.post(seg, json=report(world, sample_id=999999)), 404, "not_found")
+    expect(http.post(f"/v1/runs/{run}/routes", json={"routes": [{"sample_id": 999999, "instance_id": inst}]}), 404)
+    expect(http.post(f"/v1/runs/{run}/groups/999999/abort", json={}), 404, "not_found")
+    expect(http.delete("/v1/tokens/999999"), 404, "not_found")
+    expect(http.post("/v1/tokens", json={"role": "rollout", "run_id": 999999}), 404, "not_found")
+
+    # malformed: NUL, NaN, unknown fields, broken JSON, out-of-range ints, wrong methods and paths
+    expect(http.post("/v1/runs", json={"name": "a\x00b", "config": {"batch_size": 1, "group_size": 1, "eta": 0}}), 422)
+    nan = '{"rewards": [{"sample_id": 1, "reward_attempt": 1, "reward": NaN}]}'
+    expect(http.post(f"/v1/runs/{run}/rewards", content=nan, headers={"Content-Type": "application/json"}), 422)
+    expect(http.post(seg, json={**report(world), "extra": 1}), 422, "invalid_input")
+    expect(http.post(seg, content=b"{not json", headers={"Content-Type": "application/json"}), 422)
+    expect(http.post(seg, json=report(world, version=2**31)), 422)
+    expect(http.post(seg, json=report(world, logprobs=[-0.1, -0.2])), 422)  # not aligned with tokens
+    expect(http.post(f"/v1/runs/{run}/prompts", json={"prompts": [{"client_key": "m", "prompt_tokens": [1],
+                                                                     "meta": {"x": "\x00"}}]}), 422)
+    expect(http.post("/v1/runs", json={"name": "bad", "config": {"batch_size": 2, "group_size": 1, "eta": 0,
+                                                                  "buffer_capacity": 1}}), 422, "invalid_input")
+    expect(http.get("/v1/runs/abc"), 422)
+    expect(http.put(f"/v1/runs/{run}"), 405, "method_not_allowed")
+    expect(http.get("/v1/nothing-here"), 404, "not_found")
+    expect(http.post(f"/v1/runs/{run}/segments", json=report(world), headers={"Idempotency-Key": "has space"}), 422)
+    expect(http.post(f"/v1/runs/{run}/routes", json={"routes": [{"sample_id": world["sample"], "instance_id": inst}],
+                                                     "epoch": 7}), 409, "conflict")  # not the leader's epoch
+
+    assert fingerprint(engine) == before
+
+
+def test_request_id_replays_outcome_and_refuses_other_body(world):
+    http, run = world["http"], world["run"]
+    key = {"Idempotency-Key": "rep-1"}
+    first = http.post(f"/v1/runs/{run}/segments", json=report(world, kind="partial"), headers=key)
+    assert first.status_code == 200 and first.json() == {"applied": 1}
+    before = fingerprint(world["engine"])
+    again = http.post(f"/v1/runs/{run}/segments", json=report(world, kind="partial"), headers=key)
+    assert again.status_code == 200 and again.json() == first.json()
+    assert fingerprint(world["engine"]) == before  # replayed, not applied twice
+    expect(http.post(f"/v1/runs/{run}/segments", json=report(world, tokens=[6]), headers=key), 409,
+           "idempotency_key_reused")
+    # the same key in another run is another request
+    other = http.post("/v1/runs", json={"name": "x", "config": {"batch_size": 1, "group_size": 1, "eta": 0}},
+                      headers={"Idempotency-Key": "rep-1"})
+    assert other.status_code == 201
+
+
+def test_validation_errors_name_the_field(world):
+    r = world["http"].post("/v1/runs", json={"name": "", "config": {"batch_size": 0, "group_size": 1, "eta": 0}})
+    err = expect(r, 422, "invalid_input")
+    assert "name" in err["message"] and "config.batch_size" in err["message"]
+    assert {tuple(d["loc"]) for d in err["details"]} == {("body", "name"), ("body", "config", "batch_size")}
+    assert json.loads(r.text)["error"]["code"] == "invalid_input"
