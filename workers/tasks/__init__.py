@@ -1,0 +1,1 @@
+"""Verifiable tasks: prompt generators and verifiers (reward functions)."""
