@@ -26,8 +26,8 @@ def test_math_verifier_exact_match_and_overlong_penalty():
 
 def test_repeat_verifier_rewards_symbol_count_and_stop():
     rep = VERIFIERS["repeat"]
-    meta = {"symbol": 7, "count": 3, "eos": 0}
-    assert rep([7, 7, 7, 0], "eos", meta, bytes_detokenize) == pytest.approx(1.0)
-    assert rep([7, 7, 7, 7, 7], "length", meta, bytes_detokenize) == 0.8 * 3 / 5
-    assert rep([1, 2, 0], "eos", meta, bytes_detokenize) == 0.0
-    assert 0 < rep([7, 0], "eos", meta, bytes_detokenize) < rep([7, 7, 7, 0], "eos", meta, bytes_detokenize)
+    meta = {"symbol": 7, "count": 3, "eos": 0, "max": 30}
+    assert rep([7, 7, 7, 0], "eos", meta, bytes_detokenize) == pytest.approx(1.2)
+    assert rep([7, 7, 7, 7, 7], "length", meta, bytes_detokenize) == pytest.approx(1.0 - 2 / 30)
+    assert rep([1, 2, 0], "eos", meta, bytes_detokenize) == pytest.approx(-1 / 30)
+    assert rep([7, 0], "eos", meta, bytes_detokenize) < rep([7, 7, 0], "eos", meta, bytes_detokenize) < 1.2

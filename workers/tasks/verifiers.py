@@ -72,10 +72,13 @@ def math_verifier(tokens: Sequence[int], finish_reason: str | None, meta: dict, 
 @register("repeat")
 def repeat_verifier(tokens: Sequence[int], finish_reason: str | None, meta: dict, detokenize: Detokenize) -> float:
     """The demo task: answer with `meta["symbol"]` exactly `meta["count"]` times, then EOS.
-    Partial credit per position (so a policy learning from scratch gets a signal) plus a bonus
-    for stopping at the right length."""
+
+    Partial credit per correct position, a penalty per token of length error (scaled by
+    `meta["max"]`, the response budget) and a bonus for stopping exactly: a policy learning
+    from scratch first learns to stop, then to copy the symbol, then to count."""
     symbol, count, eos = int(meta["symbol"]), int(meta["count"]), int(meta.get("eos", 0))
+    budget = int(meta.get("max", 48))
     body = list(tokens[:-1]) if tokens and tokens[-1] == eos and finish_reason == "eos" else list(tokens)
     hits = sum(1 for t in body[:count] if t == symbol)
-    stop_bonus = 1.0 if (finish_reason == "eos" and len(body) == count) else 0.0
-    return 0.8 * hits / max(count, len(body), 1) + 0.2 * stop_bonus
+    exact = finish_reason == "eos" and len(body) == count
+    return hits / count - abs(len(body) - count) / budget + (0.2 if exact else 0.0)
