@@ -1,0 +1,158 @@
+"""Experiment set-ups of SPEC §5, with the hardware numbers the simulator needs.
+
+Each set-up is a rollout cluster of H20 GPUs (96 GB, 148 dense bf16 TFLOP/s) running one of
+the fitted cost models of `cost_models.json`, and a trainer on the rest of a 128-GPU
+cluster. Derived numbers (all documented here, none tuned per policy):
+
+* KV capacity (tokens per instance) = (tp·96 GB·0.9 − weights − tp·4 GB activations) /
+  KV bytes per token (layers · KV heads · head dim · 2 (K and V) · 2 bytes).
+* Prefill rate (tokens/s per instance) = tp·148 TFLOP/s·MFU / (2·active params); MFU 0.5
+  dense, 0.3 MoE. Charged for every admission (fresh prompts and re-admitted partials alike:
+  new weights invalidate the KV cache, preempted samples are recomputed).
+* Pull time = weight bytes / (tp · 20 GB/s) + 1 s (reload, cache reset).
+* Trainer step = 10 s + tokens · 6·active params / (train GPUs · 148 TFLOP/s · MFU), MFU 0.35
+  dense, 0.2 MoE, train GPUs = 128 − rollout GPUs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from workers.coordinator.cost_model import CostModel, get_cost_model
+
+from .workload import WorkloadShape
+
+GPU_MEMORY = 96e9
+GPU_FLOPS = 148e12
+MEM_UTIL = 0.9
+ACTIVATION_RESERVE = 4e9
+PULL_BANDWIDTH = 20e9  # bytes/s per GPU
+PULL_OVERHEAD = 1.0
+TRAIN_OVERHEAD = 10.0
+CLUSTER_GPUS = 128
+
+
+@dataclass(frozen=True)
+class Setup:
+    name: str
+    model: str  # key in cost_models.json
+    parallelism: str
+    batch_size: int  # B prompts per step
+    group_size: int  # N responses per prompt
+    max_response: int
+    instances: int
+    tp: int
+    etas: tuple[int, ...]
+    params: float  # total parameters
+    active_params: float
+    layers: int
+    kv_heads: int
+    head_dim: int = 128
+    moe: bool = False
+    max_running: int = 256  # engine's max concurrent sequences (vLLM max_num_seqs)
+    train_gpus: int | None = None
+    workload: WorkloadShape = field(default_factory=WorkloadShape)
+    kv_capacity_override: int | None = None
+    prefill_rate_override: float | None = None
+    step_time_scale: float = 1.0
+
+    @property
+    def cost(self) -> CostModel:
+        return get_cost_model(self.model, self.parallelism)
+
+    @property
+    def weight_bytes(self) -> float:
+        return 2.0 * self.params
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return self.layers * self.kv_heads * self.head_dim * 2 * 2
+
+    @property
+    def kv_capacity(self) -> int:
+        if self.kv_capacity_override is not None:
+            return self.kv_capacity_override
+        free = self.tp * GPU_MEMORY * MEM_UTIL - self.weight_bytes - self.tp * ACTIVATION_RESERVE
+        return int(free // self.kv_bytes_per_token)
+
+    @property
+    def prefill_rate(self) -> float:
+        if self.prefill_rate_override is not None:
+            return self.prefill_rate_override
+        mfu = 0.3 if self.moe else 0.5
+        return self.tp * GPU_FLOPS * mfu / (2.0 * self.active_params)
+
+    @property
+    def pull_time(self) -> float:
+        return self.weight_bytes / (self.tp * PULL_BANDWIDTH) + PULL_OVERHEAD
+
+    @property
+    def rollout_gpus(self) -> int:
+        return self.instances * self.tp
+
+    @property
+    def trainer_gpus(self) -> int:
+        return self.train_gpus if self.train_gpus is not None else max(1, CLUSTER_GPUS - self.rollout_gpus)
+
+    @property
+    def train_seconds_per_token(self) -> float:
+        mfu = 0.2 if self.moe else 0.35
+        return self.step_time_scale * 6.0 * self.active_params / (self.trainer_gpus * GPU_FLOPS * mfu)
+
+    def train_step_time(self, tokens: int) -> float:
+        return TRAIN_OVERHEAD * self.step_time_scale + tokens * self.train_seconds_per_token
+
+    def scaled(self, **changes) -> "Setup":
+        """A variant (smaller cluster, batch, ...); `max_response` also rescales the workload."""
+        if "max_response" in changes and "workload" not in changes:
+            changes["workload"] = self.workload.scaled(changes["max_response"])
+        return replace(self, **changes)
+
+
+def _shape(max_response: int) -> WorkloadShape:
+    return WorkloadShape(max_response=max_response)
+
+
+SETUPS: dict[str, Setup] = {
+    "qwen_14b": Setup(
+        "qwen_14b", "qwen_14b", "TP1_PP1", batch_size=128, group_size=16, max_response=20_000,
+        instances=32, tp=1, etas=(1, 2, 3), params=14.8e9, active_params=14.8e9, layers=48, kv_heads=8,
+        workload=_shape(20_000),
+    ),
+    "qwen_32b": Setup(
+        "qwen_32b", "qwen_32b", "TP2_PP1", batch_size=64, group_size=16, max_response=20_000,
+        instances=16, tp=2, etas=(1, 2, 3), params=32.8e9, active_params=32.8e9, layers=64, kv_heads=8,
+        workload=_shape(20_000),
+    ),
+    "qwen_moe_30b": Setup(
+        "qwen_moe_30b", "qwen_moe_30b", "TP1_PP1", batch_size=64, group_size=16, max_response=20_000,
+        instances=32, tp=1, etas=(1, 2, 3), params=30.5e9, active_params=3.3e9, layers=48, kv_heads=4,
+        moe=True, workload=_shape(20_000),
+    ),
+    "qwen_7b": Setup(
+        "qwen_7b", "qwen_7b", "TP1_PP1", batch_size=64, group_size=8, max_response=28_000,
+        instances=32, tp=1, etas=(1, 2, 3, 5, 10), params=7.6e9, active_params=7.6e9, layers=28, kv_heads=4,
+        workload=_shape(28_000),
+    ),
+}
+
+# Small set-ups for tests and CI-sized runs: same cost model as 7B, few instances.
+SETUPS["tiny"] = SETUPS["qwen_7b"].scaled(
+    name="tiny", batch_size=8, group_size=4, max_response=4_000, instances=4, etas=(1, 2),
+    kv_capacity_override=60_000, train_gpus=8, step_time_scale=0.05,
+)
+SETUPS["small"] = SETUPS["qwen_14b"].scaled(
+    name="small", batch_size=16, group_size=8, max_response=8_000, instances=8, etas=(1, 2, 3),
+    train_gpus=48,
+)
+
+PAPER_SETUPS = ("qwen_14b", "qwen_32b", "qwen_moe_30b", "qwen_7b")
+
+
+def get_setup(name: str | Setup, **changes) -> Setup:
+    if isinstance(name, Setup):
+        return name.scaled(**changes) if changes else name
+    if name not in SETUPS:
+        raise KeyError(f"unknown set-up {name!r}; known: {', '.join(SETUPS)}")
+    s = SETUPS[name]
+    return s.scaled(**changes) if changes else s
