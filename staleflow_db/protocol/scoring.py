@@ -195,7 +195,7 @@ def occupy_ready_groups(rtx: RunTx, group_ids: list[int]) -> list[GroupOutcome]:
         {"ids": group_ids},
     ).all():
         members[gid].append((sid, state, v_traj, reward))
-    outcomes = []
+    outcomes, occupied = [], []
     for gid in group_ids:
         _, state, key, prompt, meta = groups[gid]
         rewarded = [m for m in members[gid] if m[1] == "rewarded"]
@@ -215,16 +215,19 @@ def occupy_ready_groups(rtx: RunTx, group_ids: list[int]) -> list[GroupOutcome]:
             outcomes.append(GroupOutcome(gid, GroupState.ABORTED, reason=DropReason.NO_BUFFER.value))
             continue
         rtx.buffer(b).occupied += 1
-        conn.execute(
-            text(
-                "UPDATE prompt_groups SET state = 'occupied', buffer = :b, group_version = :v, reserved_buffer = NULL"
-                " WHERE id = :g"
-            ),
-            {"g": gid, "b": b, "v": version},
-        )
+        occupied.append((gid, b, version))
         rtx.events.append(("group_occupied", None, gid, b, None, {"version": version}))
         chosen_ids = {m[0] for m in chosen}
         surplus = [m[0] for m in members[gid] if m[0] not in chosen_ids and m[1] != "aborted"]
         abort_samples_where(conn, run.id, "id", surplus, DropReason.SURPLUS.value, rtx.events)
         outcomes.append(GroupOutcome(gid, GroupState.OCCUPIED, buffer=b))
+    if occupied:  # one statement, not one per group: this runs under the run lock
+        conn.execute(
+            text(
+                "UPDATE prompt_groups g SET state = 'occupied', buffer = u.b, group_version = u.v, reserved_buffer = NULL"
+                " FROM unnest(CAST(:ids AS bigint[]), CAST(:bs AS int[]), CAST(:vs AS int[])) AS u(id, b, v)"
+                " WHERE g.id = u.id"
+            ),
+            {"ids": [o[0] for o in occupied], "bs": [o[1] for o in occupied], "vs": [o[2] for o in occupied]},
+        )
     return outcomes

