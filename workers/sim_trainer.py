@@ -1,0 +1,139 @@
+"""What every trainer shares, torch-free: per-step metrics of a consumed batch, and the
+*sim* trainer used by scale experiments.
+
+The sim trainer holds no weights. It consumes the ready buffer of its version, waits for
+the time a real step would take under a tokens-proportional model
+
+    t = (a + b · tokens) · time_scale         (tokens: prompt + response, all samples)
+
+and publishes. Defaults: a = 10 s fixed overhead, b = 1.27e-5 s/token, i.e. 6 · 7e9 FLOP per
+token on 64 GPUs at 148 TFLOP/s and 35 % MFU (the 7B dense set-up of SPEC §5, as in
+workers/sim/setups.py). A restart needs no checkpoint: an unpublished batch is consumed
+again under a new lease.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable
+
+from api.models import BatchOut
+from workers.client import StaleFlowClient
+
+log = logging.getLogger("staleflow.trainer")
+
+SIM_OVERHEAD_S = 10.0
+SIM_S_PER_TOKEN = 6.0 * 7e9 / (64 * 148e12 * 0.35)
+
+
+class TrainerError(RuntimeError):
+    """The trainer cannot continue safely (state mismatch); the message says why."""
+
+
+@dataclass
+class StepMetrics:
+    version: int  # the buffer trained: model `version` -> `version + 1`
+    groups: int
+    samples: int
+    tokens: int  # prompt + response tokens
+    response_tokens: int
+    reward_mean: float
+    staleness: dict[int, int]  # version - V_traj -> samples
+    wait_s: float = 0.0  # long-polling for the ready buffer
+    train_s: float = 0.0
+    push_s: float = 0.0
+    publish_s: float = 0.0
+    loss: float | None = None
+    checksum: str | None = None
+    resumed: bool = False  # trained before a restart, published by this process
+    extra: dict[str, float] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["staleness"] = {str(k): v for k, v in sorted(self.staleness.items())}
+        return out
+
+    def line(self) -> str:
+        stale = " ".join(f"{k}:{v}" for k, v in sorted(self.staleness.items()))
+        loss = "" if self.loss is None else f" loss {self.loss:+.4f}"
+        tag = " (resumed)" if self.resumed else ""
+        return (f"v{self.version}->v{self.version + 1}{tag}: reward {self.reward_mean:.3f}{loss}"
+                f" tokens {self.tokens} staleness [{stale}] wait {self.wait_s:.1f}s"
+                f" train {self.train_s:.2f}s push {self.push_s:.2f}s")
+
+
+def batch_metrics(batch: BatchOut) -> StepMetrics:
+    samples = [s for g in batch.groups for s in g.samples]
+    prompt = sum(len(g.prompt_tokens) * len(g.samples) for g in batch.groups)
+    response = sum(len(s.tokens) for s in samples)
+    staleness = collections.Counter(batch.version - s.v_traj for s in samples)
+    reward = sum(s.reward for s in samples) / len(samples) if samples else 0.0
+    return StepMetrics(batch.version, len(batch.groups), len(samples), prompt + response, response,
+                       reward, dict(staleness))
+
+
+def consume_ready(client: StaleFlowClient, run_id: int, version: int, wait_s: float,
+                  stopping: Callable[[], bool]) -> tuple[BatchOut | None, float]:
+    """Long-poll until buffer `version` is ready (or we are told to stop)."""
+    t0 = time.monotonic()
+    while not stopping():
+        batch = client.consume(run_id, version, wait=wait_s)
+        if batch is not None:
+            return batch, time.monotonic() - t0
+    return None, time.monotonic() - t0
+
+
+class SimTrainer:
+    def __init__(
+        self,
+        client: StaleFlowClient,
+        run_id: int,
+        *,
+        overhead_s: float = SIM_OVERHEAD_S,
+        s_per_token: float = SIM_S_PER_TOKEN,
+        time_scale: float = 1.0,
+        wait_s: float = 5.0,
+    ):
+        if overhead_s < 0 or s_per_token < 0 or time_scale < 0:
+            raise ValueError("overhead_s, s_per_token and time_scale must be >= 0")
+        self.client, self.run_id = client, run_id
+        self.overhead_s, self.s_per_token, self.time_scale = overhead_s, s_per_token, time_scale
+        self.wait_s = wait_s
+        self._stop = threading.Event()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def step_time(self, tokens: int) -> float:
+        return (self.overhead_s + self.s_per_token * tokens) * self.time_scale
+
+    def step(self) -> StepMetrics | None:
+        version = self.client.run_status(self.run_id).version
+        batch, waited = consume_ready(self.client, self.run_id, version, self.wait_s, self._stop.is_set)
+        if batch is None:
+            return None
+        m = batch_metrics(batch)
+        m.wait_s = waited
+        m.train_s = self.step_time(m.tokens)
+        time.sleep(m.train_s)  # a started step always finishes, even when asked to stop
+        t0 = time.monotonic()
+        self.client.publish(self.run_id, version, batch.lease)
+        m.publish_s = time.monotonic() - t0
+        return m
+
+    def run(self, steps: int | None = None, on_step: Callable[[StepMetrics], None] | None = None
+            ) -> list[StepMetrics]:
+        done: list[StepMetrics] = []
+        while not self._stop.is_set() and (steps is None or len(done) < steps):
+            m = self.step()
+            if m is None:
+                continue
+            done.append(m)
+            log.info("%s", m.line())
+            if on_step:
+                on_step(m)
+        return done
