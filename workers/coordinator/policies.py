@@ -105,6 +105,14 @@ class Policy:
         admission = admission or AlwaysAdmit()
         queued = list(queued)
         levels = queue_levels(queued, group_versions)
+        pulls: list[PullDecision] = []
+        instances = list(instances)
+        if self.sync == "greedy":
+            # greedy pulls do not depend on the queue: decide them first, so that nothing is
+            # routed onto an instance that is about to drop it
+            pulls = sync_greedy(instances, ps_version)
+            if pulls:
+                instances = apply_pulls(instances, pulls)
         if self.routing == "waterfall":
             routes = route_waterfall(
                 instances, queued, cost, admission, mu=self.mu, group_versions=group_versions,
@@ -121,7 +129,7 @@ class Policy:
             by_id = {s.sample_id: s for s in queued if s.sample_id in routed}
             after = apply_routes(instances, routes, by_id)
         else:
-            after = list(instances)
+            after = instances
         behind = any(i.version < ps_version and not i.pulling for i in after)
         need_routable = (self.sync != "greedy" and behind) or self.migration
         routable: Mapping[int, bool] = {}
@@ -129,15 +137,17 @@ class Policy:
             routable = routable_versions(
                 (i.version for i in after), None, admission, group_versions, levels=levels, exclude=routed
             )
-        if self.sync == "status":
-            pulls = sync_status_based(after, ps_version, routable, kv_threshold=self.kv_threshold) if behind else []
-        elif self.sync == "greedy":
-            pulls = sync_greedy(after, ps_version)
-        else:
-            pulls = sync_all_idle(after, ps_version, routable) if behind else []
+        if self.sync != "greedy" and behind:
+            # an instance that just received work at its current version keeps it this cycle
+            got_work = {r.instance_id for r in routes}
+            candidates = [i for i in after if i.instance_id not in got_work]
+            if self.sync == "status":
+                pulls = sync_status_based(candidates, ps_version, routable, kv_threshold=self.kv_threshold)
+            elif not got_work:
+                pulls = sync_all_idle(after, ps_version, routable)
         interrupts: list[InterruptDecision] = []
         if self.migration:
-            if pulls:
+            if pulls and self.sync != "greedy":
                 after = apply_pulls(after, pulls)
             interrupts = migrate_throughput_ratio(
                 after, routable, cost, psi=self.psi, min_running=self.min_migrate_running,

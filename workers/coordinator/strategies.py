@@ -389,6 +389,8 @@ def route_request_count(
     by_version = {v: versions == v for v in distinct}
     routes = []
     for level, samples in levels:
+        if level == NEW_LEVEL and not any(admission.admits(samples[0], v) for v in distinct):
+            continue  # no new group can reserve at any version (see route_waterfall)
         for s in samples:
             mask = open_ & (load < cap)
             need = s.min_instance_version
