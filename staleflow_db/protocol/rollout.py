@@ -404,16 +404,29 @@ def report_in(conn: Connection, run_id: int, reports: Sequence[Report]) -> int:
         r.check_shape()
         if r.kind not in tuple(SegmentKind):
             raise InvalidInput(f"sample {r.sample_id}: unknown kind {r.kind!r}")
+    cols = "SELECT id, state, attempt, v_traj, last_version, n_tokens, n_segments, instance_id FROM samples"
+    # Lock only the running rows: those are all a report can change. A stale report naming a
+    # sample that moved on (scoring, aborted ...) must not wait on its lock: with the run-locked
+    # record_rewards, which holds scoring rows and then locks their groups' members, that
+    # wait closed a deadlock cycle. The rest are read unlocked, only to refuse them.
     rows = {
         r[0]: r
         for r in conn.execute(
             text(
-                "SELECT id, state, attempt, v_traj, last_version, n_tokens, n_segments, instance_id FROM samples"
-                " WHERE run_id = :run AND id = ANY(CAST(:ids AS bigint[])) ORDER BY id FOR UPDATE"
+                f"{cols} WHERE run_id = :run AND id = ANY(CAST(:ids AS bigint[])) AND state = 'running'"
+                " ORDER BY id FOR UPDATE"
             ),
             {"run": run_id, "ids": ids},
         ).all()
     }
+    missing = [i for i in ids if i not in rows]
+    if missing:
+        rows.update(
+            (r[0], r)
+            for r in conn.execute(
+                text(f"{cols} WHERE run_id = :run AND id = ANY(CAST(:ids AS bigint[]))"), {"run": run_id, "ids": missing}
+            ).all()
+        )
     conflicts = []
     for r in reports:
         row = rows.get(r.sample_id)
