@@ -69,7 +69,7 @@ class Policy:
     kv_threshold: float = 0.3  # status-based pull only at or below this KV usage
     cycle_period: float = 0.1  # seconds between coordinator cycles
     block_scope: str = "instance"  # see strategies.route_waterfall
-    max_requests: int | None = None  # request-count routing: cap per instance (None: no cap)
+    max_requests: int | None = None  # request-count routing: cap per instance (None: its max_running)
     min_migrate_running: int = 2
     migrate_min_gain: float = 0.05  # migrate only if the pair's cost-model T rises this much
 

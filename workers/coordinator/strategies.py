@@ -373,8 +373,11 @@ def route_request_count(
     levels: Levels | None = None,
 ) -> list[RouteDecision]:
     """Naive balancing: every routable sample to the instance with the fewest requests
-    (running + waiting), oldest level first, no throughput model, no waiting/KV checks
-    (the engine queues what does not fit). `max_requests` caps requests per instance."""
+    (running + waiting), oldest level first, no throughput model, no KV or waiting-queue
+    checks (the engine queues what does not fit). Requests per instance are capped at
+    `max_requests`, by default at the engine's running slots (`max_running`, vLLM's
+    max_num_seqs): beyond that, work waits in the central queue rather than piling onto
+    whichever instance happens to be free first."""
     admission = admission or AlwaysAdmit()
     if not instances:
         return []
@@ -384,7 +387,10 @@ def route_request_count(
     versions = np.array([i.version for i in instances], dtype=np.int64)
     load = np.array([i.running + i.waiting for i in instances], dtype=float)
     open_ = np.array([not i.pulling for i in instances], dtype=bool)
-    cap = math.inf if max_requests is None else max_requests
+    if max_requests is None:
+        cap = np.array([i.max_running for i in instances], dtype=float)
+    else:
+        cap = np.full(len(instances), float(max_requests))
     distinct = sorted(set(int(v) for v in versions))
     by_version = {v: versions == v for v in distinct}
     routes = []

@@ -327,11 +327,16 @@ class Simulator:
             e.interrupted.clear()
             self.engine_changed.add(e.id)
         if e.pulled:
+            # the worker reports the new version as soon as the weights are loaded: that is a
+            # heartbeat, and its snapshot reaches the coordinator at once
             self.p.heartbeat(e.id, e.version)
             e.pulled = False
             self.commands["pull_done"] += 1
-            self.engine_changed.add(e.id)
             self.pulls_done = True
+            if self.spec.observe(e.snapshot(self.now, self.detail)):
+                self.engine_changed.discard(e.id)
+            else:
+                self.engine_changed.add(e.id)
         self.next_ev[e.id] = e.next_event_time()
 
     def _heartbeats(self, finished: list[int], interrupted: list[int]) -> bool:
