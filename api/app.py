@@ -3,10 +3,13 @@ of replicas may serve one database; in-process state is caches and long-poll wak
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from contextlib import asynccontextmanager
 from typing import AsyncIterator
 
 from fastapi import FastAPI
+from sqlalchemy import text
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from staleflow_db import migrate
@@ -23,12 +26,13 @@ from .service import ApiProtocol
 from .settings import ApiSettings
 
 API_VERSION = "1"
+log = logging.getLogger(__name__)
 
 
 def create_app(settings: ApiSettings | None = None) -> FastAPI:
     settings = settings or ApiSettings.from_env()
     url = database_url(settings.db)  # starts the embedded server when no URL is configured
-    engine = make_engine(url, settings=settings.db)
+    engine = make_engine(url, settings=settings.db, connect_args={"connect_timeout": settings.connect_timeout})
     metrics = Metrics(engine)
     state = AppState(
         settings=settings,
@@ -44,9 +48,12 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         await state.notifier.start()
+        pruner = asyncio.create_task(_prune_idempotency(state)) if settings.idempotency_ttl > 0 else None
         try:
             yield
         finally:
+            if pruner is not None:
+                pruner.cancel()
             await state.notifier.stop()
             engine.dispose()
 
@@ -64,6 +71,26 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     app.add_middleware(LatencyMiddleware, metrics=metrics)
     return app
+
+
+async def _prune_idempotency(state: AppState, every: float = 60.0) -> None:
+    """Stored outcomes outlive any retry by far after the TTL; delete them in bounded batches
+    (every replica may do it: concurrent deletes of the same rows are harmless)."""
+    sql = text(
+        "DELETE FROM idempotency WHERE request_id IN (SELECT request_id FROM idempotency"
+        " WHERE created_at < now() - make_interval(secs => :ttl) LIMIT 10000)"
+    )
+
+    def prune() -> None:
+        with state.engine.begin() as conn:
+            conn.execute(sql, {"ttl": state.settings.idempotency_ttl})
+
+    while True:
+        await asyncio.sleep(every)
+        try:
+            await asyncio.to_thread(prune)
+        except Exception as exc:  # the database is down; next time
+            log.debug("idempotency pruning failed: %s", exc)
 
 
 def app_from_env() -> FastAPI:

@@ -38,6 +38,11 @@ class ApiSettings:
     max_body_bytes: int = 64 * 1024 * 1024
     # Seconds a client should wait before retrying when the database is unavailable.
     retry_after: int = 2
+    # Stored outcomes of request ids are kept this long (retries come within seconds or
+    # minutes); older ones are pruned in the background. 0 keeps them forever.
+    idempotency_ttl: float = 3600.0
+    # libpq connect timeout: an unreachable database is a prompt 503, not a hung request.
+    connect_timeout: int = 5
 
     @classmethod
     def from_env(cls) -> ApiSettings:
@@ -49,4 +54,5 @@ class ApiSettings:
             listen=os.environ.get("STALEFLOW_API_LISTEN", "1").strip().lower() not in ("0", "false", "no", "off"),
             token_cache_seconds=_float("STALEFLOW_API_TOKEN_CACHE_SECONDS", 5.0, 0.0, 3600.0),
             max_body_bytes=int(_float("STALEFLOW_API_MAX_BODY_BYTES", 64 * 1024 * 1024, 1024, 2**40)),
+            idempotency_ttl=_float("STALEFLOW_API_IDEMPOTENCY_TTL", 3600.0, 0.0, 365 * 86400.0),
         )
