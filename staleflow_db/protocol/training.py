@@ -57,6 +57,18 @@ class TrainingOps(TxMixin):
         """Lease buffer `version` once it is ready and return its full batch; None while it is
         not ready. A second consume (a restarted trainer) takes a new lease and fences the old."""
         with self.tx() as conn:
+            # A trainer polls this while it waits: answer "not ready" without the run lock.
+            # At version `version` with buffer `version` not ready, no publish can be in flight
+            # (it needs that buffer ready), so None is what the locked path would say too.
+            waiting = conn.execute(
+                text(
+                    "SELECT r.version = :v AND coalesce(b.occupied < b.batch_size, true) FROM runs r"
+                    " LEFT JOIN buffers b ON b.run_id = r.id AND b.idx = :v WHERE r.id = :run"
+                ),
+                {"run": run_id, "v": version},
+            ).scalar()
+            if waiting:
+                return None
             run = load_run(conn, run_id, lock=True)
             if version != run.version:
                 raise Conflict([(version, f"run {run_id} is at version {run.version}")])
