@@ -15,6 +15,7 @@ from workers.cli_audit import audit
 from workers.cli_db import app as db_app
 from workers.cli_serve import serve
 from workers.cli_token import app as token_app
+from workers import cli_workers
 
 app = typer.Typer(
     name="staleflow",
@@ -45,6 +46,10 @@ app.add_typer(db_app, name="db")
 app.command()(serve)
 app.add_typer(token_app, name="token")
 app.command()(audit)
+app.command("trainer")(cli_workers.trainer)
+app.command("ps")(cli_workers.ps)
+app.command("rollout-worker")(cli_workers.rollout_worker)
+app.command("reward-worker")(cli_workers.reward_worker)
 
 
 if __name__ == "__main__":
