@@ -134,17 +134,16 @@ def route_decision(
 ) -> tuple[str, int | None, int | None]:
     """Where routing one queued sample of a live group leads: (outcome, V_traj, buffer to reserve).
 
-    A sample with no tokens yet takes the instance's newer version (version raise); one with
-    tokens may only continue at a version >= its latest segment's (so >= V_traj). The group's first routed member
+    A sample with no tokens yet takes the instance's version (version raise; an instance
+    older than a V_traj it already has is refused); one with tokens keeps its V_traj and may
+    only continue at a version >= its latest segment's. The group's first routed member
     reserves (admission control); later members join only if the group's buffer lies in their
     window. Outcomes are `RouteOutcome` values.
     """
-    if not has_tokens:
-        v = max(instance_version, v_traj or 0)
-    elif instance_version >= max(v_traj, last_version if last_version is not None else v_traj):
-        v = v_traj
-    else:
+    floor = 0 if v_traj is None else max(v_traj, last_version if last_version is not None else v_traj)
+    if instance_version < floor:  # V_traj only grows, and segment versions never decrease
         return "too_old", None, None
+    v = instance_version if not has_tokens else v_traj
     if group_reserved_buffer is None:
         b = reserve_target(buffers, v, version_now, limits)
         return ("routed", v, b) if b is not None else ("not_admitted", None, None)

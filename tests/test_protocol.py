@@ -136,7 +136,10 @@ def test_version_raise_and_too_old(engine):
     d.train(0)
     v1 = d.p.register_instance(d.run, "v1", 1)
     (fresh,) = d.members(g_fresh)
-    assert d.route([fresh], v1)[0].v_traj == 1  # a fresh sample takes the newer version
+    (r,) = d.route([fresh], v1)
+    assert r.v_traj == 1  # a fresh sample takes the newer version
+    d.p.report(d.run, [Report(fresh, r.attempt, 1, [], [], SegmentKind.INTERRUPTED)])  # no token yet
+    assert d.route([fresh], v0)[0].outcome == RouteOutcome.TOO_OLD  # V_traj never goes back
     (r,) = d.route([partial], v1)
     assert r.v_traj == 0  # tokens at version 0 keep V_traj 0 on a newer instance
     d.p.report(d.run, [Report(partial, r.attempt, 1, [6], [-1.0], SegmentKind.INTERRUPTED)])
