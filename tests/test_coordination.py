@@ -44,9 +44,9 @@ def test_snapshot_and_commands(engine):
     snap = d.p.snapshot(d.run)
     assert snap.version == 0 and snap.buffers == {1: (0, 1)}
     (iv,) = snap.instances
-    assert (iv.id, iv.version, iv.snapshot["kv_tokens"], iv.running) == (inst, 0, 12, [(s1, 2)])
+    assert (iv.id, iv.version, iv.snapshot["kv_tokens"], iv.running) == (inst, 0, 12, [(s1, 2, 3, 0)])
     (q,) = snap.queued
-    assert (q.sample_id, q.v_traj, q.length, q.group_buffer) == (s2, None, 3, None)
+    assert (q.sample_id, q.v_traj, q.length, q.group_state, q.group_buffer) == (s2, None, 3, "queued", None)
     d.p.apply_commands(d.run, "coord", epoch, interrupts=[s1, s2], pulls=[(inst, 0)])
     _, cmds = d.p.poll_work(inst)
     assert [(c.kind, c.sample_id, c.target_version) for c in cmds] == [("interrupt", s1, None), ("pull", None, 0)]

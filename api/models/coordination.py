@@ -16,6 +16,8 @@ from .common import INT64_MAX, Id, In, LeaseSeconds, Name, Out, Version
 class RunningOut(Out):
     sample_id: int
     tokens: int = Field(description="response tokens reported so far")
+    prompt_tokens: int
+    v_traj: int
 
 
 class InstanceViewOut(Out):
@@ -33,7 +35,10 @@ class QueuedSampleOut(Out):
     v_traj: int | None = Field(description="None: fresh, takes the version of the instance it is routed to")
     last_version: int | None = Field(description="version of its latest segment")
     length: int = Field(description="prompt + response tokens so far: the KV it needs")
+    tokens: int = Field(description="response tokens so far")
+    group_state: str = Field(description="queued, reserved, ... of its group")
     group_buffer: int | None = Field(description="the group's reserved buffer (join rule), if any")
+    group_min_version: int | None = Field(description="least V_traj of the group's routed members")
 
 
 class SnapshotBufferOut(Out):

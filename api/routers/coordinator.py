@@ -41,7 +41,7 @@ def snapshot(run_id: RunId, state: State, who: Principal = Coordinator) -> Clust
         instances=[
             InstanceViewOut(
                 instance_id=i.id, name=i.name, version=i.version, snapshot=i.snapshot, snapshot_age_s=i.snapshot_age_s,
-                running=[RunningOut(sample_id=s, tokens=n) for s, n in i.running],
+                running=[RunningOut(sample_id=s, tokens=n, prompt_tokens=p, v_traj=v) for s, n, p, v in i.running],
             )
             for i in snap.instances
         ],

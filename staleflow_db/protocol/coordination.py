@@ -22,7 +22,7 @@ class InstanceView:
     version: int
     snapshot: dict[str, Any]
     snapshot_age_s: float | None
-    running: list[tuple[int, int]]  # (sample id, response tokens reported so far)
+    running: list[tuple[int, int, int, int]]  # (sample id, response tokens reported, prompt tokens, V_traj)
 
 
 @dataclass
@@ -32,7 +32,10 @@ class QueuedView:
     v_traj: int | None  # None: fresh, takes the version of the instance it is routed to
     last_version: int | None
     length: int  # prompt + response tokens so far
+    tokens: int  # response tokens so far
+    group_state: str
     group_buffer: int | None  # the group's reserved buffer (join rule), if any
+    group_min_version: int | None  # least V_traj of its routed members (its queue level)
 
 
 @dataclass
@@ -85,15 +88,16 @@ class CoordinationOps(TxMixin):
                     {"run": run_id, "v": run.version},
                 ).all()
             }
-            running: dict[int, list[tuple[int, int]]] = {}
-            for inst, sid, n in conn.execute(
+            running: dict[int, list[tuple[int, int, int, int]]] = {}
+            for inst, sid, n, prompt, v in conn.execute(
                 text(
-                    "SELECT s.instance_id, s.id, s.n_tokens FROM samples s JOIN instances i ON i.id = s.instance_id"
+                    "SELECT s.instance_id, s.id, s.n_tokens, cardinality(g.prompt_tokens), s.v_traj FROM samples s"
+                    " JOIN instances i ON i.id = s.instance_id JOIN prompt_groups g ON g.id = s.group_id"
                     " WHERE i.run_id = :run AND i.state = 'active' AND s.state = 'running' ORDER BY s.id"
                 ),
                 {"run": run_id},
             ).all():
-                running.setdefault(inst, []).append((sid, n))
+                running.setdefault(inst, []).append((sid, n, prompt, v))
             instances = [
                 InstanceView(i, name, v, snap or {}, age, running.get(i, []))
                 for i, name, v, snap, age in conn.execute(
@@ -109,7 +113,8 @@ class CoordinationOps(TxMixin):
                 for r in conn.execute(
                     text(
                         "SELECT s.id, s.group_id, s.v_traj, s.last_version, cardinality(g.prompt_tokens) + s.n_tokens,"
-                        "  g.reserved_buffer FROM samples s JOIN prompt_groups g ON g.id = s.group_id"
+                        "  s.n_tokens, g.state::text, g.reserved_buffer, g.min_version"
+                        " FROM samples s JOIN prompt_groups g ON g.id = s.group_id"
                         " WHERE s.run_id = :run AND s.state = 'queued' ORDER BY s.id LIMIT :n"
                     ),
                     {"run": run_id, "n": max_queued},
