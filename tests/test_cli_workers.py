@@ -130,6 +130,9 @@ def test_connection_errors_name_the_culprit(served):
              "no run named 'nosuch'")
     _refused(invoke("trainer", "--run", str(run), "--sim", *api, "--token", "sf_bogus"), "refused the token")
     _refused(invoke("trainer", "--run", str(run), "--sim", *api), "no token")
+    if importlib.util.find_spec("vllm") is None:
+        _refused(invoke("rollout-worker", "--run", str(run), "--engine", "vllm", "--vllm-model", "some/model", *api,
+                        "--token", token(server.db_url, "rollout", run)), "pip install 'staleflow[vllm]'", code=1)
     if importlib.util.find_spec("workers.engines.sim_engine") is None:
         _refused(invoke("rollout-worker", "--run", str(run), "--engine", "sim", *api,
                            "--token", token(server.db_url, "rollout", run)), "the sim engine", "not in this installation")

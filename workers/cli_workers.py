@@ -294,7 +294,11 @@ def rollout_worker(
                 last[0] = time.monotonic()
             return False
 
-        stats = worker.run(until=show)
+        try:
+            stats = worker.run(until=show)
+        finally:
+            if hasattr(eng, "shutdown"):  # vLLM runs its engine core in another process
+                eng.shutdown()
     console.print(f"rollout worker: {stats.finished} finished, {stats.tokens} tokens, deregistered")
 
 
@@ -316,18 +320,20 @@ def _engine(kind, client, run_id, pc, cfg, model_seed, kv_capacity, max_running,
         eng = cls(**{k: v for k, v in offered.items() if k in accepted})
         # no weights: a pull only moves the version on
         return eng, lambda target: (None, target if target is not None else client.run_status(run_id).version)
-    first = _first_weights(pc, ps_wait) if pc is not None else None
     if kind is Engine.torch:
         from workers.engines.torch_engine import TorchEngine
 
         eng = TorchEngine(cfg, model_seed=model_seed, kv_capacity_tokens=kv_capacity, max_running=max_running,
                           temperature=temperature, device=device)
     else:
-        from workers.engines.vllm_engine import VLLMEngine
+        from workers.engines.vllm_engine import VLLMEngine, VLLMUnavailable
 
-        eng = VLLMEngine(vllm_model, temperature=temperature, max_num_seqs=max_running)
-    if first is not None:
-        eng.load_weights(first[0], first[1])
+        try:
+            eng = VLLMEngine(vllm_model, temperature=temperature, max_num_seqs=max_running)
+        except VLLMUnavailable as e:
+            raise _fail(str(e)) from None
+    if pc is not None:
+        eng.load_weights(*_first_weights(pc, ps_wait))
     else:
         console.print("[yellow]no --ps: serving the initial weights; pull commands change nothing")
     return eng, (lambda target: _pull(pc, target)) if pc is not None else None
