@@ -3,8 +3,9 @@
 Route workers (one of which "crashes" once, abandoning leases that must expire), reward
 workers and a trainer run as spawned processes, each with its own engine. They stop by
 themselves: the trainer after TARGET_VERSIONS publishes (and once the crashed instance has
-expired), everyone at the deadline at the latest. Every worker writes what it saw (leases received, segments acknowledged, refusals)
-to a JSON log, so the audit compares the clients' view with the database's.
+expired), everyone at the deadline at the latest. Every worker writes what it saw (leases
+received, segments acknowledged, refusals) to a JSON log, so the audit compares the
+clients' view with the database's.
 
 Tokens are a pure function of (sample, position), so "every sample's tokens equal the
 concatenation of its segments" is checked against what the generator must have produced.
@@ -139,15 +140,13 @@ def _route_body(p: Protocol, engine, run: int, name: str, stop, rng: random.Rand
         if not work:
             continue
         busy += 1
-        with engine.connect() as c:  # the version floor for each lease: its last segment's version
+        with engine.connect() as c:  # route only hands out work this instance's version may continue
             floor = dict(c.execute(text(
                 "SELECT id, greatest(v_traj, coalesce(last_version, 0)) FROM samples WHERE id = ANY(:ids)"),
                 {"ids": [w.sample_id for w in work]}).all())
-        partial, final, handback = [], [], []
+        assert all(floor[w.sample_id] <= version for w in work), (floor, version)
+        partial, final = [], []
         for w in work:
-            if floor[w.sample_id] > version:  # cannot continue below its last version: give it back
-                handback.append(Report(w.sample_id, w.attempt, floor[w.sample_id], [], [], SegmentKind.INTERRUPTED))
-                continue
             pos, left = len(w.prefix_tokens), w.max_new_tokens
 
             def gen(n: int) -> tuple[list[int], list[float]]:
@@ -159,15 +158,14 @@ def _route_body(p: Protocol, engine, run: int, name: str, stop, rng: random.Rand
 
             if busy == crash_at or rng.random() < 0.15:  # a checkpoint: the sample keeps running
                 partial.append(Report(w.sample_id, w.attempt, version, *gen(rng.randint(1, 4)), SegmentKind.PARTIAL))
-            if busy != crash_at:
-                interrupt = w.attempt < MAX_ATTEMPTS and left > 8 and rng.random() < 0.4
-                kind = SegmentKind.INTERRUPTED if interrupt else SegmentKind.FINISHED
-                n = rng.randint(0, 5) if interrupt else rng.randint(1, 8)
-                final.append(Report(w.sample_id, w.attempt, version, *gen(n), kind,
-                                    None if interrupt else "stop"))
-        log["handed_back"] += [r.sample_id for r in _report(p, run, handback, log)]
+            interrupt = w.attempt < MAX_ATTEMPTS and left > 8 and rng.random() < 0.4
+            kind = SegmentKind.INTERRUPTED if interrupt else SegmentKind.FINISHED
+            n = rng.randint(0, 5) if interrupt else rng.randint(1, 8)
+            final.append(Report(w.sample_id, w.attempt, version, *gen(n), kind, None if interrupt else "stop"))
         applied = {r.sample_id for r in _report(p, run, partial, log)}
-        if busy == crash_at:
+        if busy == crash_at and not applied:
+            crash_at += 1  # every checkpoint lost its lease meanwhile: crash next time instead
+        elif busy == crash_at:
             # Crash: the instance stops heartbeating with its leases (and checkpoints) in the
             # database; the restarted process registers a new instance. The trainer's
             # expire_instances must requeue the samples with the tokens reported so far.
