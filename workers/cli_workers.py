@@ -32,6 +32,7 @@ from typing import Any, Callable, Iterator, Optional
 import httpx
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from workers.client import ApiError, Forbidden, NotFound, StaleFlowClient, Unauthorized
@@ -146,7 +147,7 @@ def progress(total: int | None, description: str) -> Iterator[tuple[Progress, An
 
 
 def _fail(message: str) -> typer.Exit:
-    console.print(f"[red]error:[/red] {message}")
+    console.print(f"[red]error:[/red] {escape(message)}")  # messages may hold [brackets]
     return typer.Exit(1)
 
 
