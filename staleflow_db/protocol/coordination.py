@@ -102,7 +102,7 @@ class CoordinationOps(TxMixin):
                 InstanceView(i, name, v, snap or {}, age, running.get(i, []))
                 for i, name, v, snap, age in conn.execute(
                     text(
-                        "SELECT id, name, version, snapshot, extract(epoch FROM now() - snapshot_at) FROM instances"
+                        "SELECT id, name, version, snapshot, extract(epoch FROM now() - snapshot_at)::float8 FROM instances"
                         " WHERE run_id = :run AND state = 'active' AND lease_expires_at > now() ORDER BY id"
                     ),
                     {"run": run_id},

@@ -1,0 +1,80 @@
+"""``staleflow coordinator --run RUN``: the run's coordinator (leader or standby)."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import time
+
+import typer
+
+from staleflow_db.audit import find_run
+from staleflow_db.db import make_engine
+from staleflow_db.errors import NotFound
+from staleflow_db.protocol import Protocol
+from workers.coordinator.cost_model import get_cost_model
+from workers.coordinator.policies import POLICY_NAMES, TUNABLE, get_policy
+from workers.coordinator.service import Coordinator
+
+log = logging.getLogger("staleflow.coordinator")
+
+
+def _overrides(params: list[str]) -> dict[str, float]:
+    out = {}
+    for p in params:
+        key, sep, value = p.partition("=")
+        if not sep or key not in TUNABLE:
+            raise typer.BadParameter(f"{p!r}: expected NAME=VALUE with NAME in {', '.join(TUNABLE)}", param_hint="--set")
+        try:
+            out[key] = float(value) if "." in value or "e" in value else int(value)
+        except ValueError:
+            raise typer.BadParameter(f"{p!r}: {value!r} is not a number", param_hint="--set") from None
+    return out
+
+
+def coordinator(
+    run: str = typer.Option(..., "--run", help="Run id or name."),
+    policy: str = typer.Option("staleflow", help=f"One of: {', '.join(POLICY_NAMES)}."),
+    model: str = typer.Option("qwen_7b", help="Cost model (a key of cost_models.json)."),
+    parallelism: str = typer.Option("TP1_PP1", help="The fit to use, e.g. TP1_PP1 or TP2_PP1."),
+    period: float = typer.Option(None, help="Seconds between cycles (default: the policy's, 0.1)."),
+    lease: float = typer.Option(3.0, help="Leader lease in seconds; a standby takes over after it lapses."),
+    duration: float = typer.Option(None, help="Stop after this many seconds (default: until SIGTERM)."),
+    set_: list[str] = typer.Option([], "--set", help="Policy parameter override NAME=VALUE (repeatable)."),
+) -> None:
+    """Route, pull and migrate for one run: snapshot -> speculative state -> commands, every cycle."""
+    if policy not in POLICY_NAMES:
+        raise typer.BadParameter(f"unknown policy {policy!r}; known: {', '.join(POLICY_NAMES)}", param_hint="--policy")
+    try:
+        cost = get_cost_model(model, parallelism)
+    except KeyError as e:
+        raise typer.BadParameter(str(e), param_hint="--model") from None
+    chosen = get_policy(policy, **_overrides(set_))
+    engine = make_engine()
+    try:
+        run_id = find_run(engine, run)
+    except NotFound as e:
+        raise typer.BadParameter(str(e), param_hint="--run") from None
+    service = Coordinator(Protocol(engine), run_id, chosen, cost, lease_s=lease, period_s=period)
+    signal.signal(signal.SIGTERM, lambda *_: service.stop())
+    started = time.monotonic()
+    last = [started]
+
+    def until() -> bool:
+        now = time.monotonic()
+        if now - last[0] >= 5:
+            last[0] = now
+            s = service.stats
+            ms = sorted(s.cycle_ms[-200:]) or [0.0]
+            log.info(
+                "%s epoch %s: %d cycles, routed %d (refused %d), pulls %d, interrupts %d; cycle p50 %.1f ms",
+                "leader" if service.epoch else "standby", service.epoch, s.cycles, s.routed, s.refused,
+                s.pulled, s.interrupted, ms[len(ms) // 2],
+            )
+        return duration is not None and now - started >= duration
+
+    log.info("coordinator %s for run %s, policy %s", service.holder, run_id, chosen.name)
+    try:
+        service.run(until)
+    finally:
+        engine.dispose()

@@ -1,0 +1,178 @@
+"""The coordinator service (`staleflow coordinator --run RUN`).
+
+Each cycle: one short read-only transaction for the snapshot, the pure strategy functions on
+the speculative state, one write transaction for the commands (fenced by the leadership
+epoch). One active coordinator per run by an expiring lease row; a standby polls the lease
+and takes over when the leader stops renewing it. The speculative state is rebuilt from the
+database whenever leadership is (re)gained, so a restart loses nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from staleflow_db.errors import Conflict
+from staleflow_db.protocol import Protocol, Snapshot
+from staleflow_db.rules import BufferCounts, Limits
+
+from .cost_model import CostModel
+from .policies import Policy
+from .state import InstanceSnapshot, QueuedSample, RunningSample, SpeculativeState
+from .strategies import AdmissionView
+
+log = logging.getLogger("staleflow.coordinator")
+
+
+@dataclass
+class CycleStats:
+    cycles: int = 0
+    routed: int = 0
+    refused: int = 0  # routes the protocol turned down (speculation was off)
+    interrupted: int = 0
+    pulled: int = 0
+    expired: int = 0
+    aborted_after_ready: int = 0
+    cycle_ms: list[float] = field(default_factory=list)  # wall time of each leader cycle
+
+
+def instance_snapshots(snap: Snapshot, now: float) -> list[InstanceSnapshot]:
+    """Database rows to the strategies' view: the heartbeat snapshot, with running samples'
+    progress taken from whichever is fresher (heartbeat or reported segments)."""
+    out = []
+    for inst in snap.instances:
+        hb = inst.snapshot or {}
+        beat = {r["sample_id"]: r["tokens"] for r in hb.get("running_samples", [])}
+        running = tuple(
+            RunningSample(sid, max(n, beat.get(sid, 0)), prompt + max(n, beat.get(sid, 0)), v)
+            for sid, n, prompt, v in inst.running
+        )
+        age = inst.snapshot_age_s if inst.snapshot_age_s is not None else 1e9
+        out.append(
+            InstanceSnapshot(
+                instance_id=inst.id, version=inst.version,
+                running=int(hb.get("running", len(running))), waiting=int(hb.get("waiting", 0)),
+                kv_used=int(hb.get("kv_used", sum(r.length for r in running))),
+                kv_capacity=int(hb.get("kv_capacity", 0)) or 1, running_samples=running,
+                throughput=float(hb.get("throughput", 0.0)), heartbeat_at=now - age, snapshot_at=now - age,
+                pulling=bool(hb.get("pulling", False)), routed_seen=hb.get("routed_seen"),
+                max_running=int(hb.get("max_running") or 1 << 30),
+            )
+        )
+    return out
+
+
+class Coordinator:
+    def __init__(
+        self,
+        protocol: Protocol,
+        run_id: int,
+        policy: Policy,
+        cost: CostModel,
+        *,
+        holder: str | None = None,
+        lease_s: float = 3.0,
+        period_s: float | None = None,
+        tolerance_s: float = 0.05,
+    ):
+        self.protocol, self.run_id, self.policy, self.cost = protocol, run_id, policy, cost
+        self.holder = holder or f"{socket.gethostname()}:{os.getpid()}"
+        self.lease_s, self.period_s = lease_s, period_s or policy.cycle_period
+        self.tolerance_s = tolerance_s
+        self.epoch: int | None = None
+        self.spec = SpeculativeState(tolerance=tolerance_s)
+        self.stats = CycleStats()
+        self._stop = False
+
+    def stop(self) -> None:
+        self._stop = True
+
+    def run(self, until: Callable[[], bool] | None = None) -> CycleStats:
+        try:
+            while not self._stop and not (until and until()):
+                started = time.monotonic()
+                if self.lead():
+                    self.cycle()
+                    self.stats.cycle_ms.append((time.monotonic() - started) * 1000)
+                    time.sleep(max(0.0, self.period_s - (time.monotonic() - started)))
+                else:
+                    time.sleep(self.lease_s / 3)  # standby: try again well inside a lease
+        finally:
+            if self.epoch is not None:
+                self.protocol.release_leadership(self.run_id, self.holder)
+        return self.stats
+
+    def lead(self) -> bool:
+        """Renew (or take) the lease; a new epoch means our view must be rebuilt from scratch."""
+        epoch = self.protocol.acquire_leadership(self.run_id, self.holder, self.lease_s)
+        if epoch is not None and epoch != self.epoch:
+            log.info("leading run %s at epoch %s", self.run_id, epoch)
+            self.spec = SpeculativeState(tolerance=self.tolerance_s)
+        elif epoch is None and self.epoch is not None:
+            log.warning("lost leadership of run %s", self.run_id)
+        self.epoch = epoch
+        return epoch is not None
+
+    def cycle(self) -> None:
+        t0 = time.monotonic()
+        snap = self.protocol.snapshot(self.run_id)
+        t1 = time.monotonic()
+        instances = instance_snapshots(snap, t1)
+        live = {i.instance_id for i in instances}
+        for gone in [i for i in self.spec.estimates if i not in live]:
+            self.spec.forget(gone)
+        self.spec.observe_all(instances)
+        queued = [
+            QueuedSample(q.sample_id, q.group_id, q.length, q.v_traj, q.tokens, q.last_version) for q in snap.queued
+        ]
+        cfg = snap.config
+        admission = AdmissionView(
+            {b: BufferCounts(b, o, r) for b, (o, r) in snap.buffers.items()},
+            snap.version,
+            Limits(cfg["batch_size"], cfg["buffer_capacity"], cfg["eta"]),
+            reserved={q.group_id: q.group_buffer for q in snap.queued if q.group_state == "reserved"},
+            closed={q.group_id for q in snap.queued if q.group_state not in ("queued", "reserved")},
+        )
+        group_versions = {q.group_id: q.group_min_version for q in snap.queued if q.group_state == "reserved"}
+        plan = self.policy.plan(
+            self.spec.views(), queued, self.cost, ps_version=snap.version,
+            admission=admission, group_versions=group_versions,
+        )
+        t2 = time.monotonic()
+        lengths = {q.sample_id: q.length for q in queued}
+        routes = [(r.sample_id, r.instance_id) for r in plan.routes]
+        interrupts = [s for d in plan.interrupts for s in d.sample_ids]
+        pulls = [(p.instance_id, p.version) for p in plan.pulls]
+        try:
+            results = self.protocol.apply_commands(
+                self.run_id, self.holder, self.epoch, routes, interrupts, pulls,
+                cycle={"snapshot_ms": (t1 - t0) * 1000, "decide_ms": (t2 - t1) * 1000,
+                       "write_ms": 0.0, "migrated": len(plan.interrupts)},
+            )
+        except Conflict:
+            log.warning("deposed while writing; standing by")
+            self.epoch = None
+            return
+        now = time.monotonic()
+        by_sample = dict(routes)
+        for r in results:
+            if r.outcome == "routed":
+                self.spec.on_route(by_sample[r.sample_id], lengths[r.sample_id], now)
+                self.stats.routed += 1
+            else:
+                self.stats.refused += 1
+        for d in plan.interrupts:
+            self.spec.on_interrupt(d.instance_id, d.sample_ids, now)
+        for p in plan.pulls:
+            self.spec.on_pull(p.instance_id, p.version, now)
+        self.stats.interrupted += len(interrupts)
+        self.stats.pulled += len(pulls)
+        self.stats.cycles += 1
+        # housekeeping of the run, cheap when there is nothing to do
+        self.stats.expired += len(self.protocol.expire_instances(self.run_id))
+        if cfg["buffer_capacity"] > cfg["batch_size"]:
+            self.stats.aborted_after_ready += len(self.protocol.abort_after_ready(self.run_id))
