@@ -54,6 +54,13 @@ def test_root_help_lists_the_worker_commands():
         assert cmd in out.stdout
 
 
+def test_the_cli_and_the_sim_trainer_do_not_load_torch():
+    # hosts running the data layer, the sim trainer or the reward worker need no torch
+    code = ("import sys, workers.cli, workers.sim_trainer, workers.reward_worker, workers.engines.vllm_engine; "
+            "sys.exit('torch' in sys.modules)")
+    assert subprocess.run([sys.executable, "-c", code], cwd=REPO, timeout=WAIT_S).returncode == 0
+
+
 @pytest.mark.parametrize("cmd, options", [
     ("trainer", ["--run", "--api", "--token", "--ps", "--checkpoint-dir", "--steps", "--lr", "--sim", "--time-scale",
                  "--model-config", "--tis-cap", "--clip-high", "STALEFLOW_API_URL"]),

@@ -67,7 +67,7 @@ class Backend(str, enum.Enum):
 def connect(api: str | None, token: str | None, run: str) -> tuple[StaleFlowClient, int]:
     """A client and the run id, failing fast with a clear message (the client itself
     retries unreachable servers for a minute, which is right later, not at start-up)."""
-    client = StaleFlowClient(api, token)
+    client = StaleFlowClient(api or None, token or None)  # empty env vars mean "not set"
     url = str(client.http.base_url)
     try:
         client.healthz()
@@ -196,7 +196,7 @@ def trainer(
     on_signals(worker.stop, "finishing the current step")
     with progress(steps, f"trainer run {run_id}: waiting for a batch") as (bar, task):
         def on_step(m: Any) -> None:
-            bar.update(task, advance=1, description=f"trainer run {run_id}: {m.line()}")
+            bar.update(task, advance=1, description=escape(f"trainer run {run_id}: {m.line()}"))
             if metrics_file is not None:
                 with open(metrics_file, "a") as f:
                     f.write(json.dumps(m.to_json()) + "\n")
