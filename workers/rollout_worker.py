@@ -29,6 +29,7 @@ class _Held:
 
     attempt: int
     prefix_len: int  # response tokens before this stretch
+    prompt_len: int
     reported: int = 0  # tokens of this stretch already sent as partial segments
     tokens: list[int] = field(default_factory=list)  # this stretch so far, from TokensEvents
     logprobs: list[float] = field(default_factory=list)
@@ -118,7 +119,7 @@ class RolloutWorker:
                 str(w.sample_id), w.prompt_tokens, w.prefix_tokens, w.prefix_logprobs,
                 max_new_tokens=w.max_new_tokens, seed=w.sample_id,
             )
-            self.held[w.sample_id] = _Held(w.attempt, len(w.prefix_tokens))
+            self.held[w.sample_id] = _Held(w.attempt, len(w.prefix_tokens), len(w.prompt_tokens))
             self.stats.routed += 1
         for c in out.commands:
             if c.kind == "interrupt" and c.sample_id in self.held and self.held[c.sample_id].attempt == c.attempt:
@@ -212,7 +213,12 @@ class RolloutWorker:
         s = self.engine.stats()
         snapshot = {
             "running": s.running, "waiting": s.waiting, "kv_used": s.kv_tokens, "kv_capacity": s.kv_capacity,
-            "running_samples": [{"sample_id": int(k), "tokens": v} for k, v in s.running_tokens.items()],
+            # engines count prompt + response; the snapshot carries response tokens
+            "running_samples": [
+                {"sample_id": int(k), "tokens": max(0, v - self.held[int(k)].prompt_len)}
+                for k, v in s.running_tokens.items() if int(k) in self.held
+            ],
+            "max_running": getattr(self.engine, "max_running", None),
             "throughput": s.tokens_per_s, "pulling": pulling, "routed_seen": self.stats.routed,
         }
         try:
