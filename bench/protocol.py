@@ -1,6 +1,6 @@
 """Full-lifecycle protocol throughput, next to pgbench's simple-update TPS on the same server.
 
-    python bench/protocol.py [--url URL] [--clients 4] [--batches 1,16,128] [--seconds 8]
+    python bench/protocol.py [--url URL] [--clients 4] [--batches 1,16,128] [--seconds 10]
 
 One scratch database is created on the server (--url, else STALEFLOW_DATABASE_URL, else the
 embedded default), migrated, used for both workloads and dropped at the end.
@@ -100,7 +100,8 @@ def client(k: int, url: str, run: int, samples: list[int], batch: int, seconds: 
     todo = deque(samples)
     counts = dict.fromkeys(KINDS, 0)
     calls, version, next_pull, dry, not_admitted = 0, 0, 0.0, False, 0
-    spent: dict[str, float] = {}  # seconds per operation, for the profile line
+    spent: dict[str, float] = {}  # seconds inside each operation
+    B, N = RUN["batch_size"], RUN["group_size"]
 
     def timed(op: str, fn, *a):
         t = time.perf_counter()
@@ -108,7 +109,6 @@ def client(k: int, url: str, run: int, samples: list[int], batch: int, seconds: 
             return fn(*a)
         finally:
             spent[op] = spent.get(op, 0.0) + time.perf_counter() - t
-    B, N = RUN["batch_size"], RUN["group_size"]
 
     def bump(kind: str, n: int) -> None:
         counts[kind] += n
@@ -145,7 +145,7 @@ def client(k: int, url: str, run: int, samples: list[int], batch: int, seconds: 
                   [(t.sample_id, t.reward_attempt, float(t.sample_id % 2)) for t in tasks])
             bump("rewarded", len(tasks))
             calls += 1
-        while k == 0:  # the trainer: every ready buffer, in version order
+        while k == 0:  # client 0 is the trainer: every ready buffer, in version order
             got = timed("consume", p.consume, run, version)
             calls += 1
             if got is None:
@@ -153,8 +153,8 @@ def client(k: int, url: str, run: int, samples: list[int], batch: int, seconds: 
             version = timed("publish", p.publish, run, version, got.lease)
             bump("trained", B * N)
             calls += 1
-    out.put({"client": k, "elapsed": time.perf_counter() - t0, "calls": calls, "dry": dry, "spent": spent, "not_admitted": not_admitted,
-             "statements": statements, **counts})
+    out.put({"client": k, "elapsed": time.perf_counter() - t0, "calls": calls, "dry": dry, "spent": spent,
+             "not_admitted": not_admitted, "statements": statements, **counts})
     engine.dispose()
 
 
@@ -181,7 +181,8 @@ def run_protocol(url: str, batch: int, clients: int, seconds: float, tokens: int
     ctx = mp.get_context("spawn")
     barrier, out = ctx.Barrier(clients + 1), ctx.Queue()
     counters = ctx.Array("q", clients * len(KINDS), lock=False)
-    procs = [ctx.Process(target=client, args=(k, url, run, shares[k], batch, seconds, tokens, barrier, counters, out, profile))
+    procs = [ctx.Process(target=client,
+                         args=(k, url, run, shares[k], batch, seconds, tokens, barrier, counters, out, profile))
              for k in range(clients)]
     for proc in procs:
         proc.start()
@@ -268,7 +269,7 @@ def main() -> None:
                     help="libpq URL of any database on the server (default: STALEFLOW_DATABASE_URL, else embedded)")
     ap.add_argument("--clients", type=int, default=4)
     ap.add_argument("--batches", default="1,16,128")
-    ap.add_argument("--seconds", type=float, default=8.0, help="measured time per batch size")
+    ap.add_argument("--seconds", type=float, default=10.0, help="measured time per batch size")
     ap.add_argument("--tokens", type=int, default=32, help="tokens per reported segment")
     ap.add_argument("--groups", type=int, default=0, help="prompts per batch size (default: sized to the batch)")
     ap.add_argument("--pgbench-scale", type=int, default=10)
