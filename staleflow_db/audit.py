@@ -67,3 +67,54 @@ def summary(engine: Engine, run_id: int) -> dict[str, Any]:
         "drops": [{"reason": r, "samples": n, "tokens": int(t)} for r, n, t in drops],
         "violations": [{"invariant": i, "subject": s, "detail": d} for i, s, d in violations],
     }
+
+
+def step_metrics(engine: Engine, run_id: int) -> list[dict[str, Any]]:
+    """Per published step: when it was published, what it trained (samples, tokens, reward,
+    staleness histogram) and what the system did in between (routes, interrupts, pulls,
+    migrations) — the per-step table of a run report."""
+    with engine.connect() as c, c.begin():
+        c.execute(text("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ READ ONLY"))
+        start = c.execute(text("SELECT created_at FROM runs WHERE id = :r"), {"r": run_id}).scalar()
+        published = c.execute(
+            text("SELECT buffer, at FROM events WHERE run_id = :r AND kind = 'published' ORDER BY buffer"),
+            {"r": run_id},
+        ).all()
+        trained = summary(engine, run_id)["steps"]
+        counts = c.execute(
+            text(
+                "SELECT at, kind FROM events WHERE run_id = :r"
+                " AND kind IN ('sample_routed', 'sample_interrupted') ORDER BY at"
+            ),
+            {"r": run_id},
+        ).all()
+        pulls = c.execute(
+            text("SELECT created_at FROM commands WHERE run_id = :r AND kind = 'pull' ORDER BY created_at"),
+            {"r": run_id},
+        ).scalars().all()
+        migrations = c.execute(
+            text("SELECT at, migrated FROM coordinator_cycles WHERE run_id = :r AND migrated > 0 ORDER BY at"),
+            {"r": run_id},
+        ).all()
+    by_step = {s["step"]: s for s in trained}
+    rows, prev = [], start
+    for step, at in published:
+        window = lambda t: prev < t <= at  # noqa: E731 - one window per step
+        s = by_step.get(step, {"samples": 0, "tokens": 0, "mean_reward": 0.0, "staleness": {}})
+        seconds = (at - prev).total_seconds()
+        rows.append({
+            "step": step,
+            "published_at": at.isoformat(),
+            "seconds": seconds,
+            "samples": s["samples"],
+            "tokens": s["tokens"],
+            "tokens_per_s": s["tokens"] / seconds if seconds > 0 else 0.0,
+            "mean_reward": s["mean_reward"],
+            "staleness": s["staleness"],
+            "routed": sum(1 for t, k in counts if k == "sample_routed" and window(t)),
+            "interrupts": sum(1 for t, k in counts if k == "sample_interrupted" and window(t)),
+            "pulls": sum(1 for t in pulls if window(t)),
+            "migrations": sum(m for t, m in migrations if window(t)),
+        })
+        prev = at
+    return rows

@@ -43,3 +43,24 @@ def test_audit_summarises_steps_drops_and_violations(engine, db_url):
         c.execute(text("UPDATE prompt_groups SET buffer = 5 WHERE run_id = :r AND state = 'consumed'"), {"r": d.run})
     broken = _run_audit(db_url, "audited")
     assert broken.returncode == 1 and "invariant violations" in broken.stdout
+
+
+def test_step_metrics_count_what_happened_between_publishes(engine):
+    from staleflow_db.audit import step_metrics
+
+    d = Driver(engine, name="steps", batch_size=1, group_size=1, eta=1)
+    inst = d.p.register_instance(d.run, "i", 0)
+    g1, g2 = d.enqueue(2)
+    d.complete(d.members(g1), inst, reward=0.25)
+    d.train(0)
+    (s,) = d.members(g2)
+    att = d.routed([s], inst)
+    from staleflow_db.types import Report
+    from staleflow_db.enums import SegmentKind
+
+    d.p.report(d.run, [Report(s, att[s], 0, [1], [-1.0], SegmentKind.INTERRUPTED)])
+    d.complete([s], inst)
+    d.train(1)
+    rows = step_metrics(engine, d.run)
+    assert [(r["step"], r["samples"], r["routed"], r["interrupts"]) for r in rows] == [(0, 1, 1, 0), (1, 1, 2, 1)]
+    assert rows[0]["mean_reward"] == 0.25 and rows[1]["staleness"] == {1: 1}
