@@ -64,14 +64,21 @@ def list_tokens(engine: Engine, run_id: int | None = None) -> list[dict[str, Any
     return [dict(r._mapping) for r in rows]
 
 
+class OtherRun(Exception):
+    """A run-scoped caller reached for something of another run (403)."""
+
+
 def revoke_token(engine: Engine, token_id: int, run_id: int | None = None) -> bool:
-    """True if this call revoked it; False if it was revoked already."""
+    """True if this call revoked it; False if it was revoked already. `run_id`: the caller's
+    scope (None: every run)."""
     with engine.begin() as c:
         row = c.execute(
             text("SELECT run_id, revoked_at FROM api_tokens WHERE id = :i FOR UPDATE"), {"i": token_id}
         ).first()
-        if row is None or (run_id is not None and row[0] != run_id):
+        if row is None:
             raise NotFound(f"token {token_id}")
+        if run_id is not None and row[0] != run_id:
+            raise OtherRun(f"token {token_id} is not of run {run_id}")
         if row[1] is not None:
             return False
         c.execute(text("UPDATE api_tokens SET revoked_at = now() WHERE id = :i"), {"i": token_id})

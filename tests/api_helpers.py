@@ -38,18 +38,23 @@ def free_port() -> int:
 
 
 class ApiServer:
-    """`python -m workers.cli serve` against `db_url`, as its own process."""
+    """`python -m workers.cli serve` against `db_url` (None: the embedded default under
+    STALEFLOW_HOME, migrated by `serve` itself), as its own process."""
 
-    def __init__(self, db_url: str, **env: str):
+    def __init__(self, db_url: str | None, **env: str):
         self.db_url, self.port = db_url, free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.env = {**os.environ, "STALEFLOW_DATABASE_URL": db_url, **env}
+        self.env = {k: v for k, v in os.environ.items() if k != "STALEFLOW_DATABASE_URL"}
+        self.env.update(env)
+        if db_url is not None:
+            self.env["STALEFLOW_DATABASE_URL"] = db_url
         self.log = tempfile.NamedTemporaryFile(prefix="sf-api-", suffix=".log", delete=False)
         self.proc: subprocess.Popen | None = None
 
     def launch(self) -> ApiServer:
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "workers.cli", "serve", "--port", str(self.port), "--no-upgrade"],
+            [sys.executable, "-m", "workers.cli", "serve", "--port", str(self.port),
+             *(["--no-upgrade"] if self.db_url else [])],
             cwd=REPO, env=self.env, stdout=self.log, stderr=subprocess.STDOUT,
         )
         return self

@@ -29,7 +29,7 @@ MATRIX: list[tuple[str, str, Any, set[str], int]] = [
     ("POST", "/v1/runs/{A}/prompts", {"prompts": [{"client_key": "k", "prompt_tokens": [1]}]}, TRAINER_COORD, 403),
     ("POST", "/v1/tokens", {"role": "rollout", "run_id": "{A}"}, ADMIN, 403),
     ("GET", "/v1/tokens", None, ADMIN, 200),  # lists only the token's own run
-    ("DELETE", "/v1/tokens/999999", None, ADMIN, 404),
+    ("DELETE", "/v1/tokens/{T}", None, ADMIN, 403),  # a token of run A
     ("POST", "/v1/runs/{A}/instances", {"name": "i", "version": 0}, ROLLOUT, 403),
     ("POST", "/v1/runs/{A}/instances/{I}/heartbeat", {"version": 0}, ROLLOUT, 403),
     ("DELETE", "/v1/runs/{A}/instances/{I}", None, ROLLOUT, 403),
@@ -76,7 +76,7 @@ def test_every_endpoint_by_every_role(db_url, engine):
     p = Protocol(engine)
     run_a = p.create_run("a", RunConfig(batch_size=1, group_size=1, eta=0))
     run_b = p.create_run("b", RunConfig(batch_size=1, group_size=1, eta=0))
-    ids = {"A": run_a, "I": p.register_instance(run_a, "i", 0)}
+    ids = {"A": run_a, "I": p.register_instance(run_a, "i", 0), "T": create_token(engine, "reward", run_a)["id"]}
     mine = {r: create_token(engine, r, run_a)["token"] for r in ROLES}
     mine["admin"] = create_token(engine, "admin")["token"]  # creating runs needs an all-runs admin
     theirs = {r: create_token(engine, r, run_b)["token"] for r in ROLES}
@@ -87,7 +87,10 @@ def test_every_endpoint_by_every_role(db_url, engine):
         schema = http.get("/openapi.json").json()["paths"]
         endpoints = {(m.upper(), path) for path, ops in schema.items() for m in ops if path.startswith("/v1")}
         covered = {(m, _fill(path, ids).split("?")[0]) for m, path, *_ in MATRIX}
-        concrete = {(m, p.replace("{run_id}", str(run_a)).replace("{instance_id}", str(ids["I"]))) for m, p in endpoints}
+        concrete = {
+            (m, p.replace("{run_id}", str(run_a)).replace("{instance_id}", str(ids["I"])).replace("{token_id}", str(ids["T"])))
+            for m, p in endpoints
+        }
         assert {e for e in concrete if "{" not in e[1]} <= covered, "an endpoint is missing from the matrix"
         assert len(endpoints) == len(MATRIX) and len(covered) == len(MATRIX)
 

@@ -130,13 +130,19 @@ def test_retry_after_lost_response_replays_stored_outcome(db_url):
         assert admin.run_status(run.id).samples == {"finished": 1}
 
 
-def test_survives_postgres_restart(embedded_pg):
-    embedded_pg.start()
-    url = embedded_pg.url()
-    migrate.upgrade(url)
-    with ApiServer(url) as server:
-        admin = server.client(token(url, "admin"), retry_for=60)
+def test_local_default_and_postgres_restart(embedded_pg, monkeypatch):
+    """`staleflow serve` on the embedded default migrates it and leaves the local user an admin
+    token the client finds by itself; a PostgreSQL restart is 503 while down, then recovery."""
+    embedded_pg.start()  # the fixture's server, which `serve` reuses as the embedded default
+    home = str(embedded_pg.home)
+    monkeypatch.setenv("STALEFLOW_HOME", home)
+    with ApiServer(None, STALEFLOW_HOME=home) as server:
+        token_file = embedded_pg.home / "token"
+        assert token_file.stat().st_mode & 0o777 == 0o600
+        admin = StaleFlowClient(server.url, retry_for=60)  # the token comes from $STALEFLOW_HOME/token
         run = admin.create_run("restart", batch_size=1, group_size=1, eta=0)
+        assert httpx.get(f"{server.url}/readyz", timeout=10).json()["schema_revision"] == migrate.head()
+
         embedded_pg.stop()
         raw = httpx.get(f"{server.url}/v1/runs/{run.id}", headers={"Authorization": f"Bearer {admin.token}"}, timeout=10)
         assert raw.status_code == 503 and raw.headers["Retry-After"]

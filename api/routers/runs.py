@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, Path
+from fastapi import APIRouter, Depends, HTTPException, Path
 
 from staleflow_db.enums import Role
 from staleflow_db.protocol import Prompt
@@ -94,7 +94,10 @@ def revoke_token(
     token_id: Annotated[int, Path(ge=1, le=2**63 - 1)], state: State, who: Principal = Depends(allow()),
 ) -> Revoked:
     """Revoke a token (admin). Replicas stop accepting it within the token cache time."""
-    revoked = auth.revoke_token(state.engine, token_id, who.run_id)
+    try:
+        revoked = auth.revoke_token(state.engine, token_id, who.run_id)
+    except auth.OtherRun as exc:
+        raise HTTPException(403, str(exc)) from None
     state.tokens.forget()
     return Revoked(id=token_id, revoked=revoked)
 
