@@ -21,7 +21,6 @@ import enum
 import importlib
 import inspect
 import json
-import logging
 import os
 import signal
 import socket
@@ -37,7 +36,6 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn
 
 from workers.client import ApiError, Forbidden, NotFound, StaleFlowClient, Unauthorized
 
-log = logging.getLogger("staleflow.cli")
 console = Console(stderr=True)
 
 RUN = typer.Option(..., "--run", help="run id or name")
@@ -222,7 +220,8 @@ def _torch_trainer(client, run_id, cfg, ps_addr, checkpoint_dir, lr, weight_deca
     model = TinyTransformer(cfg, seed=model_seed).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
     grpo = GRPOConfig(clip_low=clip_low, clip_high=clip_high, tis_cap=tis_cap or None, temperature=temperature)
-    console.print(f"trainer: checkpoints in {directory}; PS {'%s:%s' % ps_addr.addr if ps_addr else 'none'}")
+    where = f"{ps_addr.addr[0]}:{ps_addr.addr[1]}" if ps_addr else "none"
+    console.print(escape(f"trainer: checkpoints in {directory}; PS {where}"))
     return Trainer(client, run_id, model, opt, ps=ps_addr, checkpoint_dir=directory, grpo=grpo, wait_s=wait,
                    micro_batch_tokens=micro_batch_tokens, max_grad_norm=max_grad_norm or None,
                    extra_state={"model_config": cfg.to_dict(), "model_seed": model_seed})
@@ -314,7 +313,7 @@ def _engine(kind, client, run_id, pc, cfg, model_seed, kv_capacity, max_running,
                 raise
             raise typer.BadParameter("the sim engine (workers/engines/sim_engine.py) is not in this installation",
                                      param_hint="--engine") from None
-        cls = getattr(mod, "SimEngine")
+        cls = mod.SimEngine
         accepted = inspect.signature(cls).parameters
         offered = {"kv_capacity_tokens": kv_capacity, "kv_capacity": kv_capacity, "max_running": max_running,
                    "version": client.run_status(run_id).version}
