@@ -13,6 +13,7 @@ import typer
 
 from workers.cli_audit import audit
 from workers.cli_coordinator import coordinator
+from workers.cli_demo import demo
 from workers.cli_db import app as db_app
 from workers.cli_serve import serve
 from workers.cli_token import app as token_app
@@ -48,6 +49,7 @@ app.command()(serve)
 app.add_typer(token_app, name="token")
 app.command()(audit)
 app.command()(coordinator)
+app.command()(demo)
 app.command("trainer")(cli_workers.trainer)
 app.command("ps")(cli_workers.ps)
 app.command("rollout-worker")(cli_workers.rollout_worker)
