@@ -12,13 +12,13 @@ from workers.launch import ProcessDied
 
 
 def demo(
-    steps: int = typer.Option(40, min=1, help="Training steps (versions) to run."),
+    steps: int = typer.Option(100, min=1, help="Training steps (versions) to run."),
     instances: int = typer.Option(3, min=1, help="torch rollout workers."),
     policy: str = typer.Option("staleflow", help=f"Coordinator policy: {', '.join(POLICY_NAMES)}."),
-    eta: int = typer.Option(2, min=0, help="Staleness bound."),
+    eta: int = typer.Option(1, min=0, help="Staleness bound."),
     batch_size: int = typer.Option(8, min=1, help="B: prompt groups per step."),
     group_size: int = typer.Option(4, min=2, help="N: responses per prompt."),
-    lr: float = typer.Option(2e-3, min=0.0, help="Learning rate."),
+    lr: float = typer.Option(1e-3, min=0.0, help="Learning rate."),
     seed: int = typer.Option(0, help="Prompt seed."),
     report_dir: Path = typer.Option(Path("reports"), help="Where the report folder goes."),
     timeout: float = typer.Option(1200.0, min=1.0, help="Give up after this many seconds."),

@@ -31,13 +31,13 @@ from workers.tasks.repeat import RepeatTask
 
 @dataclass
 class DemoConfig:
-    steps: int = 40
+    steps: int = 100
     instances: int = 3
     policy: str = "staleflow"
-    eta: int = 2
+    eta: int = 1
     batch_size: int = 8  # B: prompt groups per training step
     group_size: int = 4  # N
-    lr: float = 2e-3
+    lr: float = 1e-3
     seed: int = 0
     kv_capacity: int = 2048
     timeout_s: float = 1200.0
@@ -167,7 +167,12 @@ def write_report(folder: Path, result: dict[str, Any]) -> None:
     steps = result["steps"]
     x = [s["step"] for s in steps]
     fig, ax = plt.subplots(1, 3, figsize=(15, 4))
-    ax[0].plot(x, [s["mean_reward"] for s in steps], marker="o")
+    rewards = [s["mean_reward"] for s in steps]
+    ax[0].plot(x, rewards, marker="o", alpha=0.5, label="per step")
+    k = 5  # a short moving average shows the trend through the per-step noise
+    smooth = [sum(rewards[max(0, i - k + 1): i + 1]) / len(rewards[max(0, i - k + 1): i + 1]) for i in range(len(rewards))]
+    ax[0].plot(x, smooth, linewidth=2, label=f"mean of last {k}")
+    ax[0].legend()
     ax[0].set(title="mean reward per step", xlabel="step", ylabel="reward")
     secs = [sum(s["seconds"] for s in steps[: i + 1]) for i in range(len(steps))]
     ax[1].plot(secs, [s["tokens_per_s"] for s in steps], marker="o")

@@ -84,6 +84,8 @@ class SimEngine(Engine):
         time_scale: float | None = None,
         version: int = 0,
         max_step_s: float = 0.05,
+        pull_s: float | None = None,
+        prefill_rate: float | None = None,
     ):
         self.cost = cost or get_cost_model(
             os.environ.get("STALEFLOW_SIM_MODEL", "qwen_7b"), os.environ.get("STALEFLOW_SIM_PARALLELISM", "TP1_PP1")
@@ -92,6 +94,11 @@ class SimEngine(Engine):
         # wall seconds per simulated second; 0.1 runs ten times faster than the GPUs modelled
         self.time_scale = float(os.environ.get("STALEFLOW_SIM_TIME_SCALE", "1.0")) if time_scale is None else time_scale
         self.max_step_s = max_step_s
+        # simulated seconds to load new weights, and prefill tokens/s charged at each admission
+        self.pull_s = float(os.environ.get("STALEFLOW_SIM_PULL_S", "0")) if pull_s is None else pull_s
+        rate = os.environ.get("STALEFLOW_SIM_PREFILL_RATE") if prefill_rate is None else prefill_rate
+        self.prefill_rate = float(rate) if rate else 0.0
+        self._prefill_due = 0.0
         self._version = version
         self.running: list[_Seq] = []
         self.waiting: list[_Seq] = []
@@ -120,6 +127,8 @@ class SimEngine(Engine):
             if self._kv() + nxt.kv + 1 > self.kv_capacity and self.running:
                 return
             self.waiting.pop(0)
+            if self.prefill_rate > 0:
+                self._prefill_due += nxt.kv / self.prefill_rate
             self._admissions += 1
             nxt.admitted = self._admissions
             self.running.append(nxt)
@@ -142,7 +151,8 @@ class SimEngine(Engine):
             self.preemptions += 1
             events.append(PreemptedEvent(victim.sid, victim.generated, len(self.waiting)))
         n, kv = len(self.running), self._kv()
-        step_sim = self.cost.iterations_time(n, kv, k)
+        step_sim = self.cost.iterations_time(n, kv, k) + self._prefill_due
+        self._prefill_due = 0.0
         self.sim_time += step_sim
         if self.time_scale > 0:
             time.sleep(step_sim * self.time_scale)
@@ -173,6 +183,9 @@ class SimEngine(Engine):
         self.interrupt(sample_ids)
 
     def load_weights(self, state_dict: Mapping[str, Any] | None, version: int) -> None:
+        if self.pull_s and self.time_scale > 0:
+            time.sleep(self.pull_s * self.time_scale)
+        self.sim_time += self.pull_s
         self._version = version
 
     def stats(self) -> EngineStats:

@@ -82,3 +82,9 @@ def repeat_verifier(tokens: Sequence[int], finish_reason: str | None, meta: dict
     hits = sum(1 for t in body[:count] if t == symbol)
     exact = finish_reason == "eos" and len(body) == count
     return hits / count - abs(len(body) - count) / budget + (0.2 if exact else 0.0)
+
+
+@register("sim")
+def sim_verifier(tokens: Sequence[int], finish_reason: str | None, meta: dict, detokenize: Detokenize) -> float:
+    """For scale experiments with the `sim` engine: a reward that varies with the length."""
+    return (len(tokens) % 7) / 6
