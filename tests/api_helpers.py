@@ -65,8 +65,18 @@ class ApiServer:
             self.launch()
         assert self.proc is not None
         deadline = time.monotonic() + timeout
+        relaunches = 3
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
+                # The free port was taken between our probe and uvicorn's bind (parallel tests).
+                if "address already in use" in self.output() and relaunches:
+                    relaunches -= 1
+                    self.port = free_port()
+                    self.url = f"http://127.0.0.1:{self.port}"
+                    self.log.seek(0)
+                    self.log.truncate(0)
+                    self.launch()
+                    continue
                 raise RuntimeError(f"API server exited with {self.proc.returncode}:\n{self.output()}")
             try:
                 if httpx.get(self.url + "/healthz", timeout=1.0).status_code == 200:
