@@ -85,6 +85,7 @@ def test_help(cmd, options):
     (["rollout-worker", "--run", "1", "--engine", "bogus"], ["--engine", "bogus", "torch", "sim", "vllm"]),
     (["rollout-worker", "--run", "1"], ["Missing option '--engine'"]),
     (["rollout-worker", "--run", "1", "--engine", "vllm"], ["--engine vllm needs --vllm-model"]),
+    (["rollout-worker", "--run", "1", "--engine", "sim", "--sim-model", "gpt9"], ["--sim-model", "no cost model", "qwen_7b"]),
     (["ps"], ["Missing option '--data-dir'"]),
     (["ps", "--data-dir", "x", "--backend", "mpi"], ["--backend", "mpi", "gloo", "nccl"]),
     (["reward-worker", "--run", "1", "--verifier", "nope"], ["unknown verifier 'nope'", "math", "repeat"]),
@@ -186,6 +187,7 @@ def test_sigterm_exits_cleanly_and_deregisters(served, tmp_path):
     procs = {
         "rollout": ["rollout-worker", "--run", str(run), "--engine", "torch", "--model-config",
                     '{"vocab_size": 32, "d_model": 16, "n_layers": 1, "n_heads": 2, "max_seq": 64}'],
+        "sim": ["rollout-worker", "--run", str(run), "--engine", "sim", "--time-scale", "0.01"],
         "reward": ["reward-worker", "--run", str(run), "--verifier", "repeat"],
         "trainer": ["trainer", "--run", str(run), "--sim", "--wait", "1"],
     }
@@ -193,7 +195,7 @@ def test_sigterm_exits_cleanly_and_deregisters(served, tmp_path):
                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
                for k, a in procs.items()}
     try:
-        _until(lambda: admin.run_status(run).active_instances == 1, started["rollout"], "the rollout worker to register")
+        _until(lambda: admin.run_status(run).active_instances == 2, started["rollout"], "the rollout workers to register")
         for p in started.values():
             assert p.poll() is None
             p.send_signal(signal.SIGTERM)
@@ -205,4 +207,4 @@ def test_sigterm_exits_cleanly_and_deregisters(served, tmp_path):
         for p in started.values():
             if p.poll() is None:
                 p.kill()
-    assert admin.run_status(run).active_instances == 0  # deregistered on the way out
+    assert admin.run_status(run).active_instances == 0  # both deregistered on the way out

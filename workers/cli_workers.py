@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import enum
 import importlib
-import inspect
 import json
 import os
 import signal
@@ -257,7 +256,8 @@ def rollout_worker(
     token: Optional[str] = TOKEN,
     ps: Optional[str] = typer.Option(None, "--ps", help="HOST:PORT of the PS to pull weights from"),
     name: Optional[str] = typer.Option(None, "--name", help="instance label (default: host-pid)"),
-    kv_capacity: int = typer.Option(8192, "--kv-capacity", min=16, help="KV-cache tokens (torch/sim engines)"),
+    kv_capacity: Optional[int] = typer.Option(None, "--kv-capacity", min=16,
+                                              help="KV-cache tokens (torch: default 8192; sim: the engine's)"),
     phi_wait: Optional[int] = typer.Option(None, "--phi-wait", min=0,
                                            help="interrupt a preempted sample when more than this many wait"),
     max_running: int = typer.Option(256, "--max-running", min=1),
@@ -266,6 +266,10 @@ def rollout_worker(
     model_seed: int = MODEL_SEED,
     device: str = typer.Option("cpu", "--device", help="torch engine device"),
     vllm_model: Optional[str] = typer.Option(None, "--vllm-model", help="vllm: model name or path"),
+    sim_model: Optional[str] = typer.Option(None, "--sim-model", help="sim: cost model (cost_models.json), e.g. qwen_7b"),
+    sim_parallelism: Optional[str] = typer.Option(None, "--sim-parallelism", help="sim: e.g. TP1_PP1"),
+    time_scale: Optional[float] = typer.Option(None, "--time-scale", min=0.0,
+                                               help="sim: wall seconds per simulated second"),
     heartbeat: float = typer.Option(1.0, "--heartbeat", min=0.05, help="seconds between snapshots"),
     ps_wait: float = typer.Option(120.0, "--ps-wait", min=0.0, help="seconds to wait for the PS's first version"),
 ) -> None:
@@ -275,10 +279,14 @@ def rollout_worker(
     cfg = model_config(model_config_) if engine is Engine.torch else None
     if engine is Engine.vllm and not vllm_model:
         raise typer.BadParameter("--engine vllm needs --vllm-model", param_hint="--vllm-model")
+    cost = _cost_model(sim_model, sim_parallelism) if engine is Engine.sim else None
     pc = ps_client(ps)
     client, run_id = connect(api, token, run)
-    eng, weights = _engine(engine, client, run_id, pc, cfg, model_seed, kv_capacity, max_running, temperature,
-                           device, vllm_model, ps_wait)
+    if engine is Engine.sim:
+        eng, weights = _sim_engine(client, run_id, kv_capacity, max_running, cost, time_scale)
+    else:
+        eng, weights = _engine(engine, pc, cfg, model_seed, kv_capacity or 8192, max_running, temperature, device,
+                               vllm_model, ps_wait)
     worker = RolloutWorker(client, run_id, eng, name=name or f"{socket.gethostname()}-{os.getpid()}",
                            weights=weights, phi_wait=phi_wait, heartbeat_s=heartbeat)
     on_signals(worker.stop, "flushing reports and deregistering")
@@ -302,24 +310,36 @@ def rollout_worker(
     console.print(f"rollout worker: {stats.finished} finished, {stats.tokens} tokens, deregistered")
 
 
-def _engine(kind, client, run_id, pc, cfg, model_seed, kv_capacity, max_running, temperature, device, vllm_model,
-            ps_wait):
-    """(engine, weight source) for the rollout worker."""
-    if kind is Engine.sim:
-        try:
-            mod = importlib.import_module("workers.engines.sim_engine")
-        except ModuleNotFoundError as e:
-            if e.name != "workers.engines.sim_engine":
-                raise
-            raise typer.BadParameter("the sim engine (workers/engines/sim_engine.py) is not in this installation",
-                                     param_hint="--engine") from None
-        cls = mod.SimEngine
-        accepted = inspect.signature(cls).parameters
-        offered = {"kv_capacity_tokens": kv_capacity, "kv_capacity": kv_capacity, "max_running": max_running,
-                   "version": client.run_status(run_id).version}
-        eng = cls(**{k: v for k, v in offered.items() if k in accepted})
-        # no weights: a pull only moves the version on
-        return eng, lambda target: (None, target if target is not None else client.run_status(run_id).version)
+def _cost_model(model: str | None, parallelism: str | None):
+    if model is None:
+        return None  # the sim engine's default (STALEFLOW_SIM_MODEL, else qwen_7b)
+    from workers.coordinator.cost_model import get_cost_model
+
+    try:
+        return get_cost_model(model, parallelism)
+    except KeyError as e:
+        raise typer.BadParameter(str(e.args[0]), param_hint="--sim-model") from None
+
+
+def _sim_engine(client, run_id, kv_capacity, max_running, cost, time_scale):
+    """The cost-model engine: no weights, so a pull only moves its version on."""
+    try:
+        mod = importlib.import_module("workers.engines.sim_engine")
+    except ModuleNotFoundError as e:
+        if e.name != "workers.engines.sim_engine":
+            raise
+        raise typer.BadParameter("the sim engine (workers/engines/sim_engine.py) is not in this installation",
+                                 param_hint="--engine") from None
+    kw: dict[str, Any] = {"cost": cost, "max_running": max_running, "time_scale": time_scale,
+                          "version": client.run_status(run_id).version}
+    if kv_capacity is not None:
+        kw["kv_capacity_tokens"] = kv_capacity
+    eng = mod.SimEngine(**kw)
+    return eng, lambda target: (None, target if target is not None else client.run_status(run_id).version)
+
+
+def _engine(kind, pc, cfg, model_seed, kv_capacity, max_running, temperature, device, vllm_model, ps_wait):
+    """(engine, weight source) for the torch and vllm engines."""
     if kind is Engine.torch:
         from workers.engines.torch_engine import TorchEngine
 
