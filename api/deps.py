@@ -124,10 +124,6 @@ def run_filter(who: Principal, run_id: int | None) -> int | None:
     return who.run_id
 
 
-ANY_ROLE = tuple(Role)
-Anyone = Annotated[Principal, Depends(allow_run(*ANY_ROLE))]
-
-
 async def long_poll(
     request: Request,
     state: AppState,

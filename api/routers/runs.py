@@ -17,7 +17,6 @@ from ..models import (
     EnqueueIn, EnqueueOut, ParamVersionList, Revoked, RunCreate, RunList, RunOut, RunStatus, TokenCreate,
     TokenCreated, TokenList, errors,
 )
-from ..notify import WORK
 from ..service import scoped_key
 
 router = APIRouter(prefix="/v1", responses=errors(401, 403, 422, 503))
@@ -71,9 +70,7 @@ def enqueue(
 ) -> EnqueueOut:
     """Enqueue prompt groups. Idempotent by `client_key`: a key seen before returns its group."""
     prompts = [Prompt(p.client_key, p.prompt_tokens, p.meta) for p in body.prompts]
-    ids = state.protocol.enqueue(run_id, prompts)
-    state.notifier.publish(run_id, WORK)
-    return EnqueueOut(group_ids=ids)
+    return EnqueueOut(group_ids=state.protocol.enqueue(run_id, prompts))
 
 
 @router.post("/tokens", status_code=201, response_model=TokenCreated, responses=errors(404), tags=["tokens"])
