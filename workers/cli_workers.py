@@ -390,7 +390,7 @@ def _pull(pc, target: int | None):
 
 def reward_worker(
     run: str = RUN,
-    verifier: str = typer.Option(..., "--verifier", help="repeat (demo task) or math (boxed answer)"),
+    verifier: str = typer.Option(..., "--verifier", help="a verifier of workers/tasks/verifiers.py: repeat, math, ..."),
     api: Optional[str] = API,
     token: Optional[str] = TOKEN,
     batch: int = typer.Option(256, "--batch", min=1, help="samples claimed per request"),
