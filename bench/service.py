@@ -19,6 +19,9 @@ import sys
 import time
 from pathlib import Path
 
+# bench/api.py would shadow the `api` package when this runs as `python bench/service.py`
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+
 from rich.console import Console
 from sqlalchemy import text
 
@@ -40,8 +43,12 @@ SETUP = dict(name="service", batch_size=16, group_size=4, max_response=2048, ins
              kv_capacity_override=24_000, train_gpus=4, step_time_scale=0.3)
 
 
+def service_setup():
+    return get_setup("qwen_7b").scaled(**SETUP)
+
+
 def service_run(policy: str, eta: int, steps: int, scale: float, workdir: Path, url: str) -> dict:
-    setup = get_setup("qwen_7b", **SETUP)
+    setup = service_setup()
     pol = get_policy(policy)
     engine = make_engine(url)
     protocol = Protocol(engine)
@@ -98,7 +105,9 @@ def service_run(policy: str, eta: int, steps: int, scale: float, workdir: Path, 
         "policy": policy, "eta": pol.effective_eta(eta), "steps": len(rows),
         "tokens_per_s": toks / wall * scale if wall else 0.0,  # in simulated seconds
         "step_s_wall": step_s, "cycle_ms": float(cyc[0] or 0.0), "command_latency_ms": float(lat or 0.0) * 1000,
-        "coordination_fraction": (float(cyc[0] or 0.0) / 1000 * cycles_per_step) / step_s if step_s else 0.0,
+        # the delay a decision adds on the critical path (decide + deliver), per step of training
+        "coordination_fraction": (float(cyc[0] or 0.0) + float(lat or 0.0) * 1000) / 1000 / step_s if step_s else 0.0,
+        "coordinator_busy": float(cyc[0] or 0.0) * cycles_per_step / 1000 / step_s if step_s else 0.0,
         "violations": violations,
     }
 
@@ -117,7 +126,7 @@ def main() -> None:
     results = {"service": [], "simulator": []}
     for p in policies:
         console.print(f"[bold]{p}[/bold]: simulator ...")
-        r = simulate(get_setup("qwen_7b", **SETUP), p, args.eta, steps=args.steps + 1)
+        r = simulate(service_setup(), p, args.eta, steps=args.steps + 1)
         results["simulator"].append({"policy": p, "tokens_per_s": r.steady_tokens_per_s})
         console.print(f"[bold]{p}[/bold]: real service (8 sim workers, time scale {args.time_scale}) ...")
         results["service"].append(service_run(p, args.eta, args.steps, args.time_scale, args.workdir, url))

@@ -4,7 +4,7 @@ implementation and the reference model)."""
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from .enums import GroupState, SegmentKind
 from .errors import InvalidInput

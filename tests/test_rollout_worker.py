@@ -117,3 +117,19 @@ def test_pull_command_loads_new_weights(served):
     worker.stop()
     t.join(30)
     assert worker.stats.pulls == 0  # version 0 is not newer than what it runs: nothing loaded
+
+
+def test_checkpoints_and_finish_in_one_report_window_are_one_report(served):
+    """Partial checkpoints that are still unsent when the sample finishes merge into its final
+    segment: a batch never names a sample twice (the API would refuse it)."""
+    server, admin, run = served
+    admin.enqueue(run, [(f"q{i}", [1, 2, 3 + i]) for i in range(2)])
+    w = RolloutWorker(server.client(token(server.db_url, "rollout", run)), run, _engine(), name="m",
+                      checkpoint_every_s=0.0001, report_every_s=0.5, heartbeat_s=0.2)
+    t = _start(w)
+    admin.route(run, [(q.sample_id, w.instance_id) for q in admin.snapshot(run).queued])
+    _wait(lambda: w.stats.finished == 4)
+    w.stop()
+    t.join(30)
+    assert w.stats.lost == 0
+    assert len(admin.claim(run, limit=100, wait=0)) == 4

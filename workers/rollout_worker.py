@@ -157,10 +157,18 @@ class RolloutWorker:
         if held is None:
             return
         new_t, new_lp = tokens[held.reported:], logprobs[held.reported:]
-        self.pending.append({
-            "sample_id": sid, "attempt": held.attempt, "version": self.engine.version,
-            "tokens": list(new_t), "logprobs": list(new_lp), "kind": kind, "finish_reason": reason,
-        })
+        last = next((r for r in reversed(self.pending) if r["sample_id"] == sid), None)
+        if last is not None and last["kind"] == "partial" and last["attempt"] == held.attempt \
+                and last["version"] == self.engine.version:
+            # one report per sample per batch: extend the unsent checkpoint instead
+            last["tokens"] += list(new_t)
+            last["logprobs"] += list(new_lp)
+            last["kind"], last["finish_reason"] = kind, reason
+        else:
+            self.pending.append({
+                "sample_id": sid, "attempt": held.attempt, "version": self.engine.version,
+                "tokens": list(new_t), "logprobs": list(new_lp), "kind": kind, "finish_reason": reason,
+            })
         if kind == "partial":
             held.reported += len(new_t)
         else:
