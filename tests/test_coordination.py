@@ -50,3 +50,14 @@ def test_snapshot_and_commands(engine):
     d.p.apply_commands(d.run, "coord", epoch, interrupts=[s1, s2], pulls=[(inst, 0)])
     _, cmds = d.p.poll_work(inst)
     assert [(c.kind, c.sample_id, c.target_version) for c in cmds] == [("interrupt", s1, None), ("pull", None, 0)]
+
+
+def test_notify_work_reaches_a_listener(engine, db_url):
+    import psycopg
+
+    d = Driver(engine, batch_size=1, group_size=1, eta=1)
+    with psycopg.connect(db_url, autocommit=True) as listener:
+        listener.execute("LISTEN staleflow")
+        d.p.notify_work(d.run, [3, 1])
+        (n,) = list(listener.notifies(timeout=5, stop_after=1))
+    assert n.payload == f"-|{d.run}|work:1,work:3"

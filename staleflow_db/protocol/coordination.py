@@ -76,6 +76,16 @@ class CoordinationOps(TxMixin):
                 {"run": run_id, "h": holder},
             )
 
+    def notify_work(self, run_id: int, instance_ids: Sequence[int]) -> None:
+        """Wake the API's long-polls of these instances (on every replica) after a commit made
+        outside the API: one NOTIFY, in its own statement, never inside a protocol transaction
+        (NOTIFY takes a global lock at commit). Without it they notice on their polling timer."""
+        ids = sorted(set(instance_ids))
+        topics = ",".join(f"work:{i}" for i in ids) if len(ids) <= 64 else "work"
+        with self.engine.connect() as conn:
+            conn.execute(text("SELECT pg_notify('staleflow', :p)"), {"p": f"-|{run_id}|{topics}"})
+            conn.commit()
+
     def snapshot(self, run_id: int, max_queued: int = 20_000) -> Snapshot:
         """Everything a coordinator cycle decides on, from one consistent read-only view."""
         with self.engine.connect() as conn, conn.begin():

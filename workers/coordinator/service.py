@@ -157,6 +157,9 @@ class Coordinator:
             log.warning("deposed while writing; standing by")
             self.epoch = None
             return
+        touched = {i for _, i in routes} | {d.instance_id for d in plan.interrupts} | {i for i, _ in pulls}
+        if touched:
+            self.protocol.notify_work(self.run_id, touched)
         now = time.monotonic()
         by_sample = dict(routes)
         for r in results:
