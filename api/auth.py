@@ -148,15 +148,3 @@ def check_role(role: Role | str) -> Role:
         return Role(role)
     except ValueError:
         raise InvalidInput(f"unknown role {role!r} (one of {', '.join(r.value for r in Role)})") from None
-
-
-def resolve_run(engine: Engine, run: str | int) -> int:
-    """A run by id or by name (for the command line)."""
-    with engine.connect() as c:
-        row = c.execute(
-            text("SELECT id FROM runs WHERE id::text = :r OR name = :r ORDER BY (id::text = :r) DESC LIMIT 1"),
-            {"r": str(run)},
-        ).first()
-    if row is None:
-        raise NotFound(f"run {run}")
-    return row[0]

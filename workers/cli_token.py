@@ -8,6 +8,7 @@ from typing import Optional
 import typer
 
 from api import auth
+from staleflow_db.audit import find_run
 from staleflow_db.db import make_engine
 from staleflow_db.errors import NotFound
 
@@ -27,7 +28,7 @@ def create(
         raise typer.BadParameter(str(exc), param_hint="--role") from None
     engine = make_engine()
     try:
-        run_id = auth.resolve_run(engine, run) if run is not None else None
+        run_id = find_run(engine, run) if run is not None else None
         print(auth.create_token(engine, role_, run_id, name)["token"])
     except NotFound as exc:
         raise typer.BadParameter(f"{exc} does not exist", param_hint="--run") from None
