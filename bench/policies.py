@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--steps", type=int, help="training steps per run")
     ap.add_argument("--etas", help="comma-separated staleness bounds (default 1,2,3)")
     ap.add_argument("--jobs", type=int, help="parallel processes (default: min(2, CPUs))")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seeds", default="0", help="comma-separated workload seeds; figures are means over them")
     ap.add_argument("--no-ablations", action="store_true")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
     a = ap.parse_args(argv)
@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> None:
             cfg.ablation_eta = cfg.etas[len(cfg.etas) // 2]
     if a.jobs:
         cfg.jobs = a.jobs
-    cfg.seed = a.seed
+    cfg.seeds = tuple(int(x) for x in a.seeds.split(","))
     cfg.ablations = not a.no_ablations
     _, line = run_bench(cfg, a.out, progress=lambda m: print(m, flush=True))
     print(line, flush=True)

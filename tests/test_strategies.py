@@ -218,6 +218,16 @@ def test_request_count_routing_is_naive():
     assert route_request_count([inst(1, pulling=True)], q) == []
 
 
+def test_sticky_request_count_routing_resumes_on_the_same_instance():
+    views = [inst(1, running=9), inst(2, running=0)]
+    back = QueuedSample(7, 7, 1_300, 0, 1_000, 0, last_instance=1)
+    assert route_request_count(views, [back], sticky=True) == [RouteDecision(7, 1)]
+    assert route_request_count(views, [back]) == [RouteDecision(7, 2)]
+    gone = [inst(1, running=9, pulling=True), inst(2)]
+    assert route_request_count(gone, [back], sticky=True) == []  # waits for its instance
+    assert get_policy("strict").sticky_resume and not get_policy("staleflow").sticky_resume
+
+
 def test_new_groups_are_not_routed_once_the_staleness_budget_is_full():
     p = ReferenceProtocol(RunConfig(batch_size=1, group_size=1, eta=1))
     p.register_instance(0)

@@ -58,7 +58,7 @@ def bench(
     setups: str = typer.Option(None, help="Comma-separated set-ups (default: the four of SPEC §5)."),
     steps: int = typer.Option(None, help="Training steps per run."),
     jobs: int = typer.Option(None, help="Parallel processes."),
-    seed: int = typer.Option(0),
+    seeds: str = typer.Option("0", help="Comma-separated workload seeds (means over them)."),
     out: Path = typer.Option(Path("bench/results"), help="Where policies.md, policies.json and the plots go."),
 ) -> None:
     """Every policy on every set-up and η; writes a markdown table and plots. The last line
@@ -72,7 +72,7 @@ def bench(
         cfg.steps = steps
     if jobs:
         cfg.jobs = jobs
-    cfg.seed = seed
+    cfg.seeds = tuple(int(x) for x in seeds.split(","))
     _, line = run_bench(cfg, out, progress=lambda m: print(m, flush=True))
     print(line, flush=True)
 

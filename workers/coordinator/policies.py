@@ -4,7 +4,7 @@
 |---|---|---|---|---|
 | `sync` (veRL) | request count | all pull together once idle (no partial rollout) | none | η = 0 |
 | `one_step` (veRL-Pipeline) | request count | all pull together once idle | none | η = 1 |
-| `strict` (veRL-Async / AReaL / ROLL Flash) | request count | greedy: interrupt and pull as soon as behind | none | the run's η |
+| `strict` (veRL-Async / AReaL / ROLL Flash) | request count; an interrupted sample resumes on its instance | greedy: interrupt and pull as soon as behind | none | the run's η |
 | `staleflow` | multi-level queue + waterfall (μ) | status-based (KV threshold) | ψ (coordinator) + φ_wait (engine) | the run's η |
 
 Ablations change one ingredient of `staleflow`: `staleflow-naive-route` (request-count
@@ -70,6 +70,7 @@ class Policy:
     cycle_period: float = 0.1  # seconds between coordinator cycles
     block_scope: str = "instance"  # see strategies.route_waterfall
     max_requests: int | None = None  # request-count routing: cap per instance (None: its max_running)
+    sticky_resume: bool = False  # request-count routing: interrupted samples resume where they ran
     min_migrate_running: int = 2
     migrate_min_gain: float = 0.05  # migrate only if the pair's cost-model T rises this much
 
@@ -121,7 +122,7 @@ class Policy:
         else:
             routes = route_request_count(
                 instances, queued, admission, group_versions=group_versions, max_requests=self.max_requests,
-                levels=levels,
+                levels=levels, sticky=self.sticky_resume,
             )
         routed: set[int] = set()
         if routes:
@@ -159,7 +160,9 @@ class Policy:
 _BASE: dict[str, Policy] = {
     "sync": Policy("sync", routing="request_count", sync="all_idle", migration=False, engine_migration=False, eta=0),
     "one_step": Policy("one_step", routing="request_count", sync="all_idle", migration=False, engine_migration=False, eta=1),
-    "strict": Policy("strict", routing="request_count", sync="greedy", migration=False, engine_migration=False),
+    "strict": Policy(
+        "strict", routing="request_count", sync="greedy", migration=False, engine_migration=False, sticky_resume=True
+    ),
     "staleflow": Policy("staleflow"),
     "staleflow-naive-route": Policy("staleflow-naive-route", routing="request_count"),
     "staleflow-greedy-pull": Policy("staleflow-greedy-pull", sync="greedy"),

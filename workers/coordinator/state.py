@@ -67,6 +67,7 @@ class QueuedSample:
     v_traj: int | None = None  # None: never routed
     tokens: int = 0  # response tokens generated so far
     last_version: int | None = None  # version of its latest segment with tokens
+    last_instance: int | None = None  # the instance it last ran on (None: never ran)
 
     @property
     def fresh(self) -> bool:

@@ -371,13 +371,17 @@ def route_request_count(
     group_versions: Mapping[int, int] | None = None,
     max_requests: int | None = None,
     levels: Levels | None = None,
+    sticky: bool = False,
 ) -> list[RouteDecision]:
     """Naive balancing: every routable sample to the instance with the fewest requests
     (running + waiting), oldest level first, no throughput model, no KV or waiting-queue
     checks (the engine queues what does not fit). Requests per instance are capped at
     `max_requests`, by default at the engine's running slots (`max_running`, vLLM's
     max_num_seqs): beyond that, work waits in the central queue rather than piling onto
-    whichever instance happens to be free first."""
+    whichever instance happens to be free first.
+
+    `sticky`: a sample that has tokens resumes only on the instance it last ran on (no
+    migration: systems without it continue an interrupted rollout where it was)."""
     admission = admission or AlwaysAdmit()
     if not instances:
         return []
@@ -394,10 +398,21 @@ def route_request_count(
     distinct = sorted(set(int(v) for v in versions))
     by_version = {v: versions == v for v in distinct}
     routes = []
+    index = {iid: k for k, iid in enumerate(ids)}
     for level, samples in levels:
         if level == NEW_LEVEL and not any(admission.admits(samples[0], v) for v in distinct):
             continue  # no new group can reserve at any version (see route_waterfall)
         for s in samples:
+            if sticky and s.tokens > 0 and s.last_instance is not None:
+                k = index.get(s.last_instance)
+                if k is None or not open_[k] or load[k] >= cap[k] or versions[k] < s.min_instance_version:
+                    continue
+                if not admission.admits(s, int(versions[k])):
+                    continue
+                admission.commit(s, int(versions[k]))
+                load[k] += 1
+                routes.append(RouteDecision(s.sample_id, ids[k]))
+                continue
             mask = open_ & (load < cap)
             need = s.min_instance_version
             if need > 0:

@@ -39,7 +39,7 @@ class BenchConfig:
     setups: tuple[str, ...] = PAPER_SETUPS
     etas: tuple[int, ...] = (1, 2, 3)
     steps: int = 20
-    seed: int = 0
+    seeds: tuple[int, ...] = (0,)
     ablation_eta: int = 2
     ablations: bool = True
     jobs: int = field(default_factory=lambda: max(1, min(2, os.cpu_count() or 1)))
@@ -49,18 +49,23 @@ class BenchConfig:
         """CI-sized: the small set-up, fewer steps."""
         return cls(setups=("small",), etas=(1, 2, 3), steps=10)
 
+    @property
+    def seed(self) -> int:
+        return self.seeds[0]
+
 
 def plan_jobs(cfg: BenchConfig) -> list[Job]:
     jobs = []
     for s in cfg.setups:
-        jobs.append(Job(s, "sync", 0, cfg.steps, cfg.seed))
-        jobs.append(Job(s, "one_step", 1, cfg.steps, cfg.seed))
-        for eta in cfg.etas:
-            jobs.append(Job(s, "strict", eta, cfg.steps, cfg.seed))
-            jobs.append(Job(s, "staleflow", eta, cfg.steps, cfg.seed))
-        if cfg.ablations:
-            for a in ABLATIONS:
-                jobs.append(Job(s, a, cfg.ablation_eta, cfg.steps, cfg.seed))
+        for seed in cfg.seeds:
+            jobs.append(Job(s, "sync", 0, cfg.steps, seed))
+            jobs.append(Job(s, "one_step", 1, cfg.steps, seed))
+            for eta in cfg.etas:
+                jobs.append(Job(s, "strict", eta, cfg.steps, seed))
+                jobs.append(Job(s, "staleflow", eta, cfg.steps, seed))
+            if cfg.ablations:
+                for a in ABLATIONS:
+                    jobs.append(Job(s, a, cfg.ablation_eta, cfg.steps, seed))
     # longest first, so the pool's last job is a short one
     weight = {"sync": 3, "one_step": 2, "strict": 2}
     return sorted(jobs, key=lambda j: -(weight.get(j.policy, 1) * get_setup(j.setup).batch_size * get_setup(j.setup).group_size))
@@ -97,19 +102,65 @@ def run_jobs(jobs: list[Job], n_procs: int, progress: Callable[[str], None] | No
 
 
 @dataclass
+class Averaged:
+    """A policy's results over the seeds of one cell (means; histograms and steps pooled)."""
+
+    eta: int
+    runs: int
+    steady_tokens_per_s: float
+    steady_samples_per_s: float
+    tokens_per_s: float
+    ratio_to_ideal: float
+    rollout_idle_fraction: float
+    rollout_pull_fraction: float
+    staleness_hist: dict[int, int]
+    step_times: list[float]
+    commands: dict[str, float]
+    coordinator_wall_s: float
+    cycles: int
+    per_seed_tokens_per_s: list[float]
+
+
+def average(results: dict[Job, SimResult]) -> dict[Job, Averaged]:
+    groups: dict[Job, list[SimResult]] = {}
+    for j, r in results.items():
+        groups.setdefault(Job(j.setup, j.policy, j.eta, j.steps, -1), []).append(r)
+    out = {}
+    for j, rs in groups.items():
+        mean = lambda f: statistics.mean(getattr(r, f) for r in rs)  # noqa: E731
+        hist: dict[int, int] = {}
+        cmds: dict[str, float] = {}
+        for r in rs:
+            for k, v in r.staleness_hist.items():
+                hist[k] = hist.get(k, 0) + v
+            for k, v in r.commands.items():
+                cmds[k] = cmds.get(k, 0) + v / len(rs)
+        out[j] = Averaged(
+            eta=rs[0].eta, runs=len(rs), steady_tokens_per_s=mean("steady_tokens_per_s"),
+            steady_samples_per_s=mean("steady_samples_per_s"), tokens_per_s=mean("tokens_per_s"),
+            ratio_to_ideal=mean("ratio_to_ideal"), rollout_idle_fraction=mean("rollout_idle_fraction"),
+            rollout_pull_fraction=mean("rollout_pull_fraction"), staleness_hist=dict(sorted(hist.items())),
+            step_times=[t for r in rs for t in r.step_times], commands=cmds,
+            coordinator_wall_s=sum(r.coordinator_wall_s for r in rs), cycles=sum(r.cycles for r in rs),
+            per_seed_tokens_per_s=[r.steady_tokens_per_s for r in rs],
+        )
+    return out
+
+
+@dataclass
 class Cell:
     setup: str
     eta: int
-    sync: SimResult
-    one_step: SimResult
-    strict: SimResult
-    staleflow: SimResult
+    sync: Averaged
+    one_step: Averaged
+    strict: Averaged
+    staleflow: Averaged
 
-    def ratio(self, other: SimResult) -> float:
+    def ratio(self, other: Averaged) -> float:
         return self.staleflow.steady_tokens_per_s / other.steady_tokens_per_s if other.steady_tokens_per_s else float("nan")
 
 
-def cells(results: dict[Job, SimResult], cfg: BenchConfig) -> list[Cell]:
+def cells(results: dict[Job, Averaged], cfg: BenchConfig) -> list[Cell]:
     by = {(j.setup, j.policy, j.eta): r for j, r in results.items()}
     out = []
     for s in cfg.setups:
@@ -129,13 +180,14 @@ def _hist(h: dict[int, int]) -> str:
     return " ".join(f"{k}:{v / tot:.0%}" for k, v in sorted(h.items()))
 
 
-def markdown(results: dict[Job, SimResult], cfg: BenchConfig, wall: float) -> str:
+def markdown(results: dict[Job, Averaged], cfg: BenchConfig, wall: float, runs: int) -> str:
     cs = cells(results, cfg)
     lines = [
         "# Policy comparison (simulated)",
         "",
         f"`python bench/policies.py{' --quick' if cfg.setups == ('small',) else ''}` — {cfg.steps} training steps per run, "
-        f"seed {cfg.seed}, set-ups {', '.join(cfg.setups)}; {len(results)} runs in {wall:,.0f} s on this machine.",
+        f"seeds {', '.join(map(str, cfg.seeds))} (figures are means over seeds; every policy of a seed sees the same "
+        f"workload), set-ups {', '.join(cfg.setups)}; {runs} runs in {wall:,.0f} s on this machine.",
         "Throughput = trained response tokens per second of simulated time, steady state (after the first fifth",
         "of the steps). Ideal = every rollout instance always at its peak T (KV cache full of average-context",
         "samples). Idle = rollout instance-time with nothing to decode. Staleness = share of trained groups by b − V_group.",
@@ -174,7 +226,7 @@ def markdown(results: dict[Job, SimResult], cfg: BenchConfig, wall: float) -> st
         lines.append(
             f"| {j.setup} | {j.policy} | {r.eta} | {r.steady_samples_per_s:.2f} | {r.tokens_per_s:,.0f} | "
             f"{statistics.mean(r.step_times):,.0f} | {p90:,.0f} | {r.ratio_to_ideal:.0%} | {r.rollout_pull_fraction:.1%} | "
-            f"{r.commands.get('preemptions', 0)} | {r.commands.get('migration', 0)} | {per_cycle:.2f} |"
+            f"{r.commands.get('preemptions', 0):,.0f} | {r.commands.get('migration', 0):,.0f} | {per_cycle:.2f} |"
         )
     if cfg.ablations:
         lines += [
@@ -194,11 +246,16 @@ def markdown(results: dict[Job, SimResult], cfg: BenchConfig, wall: float) -> st
                 r = by[(s, a, cfg.ablation_eta)]
                 row.append(f"{r.steady_tokens_per_s:,.0f} ({r.steady_tokens_per_s / base.steady_tokens_per_s:.2f}x)")
             lines.append(f"| {s} | " + " | ".join(row) + " |")
+    if len(cfg.seeds) > 1:
+        lines += ["", "## Per-seed staleflow/strict (spread)", "", "| set-up | η | per seed |", "|---|---|---|"]
+        for c in cs:
+            per = [a / b for a, b in zip(c.staleflow.per_seed_tokens_per_s, c.strict.per_seed_tokens_per_s)]
+            lines.append(f"| {c.setup} | {c.eta} | " + " ".join(f"{x:.2f}" for x in per) + " |")
     lines += ["", summary_line(cs), ""]
     return "\n".join(lines)
 
 
-def plots(results: dict[Job, SimResult], cfg: BenchConfig, out_dir: Path) -> list[Path]:
+def plots(results: dict[Job, Averaged], cfg: BenchConfig, out_dir: Path) -> list[Path]:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -277,11 +334,12 @@ def run_bench(
     t0 = time.perf_counter()
     results = run_jobs(jobs, cfg.jobs, progress)
     wall = time.perf_counter() - t0
-    md = markdown(results, cfg, wall)
+    avg = average(results)
+    md = markdown(avg, cfg, wall, len(results))
     (out_dir / "policies.md").write_text(md)
     raw = [{"job": j.__dict__, "result": r.to_dict()} for j, r in results.items()]
     (out_dir / "policies.json").write_text(json.dumps(raw, indent=1, default=str))
-    paths = plots(results, cfg, out_dir)
+    paths = plots(avg, cfg, out_dir)
     if progress:
         progress(f"wrote {out_dir / 'policies.md'}, {out_dir / 'policies.json'}, " + ", ".join(str(p) for p in paths))
-    return results, summary_line(cells(results, cfg))
+    return results, summary_line(cells(avg, cfg))

@@ -75,6 +75,7 @@ class SampleTable:
         self.instance = [0]  # engine holding it (0: none)
         self.seg_version = [0]
         self.last_version: list[int | None] = [None]  # version of the latest segment with tokens
+        self.ran_on = [0]  # instance of its latest segment
 
     def add(self, sid: int, group: int, prompt: int, target: int) -> None:
         if sid != len(self.group):
@@ -82,7 +83,7 @@ class SampleTable:
         for lst, v in (
             (self.group, group), (self.prompt, prompt), (self.target, target), (self.gen, 0), (self.seg0, 0),
             (self.v_traj, 0), (self.attempt, 0), (self.instance, 0), (self.seg_version, 0),
-            (self.last_version, None),
+            (self.last_version, None), (self.ran_on, 0),
         ):
             lst.append(v)
 

@@ -142,7 +142,7 @@ SETUPS["tiny"] = SETUPS["qwen_7b"].scaled(
     kv_capacity_override=60_000, train_gpus=8, step_time_scale=0.05,
 )
 SETUPS["small"] = SETUPS["qwen_14b"].scaled(
-    name="small", batch_size=16, group_size=8, max_response=8_000, instances=8, etas=(1, 2, 3),
+    name="small", batch_size=32, group_size=16, max_response=8_000, instances=8, etas=(1, 2, 3),
     train_gpus=48,
 )
 

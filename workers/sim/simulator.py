@@ -237,7 +237,8 @@ class Simulator:
             tbl.instance[sid] = 0
             g = tbl.gen[sid]
             self.queued[sid] = QueuedSample(
-                sid, tbl.group[sid], tbl.prompt[sid] + g, tbl.v_traj[sid], g, tbl.last_version[sid]
+                sid, tbl.group[sid], tbl.prompt[sid] + g, tbl.v_traj[sid], g, tbl.last_version[sid],
+                tbl.ran_on[sid] or None,
             )
 
     def _drop_aborted(self, group_ids) -> None:
@@ -406,6 +407,7 @@ class Simulator:
                 tbl.attempt[sid] = res.attempt
                 tbl.seg0[sid] = tbl.gen[sid]
                 tbl.seg_version[sid] = e.version
+                tbl.ran_on[sid] = iid
                 e.add(sid, now)
                 self.spec.on_route(iid, qs.length, now)
             self.commands["route"] += len(plan.routes)
