@@ -21,11 +21,12 @@ from api_helpers import ApiServer, token  # noqa: E402
 from staleflow_db.db import make_engine  # noqa: E402
 from workers.engines.base import FinishedEvent  # noqa: E402
 
-CFG = TinyConfig(vocab_size=32, d_model=32, n_layers=1, n_heads=2, max_seq=128)
+CFG = TinyConfig(vocab_size=32, d_model=32, n_layers=1, n_heads=2, max_seq=512)
+MAX_RESPONSE = 400
 
 
 def _engine(**kw):
-    return TorchEngine(CFG, model_seed=0, kv_capacity_tokens=2048, **kw)
+    return TorchEngine(CFG, model_seed=0, kv_capacity_tokens=8192, **kw)
 
 
 def _wait(cond, timeout=60.0):
@@ -41,7 +42,7 @@ def _wait(cond, timeout=60.0):
 def served(db_url):
     with ApiServer(db_url) as server:
         admin = server.client(token(db_url, "admin"))
-        run = admin.create_run("rollout", batch_size=2, group_size=2, eta=1, max_response_tokens=24).id
+        run = admin.create_run("rollout", batch_size=2, group_size=2, eta=1, max_response_tokens=MAX_RESPONSE).id
         yield server, admin, run
 
 
@@ -78,19 +79,23 @@ def test_worker_generates_reports_and_continues_interrupted_samples(served):
     a = RolloutWorker(server.client(rollout), run, _engine(), name="a", heartbeat_s=0.2, checkpoint_every_s=0.05)
     b = RolloutWorker(server.client(rollout), run, _engine(), name="b", heartbeat_s=0.2)
     ta, tb = _start(a), _start(b)
-    queued = [q.sample_id for q in admin.snapshot(run).queued]
-    victim = queued[0]
-    admin.route(run, [(s, a.instance_id) for s in queued])
-    _wait(lambda: a.stats.routed == 4)
+    queued = {q.sample_id: q for q in admin.snapshot(run).queued}
+    prompts = {sid: [1, 2, 3 + (i // 2)] for i, sid in enumerate(sorted(queued))}
+    # Generation is deterministic: interrupt the sample with the longest answer, mid-way.
+    expected = {sid: _uninterrupted(prompts[sid], sid, MAX_RESPONSE) for sid in queued}
+    victim = max(expected, key=lambda s: len(expected[s][0]))
+    assert len(expected[victim][0]) > 150  # hundreds of decode steps: the interrupt lands mid-way
+    admin.route(run, [(victim, a.instance_id)])
+    _wait(lambda: a.stats.tokens > 0)
     admin.interrupt(run, [victim])
-    _wait(lambda: any(q.sample_id == victim for q in admin.snapshot(run).queued))
-    admin.route(run, [(victim, b.instance_id)])
+    _wait(lambda: a.stats.interrupted == 1)
+    admin.route(run, [(victim, b.instance_id)] + [(s, a.instance_id) for s in queued if s != victim])
     _wait(lambda: a.stats.finished + b.stats.finished == 4)
     a.stop(), b.stop()
     ta.join(30), tb.join(30)
-    assert a.stats.lost == b.stats.lost == 0 and a.stats.interrupted == 1
+    assert a.stats.lost == b.stats.lost == 0
     segs = _segments(server.db_url, victim)
-    tokens, logprobs = _uninterrupted([1, 2, 3], victim, 24)
+    tokens, logprobs = expected[victim]
     assert [t for s in segs for t in s.token_ids] == tokens
     assert [lp for s in segs for lp in s.logprobs] == pytest.approx(logprobs, abs=1e-4)
     assert {s.instance_id for s in segs} == {a.instance_id, b.instance_id}
