@@ -16,6 +16,7 @@ from workers.cli_coordinator import coordinator
 from workers.cli_demo import demo
 from workers.cli_db import app as db_app
 from workers.cli_serve import serve
+from workers.cli_sim import app as sim_app
 from workers.cli_token import app as token_app
 from workers import cli_workers
 
@@ -50,6 +51,7 @@ app.add_typer(token_app, name="token")
 app.command()(audit)
 app.command()(coordinator)
 app.command()(demo)
+app.add_typer(sim_app, name="sim")
 app.command("trainer")(cli_workers.trainer)
 app.command("ps")(cli_workers.ps)
 app.command("rollout-worker")(cli_workers.rollout_worker)

@@ -39,6 +39,7 @@ class QueuedSampleOut(Out):
     group_state: str = Field(description="queued, reserved, ... of its group")
     group_buffer: int | None = Field(description="the group's reserved buffer (join rule), if any")
     group_min_version: int | None = Field(description="least V_traj of the group's routed members")
+    last_instance: int | None = Field(description="instance of its latest segment, if any")
 
 
 class SnapshotBufferOut(Out):

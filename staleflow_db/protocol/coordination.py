@@ -36,6 +36,7 @@ class QueuedView:
     group_state: str
     group_buffer: int | None  # the group's reserved buffer (join rule), if any
     group_min_version: int | None  # least V_traj of its routed members (its queue level)
+    last_instance: int | None  # where its latest segment was generated (policies that resume in place)
 
 
 @dataclass
@@ -123,7 +124,8 @@ class CoordinationOps(TxMixin):
                 for r in conn.execute(
                     text(
                         "SELECT s.id, s.group_id, s.v_traj, s.last_version, cardinality(g.prompt_tokens) + s.n_tokens,"
-                        "  s.n_tokens, g.state::text, g.reserved_buffer, g.min_version"
+                        "  s.n_tokens, g.state::text, g.reserved_buffer, g.min_version,"
+                        "  (SELECT x.instance_id FROM segments x WHERE x.sample_id = s.id ORDER BY x.seq DESC LIMIT 1)"
                         " FROM samples s JOIN prompt_groups g ON g.id = s.group_id"
                         " WHERE s.run_id = :run AND s.state = 'queued' ORDER BY s.id LIMIT :n"
                     ),

@@ -127,7 +127,8 @@ class Coordinator:
             self.spec.forget(gone)
         self.spec.observe_all(instances)
         queued = [
-            QueuedSample(q.sample_id, q.group_id, q.length, q.v_traj, q.tokens, q.last_version) for q in snap.queued
+            QueuedSample(q.sample_id, q.group_id, q.length, q.v_traj, q.tokens, q.last_version, q.last_instance)
+            for q in snap.queued
         ]
         cfg = snap.config
         admission = AdmissionView(
