@@ -25,7 +25,7 @@ Pure data and bookkeeping: no I/O, no clock reads (times are passed in).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Iterable, Mapping, NamedTuple, Sequence
 
 
