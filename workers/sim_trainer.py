@@ -87,6 +87,28 @@ def consume_ready(client: StaleFlowClient, run_id: int, version: int, wait_s: fl
     return None, time.monotonic() - t0
 
 
+def run_steps(step: Callable[[], StepMetrics | None], stopping: Callable[[], bool], steps: int | None,
+              on_step: Callable[[StepMetrics], None] | None = None,
+              done: list[StepMetrics] | None = None) -> list[StepMetrics]:
+    """The trainers' loop: call `step` until `stopping()` or `done` holds `steps` metrics,
+    logging each and passing it to `on_step`. `step` returning None (stopped while waiting)
+    counts nothing. `done` may be pre-filled (and is extended in place)."""
+    done = [] if done is None else done
+    while not stopping() and (steps is None or len(done) < steps):
+        m = step()
+        if m is not None:
+            record_step(m, done, on_step)
+    return done
+
+
+def record_step(m: StepMetrics, done: list[StepMetrics],
+                on_step: Callable[[StepMetrics], None] | None = None) -> None:
+    done.append(m)
+    log.info("%s", m.line())
+    if on_step:
+        on_step(m)
+
+
 class SimTrainer:
     def __init__(
         self,
@@ -127,13 +149,4 @@ class SimTrainer:
 
     def run(self, steps: int | None = None, on_step: Callable[[StepMetrics], None] | None = None
             ) -> list[StepMetrics]:
-        done: list[StepMetrics] = []
-        while not self._stop.is_set() and (steps is None or len(done) < steps):
-            m = self.step()
-            if m is None:
-                continue
-            done.append(m)
-            log.info("%s", m.line())
-            if on_step:
-                on_step(m)
-        return done
+        return run_steps(self.step, self._stop.is_set, steps, on_step)

@@ -37,7 +37,9 @@ from api.models import BatchOut
 from workers.client import StaleFlowClient
 from workers.grpo import GRPOConfig, group_advantages, policy_loss, summarize, token_logprobs
 from workers.param_server import ParamClient, state_dict_checksum
-from workers.sim_trainer import StepMetrics, TrainerError, batch_metrics, consume_ready
+from workers.sim_trainer import (
+    StepMetrics, TrainerError, batch_metrics, consume_ready, record_step, run_steps,
+)
 
 log = logging.getLogger("staleflow.trainer")
 
@@ -175,20 +177,9 @@ class Trainer:
         publish counts)."""
         done: list[StepMetrics] = []
         first = self.resume()
-        for m in [first] if first is not None else []:
-            done.append(m)
-            log.info("%s", m.line())
-            if on_step:
-                on_step(m)
-        while not self._stop.is_set() and (steps is None or len(done) < steps):
-            m = self.step()
-            if m is None:
-                continue
-            done.append(m)
-            log.info("%s", m.line())
-            if on_step:
-                on_step(m)
-        return done
+        if first is not None:
+            record_step(first, done, on_step)
+        return run_steps(self.step, self._stop.is_set, steps, on_step, done)
 
     def step(self) -> StepMetrics | None:
         """One version: None if no batch became ready before a stop was requested."""
