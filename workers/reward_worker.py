@@ -4,7 +4,6 @@ posts the rewards (which places complete groups into buffers)."""
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass
 from typing import Callable
 
