@@ -14,7 +14,7 @@ from sqlalchemy.exc import IntegrityError
 
 from staleflow_db.errors import Conflict
 from staleflow_db.protocol import Protocol
-from staleflow_db.protocol.base import RunTx, load_run
+from staleflow_db.protocol.base import RunTx
 
 T = TypeVar("T", bound=BaseModel)
 
@@ -39,7 +39,7 @@ class ApiProtocol(Protocol):
     @contextmanager
     def run_tx(self, run_id: int) -> Iterator[RunTx]:
         with self.tx() as conn:
-            rtx = RunTx(conn, load_run(conn, run_id, lock=True))
+            rtx = RunTx.open(conn, run_id)
             yield rtx
             rtx.flush()
 

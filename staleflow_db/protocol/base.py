@@ -68,20 +68,31 @@ class RunTx:
     """One transaction holding the run's lock: every change to buffer accounting of a run is
     serialized here (a global budget, so no SKIP LOCKED), and flushed in batched statements."""
 
-    def __init__(self, conn: Connection, run: RunRow):
+    def __init__(self, conn: Connection, run: RunRow, buffers: list[BufferCounts] | None = None):
         self.conn, self.run = conn, run
-        rows = conn.execute(
-            text(
-                "SELECT idx, occupied, reserved, consumed_at IS NOT NULL FROM buffers"
-                " WHERE run_id = :run AND idx >= :v"
-            ),
-            {"run": run.id, "v": run.version},
-        ).all()
-        self.buffers = {r[0]: BufferCounts(*r) for r in rows}
+        if buffers is None:
+            buffers = [
+                BufferCounts(*r)
+                for r in conn.execute(
+                    text(
+                        "SELECT idx, occupied, reserved, consumed_at IS NOT NULL FROM buffers"
+                        " WHERE run_id = :run AND idx >= :v"
+                    ),
+                    {"run": run.id, "v": run.version},
+                ).all()
+            ]
+        self.buffers = {b.index: b for b in buffers}
         self._original = {b: (c.occupied, c.reserved) for b, c in self.buffers.items()}
         self._reservations: dict[int, Reservation] | None = None
         self.moved: dict[int, int] = {}  # group -> new reserved buffer, from cascades
         self.events: list[tuple] = []
+
+    @classmethod
+    def open(cls, conn: Connection, run_id: int) -> "RunTx":
+        """Lock the run, then read its buffers in a second statement: under READ COMMITTED a
+        statement that waited for the lock still reads from the snapshot it started with, so
+        counters read in the locking statement itself could predate the previous holder's commit."""
+        return cls(conn, load_run(conn, run_id, lock=True))
 
     def buffer(self, idx: int) -> BufferCounts:
         return self.buffers.setdefault(idx, BufferCounts(idx))
@@ -267,7 +278,7 @@ def under_run_lock(run_id: int, body: Callable[[RunTx], Any]) -> Callable[[Conne
     """A transaction body that holds the run's lock and flushes buffer accounting at the end."""
 
     def run(conn: Connection) -> Any:
-        rtx = RunTx(conn, load_run(conn, run_id, lock=True))
+        rtx = RunTx.open(conn, run_id)
         outcome = body(rtx)
         rtx.flush()
         return outcome
@@ -288,7 +299,7 @@ class TxMixin:
     @contextmanager
     def run_tx(self, run_id: int) -> Iterator[RunTx]:
         with self.engine.begin() as conn:
-            rtx = RunTx(conn, load_run(conn, run_id, lock=True))
+            rtx = RunTx.open(conn, run_id)
             yield rtx
             rtx.flush()
 

@@ -155,7 +155,7 @@ class CoordinationOps(TxMixin):
         check_batch(routes, "routes")
 
         def fenced(conn: Connection) -> RunTx:
-            rtx = RunTx(conn, load_run(conn, run_id, lock=True))
+            rtx = RunTx.open(conn, run_id)
             row = conn.execute(
                 text(
                     "SELECT 1 FROM coordinator_leases WHERE run_id = :run AND holder = :h AND epoch = :e"

@@ -337,7 +337,6 @@ def route_in(rtx: RunTx, pairs: Sequence[tuple[int, int]]) -> list[RouteResult]:
             {"ids": list({s[1] for s in samples.values()})},
         ).all()
     }
-    rtx.reservations()  # load before this batch adds any, so the cache stays complete
     results, routed, touched = [], [], set()
     for sid, iid in pairs:
         _, gid, state, v_traj, n_tokens, last_version = samples[sid]
@@ -352,7 +351,9 @@ def route_in(rtx: RunTx, pairs: Sequence[tuple[int, int]]) -> list[RouteResult]:
         if g[1] not in ("queued", "reserved"):
             results.append(RouteResult(sid, RouteOutcome.GROUP_CLOSED))
             continue
-        reserved_at = rtx.reserved_buffer(gid) if g[1] == "reserved" else None
+        # the group rows (locked above) carry the reservation: route moves none, so no need to
+        # read all of the run's reservations inside the serial section
+        reserved_at = g[2] if g[1] == "reserved" else None
         outcome, v, b = route_decision(n_tokens > 0, v_traj, last_version, inst_version, reserved_at, rtx.buffers, run.version, run.limits)
         if outcome != RouteOutcome.ROUTED:
             results.append(RouteResult(sid, RouteOutcome(outcome)))
@@ -366,7 +367,7 @@ def route_in(rtx: RunTx, pairs: Sequence[tuple[int, int]]) -> list[RouteResult]:
             rtx.update_reservation_window(gid, g[3])
         touched.add(gid)
         routed.append((sid, v, iid))
-        results.append(RouteResult(sid, RouteOutcome.ROUTED, None, v, rtx.reserved_buffer(gid)))
+        results.append(RouteResult(sid, RouteOutcome.ROUTED, None, v, g[2]))
     if routed:
         attempts = dict(
             conn.execute(
@@ -389,7 +390,7 @@ def route_in(rtx: RunTx, pairs: Sequence[tuple[int, int]]) -> list[RouteResult]:
                 " FROM unnest(CAST(:ids AS bigint[]), CAST(:bs AS int[]), CAST(:mvs AS int[])) AS u(id, b, mv)"
                 " WHERE g.id = u.id"
             ),
-            {"ids": tg, "bs": [rtx.reserved_buffer(g) for g in tg], "mvs": [groups[g][3] for g in tg]},
+            {"ids": tg, "bs": [groups[g][2] for g in tg], "mvs": [groups[g][3] for g in tg]},
         )
         rtx.events.extend(("sample_routed", sid, None, None, iid, {"v": v}) for sid, v, iid in routed)
     return results
