@@ -95,6 +95,7 @@ class ReferenceProtocol:
         self.consume_lease: dict[int, int] = {}  # buffer -> lease token of the latest consume
         self.published: dict[int, dict] = {}  # version -> parameter metadata
         self.reserved: dict[int, RefGroup] = {}  # groups holding a reservation, by id
+        self._finished: set[int] = set()  # samples that became FINISHED (claims scan only these)
 
     # ---- prompts and instances -------------------------------------------------------------
 
@@ -205,20 +206,21 @@ class ReferenceProtocol:
                 s.segments.append(RefSegment(r.version, s.instance_id, list(r.tokens), list(r.logprobs)))
             if r.kind == SegmentKind.FINISHED:
                 s.state = SampleState.FINISHED
+                self._finished.add(s.id)
             elif r.kind == SegmentKind.INTERRUPTED:
                 s.state, s.instance_id = SampleState.QUEUED, None
 
     # ---- reward and Occupy -----------------------------------------------------------------
 
     def claim_rewards(self, limit: int) -> list[tuple[int, int]]:
+        ready = sorted(i for i in self._finished if self.samples[i].state == SampleState.FINISHED)
         claimed = []
-        for s in sorted(self.samples.values(), key=lambda s: s.id):
-            if len(claimed) >= limit:
-                break
-            if s.state == SampleState.FINISHED:
-                s.state = SampleState.SCORING
-                s.reward_attempt += 1
-                claimed.append((s.id, s.reward_attempt))
+        for sid in ready[:limit]:
+            s = self.samples[sid]
+            s.state = SampleState.SCORING
+            s.reward_attempt += 1
+            claimed.append((sid, s.reward_attempt))
+        self._finished = set(ready[limit:])
         return claimed
 
     def release_reward_claims(self, sample_ids: Iterable[int]) -> None:
@@ -226,6 +228,7 @@ class ReferenceProtocol:
         for sid in sample_ids:
             if self.samples[sid].state == SampleState.SCORING:
                 self.samples[sid].state = SampleState.FINISHED
+                self._finished.add(sid)
 
     def record_rewards(self, rewards: list[tuple[int, int, float]]) -> list[GroupOutcome]:
         conflicts = []
