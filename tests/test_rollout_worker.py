@@ -42,7 +42,7 @@ def _wait(cond, timeout=60.0):
 def served(db_url):
     with ApiServer(db_url) as server:
         admin = server.client(token(db_url, "admin"))
-        run = admin.create_run("rollout", batch_size=2, group_size=2, eta=1, max_response_tokens=MAX_RESPONSE).id
+        run = admin.create_run("rollout", batch_size=6, group_size=2, eta=1, max_response_tokens=MAX_RESPONSE).id
         yield server, admin, run
 
 
