@@ -14,7 +14,6 @@ from sqlalchemy.exc import IntegrityError
 
 from staleflow_db.errors import Conflict
 from staleflow_db.protocol import Protocol
-from staleflow_db.protocol.base import RunTx
 
 T = TypeVar("T", bound=BaseModel)
 
@@ -35,13 +34,6 @@ class ApiProtocol(Protocol):
             return
         with self.engine.begin() as conn:
             yield conn
-
-    @contextmanager
-    def run_tx(self, run_id: int) -> Iterator[RunTx]:
-        with self.tx() as conn:
-            rtx = RunTx.open(conn, run_id)
-            yield rtx
-            rtx.flush()
 
     def once(
         self,

@@ -45,6 +45,9 @@ class RunRow:
     def limits(self) -> Limits:
         return Limits(self.batch_size, self.buffer_capacity, self.eta)
 
+    def config(self) -> dict[str, int | bool]:
+        return {k: getattr(self, k) for k in RUN_COLUMNS.split(", ")[2:]}
+
 
 RUN_COLUMNS = (
     "id, version, batch_size, buffer_capacity, group_size, samples_per_group, eta, "
@@ -298,7 +301,7 @@ class TxMixin:
 
     @contextmanager
     def run_tx(self, run_id: int) -> Iterator[RunTx]:
-        with self.engine.begin() as conn:
+        with self.tx() as conn:  # through tx(), so a subclass can join an outer transaction
             rtx = RunTx.open(conn, run_id)
             yield rtx
             rtx.flush()

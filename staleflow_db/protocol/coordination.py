@@ -135,11 +135,7 @@ class CoordinationOps(TxMixin):
             latest = conn.execute(
                 text("SELECT max(version) FROM param_versions WHERE run_id = :run"), {"run": run_id}
             ).scalar()
-        config = {
-            k: getattr(run, k)
-            for k in ("batch_size", "buffer_capacity", "group_size", "samples_per_group", "eta", "max_response_tokens")
-        }
-        return Snapshot(run_id, run.version, config, buffers, instances, queued, latest)
+        return Snapshot(run_id, run.version, run.config(), buffers, instances, queued, latest)
 
     def apply_commands(
         self,

@@ -11,7 +11,7 @@ from sqlalchemy import text
 
 from ..enums import DropReason
 from ..errors import Conflict, InvalidInput
-from ..rules import buffer_state, reserve_target
+from ..rules import BufferCounts, buffer_state, reserve_target
 from .base import TxMixin, abort_members, load_run
 
 
@@ -198,8 +198,9 @@ class TrainingOps(TxMixin):
                 rtx.moved[gid] = b
 
     def status(self, run_id: int) -> dict[str, Any]:
-        """Versions, buffers and in-flight counts, in one read-only transaction."""
-        with self.tx() as conn:
+        """Versions, buffers and in-flight counts, from one consistent read-only view."""
+        with self.engine.connect() as conn, conn.begin():
+            conn.execute(text("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ READ ONLY"))
             run = load_run(conn, run_id, lock=False)
             buffers = conn.execute(
                 text("SELECT idx, occupied, reserved, consumed_at IS NOT NULL FROM buffers WHERE run_id = :run AND idx >= :v ORDER BY idx"),
@@ -221,12 +222,10 @@ class TrainingOps(TxMixin):
             instances = conn.execute(
                 text("SELECT count(*) FROM instances WHERE run_id = :run AND state = 'active'"), {"run": run_id}
             ).scalar()
-        from ..rules import BufferCounts
-
         return {
             "run_id": run_id,
             "version": run.version,
-            "config": {k: getattr(run, k) for k in ("batch_size", "buffer_capacity", "group_size", "samples_per_group", "eta", "max_response_tokens", "max_prompt_tokens", "dapo_filter")},
+            "config": run.config(),
             "buffers": [
                 {"index": b[0], "occupied": b[1], "reserved": b[2], "state": buffer_state(BufferCounts(*b), run.limits)}
                 for b in buffers
