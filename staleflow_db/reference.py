@@ -8,6 +8,7 @@ nothing.
 
 from __future__ import annotations
 
+import uuid
 from dataclasses import dataclass, field
 from typing import Iterable
 
@@ -48,6 +49,7 @@ class RefSample:
     state: SampleState = SampleState.QUEUED
     v_traj: int | None = None
     attempt: int = 0
+    lease: str | None = None  # secret token of the latest route
     instance_id: int | None = None
     segments: list[RefSegment] = field(default_factory=list)
     reward: float | None = None
@@ -175,7 +177,8 @@ class ReferenceProtocol:
             g.min_version = min(g.min_version, v)
         s.v_traj, s.state, s.instance_id = v, SampleState.RUNNING, instance_id
         s.attempt += 1
-        return RouteResult(sample_id, RouteOutcome.ROUTED, s.attempt, v, g.reserved_buffer)
+        s.lease = str(uuid.uuid4())
+        return RouteResult(sample_id, RouteOutcome.ROUTED, s.attempt, v, g.reserved_buffer, s.lease)
 
     # ---- segments --------------------------------------------------------------------------
 
@@ -186,11 +189,13 @@ class ReferenceProtocol:
             s = self.samples.get(r.sample_id)
             if s is None:
                 raise NotFound(f"sample {r.sample_id}")
+            self._instance(r.instance_id)
             r.check_shape()
             if r.sample_id in pending:
                 raise InvalidInput(f"sample {r.sample_id} appears twice in one report batch")
-            if s.state != SampleState.RUNNING or s.attempt != r.attempt:
-                conflicts.append((r.sample_id, "lease lost (stale attempt or sample not running)"))
+            # fenced by the reporting instance, the attempt and the secret lease token
+            if s.state != SampleState.RUNNING or (s.instance_id, s.attempt, s.lease) != (r.instance_id, r.attempt, r.lease):
+                conflicts.append((r.sample_id, "lease lost (not running, another instance's, stale attempt or lease)"))
                 continue
             last = s.segments[-1].version if s.segments else s.v_traj
             if not (max(last, s.v_traj) <= r.version <= self.version):

@@ -26,7 +26,7 @@ from sqlalchemy import (
     func,
     text,
 )
-from sqlalchemy.dialects.postgresql import ARRAY, JSONB, REAL
+from sqlalchemy.dialects.postgresql import ARRAY, JSONB, REAL, UUID
 
 from .enums import CommandKind, CommandState, GroupState, InstanceState, Role, SampleState
 
@@ -129,7 +129,8 @@ samples = Table(
     Column("idx", SmallInteger, nullable=False),
     Column("state", sample_state, nullable=False, server_default=SampleState.QUEUED.value),
     Column("v_traj", Integer),
-    Column("attempt", Integer, nullable=False, server_default="0"),  # lease token of the route
+    Column("attempt", Integer, nullable=False, server_default="0"),  # number of the route (guessable)
+    Column("lease", UUID(as_uuid=True)),  # secret token of the latest route; reports must quote it
     Column("instance_id", BigInteger, ForeignKey("instances.id")),
     Column("delivered", Boolean, nullable=False, server_default=text("false")),
     Column("n_tokens", Integer, nullable=False, server_default="0"),

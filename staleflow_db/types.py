@@ -4,7 +4,8 @@ implementation and the reference model)."""
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+import uuid
+from dataclasses import KW_ONLY, dataclass
 
 from .enums import GroupState, SegmentKind
 from .errors import InvalidInput
@@ -62,11 +63,17 @@ class RouteResult:
     attempt: int | None = None
     v_traj: int | None = None
     buffer: int | None = None
+    lease: str | None = None  # the route's secret lease token (for in-process callers only)
 
 
 @dataclass
 class Report:
-    """One stretch of generation of one sample, fenced by the attempt it was routed with."""
+    """One stretch of generation of one sample by the instance it is routed to.
+
+    Fenced three ways: the reporting `instance_id` must be the one the sample is routed to,
+    `attempt` the route's number and `lease` the route's secret token (random, 122 bits,
+    delivered only with the work): attempts are small sequential integers anyone can guess.
+    """
 
     sample_id: int
     attempt: int
@@ -75,12 +82,21 @@ class Report:
     logprobs: list[float]
     kind: SegmentKind = SegmentKind.FINISHED
     finish_reason: str | None = None
+    _: KW_ONLY
+    instance_id: int
+    lease: str
 
     def check_shape(self) -> None:
         if len(self.tokens) != len(self.logprobs):
             raise InvalidInput(
                 f"sample {self.sample_id}: {len(self.tokens)} tokens but {len(self.logprobs)} log-probs"
             )
+
+    def lease_uuid(self) -> uuid.UUID:
+        try:
+            return uuid.UUID(str(self.lease))
+        except ValueError:
+            raise InvalidInput(f"sample {self.sample_id}: lease {str(self.lease)[:50]!r} is not a lease token") from None
 
 
 @dataclass

@@ -15,6 +15,7 @@ class Driver:
         self.p = Protocol(engine)
         self.run = self.p.create_run(name, RunConfig(**config))
         self.keys = 0
+        self.leases: dict[int, dict] = {}  # sample -> identity of its latest route through route()
 
     def enqueue(self, n: int = 1, prompt=(1, 2, 3)) -> list[int]:
         prompts = [Prompt(f"k{self.keys + i}", list(prompt)) for i in range(n)]
@@ -25,7 +26,9 @@ class Driver:
         return self.scalars("SELECT id FROM samples WHERE group_id = :g ORDER BY idx", g=group_id)
 
     def route(self, sample_ids, instance_id):
-        return self.p.route(self.run, [(s, instance_id) for s in sample_ids])
+        results = self.p.route(self.run, [(s, instance_id) for s in sample_ids])
+        self.leases.update((r.sample_id, {"instance_id": instance_id, "lease": r.lease}) for r in results if r.lease)
+        return results
 
     def routed(self, sample_ids, instance_id) -> dict[int, int]:
         """Route and insist every sample was routed; returns attempts."""
@@ -33,10 +36,19 @@ class Driver:
         assert [r.outcome for r in results] == [RouteOutcome.ROUTED] * len(results), results
         return {r.sample_id: r.attempt for r in results}
 
+    def lease(self, sid: int) -> dict:
+        """The reporting identity (instance and lease token, as the instance got them with the
+        work) of a running sample, else of its latest route: `Report(..., **d.lease(s))`."""
+        instance_id, lease = self.one("SELECT instance_id, lease::text FROM samples WHERE id = :s", s=sid)
+        if instance_id is None:
+            return self.leases[sid]
+        return {"instance_id": instance_id, "lease": lease}
+
     def finish(self, attempts: dict[int, int], version: int = 0, tokens=(7, 8)) -> None:
         self.p.report(
             self.run,
-            [Report(s, a, version, list(tokens), [-0.5] * len(tokens), SegmentKind.FINISHED) for s, a in attempts.items()],
+            [Report(s, a, version, list(tokens), [-0.5] * len(tokens), SegmentKind.FINISHED, **self.lease(s))
+             for s, a in attempts.items()],
         )
 
     def reward_all(self, reward=1.0, rewards: dict[int, float] | None = None):

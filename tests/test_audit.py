@@ -58,7 +58,7 @@ def test_step_metrics_count_what_happened_between_publishes(engine):
     from staleflow_db.types import Report
     from staleflow_db.enums import SegmentKind
 
-    d.p.report(d.run, [Report(s, att[s], 0, [1], [-1.0], SegmentKind.INTERRUPTED)])
+    d.p.report(d.run, [Report(s, att[s], 0, [1], [-1.0], SegmentKind.INTERRUPTED, **d.lease(s))])
     d.complete([s], inst)
     d.train(1)
     rows = step_metrics(engine, d.run)

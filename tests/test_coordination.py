@@ -39,7 +39,7 @@ def test_snapshot_and_commands(engine):
     g1, g2 = d.enqueue(2)
     (s1,), (s2,) = d.members(g1), d.members(g2)
     att = d.routed([s1], inst)
-    d.p.report(d.run, [Report(s1, att[s1], 0, [4, 5], [-1.0, -1.0], SegmentKind.PARTIAL)])
+    d.p.report(d.run, [Report(s1, att[s1], 0, [4, 5], [-1.0, -1.0], SegmentKind.PARTIAL, **d.lease(s1))])
     epoch = d.p.acquire_leadership(d.run, "coord")
     snap = d.p.snapshot(d.run)
     assert snap.version == 0 and snap.buffers == {1: (0, 1)}

@@ -131,24 +131,24 @@ def test_version_raise_and_too_old(engine):
     g_partial, g_fill, g_fresh = d.enqueue(3)
     (partial,) = d.members(g_partial)
     attempt = d.routed([partial], v0)[partial]
-    d.p.report(d.run, [Report(partial, attempt, 0, [5], [-1.0], SegmentKind.INTERRUPTED)])
+    d.p.report(d.run, [Report(partial, attempt, 0, [5], [-1.0], SegmentKind.INTERRUPTED, **d.lease(partial))])
     d.complete(d.members(g_fill), v0)
     d.train(0)
     v1 = d.p.register_instance(d.run, "v1", 1)
     (fresh,) = d.members(g_fresh)
     (r,) = d.route([fresh], v1)
     assert r.v_traj == 1  # a fresh sample takes the newer version
-    d.p.report(d.run, [Report(fresh, r.attempt, 1, [], [], SegmentKind.INTERRUPTED)])  # no token yet
+    d.p.report(d.run, [Report(fresh, r.attempt, 1, [], [], SegmentKind.INTERRUPTED, **d.lease(fresh))])  # no token yet
     assert d.route([fresh], v0)[0].outcome == RouteOutcome.TOO_OLD  # V_traj never goes back
     (r,) = d.route([partial], v1)
     assert r.v_traj == 0  # tokens at version 0 keep V_traj 0 on a newer instance
-    d.p.report(d.run, [Report(partial, r.attempt, 1, [6], [-1.0], SegmentKind.INTERRUPTED)])
+    d.p.report(d.run, [Report(partial, r.attempt, 1, [6], [-1.0], SegmentKind.INTERRUPTED, **d.lease(partial))])
     # its latest segment is at version 1: an instance at 0 would make versions decrease
     assert d.route([partial], v0)[0].outcome == RouteOutcome.TOO_OLD
     (r,) = d.route([partial], v1)
     with pytest.raises(InvalidInput, match="version 0 outside 1"):
-        d.p.report(d.run, [Report(partial, r.attempt, 0, [8], [-1.0], SegmentKind.FINISHED)])
-    d.p.report(d.run, [Report(partial, r.attempt, 1, [8], [-1.0], SegmentKind.FINISHED)])
+        d.p.report(d.run, [Report(partial, r.attempt, 0, [8], [-1.0], SegmentKind.FINISHED, **d.lease(partial))])
+    d.p.report(d.run, [Report(partial, r.attempt, 1, [8], [-1.0], SegmentKind.FINISHED, **d.lease(partial))])
     assert d.violations() == []
 
 
@@ -158,19 +158,23 @@ def test_fencing_refuses_stale_attempts_and_changes_nothing(engine):
     (g,) = d.enqueue(1)
     s, t = d.members(g)
     att = d.routed([s, t], a)
-    d.p.report(d.run, [Report(s, att[s], 0, [1, 2], [-0.1, -0.2], SegmentKind.INTERRUPTED)])
+    old = d.lease(s)
+    d.p.report(d.run, [Report(s, att[s], 0, [1, 2], [-0.1, -0.2], SegmentKind.INTERRUPTED, **old)])
     att2 = d.routed([s], b)  # continues elsewhere with a new attempt
     assert att2[s] == att[s] + 1
     before = d.rows("SELECT * FROM segments ORDER BY sample_id, seq")
     with pytest.raises(Conflict, match="lease lost"):  # the late result of the old lease
-        d.p.report(d.run, [Report(t, att[t], 0, [3], [-0.3]), Report(s, att[s], 0, [9], [-0.9])])
+        d.p.report(d.run, [Report(t, att[t], 0, [3], [-0.3], **d.lease(t)), Report(s, att[s], 0, [9], [-0.9], **old)])
     assert d.rows("SELECT * FROM segments ORDER BY sample_id, seq") == before
     assert d.sample(t)[0] == "running"  # the good report in the refused batch was not applied either
+    now = d.lease(s)
     for bad, err in [
-        (Report(s, att2[s], 0, [1], []), InvalidInput),
-        (Report(s, att2[s], 5, [1], [-1.0]), InvalidInput),
-        (Report(s, att2[s], 0, [1] * 2000, [-1.0] * 2000), TooLarge),
-        (Report(999999, 1, 0, [1], [-1.0]), NotFound),
+        (Report(s, att2[s], 0, [1], [], **now), InvalidInput),
+        (Report(s, att2[s], 5, [1], [-1.0], **now), InvalidInput),
+        (Report(s, att2[s], 0, [1] * 2000, [-1.0] * 2000, **now), TooLarge),
+        (Report(s, att2[s], 0, [1], [-1.0], instance_id=b, lease="guess"), InvalidInput),
+        (Report(999999, 1, 0, [1], [-1.0], **now), NotFound),
+        (Report(s, att2[s], 0, [1], [-1.0], instance_id=999999, lease=now["lease"]), NotFound),
     ]:
         with pytest.raises(err):
             d.p.report(d.run, [bad])
@@ -183,14 +187,15 @@ def test_expired_instance_is_fenced_and_its_samples_requeued_with_their_tokens(e
     (g,) = d.enqueue(1)
     (s,) = d.members(g)
     att = d.routed([s], inst)[s]
-    d.p.report(d.run, [Report(s, att, 0, [4, 5], [-0.4, -0.5], SegmentKind.PARTIAL)])
+    lease = d.lease(s)
+    d.p.report(d.run, [Report(s, att, 0, [4, 5], [-0.4, -0.5], SegmentKind.PARTIAL, **lease)])
     assert d.p.expire_instances(d.run) == []  # lease still valid
     with engine.begin() as c:
         c.execute(text("UPDATE instances SET lease_expires_at = now() - interval '1 s'"))
     assert d.p.expire_instances(d.run) == [inst]
     assert d.sample(s)[:4] == ("queued", 0, att, 2)
     with pytest.raises(Conflict):
-        d.p.report(d.run, [Report(s, att, 0, [6], [-0.6])])
+        d.p.report(d.run, [Report(s, att, 0, [6], [-0.6], **lease)])
     with pytest.raises(Conflict, match="expired"):
         d.p.heartbeat(inst, 0)
     with pytest.raises(Conflict, match="expired"):
@@ -213,12 +218,14 @@ def test_interrupt_and_resume_keep_every_token_and_logprob(engine):
     assert d.p.interrupt(d.run, [s]) == 1
     _, (cmd,) = d.p.poll_work(i1)
     assert (cmd.kind, cmd.sample_id, cmd.attempt) == ("interrupt", s, w.attempt)
-    d.p.report(d.run, [Report(s, w.attempt, 0, [10, 11], [-1.0, -1.1], SegmentKind.PARTIAL)])
-    d.p.report(d.run, [Report(s, w.attempt, 0, [12], [-1.2], SegmentKind.INTERRUPTED)])
+    assert w.lease == d.lease(s)["lease"]  # delivered with the work
+    d.p.report(d.run, [Report(s, w.attempt, 0, [10, 11], [-1.0, -1.1], SegmentKind.PARTIAL, instance_id=i1, lease=w.lease)])
+    d.p.report(d.run, [Report(s, w.attempt, 0, [12], [-1.2], SegmentKind.INTERRUPTED, instance_id=i1, lease=w.lease)])
     d.routed([s], i2)
     (w2,), _ = d.p.poll_work(i2)
     assert (w2.prefix_tokens, w2.prefix_logprobs) == ([10, 11, 12], pytest.approx([-1.0, -1.1, -1.2]))
-    d.p.report(d.run, [Report(s, w2.attempt, 0, [13], [-1.3], SegmentKind.FINISHED, "eos")])
+    assert w2.lease != w.lease  # a fresh token for every route
+    d.p.report(d.run, [Report(s, w2.attempt, 0, [13], [-1.3], SegmentKind.FINISHED, "eos", instance_id=i2, lease=w2.lease)])
     d.reward_all()
     batch = d.p.consume(d.run, 0)
     (sample,) = batch.groups[0].samples
@@ -343,7 +350,7 @@ def test_request_id_replays_the_stored_outcome(engine):
     r1 = d.p.route(d.run, [(s, inst)], request_id="route-1")
     r2 = d.p.route(d.run, [(s, inst)], request_id="route-1")
     assert r1 == r2 and r1[0].outcome == RouteOutcome.ROUTED
-    rep = [Report(s, r1[0].attempt, 0, [1], [-1.0])]
+    rep = [Report(s, r1[0].attempt, 0, [1], [-1.0], instance_id=inst, lease=r1[0].lease)]
     assert d.p.report(d.run, rep, request_id="rep-1") == d.p.report(d.run, rep, request_id="rep-1") == 1
     assert d.scalars("SELECT count(*) FROM segments") == [1]
     with pytest.raises(Conflict, match="already used"):

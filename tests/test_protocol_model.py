@@ -6,6 +6,7 @@ invariant of SPEC §2 must hold (the reference's own check and the `staleness_vi
 from __future__ import annotations
 
 import itertools
+import uuid
 from collections import Counter
 
 import pytest
@@ -53,6 +54,7 @@ class ProtocolMachine(RuleBasedStateMachine):
         self.sample_map: dict[int, int] = {}  # reference id -> database id
         self.group_map: dict[int, int] = {}
         self.inst_map: dict[int, int] = {}
+        self.db_leases: dict[int, str] = {}  # database sample id -> lease token of its latest route
         self.keys = itertools.count()
         self.reward_attempts: dict[int, int] = {}
 
@@ -133,10 +135,14 @@ class ProtocolMachine(RuleBasedStateMachine):
         for r, d in zip(ref or [], db or []):
             self.seen[f"route {r.outcome.value}"] += 1
             assert (r.outcome, r.attempt, r.v_traj, r.buffer) == (d.outcome, d.attempt, d.v_traj, d.buffer)
+            assert (r.lease is None) == (d.lease is None)
+            if d.lease:
+                self.db_leases[d.sample_id] = d.lease
 
     @precondition(lambda self: self._samples(SampleState.RUNNING))
     @rule(data=st.data(), kind=st.sampled_from([SegmentKind.FINISHED] * 4 + list(SegmentKind)), stale=st.integers(0, 5))
     def report(self, data, kind, stale):
+        """stale 0: an old attempt; 1: another instance reports it; 2: a guessed lease token."""
         running = self._samples(SampleState.RUNNING)
         picked = data.draw(st.lists(st.sampled_from(running), min_size=1, max_size=8, unique=True))
         reports = []
@@ -148,14 +154,32 @@ class ProtocolMachine(RuleBasedStateMachine):
             attempt = s.attempt - 1 if stale == 0 and sid == picked[0] else s.attempt
             tokens = [data.draw(st.integers(0, 50)) for _ in range(n)]
             reports.append((sid, attempt, version, tokens, [-0.5 * (i + 1) for i in range(n)]))
-        self._report(reports, kind)
+        forged = {}
+        if stale == 1 and len(self.inst_map) > 1:
+            forged["instance"] = data.draw(st.sampled_from(sorted(set(self.inst_map) - {self.ref.samples[picked[0]].instance_id})))
+        elif stale == 2:
+            forged["lease"] = str(uuid.uuid4())
+        self._report(reports, kind, forged)
 
-    def _report(self, reports, kind):
+    def _report(self, reports, kind, forged=None):
+        """Each report names its instance and quotes its lease token (each side's own); `forged`
+        replaces the first report's instance or lease."""
         self.seen["report"] += 1
-        same_outcome(
-            lambda: self.ref.report([Report(s, a, v, t, lp, kind) for s, a, v, t, lp in reports]),
-            lambda: self.db.report(self.run, [Report(self.sample_map[s], a, v, t, lp, kind) for s, a, v, t, lp in reports]),
-        )
+        forged = forged or {}
+
+        def ident(sid, first, db):
+            s = self.ref.samples[sid]
+            iid = forged.get("instance", s.instance_id) if first else s.instance_id
+            lease = self.db_leases[self.sample_map[sid]] if db else s.lease
+            lease = forged.get("lease", lease) if first else lease
+            return {"instance_id": self.inst_map[iid] if db else iid, "lease": lease}
+
+        ref = [Report(s, a, v, t, lp, kind, **ident(s, i == 0, False)) for i, (s, a, v, t, lp) in enumerate(reports)]
+        db = [Report(self.sample_map[s], a, v, t, lp, kind, **ident(s, i == 0, True))
+              for i, (s, a, v, t, lp) in enumerate(reports)]
+        if forged:
+            self.seen[f"forged {next(iter(forged))}"] += 1
+        same_outcome(lambda: self.ref.report(ref), lambda: self.db.report(self.run, db))
 
     @precondition(lambda self: self._active())
     @rule(data=st.data())

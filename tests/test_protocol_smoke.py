@@ -14,7 +14,7 @@ def test_full_lifecycle(engine):
         queued = c.execute(text("select id from samples where state='queued' order by id")).scalars().all()
     res = p.route(run, [(s, inst) for s in queued])
     work, cmds = p.poll_work(inst)
-    p.report(run, [Report(w.sample_id, w.attempt, 0, [5, 6], [-0.1, -0.2]) for w in work])
+    p.report(run, [Report(w.sample_id, w.attempt, 0, [5, 6], [-0.1, -0.2], instance_id=inst, lease=w.lease) for w in work])
     tasks = p.claim_rewards(run, 100)
     outs = p.record_rewards(run, [(t.sample_id, t.reward_attempt, 1.0) for t in tasks])
     batch = p.consume(run, 0)

@@ -18,11 +18,16 @@ depends_on = None
 
 
 def _fencing_upgrade() -> None:
-    pass
+    # The secret lease token of a sample's latest route (gen_random_uuid() at route time):
+    # a report must quote it, so nobody can report for a sample by guessing its attempt.
+    from sqlalchemy import Column
+    from sqlalchemy.dialects.postgresql import UUID
+
+    op.add_column("samples", Column("lease", UUID(as_uuid=True)))
 
 
 def _fencing_downgrade() -> None:
-    pass
+    op.drop_column("samples", "lease")
 
 
 # ---- protocol rules -------------------------------------------------------------------------

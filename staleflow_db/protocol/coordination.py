@@ -104,7 +104,8 @@ class CoordinationOps(TxMixin):
                 text(
                     "SELECT s.instance_id, s.id, s.n_tokens, cardinality(g.prompt_tokens), s.v_traj FROM samples s"
                     " JOIN instances i ON i.id = s.instance_id JOIN prompt_groups g ON g.id = s.group_id"
-                    " WHERE i.run_id = :run AND i.state = 'active' AND s.state = 'running' ORDER BY s.id"
+                    " WHERE i.run_id = :run AND i.state = 'active' AND i.lease_expires_at > now()"
+                    "   AND s.state = 'running' ORDER BY s.id"
                 ),
                 {"run": run_id},
             ).all():

@@ -32,6 +32,7 @@ class Work:
 
     sample_id: int
     attempt: int
+    lease: str  # secret token of this route: every report on it must quote it
     group_id: int
     v_traj: int
     prompt_tokens: list[int]
@@ -115,42 +116,56 @@ class RolloutOps(TxMixin):
     def heartbeat(
         self, instance_id: int, version: int, snapshot: dict | None = None, lease_seconds: float = 30.0
     ) -> None:
-        """Extend the lease and store the latest snapshot. Ephemeral: no synchronous commit."""
+        """Extend a live lease and store the latest snapshot. Ephemeral: no synchronous commit.
+
+        Every condition sits in the UPDATE itself, re-checked on the row it finally locks: two
+        overlapping heartbeats can never move the version backwards (a plain read before the
+        update could be stale by then) nor revive a lease that lapsed meanwhile."""
         with self.tx() as conn:
             conn.execute(text("SET LOCAL synchronous_commit = off"))
+            updated = conn.execute(
+                text(
+                    "UPDATE instances i SET version = :v, snapshot = CAST(:snap AS jsonb), snapshot_at = now(),"
+                    " lease_expires_at = now() + make_interval(secs => :ttl)"
+                    " FROM runs r WHERE i.id = :i AND r.id = i.run_id AND i.state = 'active'"
+                    " AND i.lease_expires_at > now() AND i.version <= :v AND :v <= r.version RETURNING i.id"
+                ),
+                {"i": instance_id, "v": version, "snap": json.dumps(snapshot or {}), "ttl": lease_seconds},
+            ).first()
+            if updated is not None:
+                return
             row = conn.execute(
-                text("SELECT i.state, i.version, r.version FROM instances i JOIN runs r ON r.id = i.run_id WHERE i.id = :i"),
+                text(
+                    "SELECT i.state, i.lease_expires_at > now(), i.version, r.version"
+                    " FROM instances i JOIN runs r ON r.id = i.run_id WHERE i.id = :i"
+                ),
                 {"i": instance_id},
             ).first()
             if row is None:
                 raise NotFound(f"instance {instance_id}")
-            state, current, run_version = row
-            if state != "active":
-                raise Conflict([(instance_id, f"instance is {state}; register again")])
-            if not current <= version <= run_version:
-                raise InvalidInput(f"instance version {version} outside {current}..{run_version}")
-            updated = conn.execute(
-                text(
-                    "UPDATE instances SET version = :v, snapshot = CAST(:snap AS jsonb), snapshot_at = now(),"
-                    " lease_expires_at = now() + make_interval(secs => :ttl)"
-                    " WHERE id = :i AND state = 'active' AND lease_expires_at > now() RETURNING id"
-                ),
-                {"i": instance_id, "v": version, "snap": json.dumps(snapshot or {}), "ttl": lease_seconds},
-            ).first()
-            if updated is None:
-                raise Conflict([(instance_id, "instance lease expired; register again")])
+            check_live(instance_id, row[0], row[1])
+            _, _, current, run_version = row
+            raise InvalidInput(f"instance version {version} outside {current}..{run_version}")
 
     def expire_instances(self, run_id: int) -> list[int]:
-        """Fence every instance whose lease ran out; its samples go back to the queue."""
+        """Tidy up after lapsed leases: mark those instances expired, and requeue every sample
+        still running on any instance that is not active.
+
+        The lease itself is enforced by time in every instance-scoped operation (route, poll,
+        report, heartbeat): a lapsed instance is refused before this sweep runs. The sweep only
+        gives its samples back to the queue, and also those of any instance fenced earlier
+        (a straggler a concurrent route left behind must not stay running forever)."""
         with self.tx() as conn:
             ids = conn.execute(
                 text(
-                    "UPDATE instances SET state = 'expired' WHERE run_id = :run AND state = 'active'"
-                    " AND lease_expires_at <= now() RETURNING id"
+                    "UPDATE instances SET state = 'expired' WHERE id IN (SELECT id FROM instances"
+                    "   WHERE run_id = :run AND state = 'active' AND lease_expires_at <= now() ORDER BY id FOR UPDATE)"
+                    " RETURNING id"
                 ),
                 {"run": run_id},
             ).scalars().all()
-            requeue_instances(conn, run_id, ids, "instance_expired")
+            log_events(conn, run_id, [("instance_expired", None, None, None, i, None) for i in sorted(ids)])
+            requeue_fenced(conn, run_id, "instance_expired")
             return sorted(ids)
 
     def deregister_instance(self, instance_id: int) -> list[int]:
@@ -166,7 +181,8 @@ class RolloutOps(TxMixin):
                 if conn.execute(text("SELECT 1 FROM instances WHERE id = :i"), {"i": instance_id}).first() is None:
                     raise NotFound(f"instance {instance_id}")
                 return []
-            return requeue_instances(conn, row[0], [instance_id], "instance_deregistered")
+            log_events(conn, row[0], [("instance_deregistered", None, None, None, instance_id, None)])
+            return requeue_fenced(conn, row[0], "instance_deregistered", [instance_id])
 
     # ---- route (Reserve) -------------------------------------------------------------------
 
@@ -180,36 +196,41 @@ class RolloutOps(TxMixin):
     # ---- segments --------------------------------------------------------------------------
 
     def report(self, run_id: int, reports: Sequence[Report], request_id: str | None = None) -> int:
-        """Append segments, fenced by attempt; all or nothing. Returns the number applied."""
+        """Append segments, each fenced by its reporting instance (routed to it, lease live),
+        attempt and lease token; all or nothing. Returns the number applied."""
         check_batch(reports, "reports")
         return self.idempotent(request_id, "report", lambda conn: report_in(conn, run_id, reports), int)
 
     def poll_work(self, instance_id: int, limit: int = 1000) -> tuple[list[Work], list[Command]]:
         """Deliver newly routed samples (with any prefix to continue from) and pending commands."""
         with self.tx() as conn:
+            # FOR SHARE: the instance stays active and live until this delivery commits (an
+            # expiry waits for it, then requeues what was delivered).
             row = conn.execute(
-                text("SELECT i.state, r.max_response_tokens FROM instances i JOIN runs r ON r.id = i.run_id WHERE i.id = :i"),
+                text(
+                    "SELECT i.state, i.lease_expires_at > now(), r.max_response_tokens FROM instances i"
+                    " JOIN runs r ON r.id = i.run_id WHERE i.id = :i FOR SHARE OF i"
+                ),
                 {"i": instance_id},
             ).first()
             if row is None:
                 raise NotFound(f"instance {instance_id}")
-            if row[0] != "active":
-                raise Conflict([(instance_id, f"instance is {row[0]}; register again")])
+            check_live(instance_id, row[0], row[1])
             rows = conn.execute(
                 text(
                     "WITH d AS MATERIALIZED (SELECT id FROM samples WHERE instance_id = :i AND state = 'running'"
                     "   AND NOT delivered ORDER BY id LIMIT :n FOR UPDATE),"
                     " u AS (UPDATE samples s SET delivered = true FROM d WHERE s.id = d.id"
-                    "   RETURNING s.id, s.attempt, s.group_id, s.v_traj, s.n_tokens)"
-                    " SELECT u.id, u.attempt, u.group_id, u.v_traj, u.n_tokens, g.prompt_tokens,"
+                    "   RETURNING s.id, s.attempt, s.lease, s.group_id, s.v_traj, s.n_tokens)"
+                    " SELECT u.id, u.attempt, u.lease::text, u.group_id, u.v_traj, u.n_tokens, g.prompt_tokens,"
                     f"  {response_so_far('token_ids', 'u.id')}, {response_so_far('logprobs', 'u.id')}"
                     " FROM u JOIN prompt_groups g ON g.id = u.group_id ORDER BY u.id"
                 ),
                 {"i": instance_id, "n": limit},
             ).all()
             work = [
-                Work(sid, att, gid, v, list(prompt), list(toks), list(lps), row[1] - n)
-                for sid, att, gid, v, n, prompt, toks, lps in rows
+                Work(sid, att, lease, gid, v, list(prompt), list(toks), list(lps), row[2] - n)
+                for sid, att, lease, gid, v, n, prompt, toks, lps in rows
             ]
             cmds = conn.execute(
                 text(
@@ -282,22 +303,29 @@ def enqueue_prompts(conn: Connection, run, prompts: Sequence[Prompt], replacemen
     return [ids[p.client_key] for p in prompts]
 
 
-def requeue_instances(conn: Connection, run_id: int, instance_ids: Sequence[int], why: str) -> list[int]:
-    """Running samples of fenced instances return to the queue with the tokens they reported."""
-    if not instance_ids:
-        return []
+def check_live(instance_id: int, state: str, live: bool) -> None:
+    """A fenced instance (not active, or its lease lapsed) is refused: it must register again."""
+    if state != "active":
+        raise Conflict([(instance_id, f"instance is {state}; register again")])
+    if not live:
+        raise Conflict([(instance_id, "instance lease expired; register again")])
+
+
+def requeue_fenced(conn: Connection, run_id: int, why: str, instance_ids: Sequence[int] | None = None) -> list[int]:
+    """Samples running on fenced (non-active) instances of the run, or only on `instance_ids`
+    (already fenced in this transaction), return to the queue with the tokens they reported."""
+    where = "s.instance_id = ANY(CAST(:ids AS bigint[]))" if instance_ids is not None else "i.state <> 'active'"
     rows = conn.execute(
         text(
-            "UPDATE samples SET state = 'queued', instance_id = NULL, updated_at = now()"
-            " WHERE id IN (SELECT id FROM samples WHERE instance_id = ANY(CAST(:ids AS bigint[]))"
-            "   AND state = 'running' ORDER BY id FOR UPDATE) RETURNING id"
+            "UPDATE samples x SET state = 'queued', instance_id = NULL, updated_at = now()"
+            " FROM (SELECT s.id, s.instance_id FROM samples s JOIN instances i ON i.id = s.instance_id"
+            f"   WHERE s.run_id = :run AND s.state = 'running' AND {where} ORDER BY s.id FOR UPDATE OF s) AS f"
+            " WHERE x.id = f.id RETURNING x.id, f.instance_id"
         ),
-        {"ids": list(instance_ids)},
-    ).scalars().all()
-    events = [(why, None, None, None, i, None) for i in instance_ids]
-    events += [("sample_requeued", s, None, None, None, {"why": why}) for s in rows]
-    log_events(conn, run_id, events)
-    return sorted(rows)
+        {"run": run_id, "ids": list(instance_ids or [])},
+    ).all()
+    log_events(conn, run_id, [("sample_requeued", s, None, None, i, {"why": why}) for s, i in sorted(rows)])
+    return sorted(s for s, _ in rows)
 
 
 def route_in(rtx: RunTx, pairs: Sequence[tuple[int, int]]) -> list[RouteResult]:
@@ -305,6 +333,19 @@ def route_in(rtx: RunTx, pairs: Sequence[tuple[int, int]]) -> list[RouteResult]:
     sample_ids = [p[0] for p in pairs]
     if len(set(sample_ids)) != len(sample_ids):
         raise InvalidInput("a sample appears twice in one route batch")
+    # Instances first (lock order instances -> samples, as expiry and reports take them), FOR
+    # SHARE in id order: an expiry or deregistration waits until this route commits, so its
+    # requeue then sees the samples routed here; one that committed first is seen as fenced.
+    instances = {
+        r[0]: r
+        for r in conn.execute(
+            text(
+                "SELECT id, state, version, lease_expires_at > now() FROM instances"
+                " WHERE run_id = :run AND id = ANY(CAST(:ids AS bigint[])) ORDER BY id FOR SHARE"
+            ),
+            {"run": run.id, "ids": sorted({p[1] for p in pairs})},
+        ).all()
+    }
     samples = {
         r[0]: r
         for r in conn.execute(
@@ -313,13 +354,6 @@ def route_in(rtx: RunTx, pairs: Sequence[tuple[int, int]]) -> list[RouteResult]:
                 " WHERE s.run_id = :run AND s.id = ANY(CAST(:ids AS bigint[])) ORDER BY s.id FOR UPDATE"
             ),
             {"run": run.id, "ids": sample_ids},
-        ).all()
-    }
-    instances = {
-        r[0]: r
-        for r in conn.execute(
-            text("SELECT id, state, version FROM instances WHERE run_id = :run AND id = ANY(CAST(:ids AS bigint[]))"),
-            {"run": run.id, "ids": list({p[1] for p in pairs})},
         ).all()
     }
     for sid, iid in pairs:
@@ -340,12 +374,12 @@ def route_in(rtx: RunTx, pairs: Sequence[tuple[int, int]]) -> list[RouteResult]:
     results, routed, touched = [], [], set()
     for sid, iid in pairs:
         _, gid, state, v_traj, n_tokens, last_version = samples[sid]
-        _, inst_state, inst_version = instances[iid]
+        _, inst_state, inst_version, inst_live = instances[iid]
         g = groups[gid]
         if state != "queued":
             results.append(RouteResult(sid, RouteOutcome.NOT_QUEUED))
             continue
-        if inst_state != "active":
+        if inst_state != "active" or not inst_live:  # a lapsed lease is fenced before any sweep
             results.append(RouteResult(sid, RouteOutcome.INSTANCE_INACTIVE))
             continue
         if g[1] not in ("queued", "reserved"):
@@ -369,20 +403,22 @@ def route_in(rtx: RunTx, pairs: Sequence[tuple[int, int]]) -> list[RouteResult]:
         routed.append((sid, v, iid))
         results.append(RouteResult(sid, RouteOutcome.ROUTED, None, v, g[2]))
     if routed:
-        attempts = dict(
-            conn.execute(
+        # every route draws a fresh secret lease token (gen_random_uuid: a strong random source)
+        leases = {
+            sid: (att, lease)
+            for sid, att, lease in conn.execute(
                 text(
                     "UPDATE samples s SET state = 'running', v_traj = u.v, instance_id = u.i, attempt = s.attempt + 1,"
-                    " delivered = false, updated_at = now()"
+                    " lease = gen_random_uuid(), delivered = false, updated_at = now()"
                     " FROM unnest(CAST(:ids AS bigint[]), CAST(:vs AS int[]), CAST(:is AS bigint[])) AS u(id, v, i)"
-                    " WHERE s.id = u.id RETURNING s.id, s.attempt"
+                    " WHERE s.id = u.id RETURNING s.id, s.attempt, s.lease::text"
                 ),
                 {"ids": [r[0] for r in routed], "vs": [r[1] for r in routed], "is": [r[2] for r in routed]},
             ).all()
-        )
+        }
         for r in results:
             if r.outcome == RouteOutcome.ROUTED:
-                r.attempt = attempts[r.sample_id]
+                r.attempt, r.lease = leases[r.sample_id]
         tg = sorted(touched)
         conn.execute(
             text(
@@ -401,11 +437,32 @@ def report_in(conn: Connection, run_id: int, reports: Sequence[Report]) -> int:
     ids = [r.sample_id for r in reports]
     if len(set(ids)) != len(ids):
         raise InvalidInput("a sample appears twice in one report batch")
+    leases = {}
     for r in reports:
         r.check_shape()
         if r.kind not in tuple(SegmentKind):
             raise InvalidInput(f"sample {r.sample_id}: unknown kind {r.kind!r}")
-    cols = "SELECT id, state, attempt, v_traj, last_version, n_tokens, n_segments, instance_id FROM samples"
+        leases[r.sample_id] = r.lease_uuid()
+    # The reporting instances first, FOR SHARE in id order (lock order instances -> samples, as
+    # route and expiry): each must be active with a live lease until this report commits.
+    fenced = {}
+    inst_ids = sorted({r.instance_id for r in reports})
+    found = conn.execute(
+        text(
+            "SELECT id, state, lease_expires_at > now() FROM instances"
+            " WHERE run_id = :run AND id = ANY(CAST(:ids AS bigint[])) ORDER BY id FOR SHARE"
+        ),
+        {"run": run_id, "ids": inst_ids},
+    ).all()
+    for iid, state, live in found:
+        try:
+            check_live(iid, state, live)
+        except Conflict as e:
+            fenced[iid] = e.items[0][1]
+    unknown = sorted(set(inst_ids) - {r[0] for r in found})
+    if unknown:
+        raise NotFound(f"instance {unknown[0]} in run {run_id}")
+    cols = "SELECT id, state, attempt, v_traj, last_version, n_tokens, n_segments, instance_id, lease FROM samples"
     # Lock only the running rows: those are all a report can change. A stale report naming a
     # sample that moved on (scoring, aborted ...) must not wait on its lock: with the run-locked
     # record_rewards, which holds scoring rows and then locks their groups' members, that
@@ -433,9 +490,10 @@ def report_in(conn: Connection, run_id: int, reports: Sequence[Report]) -> int:
         row = rows.get(r.sample_id)
         if row is None:
             raise NotFound(f"sample {r.sample_id} in run {run_id}")
-        _, state, attempt, v_traj, last, n_tokens, _, _ = row
-        if state != "running" or attempt != r.attempt:
-            conflicts.append((r.sample_id, "lease lost (stale attempt or sample not running)"))
+        _, state, attempt, v_traj, last, n_tokens, _, instance, lease = row
+        why = fenced.get(r.instance_id) or lease_lost(r, state, attempt, instance, lease, leases[r.sample_id])
+        if why:
+            conflicts.append((r.sample_id, why))
             continue
         floor = last if last is not None else v_traj
         if not floor <= r.version <= run.version:
@@ -449,7 +507,7 @@ def report_in(conn: Connection, run_id: int, reports: Sequence[Report]) -> int:
         payload = json.dumps(
             [
                 {
-                    "s": r.sample_id, "q": rows[r.sample_id][6], "v": r.version, "i": rows[r.sample_id][7],
+                    "s": r.sample_id, "q": rows[r.sample_id][6], "v": r.version, "i": r.instance_id,
                     "a": r.attempt, "t": r.tokens, "l": r.logprobs, "f": r.finish_reason,
                 }
                 for r in segs
@@ -486,9 +544,20 @@ def report_in(conn: Connection, run_id: int, reports: Sequence[Report]) -> int:
         conn,
         run_id,
         [
-            (f"sample_{SegmentKind(r.kind).value}", r.sample_id, None, None, rows[r.sample_id][7], {"n": len(r.tokens), "v": r.version})
+            (f"sample_{SegmentKind(r.kind).value}", r.sample_id, None, None, r.instance_id, {"n": len(r.tokens), "v": r.version})
             for r in reports
             if r.kind != SegmentKind.PARTIAL
         ],
     )
     return len(reports)
+
+
+def lease_lost(r: Report, state: str, attempt: int, instance: int | None, lease, quoted) -> str | None:
+    """Why a report does not hold the sample's lease (None when it does)."""
+    if state != "running":
+        return f"lease lost: sample is {state}"
+    if instance != r.instance_id:
+        return f"lease lost: sample is not routed to instance {r.instance_id}"
+    if attempt != r.attempt or lease != quoted:
+        return "lease lost: stale attempt or lease token"
+    return None

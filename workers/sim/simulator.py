@@ -107,6 +107,7 @@ class Simulator:
             self.spec.observe(e.snapshot(0.0, self.detail))
             self.next_hb[iid] = float(rng.uniform(0, heartbeat_period))
         self.queued: dict[int, QueuedSample] = {}  # insertion order = FIFO
+        self.leases: dict[int, str] = {}  # sample -> lease token of its latest route (reports quote it)
         self.fresh_groups: set[int] = set()
         self.group_index = 0
         # trainer
@@ -152,7 +153,8 @@ class Simulator:
         if has:
             tbl.last_version[sid] = tbl.seg_version[sid]
         return Report(
-            sid, tbl.attempt[sid], tbl.seg_version[sid], _ONE if has else [], _ONE_LP if has else [], kind
+            sid, tbl.attempt[sid], tbl.seg_version[sid], _ONE if has else [], _ONE_LP if has else [], kind,
+            instance_id=tbl.ran_on[sid], lease=self.leases[sid],
         )
 
     def _requeue(self, sids: list[int]) -> None:
@@ -333,6 +335,7 @@ class Simulator:
                 e = self.engines[iid]
                 tbl.v_traj[sid] = res.v_traj
                 tbl.attempt[sid] = res.attempt
+                self.leases[sid] = res.lease
                 tbl.seg0[sid] = tbl.gen[sid]
                 tbl.seg_version[sid] = e.version
                 tbl.ran_on[sid] = iid
