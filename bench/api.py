@@ -89,12 +89,13 @@ class InProcess:
     def route(self, run: int, pairs: list[tuple[int, int]]) -> int:
         return sum(r.outcome == "routed" for r in self.p.route(run, pairs))
 
-    def poll(self, run: int, inst: int, wait: float) -> list[tuple[int, int]]:
+    def poll(self, run: int, inst: int, wait: float) -> list[tuple[int, int, str]]:
         work = self._wait(lambda: self.p.poll_work(inst, 1000)[0], bool, wait)
-        return [(w.sample_id, w.attempt) for w in work]
+        return [(w.sample_id, w.attempt, w.lease) for w in work]
 
-    def report(self, run: int, items: list[tuple[int, int]], version: int, tokens: list[int]) -> int:
-        return self.p.report(run, [Report(s, a, version, tokens, [-0.5] * len(tokens), SegmentKind.FINISHED) for s, a in items])
+    def report(self, run: int, inst: int, items: list[tuple[int, int, str]], version: int, tokens: list[int]) -> int:
+        return self.p.report(run, [Report(s, a, version, tokens, [-0.5] * len(tokens), SegmentKind.FINISHED,
+                                          instance_id=inst, lease=lease) for s, a, lease in items])
 
     def claim(self, run: int, limit: int, wait: float) -> list[tuple[int, int]]:
         tasks = self._wait(lambda: self.p.claim_rewards(run, limit, 60.0), bool, wait)
@@ -143,13 +144,13 @@ class Rest(InProcess):
     def route(self, run: int, pairs: list[tuple[int, int]]) -> int:
         return sum(r.outcome == "routed" for r in self.c.route(run, pairs))
 
-    def poll(self, run: int, inst: int, wait: float) -> list[tuple[int, int]]:
-        return [(w.sample_id, w.attempt) for w in self.c.poll(run, inst, wait=wait).work]
+    def poll(self, run: int, inst: int, wait: float) -> list[tuple[int, int, str]]:
+        return [(w.sample_id, w.attempt, w.lease) for w in self.c.poll(run, inst, wait=wait).work]
 
-    def report(self, run: int, items: list[tuple[int, int]], version: int, tokens: list[int]) -> int:
+    def report(self, run: int, inst: int, items: list[tuple[int, int, str]], version: int, tokens: list[int]) -> int:
         logprobs = [-0.5] * len(tokens)
-        return self.c.report(run, [{"sample_id": s, "attempt": a, "version": version, "tokens": tokens, "logprobs": logprobs}
-                                   for s, a in items])
+        return self.c.report(run, inst, [{"sample_id": s, "attempt": a, "lease": lease, "version": version,
+                                          "tokens": tokens, "logprobs": logprobs} for s, a, lease in items])
 
     def claim(self, run: int, limit: int, wait: float) -> list[tuple[int, int]]:
         return [(t.sample_id, t.reward_attempt) for t in self.c.claim(run, limit=limit, wait=wait)]
@@ -203,7 +204,7 @@ def workload(backend: InProcess, args: argparse.Namespace) -> tuple[float, Recor
                     rec.timed("heartbeat", lambda: backend.heartbeat(run, inst, version))
                 work = rec.timed("poll (long-poll)", lambda: backend.poll(run, inst, 0.2))
                 if work:
-                    rec.add(rec.timed("report", lambda: backend.report(run, work, version, tokens)))
+                    rec.add(rec.timed("report", lambda: backend.report(run, inst, work, version, tokens)))
         return loop
 
     def rewarder() -> None:

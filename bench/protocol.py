@@ -133,8 +133,8 @@ def client(k: int, url: str, run: int, samples: list[int], batch: int, seconds: 
             work, _ = timed("poll_work", p.poll_work, inst, batch)
             calls += 2
             if work:
-                timed("report", p.report, run, [Report(w.sample_id, w.attempt, w.v_traj, toks, lps,
-                                                       SegmentKind.FINISHED, "stop") for w in work])
+                timed("report", p.report, run, [Report(w.sample_id, w.attempt, w.v_traj, toks, lps, SegmentKind.FINISHED,
+                                                       "stop", instance_id=inst, lease=w.lease) for w in work])
                 bump("reported", len(work))
                 calls += 1
         tasks = timed("claim_rewards", p.claim_rewards, run, batch)

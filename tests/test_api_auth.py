@@ -34,8 +34,10 @@ MATRIX: list[tuple[str, str, Any, set[str], int]] = [
     ("POST", "/v1/runs/{A}/instances/{I}/heartbeat", {"version": 0}, ROLLOUT, 403),
     ("DELETE", "/v1/runs/{A}/instances/{I}", None, ROLLOUT, 403),
     ("POST", "/v1/runs/{A}/instances/{I}/poll?wait=0", None, ROLLOUT, 403),
-    ("POST", "/v1/runs/{A}/segments",
-     {"reports": [{"sample_id": 1, "attempt": 1, "version": 0, "tokens": [], "logprobs": []}]}, ROLLOUT, 403),
+    ("POST", "/v1/runs/{A}/instances/{I}/segments",
+     {"reports": [{"sample_id": 1, "attempt": 1, "lease": "00000000-0000-4000-8000-000000000000", "version": 0,
+                   "tokens": [], "logprobs": []}]}, ROLLOUT, 403),
+    ("POST", "/v1/runs/{A}/segments", None, ROLLOUT, 403),  # gone (410) for those who may report
     ("POST", "/v1/runs/{A}/rewards/claim?wait=0", {"limit": 1}, REWARD, 403),
     ("POST", "/v1/runs/{A}/rewards", {"rewards": [{"sample_id": 1, "reward_attempt": 1, "reward": 1.0}]}, REWARD, 403),
     ("POST", "/v1/runs/{A}/batches/0/consume?wait=0", None, TRAINER, 403),

@@ -123,10 +123,11 @@ def test_retry_after_lost_response_replays_stored_outcome(db_url):
 
         lossy = httpx.Client(base_url=server.url, transport=DropFirstResponse("/segments"))
         flaky = StaleFlowClient(token=roles["rollout"].token, http=lossy)
-        report = [{"sample_id": sample, "attempt": work.attempt, "version": 0, "tokens": [3], "logprobs": [-1.0]}]
-        assert flaky.report(run.id, report) == 1  # the retry is not a stale attempt
+        report = [{"sample_id": sample, "attempt": work.attempt, "lease": work.lease, "version": 0, "tokens": [3],
+                   "logprobs": [-1.0]}]
+        assert flaky.report(run.id, inst, report) == 1  # the retry is not a stale attempt
         with pytest.raises(Conflict):  # a genuinely new call with the same data is
-            roles["rollout"].report(run.id, report)
+            roles["rollout"].report(run.id, inst, report)
         assert admin.run_status(run.id).samples == {"finished": 1}
 
 

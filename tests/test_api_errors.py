@@ -4,6 +4,7 @@ ids, malformed bodies, reused request ids. Each is a clear 4xx JSON error that c
 from __future__ import annotations
 
 import json
+import uuid
 
 import pytest
 from sqlalchemy import text
@@ -40,11 +41,12 @@ def world(db_url, engine):
     with in_process(db_url, max_body_bytes=64 * 1024, max_wait=0.2) as http:
         http.headers["Authorization"] = f"Bearer {admin}"
         yield {"http": http, "run": run, "inst": inst, "sample": sample, "attempt": routed.attempt, "group": group,
-               "other_inst": other_inst, "engine": engine}
+               "lease": routed.lease, "other_inst": other_inst, "engine": engine}
 
 
 def report(w, **over):
-    r = {"sample_id": w["sample"], "attempt": w["attempt"], "version": 0, "tokens": [5], "logprobs": [-0.1]}
+    r = {"sample_id": w["sample"], "attempt": w["attempt"], "lease": w["lease"], "version": 0, "tokens": [5],
+         "logprobs": [-0.1]}
     return {"reports": [{**r, **over}]}
 
 
@@ -60,7 +62,7 @@ def expect(response, status: int, code: str | None = None) -> dict:
 def test_bad_input_is_a_clear_4xx_that_changes_nothing(world):
     http, run, inst, engine = world["http"], world["run"], world["inst"], world["engine"]
     before = fingerprint(engine)
-    seg = f"/v1/runs/{run}/segments"
+    seg = f"/v1/runs/{run}/instances/{inst}/segments"
 
     # oversized: the whole body, the run's response limit, the run's prompt limit, the batch limit
     expect(http.post(seg, content=b"{" + b" " * 70_000 + b"}", headers={"Content-Type": "application/json"}), 413, "too_large")
@@ -75,7 +77,15 @@ def test_bad_input_is_a_clear_4xx_that_changes_nothing(world):
 
     # stale attempts and lost claims: 409 naming the sample
     err = expect(http.post(seg, json=report(world, attempt=world["attempt"] - 1)), 409, "conflict")
-    assert err["items"] == [{"id": world["sample"], "reason": "lease lost (stale attempt or sample not running)"}]
+    assert err["items"] == [{"id": world["sample"], "reason": "lease lost: stale attempt or lease token"}]
+    err = expect(http.post(seg, json=report(world, lease=str(uuid.uuid4()))), 409, "conflict")  # a guessed token
+    assert err["items"] == [{"id": world["sample"], "reason": "lease lost: stale attempt or lease token"}]
+    expect(http.post(seg, json=report(world, lease="guess")), 422, "invalid_input")
+    expect(http.post(seg, json={"reports": [{k: v for k, v in report(world)["reports"][0].items() if k != "lease"}]}),
+           422, "invalid_input")
+    # the old path, without the instance: gone, pointing at the new one
+    err = expect(http.post(f"/v1/runs/{run}/segments", json=report(world)), 410, "gone")
+    assert "/instances/" in err["message"]
     expect(http.post(f"/v1/runs/{run}/rewards", json={"rewards": [
         {"sample_id": world["sample"], "reward_attempt": 1, "reward": 1.0}]}), 409, "conflict")
     expect(http.post(seg, json=report(world, version=3)), 422, "invalid_input")  # a version the run never had
@@ -110,7 +120,8 @@ def test_bad_input_is_a_clear_4xx_that_changes_nothing(world):
     expect(http.get("/v1/runs/abc"), 422)
     expect(http.put(f"/v1/runs/{run}"), 405, "method_not_allowed")
     expect(http.get("/v1/nothing-here"), 404, "not_found")
-    expect(http.post(f"/v1/runs/{run}/segments", json=report(world), headers={"Idempotency-Key": "has space"}), 422)
+    expect(http.post(seg, json=report(world), headers={"Idempotency-Key": "has space"}), 422)
+    expect(http.post(f"/v1/runs/{run}/instances/{world['other_inst']}/segments", json=report(world)), 404, "not_found")
     expect(http.post(f"/v1/runs/{run}/routes", json={"routes": [{"sample_id": world["sample"], "instance_id": inst}],
                                                      "epoch": 7}), 409, "conflict")  # not the leader's epoch
 
@@ -120,13 +131,14 @@ def test_bad_input_is_a_clear_4xx_that_changes_nothing(world):
 def test_request_id_replays_outcome_and_refuses_other_body(world):
     http, run = world["http"], world["run"]
     key = {"Idempotency-Key": "rep-1"}
-    first = http.post(f"/v1/runs/{run}/segments", json=report(world, kind="partial"), headers=key)
+    seg = f"/v1/runs/{run}/instances/{world['inst']}/segments"
+    first = http.post(seg, json=report(world, kind="partial"), headers=key)
     assert first.status_code == 200 and first.json() == {"applied": 1}
     before = fingerprint(world["engine"])
-    again = http.post(f"/v1/runs/{run}/segments", json=report(world, kind="partial"), headers=key)
+    again = http.post(seg, json=report(world, kind="partial"), headers=key)
     assert again.status_code == 200 and again.json() == first.json()
     assert fingerprint(world["engine"]) == before  # replayed, not applied twice
-    expect(http.post(f"/v1/runs/{run}/segments", json=report(world, tokens=[6]), headers=key), 409,
+    expect(http.post(seg, json=report(world, tokens=[6]), headers=key), 409,
            "idempotency_key_reused")
     # the same key in another run is another request
     other = http.post("/v1/runs", json={"name": "x", "config": {"batch_size": 1, "group_size": 1, "eta": 0}},

@@ -121,8 +121,8 @@ def _fill_buffer(admin, run: int, version: int) -> None:
     queued = [q.sample_id for q in admin.snapshot(run).queued]
     admin.route(run, [(s, inst) for s in queued])
     work = admin.poll(run, inst, wait=5).work
-    admin.report(run, [{"sample_id": w.sample_id, "attempt": w.attempt, "version": version,
-                        "tokens": [5, 6, 7], "logprobs": [-0.5] * 3} for w in work])
+    admin.report(run, inst, [{"sample_id": w.sample_id, "attempt": w.attempt, "lease": w.lease, "version": version,
+                              "tokens": [5, 6, 7], "logprobs": [-0.5] * 3} for w in work])
     tasks = admin.claim(run, limit=100, wait=5)
     admin.record_rewards(run, [(t.sample_id, t.reward_attempt, float(t.sample_id % 2)) for t in tasks])
     admin.deregister(run, inst)

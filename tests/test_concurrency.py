@@ -157,11 +157,13 @@ def _route_body(p: Protocol, engine, run: int, name: str, stop, rng: random.Rand
                 return [tok(w.sample_id, i) for i in out], [logprob(i) for i in out]
 
             if busy == crash_at or rng.random() < 0.15:  # a checkpoint: the sample keeps running
-                partial.append(Report(w.sample_id, w.attempt, version, *gen(rng.randint(1, 4)), SegmentKind.PARTIAL))
+                partial.append(Report(w.sample_id, w.attempt, version, *gen(rng.randint(1, 4)), SegmentKind.PARTIAL,
+                                      instance_id=inst, lease=w.lease))
             interrupt = w.attempt < MAX_ATTEMPTS and left > 8 and rng.random() < 0.4
             kind = SegmentKind.INTERRUPTED if interrupt else SegmentKind.FINISHED
             n = rng.randint(0, 5) if interrupt else rng.randint(1, 8)
-            final.append(Report(w.sample_id, w.attempt, version, *gen(n), kind, None if interrupt else "stop"))
+            final.append(Report(w.sample_id, w.attempt, version, *gen(n), kind, None if interrupt else "stop",
+                                instance_id=inst, lease=w.lease))
         applied = {r.sample_id for r in _report(p, run, partial, log)}
         if busy == crash_at and not applied:
             crash_at += 1  # every checkpoint lost its lease meanwhile: crash next time instead
@@ -169,8 +171,8 @@ def _route_body(p: Protocol, engine, run: int, name: str, stop, rng: random.Rand
             # Crash: the instance stops heartbeating with its leases (and checkpoints) in the
             # database; the restarted process registers a new instance. The trainer's
             # expire_instances must requeue the samples with the tokens reported so far.
-            dead = [Report(r.sample_id, r.attempt, version, [tok(r.sample_id, 99)], [0.0], SegmentKind.FINISHED)
-                    for r in partial if r.sample_id in applied]
+            dead = [Report(r.sample_id, r.attempt, version, [tok(r.sample_id, 99)], [0.0], SegmentKind.FINISHED,
+                           instance_id=r.instance_id, lease=r.lease) for r in partial if r.sample_id in applied]
             zombie = (inst, dead)
             log["crashed"].append(inst)
             inst = p.register_instance(run, name + "-restarted", version, lease_seconds=10.0)

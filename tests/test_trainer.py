@@ -99,10 +99,10 @@ class ScriptedRollout(threading.Thread):
             c.route(run, [(s, self.instance) for s in queued])
         work = c.poll(run, self.instance, wait=0).work
         if work:
-            c.report(run, [{"sample_id": w.sample_id, "attempt": w.attempt, "version": v,
-                            "tokens": [(w.sample_id + j) % 31 + 1 for j in range(2 + w.sample_id % 3)],
-                            "logprobs": [-1.0 - 0.1 * j for j in range(2 + w.sample_id % 3)],
-                            "finish_reason": "length"} for w in work])
+            c.report(run, self.instance, [{"sample_id": w.sample_id, "attempt": w.attempt, "lease": w.lease, "version": v,
+                                           "tokens": [(w.sample_id + j) % 31 + 1 for j in range(2 + w.sample_id % 3)],
+                                           "logprobs": [-1.0 - 0.1 * j for j in range(2 + w.sample_id % 3)],
+                                           "finish_reason": "length"} for w in work])
         tasks = c.claim(run, limit=100, wait=0)
         if tasks:
             c.record_rewards(run, [(t.sample_id, t.reward_attempt, float(t.sample_id % 2)) for t in tasks])

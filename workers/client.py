@@ -208,15 +208,28 @@ class StaleFlowClient:
         return self._call(m.DeregisterOut, "DELETE", f"/v1/runs/{run_id}/instances/{instance_id}").requeued
 
     def poll(self, run_id: int, instance_id: int, wait: float = 10.0, limit: int = 1000) -> m.PollOut:
-        """Long-poll for routed work and commands; empty after `wait` seconds."""
+        """Long-poll for routed work and commands; empty after `wait` seconds. Each work item
+        carries its `attempt` and secret `lease` token: reports on it must quote both."""
         return self._call(
             m.PollOut, "POST", f"/v1/runs/{run_id}/instances/{instance_id}/poll",
             params={"wait": wait, "limit": limit}, key=True, wait=wait,
         )
 
-    def report(self, run_id: int, reports: Sequence[m.ReportIn | dict | Any]) -> int:
-        body = m.ReportsIn(reports=[_as(m.ReportIn, r) for r in reports])
-        return self._call(m.ReportsOut, "POST", f"/v1/runs/{run_id}/segments", body=body, key=True).applied
+    def report(self, run_id: int, instance_id: int, reports: Sequence[m.ReportIn | dict | Any]) -> int:
+        """Segments of samples routed to `instance_id`, each with its attempt and lease token.
+        A staleflow_db.types.Report may be passed as is (its instance must be `instance_id`)."""
+        items = []
+        for r in reports:
+            if dataclasses.is_dataclass(r) and not isinstance(r, type):
+                r = {f.name: getattr(r, f.name) for f in dataclasses.fields(r)}
+            if isinstance(r, dict) and "instance_id" in r:
+                r = dict(r)
+                if r.pop("instance_id") != instance_id:
+                    raise ValueError(f"sample {r.get('sample_id')}: a report of another instance")
+            items.append(_as(m.ReportIn, r))
+        body = m.ReportsIn(reports=items)
+        path = f"/v1/runs/{run_id}/instances/{instance_id}/segments"
+        return self._call(m.ReportsOut, "POST", path, body=body, key=True).applied
 
     # ---- reward and trainer ----------------------------------------------------------------
 

@@ -1,8 +1,8 @@
 """The rollout worker: wraps one engine and speaks to StaleFlow only through the REST client.
 
 Loop: long-poll for routed samples and commands, step the engine, report finished and
-interrupted stretches as segments (batched, fenced by attempt), checkpoint long stretches
-as partial segments so a crash loses little, heartbeat a snapshot, and pull new weights
+interrupted stretches as segments (batched, fenced by instance, attempt and lease token),
+checkpoint long stretches as partial segments so a crash loses little, heartbeat a snapshot, and pull new weights
 when the coordinator says so. A lost lease (409) drops the sample locally: its late result
 is never applied.
 """
@@ -28,6 +28,7 @@ class _Held:
     """A routed sample this instance is generating."""
 
     attempt: int
+    lease: str  # the route's secret token: every report quotes it
     prefix_len: int  # response tokens before this stretch
     prompt_len: int
     reported: int = 0  # tokens of this stretch already sent as partial segments
@@ -113,13 +114,17 @@ class RolloutWorker:
     # ---- work and commands -----------------------------------------------------------------
 
     def _poll(self, wait: float) -> None:
-        out = self.client.poll(self.run_id, self.instance_id, wait=wait)
+        try:
+            out = self.client.poll(self.run_id, self.instance_id, wait=wait)
+        except Conflict:  # the lease lapsed: poll is refused by time, before any sweep
+            self._register_again()
+            return
         for w in out.work:
             self.engine.add_request(
                 str(w.sample_id), w.prompt_tokens, w.prefix_tokens, w.prefix_logprobs,
                 max_new_tokens=w.max_new_tokens, seed=w.sample_id,
             )
-            self.held[w.sample_id] = _Held(w.attempt, len(w.prefix_tokens), len(w.prompt_tokens))
+            self.held[w.sample_id] = _Held(w.attempt, w.lease, len(w.prefix_tokens), len(w.prompt_tokens))
             self.stats.routed += 1
         for c in out.commands:
             if c.kind == "interrupt" and c.sample_id in self.held and self.held[c.sample_id].attempt == c.attempt:
@@ -166,7 +171,7 @@ class RolloutWorker:
             last["kind"], last["finish_reason"] = kind, reason
         else:
             self.pending.append({
-                "sample_id": sid, "attempt": held.attempt, "version": self.engine.version,
+                "sample_id": sid, "attempt": held.attempt, "lease": held.lease, "version": self.engine.version,
                 "tokens": list(new_t), "logprobs": list(new_lp), "kind": kind, "finish_reason": reason,
             })
         if kind == "partial":
@@ -187,7 +192,7 @@ class RolloutWorker:
         batch, self.pending = self.pending, []
         while batch:
             try:
-                self.client.report(self.run_id, batch)
+                self.client.report(self.run_id, self.instance_id, batch)
                 break
             except Conflict as e:  # lost leases: drop those samples, send the rest
                 lost = {item["id"] for item in e.items}
@@ -232,11 +237,15 @@ class RolloutWorker:
         try:
             self.client.heartbeat(self.run_id, self.instance_id, s.version, snapshot, self.lease_s)
         except Conflict:
-            # Fenced (lease expired): our samples were requeued; start over as a new instance.
-            log.warning("instance %s lost its lease; registering again", self.instance_id)
-            self.engine.abort([str(k) for k in self.held])
-            self.held.clear()
-            self.pending.clear()
-            self.instance_id = self.client.register(self.run_id, self.name, s.version, self.lease_s).instance_id
+            self._register_again()
+        self._last["heartbeat"] = time.monotonic()
+
+    def _register_again(self) -> None:
+        """Fenced (lease lapsed or expired): the sweep requeues our samples; start over as a new instance."""
+        log.warning("instance %s lost its lease; registering again", self.instance_id)
+        self.engine.abort([str(k) for k in self.held])
+        self.held.clear()
+        self.pending.clear()
+        self.instance_id = self.client.register(self.run_id, self.name, self.engine.version, self.lease_s).instance_id
         self._last["heartbeat"] = time.monotonic()
 

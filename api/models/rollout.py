@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from uuid import UUID
+
 from pydantic import Field
 
 from staleflow_db.enums import SegmentKind
@@ -60,7 +62,8 @@ class WorkOut(Out):
     """A routed sample: generate after `prompt_tokens + prefix_tokens` (prefix empty when fresh)."""
 
     sample_id: int
-    attempt: int = Field(description="fences every report on this sample")
+    attempt: int = Field(description="number of this route; quote it in every report on this sample")
+    lease: str = Field(description="secret lease token of this route (random, unguessable); quote it in every report")
     group_id: int
     v_traj: int
     prompt_tokens: list[int]
@@ -83,8 +86,11 @@ class PollOut(Out):
 
 
 class ReportIn(In):
+    """A segment of a sample routed to the reporting instance (the instance in the path)."""
+
     sample_id: Id
     attempt: Attempt
+    lease: UUID = Field(description="the lease token delivered with the work by poll")
     version: Version = Field(description="model version that generated these tokens")
     tokens: list[TokenId]
     logprobs: list[LogProb]

@@ -4,6 +4,7 @@ report segments, deregister."""
 from __future__ import annotations
 
 from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
 from staleflow_db.enums import Role, SegmentKind
@@ -11,6 +12,7 @@ from staleflow_db.types import Report
 
 from ..auth import Principal
 from ..deps import IdempotencyKey, InstanceId, RunId, State, Wait, allow_run, long_poll
+from ..errors import error_body
 from ..models import (
     DeregisterOut, HeartbeatIn, HeartbeatOut, PollOut, RegisterIn, RegisterOut, ReportsIn, ReportsOut, errors,
 )
@@ -80,21 +82,41 @@ def _nonempty(out: PollOut) -> bool:
     return bool(out.work or out.commands)
 
 
-@router.post("/segments", response_model=ReportsOut, responses=errors(409, 413))
+@router.post("/instances/{instance_id}/segments", response_model=ReportsOut, responses=errors(409, 413))
 def report(
-    run_id: RunId, body: ReportsIn, state: State, key: IdempotencyKey = None, who: Principal = Rollout,
+    run_id: RunId, instance_id: InstanceId, body: ReportsIn, state: State, key: IdempotencyKey = None,
+    who: Principal = Rollout,
 ) -> ReportsOut:
-    """Report segments (finished, interrupted or partial), each fenced by the attempt it was
-    routed with. All or nothing: one stale attempt refuses the batch with 409 naming it."""
+    """Report segments (finished, interrupted or partial) of samples routed to this instance,
+    each quoting the attempt and lease token it was delivered with. All or nothing: 409 naming
+    the samples whose lease this instance does not hold (another instance's sample, a stale
+    attempt, a wrong token, a sample no longer running) or, for every sample, when the
+    instance itself is fenced (lease lapsed or expired: register again)."""
+    state.instance_in_run(run_id, instance_id)
     reports = [
-        Report(r.sample_id, r.attempt, r.version, r.tokens, r.logprobs, SegmentKind(r.kind), r.finish_reason)
+        Report(r.sample_id, r.attempt, r.version, r.tokens, r.logprobs, SegmentKind(r.kind), r.finish_reason,
+               instance_id=instance_id, lease=str(r.lease))
         for r in body.reports
     ]
 
     def call(_conn) -> ReportsOut:
         return ReportsOut(applied=state.protocol.report(run_id, reports))
 
-    out, replayed = state.protocol.once(scoped_key(key, f"run{run_id}"), "report", body, call, ReportsOut)
+    out, replayed = state.protocol.once(scoped_key(key, f"inst{instance_id}"), "report", body, call, ReportsOut)
     if not replayed and any(r.kind == SegmentKind.FINISHED for r in reports):
         state.notifier.publish(run_id, REWARDS)
     return out
+
+
+@router.post("/segments", status_code=410, response_model=None, deprecated=True, responses=errors(410))
+def report_moved(run_id: RunId, who: Principal = Rollout) -> JSONResponse:
+    """Gone: reports name their instance now (POST /v1/runs/{run_id}/instances/{instance_id}/segments,
+    each report quoting the lease token delivered with the work). Nothing is applied."""
+    return JSONResponse(
+        error_body(
+            "gone",
+            f"segments are reported at /v1/runs/{run_id}/instances/{{instance_id}}/segments, each report"
+            " quoting the lease token its work was delivered with; nothing was applied",
+        ),
+        status_code=410,
+    )
