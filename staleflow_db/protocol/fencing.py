@@ -1,0 +1,154 @@
+"""Fencing of instance-scoped operations: an instance is live only while active with an
+unexpired lease, and a segment report applies only from the instance holding the sample's
+route (its attempt and secret lease token)."""
+
+from __future__ import annotations
+
+import json
+from typing import Sequence
+
+from sqlalchemy import Connection, text
+
+from ..enums import SegmentKind
+from ..errors import Conflict, InvalidInput, NotFound, TooLarge
+from ..types import Report
+from .base import load_run, log_events
+
+
+def check_live(instance_id: int, state: str, live: bool) -> None:
+    """A fenced instance (not active, or its lease lapsed) is refused: it must register again."""
+    if state != "active":
+        raise Conflict([(instance_id, f"instance is {state}; register again")])
+    if not live:
+        raise Conflict([(instance_id, "instance lease expired; register again")])
+
+
+def report_in(conn: Connection, run_id: int, reports: Sequence[Report]) -> int:
+    run = load_run(conn, run_id, lock=False)
+    ids = [r.sample_id for r in reports]
+    if len(set(ids)) != len(ids):
+        raise InvalidInput("a sample appears twice in one report batch")
+    leases = {}
+    for r in reports:
+        r.check_shape()
+        if r.kind not in tuple(SegmentKind):
+            raise InvalidInput(f"sample {r.sample_id}: unknown kind {r.kind!r}")
+        leases[r.sample_id] = r.lease_uuid()
+    # The reporting instances first, FOR SHARE in id order (lock order instances -> samples, as
+    # route and expiry): each must be active with a live lease until this report commits.
+    fenced = {}
+    inst_ids = sorted({r.instance_id for r in reports})
+    found = conn.execute(
+        text(
+            "SELECT id, state, lease_expires_at > now() FROM instances"
+            " WHERE run_id = :run AND id = ANY(CAST(:ids AS bigint[])) ORDER BY id FOR SHARE"
+        ),
+        {"run": run_id, "ids": inst_ids},
+    ).all()
+    for iid, state, live in found:
+        try:
+            check_live(iid, state, live)
+        except Conflict as e:
+            fenced[iid] = e.items[0][1]
+    unknown = sorted(set(inst_ids) - {r[0] for r in found})
+    if unknown:
+        raise NotFound(f"instance {unknown[0]} in run {run_id}")
+    cols = "SELECT id, state, attempt, v_traj, last_version, n_tokens, n_segments, instance_id, lease FROM samples"
+    # Lock only the running rows: those are all a report can change. A stale report naming a
+    # sample that moved on (scoring, aborted ...) must not wait on its lock: with the run-locked
+    # record_rewards, which holds scoring rows and then locks their groups' members, that
+    # wait closed a deadlock cycle. The rest are read unlocked, only to refuse them.
+    rows = {
+        r[0]: r
+        for r in conn.execute(
+            text(
+                f"{cols} WHERE run_id = :run AND id = ANY(CAST(:ids AS bigint[])) AND state = 'running'"
+                " ORDER BY id FOR UPDATE"
+            ),
+            {"run": run_id, "ids": ids},
+        ).all()
+    }
+    missing = [i for i in ids if i not in rows]
+    if missing:
+        rows.update(
+            (r[0], r)
+            for r in conn.execute(
+                text(f"{cols} WHERE run_id = :run AND id = ANY(CAST(:ids AS bigint[]))"), {"run": run_id, "ids": missing}
+            ).all()
+        )
+    conflicts = []
+    for r in reports:
+        row = rows.get(r.sample_id)
+        if row is None:
+            raise NotFound(f"sample {r.sample_id} in run {run_id}")
+        _, state, attempt, v_traj, last, n_tokens, _, instance, lease = row
+        why = fenced.get(r.instance_id) or lease_lost(r, state, attempt, instance, lease, leases[r.sample_id])
+        if why:
+            conflicts.append((r.sample_id, why))
+            continue
+        floor = last if last is not None else v_traj
+        if not floor <= r.version <= run.version:
+            raise InvalidInput(f"sample {r.sample_id}: segment version {r.version} outside {floor}..{run.version}")
+        if n_tokens + len(r.tokens) > run.max_response_tokens:
+            raise TooLarge(f"sample {r.sample_id}: response over {run.max_response_tokens} tokens")
+    if conflicts:
+        raise Conflict(conflicts)
+    segs = [r for r in reports if r.tokens]
+    if segs:
+        payload = json.dumps(
+            [
+                {
+                    "s": r.sample_id, "q": rows[r.sample_id][6], "v": r.version, "i": r.instance_id,
+                    "a": r.attempt, "t": r.tokens, "l": r.logprobs, "f": r.finish_reason,
+                }
+                for r in segs
+            ]
+        )
+        conn.execute(
+            text(
+                "INSERT INTO segments (sample_id, seq, run_id, version, instance_id, attempt, token_ids, logprobs, finish_reason)"
+                " SELECT x.s, x.q, :run, x.v, x.i, x.a, x.t, x.l, x.f"
+                " FROM jsonb_to_recordset(CAST(:p AS jsonb)) AS x(s bigint, q int, v int, i bigint, a int, t int[], l real[], f text)"
+            ),
+            {"run": run_id, "p": payload},
+        )
+    state_of = {SegmentKind.FINISHED: "finished", SegmentKind.INTERRUPTED: "queued", SegmentKind.PARTIAL: "running"}
+    conn.execute(
+        text(
+            "UPDATE samples s SET n_tokens = s.n_tokens + u.n, n_segments = s.n_segments + (u.n > 0)::int,"
+            " last_version = CASE WHEN u.n > 0 THEN u.v ELSE s.last_version END,"
+            " state = CAST(u.st AS sample_state), instance_id = CASE WHEN u.st = 'running' THEN s.instance_id END,"
+            " finish_reason = coalesce(u.f, s.finish_reason), updated_at = now()"
+            " FROM unnest(CAST(:ids AS bigint[]), CAST(:ns AS int[]), CAST(:vs AS int[]), CAST(:sts AS text[]),"
+            "   CAST(:fs AS text[])) AS u(id, n, v, st, f)"
+            " WHERE s.id = u.id"
+        ),
+        {
+            "ids": ids,
+            "ns": [len(r.tokens) for r in reports],
+            "vs": [r.version for r in reports],
+            "sts": [state_of[SegmentKind(r.kind)] for r in reports],
+            "fs": [r.finish_reason for r in reports],
+        },
+    )
+    log_events(
+        conn,
+        run_id,
+        [
+            (f"sample_{SegmentKind(r.kind).value}", r.sample_id, None, None, r.instance_id, {"n": len(r.tokens), "v": r.version})
+            for r in reports
+            if r.kind != SegmentKind.PARTIAL
+        ],
+    )
+    return len(reports)
+
+
+def lease_lost(r: Report, state: str, attempt: int, instance: int | None, lease, quoted) -> str | None:
+    """Why a report does not hold the sample's lease (None when it does)."""
+    if state != "running":
+        return f"lease lost: sample is {state}"
+    if instance != r.instance_id:
+        return f"lease lost: sample is not routed to instance {r.instance_id}"
+    if attempt != r.attempt or lease != quoted:
+        return "lease lost: stale attempt or lease token"
+    return None
