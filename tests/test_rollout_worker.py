@@ -1,6 +1,7 @@
 """The rollout worker with the real torch engine, over real HTTP to a real API process:
 routed samples are generated and reported; an interrupted sample continues elsewhere and its
-tokens are exactly those of an uninterrupted run; a pull loads new weights."""
+tokens are exactly those of an uninterrupted run; a pull loads new weights; a worker whose
+lease lapsed registers again."""
 
 from __future__ import annotations
 
@@ -138,3 +139,27 @@ def test_checkpoints_and_finish_in_one_report_window_are_one_report(served):
     t.join(30)
     assert w.stats.lost == 0
     assert len(admin.claim(run, limit=100, wait=0)) == 4
+
+
+def test_a_worker_whose_lease_lapsed_registers_again_and_keeps_serving(served):
+    """A stalled worker's lease lapses; its next poll is refused (409) before any sweep, and the
+    worker starts over as a new instance instead of dying."""
+    server, admin, run = served
+    admin.enqueue(run, [("late", [1, 2, 3])])
+    w = RolloutWorker(server.client(token(server.db_url, "rollout", run)), run, _engine(), name="stalled",
+                      heartbeat_s=3600, idle_wait_s=0.1)  # only its polls can notice
+    t = _start(w)
+    first = w.instance_id
+    eng = make_engine(server.db_url)
+    try:
+        with eng.begin() as c:
+            c.execute(text("UPDATE instances SET lease_expires_at = now() - interval '1 s' WHERE id = :i"), {"i": first})
+    finally:
+        eng.dispose()
+    _wait(lambda: w.instance_id != first)
+    assert admin.expire_instances(run) == [first]
+    admin.route(run, [(q.sample_id, w.instance_id) for q in admin.snapshot(run).queued])
+    _wait(lambda: w.stats.finished == 2)
+    assert t.is_alive()
+    w.stop()
+    t.join(30)
