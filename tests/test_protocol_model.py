@@ -143,6 +143,7 @@ class ProtocolMachine(RuleBasedStateMachine):
     @rule(data=st.data(), kind=st.sampled_from([SegmentKind.FINISHED] * 4 + list(SegmentKind)), stale=st.integers(0, 5))
     def report(self, data, kind, stale):
         """stale 0: an old attempt; 1: another instance reports it; 2: a guessed lease token."""
+        self.seen[f"stale {stale}"] += 1
         running = self._samples(SampleState.RUNNING)
         picked = data.draw(st.lists(st.sampled_from(running), min_size=1, max_size=8, unique=True))
         reports = []
