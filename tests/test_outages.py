@@ -28,11 +28,11 @@ from staleflow_db.audit import summary
 from staleflow_db.db import make_engine
 from staleflow_db.protocol import Prompt, Protocol
 from staleflow_db.types import RunConfig
-from tests.api_helpers import REPO, ApiServer, token
+from tests.api_helpers import REPO, ApiServer, free_port, token
+from workers.client import StaleFlowClient, Unavailable, api_urls
 from workers.engines.sim_engine import encode_prompt
 from workers.launch import Cluster
 
-pytestmark = [pytest.mark.slow, pytest.mark.db]
 
 WAIT_S = 60.0
 OUTAGE_S = 3.0
@@ -57,6 +57,7 @@ def _log(path: Path) -> str:
     return path.read_text(errors="replace")
 
 
+@pytest.mark.slow
 def test_sim_run_rides_through_a_database_restart(embedded_pg, tmp_path):
     embedded_pg.start()
     url = embedded_pg.url()
@@ -125,6 +126,7 @@ def _spawn(args: list[str], log: Path, **env: str) -> subprocess.Popen:
                             stdout=open(log, "wb"), stderr=subprocess.STDOUT, start_new_session=True)
 
 
+@pytest.mark.slow
 def test_rollout_worker_fails_over_between_api_replicas(db_url, tmp_path):
     first, second = ApiServer(db_url), ApiServer(db_url)
     admin_token = token(db_url, "admin")
@@ -178,3 +180,20 @@ def test_rollout_worker_fails_over_between_api_replicas(db_url, tmp_path):
                 worker.wait()
         first.stop()
         second.stop()
+
+
+def test_api_urls_from_arguments_and_environment(monkeypatch):
+    monkeypatch.setenv("STALEFLOW_API_URL", " http://a:1/, http://b:2 ")
+    assert api_urls(None) == ["http://a:1", "http://b:2"]
+    assert api_urls(["http://c:3,http://d:4", "http://c:3"]) == ["http://c:3", "http://d:4"]
+    monkeypatch.setenv("STALEFLOW_API_URL", "")
+    assert api_urls(None) == ["http://127.0.0.1:8000"]
+
+
+def test_a_one_shot_client_gives_up_after_its_retry_window():
+    down = [f"http://127.0.0.1:{free_port()}", f"http://127.0.0.1:{free_port()}"]
+    client = StaleFlowClient(down, "sf_x", retry_for=0.3)
+    with pytest.raises(Unavailable) as err:
+        client.run_status(1)
+    assert err.value.code == "unreachable"
+    assert client.api.down  # and the outage is known to whoever watches the client
