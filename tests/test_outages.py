@@ -197,3 +197,15 @@ def test_a_one_shot_client_gives_up_after_its_retry_window():
         client.run_status(1)
     assert err.value.code == "unreachable"
     assert client.api.down  # and the outage is known to whoever watches the client
+
+
+def test_the_api_starts_without_its_database_and_says_so():
+    from tests.api_helpers import in_process
+
+    with in_process(f"postgresql://nobody@127.0.0.1:{free_port()}/none", connect_timeout=1) as http:
+        assert http.get("/healthz").status_code == 200
+        ready = http.get("/readyz")
+        assert ready.status_code == 503 and ready.json()["database"] is False
+        r = http.get("/v1/runs", headers={"Authorization": "Bearer sf_x"})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "database_unavailable"
+        assert "staleflow_database_outages_total 1.0" in http.get("/metrics").text
