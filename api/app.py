@@ -17,6 +17,7 @@ from staleflow_db.db import database_url, make_engine
 
 from . import errors
 from .auth import TokenCache
+from .database_watch import DatabaseWatch
 from .deps import AppState
 from .errors import error_body
 from .metrics import LatencyMiddleware, Metrics
@@ -34,6 +35,7 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
     url = database_url(settings.db)  # starts the embedded server when no URL is configured
     engine = make_engine(url, settings=settings.db, connect_args={"connect_timeout": settings.connect_timeout})
     metrics = Metrics(engine)
+    watch = DatabaseWatch(engine, metrics.registry)
     state = AppState(
         settings=settings,
         engine=engine,
@@ -48,10 +50,12 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         await state.notifier.start()
+        watcher = await watch.start()
         pruner = asyncio.create_task(_prune_idempotency(state)) if settings.idempotency_ttl > 0 else None
         try:
             yield
         finally:
+            watcher.cancel()
             if pruner is not None:
                 pruner.cancel()
             await state.notifier.stop()
@@ -65,6 +69,7 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
         lifespan=lifespan,
     )
     app.state.staleflow = state
+    app.state.database_watch = watch  # outage log and counter (errors.py, /readyz)
     errors.install(app, settings.retry_after)
     for module in (runs, rollout, training, coordinator, audit, health):
         app.include_router(module.router)

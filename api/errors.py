@@ -17,6 +17,7 @@ from sqlalchemy.exc import DBAPIError, IntegrityError, InterfaceError, Operation
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from staleflow_db.retry import is_db_unavailable
 from staleflow_db.errors import Conflict, InvalidInput, NotFound, ProtocolError, TooLarge
 
 log = logging.getLogger(__name__)
@@ -37,6 +38,15 @@ def _json(status: int, code: str, message: str, headers: dict[str, str] | None =
 
 def _location(loc: tuple) -> str:
     return ".".join(str(p) for p in loc if p != "body") or "body"
+
+
+def _outage(request: Request, exc: Exception) -> None:
+    """One log line per outage (the app's DatabaseWatch), not one per failed request."""
+    watch = getattr(request.app.state, "database_watch", None)
+    if watch is not None:
+        watch.failed(exc)
+    else:
+        log.warning("database unavailable: %s", str(getattr(exc, "orig", None) or exc).splitlines()[0])
 
 
 def install(app: FastAPI, retry_after: int) -> None:
@@ -70,10 +80,10 @@ def install(app: FastAPI, retry_after: int) -> None:
         return _json(400, exc.code, str(exc))
 
     @app.exception_handler(DBAPIError)
-    async def database(_: Request, exc: DBAPIError) -> JSONResponse:
+    async def database(request: Request, exc: DBAPIError) -> JSONResponse:
         sqlstate = getattr(exc.orig, "sqlstate", None) or ""
         if isinstance(exc, (OperationalError, InterfaceError)) or exc.connection_invalidated:
-            log.warning("database unavailable: %s", str(exc.orig).splitlines()[0] if exc.orig else exc)
+            _outage(request, exc)
             return _json(503, "database_unavailable", "the database is unavailable; retry later", unavailable)
         if sqlstate.startswith("22"):  # data exception: a value the database refuses
             return _json(422, "invalid_input", str(exc.orig).splitlines()[0])
@@ -83,10 +93,14 @@ def install(app: FastAPI, retry_after: int) -> None:
         return _json(500, "internal", "internal database error")
 
     @app.exception_handler(PoolTimeout)
-    async def pool_timeout(_: Request, exc: PoolTimeout) -> JSONResponse:
+    async def pool_timeout(request: Request, exc: PoolTimeout) -> JSONResponse:
+        _outage(request, exc)
         return _json(503, "database_unavailable", "no database connection free; retry later", unavailable)
 
     @app.exception_handler(Exception)
-    async def internal(_: Request, exc: Exception) -> JSONResponse:
+    async def internal(request: Request, exc: Exception) -> JSONResponse:
+        if is_db_unavailable(exc):  # e.g. SQLAlchemy's DisconnectionError while a pool is invalidated
+            _outage(request, exc)
+            return _json(503, "database_unavailable", "the database is unavailable; retry later", unavailable)
         log.exception("unhandled error")
         return _json(500, "internal", "internal server error")

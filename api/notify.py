@@ -17,6 +17,10 @@ from collections import defaultdict
 
 import psycopg
 from sqlalchemy import Engine, text
+from tenacity import AsyncRetrying, retry_if_exception_type
+from tenacity.wait import wait_exponential_jitter
+
+from staleflow_db.retry import MAX_BACKOFF_S, Outage
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +43,7 @@ class Notifier:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: list[asyncio.Task] = []
         self.listening = False  # the LISTEN connection is up (for /readyz and tests)
+        self.connection = Outage("the LISTEN connection", log)  # one log line per loss, one when back
 
     # ---- waiting (event-loop thread only) ---------------------------------------------------
 
@@ -117,14 +122,29 @@ class Notifier:
             conn.commit()
 
     async def _listener(self) -> None:
-        backoff = 0.2
+        """Keep one LISTEN connection up. A lost one is reconnected with capped backoff (a
+        fresh backoff per loss); meanwhile long-polls fall back to their polling timer."""
         while True:
+            conn: psycopg.AsyncConnection | None = None
             try:
-                async with await psycopg.AsyncConnection.connect(
-                    self.url, autocommit=True, connect_timeout=5, application_name="staleflow-api-listen",
-                ) as conn:
-                    await conn.execute(f"LISTEN {CHANNEL}")
-                    self.listening, backoff = True, 0.2
+                async for attempt in AsyncRetrying(
+                    retry=retry_if_exception_type(Exception),
+                    wait=wait_exponential_jitter(multiplier=0.1, max=MAX_BACKOFF_S, jitter=0.1),
+                    before_sleep=self.connection.before_sleep,
+                ):
+                    with attempt:
+                        conn = await psycopg.AsyncConnection.connect(
+                            self.url, autocommit=True, connect_timeout=5, application_name="staleflow-api-listen",
+                        )
+                        try:
+                            await conn.execute(f"LISTEN {CHANNEL}")
+                        except BaseException:
+                            await conn.close()
+                            raise
+                assert conn is not None
+                async with conn:
+                    self.listening = True
+                    self.connection.ok()
                     self._wake_all()  # anything may have happened while we were not listening
                     while True:
                         async for n in conn.notifies(timeout=10.0):
@@ -133,11 +153,8 @@ class Notifier:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
-                if self.listening:
-                    log.warning("LISTEN connection lost (%s); long-polls fall back to polling", exc)
                 self.listening = False
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 5.0)
+                self.connection.failed(exc)  # long-polls fall back to polling meanwhile
 
     def _received(self, payload: str) -> None:
         try:

@@ -10,6 +10,9 @@ from sqlalchemy.engine import make_url
 from staleflow_db.settings import Settings, get_settings, to_libpq_url, to_sqlalchemy_url
 
 
+CONNECT_TIMEOUT_S = 5
+
+
 def database_url(settings: Settings | None = None) -> str:
     """libpq URL of the StaleFlow database.
 
@@ -50,8 +53,14 @@ def make_engine(url: str | None = None, *, settings: Settings | None = None,
     """
     settings = settings or get_settings()
     url = to_sqlalchemy_url(url or database_url(settings))
-    connect_args = {"options": session_options(settings), "application_name": "staleflow"}
+    # A connect timeout, so a database that is down (or a host that drops packets) is a prompt
+    # error the caller can retry, not a process hung in connect().
+    connect_args: dict[str, Any] = {"options": session_options(settings), "application_name": "staleflow",
+                                    "connect_timeout": CONNECT_TIMEOUT_S}
     connect_args.update(kw.pop("connect_args", {}))
+    # Pre-ping: after a database restart every pooled connection is dead; the first checkout
+    # notices, and SQLAlchemy then invalidates the whole pool, so one failed ping (not one per
+    # stale connection) is the price of an outage.
     opts: dict[str, Any] = {"pool_pre_ping": True}
     if "poolclass" not in kw:  # sizes are only valid for the default QueuePool
         opts.update(pool_size=settings.pool_size, max_overflow=settings.max_overflow)

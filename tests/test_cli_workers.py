@@ -101,9 +101,10 @@ def test_nccl_without_gpus_is_refused():
     _refused(invoke("ps", "--data-dir", "x", "--backend", "nccl"), "nccl needs CUDA GPUs")
 
 
-def test_unreachable_api_is_refused():
-    _refused(invoke("reward-worker", "--run", "1", "--verifier", "repeat", "--api", f"http://127.0.0.1:{free_port()}"),
-             "cannot reach the StaleFlow API")
+def test_unreachable_api_is_refused_when_not_waiting():
+    # Without --api-wait a worker waits for the API for ever (tests/test_outages.py).
+    _refused(invoke("reward-worker", "--run", "1", "--verifier", "repeat", "--api", f"http://127.0.0.1:{free_port()}",
+                    "--api-wait", "0"), "cannot reach the StaleFlow API")
 
 
 @pytest.fixture

@@ -12,6 +12,7 @@ from staleflow_db.audit import find_run
 from staleflow_db.db import make_engine
 from staleflow_db.errors import NotFound
 from staleflow_db.protocol import Protocol
+from staleflow_db.retry import Outage, is_db_unavailable, retrying
 from workers.coordinator.cost_model import get_cost_model
 from workers.coordinator.policies import POLICY_NAMES, TUNABLE, get_policy
 from workers.coordinator.service import Coordinator
@@ -51,10 +52,22 @@ def coordinator(
         raise typer.BadParameter(str(e), param_hint="--model") from None
     chosen = get_policy(policy, **_overrides(set_))
     engine = make_engine()
+    stopping: list[int] = []
+    signal.signal(signal.SIGTERM, lambda *_: stopping.append(1))
+    # Started while the database is down: wait for it (one line now, one when it is back).
+    waiting = Outage("the database", log)
     try:
-        run_id = find_run(engine, run)
+        for attempt in retrying(waiting, stopping=lambda: bool(stopping)):
+            with attempt:
+                run_id = find_run(engine, run)
+        waiting.ok()
     except NotFound as e:
         raise typer.BadParameter(str(e), param_hint="--run") from None
+    except Exception as e:
+        if stopping and is_db_unavailable(e):
+            log.info("stopped while waiting for the database")
+            return
+        raise
     service = Coordinator(Protocol(engine), run_id, chosen, cost, lease_s=lease, period_s=period)
     signal.signal(signal.SIGTERM, lambda *_: service.stop())
     started = time.monotonic()
@@ -67,9 +80,10 @@ def coordinator(
             s = service.stats
             ms = sorted(s.cycle_ms[-200:]) or [0.0]
             log.info(
-                "%s epoch %s: %d cycles, routed %d (refused %d), pulls %d, interrupts %d; cycle p50 %.1f ms",
+                "%s epoch %s: %d cycles, routed %d (refused %d), pulls %d, interrupts %d; cycle p50 %.1f ms;"
+                " database outages %d",
                 "leader" if service.epoch else "standby", service.epoch, s.cycles, s.routed, s.refused,
-                s.pulled, s.interrupted, ms[len(ms) // 2],
+                s.pulled, s.interrupted, ms[len(ms) // 2], s.outages,
             )
         return duration is not None and now - started >= duration
 

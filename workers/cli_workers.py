@@ -3,7 +3,9 @@
 
 Every command reaches the API with ``--api`` (or STALEFLOW_API_URL, else the client's
 default, the address ``staleflow serve`` listens on) and ``--token`` (or STALEFLOW_TOKEN,
-else the local token file ``staleflow serve`` writes). Torch is imported only by the
+else the local token file ``staleflow serve`` writes). Several replicas: repeat ``--api`` or
+separate URLs by commas; the client fails over between them. The commands are long-running:
+an API (or database) outage is waited out, at start-up too (``--api-wait`` bounds that). Torch is imported only by the
 commands that need it, so ``--help``, the reward worker and the sim trainer start fast.
 
 The torch trainer and torch rollout workers must build the same model: both take
@@ -33,13 +35,16 @@ from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-from workers.client import ApiError, Forbidden, NotFound, StaleFlowClient, Unauthorized
+from workers.client import ApiError, Forbidden, NotFound, StaleFlowClient, Unauthorized, Unavailable
 
 console = Console(stderr=True)
 
 RUN = typer.Option(..., "--run", help="run id or name")
-API = typer.Option(None, "--api", envvar="STALEFLOW_API_URL", show_envvar=True,
-                   help="API base URL (default: the client's, where `staleflow serve` listens)")
+API = typer.Option(None, "--api", "--api-url", envvar="STALEFLOW_API_URL", show_envvar=True,
+                   help="API base URL (default: the client's, where `staleflow serve` listens); several "
+                        "replicas: repeat the option or separate URLs by commas, the worker fails over")
+API_WAIT = typer.Option(None, "--api-wait", min=0.0,
+                        help="seconds to wait for an unreachable API at start-up (default: for ever)")
 TOKEN = typer.Option(None, "--token", envvar="STALEFLOW_TOKEN", show_envvar=True,
                      help="bearer token (default: the local token file `staleflow serve` writes)")
 MODEL_CONFIG = typer.Option(None, "--model-config",
@@ -61,16 +66,25 @@ class Backend(str, enum.Enum):
 
 # ---- shared helpers ---------------------------------------------------------------------------
 
-def connect(api: str | None, token: str | None, run: str) -> tuple[StaleFlowClient, int]:
-    """A client and the run id, failing fast with a clear message (the client itself
-    retries unreachable servers for a minute, which is right later, not at start-up)."""
-    client = StaleFlowClient(api or None, token or None)  # empty env vars mean "not set"
-    url = str(client.http.base_url)
+def connect(api: list[str] | None, token: str | None, run: str, wait_s: float | None = None
+            ) -> tuple[StaleFlowClient, int]:
+    """A client and the run id. The client retries outages for ever (a worker rides through
+    them); at start-up an unreachable API is waited for (`wait_s` seconds, None: for ever),
+    while refusals (token, run) fail at once with a clear message."""
+    client = StaleFlowClient(api or None, token or None, retry_for=None)  # empty env vars mean "not set"
+    urls = ", ".join(client.urls)
     try:
-        client.healthz()
-    except httpx.TransportError:
-        raise typer.BadParameter(f"cannot reach the StaleFlow API at {url} (is `staleflow serve` running?)",
-                                 param_hint="--api") from None
+        client.request("GET", "/healthz", retry_for=0)
+    except Unavailable:
+        console.print(escape(f"waiting for the StaleFlow API at {urls} "
+                             f"({'for ever' if wait_s is None else f'up to {wait_s:g}s'}) ..."))
+        try:
+            client.request("GET", "/healthz", retry_for=wait_s)
+        except Unavailable:
+            raise typer.BadParameter(f"cannot reach the StaleFlow API at {urls} (is `staleflow serve` running?)",
+                                     param_hint="--api") from None
+        console.print(escape(f"the StaleFlow API at {client.url} answers"))
+    url = client.url
     if not client.token:
         raise typer.BadParameter("no token: pass --token, set STALEFLOW_TOKEN, or run `staleflow serve` "
                                  "locally (it writes one)", param_hint="--token")
@@ -152,8 +166,9 @@ def _fail(message: str) -> typer.Exit:
 
 def trainer(
     run: str = RUN,
-    api: Optional[str] = API,
+    api: Optional[list[str]] = API,
     token: Optional[str] = TOKEN,
+    api_wait: Optional[float] = API_WAIT,
     ps: Optional[str] = typer.Option(None, "--ps", help="HOST:PORT of the parameter server (no push without)"),
     checkpoint_dir: Optional[Path] = typer.Option(
         None, "--checkpoint-dir", help="resume state (default: $STALEFLOW_HOME/trainer/run-ID)"),
@@ -181,7 +196,7 @@ def trainer(
 
     cfg = None if sim else model_config(model_config_)
     ps_addr = ps_client(ps) if not sim else None
-    client, run_id = connect(api, token, run)
+    client, run_id = connect(api, token, run, api_wait)
     if sim:
         worker: Any = sim_trainer.SimTrainer(
             client, run_id, time_scale=time_scale, wait_s=wait,
@@ -252,8 +267,9 @@ def ps(
 def rollout_worker(
     run: str = RUN,
     engine: Engine = typer.Option(..., "--engine", help="torch (tiny model, CPU/GPU), sim (cost model) or vllm"),
-    api: Optional[str] = API,
+    api: Optional[list[str]] = API,
     token: Optional[str] = TOKEN,
+    api_wait: Optional[float] = API_WAIT,
     ps: Optional[str] = typer.Option(None, "--ps", help="HOST:PORT of the PS to pull weights from"),
     name: Optional[str] = typer.Option(None, "--name", help="instance label (default: host-pid)"),
     kv_capacity: Optional[int] = typer.Option(None, "--kv-capacity", min=16,
@@ -281,7 +297,7 @@ def rollout_worker(
         raise typer.BadParameter("--engine vllm needs --vllm-model", param_hint="--vllm-model")
     cost = _cost_model(sim_model, sim_parallelism) if engine is Engine.sim else None
     pc = ps_client(ps)
-    client, run_id = connect(api, token, run)
+    client, run_id = connect(api, token, run, api_wait)
     if engine is Engine.sim:
         eng, weights = _sim_engine(client, run_id, kv_capacity, max_running, cost, time_scale)
     else:
@@ -298,7 +314,8 @@ def rollout_worker(
                 s = worker.stats
                 bar.update(task, description=(
                     f"rollout {worker.instance_id} v{eng.version}: routed {s.routed} finished {s.finished} "
-                    f"interrupted {s.interrupted} tokens {s.tokens} pulls {s.pulls}"))
+                    f"interrupted {s.interrupted} tokens {s.tokens} pulls {s.pulls}"
+                    f"{' (API unavailable)' if client.api.down else ''}"))
                 last[0] = time.monotonic()
             return False
 
@@ -391,8 +408,9 @@ def _pull(pc, target: int | None):
 def reward_worker(
     run: str = RUN,
     verifier: str = typer.Option(..., "--verifier", help="a verifier of workers/tasks/verifiers.py: repeat, math, ..."),
-    api: Optional[str] = API,
+    api: Optional[list[str]] = API,
     token: Optional[str] = TOKEN,
+    api_wait: Optional[float] = API_WAIT,
     batch: int = typer.Option(256, "--batch", min=1, help="samples claimed per request"),
     lease: float = typer.Option(60.0, "--lease", min=1.0, help="seconds a claim is held"),
 ) -> None:
@@ -403,7 +421,7 @@ def reward_worker(
     if verifier not in VERIFIERS:
         raise typer.BadParameter(f"unknown verifier {verifier!r} (known: {', '.join(sorted(VERIFIERS))})",
                                  param_hint="--verifier")
-    client, run_id = connect(api, token, run)
+    client, run_id = connect(api, token, run, api_wait)
     worker = RewardWorker(client, run_id, verifier, batch=batch, lease_s=lease)
     on_signals(worker.stop, "posting the rewards in hand")
     with progress(None, f"reward run {run_id}: waiting for samples") as (bar, task):

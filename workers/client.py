@@ -1,8 +1,14 @@
 """Typed client of the StaleFlow REST API, used by every worker.
 
 - One method per endpoint; requests and responses are the API's own pydantic models.
-- Retries with exponential backoff and jitter on connection errors and 502/503/504 (the
-  database is down, a replica restarts), for up to `retry_for` seconds.
+- Retries with capped exponential backoff and jitter on connection errors and 502/503/504
+  (the database is down, a replica restarts), for up to `retry_for` seconds, or forever with
+  `retry_for=None` (what long-running workers use). One log line when the API becomes
+  unavailable and one when it is back; `client.api` (an Outage) holds the state.
+  Other statuses (4xx, a fenced 409) are raised at once as ApiError subclasses.
+- Several API replicas: `base_url` may be a list or a comma-separated string (so may
+  STALEFLOW_API_URL). Each attempt tries every replica, starting with the one that answered
+  last, so a dead replica costs one connection error, not a backoff.
 - Every write that is not idempotent by itself gets one request id (Idempotency-Key) per
   logical call, reused on each retry, so a retried call returns the stored outcome.
 - Long-polls (`poll`, `claim`, `consume`) set the read timeout above the server's wait.
@@ -16,8 +22,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import random
-import time
 import uuid
 from pathlib import Path
 from typing import Any, Iterable, Sequence, TypeVar
@@ -26,11 +30,13 @@ import httpx
 from pydantic import BaseModel
 
 from api import models as m
+from staleflow_db.retry import Outage, retrying
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T", bound=BaseModel)
 RETRY_STATUSES = {502, 503, 504}
+DEFAULT_URL = "http://127.0.0.1:8000"
 
 
 class ApiError(Exception):
@@ -64,6 +70,33 @@ def default_token() -> str | None:
     return path.read_text().strip() if path.is_file() else None
 
 
+def api_urls(base_url: str | Sequence[str] | None = None) -> list[str]:
+    """The API replicas to use: `base_url` (a list, or comma-separated), else
+    STALEFLOW_API_URL (comma-separated), else the local default. Blanks and repeats dropped."""
+    if base_url is None or base_url == "" or base_url == []:
+        base_url = os.environ.get("STALEFLOW_API_URL", "")
+    parts = [base_url] if isinstance(base_url, str) else list(base_url)
+    urls: list[str] = []
+    for part in parts:
+        for url in str(part).split(","):
+            url = url.strip().rstrip("/")
+            if url and url not in urls:
+                urls.append(url)
+    return urls or [DEFAULT_URL]
+
+
+class _RetryableStatus(Exception):
+    """A 502/503/504 answer, to be retried (at another replica first)."""
+
+    def __init__(self, response: httpx.Response):
+        super().__init__(f"{response.status_code} from {response.request.url.host}:{response.request.url.port}")
+        self.response = response
+
+
+def _retryable(exc: BaseException) -> bool:
+    return isinstance(exc, (httpx.TransportError, _RetryableStatus))
+
+
 def _as(model: type[T], item: Any) -> T:
     """Accept the model itself, a dict, a dataclass (e.g. staleflow_db.types.Report) or a tuple
     in field order."""
@@ -79,27 +112,40 @@ def _as(model: type[T], item: Any) -> T:
 class StaleFlowClient:
     def __init__(
         self,
-        base_url: str | None = None,
+        base_url: str | Sequence[str] | None = None,
         token: str | None = None,
         *,
         timeout: float = 30.0,
-        retry_for: float = 60.0,
+        retry_for: float | None = 60.0,
         backoff: float = 0.05,
-        max_backoff: float = 2.0,
+        max_backoff: float = 1.0,
         http: httpx.Client | None = None,
     ):
         self.token = token if token is not None else default_token()
         self.timeout, self.retry_for, self.backoff, self.max_backoff = timeout, retry_for, backoff, max_backoff
         headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
         if http is not None:  # e.g. starlette's TestClient for an in-process app
-            self.http = http
-            self.http.headers.update(headers)
+            http.headers.update(headers)
+            self.replicas = [http]
         else:
-            url = base_url or os.environ.get("STALEFLOW_API_URL", "").strip() or "http://127.0.0.1:8000"
-            self.http = httpx.Client(base_url=url, headers=headers, timeout=timeout)
+            self.replicas = [httpx.Client(base_url=u, headers=headers, timeout=timeout) for u in api_urls(base_url)]
+        self.urls = [str(h.base_url).rstrip("/") for h in self.replicas]
+        self._current = 0  # the replica that answered last
+        self.api = Outage(f"the StaleFlow API ({', '.join(self.urls)})", log)
+
+    @property
+    def http(self) -> httpx.Client:
+        """The replica in use."""
+        return self.replicas[self._current]
+
+    @property
+    def url(self) -> str:
+        """The base URL of the replica in use."""
+        return self.urls[self._current]
 
     def close(self) -> None:
-        self.http.close()
+        for h in self.replicas:
+            h.close()
 
     def __enter__(self) -> StaleFlowClient:
         return self
@@ -118,33 +164,52 @@ class StaleFlowClient:
         params: dict[str, Any] | None = None,
         key: bool = False,
         wait: float | None = None,
+        retry_for: float | None | bool = True,
     ) -> httpx.Response:
         """One logical call: retried on connection errors and 502/503/504 with the same
-        request id; raises ApiError for any other error status."""
+        request id (for `retry_for` seconds; True means the client's setting, None forever);
+        raises ApiError for any other error status, Unavailable when retries ran out."""
         headers = {"Idempotency-Key": uuid.uuid4().hex} if key else {}
         timeout = httpx.Timeout(self.timeout + (wait or 0.0), connect=min(self.timeout, 10.0))
         content = body.model_dump_json(exclude_none=True).encode() if body is not None else None
         if content is not None:
             headers["Content-Type"] = "application/json"
-        deadline = time.monotonic() + self.retry_for
-        delay = self.backoff
-        while True:
+        kw = dict(content=content, params=params, headers=headers, timeout=timeout)
+        try:
+            for attempt in retrying(self.api, _retryable, retry_for=self.retry_for if retry_for is True else retry_for,
+                                    initial=self.backoff, cap=self.max_backoff):
+                with attempt:
+                    r = self._attempt(method, path, kw)
+        except httpx.TransportError as exc:
+            raise Unavailable(0, "unreachable", f"{method} {path}: {exc!r}") from exc
+        except _RetryableStatus as exc:
+            raise self._error(exc.response, Unavailable) from None
+        self.api.ok()
+        if r.status_code >= 400:
+            raise self._error(r)
+        return r
+
+    def _attempt(self, method: str, path: str, kw: dict[str, Any]) -> httpx.Response:
+        """Try each replica once, the current one first; the first real answer wins (an error
+        status that is not an outage is an answer)."""
+        failure: Exception | None = None
+        for i in range(len(self.replicas)):
+            idx = (self._current + i) % len(self.replicas)
             try:
-                r = self.http.request(method, path, content=content, params=params, headers=headers, timeout=timeout)
+                r = self.replicas[idx].request(method, path, **kw)
             except httpx.TransportError as exc:
-                if time.monotonic() + delay > deadline:
-                    raise Unavailable(0, "unreachable", f"{method} {path}: {exc!r}") from exc
-                log.debug("%s %s: %r; retrying in %.2fs", method, path, exc, delay)
-            else:
-                if r.status_code not in RETRY_STATUSES:
-                    if r.status_code >= 400:
-                        raise self._error(r)
-                    return r
-                if time.monotonic() + delay > deadline:
-                    raise self._error(r, Unavailable)
-                log.debug("%s %s: %s; retrying in %.2fs", method, path, r.status_code, delay)
-            time.sleep(delay * random.uniform(0.5, 1.0))
-            delay = min(delay * 2, self.max_backoff)
+                failure = exc
+                log.debug("%s %s at %s: %r", method, path, self.urls[idx], exc)
+                continue
+            if r.status_code in RETRY_STATUSES:
+                failure = _RetryableStatus(r)
+                continue
+            if idx != self._current:
+                log.warning("API at %s unavailable (%s); using %s", self.urls[self._current], failure, self.urls[idx])
+                self._current = idx
+            return r
+        assert failure is not None
+        raise failure
 
     @staticmethod
     def _error(r: httpx.Response, cls: type[ApiError] | None = None) -> ApiError:

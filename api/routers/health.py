@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel
@@ -32,15 +32,22 @@ def healthz() -> Health:
 
 
 @router.get("/readyz", response_model=Ready, responses={503: {"model": Ready}})
-def readyz(state: State) -> JSONResponse:
-    """Ready to serve: the database answers and its schema is at the newest migration."""
+def readyz(state: State, request: Request) -> JSONResponse:
+    """Ready to serve: the database answers and its schema is at the newest migration (503
+    while the database is down; ready again by itself once it is back)."""
     expected = state.schema_head
+    watch = getattr(request.app.state, "database_watch", None)
     try:
         with state.engine.connect() as c:
             rev = c.execute(text("SELECT version_num FROM alembic_version")).scalar()
         reachable = True
-    except Exception:
+    except Exception as exc:
         rev, reachable = None, False
+        if watch is not None:
+            watch.failed(exc)
+    else:
+        if watch is not None:
+            watch.ok()
     ok = reachable and rev == expected
     body = Ready(
         status="ready" if ok else ("database unavailable" if not reachable else "schema not current"),

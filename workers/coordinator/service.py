@@ -5,6 +5,10 @@ the speculative state, one write transaction for the commands (fenced by the lea
 epoch). One active coordinator per run by an expiring lease row; a standby polls the lease
 and takes over when the leader stops renewing it. The speculative state is rebuilt from the
 database whenever leadership is (re)gained, so a restart loses nothing.
+
+A database outage stops nothing: the cycle is retried with capped backoff until the database
+is back (one log line when it goes, one when it returns), and leadership and the speculative
+state are then re-established from the database, exactly as after a restart.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from typing import Callable
 
 from staleflow_db.errors import Conflict
 from staleflow_db.protocol import Protocol, Snapshot
+from staleflow_db.retry import Outage, is_db_unavailable, retrying
 from staleflow_db.rules import BufferCounts, Limits
 
 from .cost_model import CostModel
@@ -37,6 +42,7 @@ class CycleStats:
     pulled: int = 0
     expired: int = 0
     aborted_after_ready: int = 0
+    outages: int = 0  # database outages ridden through
     cycle_ms: list[float] = field(default_factory=list)  # wall time of each leader cycle
 
 
@@ -86,6 +92,7 @@ class Coordinator:
         self.epoch: int | None = None
         self.spec = SpeculativeState(tolerance=tolerance_s)
         self.stats = CycleStats()
+        self.database = Outage("the database", log)
         self._stop = False
 
     def stop(self) -> None:
@@ -95,16 +102,40 @@ class Coordinator:
         try:
             while not self._stop and not (until and until()):
                 started = time.monotonic()
-                if self.lead():
-                    self.cycle()
+                if self._lead_and_cycle():
                     self.stats.cycle_ms.append((time.monotonic() - started) * 1000)
                     time.sleep(max(0.0, self.period_s - (time.monotonic() - started)))
-                else:
+                elif not self._stop:
                     time.sleep(self.lease_s / 3)  # standby: try again well inside a lease
         finally:
             if self.epoch is not None:
-                self.protocol.release_leadership(self.run_id, self.holder)
+                try:
+                    self.protocol.release_leadership(self.run_id, self.holder)
+                except Exception as exc:  # database down: the lease lapses by itself
+                    log.warning("could not release leadership of run %s: %s", self.run_id, exc)
         return self.stats
+
+    def _lead_and_cycle(self) -> bool:
+        """One leader cycle (or a standby's lease check), retried through database outages.
+        Returns whether we led."""
+        try:
+            for attempt in retrying(self.database, stopping=lambda: self._stop, before_sleep=self._on_outage):
+                with attempt:
+                    led = self.lead()
+                    if led:
+                        self.cycle()
+        except Exception as exc:
+            if self._stop and is_db_unavailable(exc):
+                return False  # asked to stop while the database was down
+            raise
+        self.database.ok()
+        self.stats.outages = self.database.count
+        return led
+
+    def _on_outage(self, _state: object) -> None:
+        # What we knew may be stale by the time the database is back (another coordinator
+        # may have led meanwhile): forget the epoch, so the next lead() rebuilds the state.
+        self.epoch = None
 
     def lead(self) -> bool:
         """Renew (or take) the lease; a new epoch means our view must be rebuilt from scratch."""
