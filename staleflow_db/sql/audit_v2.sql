@@ -26,25 +26,27 @@ UNION ALL
 SELECT s.run_id, 'bound', 'sample ' || s.id,
        format('V_traj %s in buffer %s (%s group %s) with eta %s', s.v_traj, g.buffer, g.state, g.id, r.eta)
 FROM samples s
-JOIN prompt_groups g ON g.id = s.group_id AND g.state IN ('occupied', 'consumed')
+JOIN prompt_groups g ON g.id = s.group_id AND g.run_id = s.run_id AND g.state IN ('occupied', 'consumed')
 JOIN runs r ON r.id = s.run_id
 WHERE s.state = 'rewarded' AND (s.v_traj IS NULL OR NOT (g.buffer BETWEEN s.v_traj AND s.v_traj + r.eta))
 
 -- group_version: a placed group's version is min(V_traj) of its trained members;
 -- trained_members: a placed group has exactly N trained (rewarded) members
 UNION ALL
-SELECT g.run_id, k.invariant, 'group ' || g.id, k.detail
+SELECT g.run_id, k.invariant, 'group ' || g.id,
+       CASE k.invariant
+           WHEN 'group_version' THEN format('recorded version %s, min V_traj of its trained members %s', g.group_version, m.v)
+           ELSE format('%s group with %s trained members, N = %s', g.state, coalesce(m.n, 0), r.group_size)
+       END
 FROM prompt_groups g
 JOIN runs r ON r.id = g.run_id
 LEFT JOIN (SELECT run_id, group_id, count(*) AS n, min(v_traj) AS v
            FROM samples WHERE state = 'rewarded' GROUP BY run_id, group_id) m
        ON m.run_id = g.run_id AND m.group_id = g.id
 CROSS JOIN LATERAL (VALUES
-    ('group_version', m.n > 0 AND g.group_version IS DISTINCT FROM m.v,
-     format('recorded version %s, min V_traj of its trained members %s', g.group_version, m.v)),
-    ('trained_members', coalesce(m.n, 0) <> r.group_size,
-     format('%s %s with %s trained members, N = %s', g.state, 'group', coalesce(m.n, 0), r.group_size))
-) AS k(invariant, broken, detail)
+    ('group_version', m.n > 0 AND g.group_version IS DISTINCT FROM m.v),
+    ('trained_members', coalesce(m.n, 0) <> r.group_size)
+) AS k(invariant, broken)
 WHERE g.state IN ('occupied', 'consumed') AND k.broken
 
 -- capacity: per buffer, the counters agree with the entries (groups naming the buffer),
@@ -87,7 +89,7 @@ SELECT s.run_id, 'reservation_window', 'sample ' || s.id,
        format('V_traj %s (%s) but its group %s is reserved in buffer %s with eta %s',
               s.v_traj, s.state, g.id, g.reserved_buffer, r.eta)
 FROM samples s
-JOIN prompt_groups g ON g.id = s.group_id AND g.state = 'reserved'
+JOIN prompt_groups g ON g.id = s.group_id AND g.run_id = s.run_id AND g.state = 'reserved'
 JOIN runs r ON r.id = s.run_id
 WHERE (s.state IN ('running', 'finished', 'scoring', 'rewarded') OR (s.state = 'queued' AND s.n_tokens > 0))
   AND (s.v_traj IS NULL OR g.reserved_buffer > s.v_traj + r.eta)
@@ -161,29 +163,36 @@ WHERE b.idx < 0 OR b.idx > r.version + r.eta
 -- run's version, and never exceed the step that trains (or will train) the sample;
 -- tokens: a sample's tokens are the concatenation of its segments 0..k-1 (counts agree)
 UNION ALL
-SELECT s.run_id, k.invariant, 'sample ' || s.id, k.detail
+SELECT s.run_id, k.invariant, 'sample ' || s.id,
+       CASE k.invariant
+           -- the version sequence is read (by primary key) only for the rows reported
+           WHEN 'segment_version' THEN format('segment versions %s, V_traj %s, run version %s, trained at step %s',
+                                              (SELECT array_agg(z.version ORDER BY z.seq) FROM segments z WHERE z.sample_id = s.id),
+                                              s.v_traj, r.version, coalesce(g.buffer::text, '-'))
+           ELSE format('n_tokens %s but segments hold %s tokens in %s segments (seq %s..%s)',
+                       s.n_tokens, coalesce(x.n_tokens, 0), coalesce(x.n, 0), x.first_seq, x.last_seq)
+       END
 FROM samples s
 JOIN runs r ON r.id = s.run_id
-LEFT JOIN prompt_groups g ON g.id = s.group_id AND g.state IN ('occupied', 'consumed') AND s.state = 'rewarded'
-LEFT JOIN (
-    SELECT run_id, sample_id, count(*) AS n, min(seq) AS first_seq, max(seq) AS last_seq,
-           sum(n_tokens) AS n_tokens, array_agg(version ORDER BY seq) AS versions,
-           min(version) AS lo, max(version) AS hi, bool_or(version < prev) AS decreases
-    FROM (SELECT run_id, sample_id, seq, version, cardinality(token_ids) AS n_tokens,
+LEFT JOIN prompt_groups g ON g.id = s.group_id AND g.run_id = s.run_id AND g.state IN ('occupied', 'consumed') AND s.state = 'rewarded'
+LEFT JOIN (  -- narrow rows (no token data) in seq order: versions, and whether any step goes down
+    SELECT run_id, sample_id, min(version) AS lo, max(version) AS hi, bool_or(version < prev) AS decreases
+    FROM (SELECT run_id, sample_id, seq, version,
                  lag(version) OVER (PARTITION BY run_id, sample_id ORDER BY seq) AS prev
           FROM segments) w
     GROUP BY run_id, sample_id
+) v ON v.run_id = s.run_id AND v.sample_id = s.id
+LEFT JOIN (  -- token counts
+    SELECT run_id, sample_id, count(*) AS n, min(seq) AS first_seq, max(seq) AS last_seq,
+           sum(cardinality(token_ids)) AS n_tokens
+    FROM segments GROUP BY run_id, sample_id
 ) x ON x.run_id = s.run_id AND x.sample_id = s.id
 CROSS JOIN LATERAL (VALUES
     ('segment_version',
-     x.n > 0 AND (s.v_traj IS NULL OR x.lo < s.v_traj OR x.decreases OR x.hi > r.version OR x.hi > g.buffer),
-     format('segment versions %s, V_traj %s, run version %s, trained at step %s',
-            x.versions, s.v_traj, r.version, coalesce(g.buffer::text, '-'))),
+     v.lo IS NOT NULL AND (s.v_traj IS NULL OR v.lo < s.v_traj OR v.decreases OR v.hi > r.version OR v.hi > g.buffer)),
     ('tokens',
-     s.n_tokens <> coalesce(x.n_tokens, 0) OR (x.n > 0 AND (x.first_seq <> 0 OR x.last_seq <> x.n - 1)),
-     format('n_tokens %s but segments hold %s tokens in %s segments (seq %s..%s)',
-            s.n_tokens, coalesce(x.n_tokens, 0), coalesce(x.n, 0), x.first_seq, x.last_seq))
-) AS k(invariant, broken, detail)
+     s.n_tokens <> coalesce(x.n_tokens, 0) OR (x.n > 0 AND (x.first_seq <> 0 OR x.last_seq <> x.n - 1)))
+) AS k(invariant, broken)
 WHERE k.broken
 
 -- live_member: every member of a dropped (filtered/aborted) group is aborted, and every
@@ -193,7 +202,7 @@ UNION ALL
 SELECT s.run_id, CASE WHEN g.state = 'queued' THEN 'unreserved_member' ELSE 'live_member' END,
        'sample ' || s.id,
        format('%s member (%s tokens) of %s group %s', s.state, s.n_tokens, g.state, g.id)
-FROM samples s JOIN prompt_groups g ON g.id = s.group_id
+FROM samples s JOIN prompt_groups g ON g.id = s.group_id AND g.run_id = s.run_id
 WHERE (g.state IN ('filtered', 'aborted') AND s.state <> 'aborted')
    OR (g.state IN ('occupied', 'consumed') AND s.state NOT IN ('rewarded', 'aborted'))
    OR (g.state = 'queued' AND (s.state NOT IN ('queued', 'aborted') OR s.n_tokens > 0))
@@ -203,11 +212,9 @@ WHERE (g.state IN ('filtered', 'aborted') AND s.state <> 'aborted')
 UNION ALL
 SELECT s.run_id, 'dead_instance', 'sample ' || s.id,
        format('running on instance %s, which is %s', s.instance_id,
-              CASE WHEN i.id IS NULL THEN 'missing'
-                   WHEN i.run_id <> s.run_id THEN 'of run ' || i.run_id
-                   ELSE i.state::text END)
-FROM samples s LEFT JOIN instances i ON i.id = s.instance_id
-WHERE s.state = 'running' AND (i.id IS NULL OR i.state <> 'active' OR i.run_id <> s.run_id)
+              CASE WHEN i.id IS NULL THEN 'not an instance of its run' ELSE i.state::text END)
+FROM samples s LEFT JOIN instances i ON i.id = s.instance_id AND i.run_id = s.run_id
+WHERE s.state = 'running' AND (i.id IS NULL OR i.state <> 'active')
 
 -- drop_reason: every dropped sample and group carries a reason
 UNION ALL
@@ -239,8 +246,8 @@ FROM (
                ELSE 'lost'
            END AS fate
     FROM samples s
-    JOIN prompt_groups g ON g.id = s.group_id
-    LEFT JOIN instances i ON i.id = s.instance_id
+    LEFT JOIN prompt_groups g ON g.id = s.group_id AND g.run_id = s.run_id
+    LEFT JOIN instances i ON i.id = s.instance_id AND i.run_id = s.run_id
 ) f
 GROUP BY f.run_id
 HAVING count(*) FILTER (WHERE f.fate = 'lost') > 0
@@ -272,4 +279,4 @@ UNION ALL
 SELECT e.run_id, 'conservation', 'group ' || e.group_id, 'enqueued (see the event log) but its row is gone'
 FROM events e
 WHERE e.kind = 'group_enqueued'
-  AND NOT EXISTS (SELECT 1 FROM prompt_groups g WHERE g.id = e.group_id);
+  AND NOT EXISTS (SELECT 1 FROM prompt_groups g WHERE g.run_id = e.run_id AND g.id = e.group_id);
