@@ -6,7 +6,8 @@
 -- Written from the spec, not from the protocol code. Every branch exposes run_id straight
 -- from a base table (or as a GROUP BY / PARTITION BY column), so `WHERE run_id = X` is
 -- pushed down into every branch and each branch is one linear pass over that run's rows;
--- no CTE (a CTE used twice is materialised for every run), no per-row subquery.
+-- no CTE (a CTE used twice is materialised for every run), no subquery per row scanned (the
+-- one scalar subquery builds the detail of a reported row, by primary key).
 --
 -- invariant names (docs/data-layer.md, "Audit views", explains each):
 --   bound, group_version, capacity, entry_buffer, reservation_window, consumed_batch,
