@@ -44,9 +44,7 @@ def summary(engine: Engine, run_id: int) -> dict[str, Any]:
             ),
             {"r": run_id},
         ).all()
-        violations = c.execute(
-            text("SELECT invariant, subject, detail FROM staleness_violations WHERE run_id = :r"), {"r": run_id}
-        ).all()
+        found = _violations(c, run_id)
     steps: dict[int, dict[str, Any]] = defaultdict(lambda: {"staleness": {}, "samples": 0, "tokens": 0, "reward_sum": 0.0})
     for step, staleness, n, tokens, reward in hist:
         s = steps[step]
@@ -65,8 +63,27 @@ def summary(engine: Engine, run_id: int) -> dict[str, Any]:
             for k, v in sorted(steps.items())
         ],
         "drops": [{"reason": r, "samples": n, "tokens": int(t)} for r, n, t in drops],
-        "violations": [{"invariant": i, "subject": s, "detail": d} for i, s, d in violations],
+        "violations": found,
     }
+
+
+def violations(engine: Engine, run_id: int) -> list[dict[str, str]]:
+    """Every row of `staleness_violations` for the run (empty when it is healthy), ordered by
+    invariant and subject: each names the broken invariant, what breaks it and how."""
+    with engine.connect() as c, c.begin():
+        c.execute(text("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ READ ONLY"))
+        return _violations(c, run_id)
+
+
+def _violations(conn, run_id: int) -> list[dict[str, str]]:
+    rows = conn.execute(
+        text(
+            "SELECT invariant, subject, detail FROM staleness_violations WHERE run_id = :r"
+            " ORDER BY invariant, subject, detail"
+        ),
+        {"r": run_id},
+    ).all()
+    return [{"invariant": i, "subject": s, "detail": d} for i, s, d in rows]
 
 
 def step_metrics(engine: Engine, run_id: int) -> list[dict[str, Any]]:

@@ -31,6 +31,8 @@ def test_audit_summarises_steps_drops_and_violations(engine, db_url):
     out = _run_audit(db_url, "audited")
     assert out.returncode == 0, out.stderr
     assert "staleness_violations: none" in out.stdout and "surplus" in out.stdout
+    strict = _run_audit(db_url, "audited", "--strict")
+    assert strict.returncode == 0, strict.stdout + strict.stderr
     parsed = json.loads(_run_audit(db_url, str(d.run), "--json").stdout)
     assert parsed["steps"][0]["staleness"] == {"0": 2}
 
@@ -41,8 +43,33 @@ def test_audit_summarises_steps_drops_and_violations(engine, db_url):
         from sqlalchemy import text
 
         c.execute(text("UPDATE prompt_groups SET buffer = 5 WHERE run_id = :r AND state = 'consumed'"), {"r": d.run})
-    broken = _run_audit(db_url, "audited")
+    reported = _run_audit(db_url, "audited")  # without --strict it only reports
+    assert reported.returncode == 0 and "invariant violations" in reported.stdout
+    broken = _run_audit(db_url, "audited", "--strict")
     assert broken.returncode == 1 and "invariant violations" in broken.stdout
+    assert "bound: group" in broken.stdout
+
+
+def test_strict_audit_fails_on_each_forged_database_and_passes_a_healthy_one(engine, db_url):
+    """`staleflow audit RUN --strict` as a real process: 0 on the healthy run, 1 (printing every
+    violation) once its state is forged, and the other run of the same database stays clean."""
+    from audit_helpers import forge, healthy_run
+
+    h = healthy_run(engine, name="forged")
+    other = healthy_run(engine, name="clean")
+    ok = _run_audit(db_url, "forged", "--strict")
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    assert "staleness_violations: none" in ok.stdout
+    forge(engine, "UPDATE instances SET state = 'expired' WHERE id = :i", i=h.inst["i1"])
+    bad = _run_audit(db_url, "forged", "--strict")
+    assert bad.returncode == 1
+    assert f"dead_instance: sample {h.m('g3', 1)}: running on instance {h.inst['i1']}, which is expired" in bad.stdout
+    assert f"conservation: run {h.run}:" in bad.stdout
+    as_json = _run_audit(db_url, str(h.run), "--strict", "--json")
+    assert as_json.returncode == 1
+    assert {v["invariant"] for v in json.loads(as_json.stdout)["violations"]} == {"dead_instance", "conservation"}
+    assert _run_audit(db_url, "clean", "--strict").returncode == 0
+    assert other.run != h.run
 
 
 def test_step_metrics_count_what_happened_between_publishes(engine):

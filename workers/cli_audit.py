@@ -16,8 +16,12 @@ from staleflow_db.errors import NotFound
 def audit(
     run: str = typer.Argument(..., help="Run id or name."),
     as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
+    strict: bool = typer.Option(
+        False, "--strict", help="Exit 1 if any invariant is violated (and print every violation)."
+    ),
 ) -> None:
-    """Audit a run from the database alone; exits 1 if any invariant is violated."""
+    """Audit a run from the database alone. Reports only; with --strict, exits 1 on any
+    row of `staleness_violations` for the run."""
     engine = make_engine()
     try:
         data = summary(engine, find_run(engine, run))
@@ -28,12 +32,12 @@ def audit(
     if as_json:
         print(json.dumps(data, indent=2))
     else:
-        render(data, Console())
-    if data["violations"]:
+        render(data, Console(), limit=None if strict else 50)
+    if strict and data["violations"]:
         raise typer.Exit(1)
 
 
-def render(data: dict, console: Console) -> None:
+def render(data: dict, console: Console, limit: int | None = 50) -> None:
     eta = data["eta"]
     steps = Table(title=f"run {data['name']} (id {data['run_id']}): version {data['version']}, eta {eta}")
     steps.add_column("step", justify="right")
@@ -57,7 +61,7 @@ def render(data: dict, console: Console) -> None:
     console.print(drops)
     if data["violations"]:
         console.print(f"[red]{len(data['violations'])} invariant violations[/red]")
-        for v in data["violations"][:50]:
-            console.print(f"  {v['invariant']}: {v['subject']}: {v['detail']}")
+        for v in data["violations"][:limit]:
+            console.print(f"  {v['invariant']}: {v['subject']}: {v['detail']}", markup=False, highlight=False, soft_wrap=True)
     else:
         console.print("[green]staleness_violations: none[/green]")

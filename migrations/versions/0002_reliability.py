@@ -44,12 +44,38 @@ def _protocol_downgrade() -> None:
 # ---- the complete audit ---------------------------------------------------------------------
 
 
+# The complete `staleness_violations` view (same name and columns as 0001's, so every caller
+# gets it unchanged). Its SQL is a versioned package file: a later migration that changes the
+# view ships audit_v3.sql and leaves this one, so 0002 always creates exactly the same view.
+AUDIT_SQL = "audit_v2.sql"
+
+
+def _audit_view_sql(name: str) -> str:
+    from importlib.resources import files
+
+    return files("staleflow_db").joinpath("sql", name).read_text(encoding="utf-8")
+
+
+def _initial_violations_view() -> str:
+    """0001's own definition of the view, read from that migration (the downgrade target)."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("_staleflow_0001", Path(__file__).with_name("0001_initial.py"))
+    initial = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(initial)
+    views = initial.AUDIT_VIEWS
+    return views[views.index("CREATE VIEW staleness_violations"):]
+
+
 def _audit_upgrade() -> None:
-    pass
+    op.execute("DROP VIEW staleness_violations")
+    op.execute(_audit_view_sql(AUDIT_SQL))
 
 
 def _audit_downgrade() -> None:
-    pass
+    op.execute("DROP VIEW staleness_violations")
+    op.execute(_initial_violations_view())
 
 
 def upgrade() -> None:
