@@ -35,3 +35,27 @@ def test_backend_kills_lose_nothing_acknowledged(engine, db_url, tmp_path):
     assert result["kills"].get("active", 0) + result["kills"].get("idle in transaction", 0) > 0, result["kills"]
     assert result["outcomes"].get("unknown", 0) > 0 and result["outcomes"].get("acked", 0) > 100, result["outcomes"]
     assert result["version"] >= 2, result
+
+
+def test_check_catches_forged_losses(engine, db_url, tmp_path):
+    """The check is an oracle: forge an acked segment lost, an acked reward changed and an
+    acked publish rolled back, and it must name each."""
+    from sqlalchemy import text
+
+    run = setup_run(engine, prompts=60)
+    logs = drive(db_url, run, tmp_path, 6)
+    assert check(engine, run, logs)["problems"] == []
+    calls = [c for name, log in logs.items() if name != "killer" for c in log["calls"] if c.get("outcome") == "acked"]
+    report = next(c for c in calls if c["op"] == "report" and c["items"][0][2])
+    reward = next(c for c in calls if c["op"] == "reward")
+    sid, att, toks = report["items"][0]
+    with engine.begin() as c:
+        c.execute(text("ALTER TABLE segments DISABLE TRIGGER USER"))  # forging: bypass any guard
+        c.execute(text("DELETE FROM segments WHERE sample_id = :s AND attempt = :a AND token_ids = CAST(:t AS integer[])"),
+                  {"s": sid, "a": att, "t": toks})
+        c.execute(text("UPDATE samples SET reward = reward + 7 WHERE id = :s"), {"s": reward["items"][0][0]})
+        c.execute(text("DELETE FROM param_versions WHERE run_id = :r AND version = 1"), {"r": run})
+    problems = "\n".join(check(engine, run, logs)["problems"])
+    assert f"acked report missing: [[{sid}, {att}," in problems, problems
+    assert "acked rewards missing" in problems, problems
+    assert "acked publish of v1 missing" in problems, problems
