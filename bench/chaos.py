@@ -44,7 +44,7 @@ from workers.launch import free_port  # noqa: E402
 from workers.engines.sim_engine import encode_prompt  # noqa: E402
 from workers.tasks.repeat import RepeatTask  # noqa: E402
 
-console = Console(stderr=True)
+console = Console(stderr=True, soft_wrap=True)  # one line per event, even in a log file
 MODEL = {"d_model": 32, "n_layers": 1, "n_heads": 4}
 KINDS = ("api", "coordinator", "rollout", "reward", "trainer", "ps")
 SIM_MAX_RESPONSE = 64
