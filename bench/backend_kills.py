@@ -248,7 +248,7 @@ def _trainer(p: Protocol, reader, run: int, name: str, done, rng: random.Random,
 
 
 def _meddler(p: Protocol, reader, run: int, name: str, done, rng: random.Random, j: Journal, extra) -> None:
-    """Interrupts running samples and aborts a few queued ones (user aborts)."""
+    """Interrupts running samples, aborts a few queued samples and groups (user aborts)."""
     while not done():
         time.sleep(rng.uniform(0.05, 0.2))
         with reader.connect() as c:
@@ -262,6 +262,12 @@ def _meddler(p: Protocol, reader, run: int, name: str, done, rng: random.Random,
             aborted = _attempt(j, "abort", lambda: p.abort_samples(run, queued), samples=queued)
             if aborted is not None:
                 j.calls[-1]["aborted"] = aborted
+        if rng.random() < 0.05:
+            with reader.connect() as c:
+                gid = c.execute(text("SELECT id FROM prompt_groups WHERE run_id = :r AND state = 'queued'"
+                                     " ORDER BY random() LIMIT 1"), {"r": run}).scalar()
+            if gid is not None and _attempt(j, "abort_group", lambda: p.abort_group(run, gid), group=gid):
+                j.calls[-1]["aborted_group"] = gid
 
 
 def killer_main(url: str, out_dir: str, seconds: float, seed: int) -> None:
@@ -370,6 +376,9 @@ def check(engine, run: int, logs: dict[str, Any]) -> dict[str, Any]:
         if c.get("outcome") == "refused" and published.get(v1) == c["checksum"]:
             problems.append(f"refused publish of v{v1} applied")
     states = dict(_rows(engine, "SELECT id, state::text FROM samples WHERE run_id = :r", r=run))
+    groups = dict(_rows(engine, "SELECT id, state::text FROM prompt_groups WHERE run_id = :r", r=run))
+    problems += [f"acked abort of group {c['aborted_group']} not applied ({groups.get(c['aborted_group'])})"
+                 for c in calls if c.get("aborted_group") and groups.get(c["aborted_group"]) != "aborted"]
     for c in calls:
         if c["op"] == "abort" and c.get("outcome") == "acked":
             problems += [f"acked abort of sample {s} not applied ({states.get(s)})"

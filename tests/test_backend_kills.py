@@ -43,19 +43,23 @@ def test_check_catches_forged_losses(engine, db_url, tmp_path):
     from sqlalchemy import text
 
     run = setup_run(engine, prompts=60)
-    logs = drive(db_url, run, tmp_path, 6)
+    logs = drive(db_url, run, tmp_path, 10)
     assert check(engine, run, logs)["problems"] == []
     calls = [c for name, log in logs.items() if name != "killer" for c in log["calls"] if c.get("outcome") == "acked"]
     report = next(c for c in calls if c["op"] == "report" and c["items"][0][2])
     reward = next(c for c in calls if c["op"] == "reward")
+    publish = [c for c in calls if c["op"] == "publish"][-1:]  # none if a slow machine trained nothing yet
     sid, att, toks = report["items"][0]
     with engine.begin() as c:
         c.execute(text("ALTER TABLE segments DISABLE TRIGGER USER"))  # forging: bypass any guard
         c.execute(text("DELETE FROM segments WHERE sample_id = :s AND attempt = :a AND token_ids = CAST(:t AS integer[])"),
                   {"s": sid, "a": att, "t": toks})
         c.execute(text("UPDATE samples SET reward = reward + 7 WHERE id = :s"), {"s": reward["items"][0][0]})
-        c.execute(text("DELETE FROM param_versions WHERE run_id = :r AND version = 1"), {"r": run})
+        for pub in publish:
+            c.execute(text("DELETE FROM param_versions WHERE run_id = :r AND version = :v"),
+                      {"r": run, "v": pub["version"] + 1})
     problems = "\n".join(check(engine, run, logs)["problems"])
     assert f"acked report missing: [[{sid}, {att}," in problems, problems
     assert "acked rewards missing" in problems, problems
-    assert "acked publish of v1 missing" in problems, problems
+    for pub in publish:
+        assert f"acked publish of v{pub['version'] + 1} missing" in problems, problems
