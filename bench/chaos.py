@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import signal
 import sys
 import time
 from collections import Counter
@@ -65,6 +66,16 @@ def build(args: argparse.Namespace, report: Path, url: str, engine) -> tuple[Sup
     apis = [f"http://127.0.0.1:{free_port()}" for _ in range(2)]
     ps_addr = f"127.0.0.1:{free_port()}"
     sup = Supervisor(report, url, env={"STALEFLOW_HOME": str(report / "home")})
+    try:
+        launch(sup, args, run, sim, apis, ps_addr, tokens, mc, report)
+    except BaseException:
+        sup.__exit__(None, None, None)  # never leave half a service running
+        raise
+    return sup, run, {"apis": apis, "ps": None if sim else ps_addr, "checkpoint": None if sim else str(report / "checkpoint")}
+
+
+def launch(sup: Supervisor, args, run: int, sim: bool, apis: list[str], ps_addr: str, tokens: dict[str, str],
+           mc: str, report: Path) -> None:
     for i, api in enumerate(apis):
         sup.launch(Role(f"api-{i}", "api", ["serve", "--port", api.rsplit(":", 1)[1], "--no-upgrade"]))
     if not sim:
@@ -89,7 +100,6 @@ def build(args: argparse.Namespace, report: Path, url: str, engine) -> tuple[Sup
             via(i, "rollout")))
     for i in range(2):  # leader and standby: whichever holds the lease leads
         sup.launch(Role(f"coordinator-{i}", "coordinator", ["coordinator", *common, "--lease", "3"]))
-    return sup, run, {"apis": apis, "ps": None if sim else ps_addr, "checkpoint": None if sim else str(ck)}
 
 
 def _wait_http(sup: Supervisor, urls: list[str], timeout: float = 90) -> None:
@@ -310,6 +320,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--report-dir", type=Path, default=Path("reports"))
     args = ap.parse_args(argv)
+    # SIGTERM (e.g. `timeout`) unwinds like Ctrl-C: the service processes and the server are stopped
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     report = (args.report_dir / f"chaos-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
     report.mkdir(parents=True)
     pg = PrivatePostgres(report / "home")

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import signal
 import sys
 import threading
 import time
@@ -142,6 +143,8 @@ def main() -> None:
     ap.add_argument("--max-connections", type=int, default=100)
     ap.add_argument("--report-dir", type=Path, default=Path("reports"))
     args = ap.parse_args()
+    # SIGTERM (e.g. `timeout`) unwinds like Ctrl-C: the service processes and the server are stopped
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     report = (args.report_dir / f"load-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
     budget = 2 * (args.pool + args.overflow + 1) + OWN_CONNECTIONS
     print(f"connection budget: 2 replicas x (pool {args.pool} + overflow {args.overflow} + 1 LISTEN) + "
