@@ -191,7 +191,8 @@ def _generate(p: Protocol, run: int, inst: int, version: int, w, rng: random.Ran
     for kind, n in plan:
         n = min(n, left)
         toks, lps = expected(w.sample_id, pos + n)[pos:], [logprob(i) for i in range(pos, pos + n)]
-        r = Report(w.sample_id, w.attempt, version, toks, lps, kind, "stop" if kind == SegmentKind.FINISHED else None)
+        r = Report(w.sample_id, w.attempt, version, toks, lps, kind, "stop" if kind == SegmentKind.FINISHED else None,
+                   instance_id=inst, lease=w.lease)
         try:
             j.retried("report", lambda rid: p.report(run, [r], request_id=rid),
                       items=[[w.sample_id, w.attempt, toks]], kind=kind.value)
