@@ -53,7 +53,7 @@ AUDIT_SQL = "audit_v2.sql"
 def _audit_view_sql(name: str) -> str:
     from importlib.resources import files
 
-    return files("staleflow_db").joinpath("sql", name).read_text(encoding="utf-8")
+    return (files("staleflow_db") / "sql" / name).read_text(encoding="utf-8")
 
 
 def _initial_violations_view() -> str:
