@@ -174,7 +174,8 @@ class RolloutOps(TxMixin):
         """Route queued samples to instances; the group's first member reserves a buffer entry."""
         check_batch(pairs, "routes")
         return self.idempotent(
-            request_id, "route", under_run_lock(run_id, lambda rtx: route_in(rtx, pairs)), lambda stored: [RouteResult(**{**r, "outcome": RouteOutcome(r["outcome"])}) for r in stored]
+            request_id, "route", under_run_lock(run_id, lambda rtx: route_in(rtx, pairs)), lambda stored: [RouteResult(**{**r, "outcome": RouteOutcome(r["outcome"])}) for r in stored],
+            body=[run_id, pairs],
         )
 
     # ---- segments --------------------------------------------------------------------------
@@ -182,7 +183,7 @@ class RolloutOps(TxMixin):
     def report(self, run_id: int, reports: Sequence[Report], request_id: str | None = None) -> int:
         """Append segments, fenced by attempt; all or nothing. Returns the number applied."""
         check_batch(reports, "reports")
-        return self.idempotent(request_id, "report", lambda conn: report_in(conn, run_id, reports), int)
+        return self.idempotent(request_id, "report", lambda conn: report_in(conn, run_id, reports), int, body=[run_id, reports])
 
     def poll_work(self, instance_id: int, limit: int = 1000) -> tuple[list[Work], list[Command]]:
         """Deliver newly routed samples (with any prefix to continue from) and pending commands."""
