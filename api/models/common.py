@@ -42,7 +42,8 @@ TokenId = Annotated[int, Strict(), Field(ge=0, le=INT32_MAX)]
 LogProb = Annotated[float, BeforeValidator(_json_number), Field(ge=-3.0e38, le=3.0e38, allow_inf_nan=False)]
 Finite = Annotated[float, BeforeValidator(_json_number), Field(allow_inf_nan=False, ge=-1e300, le=1e300)]
 LeaseSeconds = Annotated[float, BeforeValidator(_json_number), Field(ge=1.0, le=3600.0, allow_inf_nan=False)]
-Limit = Annotated[int, Strict(), Field(ge=1, le=10_000)]
+# A query parameter (a string on the wire, so not strict); bodies use Int with bounds.
+Limit = Annotated[int, Field(ge=1, le=10_000)]
 
 _NO_NUL = r"^[^\x00]*$"  # PostgreSQL text cannot hold NUL
 
