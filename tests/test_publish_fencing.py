@@ -106,3 +106,39 @@ def test_a_commit_of_other_weights_makes_the_winner_push_again(start_ps):
     c.commit(1, winner_sum)
     got, _, checksum = c.pull(1)
     assert checksum == winner_sum and _same(got, winner_sd)
+
+
+def test_a_fenced_sim_trainer_process_exits_non_zero(db_url, engine, tmp_path):
+    """`staleflow trainer --sim` consumes buffer 0 and "trains" for a while; meanwhile another
+    trainer takes the buffer over and publishes. The first one's publish is refused: it exits
+    1 with the fenced message instead of carrying on."""
+    import subprocess
+    import sys
+    import time
+
+    from api_helpers import REPO
+
+    d = Driver(engine, batch_size=1, group_size=1, eta=1)
+    _ready_buffer(d)
+    with ApiServer(db_url) as server:
+        tok = token(db_url, "trainer", d.run)
+        out = open(tmp_path / "trainer.log", "w+")
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "workers.cli", "trainer", "--run", str(d.run), "--api", server.url,
+             "--token", tok, "--sim", "--sim-overhead", "4", "--sim-s-per-token", "0", "--steps", "3"],
+            cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + 60
+            while d.scalars("SELECT lease FROM buffers WHERE run_id = :r AND idx = 0") != [1]:
+                assert proc.poll() is None and time.monotonic() < deadline, "the trainer did not consume"
+                time.sleep(0.05)
+            winner = server.client(tok)
+            batch = winner.consume(d.run, 0, wait=0)  # lease 2 fences the sim trainer
+            assert winner.publish(d.run, 0, batch.lease) == 1
+            assert proc.wait(60) == 1
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+        out.seek(0)
+        assert "fenced: another trainer published version 1" in " ".join(out.read().split())
+    assert d.scalars("SELECT version FROM runs WHERE id = :r") == [1]
