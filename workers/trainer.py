@@ -4,6 +4,13 @@ push the new weights to the PS, publish.
 Per version v (the run's current version):
     consume(v) -> batch with a lease -> one optimizer step -> checkpoint (model, optimizer,
     version v+1, checksum) -> ps.push(v+1) -> publish(v, lease, size, checksum, location)
+    -> ps.commit(v+1, checksum)
+
+Fencing: a publish refused with 409 (another trainer's consume took the buffer, or another
+trainer published it) stops this trainer with "fenced: ..." (TrainerError; the CLI exits 1):
+its weights are not the published ones. Pushes stay provisional on the PS until the
+publishing trainer commits their checksum; a fenced trainer's push of a committed version is
+refused, and one that lands before the commit is replaced (the commit pushes again).
 
 Exactly-once across crashes: the checkpoint is written atomically (temp file, fsync,
 rename, fsync the directory) BEFORE the push and the publish, so on restart the
