@@ -51,6 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 from staleflow_db import migrate  # noqa: E402
 from staleflow_db.db import database_url, make_engine, with_database  # noqa: E402
+from staleflow_db.settings import to_libpq_url  # noqa: E402
 
 KINDS = ("routed", "reported", "claimed", "rewarded", "trained")
 RUN = dict(batch_size=128, group_size=8, eta=2, max_response_tokens=4096, max_prompt_tokens=512)
@@ -263,10 +264,11 @@ def pgbench_tps(url: str, clients: int, seconds: float) -> float:
 # ---- main -----------------------------------------------------------------------------------
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--url", default=os.environ.get("STALEFLOW_DATABASE_URL") or None,
-                    help="libpq URL of any database on the server (default: STALEFLOW_DATABASE_URL, else embedded)")
+                    help="URL of any database on the server, libpq or SQLAlchemy style (postgresql+psycopg://)"
+                         " (default: STALEFLOW_DATABASE_URL, else embedded)")
     ap.add_argument("--clients", type=int, default=4)
     ap.add_argument("--batches", default="1,16,128")
     ap.add_argument("--seconds", type=float, default=10.0, help="measured time per batch size")
@@ -276,7 +278,14 @@ def main() -> None:
     ap.add_argument("--pgbench-seconds", type=float, default=8.0)
     ap.add_argument("--json", type=Path, default=RESULTS)
     ap.add_argument("--profile", action="store_true", help="time every SQL statement; print the top ones")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    # psycopg.connect and pgbench take libpq URLs only; the README accepts SQLAlchemy's too.
+    args.url = to_libpq_url(args.url) if args.url else None
+    return args
+
+
+def main() -> None:
+    args = parse_args()
     batches = [int(b) for b in args.batches.split(",")]
 
     server_url = args.url or database_url()

@@ -314,6 +314,9 @@ class ReferenceProtocol:
 
     def abort_samples(self, sample_ids: Iterable[int], reason: DropReason = DropReason.USER) -> list[int]:
         """Abort members; a group that can no longer reach N live members is aborted too."""
+        sample_ids = list(sample_ids)
+        if len(set(sample_ids)) != len(sample_ids):
+            raise InvalidInput("a sample appears twice in one abort batch")
         aborted = []
         for sid in sample_ids:
             s = self.samples.get(sid)
@@ -357,6 +360,12 @@ class ReferenceProtocol:
     def publish(self, version: int, lease: int, params: dict | None = None) -> int:
         """Buffer `version` consumed and the run at `version + 1`, atomically; idempotent."""
         if version == self.version - 1 and version in self.published:
+            # A retry only from the lease that published, with the same checksum if given.
+            if self.consume_lease.get(version) != lease:
+                raise Conflict([(version, f"fenced: another trainer published version {self.version}")])
+            sent = (params or {}).get("checksum")
+            if sent is not None and self.published[version].get("checksum") != sent:
+                raise Conflict([(version, "published with another checksum")])
             return self.version
         if version != self.version:
             raise Conflict([(version, f"run is at version {self.version}")])

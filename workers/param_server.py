@@ -17,6 +17,13 @@ Design
   * Versions: the PS keeps the latest in memory, and an older one only while pulls of it
     are in flight. On disk it keeps the latest only (`<dir>/v{version}.safetensors` plus
     its `.json` sidecar, see workers.param_store).
+  * Publication: a pushed version is provisional until the trainer that PUBLISHED it (in the
+    database, fenced by its consume lease) commits its checksum here (`commit`). A push of
+    a provisional version with other weights replaces it (a fenced trainer may have pushed
+    first); once committed, the version's weights are final and another push of it is
+    refused -- so pullers never get a zombie trainer's weights under a published version.
+    Pullers may also name the checksum they expect (the published one); the PS refuses a
+    pull whose weights differ.
 """
 
 from __future__ import annotations
@@ -104,10 +111,11 @@ class _Version:
     checksum: str
     location: str
     pulls: int = 0  # transfers in flight
+    committed: bool = False  # its checksum is the published one: no other push may replace it
 
     def info(self) -> dict:
         return {"version": self.version, "size": self.flat.numel(), "checksum": self.checksum,
-                "location": self.location}
+                "location": self.location, "committed": self.committed}
 
 
 class _Server(socketserver.ThreadingTCPServer):
@@ -172,7 +180,7 @@ class ParamServer:
         path = self.data_dir / side["file"]
         flat, metas, checksum = load_version(path, side["checksum"])  # raises if corrupt
         self._versions[side["version"]] = _Version(side["version"], flat.to(self.device), metas,
-                                                   checksum, str(path))
+                                                   checksum, str(path), committed=bool(side.get("committed")))
         self._latest = side["version"]
         log.info("serving v%d from %s", self._latest, path)
 
@@ -191,6 +199,8 @@ class ParamServer:
                 self._serve_pull(h, req, reply)
             elif op == "push":
                 self._serve_push(h, req, reply)
+            elif op == "commit":
+                reply(self.commit(int(req["version"]), str(req["checksum"])))
             else:
                 reply({"error": f"unknown op {op!r}"})
         except Exception as e:  # one bad request must not take the server down
@@ -212,6 +222,10 @@ class ParamServer:
             entry = self._versions.get(v) if v is not None else None
             if entry is None:
                 reply({"error": f"version {req.get('version')} not available (latest {self._latest})"})
+                return
+            want = req.get("checksum")
+            if want is not None and want != entry.checksum:
+                reply({"error": f"ChecksumError: v{v} here is {entry.checksum[:12]}, not the expected {str(want)[:12]}"})
                 return
             entry.pulls += 1
         try:
@@ -254,13 +268,15 @@ class ParamServer:
                 checksum = hasher.hexdigest()
                 if checksum != claimed:
                     raise ChecksumError(f"push of v{version}: received {checksum[:12]}, sender {str(claimed)[:12]}")
-                if latest is not None and version == latest.version:
-                    writer.abort()  # a retried push is fine, other weights under its number not
-                    if checksum != latest.checksum:
-                        raise ParamServerError(f"push of v{version} but v{latest.version} is published")
+                if latest is not None and version == latest.version and checksum == latest.checksum:
+                    writer.abort()  # a retried push
                     self._notify(latest)  # the first attempt's hook may have failed
                     reply({"ok": True, **latest.info(), "duplicate": True})
                     return
+                if latest is not None and version == latest.version and latest.committed:
+                    # other weights under a published number: a fenced trainer's push
+                    raise ParamServerError(f"push of v{version}: v{version} is published with checksum "
+                                           f"{latest.checksum[:12]}, not {checksum[:12]}")
                 path = writer.commit(checksum)
             except BaseException:
                 writer.abort()
@@ -276,6 +292,21 @@ class ParamServer:
             del pg
         log.info("published v%d (%d bytes, %s)", version, flat.numel(), checksum[:12])
 
+    def commit(self, version: int, checksum: str) -> dict:
+        """Pin `version` to the published `checksum` (the publishing trainer calls this)."""
+        with self._push_lock, self._lock:
+            entry = self._versions.get(version)
+            if entry is None:
+                if self._latest is not None and version < self._latest:
+                    return {"ok": True, "superseded": True}  # a newer version is served anyway
+                return {"error": f"commit of v{version}: not pushed (latest {self._latest})"}
+            if entry.checksum != checksum:
+                return {"error": f"commit of v{version}: the PS holds {entry.checksum[:12]}, not {checksum[:12]}"}
+            if not entry.committed:
+                _mark_committed(self.data_dir, version)
+                entry.committed = True
+            return {"ok": True, **entry.info()}
+
     def _notify(self, e: _Version) -> None:
         if self.on_published is not None:
             self.on_published(e.version, e.flat.numel(), e.checksum, e.location)
@@ -289,6 +320,19 @@ class ParamServer:
             stem = p.name.split(".", 1)[0]
             if stem[1:].isdigit() and int(stem[1:]) < keep:
                 p.unlink(missing_ok=True)
+
+
+def _mark_committed(data_dir: Path, version: int) -> None:
+    """Record the commit in the version's sidecar (atomically), so a restarted PS keeps it."""
+    side_path = data_dir / f"v{version}.json"
+    side = json.loads(side_path.read_text())
+    side["committed"] = True
+    tmp = data_dir / f"v{version}.json.tmp"
+    with open(tmp, "w") as f:
+        f.write(json.dumps(side))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, side_path)
 
 
 # ---- client ------------------------------------------------------------------------------
@@ -331,6 +375,13 @@ class ParamClient:
         with sock, f:
             return self._read(f)["latest"]
 
+    def commit(self, version: int, checksum: str) -> dict:
+        """Tell the PS that `version` was published with `checksum`: from now on it serves only
+        those weights under that number. ParamServerError if it holds other weights."""
+        sock, f = self._connect({"op": "commit", "version": int(version), "checksum": checksum})
+        with sock, f:
+            return self._read(f)
+
     def push(self, state_dict: Mapping[str, torch.Tensor], version: int) -> str:
         """Send a new version; returns its checksum once the PS has verified, persisted and
         published it. Re-pushing the published version with the same weights is a no-op."""
@@ -352,11 +403,12 @@ class ParamClient:
         return done["checksum"]
 
     def pull(self, version: int | None = None, device: str | torch.device = "cpu",
-             verify: bool = True, _on_reply: Callable[[dict], None] | None = None
-             ) -> tuple[dict[str, torch.Tensor], int, str]:
+             verify: bool = True, _on_reply: Callable[[dict], None] | None = None,
+             checksum: str | None = None) -> tuple[dict[str, torch.Tensor], int, str]:
         """Fetch `version` (latest if None): (state_dict, version, checksum). The tensors
-        are views into one buffer. Raises ChecksumError if the bytes do not match."""
-        sock, f = self._connect({"op": "pull", "version": version})
+        are views into one buffer. Raises ChecksumError if the bytes do not match, or if
+        `checksum` (the published one) is given and the PS holds other weights."""
+        sock, f = self._connect({"op": "pull", "version": version, "checksum": checksum})
         with sock, f:
             msg = self._read(f)
             if _on_reply is not None:

@@ -87,6 +87,21 @@ def consume_ready(client: StaleFlowClient, run_id: int, version: int, wait_s: fl
     return None, time.monotonic() - t0
 
 
+def publish_fenced(client: StaleFlowClient, run_id: int, version: int, lease: int, **params: Any) -> int:
+    """Publish buffer `version`; a 409 means this trainer was fenced (another consume took the
+    buffer, or another trainer published it): stop rather than train on, since the weights it
+    pushed are not the published ones."""
+    from workers.client import Conflict
+
+    try:
+        return client.publish(run_id, version, lease, **params)
+    except Conflict as e:
+        now = client.run_status(run_id).version
+        if now > version:
+            raise TrainerError(f"fenced: another trainer published version {version + 1} ({e.message})") from None
+        raise TrainerError(f"fenced: another trainer consumed buffer {version} ({e.message})") from None
+
+
 def run_steps(step: Callable[[], StepMetrics | None], stopping: Callable[[], bool], steps: int | None,
               on_step: Callable[[StepMetrics], None] | None = None,
               done: list[StepMetrics] | None = None) -> list[StepMetrics]:
@@ -143,7 +158,7 @@ class SimTrainer:
         m.train_s = self.step_time(m.tokens)
         time.sleep(m.train_s)  # a started step always finishes, even when asked to stop
         t0 = time.monotonic()
-        self.client.publish(self.run_id, version, batch.lease)
+        publish_fenced(self.client, self.run_id, version, batch.lease)
         m.publish_s = time.monotonic() - t0
         return m
 

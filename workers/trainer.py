@@ -4,6 +4,13 @@ push the new weights to the PS, publish.
 Per version v (the run's current version):
     consume(v) -> batch with a lease -> one optimizer step -> checkpoint (model, optimizer,
     version v+1, checksum) -> ps.push(v+1) -> publish(v, lease, size, checksum, location)
+    -> ps.commit(v+1, checksum)
+
+Fencing: a publish refused with 409 (another trainer's consume took the buffer, or another
+trainer published it) stops this trainer with "fenced: ..." (TrainerError; the CLI exits 1):
+its weights are not the published ones. Pushes stay provisional on the PS until the
+publishing trainer commits their checksum; a fenced trainer's push of a committed version is
+refused, and one that lands before the commit is replaced (the commit pushes again).
 
 Exactly-once across crashes: the checkpoint is written atomically (temp file, fsync,
 rename, fsync the directory) BEFORE the push and the publish, so on restart the
@@ -36,9 +43,9 @@ from torch import nn
 from api.models import BatchOut
 from workers.client import StaleFlowClient
 from workers.grpo import GRPOConfig, group_advantages, policy_loss, summarize, token_logprobs
-from workers.param_server import ParamClient, state_dict_checksum
+from workers.param_server import ParamClient, ParamServerError, state_dict_checksum
 from workers.sim_trainer import (
-    StepMetrics, TrainerError, batch_metrics, consume_ready, record_step, run_steps,
+    StepMetrics, TrainerError, batch_metrics, consume_ready, publish_fenced, record_step, run_steps,
 )
 
 log = logging.getLogger("staleflow.trainer")
@@ -142,6 +149,9 @@ class Trainer:
                     "checkpoint is from elsewhere")
         self._ensure_pushed(k)
         self.version = r
+        if k == r and k > 0:
+            self._check_published(k)
+            self._commit_pushed(k)  # a crash may have come between publish and commit
         if k == r:
             log.info("run %s at version %s: starting there", self.run_id, r)
             return None
@@ -154,6 +164,12 @@ class Trainer:
         self._publish(batch, m)
         return m
 
+    def _check_published(self, k: int) -> None:
+        """Version k is published: it must be with our checksum, else we are a fenced trainer."""
+        published = {p.version: p.checksum for p in self.client.param_versions(self.run_id)}
+        if published.get(k) not in (None, self._weights["checksum"]):
+            raise TrainerError(f"fenced: another trainer published version {k} (checksum {published[k][:12]})")
+
     def _ensure_pushed(self, k: int) -> None:
         """The PS must serve the checkpoint's version k (a crash may have come before the push)."""
         if self.ps is None:
@@ -163,11 +179,28 @@ class Trainer:
             raise TrainerError(f"the PS at {self.ps.addr} serves version {latest['version']}, newer than this "
                                f"trainer's checkpoint ({k}): it belongs to another run or checkpoint")
         if latest is not None and latest["version"] == k:
-            if latest["checksum"] != self._weights["checksum"]:
-                raise TrainerError(f"the PS serves other weights as version {k} (checksum "
-                                   f"{latest['checksum'][:12]} != {self._weights['checksum'][:12]})")
-            return
+            if latest["checksum"] == self._weights["checksum"]:
+                return
+            if latest.get("committed"):
+                raise TrainerError(f"fenced: another trainer published version {k} (the PS serves checksum "
+                                   f"{latest['checksum'][:12]}, this trainer has {self._weights['checksum'][:12]})")
+            # provisional weights of another trainer under k: ours replace them; the publish
+            # (fenced by the consume lease) decides which trainer's weights are final
         self._push(k)
+
+    def _commit_pushed(self, k: int) -> None:
+        """After publishing k: pin the PS's k to our (published) checksum. A fenced trainer
+        may have pushed other weights under k meanwhile: push ours again, then commit."""
+        if self.ps is None:
+            return
+        for _ in range(3):
+            try:
+                self.ps.commit(k, self._weights["checksum"])
+                return
+            except ParamServerError as e:
+                log.warning("commit of v%s refused (%s): pushing it again", k, e)
+                self._push(k)
+        raise TrainerError(f"the PS at {self.ps.addr} keeps serving other weights as published version {k}")
 
     # ---- the loop --------------------------------------------------------------------------
 
@@ -209,8 +242,9 @@ class Trainer:
         m.push_s = time.monotonic() - t0
         t0 = time.monotonic()
         location = f"ps://{self.ps.addr[0]}:{self.ps.addr[1]}/v{v + 1}" if self.ps else None
-        new = self.client.publish(self.run_id, v, batch.lease, size_bytes=self._weights["size"],
-                                  checksum=self._weights["checksum"], location=location)
+        new = publish_fenced(self.client, self.run_id, v, batch.lease, size_bytes=self._weights["size"],
+                             checksum=self._weights["checksum"], location=location)
+        self._commit_pushed(v + 1)
         m.publish_s = time.monotonic() - t0
         self._log({"event": "published", "buffer": v, "version": new, "resumed": m.resumed})
         self.version = new

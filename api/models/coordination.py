@@ -10,7 +10,7 @@ from pydantic import Field
 from staleflow_db.enums import DropReason
 from staleflow_db.types import RouteOutcome
 
-from .common import INT64_MAX, Id, In, LeaseSeconds, Name, Out, Version
+from .common import INT64_MAX, Id, In, Int, LeaseSeconds, Name, Number, Out, Version
 
 
 class RunningOut(Out):
@@ -77,17 +77,17 @@ class CycleIn(In):
     """One coordinator cycle's commands, applied in one transaction fenced by holder and epoch."""
 
     holder: Name
-    epoch: int = Field(ge=0, le=INT64_MAX)
+    epoch: Int = Field(ge=0, le=INT64_MAX)
     routes: list[tuple[Id, Id]] = Field(default_factory=list, description="(sample_id, instance_id)")
     interrupts: list[Id] = Field(default_factory=list)
     pulls: list[tuple[Id, Version]] = Field(default_factory=list, description="(instance_id, target_version)")
-    cycle: dict[str, Annotated[float, Field(allow_inf_nan=False, ge=-1e12, le=1e12)]] | None = Field(
+    cycle: dict[str, Annotated[Number, Field(allow_inf_nan=False, ge=-1e12, le=1e12)]] | None = Field(
         None, description="timings and counts to record: snapshot_ms, decide_ms, write_ms, migrated"
     )
 
 
 class Fenced(In):
-    epoch: int | None = Field(
+    epoch: Int | None = Field(
         None, ge=0, le=INT64_MAX,
         description="coordinator leadership epoch; refused (409) unless it is the run's current lease epoch",
     )

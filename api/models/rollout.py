@@ -8,7 +8,9 @@ from pydantic import Field
 
 from staleflow_db.enums import SegmentKind
 
-from .common import INT64_MAX, Attempt, Count, Finite, Id, In, LeaseSeconds, LogProb, Name, Out, TokenId, Version
+from .common import (
+    INT64_MAX, Attempt, Bool, Count, Finite, Id, In, Int, LeaseSeconds, LogProb, Name, Number, Out, TokenId, Version,
+)
 
 
 class RegisterIn(In):
@@ -36,9 +38,9 @@ class InstanceSnapshotIn(In):
     kv_used: Count = Field(0, description="KV-cache tokens held")
     kv_capacity: Count = Field(0, description="KV-cache tokens available in all")
     running_samples: list[RunningSampleIn] = Field(default_factory=list, max_length=100_000)
-    throughput: float = Field(0.0, ge=0.0, le=1e12, allow_inf_nan=False, description="generated tokens/s")
-    pulling: bool = False
-    routed_seen: int | None = Field(None, ge=0, le=INT64_MAX, description="cumulative routed requests taken in")
+    throughput: Number = Field(0.0, ge=0.0, le=1e12, allow_inf_nan=False, description="generated tokens/s")
+    pulling: Bool = False
+    routed_seen: Int | None = Field(None, ge=0, le=INT64_MAX, description="cumulative routed requests taken in")
     max_running: Count | None = None
 
 

@@ -8,18 +8,18 @@ from pydantic import Field
 
 from staleflow_db.enums import Role
 
-from .common import INT32_MAX, Count, Id, In, Key, Location, Meta, Name, Out, TokenId, Version
+from .common import INT32_MAX, Bool, Count, Id, In, Int, Key, Location, Meta, Name, Out, TokenId, Version
 
 
 class RunConfigIn(In):
-    batch_size: int = Field(ge=1, le=1_000_000, description="B: groups per training batch")
-    group_size: int = Field(ge=1, le=65_535, description="N: responses per prompt group")
-    eta: int = Field(ge=0, le=1_000_000, description="staleness bound")
-    buffer_capacity: int | None = Field(None, ge=1, le=1_000_000, description="B' >= B (batch-level redundancy)")
-    samples_per_group: int | None = Field(None, ge=1, le=32_767, description="N' >= N (group-level redundancy)")
-    max_response_tokens: int = Field(1024, ge=1, le=INT32_MAX)
-    max_prompt_tokens: int = Field(1024, ge=1, le=INT32_MAX)
-    dapo_filter: bool = False
+    batch_size: Int = Field(ge=1, le=1_000_000, description="B: groups per training batch")
+    group_size: Int = Field(ge=1, le=65_535, description="N: responses per prompt group")
+    eta: Int = Field(ge=0, le=1_000_000, description="staleness bound")
+    buffer_capacity: Int | None = Field(None, ge=1, le=1_000_000, description="B' >= B (batch-level redundancy)")
+    samples_per_group: Int | None = Field(None, ge=1, le=32_767, description="N' >= N (group-level redundancy)")
+    max_response_tokens: Int = Field(1024, ge=1, le=INT32_MAX)
+    max_prompt_tokens: Int = Field(1024, ge=1, le=INT32_MAX)
+    dapo_filter: Bool = False
 
 
 class RunCreate(In):

@@ -8,11 +8,11 @@ from pydantic import Field
 
 from staleflow_db.enums import GroupState
 
-from .common import INT64_MAX, Attempt, Finite, Id, In, LeaseSeconds, Location, Name, Out
+from .common import INT64_MAX, Attempt, Finite, Id, In, Int, LeaseSeconds, Location, Name, Out
 
 
 class ClaimIn(In):
-    limit: int = Field(100, ge=1, le=10_000)
+    limit: Int = Field(100, ge=1, le=10_000)
     lease_seconds: LeaseSeconds = Field(60.0, description="unscored claims become claimable again after this")
 
 
@@ -93,7 +93,7 @@ class ConsumeOut(Out):
 
 class PublishIn(In):
     lease: Attempt
-    size_bytes: int | None = Field(None, ge=0, le=INT64_MAX)
+    size_bytes: Int | None = Field(None, ge=0, le=INT64_MAX)
     checksum: Name | None = None
     location: Location | None = Field(None, description="where instances pull the parameters from")
 

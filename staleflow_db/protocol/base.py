@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
+import inspect
 import json
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -12,6 +14,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 from sqlalchemy import Connection, Engine, text
 
+from .. import idempotency
 from ..enums import DropReason
 from ..errors import NotFound
 from ..rules import BufferCounts, Limits, Reservation, cascade_moves
@@ -290,53 +293,57 @@ def under_run_lock(run_id: int, body: Callable[[RunTx], Any]) -> Callable[[Conne
 
 
 class TxMixin:
-    """Transactions and request-id idempotency for the operation classes."""
+    """Transactions and request-id idempotency for the operation classes, all through
+    `staleflow_db.idempotency` (the one transaction runner, shared with the API).
+
+    Every public method of a subclass is one transaction; it is wrapped so that, when it is
+    the outermost transaction of its context, a deadlock or serialization failure runs it
+    again whole (jittered backoff). Inside an outer transaction (the API's `once`) it joins
+    that one, and the outer runner retries instead."""
 
     engine: Engine
 
+    def __init_subclass__(cls, **kw: Any) -> None:
+        super().__init_subclass__(**kw)
+        for name, fn in list(vars(cls).items()):
+            if not name.startswith("_") and inspect.isfunction(fn) and name not in _NOT_WRAPPED:
+                setattr(cls, name, _retried_method(fn))
+
     @contextmanager
     def tx(self) -> Iterator[Connection]:
-        with self.engine.begin() as conn:
+        with idempotency.joined(self.engine) as conn:
             yield conn
 
     @contextmanager
     def run_tx(self, run_id: int) -> Iterator[RunTx]:
-        with self.tx() as conn:  # through tx(), so a subclass can join an outer transaction
+        with self.tx() as conn:
             rtx = RunTx.open(conn, run_id)
             yield rtx
             rtx.flush()
 
-    @staticmethod
-    def replay(conn: Connection, request_id: str | None, operation: str) -> Any | None:
-        """The stored outcome of a request already applied, or None."""
-        if request_id is None:
-            return None
-        row = conn.execute(
-            text("SELECT operation, response FROM idempotency WHERE request_id = :r"), {"r": request_id}
-        ).first()
-        if row is None:
-            return None
-        if row[0] != operation:
-            from ..errors import Conflict
-
-            raise Conflict([(0, f"request id {request_id!r} was already used for {row[0]}")])
-        return row[1]
-
-    @staticmethod
-    def remember(conn: Connection, request_id: str | None, operation: str, outcome: Any) -> None:
-        if request_id is not None:
-            conn.execute(
-                text("INSERT INTO idempotency (request_id, operation, response) VALUES (:r, :o, CAST(:resp AS jsonb))"),
-                {"r": request_id, "o": operation, "resp": dumps(outcome)},
-            )
-
     def idempotent(
-        self, request_id: str | None, operation: str, run: Callable[[Connection], Any], decode: Callable[[Any], Any]
+        self,
+        request_id: str | None,
+        operation: str,
+        run: Callable[[Connection], Any],
+        decode: Callable[[Any], Any],
+        body: Any = None,
     ) -> Any:
-        with self.tx() as conn:
-            stored = self.replay(conn, request_id, operation)
-            if stored is not None:
-                return decode(stored)
-            outcome = run(conn)
-            self.remember(conn, request_id, operation, outcome)
-            return outcome
+        """`run` in one transaction with the stored outcome of `request_id` (see
+        staleflow_db.idempotency.once): a repeat replays it, another `body` is refused."""
+        return idempotency.once(
+            self.engine, request_id, operation, idempotency.digest(body), run, dumps, decode
+        )[0]
+
+
+_NOT_WRAPPED = frozenset({"tx", "run_tx", "idempotent", "once"})
+
+
+def _retried_method(fn: Callable) -> Callable:
+    @functools.wraps(fn)
+    def method(self: Any, *args: Any, **kw: Any) -> Any:
+        if idempotency.current() is not None:
+            return fn(self, *args, **kw)
+        return idempotency.retried(lambda: fn(self, *args, **kw))
+
+    return method

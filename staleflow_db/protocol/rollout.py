@@ -190,7 +190,8 @@ class RolloutOps(TxMixin):
         """Route queued samples to instances; the group's first member reserves a buffer entry."""
         check_batch(pairs, "routes")
         return self.idempotent(
-            request_id, "route", under_run_lock(run_id, lambda rtx: route_in(rtx, pairs)), lambda stored: [RouteResult(**{**r, "outcome": RouteOutcome(r["outcome"])}) for r in stored]
+            request_id, "route", under_run_lock(run_id, lambda rtx: route_in(rtx, pairs)), lambda stored: [RouteResult(**{**r, "outcome": RouteOutcome(r["outcome"])}) for r in stored],
+            body=[run_id, pairs],
         )
 
     # ---- segments --------------------------------------------------------------------------
@@ -199,7 +200,7 @@ class RolloutOps(TxMixin):
         """Append segments, each fenced by its reporting instance (routed to it, lease live),
         attempt and lease token; all or nothing. Returns the number applied."""
         check_batch(reports, "reports")
-        return self.idempotent(request_id, "report", lambda conn: report_in(conn, run_id, reports), int)
+        return self.idempotent(request_id, "report", lambda conn: report_in(conn, run_id, reports), int, body=[run_id, reports])
 
     def poll_work(self, instance_id: int, limit: int = 1000) -> tuple[list[Work], list[Command]]:
         """Deliver newly routed samples (with any prefix to continue from) and pending commands."""
@@ -249,16 +250,22 @@ class RolloutOps(TxMixin):
 
 
 def interrupt_running(conn: Connection, run_id: int, sample_ids: Sequence[int], epoch: int | None) -> int:
-    """Queue interrupt commands for those of the samples that are running; returns how many."""
+    """Queue interrupt commands for those of the samples that are running; returns how many.
+    A sample that is not in the run (unknown, or another run's) is NotFound, as everywhere."""
     rows = conn.execute(
         text(
-            "SELECT id, instance_id, attempt FROM samples WHERE run_id = :run AND state = 'running'"
+            "SELECT id, instance_id, attempt, state = 'running' FROM samples WHERE run_id = :run"
             " AND id = ANY(CAST(:ids AS bigint[]))"
         ),
         {"run": run_id, "ids": list(sample_ids)},
     ).all()
-    send_commands(conn, run_id, "interrupt", [tuple(r) for r in rows], epoch)
-    return len(rows)
+    found = {r[0] for r in rows}
+    missing = [sid for sid in sample_ids if sid not in found]
+    if missing:
+        raise NotFound(f"sample {missing[0]} in run {run_id}")
+    running = [tuple(r[:3]) for r in rows if r[3]]
+    send_commands(conn, run_id, "interrupt", running, epoch)
+    return len(running)
 
 
 def enqueue_prompts(conn: Connection, run, prompts: Sequence[Prompt], replacement_of: Sequence[int] | None = None) -> list[int]:

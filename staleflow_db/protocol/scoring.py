@@ -37,10 +37,14 @@ class ScoringOps(TxMixin):
             raise InvalidInput("limit must be in 1..10000")
         with self.tx() as conn:
             load_run(conn, run_id, lock=False)
+            # Lock expired claims in id order and skip rows another transaction holds (a
+            # record_rewards posting late, under the run lock): scan-order locking here
+            # deadlocked with it. A skipped row is reset by a later claim if still expired.
             conn.execute(
                 text(
-                    "UPDATE samples SET state = 'finished', reward_deadline = NULL"
-                    " WHERE run_id = :run AND state = 'scoring' AND reward_deadline <= now()"
+                    "UPDATE samples SET state = 'finished', reward_deadline = NULL WHERE id IN ("
+                    " SELECT id FROM samples WHERE run_id = :run AND state = 'scoring' AND reward_deadline <= now()"
+                    " ORDER BY id FOR UPDATE SKIP LOCKED)"
                 ),
                 {"run": run_id},
             )
@@ -70,11 +74,14 @@ class ScoringOps(TxMixin):
             "reward",
             under_run_lock(run_id, lambda rtx: rewards_in(rtx, rewards)),
             lambda stored: [GroupOutcome(**{**o, "state": GroupState(o["state"])}) for o in stored],
+            body=[run_id, rewards],
         )
 
     def abort_samples(self, run_id: int, sample_ids: Sequence[int], reason: DropReason = DropReason.USER) -> list[int]:
         """Abort members; a group that can no longer reach N live members is aborted too."""
         check_batch(sample_ids, "samples")
+        if len(set(sample_ids)) != len(sample_ids):  # counted twice, it would doom the group
+            raise InvalidInput("a sample appears twice in one abort batch")
         with self.run_tx(run_id) as rtx:
             rows = rtx.conn.execute(
                 text(

@@ -131,11 +131,13 @@ class TrainingOps(TxMixin):
         location: str | None = None,
     ) -> int:
         """Mark buffer `version` consumed and move the run to `version + 1`; returns the new
-        version. Only from the expected version and lease; a repeated publish is a no-op."""
+        version. Only from the expected version and lease. A repeated publish with the lease
+        that published (and the same checksum, when given) is a no-op; any other is 409."""
         with self.run_tx(run_id) as rtx:
             conn, run = rtx.conn, rtx.run
             if version == run.version - 1:
-                return run.version  # already published: a retry
+                self._check_replay(rtx, version, lease, checksum)
+                return run.version  # already published by this very lease: a retry
             if version != run.version:
                 raise Conflict([(version, f"run {run_id} is at version {run.version}")])
             row = conn.execute(
@@ -172,6 +174,26 @@ class TrainingOps(TxMixin):
             rtx.events.append(("published", None, None, version, None, {"version": version + 1}))
             self._move_stranded(rtx, version)
             return run.version
+
+    @staticmethod
+    def _check_replay(rtx, version: int, lease: int, checksum: str | None) -> None:
+        """A publish of the version just published is a retry only from the trainer that
+        published it: its lease is still the buffer's latest (no consume can follow a publish)
+        and its checksum the recorded one. Anyone else was fenced: answering success would let
+        a zombie trainer go on, its pushed weights no longer matching the published ones."""
+        row = rtx.conn.execute(
+            text(
+                "SELECT b.lease, p.checksum FROM buffers b LEFT JOIN param_versions p"
+                " ON p.run_id = b.run_id AND p.version = b.idx + 1 WHERE b.run_id = :run AND b.idx = :v"
+            ),
+            {"run": rtx.run.id, "v": version},
+        ).first()
+        published = version + 1
+        if row is None or row[0] != lease:
+            raise Conflict([(version, f"fenced: another trainer published version {published}"
+                                      f" (consume lease {lease}, the publishing lease was {row and row[0]})")])
+        if checksum is not None and row[1] != checksum:
+            raise Conflict([(version, f"version {published} was published with checksum {row[1]}, not {checksum}")])
 
     @staticmethod
     def _move_stranded(rtx, consumed: int) -> None:

@@ -1,0 +1,145 @@
+"""The one place protocol transactions run: join the transaction this context already has,
+else open one, and retry it whole when PostgreSQL picks it as a deadlock victim or a
+serialization failure (SQLSTATE 40P01 / 40001); plus request-id idempotency (ENGINEERING
+pattern 5), used alike by the protocol methods that take a `request_id` and by the API's
+`Idempotency-Key`.
+
+Idempotency semantics: the outcome of a keyed request is stored in the same transaction as
+its write, under the operation and a digest of the request body. The same key again returns
+the stored outcome without running anything; the same key with another body (or for another
+operation) is refused with `KeyReused` (409 `idempotency_key_reused`). A concurrent duplicate
+waits on a transaction-scoped advisory lock of the key, taken first in the transaction, and
+then replays the first one's outcome: one application, equal answers.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import random
+import time
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Any, Callable, Iterator, TypeVar
+
+from sqlalchemy import Connection, Engine, text
+from sqlalchemy.exc import DBAPIError
+
+from .errors import Conflict
+
+T = TypeVar("T")
+log = logging.getLogger("staleflow.tx")
+
+# Transient failures: the whole transaction may simply run again.
+RETRYABLE_SQLSTATES = frozenset({"40P01", "40001"})  # deadlock_detected, serialization_failure
+RETRIES = 5
+BACKOFF_S = 0.01  # base of the jittered exponential backoff
+
+_current: ContextVar[Connection | None] = ContextVar("staleflow_tx", default=None)
+
+
+class KeyReused(Conflict):
+    code = "idempotency_key_reused"
+
+
+def current() -> Connection | None:
+    """The transaction this context runs in, if any (protocol calls join it)."""
+    return _current.get()
+
+
+def is_retryable(exc: BaseException) -> bool:
+    return isinstance(exc, DBAPIError) and getattr(exc.orig, "sqlstate", None) in RETRYABLE_SQLSTATES
+
+
+def retried(attempt: Callable[[], T], retries: int = RETRIES) -> T:
+    """Call `attempt` (one whole transaction) again after a deadlock or serialization
+    failure, with jittered exponential backoff so the colliding transactions drift apart."""
+    for n in range(retries + 1):
+        try:
+            return attempt()
+        except DBAPIError as exc:
+            if not is_retryable(exc) or n == retries:
+                raise
+            log.info("transaction retried after %s (attempt %d)", exc.orig.sqlstate, n + 1)
+            time.sleep(random.uniform(0, BACKOFF_S * 2**n))
+    raise AssertionError("unreachable")
+
+
+@contextmanager
+def joined(engine: Engine) -> Iterator[Connection]:
+    """The context's transaction, or a new one that nested calls then join. No retry here
+    (a with-block cannot run twice): wrap the whole transaction in `transaction`/`retried`."""
+    outer = _current.get()
+    if outer is not None:
+        yield outer
+        return
+    with engine.begin() as conn:
+        token = _current.set(conn)
+        try:
+            yield conn
+        finally:
+            _current.reset(token)
+
+
+def transaction(engine: Engine, body: Callable[[Connection], T]) -> T:
+    """Run `body` in one transaction, retried whole on deadlock / serialization failure; joins
+    (without retrying) when this context is already inside a transaction."""
+    if _current.get() is not None:
+        return body(_current.get())
+
+    def attempt() -> T:
+        with joined(engine) as conn:
+            return body(conn)
+
+    return retried(attempt)
+
+
+def digest(body: Any) -> str:
+    """A short fingerprint of a request body (bytes, str, or JSON-serialisable data)."""
+    if isinstance(body, str):
+        body = body.encode()
+    elif not isinstance(body, bytes):
+        from .protocol.base import dumps  # dataclasses and enums as plain JSON
+
+        body = dumps(body).encode()
+    return hashlib.sha256(body).hexdigest()[:16]
+
+
+def once(
+    engine: Engine,
+    key: str | None,
+    operation: str,
+    body_digest: str,
+    call: Callable[[Connection], T],
+    encode: Callable[[T], str],
+    decode: Callable[[Any], T],
+    store: Callable[[T], bool] = lambda _: True,
+) -> tuple[T, bool]:
+    """Run `call` in one transaction together with the stored outcome of `key`; returns
+    (outcome, replayed). Outcomes `store` rejects (an empty long-poll) are not kept:
+    repeating them is harmless and they would only fill the table."""
+    op = f"{operation}#{body_digest}"
+
+    def body(conn: Connection) -> tuple[T, bool]:
+        if key is None:
+            return call(conn), False
+        # Serialize requests with this key before anything else is locked (so this lock
+        # never waits inside another lock order): a concurrent duplicate waits here and
+        # then, under READ COMMITTED, sees the first one's stored outcome.
+        conn.execute(text("SELECT pg_advisory_xact_lock(hashtextextended(:k, 7))"), {"k": key})
+        row = conn.execute(
+            text("SELECT operation, response FROM idempotency WHERE request_id = :r"), {"r": key}
+        ).first()
+        if row is not None:
+            if row[0] != op:
+                raise KeyReused([(0, f"request id {key!r} was already used for another request ({row[0].split('#')[0]})")])
+            return decode(row[1]), True
+        outcome = call(conn)
+        if store(outcome):
+            conn.execute(
+                text("INSERT INTO idempotency (request_id, operation, response) VALUES (:r, :o, CAST(:resp AS jsonb))"),
+                {"r": key, "o": op, "resp": encode(outcome)},
+            )
+        return outcome, False
+
+    return transaction(engine, body)

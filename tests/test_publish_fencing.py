@@ -1,0 +1,144 @@
+"""A trainer fenced off by another trainer's consume lease must never be told its publish
+succeeded, and the PS must serve, under a published version, only the published weights:
+the protocol (real PostgreSQL), the trainer's reaction over real HTTP, and a real PS process
+with real tensors."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from api_helpers import ApiServer, token  # noqa: E402
+from protocol_helpers import Driver  # noqa: E402
+from staleflow_db.errors import Conflict  # noqa: E402
+from test_param_server import _same, _state_dict, start_ps  # noqa: E402,F401 (fixture)
+from workers.param_server import ChecksumError, ParamServerError, state_dict_checksum  # noqa: E402
+from workers.sim_trainer import TrainerError, publish_fenced  # noqa: E402
+
+
+def _ready_buffer(d: Driver) -> None:
+    inst = d.p.register_instance(d.run, "i", 0)
+    (g,) = d.enqueue(1)
+    d.complete(d.members(g), inst)
+
+
+def test_a_fenced_trainers_replayed_publish_is_refused(engine):
+    d = Driver(engine, batch_size=1, group_size=1, eta=1)
+    _ready_buffer(d)
+    zombie = d.p.consume(d.run, 0)
+    winner = d.p.consume(d.run, 0)  # a second trainer takes the buffer over
+    assert d.p.publish(d.run, 0, winner.lease, size_bytes=10, checksum="B", location="ps://b") == 1
+    # The zombie retries "its" publish: same version, its old lease -- not a replay of its own.
+    with pytest.raises(Conflict, match="fenced: another trainer published version 1"):
+        d.p.publish(d.run, 0, zombie.lease, size_bytes=10, checksum="A", location="ps://a")
+    with pytest.raises(Conflict, match="fenced"):
+        d.p.publish(d.run, 0, zombie.lease)  # even without a checksum
+    # The winner's own retries stay no-ops; with another checksum it is not a retry.
+    assert d.p.publish(d.run, 0, winner.lease, size_bytes=10, checksum="B", location="ps://b") == 1
+    assert d.p.publish(d.run, 0, winner.lease) == 1
+    with pytest.raises(Conflict, match="checksum"):
+        d.p.publish(d.run, 0, winner.lease, checksum="C")
+    assert d.rows("SELECT version, checksum, location FROM param_versions WHERE run_id = :r") == [(1, "B", "ps://b")]
+    assert d.scalars("SELECT version FROM runs WHERE id = :r") == [1]
+
+
+def test_a_fenced_trainer_stops_with_a_clear_message_over_http(db_url, engine):
+    d = Driver(engine, batch_size=1, group_size=1, eta=1)
+    _ready_buffer(d)
+    with ApiServer(db_url) as server:
+        zombie = server.client(token(db_url, "trainer", d.run))
+        winner = server.client(token(db_url, "trainer", d.run))
+        old = zombie.consume(d.run, 0, wait=0)
+        new = winner.consume(d.run, 0, wait=0)
+        assert publish_fenced(winner, d.run, 0, new.lease, checksum="B") == 1
+        with pytest.raises(TrainerError, match="fenced: another trainer published version 1"):
+            publish_fenced(zombie, d.run, 0, old.lease, checksum="A")
+        # fenced before anyone published: the lease was lost to another consume
+        d2 = Driver(engine, name="second", batch_size=1, group_size=1, eta=1)
+        _ready_buffer(d2)
+        trainer = server.client(token(db_url, "trainer", d2.run))
+        old, new = trainer.consume(d2.run, 0, wait=0), trainer.consume(d2.run, 0, wait=0)
+        with pytest.raises(TrainerError, match="fenced: another trainer consumed buffer 0"):
+            publish_fenced(trainer, d2.run, 0, old.lease)
+        assert trainer.run_status(d2.run).version == 0
+
+
+def test_the_ps_serves_only_the_published_weights_of_a_version(start_ps):
+    ps = start_ps()
+    c = ps.client
+    zombie_sd, winner_sd = _state_dict(11), _state_dict(12)
+    zombie_sum, winner_sum = state_dict_checksum(zombie_sd), state_dict_checksum(winner_sd)
+    # The fenced trainer pushed v1 first; the winner's push of v1 replaces it (provisional).
+    assert c.push(zombie_sd, 1) == zombie_sum
+    assert c.push(winner_sd, 1) == winner_sum
+    c.commit(1, winner_sum)  # the winner published v1 with its checksum
+    assert c.latest()["committed"] is True
+    # The zombie pushes again after the publish: refused, pullers keep the published bytes.
+    with pytest.raises(ParamServerError, match="published"):
+        c.push(zombie_sd, 1)
+    with pytest.raises(ParamServerError, match="holds"):
+        c.commit(1, zombie_sum)
+    got, version, checksum = c.pull(1, checksum=winner_sum)
+    assert (version, checksum) == (1, winner_sum) and _same(got, winner_sd)
+    with pytest.raises(ChecksumError):
+        c.pull(1, checksum=zombie_sum)  # a puller naming other weights gets none
+    # A restarted PS keeps the commit.
+    ps.stop()
+    again = start_ps().client
+    with pytest.raises(ParamServerError, match="published"):
+        again.push(zombie_sd, 1)
+    got, _, checksum = again.pull()
+    assert checksum == winner_sum and _same(got, winner_sd)
+
+
+def test_a_commit_of_other_weights_makes_the_winner_push_again(start_ps):
+    """The zombie's push landed between the winner's push and its commit: the commit is
+    refused, so the winner (workers.trainer._commit_pushed) pushes again and commits."""
+    c = start_ps().client
+    winner_sd = _state_dict(21)
+    winner_sum = state_dict_checksum(winner_sd)
+    c.push(winner_sd, 1)
+    c.push(_state_dict(22), 1)  # the zombie, still provisional
+    with pytest.raises(ParamServerError, match="holds"):
+        c.commit(1, winner_sum)
+    c.push(winner_sd, 1)
+    c.commit(1, winner_sum)
+    got, _, checksum = c.pull(1)
+    assert checksum == winner_sum and _same(got, winner_sd)
+
+
+def test_a_fenced_sim_trainer_process_exits_non_zero(db_url, engine, tmp_path):
+    """`staleflow trainer --sim` consumes buffer 0 and "trains" for a while; meanwhile another
+    trainer takes the buffer over and publishes. The first one's publish is refused: it exits
+    1 with the fenced message instead of carrying on."""
+    import subprocess
+    import sys
+    import time
+
+    from api_helpers import REPO
+
+    d = Driver(engine, batch_size=1, group_size=1, eta=1)
+    _ready_buffer(d)
+    with ApiServer(db_url) as server:
+        tok = token(db_url, "trainer", d.run)
+        out = open(tmp_path / "trainer.log", "w+")
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "workers.cli", "trainer", "--run", str(d.run), "--api", server.url,
+             "--token", tok, "--sim", "--sim-overhead", "4", "--sim-s-per-token", "0", "--steps", "3"],
+            cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + 60
+            while d.scalars("SELECT lease FROM buffers WHERE run_id = :r AND idx = 0") != [1]:
+                assert proc.poll() is None and time.monotonic() < deadline, "the trainer did not consume"
+                time.sleep(0.05)
+            winner = server.client(tok)
+            batch = winner.consume(d.run, 0, wait=0)  # lease 2 fences the sim trainer
+            assert winner.publish(d.run, 0, batch.lease) == 1
+            assert proc.wait(60) == 1
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+        out.seek(0)
+        assert "fenced: another trainer published version 1" in " ".join(out.read().split())
+    assert d.scalars("SELECT version FROM runs WHERE id = :r") == [1]
