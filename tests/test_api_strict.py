@@ -45,7 +45,7 @@ def _world(engine):
     return d, inst, g, s, attempt, other, og
 
 
-def _endpoints(run: int, inst: int, group: int, sample: int, attempt: int) -> list[tuple[str, dict, list]]:
+def _endpoints(run: int, inst: int, group: int, sample: int, attempt: int, lease: str) -> list[tuple[str, dict, list]]:
     """(path, valid body, [(path into the body, kind)]) for every write endpoint with a body."""
     r = f"/v1/runs/{run}"
     return [
@@ -67,8 +67,9 @@ def _endpoints(run: int, inst: int, group: int, sample: int, attempt: int) -> li
          + [(("snapshot", k), INT) for k in ("running", "waiting", "kv_used", "kv_capacity", "routed_seen", "max_running")]
          + [(("snapshot", "throughput"), FLOAT), (("snapshot", "pulling"), BOOL),
             (("snapshot", "running_samples", 0, "sample_id"), INT), (("snapshot", "running_samples", 0, "tokens"), INT)]),
-        (f"{r}/segments", {"reports": [{"sample_id": sample, "attempt": attempt, "version": 0, "tokens": [5],
-                                        "logprobs": [-0.5], "kind": "partial"}]},
+        (f"{r}/instances/{inst}/segments", {"reports": [{"sample_id": sample, "attempt": attempt, "lease": lease,
+                                                         "version": 0, "tokens": [5], "logprobs": [-0.5],
+                                                         "kind": "partial"}]},
          [(("reports", 0, k), INT) for k in ("sample_id", "attempt", "version")]
          + [(("reports", 0, "tokens", 0), INT), (("reports", 0, "logprobs", 0), FLOAT)]),
         (f"{r}/rewards/claim", {"limit": 10, "lease_seconds": 30}, [(("limit",), INT), (("lease_seconds",), FLOAT)]),
@@ -108,7 +109,7 @@ def _get(body: dict, path: tuple):
 def test_coerced_scalars_are_refused_at_every_write_endpoint(db_url, engine):
     d, inst, group, sample, attempt, *_ = _world(engine)
     admin = create_token(engine, "admin")["token"]
-    endpoints = _endpoints(d.run, inst, group, sample, attempt)
+    endpoints = _endpoints(d.run, inst, group, sample, attempt, d.lease(sample)["lease"])
     before = fingerprint(engine)
     with ApiServer(db_url) as server, httpx.Client(base_url=server.url, timeout=30,
                                                    headers={"Authorization": f"Bearer {admin}"}) as http:
@@ -197,8 +198,9 @@ def test_documented_error_behaviours(db_url, engine):
         # prompt over max_prompt_tokens: 422; response over max_response_tokens: 413
         r = http.post(f"/v1/runs/{d.run}/prompts", json={"prompts": [{"client_key": "long", "prompt_tokens": [1] * 5}]})
         assert r.status_code == 422 and r.json()["error"]["code"] == "invalid_input"
-        r = http.post(f"/v1/runs/{d.run}/segments", json={"reports": [{
-            "sample_id": sample, "attempt": attempt, "version": 0, "tokens": [1] * 5, "logprobs": [0.0] * 5}]})
+        r = http.post(f"/v1/runs/{d.run}/instances/{inst}/segments", json={"reports": [{
+            "sample_id": sample, "attempt": attempt, "lease": d.lease(sample)["lease"], "version": 0, "tokens": [1] * 5,
+            "logprobs": [0.0] * 5}]})
         assert r.status_code == 413 and r.json()["error"]["code"] == "too_large"
         # a run-scoped admin's token with run_id null (or absent) is a token for its own run
         for body in ({"role": "rollout", "run_id": None}, {"role": "rollout"}):

@@ -52,7 +52,7 @@ def test_a_concurrent_duplicate_is_applied_once_and_answered_alike(engine):
     assert not any(isinstance(r, Exception) for r in routes), routes
     assert all(r == routes[0] for r in routes) and routes[0][0].outcome == RouteOutcome.ROUTED
     assert d.sample(s)[2] == routes[0][0].attempt == 1  # routed once: one attempt
-    rep = [Report(s, routes[0][0].attempt, 0, [3, 4], [-0.5, -0.25])]
+    rep = [Report(s, routes[0][0].attempt, 0, [3, 4], [-0.5, -0.25], **d.lease(s))]
     applied = _together(4, lambda _: d.p.report(d.run, rep, request_id="report-k"))
     assert applied == [1, 1, 1, 1]
     assert d.scalars("SELECT count(*) FROM segments") == [1]
@@ -62,11 +62,12 @@ def test_the_same_request_id_with_another_body_is_refused(engine):
     d = Driver(engine, batch_size=1, group_size=1, eta=1)
     s, inst = _routed_sample(d)
     (r,) = d.p.route(d.run, [(s, inst)], request_id="k")
-    d.p.report(d.run, [Report(s, r.attempt, 0, [3], [-0.5])], request_id="rep")
+    ident = d.lease(s)
+    d.p.report(d.run, [Report(s, r.attempt, 0, [3], [-0.5], **ident)], request_id="rep")
     with pytest.raises(KeyReused, match="already used"):
-        d.p.report(d.run, [Report(s, r.attempt, 0, [9], [-0.5])], request_id="rep")  # other tokens
+        d.p.report(d.run, [Report(s, r.attempt, 0, [9], [-0.5], **ident)], request_id="rep")  # other tokens
     with pytest.raises(KeyReused):
-        d.p.report(d.run, [Report(s, r.attempt, 0, [3], [-0.5])], request_id="k")  # another operation
+        d.p.report(d.run, [Report(s, r.attempt, 0, [3], [-0.5], **ident)], request_id="k")  # another operation
     assert d.scalars("SELECT count(*) FROM segments") == [1]
 
 

@@ -7,6 +7,7 @@ import functools
 import json
 import multiprocessing as mp
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -175,6 +176,30 @@ def test_restart_serves_the_persisted_version(start_ps):
     assert (version, got_checksum) == (3, checksum) and _same(got, sd)
     second.client.push(_state_dict(4), 4)
     assert sorted(p.name for p in (second.ready.parent / "ps").iterdir()) == ["v4.json", "v4.safetensors"]
+
+
+def test_a_client_rides_through_a_ps_restart(start_ps):
+    """A worker's client (retrying) waits while the PS is down and carries on when it is back
+    on the same address; a one-try client fails at once, and a refusal is never retried."""
+    first = start_ps()
+    sd = _state_dict(3)
+    first.client.push(sd, 3)
+    host, port = first.client.addr
+    first.stop()
+    with pytest.raises(OSError):
+        ParamClient((host, port), timeout_s=WAIT_S).latest()  # the default: one try
+    patient = ParamClient((host, port), timeout_s=WAIT_S, retry_for=WAIT_S)
+    pulled: dict = {}
+    puller = threading.Thread(target=lambda: pulled.update(zip("svc", patient.pull())))
+    puller.start()
+    time.sleep(0.5)  # the pull is now retrying against a closed port
+    assert puller.is_alive()
+    start_ps(port=port)  # the same data dir, on the same port
+    puller.join(WAIT_S)
+    assert pulled["v"] == 3 and _same(pulled["s"], sd)
+    assert patient.outage.count == 1 and not patient.outage.down
+    with pytest.raises(ParamServerError, match="not available"):
+        patient.pull(99)  # a refusal, answered at once
 
 
 def test_corrupt_file_on_disk_is_refused(tmp_path):

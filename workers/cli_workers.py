@@ -131,7 +131,8 @@ def ps_client(addr: str | None):
         raise typer.BadParameter(f"{addr!r} is not HOST:PORT", param_hint="--ps")
     from workers.param_server import ParamClient
 
-    return ParamClient((host, int(port)))
+    # Long-running workers ride through a PS restart (it reloads its versions from disk).
+    return ParamClient((host, int(port)), retry_for=None)
 
 
 def on_signals(stop: Callable[[], None], what: str) -> None:
@@ -380,11 +381,8 @@ def _first_weights(pc, wait_s: float):
     deadline = time.monotonic() + wait_s
     with console.status(f"waiting for the PS at {pc.addr[0]}:{pc.addr[1]} to serve a version"):
         while True:
-            try:
-                if pc.latest() is not None:
-                    break
-            except OSError:
-                pass  # not listening yet
+            if pc.latest() is not None:  # waits while the PS is not listening yet
+                break
             if time.monotonic() > deadline:
                 raise _fail(f"the PS at {pc.addr[0]}:{pc.addr[1]} served no version within {wait_s:.0f}s "
                             "(the trainer pushes version 0 when it starts)")

@@ -37,11 +37,14 @@ import socket
 import socketserver
 import threading
 from dataclasses import dataclass
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Mapping
+from typing import Callable, Iterator, Mapping, TypeVar
 
 import torch
 from torch.distributed import PrefixStore, ProcessGroupGloo, TCPStore
+
+from staleflow_db.retry import Outage, retrying
 
 # Layout, checksum and persistence live in param_store; its public names are re-exported
 # here so `from workers.param_server import ...` keeps working.
@@ -336,15 +339,53 @@ def _mark_committed(data_dir: Path, version: int) -> None:
 
 
 # ---- client ------------------------------------------------------------------------------
+_T = TypeVar("_T")
+
+
+class PSUnavailable(ParamServerError):
+    """The PS went away mid-request (closed the connection, or the transfer broke)."""
+
+
+def _ps_unavailable(exc: BaseException) -> bool:
+    return isinstance(exc, (OSError, PSUnavailable))
+
+
+@contextmanager
+def _transfer() -> Iterator[None]:
+    """A torch.distributed transfer that breaks because the PS died is an outage, not a bug."""
+    try:
+        yield
+    except RuntimeError as e:
+        if isinstance(e, ParamServerError):
+            raise
+        raise PSUnavailable(f"transfer broke: {e}") from e
+
+
 class ParamClient:
     """Talks to a PS at "host:port" (or (host, port)). Thread-safe: no shared state."""
 
-    def __init__(self, addr: str | tuple[str, int], timeout_s: float = 300.0):
+    def __init__(self, addr: str | tuple[str, int], timeout_s: float = 300.0, retry_for: float | None = 0.0):
+        """`retry_for`: seconds to ride through a PS that is down or restarting (connection
+        refused or lost mid-transfer), None for ever (long-running workers), 0 for one try.
+        Refusals (unknown version, checksum mismatch) are raised at once."""
         if isinstance(addr, str):
             host, port = addr.rsplit(":", 1)
             addr = (host, int(port))
         self.addr = (addr[0], int(addr[1]))
         self.timeout_s = timeout_s
+        self.retry_for = retry_for
+        self.outage = Outage(f"parameter server {self.addr[0]}:{self.addr[1]}", log)
+
+    def _call(self, fn: Callable[[], _T]) -> _T:
+        """One PS request, retried while the PS is unreachable; every request is idempotent
+        (a re-push of the same weights, a re-commit of the same checksum are no-ops)."""
+        if self.retry_for == 0:
+            return fn()
+        for attempt in retrying(self.outage, _ps_unavailable, retry_for=self.retry_for):
+            with attempt:
+                out = fn()
+        self.outage.ok()
+        return out
 
     def _connect(self, req: dict):
         sock = socket.create_connection(self.addr, timeout=self.timeout_s)
@@ -357,7 +398,7 @@ class ParamClient:
     def _read(f) -> dict:
         line = f.readline()
         if not line:
-            raise ParamServerError("PS closed the connection")
+            raise PSUnavailable("PS closed the connection")
         msg = json.loads(line)
         if "error" in msg:
             err = msg["error"]
@@ -371,6 +412,9 @@ class ParamClient:
 
     def latest(self) -> dict | None:
         """{"version", "size", "checksum", "location"} of the latest version, or None."""
+        return self._call(self._latest)
+
+    def _latest(self) -> dict | None:
         sock, f = self._connect({"op": "latest"})
         with sock, f:
             return self._read(f)["latest"]
@@ -378,6 +422,9 @@ class ParamClient:
     def commit(self, version: int, checksum: str) -> dict:
         """Tell the PS that `version` was published with `checksum`: from now on it serves only
         those weights under that number. ParamServerError if it holds other weights."""
+        return self._call(lambda: self._commit(version, checksum))
+
+    def _commit(self, version: int, checksum: str) -> dict:
         sock, f = self._connect({"op": "commit", "version": int(version), "checksum": checksum})
         with sock, f:
             return self._read(f)
@@ -385,6 +432,9 @@ class ParamClient:
     def push(self, state_dict: Mapping[str, torch.Tensor], version: int) -> str:
         """Send a new version; returns its checksum once the PS has verified, persisted and
         published it. Re-pushing the published version with the same weights is a no-op."""
+        return self._call(lambda: self._push(state_dict, version))
+
+    def _push(self, state_dict: Mapping[str, torch.Tensor], version: int) -> str:
         first = next(iter(state_dict.values()), None)
         dev = first.device if first is not None and first.is_cuda else "cpu"
         flat, metas = flatten(state_dict, dev)  # a snapshot: training may go on meanwhile
@@ -395,7 +445,8 @@ class ParamClient:
             if msg["backend"] == "gloo" and flat.is_cuda:
                 flat = flat.cpu()
             hasher = _hasher(metas)
-            _send(pg, flat, 0, on_chunk=lambda c: _update(hasher, c))
+            with _transfer():
+                _send(pg, flat, 0, on_chunk=lambda c: _update(hasher, c))
             f.write(json.dumps({"checksum": hasher.hexdigest()}).encode() + b"\n")
             f.flush()
             done = self._read(f)  # after the PS verified and persisted
@@ -408,6 +459,11 @@ class ParamClient:
         """Fetch `version` (latest if None): (state_dict, version, checksum). The tensors
         are views into one buffer. Raises ChecksumError if the bytes do not match, or if
         `checksum` (the published one) is given and the PS holds other weights."""
+        return self._call(lambda: self._pull(version, device, verify, _on_reply, checksum))
+
+    def _pull(self, version: int | None, device: str | torch.device, verify: bool,
+              _on_reply: Callable[[dict], None] | None, checksum: str | None
+              ) -> tuple[dict[str, torch.Tensor], int, str]:
         sock, f = self._connect({"op": "pull", "version": version, "checksum": checksum})
         with sock, f:
             msg = self._read(f)
@@ -418,7 +474,8 @@ class ParamClient:
             recv_dev = device if msg["backend"] == "nccl" else "cpu"
             flat = torch.empty(msg["size"], dtype=torch.uint8, device=recv_dev)
             hasher = _hasher(metas)
-            _recv(pg, flat, 0, on_chunk=(lambda c: _update(hasher, c)) if verify else None)
+            with _transfer():
+                _recv(pg, flat, 0, on_chunk=(lambda c: _update(hasher, c)) if verify else None)
             f.write(b'{"ack": true}\n')
             f.flush()
             del pg, store
