@@ -85,8 +85,6 @@ class RefInstance:
 
 
 class ReferenceProtocol:
-    _stranded = "move"
-
     def __init__(self, config: RunConfig):
         config.validate()
         self.config = config
@@ -405,15 +403,6 @@ class ReferenceProtocol:
                 g.state = GroupState.CONSUMED
         self.version += 1
         self.published[version] = dict(params or {})
-        if self._stranded == "keep":  # MEASUREMENT ONLY
-            for g in sorted((g for g in self.reserved.values() if g.reserved_buffer < self.version), key=lambda g: g.id):
-                v = g.live_version if g.live_version is not None else g.reserved_buffer
-                if v + self.config.eta < self.version:
-                    self.buffers[g.reserved_buffer].reserved -= 1
-                    g.reserved_buffer = None
-                    del self.reserved[g.id]
-                    self._drop_group(g, GroupState.ABORTED, DropReason.WINDOW_CLOSED)
-            return self.version
         # With B' > B a consumed buffer may still hold reservations: move them on or drop them.
         stranded = sorted((g for g in self.reserved.values() if g.reserved_buffer == version), key=lambda g: g.id)
         for g in stranded:
