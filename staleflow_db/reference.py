@@ -168,8 +168,7 @@ class ReferenceProtocol:
             return RouteResult(sample_id, RouteOutcome.GROUP_CLOSED)
         last = s.segments[-1].version if s.segments else None
         outcome, v, b = route_decision(
-            s.n_tokens > 0, s.v_traj, last, inst.version, g.reserved_buffer, self.buffers, self.version, self.limits,
-            group_version=g.live_version,
+            s.n_tokens > 0, s.v_traj, last, inst.version, g.reserved_buffer, self.buffers, self.version, self.limits
         )
         if outcome != RouteOutcome.ROUTED:
             return RouteResult(sample_id, RouteOutcome(outcome))

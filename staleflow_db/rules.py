@@ -204,7 +204,6 @@ def route_decision(
     buffers: Mapping[int, BufferCounts],
     version_now: int,
     limits: Limits,
-    group_version: int | None = None,
 ) -> tuple[str, int | None, int | None]:
     """Where routing one queued sample of a live group leads: (outcome, V_traj, buffer to reserve).
 
@@ -212,10 +211,10 @@ def route_decision(
     older than a V_traj it already has is refused); one with tokens keeps its V_traj and may
     only continue at a version >= its latest segment's. The group's first routed member
     reserves (admission control); later members join only if the group's buffer lies in their
-    window, and only while the group's window (from its live version `group_version` with this
-    member counted) still has a buffer that needs groups: once every buffer of it is ready,
-    the group can never land, and no more work is routed at that version (SPEC §2, abort
-    after ready). Outcomes are `RouteOutcome` values.
+    window, and only while their version's window still has a buffer that needs groups: once
+    every buffer of it is ready, no group holding a member of that version can land (every
+    buffer it could still use lies in that window), so no more work is routed at that version
+    (SPEC §2, abort after ready). Outcomes are `RouteOutcome` values.
     """
     floor = 0 if v_traj is None else max(v_traj, last_version if last_version is not None else v_traj)
     if instance_version < floor:  # V_traj only grows, and segment versions never decrease
@@ -226,7 +225,6 @@ def route_decision(
         return ("routed", v, b) if b is not None else ("not_admitted", None, None)
     if v + limits.eta < group_reserved_buffer:
         return "join_refused", None, None
-    joined = v if group_version is None else min(group_version, v)
-    if not window_has_room(buffers, joined, version_now, limits):
+    if not window_has_room(buffers, v, version_now, limits):
         return "window_ready", None, None
     return "routed", v, None

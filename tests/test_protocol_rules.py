@@ -15,6 +15,8 @@ from staleflow_db.reference import ReferenceProtocol
 from staleflow_db.types import GroupState, Report, RouteOutcome, RunConfig
 
 from protocol_helpers import Driver
+from workers.coordinator.admission import AdmissionView
+from workers.coordinator.state import QueuedSample
 
 ROUTED, WINDOW_READY = RouteOutcome.ROUTED, RouteOutcome.WINDOW_READY
 
@@ -182,7 +184,8 @@ def test_a_member_is_not_routed_at_a_version_whose_window_is_ready(side):
     """η=1, B=1, B'=2, N=1, N'=2. After step 0, G (first member at version 1) holds buffer 1,
     which becomes ready; its window [1, 2] still has room. A second member routed to an
     instance still at version 0 would make G's version 0, whose window (now just [1]) is
-    ready: SPEC §2 says stop routing work at that version, so the route is refused and G lives."""
+    ready: SPEC §2 says stop routing work at that version, so the route is refused and G lives.
+    The coordinator's admission check (same rule) predicts the refusal."""
     p = side(batch_size=1, buffer_capacity=2, group_size=1, samples_per_group=2, eta=1)
     old = p.register(0)
     x, z, p1, q, g = p.enqueue(5)
@@ -200,6 +203,11 @@ def test_a_member_is_not_routed_at_a_version_whose_window_is_ready(side):
     p.finish(ax, version=0)
     (ox,) = p.reward_all()
     assert (ox.state, ox.buffer) == (GroupState.OCCUPIED, 1)  # buffer 1 is ready now
+    if isinstance(p, RefSide):
+        ref = p.p
+        adm = AdmissionView(ref.buffers, ref.version, ref.limits, {k: x.reserved_buffer for k, x in ref.reserved.items()})
+        queued = QueuedSample(second, g, 3)
+        assert (adm.admits(queued, 0), adm.admits(queued, 1)) == (False, True)
     (r,) = p.route([second], old)
     assert r.outcome == WINDOW_READY
     assert p.abort_after_ready() == []

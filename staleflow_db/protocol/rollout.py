@@ -337,7 +337,7 @@ def route_in(rtx: RunTx, pairs: Sequence[tuple[int, int]]) -> list[RouteResult]:
             {"ids": list({s[1] for s in samples.values()})},
         ).all()
     }
-    # members of the reserved groups: their live version decides whether one more may join
+    # live members of the reserved groups: the group version after the route (min_version)
     members: dict[int, dict[int, tuple[str, int | None, int]]] = {}
     reserved = [gid for gid, g in groups.items() if g[1] == "reserved"]
     if reserved:
@@ -368,8 +368,7 @@ def route_in(rtx: RunTx, pairs: Sequence[tuple[int, int]]) -> list[RouteResult]:
         reserved_at = g[2] if g[1] == "reserved" else None
         live = members.setdefault(gid, {})
         outcome, v, b = route_decision(
-            n_tokens > 0, v_traj, last_version, inst_version, reserved_at, rtx.buffers, run.version, run.limits,
-            group_version=group_version(live.values()),
+            n_tokens > 0, v_traj, last_version, inst_version, reserved_at, rtx.buffers, run.version, run.limits
         )
         if outcome != RouteOutcome.ROUTED:
             results.append(RouteResult(sid, RouteOutcome(outcome)))
