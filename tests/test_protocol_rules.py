@@ -8,6 +8,7 @@ so these tests state what the spec expects instead.)
 from __future__ import annotations
 
 import pytest
+from sqlalchemy import text
 
 from staleflow_db.enums import SegmentKind
 from staleflow_db.errors import InvalidInput
@@ -231,6 +232,22 @@ def test_dapo_filter_with_groups_of_one_is_refused(side):
     p.finish(p.routed(p.members(g), inst))
     (o,) = p.reward_all()
     assert o.state == GroupState.FILTERED
+
+
+@pytest.mark.db
+def test_dapo_filter_with_groups_of_one_is_a_422_over_http(db_url, engine):
+    from api.auth import create_token
+    from tests.api_helpers import in_process
+
+    admin = create_token(engine, "admin")["token"]
+    with in_process(db_url) as http:
+        http.headers["Authorization"] = f"Bearer {admin}"
+        r = http.post("/v1/runs", json={"name": "dapo1", "config": {"batch_size": 2, "group_size": 1, "eta": 1,
+                                                                    "dapo_filter": True}})
+    assert r.status_code == 422, r.text
+    assert r.json()["error"]["code"] == "invalid_input" and "dapo_filter" in r.json()["error"]["message"]
+    with engine.connect() as c:
+        assert c.execute(text("SELECT count(*) FROM runs")).scalar() == 0
 
 
 # ---- rule 16: the group version is that of its live members ----------------------------------
