@@ -18,8 +18,10 @@ from .rules import (
     BufferCounts,
     Limits,
     Reservation,
+    apply_moves,
     cascade_moves,
-    occupy_target,
+    group_version,
+    occupy_plan,
     reserve_target,
     route_decision,
     window_has_room,
@@ -69,7 +71,8 @@ class RefGroup:
     sample_ids: list[int]
     state: GroupState = GroupState.QUEUED
     reserved_buffer: int | None = None
-    min_version: int | None = None  # least V_traj of any member when it was routed
+    min_version: int | None = None  # the live group version right after its latest route
+    live_version: int | None = None  # the live group version now (`rules.group_version`)
     buffer: int | None = None  # where it was occupied
     group_version: int | None = None
     reason: str | None = None
@@ -141,6 +144,8 @@ class ReferenceProtocol:
             if s.state == SampleState.RUNNING and s.instance_id == instance_id:
                 s.state, s.instance_id = SampleState.QUEUED, None
                 requeued.append(s.id)
+                if s.n_tokens == 0:
+                    self._refresh_version(self.groups[s.group_id])
         return requeued
 
     # ---- route (Reserve) -------------------------------------------------------------------
@@ -171,13 +176,13 @@ class ReferenceProtocol:
             return RouteResult(sample_id, RouteOutcome(outcome))
         if b is not None:
             self.buffers.setdefault(b, BufferCounts(b)).reserved += 1
-            g.state, g.reserved_buffer, g.min_version = GroupState.RESERVED, b, v
+            g.state, g.reserved_buffer = GroupState.RESERVED, b
             self.reserved[g.id] = g
-        else:
-            g.min_version = min(g.min_version, v)
         s.v_traj, s.state, s.instance_id = v, SampleState.RUNNING, instance_id
         s.attempt += 1
         s.lease = str(uuid.uuid4())
+        self._refresh_version(g)
+        g.min_version = g.live_version
         return RouteResult(sample_id, RouteOutcome.ROUTED, s.attempt, v, g.reserved_buffer, s.lease)
 
     # ---- segments --------------------------------------------------------------------------
@@ -214,6 +219,8 @@ class ReferenceProtocol:
                 self._finished.add(s.id)
             elif r.kind == SegmentKind.INTERRUPTED:
                 s.state, s.instance_id = SampleState.QUEUED, None
+                if s.n_tokens == 0:  # back in the queue with no trajectory: no longer pins a version
+                    self._refresh_version(self.groups[s.group_id])
 
     # ---- reward and Occupy -----------------------------------------------------------------
 
@@ -261,40 +268,70 @@ class ReferenceProtocol:
             return None
         chosen = rewarded[: self.config.group_size]
         chosen_ids = {s.id for s in chosen}
-        self._release(g)
+        # Release, place this group, and only then let other reservations move into the slot
+        # it freed: a cascade run first could take the very slot this group needs.
+        freed = self._unreserve(g)
         if self.config.dapo_filter and len({s.reward for s in chosen}) == 1:
             self._drop_group(g, GroupState.FILTERED, DropReason.FILTERED)
+            self._cascade(freed)
             replacement = self.enqueue(f"{g.client_key}~r", g.prompt, replacement_of=g.id)
             return GroupOutcome(g.id, GroupState.FILTERED, replacement=replacement)
         version = min(s.v_traj for s in chosen)
-        b = occupy_target(self.buffers, version, self.version, self.limits)
+        b, moves = occupy_plan(freed, self.buffers, self._reservations(), version, self.version, self.limits)
         if b is None:
             self._drop_group(g, GroupState.ABORTED, DropReason.NO_BUFFER)
+            self._cascade(freed)
             return GroupOutcome(g.id, GroupState.ABORTED, reason=DropReason.NO_BUFFER.value)
+        self._apply(moves)
         self.buffers.setdefault(b, BufferCounts(b)).occupied += 1
         g.state, g.buffer, g.group_version = GroupState.OCCUPIED, b, version
         for i in g.sample_ids:
             if i not in chosen_ids:
                 self._abort_sample(self.samples[i], DropReason.SURPLUS.value)
+        if not moves and b != freed:  # it landed earlier on its own: the slot it held is free now
+            self._cascade(freed)
         return GroupOutcome(g.id, GroupState.OCCUPIED, buffer=b)
 
     # ---- release, abort --------------------------------------------------------------------
 
     def _release(self, g: RefGroup) -> None:
         """Give back the group's reservation, then let earlier reservations move later."""
+        self._cascade(self._unreserve(g))
+
+    def _unreserve(self, g: RefGroup) -> int:
         b = g.reserved_buffer
         self.buffers[b].reserved -= 1
         g.reserved_buffer = None
         del self.reserved[g.id]
-        reservations = [
-            Reservation(o.id, o.reserved_buffer, o.min_version + self.config.eta) for o in self.reserved.values()
-        ]
-        for gid, _, to in cascade_moves(b, self.buffers, reservations, self.limits):
+        return b
+
+    def _reservations(self) -> list[Reservation]:
+        return [Reservation(o.id, o.reserved_buffer, o.live_version) for o in self.reserved.values()]
+
+    def _cascade(self, freed: int) -> None:
+        for gid, _, to in cascade_moves(freed, self.buffers, self._reservations(), self.limits):
             self.groups[gid].reserved_buffer = to
+
+    def _apply(self, moves: list[tuple[int, int, int]]) -> None:
+        apply_moves(self.buffers, moves)
+        for gid, _, to in moves:
+            self.groups[gid].reserved_buffer = to
+
+    def _refresh_version(self, g: RefGroup) -> None:
+        g.live_version = group_version(
+            (m.state.value, m.v_traj, m.n_tokens) for m in (self.samples[i] for i in g.sample_ids)
+        )
+
+    def group_version(self, group_id: int) -> int | None:
+        """The live group version of a group (None while no member pins one)."""
+        return self.groups[group_id].live_version
 
     def _abort_sample(self, s: RefSample, reason: str) -> None:
         if s.state not in (SampleState.ABORTED,):
             s.state, s.reason, s.instance_id = SampleState.ABORTED, reason, None
+            g = self.groups[s.group_id]
+            if g.state == GroupState.RESERVED:  # its window may widen
+                self._refresh_version(g)
 
     def _drop_group(self, g: RefGroup, state: GroupState, reason: DropReason) -> None:
         g.state, g.reason = state, reason.value
@@ -337,7 +374,8 @@ class ReferenceProtocol:
         doomed = [
             g.id
             for g in sorted(self.reserved.values(), key=lambda g: g.id)
-            if not window_has_room(self.buffers, g.min_version, self.version, self.limits)
+            if g.live_version is not None
+            and not window_has_room(self.buffers, g.live_version, self.version, self.limits)
         ]
         for gid in doomed:
             self.abort_group(gid, DropReason.WINDOW_READY)
@@ -382,7 +420,8 @@ class ReferenceProtocol:
         stranded = sorted((g for g in self.reserved.values() if g.reserved_buffer == version), key=lambda g: g.id)
         for g in stranded:
             buf.reserved -= 1
-            b = reserve_target(self.buffers, g.min_version, self.version, self.limits)
+            v = g.live_version if g.live_version is not None else self.version
+            b = reserve_target(self.buffers, v, self.version, self.limits)
             if b is None:
                 g.reserved_buffer = None
                 del self.reserved[g.id]

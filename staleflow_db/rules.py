@@ -85,11 +85,37 @@ def window_has_room(
     return False
 
 
+def pins_group_version(state: str, v_traj: int | None, n_tokens: int) -> bool:
+    """Does this member's V_traj count toward its group's version (SPEC §1: min V_traj over
+    the group's members)? Only a live member whose version can no longer change: aborted
+    members are gone, and a queued member with no tokens has no trajectory yet (routed again,
+    it takes the version of its new instance: version raise)."""
+    if v_traj is None or state == "aborted":
+        return False
+    return state != "queued" or n_tokens > 0
+
+
+def group_version(members: Iterable[tuple[str, int | None, int]]) -> int | None:
+    """The live group version from (state, V_traj, tokens) of its members; None while no
+    member pins one (then only the join rule constrains where it may still land)."""
+    return min((v for st, v, n in members if pins_group_version(st, v, n)), default=None)
+
+
 @dataclass(frozen=True)
 class Reservation:
     group_id: int
     buffer: int
-    max_buffer: int  # the group's window upper end: min member version + eta
+    version: int | None  # the live group version (`group_version`)
+
+    def window_end(self, limits: Limits) -> int:
+        """The latest buffer it may move to; a group with no pinned version stays put."""
+        return self.buffer if self.version is None else self.version + limits.eta
+
+
+def _can_give_up(buf: BufferCounts | None, limits: Limits) -> bool:
+    """A cascade never takes a reservation out of a ready (or consumed) buffer: that buffer
+    trains without it, and the slot it would leave there is of no use to anyone."""
+    return buf is not None and not buf.consumed and buf.occupied < limits.batch_size
 
 
 def cascade_moves(
@@ -101,7 +127,9 @@ def cascade_moves(
     """Moves (group_id, from, to) that keep reservations as late as possible after a release.
 
     A slot freed in buffer b is taken by the reservation in the earliest buffer before b whose
-    window still contains b; that frees a slot further back, and so on. Counters in `buffers`
+    window still contains b and which is not ready; that frees a slot further back, and so on.
+    Callers place a group that releases its reservation to Occupy *before* the cascade runs,
+    so the cascade can never take the slot the finishing group needs. Counters in `buffers`
     are updated in place; the caller persists them and the moved groups.
     """
     by_group = {r.group_id: r for r in reservations}
@@ -110,16 +138,61 @@ def cascade_moves(
     while True:
         if not _admits(buffers.get(target), limits):
             return moves
-        candidates = [r for r in by_group.values() if r.buffer < target <= r.max_buffer]
+        candidates = [
+            r
+            for r in by_group.values()
+            if r.buffer < target <= r.window_end(limits) and _can_give_up(buffers.get(r.buffer), limits)
+        ]
         if not candidates:
             return moves
         mover = min(candidates, key=lambda r: (r.buffer, r.group_id))
         source = mover.buffer
         buffers[source].reserved -= 1
         buffers[target].reserved += 1
-        by_group[mover.group_id] = Reservation(mover.group_id, target, mover.max_buffer)
+        by_group[mover.group_id] = Reservation(mover.group_id, target, mover.version)
         moves.append((mover.group_id, source, target))
         target = source
+
+
+def occupy_plan(
+    freed: int,
+    buffers: Mapping[int, BufferCounts],
+    reservations: Iterable[Reservation],
+    group_version: int,
+    version_now: int,
+    limits: Limits,
+) -> tuple[int | None, list[tuple[int, int, int]]]:
+    """Where a finishing group lands (Occupy), after it released its reservation in `freed`:
+    (buffer or None, the reservation moves that make room there).
+
+    The group is placed first. It takes the earliest buffer of its window that either has a
+    free entry, or can be given one by the cascade that starts at `freed`: reservations move
+    later one step each (never out of a ready buffer), and the group takes the slot the last
+    move it needs leaves behind (on a tie the swap wins, so the buffer the group fills never
+    keeps a reservation that could have moved on). With no move, the caller cascades from
+    `freed` once the group is placed (if it landed elsewhere). `buffers` is not changed.
+    """
+    trial = {
+        b: BufferCounts(c.index, c.occupied, c.reserved, c.consumed)
+        for b, c in buffers.items()
+        if b >= version_now
+    }
+    chain = cascade_moves(freed, trial, reservations, limits)
+    win = window(group_version, version_now, limits)
+    direct = occupy_target(buffers, group_version, version_now, limits)
+    best = None  # sources are decreasing: the last one inside the window is the earliest
+    for k, (_, source, _) in enumerate(chain):
+        if source in win:
+            best = k
+    if best is not None and (direct is None or chain[best][1] <= direct):
+        return chain[best][1], chain[: best + 1]
+    return direct, []
+
+
+def apply_moves(buffers: Mapping[int, BufferCounts], moves: Iterable[tuple[int, int, int]]) -> None:
+    for _, source, target in moves:
+        buffers[source].reserved -= 1
+        buffers[target].reserved += 1
 
 
 def route_decision(
@@ -138,7 +211,10 @@ def route_decision(
     older than a V_traj it already has is refused); one with tokens keeps its V_traj and may
     only continue at a version >= its latest segment's. The group's first routed member
     reserves (admission control); later members join only if the group's buffer lies in their
-    window. Outcomes are `RouteOutcome` values.
+    window, and only while their version's window still has a buffer that needs groups: once
+    every buffer of it is ready, no group holding a member of that version can land (every
+    buffer it could still use lies in that window), so no more work is routed at that version
+    (SPEC §2, abort after ready). Outcomes are `RouteOutcome` values.
     """
     floor = 0 if v_traj is None else max(v_traj, last_version if last_version is not None else v_traj)
     if instance_version < floor:  # V_traj only grows, and segment versions never decrease
@@ -149,4 +225,6 @@ def route_decision(
         return ("routed", v, b) if b is not None else ("not_admitted", None, None)
     if v + limits.eta < group_reserved_buffer:
         return "join_refused", None, None
+    if not window_has_room(buffers, v, version_now, limits):
+        return "window_ready", None, None
     return "routed", v, None

@@ -87,7 +87,7 @@ prompt_groups = Table(
     Column("meta", JSONB, nullable=False, server_default=text("'{}'::jsonb")),
     Column("state", group_state, nullable=False, server_default=GroupState.QUEUED.value),
     Column("reserved_buffer", Integer),
-    Column("min_version", Integer),  # least V_traj of any member when it was routed
+    Column("min_version", Integer),  # group version of its live members at its latest route (rules.group_version)
     Column("buffer", Integer),  # the buffer it was occupied in (its training step)
     Column("group_version", Integer),  # min V_traj of its N trained members
     Column("reason", Text),

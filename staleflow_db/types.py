@@ -40,6 +40,9 @@ class RunConfig:
             problems.append("buffer_capacity (B') must be >= batch_size (B)")
         if self.samples_per_group < self.group_size:
             problems.append("samples_per_group (N') must be >= group_size (N)")
+        if self.dapo_filter and self.group_size < 2:
+            # one reward is always "all equal": the filter would drop every group, nothing trains
+            problems.append("dapo_filter needs group_size (N) >= 2")
         if self.max_response_tokens < 1 or self.max_prompt_tokens < 1:
             problems.append("token limits must be >= 1")
         if problems:
@@ -54,6 +57,7 @@ class RouteOutcome(str, enum.Enum):
     NOT_ADMITTED = "not_admitted"  # admission control: no buffer of the window has room
     JOIN_REFUSED = "join_refused"  # the group's buffer is outside this member's window
     GROUP_CLOSED = "group_closed"  # the group is already occupied or dropped
+    WINDOW_READY = "window_ready"  # every buffer of the group's window is ready: no work at that version
 
 
 @dataclass

@@ -47,7 +47,7 @@ class ProtocolMachine(RuleBasedStateMachine):
     )
     def setup(self, B, extra_B, N, extra_N, eta, dapo):
         cfg = dict(batch_size=B, buffer_capacity=B + extra_B, group_size=N, samples_per_group=N + extra_N,
-                   eta=eta, dapo_filter=dapo, max_response_tokens=6)
+                   eta=eta, dapo_filter=dapo and N > 1, max_response_tokens=6)  # DAPO needs N >= 2
         self.ref = ReferenceProtocol(RunConfig(**cfg))
         self.db = Protocol(self.engine)
         self.run = self.db.create_run(f"model-{next(_runs)}", RunConfig(**cfg))

@@ -17,7 +17,7 @@ from sqlalchemy import Connection, Engine, text
 from .. import idempotency
 from ..enums import DropReason
 from ..errors import NotFound
-from ..rules import BufferCounts, Limits, Reservation, cascade_moves
+from ..rules import BufferCounts, Limits, Reservation, apply_moves, cascade_moves
 
 
 def dumps(value: Any) -> str:
@@ -106,36 +106,58 @@ class RunTx:
     # ---- reservations ----------------------------------------------------------------------
 
     def reservations(self) -> dict[int, Reservation]:
+        """The run's reservations with each group's live version, computed from its members now
+        (`rules.group_version`: aborted members and queued ones with no tokens do not count)."""
         if self._reservations is None:
             rows = self.conn.execute(
                 text(
-                    "SELECT id, reserved_buffer, min_version FROM prompt_groups"
-                    " WHERE run_id = :run AND state = 'reserved'"
+                    "SELECT g.id, g.reserved_buffer,"
+                    "  min(s.v_traj) FILTER (WHERE s.state <> 'queued' OR s.n_tokens > 0)"
+                    " FROM prompt_groups g LEFT JOIN samples s"
+                    "   ON s.group_id = g.id AND s.state <> 'aborted' AND s.v_traj IS NOT NULL"
+                    " WHERE g.run_id = :run AND g.state = 'reserved' GROUP BY g.id, g.reserved_buffer"
                 ),
                 {"run": self.run.id},
             ).all()
-            self._reservations = {g: Reservation(g, b, mv + self.run.eta) for g, b, mv in rows}
+            self._reservations = {g: Reservation(g, b, v) for g, b, v in rows}
         return self._reservations
 
-    def add_reservation(self, group_id: int, buffer: int, min_version: int) -> None:
+    def add_reservation(self, group_id: int, buffer: int, version: int | None) -> None:
         self.buffer(buffer).reserved += 1
         if self._reservations is not None:
-            self._reservations[group_id] = Reservation(group_id, buffer, min_version + self.run.eta)
+            self._reservations[group_id] = Reservation(group_id, buffer, version)
 
-    def update_reservation_window(self, group_id: int, min_version: int) -> None:
+    def set_group_version(self, group_id: int, version: int | None) -> None:
         if self._reservations is not None and group_id in self._reservations:
             r = self._reservations[group_id]
-            self._reservations[group_id] = Reservation(group_id, r.buffer, min_version + self.run.eta)
+            self._reservations[group_id] = Reservation(group_id, r.buffer, version)
 
     def release(self, group_id: int) -> None:
         """Give back a group's reservation; earlier reservations then move as late as they can."""
+        self.cascade(self.unreserve(group_id))
+
+    def unreserve(self, group_id: int) -> int:
+        """Give back a group's reservation without a cascade; returns the buffer it held. Occupy
+        places the group first and only then cascades, so no other group takes its slot."""
         res = self.reservations().pop(group_id)
         buffer = self.moved.pop(group_id, res.buffer)
         self.buffers[buffer].reserved -= 1
-        for gid, _, to in cascade_moves(buffer, self.buffers, self._reservations.values(), self.run.limits):
-            self._reservations[gid] = Reservation(gid, to, self._reservations[gid].max_buffer)
+        return buffer
+
+    def cascade(self, freed: int) -> None:
+        """Earlier reservations move into the slot freed in buffer `freed` (`rules.cascade_moves`)."""
+        self._record_moves(cascade_moves(freed, self.buffers, self.reservations().values(), self.run.limits))
+
+    def apply_moves(self, moves: Sequence[tuple[int, int, int]]) -> None:
+        """Apply reservation moves planned on a copy of the counters (`rules.occupy_plan`)."""
+        apply_moves(self.buffers, moves)
+        self._record_moves(moves)
+
+    def _record_moves(self, moves: Sequence[tuple[int, int, int]]) -> None:
+        for gid, source, to in moves:
+            self._reservations[gid] = Reservation(gid, to, self._reservations[gid].version)
             self.moved[gid] = to
-            self.events.append(("reservation_moved", None, gid, to, None, None))
+            self.events.append(("reservation_moved", None, gid, to, None, {"from": source}))
 
     def reserved_buffer(self, group_id: int) -> int:
         return self.reservations()[group_id].buffer

@@ -11,7 +11,7 @@ from sqlalchemy import Connection, text
 from sqlalchemy.exc import IntegrityError
 
 from ..errors import Conflict, InvalidInput, NotFound, TooLarge
-from ..rules import route_decision
+from ..rules import group_version, route_decision
 from ..types import Report, RouteOutcome, RouteResult, RunConfig
 from .base import RunTx, TxMixin, load_run, log_events, response_so_far, send_commands, under_run_lock
 from .fencing import check_live, report_in
@@ -370,6 +370,18 @@ def route_in(rtx: RunTx, pairs: Sequence[tuple[int, int]]) -> list[RouteResult]:
             {"ids": list({s[1] for s in samples.values()})},
         ).all()
     }
+    # live members of the reserved groups: the group version after the route (min_version)
+    members: dict[int, dict[int, tuple[str, int | None, int]]] = {}
+    reserved = [gid for gid, g in groups.items() if g[1] == "reserved"]
+    if reserved:
+        for m, gid, st, v, n in conn.execute(
+            text(
+                "SELECT id, group_id, state::text, v_traj, n_tokens FROM samples"
+                " WHERE group_id = ANY(CAST(:g AS bigint[])) AND state <> 'aborted' AND v_traj IS NOT NULL"
+            ),
+            {"g": reserved},
+        ).all():
+            members.setdefault(gid, {})[m] = (st, v, n)
     results, routed, touched = [], [], set()
     for sid, iid in pairs:
         _, gid, state, v_traj, n_tokens, last_version = samples[sid]
@@ -387,17 +399,21 @@ def route_in(rtx: RunTx, pairs: Sequence[tuple[int, int]]) -> list[RouteResult]:
         # the group rows (locked above) carry the reservation: route moves none, so no need to
         # read all of the run's reservations inside the serial section
         reserved_at = g[2] if g[1] == "reserved" else None
-        outcome, v, b = route_decision(n_tokens > 0, v_traj, last_version, inst_version, reserved_at, rtx.buffers, run.version, run.limits)
+        live = members.setdefault(gid, {})
+        outcome, v, b = route_decision(
+            n_tokens > 0, v_traj, last_version, inst_version, reserved_at, rtx.buffers, run.version, run.limits
+        )
         if outcome != RouteOutcome.ROUTED:
             results.append(RouteResult(sid, RouteOutcome(outcome)))
             continue
+        live[sid] = ("running", v, n_tokens)
+        g[3] = group_version(live.values())  # raised if this member was the oldest (version raise)
         if b is not None:
-            g[1], g[2], g[3] = "reserved", b, v
-            rtx.add_reservation(gid, b, v)
+            g[1], g[2] = "reserved", b
+            rtx.add_reservation(gid, b, g[3])
             rtx.events.append(("group_reserved", None, gid, b, None, {"version": v}))
         else:
-            g[3] = min(g[3], v)
-            rtx.update_reservation_window(gid, g[3])
+            rtx.set_group_version(gid, g[3])
         touched.add(gid)
         routed.append((sid, v, iid))
         results.append(RouteResult(sid, RouteOutcome.ROUTED, None, v, g[2]))

@@ -12,7 +12,7 @@ from sqlalchemy import text
 
 from ..enums import DropReason
 from ..errors import Conflict, InvalidInput, NotFound
-from ..rules import occupy_target, window_has_room
+from ..rules import occupy_plan, window_has_room
 from ..enums import GroupState
 from ..types import GroupOutcome
 from .base import RunTx, TxMixin, abort_samples_where, load_run, response_so_far, under_run_lock
@@ -131,13 +131,14 @@ class ScoringOps(TxMixin):
             return True
 
     def abort_after_ready(self, run_id: int) -> list[int]:
-        """With redundancy: reserved groups whose whole window is ready can never land; drop them."""
+        """With redundancy: reserved groups whose whole window is ready can never land; drop them.
+        The window is that of the group's live version (its members now, not every routing ever)."""
         with self.run_tx(run_id) as rtx:
             run = rtx.run
             doomed = sorted(
                 gid
                 for gid, r in rtx.reservations().items()
-                if not window_has_room(rtx.buffers, r.max_buffer - run.eta, run.version, run.limits)
+                if r.version is not None and not window_has_room(rtx.buffers, r.version, run.version, run.limits)
             )
             rtx.drop_groups(doomed, "aborted", DropReason.WINDOW_READY)
             return doomed
@@ -209,24 +210,31 @@ def occupy_ready_groups(rtx: RunTx, group_ids: list[int]) -> list[GroupOutcome]:
         if state != "reserved" or len(rewarded) < run.group_size:
             continue
         chosen = rewarded[: run.group_size]
-        rtx.release(gid)
+        # Release, place this group, and only then let other reservations move into the slot
+        # it freed: a cascade run first could take the very slot this group needs.
+        freed = rtx.unreserve(gid)
         if run.dapo_filter and len({m[3] for m in chosen}) == 1:
             rtx.drop_groups([gid], "filtered", DropReason.FILTERED)
+            rtx.cascade(freed)
             (replacement,) = enqueue_prompts(conn, run, [Prompt(f"{key}~r", list(prompt), meta)], replacement_of=[gid])
             outcomes.append(GroupOutcome(gid, GroupState.FILTERED, replacement=replacement))
             continue
         version = min(m[2] for m in chosen)
-        b = occupy_target(rtx.buffers, version, run.version, run.limits)
+        b, moves = occupy_plan(freed, rtx.buffers, rtx.reservations().values(), version, run.version, run.limits)
         if b is None:
             rtx.drop_groups([gid], "aborted", DropReason.NO_BUFFER)
+            rtx.cascade(freed)
             outcomes.append(GroupOutcome(gid, GroupState.ABORTED, reason=DropReason.NO_BUFFER.value))
             continue
+        rtx.apply_moves(moves)
         rtx.buffer(b).occupied += 1
         occupied.append((gid, b, version))
         rtx.events.append(("group_occupied", None, gid, b, None, {"version": version}))
         chosen_ids = {m[0] for m in chosen}
         surplus = [m[0] for m in members[gid] if m[0] not in chosen_ids and m[1] != "aborted"]
         abort_samples_where(conn, run.id, "id", surplus, DropReason.SURPLUS.value, rtx.events)
+        if not moves and b != freed:  # it landed earlier on its own: the slot it held is free now
+            rtx.cascade(freed)
         outcomes.append(GroupOutcome(gid, GroupState.OCCUPIED, buffer=b))
     if occupied:  # one statement, not one per group: this runs under the run lock
         conn.execute(

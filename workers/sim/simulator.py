@@ -204,14 +204,15 @@ class Simulator:
         p = self.p
         if self.train_until is not None and self.now >= self.train_until - 1e-9:
             v, lease, _ = self.train_batch
+            in_flight = list(p.reserved)
             p.publish(v, lease)
             self.publish_times.append(self.now)
             self.train_until = self.train_batch = None
             doomed = p.abort_after_ready()
             if doomed:
                 self._drop_aborted(doomed)
-            # consumed buffers can strand reservations (B' > B): those groups may be aborted
-            stranded = [gid for gid, g in p.groups.items() if g.state == GroupState.ABORTED and gid in self.fresh_groups]
+            # consumed buffers can strand reservations (B' > B): publish may abort those groups
+            stranded = [gid for gid in in_flight if p.groups[gid].state == GroupState.ABORTED]
             if stranded:
                 self._drop_aborted(stranded)
             if self.check_every_step:
