@@ -29,7 +29,7 @@ class DbSide(Driver):
         return self.p.register_instance(self.run, "i", version)
 
     def interrupt_empty(self, sid: int, attempt: int, version: int) -> None:
-        self.p.report(self.run, [Report(sid, attempt, version, [], [], SegmentKind.INTERRUPTED)])
+        self.p.report(self.run, [Report(sid, attempt, version, [], [], SegmentKind.INTERRUPTED, **self.lease(sid))])
 
     def abort_after_ready(self) -> list[int]:
         return self.p.abort_after_ready(self.run)
@@ -73,10 +73,14 @@ class RefSide:
         return {r.sample_id: r.attempt for r in results}
 
     def finish(self, attempts: dict[int, int], version: int = 0) -> None:
-        self.p.report([Report(s, a, version, [7, 8], [-0.5, -0.5]) for s, a in attempts.items()])
+        self.p.report([Report(s, a, version, [7, 8], [-0.5, -0.5], **self._ident(s)) for s, a in attempts.items()])
+
+    def _ident(self, sid: int) -> dict:
+        s = self.p.samples[sid]  # the identity the instance got with the work
+        return {"instance_id": s.instance_id, "lease": s.lease}
 
     def interrupt_empty(self, sid: int, attempt: int, version: int) -> None:
-        self.p.report([Report(sid, attempt, version, [], [], SegmentKind.INTERRUPTED)])
+        self.p.report([Report(sid, attempt, version, [], [], SegmentKind.INTERRUPTED, **self._ident(sid))])
 
     def reward_all(self, reward: float = 1.0):
         return self.p.record_rewards([(s, a, reward) for s, a in self.p.claim_rewards(1000)])
