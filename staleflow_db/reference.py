@@ -18,6 +18,7 @@ from .rules import (
     BufferCounts,
     Limits,
     Reservation,
+    replacement_key,
     apply_moves,
     cascade_moves,
     group_version,
@@ -105,6 +106,8 @@ class ReferenceProtocol:
     # ---- prompts and instances -------------------------------------------------------------
 
     def enqueue(self, client_key: str, prompt: list[int], replacement_of: int | None = None) -> int:
+        if replacement_of is None and client_key.startswith("~"):
+            raise InvalidInput(f"client_key {client_key!r}: keys starting with '~' are reserved for replacements")
         if client_key in self.keys:
             return self.keys[client_key]
         if not prompt or len(prompt) > self.config.max_prompt_tokens:
@@ -274,7 +277,7 @@ class ReferenceProtocol:
         if self.config.dapo_filter and len({s.reward for s in chosen}) == 1:
             self._drop_group(g, GroupState.FILTERED, DropReason.FILTERED)
             self._cascade(freed)
-            replacement = self.enqueue(f"{g.client_key}~r", g.prompt, replacement_of=g.id)
+            replacement = self.enqueue(replacement_key(g.client_key), g.prompt, replacement_of=g.id)
             return GroupOutcome(g.id, GroupState.FILTERED, replacement=replacement)
         version = min(s.v_traj for s in chosen)
         b, moves = occupy_plan(freed, self.buffers, self._reservations(), version, self.version, self.limits)

@@ -228,3 +228,20 @@ def route_decision(
     if not window_has_room(buffers, v, version_now, limits):
         return "window_ready", None, None
     return "routed", v, None
+
+
+REPLACEMENT_PREFIX = "~r"  # client keys may not start with "~": replacements own that namespace
+
+
+def replacement_key(client_key: str) -> str:
+    """The key of the prompt that replaces a filtered group: `~r<depth>:<original key>`.
+
+    Unique without a lookup (a group is filtered at most once, and clients may not use the
+    `~` prefix), bounded in length however often a prompt is replaced, and the same in the
+    database and the reference model. `{key}~r` was not: a client key of that form made the
+    replacement's insert a no-op, and the filtered prompt was silently lost."""
+    depth, root = 0, client_key
+    if client_key.startswith(REPLACEMENT_PREFIX) and ":" in client_key:
+        head, root = client_key[len(REPLACEMENT_PREFIX):].split(":", 1)
+        depth = int(head) if head.isdigit() else 0
+    return f"{REPLACEMENT_PREFIX}{depth + 1}:{root}"

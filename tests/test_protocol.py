@@ -293,13 +293,28 @@ def test_dapo_filter_drops_uniform_groups_and_enqueues_a_replacement(engine):
     assert d.buffers() == {1: (0, 0)}  # the reservation was released
     key, prompt, origin = d.one("SELECT client_key, prompt_tokens, replacement_of FROM prompt_groups WHERE id = :g",
                                 g=outcome.replacement)
-    assert (key, prompt, origin) == ("k0~r", [1, 2, 3], g)
+    assert (key, prompt, origin) == ("~r1:k0", [1, 2, 3], g)
     m = d.members(outcome.replacement)
     att = d.routed(m, inst)
     d.finish(att)
     tasks = d.p.claim_rewards(d.run, 10)
     (o,) = d.p.record_rewards(d.run, [(t.sample_id, t.reward_attempt, float(i)) for i, t in enumerate(tasks)])
     assert o.state == GroupState.OCCUPIED
+
+
+def test_a_replacement_never_collides_with_a_client_key(engine):
+    """The old replacement key `{key}~r` could already be a client's key: the insert was a
+    no-op and the filtered prompt was lost (the replacement named the client's group)."""
+    d = Driver(engine, batch_size=1, group_size=2, eta=1, dapo_filter=True)
+    inst = d.p.register_instance(d.run, "i", 0)
+    q, lookalike = d.p.enqueue(d.run, [Prompt("q", [1, 2]), Prompt("q~r", [9, 9])])
+    (outcome,) = d.complete(d.members(q), inst, reward=1.0)
+    assert outcome.state == GroupState.FILTERED and outcome.replacement not in (q, lookalike)
+    assert d.one("SELECT client_key, prompt_tokens, replacement_of FROM prompt_groups WHERE id = :g",
+                 g=outcome.replacement) == ("~r1:q", [1, 2], q)
+    with pytest.raises(InvalidInput, match="reserved for replacements"):
+        d.p.enqueue(d.run, [Prompt("~r2:q", [1])])  # the namespace is the protocol's
+    assert d.violations() == []
 
 
 def test_abort_samples_and_groups(engine):

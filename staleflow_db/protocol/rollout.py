@@ -272,6 +272,8 @@ def enqueue_prompts(conn: Connection, run, prompts: Sequence[Prompt], replacemen
     for p in prompts:
         if not p.client_key or len(p.client_key) > 500:
             raise InvalidInput("client_key must have 1..500 characters")
+        if replacement_of is None and p.client_key.startswith("~"):
+            raise InvalidInput(f"client_key {p.client_key!r}: keys starting with '~' are reserved for replacements")
         if not 1 <= len(p.prompt_tokens) <= run.max_prompt_tokens:
             raise InvalidInput(f"prompt {p.client_key!r}: {len(p.prompt_tokens)} tokens (allowed 1..{run.max_prompt_tokens})")
         if any(not isinstance(t, int) or t < 0 or t >= 2**31 for t in p.prompt_tokens):
