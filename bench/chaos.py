@@ -51,16 +51,22 @@ KINDS = ("api", "coordinator", "rollout", "reward", "trainer", "ps")
 SIM_MAX_RESPONSE = 64
 
 
+def prompts(args: argparse.Namespace, start: int, n: int) -> list[Prompt]:
+    """Prompts start..start+n-1 of the run's data set (keys are stable, so a retried enqueue
+    is idempotent)."""
+    if args.engine == "sim":  # the sim engine reads each group's length distribution from its prompt
+        return [Prompt(f"sim-{i}", encode_prompt(8, 8 + i % 24, 0.5)) for i in range(start, start + n)]
+    made = RepeatTask().prompts(start + n, seed=args.seed, prefix="chaos")[start:]
+    return [Prompt(k, t, m) for k, t, m in made]
+
+
 def build(args: argparse.Namespace, report: Path, url: str, engine) -> tuple[Supervisor, int, dict[str, Any]]:
     task, sim = RepeatTask(), args.engine == "sim"
     p = Protocol(engine)
     run = p.create_run(f"chaos-{report.name}", RunConfig(
         batch_size=args.batch, group_size=args.group, eta=args.eta, dapo_filter=True,
         max_response_tokens=SIM_MAX_RESPONSE if sim else task.max_response, max_prompt_tokens=16))
-    if sim:  # the sim engine reads each group's length distribution from its prompt
-        p.enqueue(run, [Prompt(f"sim-{i}", encode_prompt(8, 8 + i % 24, 0.5)) for i in range(args.prompts)])
-    else:
-        p.enqueue(run, [Prompt(k, t, m) for k, t, m in task.prompts(args.prompts, seed=args.seed, prefix="chaos")])
+    p.enqueue(run, prompts(args, 0, args.prompts))
     tokens = {r: create_token(engine, r, run)["token"] for r in ("trainer", "rollout", "reward")}
     mc = json.dumps({"vocab_size": task.vocab_size, **MODEL, "max_seq": 8 + task.max_response, "eos_token_id": 0})
     apis = [f"http://127.0.0.1:{free_port()}" for _ in range(2)]
@@ -134,6 +140,7 @@ class Chaos:
         self.db_restarts: list[str] = []
         self.events: list[str] = []
         self.last_v = 0
+        self.fed = args.prompts  # prompts enqueued so far
         self.shown = time.monotonic()
 
     def log(self, msg: str) -> None:
@@ -146,9 +153,24 @@ class Chaos:
         v = version(self.engine, self.run)
         if v is not None:
             self.last_v = v
+            self.feed()
         if time.monotonic() - self.shown > 10:
             self.shown = time.monotonic()
             console.print(f"[dim]{time.strftime('%H:%M:%S')}[/dim] {self.progress()}")
+
+    def feed(self) -> None:
+        """Keep prompts queued, as a data loader would: the run must never stall for want of
+        work, however fast it trains between kills."""
+        try:
+            with self.engine.connect() as c:
+                queued = c.execute(text("SELECT count(*) FROM prompt_groups WHERE run_id = :r AND state = 'queued'"),
+                                   {"r": self.run}).scalar()
+            if queued < self.args.batch * (self.args.eta + 2):
+                n = self.args.batch * 8
+                Protocol(self.engine).enqueue(self.run, prompts(self.args, self.fed, n))
+                self.fed += n
+        except Exception:  # noqa: BLE001 - the database may be down on purpose; next tick
+            pass
 
     def sleep(self, seconds: float) -> None:
         end = time.monotonic() + seconds
