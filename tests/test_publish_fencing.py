@@ -108,6 +108,54 @@ def test_a_commit_of_other_weights_makes_the_winner_push_again(start_ps):
     assert checksum == winner_sum and _same(got, winner_sd)
 
 
+def test_a_plain_pull_gets_only_committed_weights(start_ps):
+    """Between a push and its commit the pushed version is provisional (perhaps a zombie's):
+    a pull that names no checksum gets the latest committed version, never the provisional
+    one -- also from a restarted PS -- and gets the new version once it is committed."""
+    c = start_ps().client
+    c.push(_state_dict(30), 0)
+    with pytest.raises(ParamServerError, match="latest committed None"):
+        c.pull()  # pushed, never committed: nothing to serve yet
+    c.commit(0, state_dict_checksum(_state_dict(30)))
+    winner_sd, zombie_sd = _state_dict(31), _state_dict(32)
+    winner_sum = state_dict_checksum(winner_sd)
+    c.push(winner_sd, 1)
+    c.push(zombie_sd, 1)  # the zombie replaces the provisional v1 before the winner's commit
+    got, version, _ = c.pull()
+    assert version == 0 and _same(got, _state_dict(30))
+    with pytest.raises(ParamServerError, match="not committed"):
+        c.pull(1)
+    with pytest.raises(ChecksumError):
+        c.pull(1, checksum=winner_sum)  # a puller naming the published checksum gets none either
+    with pytest.raises(ParamServerError, match="holds"):
+        c.commit(1, winner_sum)
+    c.push(winner_sd, 1)  # workers.trainer._commit_pushed: push again, then commit
+    got, version, checksum = c.pull(1, checksum=winner_sum)  # provisional, but the published bytes
+    assert (version, checksum) == (1, winner_sum) and _same(got, winner_sd)
+    got, version, _ = c.pull()
+    assert version == 0  # still not committed
+    c.commit(1, winner_sum)
+    for version_asked in (None, 1):
+        got, version, checksum = c.pull(version_asked)
+        assert (version, checksum) == (1, winner_sum) and _same(got, winner_sd)
+
+
+def test_a_restarted_ps_keeps_serving_the_committed_version_beside_a_provisional_one(start_ps):
+    first = start_ps()
+    c = first.client
+    c.commit(1, c.push(_state_dict(41), 1))
+    c.push(_state_dict(42), 2)  # provisional when the PS goes down
+    first.stop()
+    again = start_ps().client
+    assert again.latest()["version"] == 2 and not again.latest()["committed"]
+    got, version, _ = again.pull()
+    assert version == 1 and _same(got, _state_dict(41))
+    again.commit(2, state_dict_checksum(_state_dict(42)))
+    got, version, _ = again.pull()
+    assert version == 2 and _same(got, _state_dict(42))
+    assert sorted(p.name for p in (first.ready.parent / "ps").iterdir()) == ["v2.json", "v2.safetensors"]
+
+
 def test_a_fenced_sim_trainer_process_exits_non_zero(db_url, engine, tmp_path):
     """`staleflow trainer --sim` consumes buffer 0 and "trains" for a while; meanwhile another
     trainer takes the buffer over and publishes. The first one's publish is refused: it exits
