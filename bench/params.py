@@ -77,8 +77,10 @@ def bench_size(client: ParamClient, size_mb: int, repeat: int, version: int) -> 
         times["memcpy"].append(timed(lambda: {k: t.clone() for k, t in sd.items()}))
         progress(f"[{size_mb} MB] {r + 1}/{repeat} memcpy {times['memcpy'][-1]:.3f}s")
         version += 1
-        times["push"].append(timed(lambda: client.push(sd, version)))
+        pushed = {}
+        times["push"].append(timed(lambda: pushed.update(checksum=client.push(sd, version))))
         progress(f"[{size_mb} MB] {r + 1}/{repeat} push   {times['push'][-1]:.3f}s (v{version})")
+        client.commit(version, pushed["checksum"])  # as the trainer does: plain pulls get committed weights only
         times["pull"].append(timed(lambda: client.pull(verify=False)))
         progress(f"[{size_mb} MB] {r + 1}/{repeat} pull   {times['pull'][-1]:.3f}s")
         holder = {}

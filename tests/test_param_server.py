@@ -42,6 +42,13 @@ def _same(a: dict, b: dict) -> bool:
         a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in a)
 
 
+def _publish(c: ParamClient, sd: dict, version: int) -> str:
+    """What the trainer does: push, (publish in the database), commit the checksum."""
+    checksum = c.push(sd, version)
+    c.commit(version, checksum)
+    return checksum
+
+
 def _record_published(path: str, version: int, size: int, checksum: str, location: str) -> None:
     with open(path, "a") as f:
         f.write(json.dumps([version, size, checksum, location]) + "\n")
@@ -105,7 +112,7 @@ def test_push_pull_roundtrip_persists_and_notifies(start_ps, tmp_path):
     with pytest.raises(ParamServerError, match="not available"):
         c.pull()
     sd = _state_dict(1)
-    checksum = c.push(sd, 1)
+    checksum = _publish(c, sd, 1)
     assert checksum == state_dict_checksum(sd)
     got, version, got_checksum = c.pull()
     assert (version, got_checksum) == (1, checksum) and _same(got, sd)
@@ -115,7 +122,7 @@ def test_push_pull_roundtrip_persists_and_notifies(start_ps, tmp_path):
     # the PS's file is plain safetensors; the JSON beside it records the same facts
     assert _same(load_file(latest["location"]), sd)
     side = json.loads((Path(latest["location"]).with_suffix(".json")).read_text())
-    assert side == {"version": 1, "size": size, "checksum": checksum, "file": "v1.safetensors"}
+    assert side == {"version": 1, "size": size, "checksum": checksum, "file": "v1.safetensors", "committed": True}
     assert [json.loads(x) for x in log.read_text().splitlines()] == [[1, size, checksum, latest["location"]]]
 
 
@@ -134,13 +141,13 @@ def test_versions_only_move_forward(start_ps):
 def test_two_concurrent_pulls_of_two_versions(start_ps):
     ps = start_ps()
     c = ps.client
-    c.push(_state_dict(1), 1)
+    _publish(c, _state_dict(1), 1)
     replied, go, out = SPAWN.Event(), SPAWN.Event(), SPAWN.Queue()
     child = SPAWN.Process(target=_pull_held, args=(c.addr, 1, replied, go, out))
     child.start()
     try:
         assert replied.wait(WAIT_S)  # v1 is now being pulled by the child
-        c.push(_state_dict(2), 2)
+        _publish(c, _state_dict(2), 2)
         sd2, v, _ = c.pull()  # latest, while the child's pull of v1 is in flight
         assert v == 2 and _same(sd2, _state_dict(2))
         sd1, v, _ = c.pull(1)  # v1 kept: a pull of it is in flight
@@ -158,7 +165,7 @@ def test_two_concurrent_pulls_of_two_versions(start_ps):
 def test_tampered_transfer_is_detected(start_ps):
     c = start_ps(_tamper_pulls=True).client
     sd = _state_dict(5)
-    c.push(sd, 5)
+    _publish(c, sd, 5)
     with pytest.raises(ChecksumError):
         c.pull()
     got, _, _ = c.pull(verify=False)  # the bytes really differ
@@ -168,13 +175,13 @@ def test_tampered_transfer_is_detected(start_ps):
 def test_restart_serves_the_persisted_version(start_ps):
     first = start_ps()
     sd = _state_dict(3)
-    checksum = first.client.push(sd, 3)
+    checksum = _publish(first.client, sd, 3)
     first.stop()
     second = start_ps()  # no trainer involved: straight from disk
     assert second.client.latest()["checksum"] == checksum
     got, version, got_checksum = second.client.pull()
     assert (version, got_checksum) == (3, checksum) and _same(got, sd)
-    second.client.push(_state_dict(4), 4)
+    _publish(second.client, _state_dict(4), 4)
     assert sorted(p.name for p in (second.ready.parent / "ps").iterdir()) == ["v4.json", "v4.safetensors"]
 
 
@@ -183,7 +190,7 @@ def test_a_client_rides_through_a_ps_restart(start_ps):
     on the same address; a one-try client fails at once, and a refusal is never retried."""
     first = start_ps()
     sd = _state_dict(3)
-    first.client.push(sd, 3)
+    _publish(first.client, sd, 3)
     host, port = first.client.addr
     first.stop()
     with pytest.raises(OSError):
@@ -221,7 +228,7 @@ def test_engine_runs_on_pulled_weights(start_ps):
     """Trainer -> PS -> rollout instance: what an instance pulls is the pushed model."""
     cfg = TinyConfig(vocab_size=32, d_model=16, n_layers=1, n_heads=2, max_seq=32)
     c = start_ps().client
-    c.push(TinyTransformer(cfg, seed=11).state_dict(), 1)
+    _publish(c, TinyTransformer(cfg, seed=11).state_dict(), 1)
     sd, version, _ = c.pull()
     pulled, trained = TorchEngine(cfg, model_seed=0), TorchEngine(cfg, model_seed=11)
     pulled.load_weights(sd, version)

@@ -108,6 +108,54 @@ def test_a_commit_of_other_weights_makes_the_winner_push_again(start_ps):
     assert checksum == winner_sum and _same(got, winner_sd)
 
 
+def test_a_plain_pull_gets_only_committed_weights(start_ps):
+    """Between a push and its commit the pushed version is provisional (perhaps a zombie's):
+    a pull that names no checksum gets the latest committed version, never the provisional
+    one -- also from a restarted PS -- and gets the new version once it is committed."""
+    c = start_ps().client
+    c.push(_state_dict(30), 0)
+    with pytest.raises(ParamServerError, match="latest committed None"):
+        c.pull()  # pushed, never committed: nothing to serve yet
+    c.commit(0, state_dict_checksum(_state_dict(30)))
+    winner_sd, zombie_sd = _state_dict(31), _state_dict(32)
+    winner_sum = state_dict_checksum(winner_sd)
+    c.push(winner_sd, 1)
+    c.push(zombie_sd, 1)  # the zombie replaces the provisional v1 before the winner's commit
+    got, version, _ = c.pull()
+    assert version == 0 and _same(got, _state_dict(30))
+    with pytest.raises(ParamServerError, match="not committed"):
+        c.pull(1)
+    with pytest.raises(ChecksumError):
+        c.pull(1, checksum=winner_sum)  # a puller naming the published checksum gets none either
+    with pytest.raises(ParamServerError, match="holds"):
+        c.commit(1, winner_sum)
+    c.push(winner_sd, 1)  # workers.trainer._commit_pushed: push again, then commit
+    got, version, checksum = c.pull(1, checksum=winner_sum)  # provisional, but the published bytes
+    assert (version, checksum) == (1, winner_sum) and _same(got, winner_sd)
+    got, version, _ = c.pull()
+    assert version == 0  # still not committed
+    c.commit(1, winner_sum)
+    for version_asked in (None, 1):
+        got, version, checksum = c.pull(version_asked)
+        assert (version, checksum) == (1, winner_sum) and _same(got, winner_sd)
+
+
+def test_a_restarted_ps_keeps_serving_the_committed_version_beside_a_provisional_one(start_ps):
+    first = start_ps()
+    c = first.client
+    c.commit(1, c.push(_state_dict(41), 1))
+    c.push(_state_dict(42), 2)  # provisional when the PS goes down
+    first.stop()
+    again = start_ps().client
+    assert again.latest()["version"] == 2 and not again.latest()["committed"]
+    got, version, _ = again.pull()
+    assert version == 1 and _same(got, _state_dict(41))
+    again.commit(2, state_dict_checksum(_state_dict(42)))
+    got, version, _ = again.pull()
+    assert version == 2 and _same(got, _state_dict(42))
+    assert sorted(p.name for p in (first.ready.parent / "ps").iterdir()) == ["v2.json", "v2.safetensors"]
+
+
 def test_a_fenced_sim_trainer_process_exits_non_zero(db_url, engine, tmp_path):
     """`staleflow trainer --sim` consumes buffer 0 and "trains" for a while; meanwhile another
     trainer takes the buffer over and publishes. The first one's publish is refused: it exits
@@ -142,3 +190,64 @@ def test_a_fenced_sim_trainer_process_exits_non_zero(db_url, engine, tmp_path):
         out.seek(0)
         assert "fenced: another trainer published version 1" in " ".join(out.read().split())
     assert d.scalars("SELECT version FROM runs WHERE id = :r") == [1]
+
+
+def test_a_rollout_workers_pull_lands_on_the_committed_checksum(db_url, engine, start_ps):
+    """Run at version 1, published with the winner's checksum; on the PS a zombie's push has
+    replaced the winner's provisional v1 before the winner's commit. A rollout worker told
+    to pull v1 (real API, real PS, the CLI worker's weight source) keeps the committed v0;
+    after the commit the same command loads exactly the published weights."""
+    import threading
+    import time
+
+    from workers.cli_workers import _pull, ps_client
+    from workers.engines.tiny_model import TinyConfig, TinyTransformer
+    from workers.engines.torch_engine import TorchEngine
+    from workers.rollout_worker import RolloutWorker
+
+    cfg = TinyConfig(vocab_size=32, d_model=16, n_layers=1, n_heads=2, max_seq=64)
+    v0, winner, zombie = (TinyTransformer(cfg, seed=s).state_dict() for s in (0, 1, 2))
+    c = start_ps().client
+    c.commit(0, c.push(v0, 0))
+    winner_sum = c.push(winner, 1)
+    c.push(zombie, 1)
+    d = Driver(engine, batch_size=1, group_size=1, eta=1)
+    _ready_buffer(d)
+    assert d.p.publish(d.run, 0, d.p.consume(d.run, 0).lease, size_bytes=1, checksum=winner_sum) == 1
+
+    pc = ps_client(f"{c.addr[0]}:{c.addr[1]}")
+    answered: list[int] = []
+
+    def weights(target):
+        sd, version = _pull(pc, target)
+        answered.append(version)
+        return sd, version
+
+    def pull_and_wait(n: int) -> None:
+        admin.pull(d.run, [worker.instance_id], target_version=1)
+        deadline = time.monotonic() + 60
+        while len(answered) < n:
+            assert time.monotonic() < deadline, "the worker did not pull"
+            time.sleep(0.05)
+
+    with ApiServer(db_url) as server:
+        admin = server.client(token(db_url, "admin"))
+        eng = TorchEngine(cfg, model_seed=0, kv_capacity_tokens=1024)
+        worker = RolloutWorker(server.client(token(db_url, "rollout", d.run)), d.run, eng, weights=weights,
+                               heartbeat_s=0.2)
+        t = threading.Thread(target=worker.run, daemon=True)
+        t.start()
+        try:
+            while worker.instance_id is None:
+                time.sleep(0.05)
+            pull_and_wait(1)
+            assert answered == [0] and eng.version == 0  # not the zombie's v1
+            assert state_dict_checksum(eng.model.state_dict()) == state_dict_checksum(v0)
+            c.push(winner, 1)  # the winner's _commit_pushed: push again, commit
+            c.commit(1, winner_sum)
+            pull_and_wait(2)
+            assert answered == [0, 1] and eng.version == 1
+            assert state_dict_checksum(eng.model.state_dict()) == winner_sum
+        finally:
+            worker.stop()
+            t.join(30)

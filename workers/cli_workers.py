@@ -378,25 +378,37 @@ def _engine(kind, pc, cfg, model_seed, kv_capacity, max_running, temperature, de
 
 
 def _first_weights(pc, wait_s: float):
+    """The latest COMMITTED version: the PS serves plain pulls only from committed weights."""
+    from workers.param_server import ChecksumError, ParamServerError
+
     deadline = time.monotonic() + wait_s
-    with console.status(f"waiting for the PS at {pc.addr[0]}:{pc.addr[1]} to serve a version"):
+    with console.status(f"waiting for the PS at {pc.addr[0]}:{pc.addr[1]} to serve a committed version"):
         while True:
-            if pc.latest() is not None:  # waits while the PS is not listening yet
-                break
+            try:
+                sd, version, _ = pc.pull()  # waits while the PS is not listening yet
+                return sd, version
+            except ChecksumError:
+                raise
+            except ParamServerError:  # nothing committed yet
+                pass
             if time.monotonic() > deadline:
-                raise _fail(f"the PS at {pc.addr[0]}:{pc.addr[1]} served no version within {wait_s:.0f}s "
-                            "(the trainer pushes version 0 when it starts)")
+                raise _fail(f"the PS at {pc.addr[0]}:{pc.addr[1]} served no committed version within "
+                            f"{wait_s:.0f}s (the trainer pushes and commits version 0 when it starts)")
             time.sleep(0.5)
-    sd, version, _ = pc.pull()
-    return sd, version
 
 
 def _pull(pc, target: int | None):
-    from workers.param_server import ParamServerError
+    """Weights for a pull command. The PS serves `target` only once it is committed (its
+    checksum is the published one); before that -- or once the PS dropped it for a newer
+    one -- the latest committed version, so an instance never loads unpublished weights
+    (e.g. a fenced trainer's push under a published number, before the winner's commit)."""
+    from workers.param_server import ChecksumError, ParamServerError
 
     try:
         sd, version, _ = pc.pull(target)
-    except ParamServerError:  # the PS keeps only the latest (and versions still being pulled)
+    except ChecksumError:
+        raise
+    except ParamServerError:
         sd, version, _ = pc.pull()
     return sd, version
 

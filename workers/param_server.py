@@ -14,9 +14,9 @@ Design
     bytes. The PS checks pushes against the trainer's checksum, pullers check what they
     received, a restarted PS checks the file on disk; each raises ChecksumError on a
     mismatch.
-  * Versions: the PS keeps the latest in memory, and an older one only while pulls of it
-    are in flight. On disk it keeps the latest only (`<dir>/v{version}.safetensors` plus
-    its `.json` sidecar, see workers.param_store).
+  * Versions: the PS keeps the latest and the latest committed in memory (usually the same
+    one), and an older one only while pulls of it are in flight. On disk it keeps those two
+    (`<dir>/v{version}.safetensors` plus its `.json` sidecar, see workers.param_store).
   * Publication: a pushed version is provisional until the trainer that PUBLISHED it (in the
     database, fenced by its consume lease) commits its checksum here (`commit`). A push of
     a provisional version with other weights replaces it (a fenced trainer may have pushed
@@ -24,6 +24,13 @@ Design
     refused -- so pullers never get a zombie trainer's weights under a published version.
     Pullers may also name the checksum they expect (the published one); the PS refuses a
     pull whose weights differ.
+  * Serving: a pull that names no checksum gets only COMMITTED weights -- the latest
+    committed version, or the requested one only if it is committed -- so no puller loads a
+    provisional version (possibly a zombie's) in the window between a push and its commit.
+    The PS therefore keeps the latest committed version (memory and disk) beside a newer
+    provisional one. A pull naming the published checksum may get a provisional version
+    holding exactly those weights. Version 0 (the initial weights) is committed by the
+    trainer right after it pushes it at start-up.
 """
 
 from __future__ import annotations
@@ -140,7 +147,8 @@ class ParamServer:
         self._lock = threading.Lock()
         self._push_lock = threading.Lock()  # one push at a time keeps versions ordered
         self._versions: dict[int, _Version] = {}
-        self._latest: int | None = None
+        self._latest: int | None = None  # the latest pushed version (maybe provisional)
+        self._committed: int | None = None  # the latest committed one: what plain pulls get
         self._load_latest_from_disk()
         ps = self
 
@@ -179,13 +187,17 @@ class ParamServer:
                 log.warning("ignoring unreadable %s", p)
         if not sides:
             return
-        side = max(sides, key=lambda s: s["version"])
-        path = self.data_dir / side["file"]
-        flat, metas, checksum = load_version(path, side["checksum"])  # raises if corrupt
-        self._versions[side["version"]] = _Version(side["version"], flat.to(self.device), metas,
-                                                   checksum, str(path), committed=bool(side.get("committed")))
-        self._latest = side["version"]
-        log.info("serving v%d from %s", self._latest, path)
+        latest = max(sides, key=lambda s: s["version"])
+        committed = max((s for s in sides if s.get("committed")), key=lambda s: s["version"], default=None)
+        for side in {id(s): s for s in (latest, committed) if s is not None}.values():
+            path = self.data_dir / side["file"]
+            flat, metas, checksum = load_version(path, side["checksum"])  # raises if corrupt
+            self._versions[side["version"]] = _Version(side["version"], flat.to(self.device), metas, checksum,
+                                                       str(path), committed=bool(side.get("committed")))
+            log.info("loaded v%d (%s) from %s", side["version"],
+                     "committed" if side.get("committed") else "provisional", path)
+        self._latest = latest["version"]
+        self._committed = committed["version"] if committed is not None else None
 
     # -- protocol --
     def _handle(self, h: socketserver.StreamRequestHandler) -> None:
@@ -221,14 +233,22 @@ class ParamServer:
 
     def _serve_pull(self, h, req: dict, reply) -> None:
         with self._lock:
-            v = self._latest if req.get("version") is None else int(req["version"])
+            want = req.get("checksum")
+            if req.get("version") is not None:
+                v = int(req["version"])
+            else:  # without a checksum to check, only committed (published) weights are served
+                v = self._latest if want is not None else self._committed
             entry = self._versions.get(v) if v is not None else None
             if entry is None:
-                reply({"error": f"version {req.get('version')} not available (latest {self._latest})"})
+                reply({"error": f"version {req.get('version')} not available (latest pushed {self._latest}, "
+                                f"latest committed {self._committed})"})
                 return
-            want = req.get("checksum")
             if want is not None and want != entry.checksum:
                 reply({"error": f"ChecksumError: v{v} here is {entry.checksum[:12]}, not the expected {str(want)[:12]}"})
+                return
+            if want is None and not entry.committed:
+                reply({"error": f"version {v} is not committed yet (provisional until its publisher commits "
+                                f"it; latest committed {self._committed})"})
                 return
             entry.pulls += 1
         try:
@@ -289,7 +309,8 @@ class ParamServer:
                 self._versions[version] = entry
                 self._latest = version
                 self._prune()
-            self._remove_old_files(version)
+                keep = self._oldest_kept()
+            self._remove_old_files(keep)
             self._notify(entry)
             reply({"ok": True, **entry.info()})
             del pg
@@ -308,6 +329,10 @@ class ParamServer:
             if not entry.committed:
                 _mark_committed(self.data_dir, version)
                 entry.committed = True
+            if self._committed is None or version > self._committed:
+                self._committed = version
+                self._prune()
+                self._remove_old_files(self._oldest_kept())
             return {"ok": True, **entry.info()}
 
     def _notify(self, e: _Version) -> None:
@@ -315,8 +340,14 @@ class ParamServer:
             self.on_published(e.version, e.flat.numel(), e.checksum, e.location)
 
     def _prune(self) -> None:
-        for v in [v for v, e in self._versions.items() if v != self._latest and e.pulls == 0]:
+        """Keep the latest, the latest committed and any version still being pulled."""
+        keep = (self._latest, self._committed)
+        for v in [v for v, e in self._versions.items() if v not in keep and e.pulls == 0]:
             del self._versions[v]
+
+    def _oldest_kept(self) -> int:
+        """Files older than this version may go: neither the latest nor the latest committed."""
+        return min(v for v in (self._latest, self._committed) if v is not None)
 
     def _remove_old_files(self, keep: int) -> None:
         for p in self.data_dir.glob("v*.*"):
@@ -456,9 +487,12 @@ class ParamClient:
     def pull(self, version: int | None = None, device: str | torch.device = "cpu",
              verify: bool = True, _on_reply: Callable[[dict], None] | None = None,
              checksum: str | None = None) -> tuple[dict[str, torch.Tensor], int, str]:
-        """Fetch `version` (latest if None): (state_dict, version, checksum). The tensors
-        are views into one buffer. Raises ChecksumError if the bytes do not match, or if
-        `checksum` (the published one) is given and the PS holds other weights."""
+        """Fetch `version`: (state_dict, version, checksum). The tensors are views into one
+        buffer. Without `checksum` only committed weights are served: `version` if it is
+        committed, the latest committed one if None; ParamServerError otherwise (e.g. in the
+        window between a push and its commit). With `checksum` (the published one) `version`
+        (the latest pushed if None) is served only if it holds exactly those weights, else
+        ChecksumError. ChecksumError also if the received bytes do not match."""
         return self._call(lambda: self._pull(version, device, verify, _on_reply, checksum))
 
     def _pull(self, version: int | None, device: str | torch.device, verify: bool,

@@ -11,6 +11,8 @@ trainer published it) stops this trainer with "fenced: ..." (TrainerError; the C
 its weights are not the published ones. Pushes stay provisional on the PS until the
 publishing trainer commits their checksum; a fenced trainer's push of a committed version is
 refused, and one that lands before the commit is replaced (the commit pushes again).
+Rollout instances get only committed weights (a plain pull is served from the latest
+committed version), so the trainer commits version 0 right after pushing it at start-up.
 
 Exactly-once across crashes: the checkpoint is written atomically (temp file, fsync,
 rename, fsync the directory) BEFORE the push and the publish, so on restart the
@@ -149,9 +151,12 @@ class Trainer:
                     "checkpoint is from elsewhere")
         self._ensure_pushed(k)
         self.version = r
-        if k == r and k > 0:
-            self._check_published(k)
-            self._commit_pushed(k)  # a crash may have come between publish and commit
+        if k == r:
+            if k > 0:
+                self._check_published(k)
+            # a crash may have come between publish and commit; version 0 (the initial
+            # weights, published by creating the run) is committed right after its push
+            self._commit_pushed(k)
         if k == r:
             log.info("run %s at version %s: starting there", self.run_id, r)
             return None

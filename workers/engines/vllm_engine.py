@@ -242,7 +242,8 @@ class VLLMEngine(Engine):
         self._version = int(version)
 
     def load_from_ps(self, addr: str, version: int | None = None) -> int:
-        """Every vLLM worker pulls `version` (latest if None) from the PS at HOST:PORT."""
+        """Every vLLM worker pulls `version` (the latest committed one if None; a version only
+        once committed) from the PS at HOST:PORT."""
         (got, *_rest) = self._call(self._llm.collective_rpc("staleflow_pull", args=(addr, version)))
         self._call(self._llm.reset_prefix_cache())
         self._version = int(got)
