@@ -35,19 +35,25 @@ class AppState:
     metrics: Metrics
     url: str | None = None
     schema_head: str | None = None
-    # instance -> run never changes once registered, so it is cached without expiry.
-    instance_runs: dict[int, int] = field(default_factory=dict)
+    # instance -> (run, registering token) never changes once registered, so it is cached
+    # without expiry. (A deleted token's instances keep their cached owner: nobody can
+    # present a deleted token anyway.)
+    instance_owners: dict[int, tuple[int, int | None]] = field(default_factory=dict)
 
-    def instance_in_run(self, run_id: int, instance_id: int) -> None:
-        run = self.instance_runs.get(instance_id)
-        if run is None:
-            run = queries.instance_run(self.engine, instance_id)
-            if run is not None:
-                if len(self.instance_runs) > 100_000:
-                    self.instance_runs.clear()
-                self.instance_runs[instance_id] = run
-        if run != run_id:
+    def instance_in_run(self, run_id: int, instance_id: int, who: Principal) -> None:
+        """404 unless the instance is in the run; 403 unless `who` registered it or is an
+        admin (an instance registered in-process, without a token, is an admin's alone)."""
+        owner = self.instance_owners.get(instance_id)
+        if owner is None:
+            owner = queries.instance_owner(self.engine, instance_id)
+            if owner is not None:
+                if len(self.instance_owners) > 100_000:
+                    self.instance_owners.clear()
+                self.instance_owners[instance_id] = owner
+        if owner is None or owner[0] != run_id:
             raise NotFound(f"instance {instance_id} in run {run_id}")
+        if who.role != Role.ADMIN and owner[1] != who.token_id:
+            raise HTTPException(403, f"instance {instance_id} belongs to another token")
 
 
 def get_state(request: Request) -> AppState:

@@ -55,9 +55,11 @@ def param_versions(engine: Engine, run_id: int, limit: int) -> list[dict[str, An
     return [dict(r._mapping) for r in rows]
 
 
-def instance_run(engine: Engine, instance_id: int) -> int | None:
+def instance_owner(engine: Engine, instance_id: int) -> tuple[int, int | None] | None:
+    """(run, registering token) of an instance, or None if there is no such instance."""
     with engine.connect() as c:
-        return c.execute(text("SELECT run_id FROM instances WHERE id = :i"), {"i": instance_id}).scalar()
+        row = c.execute(text("SELECT run_id, token_id FROM instances WHERE id = :i"), {"i": instance_id}).first()
+    return None if row is None else (row[0], row[1])
 
 
 def check_epoch(conn: Connection, run_id: int, epoch: int | None) -> None:

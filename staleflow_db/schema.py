@@ -116,6 +116,9 @@ instances = Table(
     Column("lease_expires_at", DateTime(timezone=True), nullable=False),
     Column("snapshot", JSONB, nullable=False, server_default=text("'{}'::jsonb")),
     Column("snapshot_at", DateTime(timezone=True)),
+    # The API token that registered it (NULL: registered in-process); only it (or an admin of
+    # the run) may act for the instance over the API.
+    Column("token_id", BigInteger, ForeignKey("api_tokens.id", ondelete="SET NULL")),
     _created(),
     Index("ix_instances_active", "run_id", postgresql_where=text("state = 'active'")),
 )

@@ -1,6 +1,7 @@
 """The auth matrix: every endpoint x every role, plus no token, a bad token and a token of
 another run. Allowed callers get past auth (any status but 401/403: the ids here may not
-exist); everyone else gets 401 (no or bad token) or 403 (wrong role or run)."""
+exist); everyone else gets 401 (no or bad token) or 403 (wrong role or run). An instance's
+own endpoints (/instances/{I}/...) also refuse a rollout token other than the registering one."""
 
 from __future__ import annotations
 
@@ -78,8 +79,12 @@ def test_every_endpoint_by_every_role(db_url, engine):
     p = Protocol(engine)
     run_a = p.create_run("a", RunConfig(batch_size=1, group_size=1, eta=0))
     run_b = p.create_run("b", RunConfig(batch_size=1, group_size=1, eta=0))
-    ids = {"A": run_a, "I": p.register_instance(run_a, "i", 0), "T": create_token(engine, "reward", run_a)["id"]}
-    mine = {r: create_token(engine, r, run_a)["token"] for r in ROLES}
+    mine_rows = {r: create_token(engine, r, run_a) for r in ROLES}
+    mine = {r: row["token"] for r, row in mine_rows.items()}
+    # I: registered by run A's rollout token (as over the API), so that token is its owner.
+    instance = p.register_instance(run_a, "i", 0, token_id=mine_rows["rollout"]["id"])
+    ids = {"A": run_a, "I": instance, "T": create_token(engine, "reward", run_a)["id"]}
+    other_rollout = create_token(engine, "rollout", run_a)["token"]  # same run, not the owner
     mine["admin"] = create_token(engine, "admin")["token"]  # creating runs needs an all-runs admin
     theirs = {r: create_token(engine, r, run_b)["token"] for r in ROLES}
     scoped_admin = create_token(engine, "admin", run_a)["token"]
@@ -101,8 +106,11 @@ def test_every_endpoint_by_every_role(db_url, engine):
             return http.request(method, path, json=body, headers=headers).status_code
 
         for method, path, body, allowed, other_run in MATRIX:
+            instance_scoped = "/instances/{I}" in path
             path, body = _fill(path, ids), _fill(body, ids)
             where = f"{method} {path}"
+            if instance_scoped and (got := call(method, path, body, other_rollout)) != 403:
+                failures.append(f"{where} as another rollout token of the run: {got}, expected 403")
             for bad in (None, "sf_not-a-token"):
                 if (got := call(method, path, body, bad)) != 401:
                     failures.append(f"{where} with token {bad!r}: {got}, expected 401")

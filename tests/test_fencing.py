@@ -21,6 +21,7 @@ from staleflow_db.types import Report, RouteOutcome
 from tests.api_helpers import ApiServer, token
 from tests.protocol_helpers import Driver
 from workers.client import Conflict as ApiConflict
+from workers.client import Forbidden as ApiForbidden
 
 
 def wait_for(condition, what: str, timeout: float = 30.0) -> None:
@@ -198,8 +199,8 @@ def test_a_report_must_come_from_the_instance_holding_the_lease(engine):
 
 @pytest.mark.db
 def test_over_http_another_rollout_token_cannot_report_a_sample_routed_elsewhere(db_url, engine):
-    """A second rollout token of the same run gets 409 (its instance does not hold the lease;
-    the run's tokens may act for any of its instances, so the lease token is the fence) and
+    """A second rollout token of the same run gets 409 reporting through its own instance (which
+    does not hold the lease) and 403 through the routed one (it belongs to another token), and
     changes nothing; the old path without the instance is 410."""
     d = Driver(engine, batch_size=1, group_size=1, eta=0)
     (g,) = d.enqueue(1)
@@ -215,10 +216,14 @@ def test_over_http_another_rollout_token_cannot_report_a_sample_routed_elsewhere
 
         r = theirs.http.post(f"/v1/runs/{d.run}/segments", json={"reports": [guess]})  # as observed before the fix
         assert r.status_code == 410 and "/instances/" in r.json()["error"]["message"], r.text
-        for inst, lease in [(b, str(uuid.uuid4())), (b, work.lease), (a, str(uuid.uuid4()))]:
+        for inst, lease in [(b, str(uuid.uuid4())), (b, work.lease)]:
             with pytest.raises(ApiConflict) as refused:
                 theirs.report(d.run, inst, [{**guess, "lease": lease}])
             assert refused.value.status == 409 and [i["id"] for i in refused.value.items] == [s]
+        for lease in (str(uuid.uuid4()), work.lease):
+            with pytest.raises(ApiForbidden) as refused:
+                theirs.report(d.run, a, [{**guess, "lease": lease}])
+            assert refused.value.status == 403 and "belongs to another token" in refused.value.message
         assert segments(d) == [] and d.sample(s)[0] == "running" and d.sample(s)[5] == a
 
         assert mine.report(d.run, a, [{**guess, "lease": work.lease}]) == 1

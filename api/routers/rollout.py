@@ -32,10 +32,11 @@ def register(
     so a retried registration does not leave a second instance behind)."""
 
     def call(_conn) -> RegisterOut:
-        iid = state.protocol.register_instance(run_id, body.name, body.version, body.lease_seconds)
+        iid = state.protocol.register_instance(run_id, body.name, body.version, body.lease_seconds, who.token_id)
         return RegisterOut(instance_id=iid, run_id=run_id, lease_seconds=body.lease_seconds)
 
-    out, _ = state.protocol.once(scoped_key(key, f"run{run_id}"), "register", body, call, RegisterOut)
+    # The key is the token's own: another token's retry must not be handed this instance.
+    out, _ = state.protocol.once(scoped_key(key, f"run{run_id}:tok{who.token_id}"), "register", body, call, RegisterOut)
     return out
 
 
@@ -44,7 +45,7 @@ def heartbeat(
     run_id: RunId, instance_id: InstanceId, body: HeartbeatIn, state: State, who: Principal = Rollout,
 ) -> HeartbeatOut:
     """Extend the lease and store the snapshot. 409: the lease expired (register again)."""
-    state.instance_in_run(run_id, instance_id)
+    state.instance_in_run(run_id, instance_id, who)
     state.protocol.heartbeat(instance_id, body.version, body.snapshot.model_dump(), body.lease_seconds)
     return HeartbeatOut(instance_id=instance_id, lease_seconds=body.lease_seconds)
 
@@ -52,7 +53,7 @@ def heartbeat(
 @router.delete("/instances/{instance_id}", response_model=DeregisterOut)
 def deregister(run_id: RunId, instance_id: InstanceId, state: State, who: Principal = Rollout) -> DeregisterOut:
     """Clean shutdown: the instance's running samples go back to the queue with their tokens."""
-    state.instance_in_run(run_id, instance_id)
+    state.instance_in_run(run_id, instance_id, who)
     return DeregisterOut(instance_id=instance_id, requeued=state.protocol.deregister_instance(instance_id))
 
 
@@ -65,7 +66,7 @@ async def poll(
     commands (interrupt, abort, pull). Returns as soon as there is something, or empty after
     `wait` seconds. Delivery is once: send an Idempotency-Key so a retry after a lost response
     gets the same delivery back."""
-    await run_in_threadpool(state.instance_in_run, run_id, instance_id)
+    await run_in_threadpool(state.instance_in_run, run_id, instance_id, who)
     skey = scoped_key(key, f"inst{instance_id}")
 
     def call(_conn) -> PollOut:
@@ -92,7 +93,7 @@ def report(
     the samples whose lease this instance does not hold (another instance's sample, a stale
     attempt, a wrong token, a sample no longer running) or, for every sample, when the
     instance itself is fenced (lease lapsed or expired: register again)."""
-    state.instance_in_run(run_id, instance_id)
+    state.instance_in_run(run_id, instance_id, who)
     reports = [
         Report(r.sample_id, r.attempt, r.version, r.tokens, r.logprobs, SegmentKind(r.kind), r.finish_reason,
                instance_id=instance_id, lease=str(r.lease))

@@ -20,13 +20,20 @@ depends_on = None
 def _fencing_upgrade() -> None:
     # The secret lease token of a sample's latest route (gen_random_uuid() at route time):
     # a report must quote it, so nobody can report for a sample by guessing its attempt.
-    from sqlalchemy import Column
+    from sqlalchemy import BigInteger, Column
     from sqlalchemy.dialects.postgresql import UUID
 
     op.add_column("samples", Column("lease", UUID(as_uuid=True)))
+    # The API token that registered an instance: only it (or an admin) may act for the instance.
+    op.add_column("instances", Column("token_id", BigInteger))
+    op.create_foreign_key(
+        op.f("fk_instances_token_id"), "instances", "api_tokens", ["token_id"], ["id"], ondelete="SET NULL"
+    )
 
 
 def _fencing_downgrade() -> None:
+    op.drop_constraint(op.f("fk_instances_token_id"), "instances", type_="foreignkey")
+    op.drop_column("instances", "token_id")
     op.drop_column("samples", "lease")
 
 

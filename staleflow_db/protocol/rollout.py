@@ -97,18 +97,21 @@ class RolloutOps(TxMixin):
 
     # ---- instances -------------------------------------------------------------------------
 
-    def register_instance(self, run_id: int, name: str, version: int, lease_seconds: float = 30.0) -> int:
-        """A new instance id per process start; a restarted worker never inherits a lease."""
+    def register_instance(
+        self, run_id: int, name: str, version: int, lease_seconds: float = 30.0, token_id: int | None = None
+    ) -> int:
+        """A new instance id per process start; a restarted worker never inherits a lease.
+        `token_id`: the API token registering it (the API lets only that token act for it)."""
         with self.tx() as conn:
             run = load_run(conn, run_id, lock=False)
             if not 0 <= version <= run.version:
                 raise InvalidInput(f"instance version {version} outside 0..{run.version}")
             iid = conn.execute(
                 text(
-                    "INSERT INTO instances (run_id, name, version, lease_expires_at)"
-                    " VALUES (:run, :name, :v, now() + make_interval(secs => :ttl)) RETURNING id"
+                    "INSERT INTO instances (run_id, name, version, lease_expires_at, token_id)"
+                    " VALUES (:run, :name, :v, now() + make_interval(secs => :ttl), :tok) RETURNING id"
                 ),
-                {"run": run_id, "name": name, "v": version, "ttl": lease_seconds},
+                {"run": run_id, "name": name, "v": version, "ttl": lease_seconds, "tok": token_id},
             ).scalar_one()
             log_events(conn, run_id, [("instance_registered", None, None, None, iid, {"name": name, "version": version})])
             return iid
