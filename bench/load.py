@@ -95,7 +95,7 @@ class Load:
                 self.timed("heartbeat", lambda: self.b.heartbeat(self.run, inst, version))
             work = self.timed("poll (long-poll)", lambda: self.b.poll(self.run, inst, 1.0))
             if work:
-                self.rec.add(self.timed("report", lambda: self.b.report(self.run, work, version, tokens)) or 0)
+                self.rec.add(self.timed("report", lambda: self.b.report(self.run, inst, work, version, tokens)) or 0)
 
     def rewarder(self) -> None:
         while not self.stop.is_set():
