@@ -2,8 +2,9 @@
 same random operations, their whole state compared and the complete audit
 (`staleness_violations`) checked after every step (tests/test_protocol_model.py).
 
-CI runs 60 derandomized examples of 80 steps; this runs `--examples` random ones (default
-1,300 x 80 = 104,000 operations) and prints how many operations ran and what they met.
+CI runs 60 derandomized examples of up to 80 steps. This runs random examples in chunks of
+`--chunk` (each chunk one pytest process with its own Hypothesis seed) until `--ops`
+operations ran or `--seconds` passed, printing the running total after each chunk.
 Last line: `model ops=O examples=E failures=F`.
 """
 
@@ -20,24 +21,37 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--examples", type=int, default=1300, help="random runs of up to 80 operations each")
-    args = ap.parse_args()
-    env = {**os.environ, "STALEFLOW_MODEL_EXAMPLES": str(args.examples), "PYTHONUNBUFFERED": "1"}
-    started = time.monotonic()
+def run_chunk(examples: int, seed: int) -> tuple[int, bool, str]:
+    env = {**os.environ, "STALEFLOW_MODEL_EXAMPLES": str(examples), "PYTHONUNBUFFERED": "1"}
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", "-o", "timeout=0",
-         "tests/test_protocol_model.py::test_reference_and_database_agree"],
+         f"--hypothesis-seed={seed}", "tests/test_protocol_model.py::test_reference_and_database_agree"],
         cwd=REPO, env=env, capture_output=True, text=True,
     )
     out = proc.stdout + proc.stderr
-    seen = re.search(r"\{'steps'.*?\}|\{[^{}]*'steps': \d+[^{}]*\}", out)
-    print(seen.group(0) if seen else out[-3000:])
-    steps = int(re.search(r"'steps': (\d+)", seen.group(0)).group(1)) if seen else 0
-    print(f"{time.monotonic() - started:.0f} s, pytest exit {proc.returncode}")
-    print(f"model ops={steps} examples={args.examples} failures={int(proc.returncode != 0)}")
-    return proc.returncode
+    steps = re.search(r"'steps': (\d+)", out)
+    return (int(steps.group(1)) if steps else 0), proc.returncode == 0, out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--ops", type=int, default=100_000, help="stop after this many operations")
+    ap.add_argument("--seconds", type=float, default=float("inf"), help="or after this long")
+    ap.add_argument("--chunk", type=int, default=100, help="examples per pytest process")
+    ap.add_argument("--seed", type=int, default=1)
+    args = ap.parse_args()
+    started, ops, examples, failures, chunk = time.monotonic(), 0, 0, 0, 0
+    while ops < args.ops and time.monotonic() - started < args.seconds:
+        n, ok, out = run_chunk(args.chunk, args.seed + chunk)
+        chunk += 1
+        ops, examples, failures = ops + n, examples + args.chunk, failures + (not ok)
+        print(f"{time.monotonic() - started:7.0f} s  chunk {chunk}: {n} ops ({'ok' if ok else 'FAILED'}), "
+              f"total {ops} ops in {examples} examples", flush=True)
+        if not ok:
+            print(out[-4000:], flush=True)
+            break
+    print(f"model ops={ops} examples={examples} failures={failures}")
+    return 1 if failures else 0
 
 
 if __name__ == "__main__":
