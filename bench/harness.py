@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import sys
 import time
 from contextlib import contextmanager
@@ -157,17 +156,8 @@ class Supervisor(Cluster):
         """SIGTERM every worker at once (not one after another), then the API replicas last:
         the others deregister through them."""
         for group in ([p for p in self.procs if not p.name.startswith("api")], self.procs):
-            for p in group:
-                self._killed.add(p.popen.pid)
-                if p.popen.poll() is None:
-                    p.popen.send_signal(signal.SIGTERM)
-            deadline = time.monotonic() + 20
-            for p in group:
-                try:
-                    p.popen.wait(timeout=max(0.1, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    os.killpg(p.popen.pid, signal.SIGKILL)
-                    p.popen.wait()
+            self._killed.update(p.popen.pid for p in group)  # expected exits
+            self.terminate(group)
 
     def alive(self, names: Sequence[str] | None = None) -> bool:
         return all(self.current[n].popen.poll() is None for n in (names or self.current))

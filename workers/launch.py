@@ -96,7 +96,12 @@ class Cluster:
                 raise ProcessDied(f"{p.name} exited with code {rc}; its log ends:\n{p.tail()}")
 
     def stop(self, name: str | None = None, timeout: float = 20.0) -> None:
-        targets = [p for p in self.procs if name is None or p.name == name]
+        self.terminate([p for p in self.procs if name is None or p.name == name], timeout)
+
+    @staticmethod
+    def terminate(targets: Sequence[Proc], timeout: float = 20.0) -> None:
+        """SIGTERM them all at once, then SIGKILL the process group of any still running after
+        `timeout` seconds."""
         for p in targets:
             p.essential = False
             if p.popen.poll() is None:
