@@ -11,17 +11,23 @@ Last line: `model ops=O examples=E failures=F`.
 from __future__ import annotations
 
 import argparse
+import ast
 import os
 import re
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 
 
-def run_chunk(examples: int, seed: int) -> tuple[int, bool, str]:
+COVERAGE = ("route routed", "route not_admitted", "group occupied", "group filtered", "published",
+            "refused Conflict", "refused InvalidInput")
+
+
+def run_chunk(examples: int, seed: int) -> tuple[dict[str, int], bool, str]:
     env = {**os.environ, "STALEFLOW_MODEL_EXAMPLES": str(examples), "PYTHONUNBUFFERED": "1"}
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", "-o", "timeout=0",
@@ -29,8 +35,8 @@ def run_chunk(examples: int, seed: int) -> tuple[int, bool, str]:
         cwd=REPO, env=env, capture_output=True, text=True,
     )
     out = proc.stdout + proc.stderr
-    steps = re.search(r"'steps': (\d+)", out)
-    return (int(steps.group(1)) if steps else 0), proc.returncode == 0, out
+    seen = re.search(r"\{'steps'[^{}]*\}", out)
+    return (ast.literal_eval(seen.group(0)) if seen else {}), proc.returncode == 0, out
 
 
 def main() -> int:
@@ -41,8 +47,11 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=1)
     args = ap.parse_args()
     started, ops, examples, failures, chunk = time.monotonic(), 0, 0, 0, 0
+    met: Counter = Counter()
     while ops < args.ops and time.monotonic() - started < args.seconds:
-        n, ok, out = run_chunk(args.chunk, args.seed + chunk)
+        seen, ok, out = run_chunk(args.chunk, args.seed + chunk)
+        met.update(seen)
+        n = seen.get("steps", 0)
         chunk += 1
         ops, examples, failures = ops + n, examples + args.chunk, failures + (not ok)
         print(f"{time.monotonic() - started:7.0f} s  chunk {chunk}: {n} ops ({'ok' if ok else 'FAILED'}), "
@@ -50,6 +59,11 @@ def main() -> int:
         if not ok:
             print(out[-4000:], flush=True)
             break
+    print("outcomes met:", dict(met))
+    missing = [o for o in COVERAGE if not met[o]]
+    if missing and not failures:
+        print(f"vacuous: never met {missing}")
+        failures += 1
     print(f"model ops={ops} examples={examples} failures={failures}")
     return 1 if failures else 0
 

@@ -313,6 +313,8 @@ def test_reference_and_database_agree(engine):
     )
     machine().runTest()
     print(dict(ProtocolMachine.seen))
+    if examples != 60:  # a chunk of bench/model_based.py: it checks coverage over all chunks
+        return
     for outcome in ("route routed", "route not_admitted", "group occupied", "group filtered", "published",
                     "refused Conflict", "refused InvalidInput"):
         assert ProtocolMachine.seen[outcome] > 0, outcome
