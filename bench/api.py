@@ -267,7 +267,7 @@ def start_server(url: str, workers: int) -> tuple[subprocess.Popen, str]:
         port = s.getsockname()[1]
     env = {**os.environ, "STALEFLOW_DATABASE_URL": url}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "workers.cli", "serve", "--port", str(port), "--workers", str(workers), "--no-upgrade"],
+        [sys.executable, "-m", "staleflow_cli.main", "serve", "--port", str(port), "--workers", str(workers), "--no-upgrade"],
         cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
     base = f"http://127.0.0.1:{port}"

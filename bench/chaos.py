@@ -41,8 +41,8 @@ from staleflow_db import migrate  # noqa: E402
 from staleflow_db.db import make_engine  # noqa: E402
 from staleflow_db.protocol import Prompt, Protocol  # noqa: E402
 from staleflow_db.types import RunConfig  # noqa: E402
-from workers.launch import free_port  # noqa: E402
-from workers.engines.sim_engine import encode_prompt  # noqa: E402
+from staleflow_cli.launch import free_port  # noqa: E402
+from workers.rollout.engines.sim_engine import encode_prompt  # noqa: E402
 from workers.tasks.repeat import RepeatTask  # noqa: E402
 
 console = Console(stderr=True, soft_wrap=True)  # one line per event, even in a log file
@@ -265,7 +265,7 @@ def check(engine, run: int, where: dict[str, Any]) -> dict[str, Any]:
     published = dict(q("SELECT version, checksum FROM param_versions WHERE run_id = :r"))
     log = []
     if where["checkpoint"]:
-        from workers.trainer import read_steps_log  # torch
+        from workers.trainer.torch_trainer import read_steps_log  # torch
 
         log = read_steps_log(Path(where["checkpoint"]))
     trained = Counter(e["buffer"] for e in log if e["event"] == "trained")
@@ -282,7 +282,7 @@ def check(engine, run: int, where: dict[str, Any]) -> dict[str, Any]:
     problems += [f"v{x}: published checksum {published[x][:12]} != trained {trained_sum[x][:12]}" for x in wrong]
     ps_version = ps_sum = None
     if where["ps"]:  # read the weights back and hash them as the trainer does
-        from workers.param_server import ParamClient, state_dict_checksum
+        from workers.trainer.param_server import ParamClient, state_dict_checksum
 
         sd, ps_version, _ = ParamClient(where["ps"], timeout_s=60).pull()
         ps_sum = state_dict_checksum(sd)

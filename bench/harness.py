@@ -22,7 +22,7 @@ if str(_REPO) not in sys.path:
 
 from staleflow_db import migrate  # noqa: E402
 from staleflow_db.embedded import EmbeddedPostgres, EmbeddedPostgresError  # noqa: E402
-from workers.launch import Cluster, Proc  # noqa: E402
+from staleflow_cli.launch import Cluster, Proc  # noqa: E402
 
 # Durable settings (fsync on): a killed postmaster must recover by WAL replay, as in production.
 SERVER_OPTIONS = {"max_connections": "200"}

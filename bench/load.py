@@ -36,7 +36,7 @@ from bench.api import Recorder, Rest  # noqa: E402
 from bench.harness import PrivatePostgres  # noqa: E402
 from staleflow_db import migrate  # noqa: E402
 from staleflow_db.db import make_engine  # noqa: E402
-from workers.launch import Cluster  # noqa: E402
+from staleflow_cli.launch import Cluster  # noqa: E402
 
 RESERVED = 3  # superuser_reserved_connections: slots ordinary sessions cannot take
 OWN_CONNECTIONS = 4 + 1  # this process: its pool (2 + 2 overflow) and the sampler

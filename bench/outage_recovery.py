@@ -32,8 +32,8 @@ from staleflow_db.db import make_engine
 from staleflow_db.embedded import EmbeddedPostgres
 from staleflow_db.protocol import Prompt, Protocol
 from staleflow_db.types import RunConfig
-from workers.engines.sim_engine import encode_prompt
-from workers.launch import Cluster
+from workers.rollout.engines.sim_engine import encode_prompt
+from staleflow_cli.launch import Cluster
 
 FAST = {"fsync": "off", "synchronous_commit": "off", "full_page_writes": "off"}
 

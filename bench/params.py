@@ -3,7 +3,7 @@ plain in-memory copy of the same state dict.
 
     python bench/params.py [--sizes-mb 100,1000] [--repeat 3] [--dir DIR]
 
-The PS runs in its own process (workers.param_server.main); this process is the trainer
+The PS runs in its own process (workers.trainer.param_server.main); this process is the trainer
 (push) and a rollout instance (pull). Rows, in MB/s (1 MB = 1e6 bytes), median of
 --repeat runs:
   memcpy       tensor.clone() of every tensor of the dict
@@ -30,7 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
-from workers.param_server import ParamClient, flat_checksum, flatten, main  # noqa: E402
+from workers.trainer.param_server import ParamClient, flat_checksum, flatten, main  # noqa: E402
 
 _TENSOR_BYTES = 16_000_000  # 4M float32 per tensor, roughly a 7B model's smaller matrices
 

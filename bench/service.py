@@ -32,8 +32,8 @@ from staleflow_db.db import database_url, make_engine
 from staleflow_db.protocol import Prompt, Protocol
 from staleflow_db.types import RunConfig
 from workers.coordinator.policies import get_policy
-from workers.engines.sim_engine import encode_prompt
-from workers.launch import Cluster
+from workers.rollout.engines.sim_engine import encode_prompt
+from staleflow_cli.launch import Cluster
 from workers.sim.setups import get_setup
 from workers.sim.simulator import simulate
 from workers.sim.workload import Workload

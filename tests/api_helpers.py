@@ -38,7 +38,7 @@ def free_port() -> int:
 
 
 class ApiServer:
-    """`python -m workers.cli serve` against `db_url` (None: the embedded default under
+    """`python -m staleflow_cli.main serve` against `db_url` (None: the embedded default under
     STALEFLOW_HOME, migrated by `serve` itself), as its own process."""
 
     def __init__(self, db_url: str | None, **env: str):
@@ -53,7 +53,7 @@ class ApiServer:
 
     def launch(self) -> ApiServer:
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "workers.cli", "serve", "--port", str(self.port),
+            [sys.executable, "-m", "staleflow_cli.main", "serve", "--port", str(self.port),
              *(["--no-upgrade"] if self.db_url else [])],
             cwd=REPO, env=self.env, stdout=self.log, stderr=subprocess.STDOUT,
         )

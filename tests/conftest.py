@@ -147,3 +147,21 @@ def embedded_pg() -> Iterator[EmbeddedPostgres]:
         yield EmbeddedPostgres(home, server_options=FAST_OPTIONS)
     finally:
         _discard_home(home)
+
+
+@pytest.fixture
+def start_ps(tmp_path):
+    """Start parameter servers in their own processes (torch); stopped at teardown."""
+    from ps_helpers import PSProcess
+
+    started: list = []
+
+    def start(**kw):
+        ps = PSProcess(tmp_path / "ps", **kw)
+        started.append(ps)
+        return ps
+
+    yield start
+    for ps in started:
+        if ps.proc.is_alive():
+            ps.stop()

@@ -1,0 +1,1 @@
+"""The `staleflow` command: one module per command group (typer)."""

@@ -1,0 +1,216 @@
+"""`staleflow demo`: asynchronous RL post-training of a tiny model, end to end, on one machine.
+
+The API, parameter server, trainer, coordinator, reward worker and several `torch` rollout
+workers run as separate processes on the embedded PostgreSQL (or STALEFLOW_DATABASE_URL),
+exactly as they would across machines. The model learns the toy `repeat` task from scratch;
+every step is recorded in PostgreSQL, and the run ends with a per-step table, the audit, and a
+report folder (JSON + PNG plots).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+from api.auth import create_token
+from staleflow_db import migrate
+from staleflow_db.audit import step_metrics, summary
+from staleflow_db.db import database_url, make_engine
+from staleflow_db.protocol import Prompt, Protocol
+from staleflow_db.types import RunConfig
+from staleflow_cli.launch import Cluster, ProcessDied
+from workers.coordinator.policies import POLICY_NAMES
+from workers.tasks.repeat import RepeatTask
+
+
+@dataclass
+class DemoConfig:
+    steps: int = 100
+    instances: int = 3
+    policy: str = "staleflow"
+    eta: int = 1
+    batch_size: int = 8  # B: prompt groups per training step
+    group_size: int = 4  # N
+    lr: float = 1e-3
+    seed: int = 0
+    kv_capacity: int = 2048
+    timeout_s: float = 1200.0
+    report_dir: Path = Path("reports")
+    d_model: int = 64
+    n_layers: int = 2
+
+
+def model_config(task: RepeatTask, cfg: DemoConfig) -> dict[str, int]:
+    return {"vocab_size": task.vocab_size, "d_model": cfg.d_model, "n_layers": cfg.n_layers, "n_heads": 4,
+            "max_seq": 8 + task.max_response, "eos_token_id": 0}
+
+
+def run_demo(cfg: DemoConfig, console: Console) -> dict[str, Any]:
+    task = RepeatTask()
+    url = database_url()
+    migrate.upgrade(url)
+    engine = make_engine(url)
+    protocol = Protocol(engine)
+    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+    name = f"demo-{stamp}"
+    run = protocol.create_run(name, RunConfig(
+        batch_size=cfg.batch_size, group_size=cfg.group_size, eta=cfg.eta, dapo_filter=True,
+        max_response_tokens=task.max_response, max_prompt_tokens=8,
+    ))
+    # twice what the steps consume: filtered groups are replaced, in-flight work spills over
+    prompts = task.prompts(2 * cfg.steps * cfg.batch_size, seed=cfg.seed, prefix=name)
+    protocol.enqueue(run, [Prompt(k, t, m) for k, t, m in prompts])
+    report = (cfg.report_dir / name).resolve()
+    console.print(f"[bold]run {name}[/bold] (id {run}): B={cfg.batch_size} N={cfg.group_size} eta={cfg.eta} "
+                  f"policy={cfg.policy}, {cfg.instances} rollout workers; logs in {report / 'logs'}")
+    tokens = {r: create_token(engine, r, run)["token"] for r in ("trainer", "rollout", "reward", "coordinator")}
+    mc = json.dumps(model_config(task, cfg))
+    started = time.monotonic()
+    with Cluster(report, url) as cluster:
+        cluster.start_api()
+        ps_ready = report / "ps.json"
+        cluster.spawn("ps", ["ps", "--data-dir", str(report / "ps"), "--port", "0", "--ready-file", str(ps_ready)])
+        cluster.wait_file(ps_ready)
+        ps = json.loads(ps_ready.read_text())
+        ps_addr = f"{ps['host']}:{ps['port']}"
+        common = ["--run", str(run)]
+        cluster.spawn("trainer", ["trainer", *common, "--ps", ps_addr, "--checkpoint-dir", str(report / "checkpoint"),
+                                  "--steps", str(cfg.steps), "--lr", str(cfg.lr), "--model-config", mc,
+                                  "--metrics-file", str(report / "trainer.jsonl")],
+                      env={"STALEFLOW_TOKEN": tokens["trainer"]})
+        cluster.spawn("reward", ["reward-worker", *common, "--verifier", "repeat"], env={"STALEFLOW_TOKEN": tokens["reward"]})
+        for i in range(cfg.instances):
+            cluster.spawn(f"rollout-{i}", ["rollout-worker", *common, "--engine", "torch", "--ps", ps_addr,
+                                           "--model-config", mc, "--kv-capacity", str(cfg.kv_capacity),
+                                           "--phi-wait", "1", "--name", f"cpu-{i}", "--heartbeat", "0.5"],
+                          env={"STALEFLOW_TOKEN": tokens["rollout"]})
+        cluster.spawn("coordinator", ["coordinator", *common, "--policy", cfg.policy, "--lease", "3"])
+        _follow(cluster, protocol, engine, run, cfg, console)
+    elapsed = time.monotonic() - started
+    steps = step_metrics(engine, run)
+    audit = summary(engine, run)
+    engine.dispose()
+    result = {"run_id": run, "name": name, "config": {**asdict(cfg), "report_dir": str(cfg.report_dir)},
+              "model": json.loads(mc), "elapsed_s": elapsed, "steps": steps, "audit": audit}
+    write_report(report, result)
+    print_result(result, console)
+    console.print(f"report: {report}")
+    return result
+
+
+def _follow(cluster: Cluster, protocol: Protocol, engine, run: int, cfg: DemoConfig, console: Console) -> None:
+    """Progress until the trainer has published `steps` versions (or something dies)."""
+    deadline = time.monotonic() + cfg.timeout_s
+    columns = [TextColumn("[bold]training"), BarColumn(), TextColumn("{task.completed}/{task.total} steps"),
+               TextColumn("{task.fields[info]}"), TimeElapsedColumn()]
+    with Progress(*columns, console=console, transient=False) as bar:
+        t = bar.add_task("steps", total=cfg.steps, info="starting processes")
+        while True:
+            cluster.check()
+            status = protocol.status(run)
+            info = f"running {status['samples'].get('running', 0)}, queued {status['samples'].get('queued', 0)}"
+            if status["version"]:
+                last = summary(engine, run)["steps"][-1:]
+                if last:
+                    info += f", reward {last[0]['mean_reward']:+.3f}"
+            bar.update(t, completed=min(status["version"], cfg.steps), info=info)
+            if status["version"] >= cfg.steps:
+                return
+            if time.monotonic() > deadline:
+                raise ProcessDied(f"only {status['version']} of {cfg.steps} steps within {cfg.timeout_s:.0f}s")
+            time.sleep(1.0)
+
+
+def reward_trend(steps: list[dict]) -> tuple[float, float]:
+    """Mean reward of the first and the last quarter of the steps."""
+    k = max(1, len(steps) // 4)
+    first = [s["mean_reward"] for s in steps[:k]]
+    last = [s["mean_reward"] for s in steps[-k:]]
+    return sum(first) / len(first), sum(last) / len(last)
+
+
+def print_result(result: dict[str, Any], console: Console) -> None:
+    from rich.table import Table
+
+    eta = result["config"]["eta"]
+    table = Table(title=f"{result['name']}: per-step figures")
+    for col in ("step", "reward", *(f"stale {s}" for s in range(eta + 1)), "tokens/s", "interrupts", "migrations", "pulls"):
+        table.add_column(col, justify="right")
+    for s in result["steps"]:
+        table.add_row(str(s["step"]), f"{s['mean_reward']:+.3f}",
+                      *(str(s["staleness"].get(k, 0)) for k in range(eta + 1)),
+                      f"{s['tokens_per_s']:.0f}", str(s["interrupts"]), str(s["migrations"]), str(s["pulls"]))
+    console.print(table)
+    first, last = reward_trend(result["steps"])
+    console.print(f"mean reward: first quarter {first:+.3f} -> last quarter {last:+.3f}")
+    audit = result["audit"]
+    drops = ", ".join(f"{d['reason']} {d['samples']}" for d in audit["drops"]) or "none"
+    console.print(f"dropped samples: {drops}")
+    n = len(audit["violations"])
+    console.print(f"staleness_violations: {n}" + (" [green](none)[/green]" if n == 0 else " [red]VIOLATED[/red]"))
+
+
+def write_report(folder: Path, result: dict[str, Any]) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "report.json").write_text(json.dumps(result, indent=2, default=str))
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = result["steps"]
+    x = [s["step"] for s in steps]
+    fig, ax = plt.subplots(1, 3, figsize=(15, 4))
+    rewards = [s["mean_reward"] for s in steps]
+    ax[0].plot(x, rewards, marker="o", alpha=0.5, label="per step")
+    k = 5  # a short moving average shows the trend through the per-step noise
+    smooth = [sum(rewards[max(0, i - k + 1): i + 1]) / len(rewards[max(0, i - k + 1): i + 1]) for i in range(len(rewards))]
+    ax[0].plot(x, smooth, linewidth=2, label=f"mean of last {k}")
+    ax[0].legend()
+    ax[0].set(title="mean reward per step", xlabel="step", ylabel="reward")
+    secs = [sum(s["seconds"] for s in steps[: i + 1]) for i in range(len(steps))]
+    ax[1].plot(secs, [s["tokens_per_s"] for s in steps], marker="o")
+    ax[1].set(title="trained tokens/s", xlabel="seconds since start", ylabel="tokens/s")
+    eta = result["config"]["eta"]
+    totals = [sum(s["staleness"].get(k, 0) for s in steps) for k in range(eta + 1)]
+    ax[2].bar(list(range(eta + 1)), totals)
+    ax[2].set_xticks(list(range(eta + 1)))
+    ax[2].set(title=f"staleness of trained samples (eta={eta})", xlabel="step - V_traj", ylabel="samples")
+    fig.tight_layout()
+    fig.savefig(folder / "demo.png", dpi=100)
+    plt.close(fig)
+
+
+def demo(
+    steps: int = typer.Option(100, min=1, help="Training steps (versions) to run."),
+    instances: int = typer.Option(3, min=1, help="torch rollout workers."),
+    policy: str = typer.Option("staleflow", help=f"Coordinator policy: {', '.join(POLICY_NAMES)}."),
+    eta: int = typer.Option(1, min=0, help="Staleness bound."),
+    batch_size: int = typer.Option(8, min=1, help="B: prompt groups per step."),
+    group_size: int = typer.Option(4, min=2, help="N: responses per prompt."),
+    lr: float = typer.Option(1e-3, min=0.0, help="Learning rate."),
+    seed: int = typer.Option(0, help="Prompt seed."),
+    report_dir: Path = typer.Option(Path("reports"), help="Where the report folder goes."),
+    timeout: float = typer.Option(1200.0, min=1.0, help="Give up after this many seconds."),
+) -> None:
+    """Train a tiny model from scratch with asynchronous RL: every process real, every step in PostgreSQL."""
+    if policy not in POLICY_NAMES:
+        raise typer.BadParameter(f"unknown policy {policy!r}; known: {', '.join(POLICY_NAMES)}", param_hint="--policy")
+    console = Console()
+    cfg = DemoConfig(steps=steps, instances=instances, policy=policy, eta=eta, batch_size=batch_size,
+                     group_size=group_size, lr=lr, seed=seed, report_dir=report_dir, timeout_s=timeout)
+    try:
+        result = run_demo(cfg, console)
+    except ProcessDied as e:
+        console.print(f"[red]demo failed:[/red] {e}")
+        raise typer.Exit(1) from None
+    if result["audit"]["violations"]:
+        raise typer.Exit(1)

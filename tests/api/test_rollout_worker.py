@@ -1,0 +1,165 @@
+"""The rollout worker with the real torch engine, over real HTTP to a real API process:
+routed samples are generated and reported; an interrupted sample continues elsewhere and its
+tokens are exactly those of an uninterrupted run; a pull loads new weights; a worker whose
+lease lapsed registers again."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from workers.models.tiny_model import TinyConfig  # noqa: E402
+from workers.rollout.engines.torch_engine import TorchEngine  # noqa: E402
+from workers.rollout.worker import RolloutWorker  # noqa: E402
+
+from sqlalchemy import text  # noqa: E402
+
+from api_helpers import ApiServer, token  # noqa: E402
+from staleflow_db.db import make_engine  # noqa: E402
+from workers.rollout.engines.base import FinishedEvent  # noqa: E402
+
+CFG = TinyConfig(vocab_size=32, d_model=32, n_layers=1, n_heads=2, max_seq=512)
+MAX_RESPONSE = 400
+
+
+def _engine(**kw):
+    return TorchEngine(CFG, model_seed=0, kv_capacity_tokens=8192, **kw)
+
+
+def _wait(cond, timeout=60.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        time.sleep(0.05)
+    raise AssertionError("condition not reached")
+
+
+@pytest.fixture
+def served(db_url):
+    with ApiServer(db_url) as server:
+        admin = server.client(token(db_url, "admin"))
+        run = admin.create_run("rollout", batch_size=6, group_size=2, eta=1, max_response_tokens=MAX_RESPONSE).id
+        yield server, admin, run
+
+
+def _start(worker):
+    t = threading.Thread(target=worker.run, daemon=True)
+    t.start()
+    _wait(lambda: worker.instance_id is not None)
+    return t
+
+
+def _segments(db_url, sample_id):
+    eng = make_engine(db_url)
+    try:
+        with eng.connect() as c:
+            return c.execute(text("SELECT instance_id, version, token_ids, logprobs FROM segments"
+                                  " WHERE sample_id = :s ORDER BY seq"), {"s": sample_id}).all()
+    finally:
+        eng.dispose()
+
+
+def _uninterrupted(prompt, sample_id, max_new):
+    ref = _engine()
+    ref.add_request(str(sample_id), prompt, max_new_tokens=max_new, seed=sample_id)
+    while ref.has_work():
+        for e in ref.step():
+            if isinstance(e, FinishedEvent):
+                return e.tokens, e.logprobs
+
+
+def test_worker_generates_reports_and_continues_interrupted_samples(served):
+    server, admin, run = served
+    admin.enqueue(run, [(f"p{i}", [1, 2, 3 + i]) for i in range(6)])
+    rollout = token(server.db_url, "rollout", run)
+    a = RolloutWorker(server.client(rollout), run, _engine(), name="a", heartbeat_s=0.2, checkpoint_every_s=0.05)
+    b = RolloutWorker(server.client(rollout), run, _engine(), name="b", heartbeat_s=0.2)
+    ta, tb = _start(a), _start(b)
+    queued = {q.sample_id: q for q in admin.snapshot(run).queued}
+    prompts = {sid: [1, 2, 3 + (i // 2)] for i, sid in enumerate(sorted(queued))}
+    # Generation is deterministic: interrupt the sample with the longest answer, mid-way.
+    expected = {sid: _uninterrupted(prompts[sid], sid, MAX_RESPONSE) for sid in queued}
+    victim = max(expected, key=lambda s: len(expected[s][0]))
+    assert len(expected[victim][0]) >= 300  # hundreds of decode steps: the interrupt lands mid-way
+    admin.route(run, [(victim, a.instance_id)])
+    _wait(lambda: a.stats.tokens > 0)
+    admin.interrupt(run, [victim])
+    _wait(lambda: a.stats.interrupted == 1)
+    admin.route(run, [(victim, b.instance_id)] + [(s, a.instance_id) for s in queued if s != victim])
+    _wait(lambda: a.stats.finished + b.stats.finished == 12)
+    a.stop(), b.stop()
+    ta.join(30), tb.join(30)
+    assert a.stats.lost == b.stats.lost == 0
+    segs = _segments(server.db_url, victim)
+    tokens, logprobs = expected[victim]
+    assert [t for s in segs for t in s.token_ids] == tokens
+    assert [lp for s in segs for lp in s.logprobs] == pytest.approx(logprobs, abs=1e-4)
+    assert {s.instance_id for s in segs} == {a.instance_id, b.instance_id}
+    assert len(admin.claim(run, limit=100, wait=0)) == 12  # every sample finished, ready for reward
+
+
+def test_pull_command_loads_new_weights(served):
+    server, admin, run = served
+    new_model = _engine(version=0)
+    with torch.no_grad():
+        for p in new_model.model.parameters():
+            p.add_(0.5)
+    pulled = []
+
+    def weights(target):
+        pulled.append(target)
+        return new_model.model.state_dict(), 0 if target is None else target
+
+    worker = RolloutWorker(server.client(token(server.db_url, "rollout", run)), run, _engine(), weights=weights,
+                           heartbeat_s=0.2)
+    t = _start(worker)
+    admin.pull(run, [worker.instance_id], target_version=0)
+    _wait(lambda: pulled == [0])
+    worker.stop()
+    t.join(30)
+    assert worker.stats.pulls == 0  # version 0 is not newer than what it runs: nothing loaded
+
+
+def test_checkpoints_and_finish_in_one_report_window_are_one_report(served):
+    """Partial checkpoints that are still unsent when the sample finishes merge into its final
+    segment: a batch never names a sample twice (the API would refuse it)."""
+    server, admin, run = served
+    admin.enqueue(run, [(f"q{i}", [1, 2, 3 + i]) for i in range(2)])
+    w = RolloutWorker(server.client(token(server.db_url, "rollout", run)), run, _engine(), name="m",
+                      checkpoint_every_s=0.0001, report_every_s=0.5, heartbeat_s=0.2)
+    t = _start(w)
+    admin.route(run, [(q.sample_id, w.instance_id) for q in admin.snapshot(run).queued])
+    _wait(lambda: w.stats.finished == 4)
+    w.stop()
+    t.join(30)
+    assert w.stats.lost == 0
+    assert len(admin.claim(run, limit=100, wait=0)) == 4
+
+
+def test_a_worker_whose_lease_lapsed_registers_again_and_keeps_serving(served):
+    """A stalled worker's lease lapses; its next poll is refused (409) before any sweep, and the
+    worker starts over as a new instance instead of dying."""
+    server, admin, run = served
+    admin.enqueue(run, [("late", [1, 2, 3])])
+    w = RolloutWorker(server.client(token(server.db_url, "rollout", run)), run, _engine(), name="stalled",
+                      heartbeat_s=3600, idle_wait_s=0.1)  # only its polls can notice
+    t = _start(w)
+    first = w.instance_id
+    eng = make_engine(server.db_url)
+    try:
+        with eng.begin() as c:
+            c.execute(text("UPDATE instances SET lease_expires_at = now() - interval '1 s' WHERE id = :i"), {"i": first})
+    finally:
+        eng.dispose()
+    _wait(lambda: w.instance_id != first)
+    assert admin.expire_instances(run) == [first]
+    admin.route(run, [(q.sample_id, w.instance_id) for q in admin.snapshot(run).queued])
+    _wait(lambda: w.stats.finished == 2)
+    assert t.is_alive()
+    w.stop()
+    t.join(30)

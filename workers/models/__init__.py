@@ -1,0 +1,1 @@
+"""Model definitions shared by the rollout engines and the trainer."""

@@ -1,0 +1,1 @@
+"""Reward: the worker that scores finished samples with rule-based verifiers."""

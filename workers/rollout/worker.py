@@ -1,0 +1,251 @@
+"""The rollout worker: wraps one engine and speaks to StaleFlow only through the REST client.
+
+Loop: long-poll for routed samples and commands, step the engine, report finished and
+interrupted stretches as segments (batched, fenced by instance, attempt and lease token),
+checkpoint long stretches as partial segments so a crash loses little, heartbeat a snapshot, and pull new weights
+when the coordinator says so. A lost lease (409) drops the sample locally: its late result
+is never applied.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+from workers.client import Conflict, StaleFlowClient
+from workers.rollout.engines.base import Engine, FinishedEvent, PreemptedEvent, TokensEvent
+
+log = logging.getLogger("staleflow.rollout")
+
+# (target version) -> (state dict, version); None for engines without weights (sim)
+WeightSource = Callable[[int | None], tuple[Mapping[str, Any] | None, int]]
+
+
+@dataclass
+class _Held:
+    """A routed sample this instance is generating."""
+
+    attempt: int
+    lease: str  # the route's secret token: every report quotes it
+    prefix_len: int  # response tokens before this stretch
+    prompt_len: int
+    reported: int = 0  # tokens of this stretch already sent as partial segments
+    tokens: list[int] = field(default_factory=list)  # this stretch so far, from TokensEvents
+    logprobs: list[float] = field(default_factory=list)
+
+
+@dataclass
+class WorkerStats:
+    routed: int = 0
+    finished: int = 0
+    interrupted: int = 0
+    migrated: int = 0  # φ_wait engine-side interrupts
+    pulls: int = 0
+    lost: int = 0  # reports refused with 409: lease lost
+    tokens: int = 0
+    extra: dict[str, float] = field(default_factory=dict)
+
+
+class RolloutWorker:
+    def __init__(
+        self,
+        client: StaleFlowClient,
+        run_id: int,
+        engine: Engine,
+        *,
+        name: str = "rollout",
+        weights: WeightSource | None = None,
+        phi_wait: int | None = None,
+        heartbeat_s: float = 1.0,
+        lease_s: float = 15.0,
+        report_every_s: float = 0.05,
+        checkpoint_every_s: float = 5.0,
+        idle_wait_s: float = 1.0,
+        busy_poll_s: float = 0.05,
+    ):
+        self.client, self.run_id, self.engine, self.name = client, run_id, engine, name
+        self.weights, self.phi_wait = weights, phi_wait
+        self.heartbeat_s, self.lease_s = heartbeat_s, lease_s
+        self.report_every_s, self.checkpoint_every_s = report_every_s, checkpoint_every_s
+        self.idle_wait_s, self.busy_poll_s = idle_wait_s, busy_poll_s
+        self.instance_id: int | None = None
+        self.held: dict[int, _Held] = {}
+        self.pending: list[dict] = []  # reports not sent yet
+        self.stats = WorkerStats()
+        self._stop = False
+        self._last = {"heartbeat": 0.0, "report": 0.0, "checkpoint": time.monotonic(), "poll": 0.0}
+
+    # ---- lifecycle -------------------------------------------------------------------------
+
+    def stop(self) -> None:
+        self._stop = True
+
+    def run(self, until: Callable[[], bool] | None = None) -> WorkerStats:
+        """Serve until stopped (or `until()` is true); deregisters on the way out."""
+        self.instance_id = self.client.register(self.run_id, self.name, self.engine.version, self.lease_s).instance_id
+        log.info("instance %s registered at version %s", self.instance_id, self.engine.version)
+        try:
+            while not self._stop and not (until and until()):
+                self.tick()
+        finally:
+            self._flush(force=True)
+            try:
+                self.client.deregister(self.run_id, self.instance_id)
+            except Exception as e:  # the run may be gone; the lease expires anyway
+                log.warning("deregister failed: %s", e)
+        return self.stats
+
+    def tick(self) -> None:
+        now = time.monotonic()
+        busy = self.engine.has_work()
+        if not busy or now - self._last["poll"] >= self.busy_poll_s:
+            self._poll(0.0 if busy or self.pending else self.idle_wait_s)
+            self._last["poll"] = time.monotonic()
+        if self.engine.has_work():
+            self._handle(self.engine.step())
+        if time.monotonic() - self._last["checkpoint"] >= self.checkpoint_every_s > 0:
+            self._checkpoint()
+        self._flush()
+        if time.monotonic() - self._last["heartbeat"] >= self.heartbeat_s:
+            self._heartbeat()
+
+    # ---- work and commands -----------------------------------------------------------------
+
+    def _poll(self, wait: float) -> None:
+        try:
+            out = self.client.poll(self.run_id, self.instance_id, wait=wait)
+        except Conflict:  # the lease lapsed: poll is refused by time, before any sweep
+            self._register_again()
+            return
+        for w in out.work:
+            self.engine.add_request(
+                str(w.sample_id), w.prompt_tokens, w.prefix_tokens, w.prefix_logprobs,
+                max_new_tokens=w.max_new_tokens, seed=w.sample_id,
+            )
+            self.held[w.sample_id] = _Held(w.attempt, w.lease, len(w.prefix_tokens), len(w.prompt_tokens))
+            self.stats.routed += 1
+        for c in out.commands:
+            if c.kind == "interrupt" and c.sample_id in self.held and self.held[c.sample_id].attempt == c.attempt:
+                self._interrupt([c.sample_id])
+            elif c.kind == "abort" and c.sample_id in self.held and self.held[c.sample_id].attempt == c.attempt:
+                self.engine.abort([str(c.sample_id)])
+                del self.held[c.sample_id]
+            elif c.kind == "pull":
+                self._pull(c.target_version)
+
+    def _handle(self, events: list) -> None:
+        for e in events:
+            if isinstance(e, FinishedEvent):
+                self._queue(int(e.sample_id), e.tokens, e.logprobs, "finished", e.finish_reason)
+                self.stats.finished += 1
+            elif isinstance(e, PreemptedEvent) and self.phi_wait is not None and e.waiting > self.phi_wait:
+                # engine-side migration: a preempted sample would wait here; let routing move it
+                self._interrupt([int(e.sample_id)])
+                self.stats.migrated += 1
+            elif isinstance(e, TokensEvent):
+                self.stats.tokens += len(e.tokens)
+                held = self.held.get(int(e.sample_id))
+                if held is not None:
+                    held.tokens.extend(e.tokens)
+                    held.logprobs.extend(e.logprobs)
+
+    def _interrupt(self, sample_ids: list[int]) -> None:
+        for p in self.engine.interrupt([str(s) for s in sample_ids]):
+            self._queue(int(p.sample_id), p.tokens, p.logprobs, "interrupted", None)
+            self.stats.interrupted += 1
+
+    def _queue(self, sid: int, tokens: list[int], logprobs: list[float], kind: str, reason: str | None) -> None:
+        """Queue what is new since the last checkpoint of this stretch as one segment."""
+        held = self.held.get(sid)
+        if held is None:
+            return
+        new_t, new_lp = tokens[held.reported:], logprobs[held.reported:]
+        last = next((r for r in reversed(self.pending) if r["sample_id"] == sid), None)
+        if last is not None and last["kind"] == "partial" and last["attempt"] == held.attempt \
+                and last["version"] == self.engine.version:
+            # one report per sample per batch: extend the unsent checkpoint instead
+            last["tokens"] += list(new_t)
+            last["logprobs"] += list(new_lp)
+            last["kind"], last["finish_reason"] = kind, reason
+        else:
+            self.pending.append({
+                "sample_id": sid, "attempt": held.attempt, "lease": held.lease, "version": self.engine.version,
+                "tokens": list(new_t), "logprobs": list(new_lp), "kind": kind, "finish_reason": reason,
+            })
+        if kind == "partial":
+            held.reported += len(new_t)
+        else:
+            del self.held[sid]
+
+    def _checkpoint(self) -> None:
+        """Partial segments for long stretches: after a crash the queue resumes from here."""
+        self._last["checkpoint"] = time.monotonic()
+        for sid, held in list(self.held.items()):
+            if len(held.tokens) > held.reported:
+                self._queue(sid, held.tokens, held.logprobs, "partial", None)
+
+    def _flush(self, force: bool = False) -> None:
+        if not self.pending or (not force and time.monotonic() - self._last["report"] < self.report_every_s):
+            return
+        batch, self.pending = self.pending, []
+        while batch:
+            try:
+                self.client.report(self.run_id, self.instance_id, batch)
+                break
+            except Conflict as e:  # lost leases: drop those samples, send the rest
+                lost = {item["id"] for item in e.items}
+                if not lost:
+                    raise
+                self.stats.lost += len({r["sample_id"] for r in batch if r["sample_id"] in lost})
+                for sid in lost:
+                    if sid in self.held:
+                        self.engine.abort([str(sid)])
+                        del self.held[sid]
+                batch = [r for r in batch if r["sample_id"] not in lost]
+        self._last["report"] = time.monotonic()
+
+    # ---- weights and snapshots --------------------------------------------------------------
+
+    def _pull(self, target: int | None) -> None:
+        """Interrupt everything (one version per segment), load new weights, resume via routing."""
+        self._interrupt([int(s) for s in list(self.held)])
+        self._flush(force=True)
+        if self.weights is None:
+            return
+        self._heartbeat(pulling=True)
+        state, version = self.weights(target)
+        if version > self.engine.version:
+            self.engine.load_weights(state or {}, version)
+            self.stats.pulls += 1
+            log.info("instance %s pulled version %s", self.instance_id, version)
+        self._heartbeat()
+
+    def _heartbeat(self, pulling: bool = False) -> None:
+        s = self.engine.stats()
+        snapshot = {
+            "running": s.running, "waiting": s.waiting, "kv_used": s.kv_tokens, "kv_capacity": s.kv_capacity,
+            # engines count prompt + response; the snapshot carries response tokens
+            "running_samples": [
+                {"sample_id": int(k), "tokens": max(0, v - self.held[int(k)].prompt_len)}
+                for k, v in s.running_tokens.items() if int(k) in self.held
+            ],
+            "max_running": getattr(self.engine, "max_running", None),
+            "throughput": s.tokens_per_s, "pulling": pulling, "routed_seen": self.stats.routed,
+        }
+        try:
+            self.client.heartbeat(self.run_id, self.instance_id, s.version, snapshot, self.lease_s)
+        except Conflict:
+            self._register_again()
+        self._last["heartbeat"] = time.monotonic()
+
+    def _register_again(self) -> None:
+        """Fenced (lease lapsed or expired): the sweep requeues our samples; start over as a new instance."""
+        log.warning("instance %s lost its lease; registering again", self.instance_id)
+        self.engine.abort([str(k) for k in self.held])
+        self.held.clear()
+        self.pending.clear()
+        self.instance_id = self.client.register(self.run_id, self.name, self.engine.version, self.lease_s).instance_id
+        self._last["heartbeat"] = time.monotonic()
+

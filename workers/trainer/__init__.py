@@ -1,0 +1,1 @@
+"""Training: the trainer loop (torch and sim), GRPO/DAPO losses, and the parameter server."""

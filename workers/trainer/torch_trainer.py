@@ -1,0 +1,361 @@
+"""The trainer: consume the ready buffer of its version, take one GRPO/DAPO step, checkpoint,
+push the new weights to the PS, publish.
+
+Per version v (the run's current version):
+    consume(v) -> batch with a lease -> one optimizer step -> checkpoint (model, optimizer,
+    version v+1, checksum) -> ps.push(v+1) -> publish(v, lease, size, checksum, location)
+    -> ps.commit(v+1, checksum)
+
+Fencing: a publish refused with 409 (another trainer's consume took the buffer, or another
+trainer published it) stops this trainer with "fenced: ..." (TrainerError; the CLI exits 1):
+its weights are not the published ones. Pushes stay provisional on the PS until the
+publishing trainer commits their checksum; a fenced trainer's push of a committed version is
+refused, and one that lands before the commit is replaced (the commit pushes again).
+Rollout instances get only committed weights (a plain pull is served from the latest
+committed version), so the trainer commits version 0 right after pushing it at start-up.
+
+Exactly-once across crashes: the checkpoint is written atomically (temp file, fsync,
+rename, fsync the directory) BEFORE the push and the publish, so on restart the
+checkpoint's version k and the run's version r tell what happened:
+  * k == r + 1: buffer r was trained but not published. Push v k again if the PS lacks it
+    (same weights, so a duplicate push is a no-op), consume r again for a fresh lease (the
+    buffer stays ready until published), publish. Nothing is trained twice.
+  * k == r: continue at r. Nothing is skipped.
+  * anything else: refuse (wrong directory, or another trainer moved the run).
+Pushing before the checkpoint would be wrong: a crash between the two would leave the PS
+holding v+1 while a restarted trainer retrains buffer v into *different* weights.
+
+`steps.jsonl` beside the checkpoint logs one line per trained and per published version
+(audit trail; tests check no version is trained twice).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from api.models import BatchOut
+from workers.client import StaleFlowClient
+from workers.trainer.grpo import GRPOConfig, group_advantages, policy_loss, summarize, token_logprobs
+from workers.trainer.param_server import ParamClient, ParamServerError, state_dict_checksum
+from workers.trainer.loop import (
+    StepMetrics, TrainerError, batch_metrics, consume_ready, publish_fenced, record_step, run_steps,
+)
+
+log = logging.getLogger("staleflow.trainer")
+
+CHECKPOINT = "trainer.pt"
+STEPS_LOG = "steps.jsonl"
+# Test hook: after checkpointing model version N, create `paused-vN` in the checkpoint
+# directory and hang (before push and publish), so a test can SIGKILL us right there.
+PAUSE_ENV = "STALEFLOW_TEST_PAUSE_AFTER_CHECKPOINT"
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save_checkpoint(directory: Path, state: dict[str, Any]) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    path, tmp = directory / CHECKPOINT, directory / f"{CHECKPOINT}.tmp"
+    with open(tmp, "wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(directory)
+    return path
+
+
+def load_checkpoint(directory: Path) -> dict[str, Any] | None:
+    path = Path(directory) / CHECKPOINT
+    if not path.is_file():
+        return None
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def read_steps_log(directory: Path) -> list[dict[str, Any]]:
+    path = Path(directory) / STEPS_LOG
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+class Trainer:
+    def __init__(
+        self,
+        client: StaleFlowClient,
+        run_id: int,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        ps: ParamClient | None = None,
+        checkpoint_dir: str | os.PathLike,
+        grpo: GRPOConfig = GRPOConfig(),
+        wait_s: float = 5.0,
+        micro_batch_tokens: int = 16384,
+        max_grad_norm: float | None = 1.0,
+        extra_state: dict[str, Any] | None = None,
+    ):
+        self.client, self.run_id, self.model, self.optimizer = client, run_id, model, optimizer
+        self.ps, self.dir = ps, Path(checkpoint_dir)
+        self.grpo, self.wait_s = grpo, wait_s
+        self.micro_batch_tokens, self.max_grad_norm = micro_batch_tokens, max_grad_norm
+        self.extra_state = extra_state or {}  # e.g. the model config, kept in the checkpoint
+        self.model.requires_grad_(True)
+        self.version: int | None = None  # the run version we train next (after resume())
+        self._stop = threading.Event()
+        self._weights: dict[str, Any] = {}  # size/checksum of the checkpointed version
+
+    def stop(self) -> None:
+        """Finish the current step (train, checkpoint, push, publish), then return."""
+        self._stop.set()
+
+    # ---- start-up --------------------------------------------------------------------------
+
+    def resume(self) -> StepMetrics | None:
+        """Reconcile the checkpoint with the run; publishes a trained-but-unpublished step
+        (returning its metrics) or returns None."""
+        r = self.client.run_status(self.run_id).version
+        ck = load_checkpoint(self.dir)
+        if ck is None:
+            if r != 0:
+                raise TrainerError(
+                    f"run {self.run_id} is at version {r} but {self.dir} holds no trainer checkpoint: "
+                    "point --checkpoint-dir at this run's trainer checkpoint")
+            self._checkpoint(0)  # before the push of v0, as for every version
+            k = 0
+        else:
+            if ck.get("run_id") != self.run_id:
+                raise TrainerError(f"{self.dir / CHECKPOINT} belongs to run {ck.get('run_id')}, not {self.run_id}")
+            self.model.load_state_dict(ck["model"])
+            self.optimizer.load_state_dict(ck["optimizer"])
+            self._weights = {"size": ck["size_bytes"], "checksum": ck["checksum"]}
+            k = int(ck["version"])
+            if k not in (r, r + 1):
+                raise TrainerError(
+                    f"checkpoint in {self.dir} is at model version {k} but run {self.run_id} is at "
+                    f"version {r} (expected {r} or {r + 1}): another trainer moved the run, or the "
+                    "checkpoint is from elsewhere")
+        self._ensure_pushed(k)
+        self.version = r
+        if k == r:
+            if k > 0:
+                self._check_published(k)
+            # a crash may have come between publish and commit; version 0 (the initial
+            # weights, published by creating the run) is committed right after its push
+            self._commit_pushed(k)
+        if k == r:
+            log.info("run %s at version %s: starting there", self.run_id, r)
+            return None
+        log.info("checkpoint has version %s trained but not published: publishing it", k)
+        batch, waited = consume_ready(self.client, self.run_id, r, self.wait_s, self._stop.is_set)
+        if batch is None:
+            return None
+        m = batch_metrics(batch)
+        m.wait_s, m.resumed, m.checksum = waited, True, self._weights["checksum"]
+        self._publish(batch, m)
+        return m
+
+    def _check_published(self, k: int) -> None:
+        """Version k is published: it must be with our checksum, else we are a fenced trainer."""
+        published = {p.version: p.checksum for p in self.client.param_versions(self.run_id)}
+        if published.get(k) not in (None, self._weights["checksum"]):
+            raise TrainerError(f"fenced: another trainer published version {k} (checksum {published[k][:12]})")
+
+    def _ensure_pushed(self, k: int) -> None:
+        """The PS must serve the checkpoint's version k (a crash may have come before the push)."""
+        if self.ps is None:
+            return
+        latest = self.ps.latest()
+        if latest is not None and latest["version"] > k:
+            raise TrainerError(f"the PS at {self.ps.addr} serves version {latest['version']}, newer than this "
+                               f"trainer's checkpoint ({k}): it belongs to another run or checkpoint")
+        if latest is not None and latest["version"] == k:
+            if latest["checksum"] == self._weights["checksum"]:
+                return
+            if latest.get("committed"):
+                raise TrainerError(f"fenced: another trainer published version {k} (the PS serves checksum "
+                                   f"{latest['checksum'][:12]}, this trainer has {self._weights['checksum'][:12]})")
+            # provisional weights of another trainer under k: ours replace them; the publish
+            # (fenced by the consume lease) decides which trainer's weights are final
+        self._push(k)
+
+    def _commit_pushed(self, k: int) -> None:
+        """After publishing k: pin the PS's k to our (published) checksum. A fenced trainer
+        may have pushed other weights under k meanwhile: push ours again, then commit."""
+        if self.ps is None:
+            return
+        for _ in range(3):
+            try:
+                self.ps.commit(k, self._weights["checksum"])
+                return
+            except ParamServerError as e:
+                log.warning("commit of v%s refused (%s): pushing it again", k, e)
+                self._push(k)
+        raise TrainerError(f"the PS at {self.ps.addr} keeps serving other weights as published version {k}")
+
+    # ---- the loop --------------------------------------------------------------------------
+
+    def run(self, steps: int | None = None, on_step: Callable[[StepMetrics], None] | None = None
+            ) -> list[StepMetrics]:
+        """Resume, then train until stopped or `steps` versions were published (a resumed
+        publish counts)."""
+        done: list[StepMetrics] = []
+        first = self.resume()
+        if first is not None:
+            record_step(first, done, on_step)
+        return run_steps(self.step, self._stop.is_set, steps, on_step, done)
+
+    def step(self) -> StepMetrics | None:
+        """One version: None if no batch became ready before a stop was requested."""
+        if self.version is None:
+            raise TrainerError("call resume() (or run()) first")
+        v = self.version
+        batch, waited = consume_ready(self.client, self.run_id, v, self.wait_s, self._stop.is_set)
+        if batch is None:
+            return None
+        m = batch_metrics(batch)
+        m.wait_s = waited
+        t0 = time.monotonic()
+        m.loss, m.extra = self.train_batch(batch)
+        m.train_s = time.monotonic() - t0
+        self._checkpoint(v + 1)
+        m.checksum = self._weights["checksum"]
+        self._log({"event": "trained", "buffer": v, "version": v + 1, "checksum": m.checksum,
+                   "groups": [g.group_id for g in batch.groups]})
+        _maybe_pause(self.dir, v + 1)
+        self._publish(batch, m)
+        return m
+
+    def _publish(self, batch: BatchOut, m: StepMetrics) -> None:
+        v = batch.version
+        t0 = time.monotonic()
+        self._ensure_pushed(v + 1)
+        m.push_s = time.monotonic() - t0
+        t0 = time.monotonic()
+        location = f"ps://{self.ps.addr[0]}:{self.ps.addr[1]}/v{v + 1}" if self.ps else None
+        new = publish_fenced(self.client, self.run_id, v, batch.lease, size_bytes=self._weights["size"],
+                             checksum=self._weights["checksum"], location=location)
+        self._commit_pushed(v + 1)
+        m.publish_s = time.monotonic() - t0
+        self._log({"event": "published", "buffer": v, "version": new, "resumed": m.resumed})
+        self.version = new
+
+    # ---- training --------------------------------------------------------------------------
+
+    def train_batch(self, batch: BatchOut) -> tuple[float, dict[str, float]]:
+        """One optimizer step on the batch; returns (loss, metrics)."""
+        seqs, starts, rollout, groups, rewards = [], [], [], [], []
+        max_seq = getattr(getattr(self.model, "cfg", None), "max_seq", None)
+        for gi, g in enumerate(batch.groups):
+            for s in g.samples:
+                seq = list(g.prompt_tokens) + list(s.tokens)
+                if max_seq is not None and len(seq) > max_seq:
+                    raise TrainerError(f"sample {s.sample_id}: {len(seq)} tokens exceed the model's max_seq {max_seq}")
+                if len(s.logprobs) != len(s.tokens):
+                    raise TrainerError(f"sample {s.sample_id}: {len(s.tokens)} tokens but {len(s.logprobs)} log-probs")
+                seqs.append(seq)
+                starts.append(len(g.prompt_tokens))
+                rollout.append(list(s.logprobs))
+                groups.append(gi)
+                rewards.append(s.reward)
+        adv = group_advantages(torch.tensor(rewards, dtype=torch.float64), torch.tensor(groups), self.grpo.adv_eps)
+        total = sum(len(r) for r in rollout)
+        dev = next(self.model.parameters()).device
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        loss_sum, sums = 0.0, {"entropy": 0.0}
+        for idx in self._micro_batches([len(s) for s in seqs]):
+            width = max(len(seqs[i]) for i in idx) - 1  # inputs are seq[:-1], targets seq[1:]
+            inp = torch.zeros(len(idx), width, dtype=torch.long)
+            tgt = torch.zeros(len(idx), width, dtype=torch.long)
+            mask = torch.zeros(len(idx), width)
+            rlp = torch.zeros(len(idx), width)
+            for row, i in enumerate(idx):
+                s, p, n = seqs[i], starts[i], len(rollout[i])
+                inp[row, :len(s) - 1] = torch.tensor(s[:-1])
+                tgt[row, :len(s) - 1] = torch.tensor(s[1:])
+                # response token t sits at sequence position p + t, predicted from p + t - 1
+                mask[row, p - 1:p - 1 + n] = 1.0
+                rlp[row, p - 1:p - 1 + n] = torch.tensor(rollout[i])
+            inp, tgt, mask, rlp = inp.to(dev), tgt.to(dev), mask.to(dev), rlp.to(dev)
+            logp, entropy = token_logprobs(self.model(inp), tgt, self.grpo.temperature)
+            loss, part = policy_loss(logp, logp.detach(), rlp, adv[idx].to(dev), mask, self.grpo,
+                                     num_tokens=max(total, 1))
+            loss.backward()
+            loss_sum += float(loss.detach())
+            for key, val in part.items():
+                sums[key] = sums.get(key, 0.0) + val
+            sums["entropy"] += float((entropy * mask).sum())
+        grad_norm = None
+        if self.max_grad_norm is not None:
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm))
+        self.optimizer.step()
+        self.model.eval()
+        metrics = summarize(sums)
+        if grad_norm is not None:
+            metrics["grad_norm"] = grad_norm
+        metrics["adv_abs_mean"] = float(adv.abs().mean()) if len(adv) else 0.0
+        return loss_sum, metrics
+
+    def _micro_batches(self, lengths: list[int]) -> list[list[int]]:
+        """Indices grouped by similar length, each group's padded size within the budget."""
+        order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+        out: list[list[int]] = []
+        for i in order:
+            if out and (len(out[-1]) + 1) * lengths[i] <= self.micro_batch_tokens:
+                out[-1].append(i)
+            else:
+                out.append([i])
+        return out
+
+    # ---- weights, checkpoint, log ------------------------------------------------------------
+
+    def _state_dict(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach() for k, v in self.model.state_dict().items()}
+
+    def _checkpoint(self, version: int) -> None:
+        sd = self._state_dict()
+        self._weights = {"size": sum(t.numel() * t.element_size() for t in sd.values()),
+                         "checksum": state_dict_checksum(sd)}
+        save_checkpoint(self.dir, {
+            "run_id": self.run_id, "version": version, "model": sd, "optimizer": self.optimizer.state_dict(),
+            "size_bytes": self._weights["size"], "checksum": self._weights["checksum"], **self.extra_state,
+        })
+
+    def _push(self, version: int) -> None:
+        assert self.ps is not None
+        checksum = self.ps.push(self._state_dict(), version)
+        if checksum != self._weights["checksum"]:
+            raise TrainerError(f"PS reports checksum {checksum[:12]} for v{version}, expected "
+                               f"{self._weights['checksum'][:12]}")
+        log.info("pushed v%s to the PS at %s:%s", version, *self.ps.addr)
+
+    def _log(self, entry: dict[str, Any]) -> None:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        with open(self.dir / STEPS_LOG, "a") as f:
+            f.write(json.dumps({**entry, "pid": os.getpid(), "at": time.time()}) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+
+def _maybe_pause(directory: Path, version: int) -> None:
+    if os.environ.get(PAUSE_ENV, "").strip() != str(version):
+        return
+    (directory / f"paused-v{version}").touch()
+    log.warning("test hook: paused after checkpointing v%s (before push and publish)", version)
+    while True:
+        time.sleep(3600)
