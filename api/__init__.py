@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 
-def create_app(settings=None):  # noqa: ANN001, ANN201 - lazy: importing the package stays cheap
+def create_app(settings=None):
     from .app import create_app as _create
 
     return _create(settings)

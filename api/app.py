@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import AsyncIterator
 
 from fastapi import FastAPI
 from sqlalchemy import text
@@ -65,7 +65,7 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
         title="StaleFlow",
         version=API_VERSION,
         description="Data layer for asynchronous RL post-training: every lifecycle step of a trajectory is "
-        "one PostgreSQL transaction. Errors are `{\"error\": {\"code\", \"message\"}}`.",
+        'one PostgreSQL transaction. Errors are `{"error": {"code", "message"}}`.',
         lifespan=lifespan,
     )
     app.state.staleflow = state
@@ -146,6 +146,11 @@ async def _send_413(send: Send, limit: int) -> None:
     import json
 
     body = json.dumps(error_body("too_large", f"request body over {limit} bytes")).encode()
-    await send({"type": "http.response.start", "status": 413,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+    await send(
+        {
+            "type": "http.response.start",
+            "status": 413,
+            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+        }
+    )
     await send({"type": "http.response.body", "body": body})

@@ -38,7 +38,9 @@ def hash_token(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
 
 
-def create_token(engine: Engine, role: Role | str, run_id: int | None = None, name: str | None = None) -> dict[str, Any]:
+def create_token(
+    engine: Engine, role: Role | str, run_id: int | None = None, name: str | None = None
+) -> dict[str, Any]:
     role = Role(role)
     token = PREFIX + secrets.token_urlsafe(32)
     with engine.begin() as c:
@@ -87,9 +89,12 @@ def revoke_token(engine: Engine, token_id: int, run_id: int | None = None) -> bo
 
 def token_valid(engine: Engine, token: str) -> bool:
     with engine.connect() as c:
-        return c.execute(
-            text("SELECT 1 FROM api_tokens WHERE token_hash = :h AND revoked_at IS NULL"), {"h": hash_token(token)}
-        ).first() is not None
+        return (
+            c.execute(
+                text("SELECT 1 FROM api_tokens WHERE token_hash = :h AND revoked_at IS NULL"), {"h": hash_token(token)}
+            ).first()
+            is not None
+        )
 
 
 class TokenCache:

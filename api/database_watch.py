@@ -23,8 +23,7 @@ class DatabaseWatch:
     def __init__(self, engine: Engine, registry: CollectorRegistry, probe_s: float = 0.5):
         self.engine, self.probe_s = engine, probe_s
         self.outage = Outage("the database", log)
-        self.outages = Counter("staleflow_database_outages", "database outages this replica noticed",
-                               registry=registry)
+        self.outages = Counter("staleflow_database_outages", "database outages this replica noticed", registry=registry)
         self._down: asyncio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 

@@ -4,8 +4,9 @@ and the long-poll loop."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Annotated, Callable, TypeVar
+from typing import Annotated, TypeVar
 
 from fastapi import Depends, Header, HTTPException, Path, Query, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
@@ -69,7 +70,10 @@ InstanceId = Annotated[int, Path(ge=1, le=2**63 - 1, description="instance id")]
 IdempotencyKey = Annotated[
     str | None,
     Header(
-        alias="Idempotency-Key", min_length=1, max_length=200, pattern=r"^[\x21-\x7e]+$",
+        alias="Idempotency-Key",
+        min_length=1,
+        max_length=200,
+        pattern=r"^[\x21-\x7e]+$",
         description="request id: a retry with the same key returns the stored outcome",
     ),
 ]
@@ -151,4 +155,3 @@ async def long_poll(
         if done(result) or remaining <= 0 or await request.is_disconnected():
             return result
         await wait_for(event, min(remaining, state.settings.poll_interval))
-

@@ -17,14 +17,22 @@ from sqlalchemy.exc import DBAPIError, IntegrityError, InterfaceError, Operation
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from staleflow_db.retry import is_db_unavailable
 from staleflow_db.errors import Conflict, InvalidInput, NotFound, ProtocolError, TooLarge
+from staleflow_db.retry import is_db_unavailable
 
 log = logging.getLogger(__name__)
 
 HTTP_CODES = {
-    400: "bad_request", 401: "unauthorized", 403: "forbidden", 404: "not_found", 405: "method_not_allowed",
-    409: "conflict", 413: "too_large", 415: "unsupported_media_type", 422: "invalid_input", 503: "unavailable",
+    400: "bad_request",
+    401: "unauthorized",
+    403: "forbidden",
+    404: "not_found",
+    405: "method_not_allowed",
+    409: "conflict",
+    413: "too_large",
+    415: "unsupported_media_type",
+    422: "invalid_input",
+    503: "unavailable",
 }
 
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
@@ -64,7 +65,9 @@ class _DatabaseCollector:
         up.add_metric([], 1)
         version = GaugeMetricFamily("staleflow_run_version", "model version of the run", labels=["run"])
         queued = GaugeMetricFamily(
-            "staleflow_queue_depth", "queued samples by trajectory version ('new': never routed)", labels=["run", "v_traj"]
+            "staleflow_queue_depth",
+            "queued samples by trajectory version ('new': never routed)",
+            labels=["run", "v_traj"],
         )
         states = GaugeMetricFamily("staleflow_buffers", "unconsumed buffers by state", labels=["run", "state"])
         entries = GaugeMetricFamily(

@@ -117,8 +117,9 @@ class Notifier:
 
     def _send(self, payloads: list[str]) -> None:
         with self.engine.connect() as conn:
-            conn.execute(text("SELECT pg_notify(:ch, p) FROM unnest(CAST(:ps AS text[])) AS p"),
-                         {"ch": CHANNEL, "ps": payloads})
+            conn.execute(
+                text("SELECT pg_notify(:ch, p) FROM unnest(CAST(:ps AS text[])) AS p"), {"ch": CHANNEL, "ps": payloads}
+            )
             conn.commit()
 
     async def _listener(self) -> None:
@@ -134,7 +135,10 @@ class Notifier:
                 ):
                     with attempt:
                         conn = await psycopg.AsyncConnection.connect(
-                            self.url, autocommit=True, connect_timeout=5, application_name="staleflow-api-listen",
+                            self.url,
+                            autocommit=True,
+                            connect_timeout=5,
+                            application_name="staleflow-api-listen",
                         )
                         try:
                             await conn.execute(f"LISTEN {CHANNEL}")
@@ -184,5 +188,5 @@ async def wait_for(event: asyncio.Event, timeout: float) -> bool:
     try:
         await asyncio.wait_for(event.wait(), timeout)
         return True
-    except asyncio.TimeoutError:
+    except TimeoutError:
         return False

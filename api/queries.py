@@ -4,7 +4,8 @@ pull commands and the coordinator epoch fence. Protocol transitions stay in
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from sqlalchemy import Connection, Engine, text
 
@@ -12,15 +13,24 @@ from staleflow_db.errors import Conflict, InvalidInput, NotFound
 from staleflow_db.protocol.base import RUN_COLUMNS, RunRow, load_run, log_events
 
 CONFIG_COLUMNS = (
-    "batch_size", "buffer_capacity", "group_size", "samples_per_group", "eta",
-    "max_response_tokens", "max_prompt_tokens", "dapo_filter",
+    "batch_size",
+    "buffer_capacity",
+    "group_size",
+    "samples_per_group",
+    "eta",
+    "max_response_tokens",
+    "max_prompt_tokens",
+    "dapo_filter",
 )
 
 
 def _run_out(row: Any) -> dict[str, Any]:
     m = row._mapping
     return {
-        "id": m["id"], "name": m["name"], "version": m["version"], "created_at": m["created_at"],
+        "id": m["id"],
+        "name": m["name"],
+        "version": m["version"],
+        "created_at": m["created_at"],
         "config": {k: m[k] for k in CONFIG_COLUMNS},
     }
 
@@ -36,7 +46,9 @@ def list_runs(engine: Engine, run_id: int | None, limit: int, offset: int) -> li
 
 
 def get_run(conn: Connection, run_id: int) -> dict[str, Any]:
-    row = conn.execute(text(f"SELECT {RUN_COLUMNS}, name, created_at FROM runs WHERE id = :run"), {"run": run_id}).first()
+    row = conn.execute(
+        text(f"SELECT {RUN_COLUMNS}, name, created_at FROM runs WHERE id = :run"), {"run": run_id}
+    ).first()
     if row is None:
         raise NotFound(f"run {run_id}")
     return _run_out(row)
@@ -122,9 +134,7 @@ def metrics_rows(engine: Engine, max_runs: int = 50) -> dict[str, list[Any]]:
     """Figures for /metrics, for the newest runs; one read-only transaction."""
     with engine.connect() as c, c.begin():
         c.execute(text("SET TRANSACTION READ ONLY"))
-        runs = c.execute(
-            text(f"SELECT {RUN_COLUMNS} FROM runs ORDER BY id DESC LIMIT :n"), {"n": max_runs}
-        ).all()
+        runs = c.execute(text(f"SELECT {RUN_COLUMNS} FROM runs ORDER BY id DESC LIMIT :n"), {"n": max_runs}).all()
         ids = [r[0] for r in runs]
         queued = c.execute(
             text(

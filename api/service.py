@@ -5,7 +5,8 @@ of its Idempotency-Key (ENGINEERING pattern 5) -- the same implementation the pr
 
 from __future__ import annotations
 
-from typing import Any, Callable, TypeVar
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from pydantic import BaseModel
 from sqlalchemy import Connection
@@ -36,7 +37,14 @@ class ApiProtocol(Protocol):
         """
         digest = idempotency.digest(body.model_dump_json() if body is not None else b"")
         return idempotency.once(
-            self.engine, key, operation, digest, call, lambda o: o.model_dump_json(), model.model_validate, store,
+            self.engine,
+            key,
+            operation,
+            digest,
+            call,
+            lambda o: o.model_dump_json(),
+            model.model_validate,
+            store,
         )
 
 

@@ -22,19 +22,20 @@ import threading
 import time
 import uuid
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import psycopg
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from staleflow_db import migrate  # noqa: E402
-from staleflow_db.db import database_url, make_engine, with_database  # noqa: E402
-from staleflow_db.enums import SegmentKind  # noqa: E402
-from staleflow_db.protocol import Prompt, Protocol  # noqa: E402
-from staleflow_db.types import Report, RunConfig  # noqa: E402
+from staleflow_db import migrate
+from staleflow_db.db import database_url, make_engine, with_database
+from staleflow_db.enums import SegmentKind
+from staleflow_db.protocol import Prompt, Protocol
+from staleflow_db.types import Report, RunConfig
 
 
 class Recorder:
@@ -73,7 +74,7 @@ class InProcess:
     def setup(self, cfg: dict[str, Any], prompts: list[tuple[str, list[int]]]) -> int:
         run = self.p.create_run("bench", RunConfig(**cfg))
         for i in range(0, len(prompts), 1000):
-            self.p.enqueue(run, [Prompt(k, t) for k, t in prompts[i:i + 1000]])
+            self.p.enqueue(run, [Prompt(k, t) for k, t in prompts[i : i + 1000]])
         return run
 
     def register(self, run: int, name: str) -> int:
@@ -94,8 +95,13 @@ class InProcess:
         return [(w.sample_id, w.attempt, w.lease) for w in work]
 
     def report(self, run: int, inst: int, items: list[tuple[int, int, str]], version: int, tokens: list[int]) -> int:
-        return self.p.report(run, [Report(s, a, version, tokens, [-0.5] * len(tokens), SegmentKind.FINISHED,
-                                          instance_id=inst, lease=lease) for s, a, lease in items])
+        return self.p.report(
+            run,
+            [
+                Report(s, a, version, tokens, [-0.5] * len(tokens), SegmentKind.FINISHED, instance_id=inst, lease=lease)
+                for s, a, lease in items
+            ],
+        )
 
     def claim(self, run: int, limit: int, wait: float) -> list[tuple[int, int]]:
         tasks = self._wait(lambda: self.p.claim_rewards(run, limit, 60.0), bool, wait)
@@ -149,8 +155,21 @@ class Rest(InProcess):
 
     def report(self, run: int, inst: int, items: list[tuple[int, int, str]], version: int, tokens: list[int]) -> int:
         logprobs = [-0.5] * len(tokens)
-        return self.c.report(run, inst, [{"sample_id": s, "attempt": a, "lease": lease, "version": version,
-                                          "tokens": tokens, "logprobs": logprobs} for s, a, lease in items])
+        return self.c.report(
+            run,
+            inst,
+            [
+                {
+                    "sample_id": s,
+                    "attempt": a,
+                    "lease": lease,
+                    "version": version,
+                    "tokens": tokens,
+                    "logprobs": logprobs,
+                }
+                for s, a, lease in items
+            ],
+        )
 
     def claim(self, run: int, limit: int, wait: float) -> list[tuple[int, int]]:
         return [(t.sample_id, t.reward_attempt) for t in self.c.claim(run, limit=limit, wait=wait)]
@@ -184,6 +203,7 @@ def workload(backend: InProcess, args: argparse.Namespace) -> tuple[float, Recor
             except BaseException as exc:  # surface worker failures instead of hanging
                 errors.append(exc)
                 stop.set()
+
         return run_
 
     def coordinator() -> None:
@@ -205,6 +225,7 @@ def workload(backend: InProcess, args: argparse.Namespace) -> tuple[float, Recor
                 work = rec.timed("poll (long-poll)", lambda: backend.poll(run, inst, 0.2))
                 if work:
                     rec.add(rec.timed("report", lambda: backend.report(run, inst, work, version, tokens)))
+
         return loop
 
     def rewarder() -> None:
@@ -267,8 +288,21 @@ def start_server(url: str, workers: int) -> tuple[subprocess.Popen, str]:
         port = s.getsockname()[1]
     env = {**os.environ, "STALEFLOW_DATABASE_URL": url}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "staleflow_cli.main", "serve", "--port", str(port), "--workers", str(workers), "--no-upgrade"],
-        cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        [
+            sys.executable,
+            "-m",
+            "staleflow_cli.main",
+            "serve",
+            "--port",
+            str(port),
+            "--workers",
+            str(workers),
+            "--no-upgrade",
+        ],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
     base = f"http://127.0.0.1:{port}"
     for _ in range(300):
@@ -306,8 +340,10 @@ def main() -> None:
     args = ap.parse_args()
 
     admin_url = with_database(database_url(), "postgres")
-    print(f"workload: B={args.batch} N={args.group} eta={args.eta} steps={args.steps} instances={args.instances} "
-          f"reward workers={args.reward_workers} tokens/sample={args.tokens} api workers={args.api_workers}")
+    print(
+        f"workload: B={args.batch} N={args.group} eta={args.eta} steps={args.steps} instances={args.instances} "
+        f"reward workers={args.reward_workers} tokens/sample={args.tokens} api workers={args.api_workers}"
+    )
 
     url = fresh_database(admin_url, "rest")
     proc, base = start_server(url, args.api_workers)
@@ -340,7 +376,7 @@ def main() -> None:
 def _rest_setup(rest: Rest, cfg: dict[str, Any], prompts: list[tuple[str, list[int]]]) -> int:
     run = rest.c.create_run("bench", **cfg).id
     for i in range(0, len(prompts), 1000):
-        rest.c.enqueue(run, prompts[i:i + 1000])
+        rest.c.enqueue(run, prompts[i : i + 1000])
     return run
 
 

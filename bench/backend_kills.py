@@ -25,27 +25,36 @@ import time
 import traceback
 import uuid
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 # Run as a script, bench/ would come first on sys.path and bench/api.py shadow the `api` package.
 _HERE = Path(__file__).resolve().parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE] + [str(_HERE.parent)]
 
-import psycopg  # noqa: E402
-from sqlalchemy import text  # noqa: E402
+import psycopg
+from sqlalchemy import text
 from sqlalchemy.exc import DBAPIError
 
-from staleflow_db.db import make_engine  # noqa: E402
-from staleflow_db.enums import SegmentKind  # noqa: E402
-from staleflow_db.errors import Conflict, ProtocolError  # noqa: E402
-from staleflow_db.protocol import Prompt, Protocol  # noqa: E402
-from staleflow_db.types import Report, RouteOutcome, RunConfig  # noqa: E402
+from staleflow_db.db import make_engine
+from staleflow_db.enums import SegmentKind
+from staleflow_db.errors import Conflict, ProtocolError
+from staleflow_db.protocol import Prompt, Protocol
+from staleflow_db.types import Report, RouteOutcome, RunConfig
 
 SPAWN = mp.get_context("spawn")
 APP = "sf-chaos"  # application_name prefix of the workers' connections: the killer's target
-CONFIG = dict(batch_size=4, buffer_capacity=5, group_size=2, samples_per_group=3, eta=2,
-              dapo_filter=True, max_response_tokens=40, max_prompt_tokens=8)
+CONFIG = dict(
+    batch_size=4,
+    buffer_capacity=5,
+    group_size=2,
+    samples_per_group=3,
+    eta=2,
+    dapo_filter=True,
+    max_response_tokens=40,
+    max_prompt_tokens=8,
+)
 INSTANCE_LEASE_S = 2.0
 RETRIES = 6  # same request id; beyond that the outcome stays unknown
 
@@ -67,7 +76,9 @@ def expected(sid: int, n: int) -> list[int]:
 
 
 def _disconnect(e: DBAPIError) -> bool:
-    return bool(e.connection_invalidated) or isinstance(e.orig, (psycopg.errors.AdminShutdown, psycopg.OperationalError))
+    return bool(e.connection_invalidated) or isinstance(
+        e.orig, (psycopg.errors.AdminShutdown, psycopg.OperationalError)
+    )
 
 
 class Journal:
@@ -120,7 +131,7 @@ def worker_main(kind: str, url: str, run: int, name: str, out_dir: str, seconds:
     extra: dict[str, Any] = {}
     try:
         body(Protocol(engine), reader, run, name, done, random.Random(seed), j, extra)
-    except BaseException:  # noqa: BLE001 - reported by the checker
+    except BaseException:
         extra["crash"] = traceback.format_exc()
     finally:
         engine.dispose()
@@ -152,16 +163,27 @@ def _rollout(p: Protocol, reader, run: int, name: str, done, rng: random.Random,
         except (ProtocolError, Unknown):
             continue
         with reader.connect() as c:
-            queued = c.execute(text(
-                "SELECT s.id FROM samples s JOIN prompt_groups g ON g.id = s.group_id WHERE s.run_id = :r"
-                " AND s.state = 'queued' AND coalesce(s.last_version, 0) <= :v AND coalesce(s.v_traj, 0) <= :v"
-                " ORDER BY g.state = 'reserved' DESC, random() LIMIT 4"), {"r": run, "v": version}).scalars().all()
+            queued = (
+                c.execute(
+                    text(
+                        "SELECT s.id FROM samples s JOIN prompt_groups g ON g.id = s.group_id WHERE s.run_id = :r"
+                        " AND s.state = 'queued' AND coalesce(s.last_version, 0) <= :v AND coalesce(s.v_traj, 0) <= :v"
+                        " ORDER BY g.state = 'reserved' DESC, random() LIMIT 4"
+                    ),
+                    {"r": run, "v": version},
+                )
+                .scalars()
+                .all()
+            )
         if not queued:
             time.sleep(0.02)
             continue
         try:
-            results = j.retried("route", lambda rid: p.route(run, [(s, inst) for s in queued], request_id=rid),
-                                pairs=[[s, inst] for s in queued])
+            results = j.retried(
+                "route",
+                lambda rid: p.route(run, [(s, inst) for s in queued], request_id=rid),
+                pairs=[[s, inst] for s in queued],
+            )
         except (ProtocolError, Unknown):
             continue
         j.calls[-1]["routed"] = [[r.sample_id, r.attempt] for r in results if r.outcome == RouteOutcome.ROUTED]
@@ -186,16 +208,32 @@ def _generate(p: Protocol, run: int, inst: int, version: int, w, rng: random.Ran
     plan = []
     if rng.random() < 0.3 and left > 4:
         plan.append((SegmentKind.PARTIAL, rng.randint(1, 3)))
-    plan.append((SegmentKind.INTERRUPTED, rng.randint(0, 4)) if w.attempt < 3 and rng.random() < 0.3
-                else (SegmentKind.FINISHED, rng.randint(1, 6)))
+    plan.append(
+        (SegmentKind.INTERRUPTED, rng.randint(0, 4))
+        if w.attempt < 3 and rng.random() < 0.3
+        else (SegmentKind.FINISHED, rng.randint(1, 6))
+    )
     for kind, n in plan:
         n = min(n, left)
         toks, lps = expected(w.sample_id, pos + n)[pos:], [logprob(i) for i in range(pos, pos + n)]
-        r = Report(w.sample_id, w.attempt, version, toks, lps, kind, "stop" if kind == SegmentKind.FINISHED else None,
-                   instance_id=inst, lease=w.lease)
+        r = Report(
+            w.sample_id,
+            w.attempt,
+            version,
+            toks,
+            lps,
+            kind,
+            "stop" if kind == SegmentKind.FINISHED else None,
+            instance_id=inst,
+            lease=w.lease,
+        )
         try:
-            j.retried("report", lambda rid: p.report(run, [r], request_id=rid),
-                      items=[[w.sample_id, w.attempt, toks]], kind=kind.value)
+            j.retried(
+                "report",
+                lambda rid: p.report(run, [r], request_id=rid),
+                items=[[w.sample_id, w.attempt, toks]],
+                kind=kind.value,
+            )
         except ProtocolError:
             return True  # the lease is gone (aborted, interrupted, expired): drop the sample
         except Unknown:
@@ -214,8 +252,11 @@ def _reward(p: Protocol, reader, run: int, name: str, done, rng: random.Random, 
         pending = [(t.sample_id, t.reward_attempt, float(rng.choice([0, 1])) + t.reward_attempt / 1000) for t in tasks]
         while pending:
             try:
-                j.retried("reward", lambda rid: p.record_rewards(run, pending, request_id=rid),
-                          items=[list(x) for x in pending])
+                j.retried(
+                    "reward",
+                    lambda rid: p.record_rewards(run, pending, request_id=rid),
+                    items=[list(x) for x in pending],
+                )
                 break
             except Conflict as e:  # aborted meanwhile: drop those, retry the rest
                 lost = {sid for sid, _ in e.items}
@@ -234,11 +275,16 @@ def _trainer(p: Protocol, reader, run: int, name: str, done, rng: random.Random,
             time.sleep(0.03)
             continue
         j.calls[-1]["lease"] = batch.lease
-        for tries in range(RETRIES):
+        for _try in range(RETRIES):
             checksum = f"{name}-v{v}-{uuid.uuid4().hex[:8]}"  # unique per call: tells whose publish landed
             try:
-                new = j.call("publish", lambda: p.publish(run, v, batch.lease, 1, checksum, "bench"),
-                             version=v, checksum=checksum, lease=batch.lease)
+                new = j.call(
+                    "publish",
+                    lambda: p.publish(run, v, batch.lease, 1, checksum, "bench"),
+                    version=v,
+                    checksum=checksum,
+                    lease=batch.lease,
+                )
             except Unknown:
                 continue
             except ProtocolError:
@@ -253,10 +299,22 @@ def _meddler(p: Protocol, reader, run: int, name: str, done, rng: random.Random,
     while not done():
         time.sleep(rng.uniform(0.05, 0.2))
         with reader.connect() as c:
-            running = c.execute(text("SELECT id FROM samples WHERE run_id = :r AND state = 'running'"
-                                     " ORDER BY random() LIMIT 3"), {"r": run}).scalars().all()
-            queued = c.execute(text("SELECT id FROM samples WHERE run_id = :r AND state = 'queued'"
-                                    " ORDER BY random() LIMIT 1"), {"r": run}).scalars().all()
+            running = (
+                c.execute(
+                    text("SELECT id FROM samples WHERE run_id = :r AND state = 'running' ORDER BY random() LIMIT 3"),
+                    {"r": run},
+                )
+                .scalars()
+                .all()
+            )
+            queued = (
+                c.execute(
+                    text("SELECT id FROM samples WHERE run_id = :r AND state = 'queued' ORDER BY random() LIMIT 1"),
+                    {"r": run},
+                )
+                .scalars()
+                .all()
+            )
         if running:
             _attempt(j, "interrupt", lambda: p.interrupt(run, running), samples=running)
         if queued and rng.random() < 0.15:
@@ -265,8 +323,12 @@ def _meddler(p: Protocol, reader, run: int, name: str, done, rng: random.Random,
                 j.calls[-1]["aborted"] = aborted
         if rng.random() < 0.05:
             with reader.connect() as c:
-                gid = c.execute(text("SELECT id FROM prompt_groups WHERE run_id = :r AND state = 'queued'"
-                                     " ORDER BY random() LIMIT 1"), {"r": run}).scalar()
+                gid = c.execute(
+                    text(
+                        "SELECT id FROM prompt_groups WHERE run_id = :r AND state = 'queued' ORDER BY random() LIMIT 1"
+                    ),
+                    {"r": run},
+                ).scalar()
             if gid is not None and _attempt(j, "abort_group", lambda: p.abort_group(run, gid), group=gid):
                 j.calls[-1]["aborted_group"] = gid
 
@@ -280,7 +342,9 @@ def killer_main(url: str, out_dir: str, seconds: float, seed: int) -> None:
             time.sleep(rng.uniform(0.02, 0.35))
             rows = c.execute(
                 "SELECT pid, state FROM pg_stat_activity WHERE datname = current_database()"
-                " AND pid <> pg_backend_pid() AND application_name LIKE %s", (APP + "%",)).fetchall()
+                " AND pid <> pg_backend_pid() AND application_name LIKE %s",
+                (APP + "%",),
+            ).fetchall()
             busy = [r for r in rows if r[1] in ("active", "idle in transaction")]
             targets = busy if busy and rng.random() < 0.7 else rows  # prefer mid-transaction / commit
             for pid, state in rng.sample(targets, k=min(len(targets), rng.randint(1, 3))):
@@ -290,6 +354,7 @@ def killer_main(url: str, out_dir: str, seconds: float, seed: int) -> None:
 
 
 # ---- the whole drive and its check ------------------------------------------------------------
+
 
 def setup_run(engine, prompts: int) -> int:
     p = Protocol(engine)
@@ -302,8 +367,10 @@ def drive(url: str, run: int, out_dir: Path, seconds: float, rollouts: int = 3, 
     """Run the workers and the killer; returns the journals by worker name (plus `killer`)."""
     roles = [("rollout", f"rollout-{i}") for i in range(rollouts)]
     roles += [("reward", "reward-0"), ("trainer", "trainer"), ("meddler", "meddler")]
-    procs = [SPAWN.Process(target=worker_main, args=(kind, url, run, name, str(out_dir), seconds, ops, seed))
-             for seed, (kind, name) in enumerate(roles)]
+    procs = [
+        SPAWN.Process(target=worker_main, args=(kind, url, run, name, str(out_dir), seconds, ops, seed))
+        for seed, (kind, name) in enumerate(roles)
+    ]
     procs.append(SPAWN.Process(target=killer_main, args=(url, str(out_dir), seconds, 99)))
     for proc in procs:
         proc.start()
@@ -325,24 +392,36 @@ def check(engine, run: int, logs: dict[str, Any]) -> dict[str, Any]:
     problems: list[str] = []
     calls = [c for name, log in logs.items() if name != "killer" for c in log["calls"]]
     problems += [f"{n}: crashed\n{log['crash']}" for n, log in logs.items() if log.get("crash")]
-    problems += [f"{c['worker']} {c['op']}: unexpected database error {c['error']}\n{c.get('traceback', '')}"
-                 for c in calls if c.get("outcome") == "failed"]
-    problems += [f"sample {c['sample']}: delivered prefix differs from the reported tokens"
-                 for c in calls if c.get("outcome") == "mismatch"]
+    problems += [
+        f"{c['worker']} {c['op']}: unexpected database error {c['error']}\n{c.get('traceback', '')}"
+        for c in calls
+        if c.get("outcome") == "failed"
+    ]
+    problems += [
+        f"sample {c['sample']}: delivered prefix differs from the reported tokens"
+        for c in calls
+        if c.get("outcome") == "mismatch"
+    ]
     segs = defaultdict(list)
-    for sid, seq, att, toks in _rows(engine, "SELECT sample_id, seq, attempt, token_ids FROM segments"
-                                             " WHERE run_id = :r ORDER BY sample_id, seq", r=run):
+    for sid, _seq, att, toks in _rows(
+        engine,
+        "SELECT sample_id, seq, attempt, token_ids FROM segments WHERE run_id = :r ORDER BY sample_id, seq",
+        r=run,
+    ):
         segs[sid].append((att, tuple(toks)))
     have = lambda sid, att, toks: (att, tuple(toks)) in segs.get(sid, [])  # noqa: E731
 
     def present(c: dict) -> list[bool]:
         return [have(*i) for i in c["items"] if i[2]]
 
-    rewards = {sid: (att, r) for sid, att, r in _rows(engine, "SELECT id, reward_attempt, reward FROM samples"
-                                                             " WHERE run_id = :r", r=run)}
+    rewards = {
+        sid: (att, r)
+        for sid, att, r in _rows(engine, "SELECT id, reward_attempt, reward FROM samples WHERE run_id = :r", r=run)
+    }
     stored = lambda sid, att, val: rewards.get(sid) == (att, val)  # noqa: E731
-    acked_items = {(c["op"], *map(_key, i)) for c in calls if c.get("outcome") == "acked" and "items" in c
-                   for i in c["items"]}
+    acked_items = {
+        (c["op"], *map(_key, i)) for c in calls if c.get("outcome") == "acked" and "items" in c for i in c["items"]
+    }
     unknown_rids = {c["request_id"] for c in calls if c.get("outcome") == "unknown" and "request_id" in c}
     for c in calls:
         op, outcome = c["op"], c.get("outcome")
@@ -356,8 +435,11 @@ def check(engine, run: int, logs: dict[str, Any]) -> dict[str, Any]:
             got = [stored(*i) for i in c["items"]]
             if outcome == "acked" and not all(got):
                 problems.append(f"acked rewards missing: {[i for i, g in zip(c['items'], got) if not g]}")
-            if outcome == "unknown" and len(set(got)) > 1 and not any(
-                    (op, *map(_key, i)) in acked_items for i in c["items"]):
+            if (
+                outcome == "unknown"
+                and len(set(got)) > 1
+                and not any((op, *map(_key, i)) in acked_items for i in c["items"])
+            ):
                 problems.append(f"reward call half applied: {c['items']}")
             if outcome == "refused":
                 lost = set(c.get("lost", []))
@@ -378,25 +460,42 @@ def check(engine, run: int, logs: dict[str, Any]) -> dict[str, Any]:
             problems.append(f"refused publish of v{v1} applied")
     states = dict(_rows(engine, "SELECT id, state::text FROM samples WHERE run_id = :r", r=run))
     groups = dict(_rows(engine, "SELECT id, state::text FROM prompt_groups WHERE run_id = :r", r=run))
-    problems += [f"acked abort of group {c['aborted_group']} not applied ({groups.get(c['aborted_group'])})"
-                 for c in calls if c.get("aborted_group") and groups.get(c["aborted_group"]) != "aborted"]
+    problems += [
+        f"acked abort of group {c['aborted_group']} not applied ({groups.get(c['aborted_group'])})"
+        for c in calls
+        if c.get("aborted_group") and groups.get(c["aborted_group"]) != "aborted"
+    ]
     for c in calls:
         if c["op"] == "abort" and c.get("outcome") == "acked":
-            problems += [f"acked abort of sample {s} not applied ({states.get(s)})"
-                         for s in c["aborted"] if states.get(s) != "aborted"]
+            problems += [
+                f"acked abort of sample {s} not applied ({states.get(s)})"
+                for s in c["aborted"]
+                if states.get(s) != "aborted"
+            ]
         if c["op"] == "route" and c.get("outcome") == "acked":
-            attempts = dict(_rows(engine, "SELECT id, attempt FROM samples WHERE id = ANY(:ids)",
-                                  ids=[s for s, _ in c["routed"]] or [0]))
-            problems += [f"acked route of sample {s} attempt {a} not stored" for s, a in c["routed"]
-                         if attempts.get(s, 0) < a]
+            attempts = dict(
+                _rows(
+                    engine,
+                    "SELECT id, attempt FROM samples WHERE id = ANY(:ids)",
+                    ids=[s for s, _ in c["routed"]] or [0],
+                )
+            )
+            problems += [
+                f"acked route of sample {s} attempt {a} not stored" for s, a in c["routed"] if attempts.get(s, 0) < a
+            ]
     for sid, parts in segs.items():
         toks = [t for _, seg in parts for t in seg]
         if toks != expected(sid, len(toks)):
-            problems.append(f"sample {sid}: tokens are not the concatenation of one generation "
-                            f"(duplicated or lost segment): {[len(s) for _, s in parts]}")
+            problems.append(
+                f"sample {sid}: tokens are not the concatenation of one generation "
+                f"(duplicated or lost segment): {[len(s) for _, s in parts]}"
+            )
     n_tok = dict(_rows(engine, "SELECT id, n_tokens FROM samples WHERE run_id = :r", r=run))
-    problems += [f"sample {s}: n_tokens {n_tok[s]} != segments {sum(len(x) for _, x in segs.get(s, []))}"
-                 for s in n_tok if n_tok[s] != sum(len(x) for _, x in segs.get(s, []))]
+    problems += [
+        f"sample {s}: n_tokens {n_tok[s]} != segments {sum(len(x) for _, x in segs.get(s, []))}"
+        for s in n_tok
+        if n_tok[s] != sum(len(x) for _, x in segs.get(s, []))
+    ]
     version = _rows(engine, "SELECT version FROM runs WHERE id = :r", r=run)[0][0]
     if sorted(published) != list(range(1, version + 1)):
         problems.append(f"published versions {sorted(published)} not contiguous up to {version}")
@@ -406,8 +505,14 @@ def check(engine, run: int, logs: dict[str, Any]) -> dict[str, Any]:
     for c in calls:
         outcomes[c.get("outcome", "?")] += 1
     kills = logs.get("killer", {}).get("kills", {})
-    return {"version": version, "kills": kills, "outcomes": dict(outcomes), "calls": len(calls),
-            "violations": len(violations), "problems": problems}
+    return {
+        "version": version,
+        "kills": kills,
+        "outcomes": dict(outcomes),
+        "calls": len(calls),
+        "violations": len(violations),
+        "problems": problems,
+    }
 
 
 def _refused_applied(c: dict, unknown_rids: set[str]) -> str:
@@ -443,9 +548,11 @@ def main() -> None:
     for pr in result["problems"][:50]:
         print("PROBLEM", pr)
     print(f"versions {result['version']}, calls {result['calls']} {result['outcomes']}, kills {result['kills']}")
-    print(f"backend_kills kills={sum(result['kills'].values())} ops={result['calls']} "
-          f"unknown={result['outcomes'].get('unknown', 0)} problems={len(result['problems'])} "
-          f"violations={result['violations']}")
+    print(
+        f"backend_kills kills={sum(result['kills'].values())} ops={result['calls']} "
+        f"unknown={result['outcomes'].get('unknown', 0)} problems={len(result['problems'])} "
+        f"violations={result['violations']}"
+    )
 
 
 if __name__ == "__main__":

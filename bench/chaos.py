@@ -30,20 +30,19 @@ from typing import Any
 _HERE = Path(__file__).resolve().parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE] + [str(_HERE.parent)]
 
-from bench.harness import PrivatePostgres, Role, Supervisor  # noqa: E402
+from rich.console import Console
+from rich.table import Table
+from sqlalchemy import text
 
-from rich.console import Console  # noqa: E402
-from rich.table import Table  # noqa: E402
-from sqlalchemy import text  # noqa: E402
-
-from api.auth import create_token  # noqa: E402
-from staleflow_db import migrate  # noqa: E402
-from staleflow_db.db import make_engine  # noqa: E402
-from staleflow_db.protocol import Prompt, Protocol  # noqa: E402
-from staleflow_db.types import RunConfig  # noqa: E402
-from staleflow_cli.launch import free_port  # noqa: E402
-from workers.rollout.engines.sim_engine import encode_prompt  # noqa: E402
-from workers.tasks.repeat import RepeatTask  # noqa: E402
+from api.auth import create_token
+from bench.harness import PrivatePostgres, Role, Supervisor
+from staleflow_cli.launch import free_port
+from staleflow_db import migrate
+from staleflow_db.db import make_engine
+from staleflow_db.protocol import Prompt, Protocol
+from staleflow_db.types import RunConfig
+from workers.rollout.engines.sim_engine import encode_prompt
+from workers.tasks.repeat import RepeatTask
 
 console = Console(stderr=True, soft_wrap=True)  # one line per event, even in a log file
 MODEL = {"d_model": 32, "n_layers": 1, "n_heads": 4}
@@ -63,9 +62,17 @@ def prompts(args: argparse.Namespace, start: int, n: int) -> list[Prompt]:
 def build(args: argparse.Namespace, report: Path, url: str, engine) -> tuple[Supervisor, int, dict[str, Any]]:
     task, sim = RepeatTask(), args.engine == "sim"
     p = Protocol(engine)
-    run = p.create_run(f"chaos-{report.name}", RunConfig(
-        batch_size=args.batch, group_size=args.group, eta=args.eta, dapo_filter=True,
-        max_response_tokens=SIM_MAX_RESPONSE if sim else task.max_response, max_prompt_tokens=16))
+    run = p.create_run(
+        f"chaos-{report.name}",
+        RunConfig(
+            batch_size=args.batch,
+            group_size=args.group,
+            eta=args.eta,
+            dapo_filter=True,
+            max_response_tokens=SIM_MAX_RESPONSE if sim else task.max_response,
+            max_prompt_tokens=16,
+        ),
+    )
     p.enqueue(run, prompts(args, 0, args.prompts))
     tokens = {r: create_token(engine, r, run)["token"] for r in ("trainer", "rollout", "reward")}
     mc = json.dumps({"vocab_size": task.vocab_size, **MODEL, "max_seq": 8 + task.max_response, "eos_token_id": 0})
@@ -77,11 +84,24 @@ def build(args: argparse.Namespace, report: Path, url: str, engine) -> tuple[Sup
     except BaseException:
         sup.__exit__(None, None, None)  # never leave half a service running
         raise
-    return sup, run, {"apis": apis, "ps": None if sim else ps_addr, "checkpoint": None if sim else str(report / "checkpoint")}
+    return (
+        sup,
+        run,
+        {"apis": apis, "ps": None if sim else ps_addr, "checkpoint": None if sim else str(report / "checkpoint")},
+    )
 
 
-def launch(sup: Supervisor, args, run: int, sim: bool, apis: list[str], ps_addr: str, tokens: dict[str, str],
-           mc: str, report: Path) -> None:
+def launch(
+    sup: Supervisor,
+    args,
+    run: int,
+    sim: bool,
+    apis: list[str],
+    ps_addr: str,
+    tokens: dict[str, str],
+    mc: str,
+    report: Path,
+) -> None:
     for i, api in enumerate(apis):
         sup.launch(Role(f"api-{i}", "api", ["serve", "--port", api.rsplit(":", 1)[1], "--no-upgrade"]))
     if not sim:
@@ -96,14 +116,31 @@ def launch(sup: Supervisor, args, run: int, sim: bool, apis: list[str], ps_addr:
     else:
         trainer = ["--ps", ps_addr, "--checkpoint-dir", str(ck), "--model-config", mc]
         rollout = ["--engine", "torch", "--ps", ps_addr, "--model-config", mc, "--kv-capacity", "2048"]
-    sup.launch(Role("trainer", "trainer", ["trainer", *common, *trainer, "--metrics-file", str(report / "trainer.jsonl")],
-                    via(0, "trainer")))
-    sup.launch(Role("reward", "reward", ["reward-worker", *common, "--verifier", "sim" if sim else "repeat",
-                                         "--lease", "10"], via(1, "reward")))
+    sup.launch(
+        Role(
+            "trainer",
+            "trainer",
+            ["trainer", *common, *trainer, "--metrics-file", str(report / "trainer.jsonl")],
+            via(0, "trainer"),
+        )
+    )
+    sup.launch(
+        Role(
+            "reward",
+            "reward",
+            ["reward-worker", *common, "--verifier", "sim" if sim else "repeat", "--lease", "10"],
+            via(1, "reward"),
+        )
+    )
     for i in range(args.rollouts):
-        sup.launch(Role(f"rollout-{i}", "rollout", [
-            "rollout-worker", *common, *rollout, "--phi-wait", "1", "--name", f"w{i}", "--heartbeat", "0.5"],
-            via(i, "rollout")))
+        sup.launch(
+            Role(
+                f"rollout-{i}",
+                "rollout",
+                ["rollout-worker", *common, *rollout, "--phi-wait", "1", "--name", f"w{i}", "--heartbeat", "0.5"],
+                via(i, "rollout"),
+            )
+        )
     for i in range(2):  # leader and standby: whichever holds the lease leads
         sup.launch(Role(f"coordinator-{i}", "coordinator", ["coordinator", *common, "--lease", "3"]))
 
@@ -129,7 +166,7 @@ def version(engine, run: int) -> int | None:
     try:
         with engine.connect() as c:
             return c.execute(text("SELECT version FROM runs WHERE id = :r"), {"r": run}).scalar()
-    except Exception:  # noqa: BLE001 - the database may be down on purpose
+    except Exception:
         return None
 
 
@@ -163,13 +200,14 @@ class Chaos:
         work, however fast it trains between kills."""
         try:
             with self.engine.connect() as c:
-                queued = c.execute(text("SELECT count(*) FROM prompt_groups WHERE run_id = :r AND state = 'queued'"),
-                                   {"r": self.run}).scalar()
+                queued = c.execute(
+                    text("SELECT count(*) FROM prompt_groups WHERE run_id = :r AND state = 'queued'"), {"r": self.run}
+                ).scalar()
             if queued < self.args.batch * (self.args.eta + 2):
                 n = self.args.batch * 8
                 Protocol(self.engine).enqueue(self.run, prompts(self.args, self.fed, n))
                 self.fed += n
-        except Exception:  # noqa: BLE001 - the database may be down on purpose; next tick
+        except Exception:
             pass
 
     def sleep(self, seconds: float) -> None:
@@ -180,8 +218,10 @@ class Chaos:
 
     def progress(self) -> str:
         r = self.sup.record
-        return (f"version {self.last_v}, kills {sum(r.kills.values())}, restarts {r.restarts}, "
-                f"db restarts {len(self.db_restarts)}, exited on their own {len(r.exited)}")
+        return (
+            f"version {self.last_v}, kills {sum(r.kills.values())}, restarts {r.restarts}, "
+            f"db restarts {len(self.db_restarts)}, exited on their own {len(r.exited)}"
+        )
 
     def kill_random(self, kind: str) -> None:
         names = [n for n, role in self.sup.roles.items() if role.kind == kind]
@@ -207,7 +247,7 @@ class Chaos:
         self.sup.kill("trainer")  # restarts without the hook: it must publish v{target} exactly once
         self.sup.record.kills["trainer"] -= 1  # the first kill only armed the hook
         self.sup.record.kills["trainer (checkpoint->publish)"] = int(hit)
-        self.log(f"SIGKILL trainer {'between checkpoint and publish of v%d' % target if hit else '(hook not reached)'}")
+        self.log(f"SIGKILL trainer {f'between checkpoint and publish of v{target}' if hit else '(hook not reached)'}")
         return hit
 
     def db_outage(self, how: str) -> None:
@@ -256,6 +296,7 @@ class Chaos:
 
 def check(engine, run: int, where: dict[str, Any]) -> dict[str, Any]:
     """Everything the run must satisfy after the chaos, from SQL, the trainer's log and the PS."""
+
     def q(sql: str) -> list:
         with engine.connect() as c:
             return c.execute(text(sql), {"r": run}).all()
@@ -287,23 +328,36 @@ def check(engine, run: int, where: dict[str, Any]) -> dict[str, Any]:
         sd, ps_version, _ = ParamClient(where["ps"], timeout_s=60).pull()
         ps_sum = state_dict_checksum(sd)
         if ps_version != v or ps_sum != published.get(v):
-            problems.append(f"PS serves v{ps_version} ({ps_sum[:12]}), the run is at v{v} ({str(published.get(v))[:12]})")
-    classes = dict(q(
-        "SELECT CASE WHEN s.state = 'aborted' THEN 'dropped: ' || coalesce(s.reason, 'NO REASON')"
-        " WHEN s.state = 'rewarded' AND g.state = 'consumed' THEN 'trained'"
-        " WHEN g.state IN ('queued', 'reserved', 'occupied') THEN 'in flight'"
-        " ELSE 'unaccounted: sample ' || s.state || ' in group ' || g.state END, count(*)"
-        " FROM samples s JOIN prompt_groups g ON g.id = s.group_id WHERE s.run_id = :r GROUP BY 1"))
+            problems.append(
+                f"PS serves v{ps_version} ({ps_sum[:12]}), the run is at v{v} ({str(published.get(v))[:12]})"
+            )
+    classes = dict(
+        q(
+            "SELECT CASE WHEN s.state = 'aborted' THEN 'dropped: ' || coalesce(s.reason, 'NO REASON')"
+            " WHEN s.state = 'rewarded' AND g.state = 'consumed' THEN 'trained'"
+            " WHEN g.state IN ('queued', 'reserved', 'occupied') THEN 'in flight'"
+            " ELSE 'unaccounted: sample ' || s.state || ' in group ' || g.state END, count(*)"
+            " FROM samples s JOIN prompt_groups g ON g.id = s.group_id WHERE s.run_id = :r GROUP BY 1"
+        )
+    )
     created = q("SELECT count(*) FROM samples WHERE run_id = :r")[0][0]
     unaccounted = sum(n for k, n in classes.items() if k.startswith("unaccounted") or k.endswith("NO REASON"))
-    problems += [f"{n} samples {k}" for k, n in classes.items() if k.startswith("unaccounted") or k.endswith("NO REASON")]
+    problems += [
+        f"{n} samples {k}" for k, n in classes.items() if k.startswith("unaccounted") or k.endswith("NO REASON")
+    ]
     dup_trained = q("SELECT count(*) - count(DISTINCT sample_id) FROM trained_samples WHERE run_id = :r")[0][0]
     violations = [list(r) for r in q("SELECT invariant, subject, detail FROM staleness_violations WHERE run_id = :r")]
     problems += [f"violation {r}" for r in violations]
-    return {"version": v, "created": created, "classes": classes, "violations": violations,
-            "lost": unaccounted + len(missing) + (created - sum(classes.values())),
-            "duplicated": len(twice) + dup_trained, "ps": {"version": ps_version, "checksum": ps_sum},
-            "problems": problems}
+    return {
+        "version": v,
+        "created": created,
+        "classes": classes,
+        "violations": violations,
+        "lost": unaccounted + len(missing) + (created - sum(classes.values())),
+        "duplicated": len(twice) + dup_trained,
+        "ps": {"version": ps_version, "checksum": ps_sum},
+        "problems": problems,
+    }
 
 
 def table(result: dict[str, Any]) -> Table:
@@ -313,7 +367,10 @@ def table(result: dict[str, Any]) -> Table:
     for kind, n in sorted(result["kills"].items()):
         t.add_row(f"kills: {kind}", str(n))
     t.add_row("restarts by the supervisor", str(result["restarts"]))
-    t.add_row("exited on their own", str(len(result["exited"])) + "".join(f"\n  {n} (rc {rc})" for n, rc, _ in result["exited"]))
+    t.add_row(
+        "exited on their own",
+        str(len(result["exited"])) + "".join(f"\n  {n} (rc {rc})" for n, rc, _ in result["exited"]),
+    )
     t.add_row("database restarts", ", ".join(result["db_restarts"]) or "0")
     c = result["check"]
     t.add_row("version reached", str(c["version"]))
@@ -333,8 +390,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--drain-timeout", type=float, default=240)
     ap.add_argument("--outage", type=float, default=4.0, help="seconds PostgreSQL stays down each time")
     ap.add_argument("--rollouts", type=int, default=4)
-    ap.add_argument("--engine", choices=("torch", "sim"), default="torch",
-                    help="torch: tiny model, torch trainer and PS; sim: cost-model engines, sim trainer, no PS")
+    ap.add_argument(
+        "--engine",
+        choices=("torch", "sim"),
+        default="torch",
+        help="torch: tiny model, torch trainer and PS; sim: cost-model engines, sim trainer, no PS",
+    )
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--group", type=int, default=4)
     ap.add_argument("--eta", type=int, default=2)
@@ -369,9 +430,17 @@ def main(argv: list[str] | None = None) -> int:
         engine.dispose()
         pg.stop_fast()
     rec = sup.record
-    result = {"run_id": run, "seconds": time.monotonic() - started, "kills": rec.kills, "restarts": rec.restarts,
-              "exited": rec.exited, "db_restarts": chaos.db_restarts, "events": chaos.events, "check": result_check,
-              "args": {k: str(v) for k, v in vars(args).items()}}
+    result = {
+        "run_id": run,
+        "seconds": time.monotonic() - started,
+        "kills": rec.kills,
+        "restarts": rec.restarts,
+        "exited": rec.exited,
+        "db_restarts": chaos.db_restarts,
+        "events": chaos.events,
+        "check": result_check,
+        "args": {k: str(v) for k, v in vars(args).items()},
+    }
     (report / "chaos.json").write_text(json.dumps(result, indent=2))
     Console().print(table(result))
     for pr in result_check["problems"]:
@@ -380,8 +449,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"EXITED {name} rc={rc}; log ends:\n{tail}\n")
     print(f"report: {report}")
     kills = sum(n for k, n in rec.kills.items() if "->" not in k)
-    print(f"chaos kills={kills} db_restarts={len(chaos.db_restarts)} lost={result_check['lost']} "
-          f"duplicated={result_check['duplicated']} violations={len(result_check['violations'])}")
+    print(
+        f"chaos kills={kills} db_restarts={len(chaos.db_restarts)} lost={result_check['lost']} "
+        f"duplicated={result_check['duplicated']} violations={len(result_check['violations'])}"
+    )
     bad = result_check["problems"] or rec.exited
     return 1 if bad else 0
 

@@ -9,10 +9,10 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Sequence
 
 _REPO = Path(__file__).resolve().parent.parent
 # Run as scripts, bench/ would come first on sys.path and bench/api.py shadow the `api` package.
@@ -20,9 +20,9 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _REPO / "bench
 if str(_REPO) not in sys.path:
     sys.path.append(str(_REPO))
 
-from staleflow_db import migrate  # noqa: E402
-from staleflow_db.embedded import EmbeddedPostgres, EmbeddedPostgresError  # noqa: E402
-from staleflow_cli.launch import Cluster, Proc  # noqa: E402
+from staleflow_cli.launch import Cluster, Proc
+from staleflow_db import migrate
+from staleflow_db.embedded import EmbeddedPostgres, EmbeddedPostgresError
 
 # Durable settings (fsync on): a killed postmaster must recover by WAL replay, as in production.
 SERVER_OPTIONS = {"max_connections": "200"}

@@ -24,19 +24,20 @@ import sys
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 _HERE = Path(__file__).resolve().parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE] + [str(_HERE.parent)]
 
-import psycopg  # noqa: E402
+import psycopg
 
-from bench.api import Recorder, Rest  # noqa: E402
-from bench.harness import PrivatePostgres  # noqa: E402
-from staleflow_db import migrate  # noqa: E402
-from staleflow_db.db import make_engine  # noqa: E402
-from staleflow_cli.launch import Cluster  # noqa: E402
+from bench.api import Recorder, Rest
+from bench.harness import PrivatePostgres
+from staleflow_cli.launch import Cluster
+from staleflow_db import migrate
+from staleflow_db.db import make_engine
 
 RESERVED = 3  # superuser_reserved_connections: slots ordinary sessions cannot take
 OWN_CONNECTIONS = 4 + 1  # this process: its pool (2 + 2 overflow) and the sampler
@@ -64,7 +65,7 @@ class Load:
     def timed(self, name: str, fn: Callable[[], Any]) -> Any:
         try:
             return self.rec.timed(name, fn)
-        except Exception as e:  # noqa: BLE001 - counted and shown; the worker goes on
+        except Exception as e:
             self.errors[name] += 1
             if len(self.samples) < 10:
                 self.samples.append(f"{name}: {type(e).__name__}: {e}")
@@ -101,7 +102,9 @@ class Load:
         while not self.stop.is_set():
             tasks = self.timed("claim (long-poll)", lambda: self.b.claim(self.run, 64, 1.0))
             if tasks:
-                occupied = self.timed("reward", lambda: self.b.reward(self.run, [(s, a, float(s % 2)) for s, a in tasks]))
+                occupied = self.timed(
+                    "reward", lambda: self.b.reward(self.run, [(s, a, float(s % 2)) for s, a in tasks])
+                )
                 self.rec.add(2 * len(tasks) + (occupied or 0))
 
     def trainer(self) -> None:
@@ -124,8 +127,9 @@ class Load:
 def sample_connections(url: str, stop: threading.Event, out: list[int]) -> None:
     with psycopg.connect(url, autocommit=True, application_name="sf-load-sampler") as c:
         while not stop.is_set():
-            out.append(c.execute("SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'client backend'")
-                       .fetchone()[0])
+            out.append(
+                c.execute("SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'client backend'").fetchone()[0]
+            )
             stop.wait(0.25)
 
 
@@ -147,9 +151,11 @@ def main() -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     report = (args.report_dir / f"load-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
     budget = 2 * (args.pool + args.overflow + 1) + OWN_CONNECTIONS
-    print(f"connection budget: 2 replicas x (pool {args.pool} + overflow {args.overflow} + 1 LISTEN) + "
-          f"{OWN_CONNECTIONS} here = {budget} of {args.max_connections - RESERVED} "
-          f"(max_connections {args.max_connections} - {RESERVED} reserved)")
+    print(
+        f"connection budget: 2 replicas x (pool {args.pool} + overflow {args.overflow} + 1 LISTEN) + "
+        f"{OWN_CONNECTIONS} here = {budget} of {args.max_connections - RESERVED} "
+        f"(max_connections {args.max_connections} - {RESERVED} reserved)"
+    )
     pg = PrivatePostgres(report / "home", {"max_connections": str(args.max_connections)})
     url = pg.start()
     try:
@@ -165,8 +171,11 @@ def run_load(args: argparse.Namespace, report: Path, url: str, max_conn: int) ->
     engine = make_engine(url, pool_size=2, max_overflow=2)
     token = create_token(engine, "admin")["token"]
     engine.dispose()
-    env = {"STALEFLOW_POOL_SIZE": str(args.pool), "STALEFLOW_MAX_OVERFLOW": str(args.overflow),
-           "STALEFLOW_HOME": str(report / "home")}
+    env = {
+        "STALEFLOW_POOL_SIZE": str(args.pool),
+        "STALEFLOW_MAX_OVERFLOW": str(args.overflow),
+        "STALEFLOW_HOME": str(report / "home"),
+    }
     with Cluster(report, url, env=env) as cluster:
         bases = []
         for i in range(2):
@@ -187,8 +196,11 @@ def run_load(args: argparse.Namespace, report: Path, url: str, max_conn: int) ->
         while time.perf_counter() - t0 < args.seconds:
             time.sleep(min(5.0, args.seconds - (time.perf_counter() - t0)))
             calls = sum(len(x) for x in load.rec.lat.values())
-            print(f"  {time.perf_counter() - t0:5.0f}s: {calls} requests, {sum(load.errors.values())} errors, "
-                  f"version {load.published[0]}, connections {conns[-1] if conns else '?'}/{max_conn}", file=sys.stderr)
+            print(
+                f"  {time.perf_counter() - t0:5.0f}s: {calls} requests, {sum(load.errors.values())} errors, "
+                f"version {load.published[0]}, connections {conns[-1] if conns else '?'}/{max_conn}",
+                file=sys.stderr,
+            )
         load.stop.set()
         for t in threads:
             t.join(10)
@@ -203,20 +215,26 @@ def report_figures(load: Load, seconds: float, conns: list[int], max_conn: int, 
     every = sorted(x for name, xs in lat.items() if "long-poll" not in name for x in xs)
     requests = sum(len(xs) for xs in lat.values()) + sum(load.errors.values())
     pct = lambda xs, q: xs[min(len(xs) - 1, int(len(xs) * q))] * 1e3 if xs else 0.0  # noqa: E731
-    print(f"\n{args.workers} workers, 2 API replicas, {seconds:.0f} s: {requests} requests "
-          f"({requests / seconds:,.0f}/s), {load.rec.transitions} transitions ({load.rec.transitions / seconds:,.0f}/s), "
-          f"{load.published[0]} versions published")
+    print(
+        f"\n{args.workers} workers, 2 API replicas, {seconds:.0f} s: {requests} requests "
+        f"({requests / seconds:,.0f}/s), {load.rec.transitions} transitions ({load.rec.transitions / seconds:,.0f}/s), "
+        f"{load.published[0]} versions published"
+    )
     print(f"  {'endpoint':<22}{'calls':>8}{'errors':>8}{'p50 ms':>10}{'p99 ms':>10}")
     for name in sorted(set(lat) | set(load.errors)):
         xs = sorted(lat.get(name, []))
         print(f"  {name:<22}{len(xs):>8}{load.errors[name]:>8}{pct(xs, 0.5):>10.1f}{pct(xs, 0.99):>10.1f}")
     if conns:
-        print(f"database connections: max {max(conns)}, mean {sum(conns) / len(conns):.0f} "
-              f"of max_connections {max_conn} ({len(conns)} samples)")
+        print(
+            f"database connections: max {max(conns)}, mean {sum(conns) / len(conns):.0f} "
+            f"of max_connections {max_conn} ({len(conns)} samples)"
+        )
     for s in load.samples:
         print("  error:", s)
-    print(f"load workers={args.workers} requests={requests} errors={sum(load.errors.values())} "
-          f"p99_ms={pct(every, 0.99):.0f}")
+    print(
+        f"load workers={args.workers} requests={requests} errors={sum(load.errors.values())} "
+        f"p99_ms={pct(every, 0.99):.0f}"
+    )
 
 
 if __name__ == "__main__":

@@ -23,16 +23,37 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 
 
-COVERAGE = ("route routed", "route not_admitted", "group occupied", "group filtered", "published",
-            "refused Conflict", "refused InvalidInput")
+COVERAGE = (
+    "route routed",
+    "route not_admitted",
+    "group occupied",
+    "group filtered",
+    "published",
+    "refused Conflict",
+    "refused InvalidInput",
+)
 
 
 def run_chunk(examples: int, seed: int) -> tuple[dict[str, int], bool, str]:
     env = {**os.environ, "STALEFLOW_MODEL_EXAMPLES": str(examples), "PYTHONUNBUFFERED": "1"}
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", "-o", "timeout=0",
-         f"--hypothesis-seed={seed}", "tests/test_protocol_model.py::test_reference_and_database_agree"],
-        cwd=REPO, env=env, capture_output=True, text=True,
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-s",
+            "-p",
+            "no:cacheprovider",
+            "-o",
+            "timeout=0",
+            f"--hypothesis-seed={seed}",
+            "tests/test_protocol_model.py::test_reference_and_database_agree",
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
     )
     out = proc.stdout + proc.stderr
     seen = re.search(r"\{'steps'[^{}]*\}", out)
@@ -54,8 +75,11 @@ def main() -> int:
         n = seen.get("steps", 0)
         chunk += 1
         ops, examples, failures = ops + n, examples + args.chunk, failures + (not ok)
-        print(f"{time.monotonic() - started:7.0f} s  chunk {chunk}: {n} ops ({'ok' if ok else 'FAILED'}), "
-              f"total {ops} ops in {examples} examples", flush=True)
+        print(
+            f"{time.monotonic() - started:7.0f} s  chunk {chunk}: {n} ops ({'ok' if ok else 'FAILED'}), "
+            f"total {ops} ops in {examples} examples",
+            flush=True,
+        )
         if not ok:
             print(out[-4000:], flush=True)
             break

@@ -27,13 +27,13 @@ import httpx
 from sqlalchemy import text
 
 from api.auth import create_token
+from staleflow_cli.launch import Cluster
 from staleflow_db import migrate
 from staleflow_db.db import make_engine
 from staleflow_db.embedded import EmbeddedPostgres
 from staleflow_db.protocol import Prompt, Protocol
 from staleflow_db.types import RunConfig
 from workers.rollout.engines.sim_engine import encode_prompt
-from staleflow_cli.launch import Cluster
 
 FAST = {"fsync": "off", "synchronous_commit": "off", "full_page_writes": "off"}
 
@@ -47,16 +47,16 @@ def first_after(engine, started_at: float, sql: str, run: int) -> float | None:
 
 QUERIES = {
     "coordinator cycle": "SELECT extract(epoch FROM min(at)) FROM coordinator_cycles"
-                         " WHERE run_id = :r AND at > to_timestamp(:t)",
+    " WHERE run_id = :r AND at > to_timestamp(:t)",
     "segment reported": "SELECT extract(epoch FROM min(s.created_at)) FROM segments s JOIN samples x"
-                        " ON x.id = s.sample_id JOIN prompt_groups g ON g.id = x.group_id"
-                        " WHERE g.run_id = :r AND s.created_at > to_timestamp(:t)",
+    " ON x.id = s.sample_id JOIN prompt_groups g ON g.id = x.group_id"
+    " WHERE g.run_id = :r AND s.created_at > to_timestamp(:t)",
     "version published": "SELECT extract(epoch FROM min(created_at)) FROM param_versions"
-                         " WHERE run_id = :r AND created_at > to_timestamp(:t)",
+    " WHERE run_id = :r AND created_at > to_timestamp(:t)",
     # a whole step of new work: routed, generated, rewarded and trained after the restart
     "2nd version published": "SELECT extract(epoch FROM min(created_at)) FROM (SELECT created_at FROM param_versions"
-                             " WHERE run_id = :r AND created_at > to_timestamp(:t) ORDER BY created_at"
-                             " OFFSET 1) AS later",
+    " WHERE run_id = :r AND created_at > to_timestamp(:t) ORDER BY created_at"
+    " OFFSET 1) AS later",
 }
 
 
@@ -83,8 +83,9 @@ def measure(pg: EmbeddedPostgres, args: argparse.Namespace) -> None:
     migrate.upgrade(url)
     engine = make_engine(url)
     protocol = Protocol(engine)
-    run = protocol.create_run("outage", RunConfig(batch_size=4, group_size=2, eta=1, max_response_tokens=256,
-                                                  max_prompt_tokens=64))
+    run = protocol.create_run(
+        "outage", RunConfig(batch_size=4, group_size=2, eta=1, max_response_tokens=256, max_prompt_tokens=64)
+    )
     protocol.enqueue(run, [Prompt(f"g{k}", encode_prompt(16, 48, 0.4)) for k in range(4000)])
     tok = {r: create_token(engine, r, run)["token"] for r in ("trainer", "rollout", "reward")}
     engine.dispose()
@@ -92,13 +93,19 @@ def measure(pg: EmbeddedPostgres, args: argparse.Namespace) -> None:
     with Cluster(home / "work", url, env={"STALEFLOW_SIM_TIME_SCALE": "0.01"}) as cluster:
         api = cluster.start_api()
         common = ["--run", str(run)]
-        specs = {"coordinator": (["coordinator", *common, "--lease", "3"], {}),
-                 "reward": (["reward-worker", *common, "--verifier", "sim"], {"STALEFLOW_TOKEN": tok["reward"]}),
-                 "trainer": (["trainer", *common, "--sim", "--sim-overhead", "0.2", "--sim-s-per-token", "0",
-                              "--wait", "5"], {"STALEFLOW_TOKEN": tok["trainer"]})}
+        specs = {
+            "coordinator": (["coordinator", *common, "--lease", "3"], {}),
+            "reward": (["reward-worker", *common, "--verifier", "sim"], {"STALEFLOW_TOKEN": tok["reward"]}),
+            "trainer": (
+                ["trainer", *common, "--sim", "--sim-overhead", "0.2", "--sim-s-per-token", "0", "--wait", "5"],
+                {"STALEFLOW_TOKEN": tok["trainer"]},
+            ),
+        }
         for i in range(args.rollouts):
-            specs[f"rollout-{i}"] = (["rollout-worker", *common, "--engine", "sim", "--heartbeat", "0.25"],
-                                     {"STALEFLOW_TOKEN": tok["rollout"]})
+            specs[f"rollout-{i}"] = (
+                ["rollout-worker", *common, "--engine", "sim", "--heartbeat", "0.25"],
+                {"STALEFLOW_TOKEN": tok["rollout"]},
+            )
         for name, (argv, env) in specs.items():
             cluster.spawn(name, argv, env=env, essential=False)
 

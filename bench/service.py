@@ -26,6 +26,7 @@ from rich.console import Console
 from sqlalchemy import text
 
 from api.auth import create_token
+from staleflow_cli.launch import Cluster
 from staleflow_db import migrate
 from staleflow_db.audit import step_metrics, summary
 from staleflow_db.db import database_url, make_engine
@@ -33,14 +34,21 @@ from staleflow_db.protocol import Prompt, Protocol
 from staleflow_db.types import RunConfig
 from workers.coordinator.policies import get_policy
 from workers.rollout.engines.sim_engine import encode_prompt
-from staleflow_cli.launch import Cluster
 from workers.sim.setups import get_setup
 from workers.sim.simulator import simulate
 from workers.sim.workload import Workload
 
 console = Console(stderr=True)
-SETUP = dict(name="service", batch_size=16, group_size=4, max_response=2048, instances=8,
-             kv_capacity_override=24_000, train_gpus=4, step_time_scale=0.3)
+SETUP = dict(
+    name="service",
+    batch_size=16,
+    group_size=4,
+    max_response=2048,
+    instances=8,
+    kv_capacity_override=24_000,
+    train_gpus=4,
+    step_time_scale=0.3,
+)
 
 
 def service_setup():
@@ -53,9 +61,16 @@ def service_run(policy: str, eta: int, steps: int, scale: float, workdir: Path, 
     engine = make_engine(url)
     protocol = Protocol(engine)
     name = f"service-{policy}-{int(time.time())}"
-    run = protocol.create_run(name, RunConfig(batch_size=setup.batch_size, group_size=setup.group_size,
-                                              eta=pol.effective_eta(eta), max_response_tokens=setup.max_response,
-                                              max_prompt_tokens=4096))
+    run = protocol.create_run(
+        name,
+        RunConfig(
+            batch_size=setup.batch_size,
+            group_size=setup.group_size,
+            eta=pol.effective_eta(eta),
+            max_response_tokens=setup.max_response,
+            max_prompt_tokens=4096,
+        ),
+    )
     work = Workload(setup.workload, seed=0)
     prompts = []
     for k in range(3 * steps * setup.batch_size):
@@ -64,26 +79,70 @@ def service_run(policy: str, eta: int, steps: int, scale: float, workdir: Path, 
         prompts.append(Prompt(f"g{k}", encode_prompt(min(g.prompt_len, 512), median, work._sd_member)))
     protocol.enqueue(run, prompts)
     tokens = {r: create_token(engine, r, run)["token"] for r in ("trainer", "rollout", "reward", "coordinator")}
-    sim_env = {"STALEFLOW_SIM_MODEL": setup.model, "STALEFLOW_SIM_PARALLELISM": setup.parallelism,
-               "STALEFLOW_SIM_TIME_SCALE": str(scale), "STALEFLOW_SIM_PULL_S": str(setup.pull_time),
-               "STALEFLOW_SIM_PREFILL_RATE": str(setup.prefill_rate)}
+    sim_env = {
+        "STALEFLOW_SIM_MODEL": setup.model,
+        "STALEFLOW_SIM_PARALLELISM": setup.parallelism,
+        "STALEFLOW_SIM_TIME_SCALE": str(scale),
+        "STALEFLOW_SIM_PULL_S": str(setup.pull_time),
+        "STALEFLOW_SIM_PREFILL_RATE": str(setup.prefill_rate),
+    }
     started = time.monotonic()
     with Cluster(workdir / name, url, env=sim_env) as cluster:
         cluster.start_api()
         common = ["--run", str(run)]
-        cluster.spawn("coordinator", ["coordinator", *common, "--policy", policy, "--model", setup.model,
-                                      "--parallelism", setup.parallelism, "--lease", "3"])
-        cluster.spawn("reward", ["reward-worker", *common, "--verifier", "sim"], env={"STALEFLOW_TOKEN": tokens["reward"]})
+        cluster.spawn(
+            "coordinator",
+            [
+                "coordinator",
+                *common,
+                "--policy",
+                policy,
+                "--model",
+                setup.model,
+                "--parallelism",
+                setup.parallelism,
+                "--lease",
+                "3",
+            ],
+        )
+        cluster.spawn(
+            "reward", ["reward-worker", *common, "--verifier", "sim"], env={"STALEFLOW_TOKEN": tokens["reward"]}
+        )
         for i in range(setup.instances):
-            args = ["rollout-worker", *common, "--engine", "sim", "--kv-capacity", str(setup.kv_capacity),
-                    "--max-running", str(setup.max_running), "--name", f"sim-{i}", "--heartbeat", "0.25"]
+            args = [
+                "rollout-worker",
+                *common,
+                "--engine",
+                "sim",
+                "--kv-capacity",
+                str(setup.kv_capacity),
+                "--max-running",
+                str(setup.max_running),
+                "--name",
+                f"sim-{i}",
+                "--heartbeat",
+                "0.25",
+            ]
             if pol.phi is not None:
                 args += ["--phi-wait", str(pol.phi)]
             cluster.spawn(f"rollout-{i}", args, env={"STALEFLOW_TOKEN": tokens["rollout"]})
-        cluster.spawn("trainer", ["trainer", *common, "--sim", "--steps", str(steps), "--time-scale", str(scale),
-                                  "--sim-overhead", str(setup.train_step_time(0)),
-                                  "--sim-s-per-token", str(setup.train_seconds_per_token)],
-                      env={"STALEFLOW_TOKEN": tokens["trainer"]})
+        cluster.spawn(
+            "trainer",
+            [
+                "trainer",
+                *common,
+                "--sim",
+                "--steps",
+                str(steps),
+                "--time-scale",
+                str(scale),
+                "--sim-overhead",
+                str(setup.train_step_time(0)),
+                "--sim-s-per-token",
+                str(setup.train_seconds_per_token),
+            ],
+            env={"STALEFLOW_TOKEN": tokens["trainer"]},
+        )
         while protocol.status(run)["version"] < steps:
             cluster.check()
             if time.monotonic() - started > 60 + steps * 120:
@@ -93,18 +152,29 @@ def service_run(policy: str, eta: int, steps: int, scale: float, workdir: Path, 
     wall = sum(r["seconds"] for r in rows)
     toks = sum(r["tokens"] for r in rows)
     with engine.connect() as c:
-        cyc = c.execute(text("SELECT avg(snapshot_ms + decide_ms + write_ms), count(*) FROM coordinator_cycles"
-                             " WHERE run_id = :r"), {"r": run}).first()
-        lat = c.execute(text("SELECT avg(extract(epoch FROM delivered_at - created_at)) FROM commands"
-                             " WHERE run_id = :r AND delivered_at IS NOT NULL"), {"r": run}).scalar()
+        cyc = c.execute(
+            text("SELECT avg(snapshot_ms + decide_ms + write_ms), count(*) FROM coordinator_cycles WHERE run_id = :r"),
+            {"r": run},
+        ).first()
+        lat = c.execute(
+            text(
+                "SELECT avg(extract(epoch FROM delivered_at - created_at)) FROM commands"
+                " WHERE run_id = :r AND delivered_at IS NOT NULL"
+            ),
+            {"r": run},
+        ).scalar()
     violations = len(summary(engine, run)["violations"])
     engine.dispose()
     step_s = wall / max(len(rows), 1)
     cycles_per_step = (cyc[1] or 0) / max(len(rows) + 1, 1)
     return {
-        "policy": policy, "eta": pol.effective_eta(eta), "steps": len(rows),
+        "policy": policy,
+        "eta": pol.effective_eta(eta),
+        "steps": len(rows),
         "tokens_per_s": toks / wall * scale if wall else 0.0,  # in simulated seconds
-        "step_s_wall": step_s, "cycle_ms": float(cyc[0] or 0.0), "command_latency_ms": float(lat or 0.0) * 1000,
+        "step_s_wall": step_s,
+        "cycle_ms": float(cyc[0] or 0.0),
+        "command_latency_ms": float(lat or 0.0) * 1000,
         # the delay a decision adds on the critical path (decide + deliver), per step of training
         "coordination_fraction": (float(cyc[0] or 0.0) + float(lat or 0.0) * 1000) / 1000 / step_s if step_s else 0.0,
         "coordinator_busy": float(cyc[0] or 0.0) * cycles_per_step / 1000 / step_s if step_s else 0.0,
@@ -134,11 +204,15 @@ def main() -> None:
     args.workdir.mkdir(parents=True, exist_ok=True)
     (args.workdir / "service.json").write_text(json.dumps(results, indent=2))
     sim = {r["policy"]: r["tokens_per_s"] for r in results["simulator"]}
-    print(f"{'policy':<12} {'service tok/s':>14} {'simulator tok/s':>16} {'cycle ms':>9} {'cmd latency ms':>15} "
-          f"{'coord/step':>11} {'violations':>10}")
+    print(
+        f"{'policy':<12} {'service tok/s':>14} {'simulator tok/s':>16} {'cycle ms':>9} {'cmd latency ms':>15} "
+        f"{'coord/step':>11} {'violations':>10}"
+    )
     for r in results["service"]:
-        print(f"{r['policy']:<12} {r['tokens_per_s']:>14.0f} {sim[r['policy']]:>16.0f} {r['cycle_ms']:>9.1f} "
-              f"{r['command_latency_ms']:>15.1f} {r['coordination_fraction']:>10.2%} {r['violations']:>10}")
+        print(
+            f"{r['policy']:<12} {r['tokens_per_s']:>14.0f} {sim[r['policy']]:>16.0f} {r['cycle_ms']:>9.1f} "
+            f"{r['command_latency_ms']:>15.1f} {r['coordination_fraction']:>10.2%} {r['violations']:>10}"
+        )
     order = lambda d: " > ".join(sorted(d, key=d.get, reverse=True))  # noqa: E731
     print(f"service: {order({r['policy']: r['tokens_per_s'] for r in results['service']})}  simulator: {order(sim)}")
 

@@ -23,7 +23,7 @@ if config.config_file_name and config.attributes.get("configure_logging", True):
     fileConfig(config.config_file_name, disable_existing_loggers=False)
 
 
-def _target_metadata():  # noqa: ANN202 - MetaData or None
+def _target_metadata():
     # Imported here, not at module top: migrations must stay runnable while the schema
     # module is being written. Only a missing schema module is tolerated.
     try:
@@ -38,7 +38,7 @@ def _target_metadata():  # noqa: ANN202 - MetaData or None
 target_metadata = _target_metadata()
 
 
-def _run(connection) -> None:  # noqa: ANN001
+def _run(connection) -> None:
     context.configure(
         connection=connection,
         target_metadata=target_metadata,

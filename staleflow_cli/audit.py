@@ -48,7 +48,10 @@ def render(data: dict, console: Console, limit: int | None = 50) -> None:
         steps.add_column(f"stale {s}", justify="right")
     for row in data["steps"]:
         steps.add_row(
-            str(row["step"]), str(row["samples"]), str(row["tokens"]), f"{row['mean_reward']:.3f}",
+            str(row["step"]),
+            str(row["samples"]),
+            str(row["tokens"]),
+            f"{row['mean_reward']:.3f}",
             *(str(row["staleness"].get(s, 0)) for s in range(eta + 1)),
         )
     console.print(steps)
@@ -62,6 +65,8 @@ def render(data: dict, console: Console, limit: int | None = 50) -> None:
     if data["violations"]:
         console.print(f"[red]{len(data['violations'])} invariant violations[/red]")
         for v in data["violations"][:limit]:
-            console.print(f"  {v['invariant']}: {v['subject']}: {v['detail']}", markup=False, highlight=False, soft_wrap=True)
+            console.print(
+                f"  {v['invariant']}: {v['subject']}: {v['detail']}", markup=False, highlight=False, soft_wrap=True
+            )
     else:
         console.print("[green]staleness_violations: none[/green]")

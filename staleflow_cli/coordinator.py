@@ -25,7 +25,9 @@ def _overrides(params: list[str]) -> dict[str, float]:
     for p in params:
         key, sep, value = p.partition("=")
         if not sep or key not in TUNABLE:
-            raise typer.BadParameter(f"{p!r}: expected NAME=VALUE with NAME in {', '.join(TUNABLE)}", param_hint="--set")
+            raise typer.BadParameter(
+                f"{p!r}: expected NAME=VALUE with NAME in {', '.join(TUNABLE)}", param_hint="--set"
+            )
         try:
             out[key] = float(value) if "." in value or "e" in value else int(value)
         except ValueError:
@@ -82,8 +84,15 @@ def coordinator(
             log.info(
                 "%s epoch %s: %d cycles, routed %d (refused %d), pulls %d, interrupts %d; cycle p50 %.1f ms;"
                 " database outages %d",
-                "leader" if service.epoch else "standby", service.epoch, s.cycles, s.routed, s.refused,
-                s.pulled, s.interrupted, ms[len(ms) // 2], s.outages,
+                "leader" if service.epoch else "standby",
+                service.epoch,
+                s.cycles,
+                s.routed,
+                s.refused,
+                s.pulled,
+                s.interrupted,
+                ms[len(ms) // 2],
+                s.outages,
             )
         return duration is not None and now - started >= duration
 

@@ -62,7 +62,7 @@ def status() -> None:
         target = settings.database_url
     else:
         print(f"source:    embedded server ({emb['pgdata']})")
-        print(f"running:   {'yes, pid %s, port %s' % (emb['pid'], emb['port']) if emb['running'] else 'no'}")
+        print(f"running:   {'yes, pid {}, port {}'.format(emb['pid'], emb['port']) if emb['running'] else 'no'}")
         target = emb["url"]
     print(f"url:       {target or '-'}")
     head = migrate.head()

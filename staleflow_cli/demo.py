@@ -21,12 +21,12 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from api.auth import create_token
+from staleflow_cli.launch import Cluster, ProcessDied
 from staleflow_db import migrate
 from staleflow_db.audit import step_metrics, summary
 from staleflow_db.db import database_url, make_engine
 from staleflow_db.protocol import Prompt, Protocol
 from staleflow_db.types import RunConfig
-from staleflow_cli.launch import Cluster, ProcessDied
 from workers.coordinator.policies import POLICY_NAMES
 from workers.tasks.repeat import RepeatTask
 
@@ -49,8 +49,14 @@ class DemoConfig:
 
 
 def model_config(task: RepeatTask, cfg: DemoConfig) -> dict[str, int]:
-    return {"vocab_size": task.vocab_size, "d_model": cfg.d_model, "n_layers": cfg.n_layers, "n_heads": 4,
-            "max_seq": 8 + task.max_response, "eos_token_id": 0}
+    return {
+        "vocab_size": task.vocab_size,
+        "d_model": cfg.d_model,
+        "n_layers": cfg.n_layers,
+        "n_heads": 4,
+        "max_seq": 8 + task.max_response,
+        "eos_token_id": 0,
+    }
 
 
 def run_demo(cfg: DemoConfig, console: Console) -> dict[str, Any]:
@@ -61,16 +67,25 @@ def run_demo(cfg: DemoConfig, console: Console) -> dict[str, Any]:
     protocol = Protocol(engine)
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
     name = f"demo-{stamp}"
-    run = protocol.create_run(name, RunConfig(
-        batch_size=cfg.batch_size, group_size=cfg.group_size, eta=cfg.eta, dapo_filter=True,
-        max_response_tokens=task.max_response, max_prompt_tokens=8,
-    ))
+    run = protocol.create_run(
+        name,
+        RunConfig(
+            batch_size=cfg.batch_size,
+            group_size=cfg.group_size,
+            eta=cfg.eta,
+            dapo_filter=True,
+            max_response_tokens=task.max_response,
+            max_prompt_tokens=8,
+        ),
+    )
     # twice what the steps consume: filtered groups are replaced, in-flight work spills over
     prompts = task.prompts(2 * cfg.steps * cfg.batch_size, seed=cfg.seed, prefix=name)
     protocol.enqueue(run, [Prompt(k, t, m) for k, t, m in prompts])
     report = (cfg.report_dir / name).resolve()
-    console.print(f"[bold]run {name}[/bold] (id {run}): B={cfg.batch_size} N={cfg.group_size} eta={cfg.eta} "
-                  f"policy={cfg.policy}, {cfg.instances} rollout workers; logs in {report / 'logs'}")
+    console.print(
+        f"[bold]run {name}[/bold] (id {run}): B={cfg.batch_size} N={cfg.group_size} eta={cfg.eta} "
+        f"policy={cfg.policy}, {cfg.instances} rollout workers; logs in {report / 'logs'}"
+    )
     tokens = {r: create_token(engine, r, run)["token"] for r in ("trainer", "rollout", "reward", "coordinator")}
     mc = json.dumps(model_config(task, cfg))
     started = time.monotonic()
@@ -82,24 +97,67 @@ def run_demo(cfg: DemoConfig, console: Console) -> dict[str, Any]:
         ps = json.loads(ps_ready.read_text())
         ps_addr = f"{ps['host']}:{ps['port']}"
         common = ["--run", str(run)]
-        cluster.spawn("trainer", ["trainer", *common, "--ps", ps_addr, "--checkpoint-dir", str(report / "checkpoint"),
-                                  "--steps", str(cfg.steps), "--lr", str(cfg.lr), "--model-config", mc,
-                                  "--metrics-file", str(report / "trainer.jsonl")],
-                      env={"STALEFLOW_TOKEN": tokens["trainer"]})
-        cluster.spawn("reward", ["reward-worker", *common, "--verifier", "repeat"], env={"STALEFLOW_TOKEN": tokens["reward"]})
+        cluster.spawn(
+            "trainer",
+            [
+                "trainer",
+                *common,
+                "--ps",
+                ps_addr,
+                "--checkpoint-dir",
+                str(report / "checkpoint"),
+                "--steps",
+                str(cfg.steps),
+                "--lr",
+                str(cfg.lr),
+                "--model-config",
+                mc,
+                "--metrics-file",
+                str(report / "trainer.jsonl"),
+            ],
+            env={"STALEFLOW_TOKEN": tokens["trainer"]},
+        )
+        cluster.spawn(
+            "reward", ["reward-worker", *common, "--verifier", "repeat"], env={"STALEFLOW_TOKEN": tokens["reward"]}
+        )
         for i in range(cfg.instances):
-            cluster.spawn(f"rollout-{i}", ["rollout-worker", *common, "--engine", "torch", "--ps", ps_addr,
-                                           "--model-config", mc, "--kv-capacity", str(cfg.kv_capacity),
-                                           "--phi-wait", "1", "--name", f"cpu-{i}", "--heartbeat", "0.5"],
-                          env={"STALEFLOW_TOKEN": tokens["rollout"]})
+            cluster.spawn(
+                f"rollout-{i}",
+                [
+                    "rollout-worker",
+                    *common,
+                    "--engine",
+                    "torch",
+                    "--ps",
+                    ps_addr,
+                    "--model-config",
+                    mc,
+                    "--kv-capacity",
+                    str(cfg.kv_capacity),
+                    "--phi-wait",
+                    "1",
+                    "--name",
+                    f"cpu-{i}",
+                    "--heartbeat",
+                    "0.5",
+                ],
+                env={"STALEFLOW_TOKEN": tokens["rollout"]},
+            )
         cluster.spawn("coordinator", ["coordinator", *common, "--policy", cfg.policy, "--lease", "3"])
         _follow(cluster, protocol, engine, run, cfg, console)
     elapsed = time.monotonic() - started
     steps = step_metrics(engine, run)
     audit = summary(engine, run)
     engine.dispose()
-    result = {"run_id": run, "name": name, "config": {**asdict(cfg), "report_dir": str(cfg.report_dir)},
-              "model": json.loads(mc), "elapsed_s": elapsed, "steps": steps, "audit": audit}
+    result = {
+        "run_id": run,
+        "name": name,
+        "config": {**asdict(cfg), "report_dir": str(cfg.report_dir)},
+        "model": json.loads(mc),
+        "elapsed_s": elapsed,
+        "steps": steps,
+        "audit": audit,
+    }
     write_report(report, result)
     print_result(result, console)
     console.print(f"report: {report}")
@@ -109,8 +167,13 @@ def run_demo(cfg: DemoConfig, console: Console) -> dict[str, Any]:
 def _follow(cluster: Cluster, protocol: Protocol, engine, run: int, cfg: DemoConfig, console: Console) -> None:
     """Progress until the trainer has published `steps` versions (or something dies)."""
     deadline = time.monotonic() + cfg.timeout_s
-    columns = [TextColumn("[bold]training"), BarColumn(), TextColumn("{task.completed}/{task.total} steps"),
-               TextColumn("{task.fields[info]}"), TimeElapsedColumn()]
+    columns = [
+        TextColumn("[bold]training"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total} steps"),
+        TextColumn("{task.fields[info]}"),
+        TimeElapsedColumn(),
+    ]
     with Progress(*columns, console=console, transient=False) as bar:
         t = bar.add_task("steps", total=cfg.steps, info="starting processes")
         while True:
@@ -142,12 +205,26 @@ def print_result(result: dict[str, Any], console: Console) -> None:
 
     eta = result["config"]["eta"]
     table = Table(title=f"{result['name']}: per-step figures")
-    for col in ("step", "reward", *(f"stale {s}" for s in range(eta + 1)), "tokens/s", "interrupts", "migrations", "pulls"):
+    for col in (
+        "step",
+        "reward",
+        *(f"stale {s}" for s in range(eta + 1)),
+        "tokens/s",
+        "interrupts",
+        "migrations",
+        "pulls",
+    ):
         table.add_column(col, justify="right")
     for s in result["steps"]:
-        table.add_row(str(s["step"]), f"{s['mean_reward']:+.3f}",
-                      *(str(s["staleness"].get(k, 0)) for k in range(eta + 1)),
-                      f"{s['tokens_per_s']:.0f}", str(s["interrupts"]), str(s["migrations"]), str(s["pulls"]))
+        table.add_row(
+            str(s["step"]),
+            f"{s['mean_reward']:+.3f}",
+            *(str(s["staleness"].get(k, 0)) for k in range(eta + 1)),
+            f"{s['tokens_per_s']:.0f}",
+            str(s["interrupts"]),
+            str(s["migrations"]),
+            str(s["pulls"]),
+        )
     console.print(table)
     first, last = reward_trend(result["steps"])
     console.print(f"mean reward: first quarter {first:+.3f} -> last quarter {last:+.3f}")
@@ -172,7 +249,9 @@ def write_report(folder: Path, result: dict[str, Any]) -> None:
     rewards = [s["mean_reward"] for s in steps]
     ax[0].plot(x, rewards, marker="o", alpha=0.5, label="per step")
     k = 5  # a short moving average shows the trend through the per-step noise
-    smooth = [sum(rewards[max(0, i - k + 1): i + 1]) / len(rewards[max(0, i - k + 1): i + 1]) for i in range(len(rewards))]
+    smooth = [
+        sum(rewards[max(0, i - k + 1) : i + 1]) / len(rewards[max(0, i - k + 1) : i + 1]) for i in range(len(rewards))
+    ]
     ax[0].plot(x, smooth, linewidth=2, label=f"mean of last {k}")
     ax[0].legend()
     ax[0].set(title="mean reward per step", xlabel="step", ylabel="reward")
@@ -205,8 +284,18 @@ def demo(
     if policy not in POLICY_NAMES:
         raise typer.BadParameter(f"unknown policy {policy!r}; known: {', '.join(POLICY_NAMES)}", param_hint="--policy")
     console = Console()
-    cfg = DemoConfig(steps=steps, instances=instances, policy=policy, eta=eta, batch_size=batch_size,
-                     group_size=group_size, lr=lr, seed=seed, report_dir=report_dir, timeout_s=timeout)
+    cfg = DemoConfig(
+        steps=steps,
+        instances=instances,
+        policy=policy,
+        eta=eta,
+        batch_size=batch_size,
+        group_size=group_size,
+        lr=lr,
+        seed=seed,
+        report_dir=report_dir,
+        timeout_s=timeout,
+    )
     try:
         result = run_demo(cfg, console)
     except ProcessDied as e:

@@ -10,9 +10,9 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
 
 import httpx
 
@@ -55,8 +55,12 @@ class Cluster:
         log = self.workdir / "logs" / f"{name}.log"
         handle = open(log, "ab")
         popen = subprocess.Popen(
-            [sys.executable, "-m", "staleflow_cli.main", *args], env={**self.env, **(env or {})},
-            stdout=handle, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+            [sys.executable, "-m", "staleflow_cli.main", *args],
+            env={**self.env, **(env or {})},
+            stdout=handle,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
         )
         handle.close()
         proc = Proc(name, popen, log, essential)

@@ -11,14 +11,14 @@ import sys
 
 import typer
 
+from staleflow_cli import roles
 from staleflow_cli.audit import audit
 from staleflow_cli.coordinator import coordinator
-from staleflow_cli.demo import demo
 from staleflow_cli.db import app as db_app
+from staleflow_cli.demo import demo
 from staleflow_cli.serve import serve
 from staleflow_cli.sim import app as sim_app
 from staleflow_cli.tokens import app as token_app
-from staleflow_cli import roles
 
 app = typer.Typer(
     name="staleflow",

@@ -26,10 +26,10 @@ import os
 import signal
 import socket
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional
+from typing import Any
 
-import httpx
 import typer
 from rich.console import Console
 from rich.markup import escape
@@ -40,16 +40,31 @@ from workers.client import ApiError, Forbidden, NotFound, StaleFlowClient, Unaut
 console = Console(stderr=True)
 
 RUN = typer.Option(..., "--run", help="run id or name")
-API = typer.Option(None, "--api", "--api-url", envvar="STALEFLOW_API_URL", show_envvar=True,
-                   help="API base URL (default: the client's, where `staleflow serve` listens); several "
-                        "replicas: repeat the option or separate URLs by commas, the worker fails over")
-API_WAIT = typer.Option(None, "--api-wait", min=0.0,
-                        help="seconds to wait for an unreachable API at start-up (default: for ever)")
-TOKEN = typer.Option(None, "--token", envvar="STALEFLOW_TOKEN", show_envvar=True,
-                     help="bearer token (default: the local token file `staleflow serve` writes)")
-MODEL_CONFIG = typer.Option(None, "--model-config",
-                            help="tiny-model config as JSON or a path to a JSON file (TinyConfig fields); "
-                                 "must match between trainer and rollout workers")
+API = typer.Option(
+    None,
+    "--api",
+    "--api-url",
+    envvar="STALEFLOW_API_URL",
+    show_envvar=True,
+    help="API base URL (default: the client's, where `staleflow serve` listens); several "
+    "replicas: repeat the option or separate URLs by commas, the worker fails over",
+)
+API_WAIT = typer.Option(
+    None, "--api-wait", min=0.0, help="seconds to wait for an unreachable API at start-up (default: for ever)"
+)
+TOKEN = typer.Option(
+    None,
+    "--token",
+    envvar="STALEFLOW_TOKEN",
+    show_envvar=True,
+    help="bearer token (default: the local token file `staleflow serve` writes)",
+)
+MODEL_CONFIG = typer.Option(
+    None,
+    "--model-config",
+    help="tiny-model config as JSON or a path to a JSON file (TinyConfig fields); "
+    "must match between trainer and rollout workers",
+)
 MODEL_SEED = typer.Option(0, "--model-seed", help="seed of the initial weights (the same everywhere)")
 
 
@@ -66,8 +81,10 @@ class Backend(str, enum.Enum):
 
 # ---- shared helpers ---------------------------------------------------------------------------
 
-def connect(api: list[str] | None, token: str | None, run: str, wait_s: float | None = None
-            ) -> tuple[StaleFlowClient, int]:
+
+def connect(
+    api: list[str] | None, token: str | None, run: str, wait_s: float | None = None
+) -> tuple[StaleFlowClient, int]:
     """A client and the run id. The client retries outages for ever (a worker rides through
     them); at start-up an unreachable API is waited for (`wait_s` seconds, None: for ever),
     while refusals (token, run) fail at once with a clear message."""
@@ -76,18 +93,25 @@ def connect(api: list[str] | None, token: str | None, run: str, wait_s: float | 
     try:
         client.request("GET", "/healthz", retry_for=0)
     except Unavailable:
-        console.print(escape(f"waiting for the StaleFlow API at {urls} "
-                             f"({'for ever' if wait_s is None else f'up to {wait_s:g}s'}) ..."))
+        console.print(
+            escape(
+                f"waiting for the StaleFlow API at {urls} "
+                f"({'for ever' if wait_s is None else f'up to {wait_s:g}s'}) ..."
+            )
+        )
         try:
             client.request("GET", "/healthz", retry_for=wait_s)
         except Unavailable:
-            raise typer.BadParameter(f"cannot reach the StaleFlow API at {urls} (is `staleflow serve` running?)",
-                                     param_hint="--api") from None
+            raise typer.BadParameter(
+                f"cannot reach the StaleFlow API at {urls} (is `staleflow serve` running?)", param_hint="--api"
+            ) from None
         console.print(escape(f"the StaleFlow API at {client.url} answers"))
     url = client.url
     if not client.token:
-        raise typer.BadParameter("no token: pass --token, set STALEFLOW_TOKEN, or run `staleflow serve` "
-                                 "locally (it writes one)", param_hint="--token")
+        raise typer.BadParameter(
+            "no token: pass --token, set STALEFLOW_TOKEN, or run `staleflow serve` locally (it writes one)",
+            param_hint="--token",
+        )
     try:
         run_id = int(run) if run.isdigit() else _run_by_name(client, run)
         client.run_status(run_id)
@@ -165,15 +189,17 @@ def _fail(message: str) -> typer.Exit:
 
 # ---- trainer ----------------------------------------------------------------------------------
 
+
 def trainer(
     run: str = RUN,
-    api: Optional[list[str]] = API,
-    token: Optional[str] = TOKEN,
-    api_wait: Optional[float] = API_WAIT,
-    ps: Optional[str] = typer.Option(None, "--ps", help="HOST:PORT of the parameter server (no push without)"),
-    checkpoint_dir: Optional[Path] = typer.Option(
-        None, "--checkpoint-dir", help="resume state (default: $STALEFLOW_HOME/trainer/run-ID)"),
-    steps: Optional[int] = typer.Option(None, "--steps", min=1, help="exit after publishing this many versions"),
+    api: list[str] | None = API,
+    token: str | None = TOKEN,
+    api_wait: float | None = API_WAIT,
+    ps: str | None = typer.Option(None, "--ps", help="HOST:PORT of the parameter server (no push without)"),
+    checkpoint_dir: Path | None = typer.Option(
+        None, "--checkpoint-dir", help="resume state (default: $STALEFLOW_HOME/trainer/run-ID)"
+    ),
+    steps: int | None = typer.Option(None, "--steps", min=1, help="exit after publishing this many versions"),
     lr: float = typer.Option(1e-3, "--lr", min=0.0, help="AdamW learning rate"),
     weight_decay: float = typer.Option(0.0, "--weight-decay", min=0.0),
     clip_low: float = typer.Option(0.2, "--clip-low", min=0.0, max=0.999, help="PPO ε_low"),
@@ -182,15 +208,15 @@ def trainer(
     temperature: float = typer.Option(1.0, "--temperature", min=1e-6, help="the rollout's sampling temperature"),
     max_grad_norm: float = typer.Option(1.0, "--max-grad-norm", min=0.0, help="0 disables clipping"),
     micro_batch_tokens: int = typer.Option(16384, "--micro-batch-tokens", min=1),
-    model_config_: Optional[str] = MODEL_CONFIG,
+    model_config_: str | None = MODEL_CONFIG,
     model_seed: int = MODEL_SEED,
     device: str = typer.Option("cpu", "--device"),
     wait: float = typer.Option(5.0, "--wait", min=0.1, help="long-poll seconds per consume"),
-    metrics_file: Optional[Path] = typer.Option(None, "--metrics-file", help="append each step's metrics (JSONL)"),
+    metrics_file: Path | None = typer.Option(None, "--metrics-file", help="append each step's metrics (JSONL)"),
     sim: bool = typer.Option(False, "--sim", help="no weights, no torch: sleep (a + b·tokens)·scale per step"),
     time_scale: float = typer.Option(1.0, "--time-scale", min=0.0, help="--sim: multiplies every step time"),
-    sim_overhead: Optional[float] = typer.Option(None, "--sim-overhead", min=0.0, help="--sim: a, seconds per step"),
-    sim_s_per_token: Optional[float] = typer.Option(None, "--sim-s-per-token", min=0.0, help="--sim: b"),
+    sim_overhead: float | None = typer.Option(None, "--sim-overhead", min=0.0, help="--sim: a, seconds per step"),
+    sim_s_per_token: float | None = typer.Option(None, "--sim-s-per-token", min=0.0, help="--sim: b"),
 ) -> None:
     """Consume ready batches in version order, train (GRPO/DAPO + TIS), push, publish."""
     from workers.trainer import loop, sim_trainer
@@ -200,14 +226,35 @@ def trainer(
     client, run_id = connect(api, token, run, api_wait)
     if sim:
         worker: Any = sim_trainer.SimTrainer(
-            client, run_id, time_scale=time_scale, wait_s=wait,
+            client,
+            run_id,
+            time_scale=time_scale,
+            wait_s=wait,
             overhead_s=sim_trainer.SIM_OVERHEAD_S if sim_overhead is None else sim_overhead,
-            s_per_token=sim_trainer.SIM_S_PER_TOKEN if sim_s_per_token is None else sim_s_per_token)
+            s_per_token=sim_trainer.SIM_S_PER_TOKEN if sim_s_per_token is None else sim_s_per_token,
+        )
     else:
-        worker = _torch_trainer(client, run_id, cfg, ps_addr, checkpoint_dir, lr, weight_decay, clip_low, clip_high,
-                                tis_cap, temperature, max_grad_norm, micro_batch_tokens, model_seed, device, wait)
+        worker = _torch_trainer(
+            client,
+            run_id,
+            cfg,
+            ps_addr,
+            checkpoint_dir,
+            lr,
+            weight_decay,
+            clip_low,
+            clip_high,
+            tis_cap,
+            temperature,
+            max_grad_norm,
+            micro_batch_tokens,
+            model_seed,
+            device,
+            wait,
+        )
     on_signals(worker.stop, "finishing the current step")
     with progress(steps, f"trainer run {run_id}: waiting for a batch") as (bar, task):
+
         def on_step(m: Any) -> None:
             bar.update(task, advance=1, description=escape(f"trainer run {run_id}: {m.line()}"))
             if metrics_file is not None:
@@ -218,12 +265,29 @@ def trainer(
             done = worker.run(steps=steps, on_step=on_step)
         except (loop.TrainerError, ApiError) as e:
             raise _fail(str(e)) from None
-    console.print(f"trainer: {len(done)} step(s) published; run {run_id} at version "
-                  f"{client.run_status(run_id).version}")
+    console.print(
+        f"trainer: {len(done)} step(s) published; run {run_id} at version {client.run_status(run_id).version}"
+    )
 
 
-def _torch_trainer(client, run_id, cfg, ps_addr, checkpoint_dir, lr, weight_decay, clip_low, clip_high, tis_cap,
-                   temperature, max_grad_norm, micro_batch_tokens, model_seed, device, wait):
+def _torch_trainer(
+    client,
+    run_id,
+    cfg,
+    ps_addr,
+    checkpoint_dir,
+    lr,
+    weight_decay,
+    clip_low,
+    clip_high,
+    tis_cap,
+    temperature,
+    max_grad_norm,
+    micro_batch_tokens,
+    model_seed,
+    device,
+    wait,
+):
     import torch
 
     from workers.models.tiny_model import TinyTransformer
@@ -237,20 +301,33 @@ def _torch_trainer(client, run_id, cfg, ps_addr, checkpoint_dir, lr, weight_deca
     grpo = GRPOConfig(clip_low=clip_low, clip_high=clip_high, tis_cap=tis_cap or None, temperature=temperature)
     where = f"{ps_addr.addr[0]}:{ps_addr.addr[1]}" if ps_addr else "none"
     console.print(escape(f"trainer: checkpoints in {directory}; PS {where}"))
-    return Trainer(client, run_id, model, opt, ps=ps_addr, checkpoint_dir=directory, grpo=grpo, wait_s=wait,
-                   micro_batch_tokens=micro_batch_tokens, max_grad_norm=max_grad_norm or None,
-                   extra_state={"model_config": cfg.to_dict(), "model_seed": model_seed})
+    return Trainer(
+        client,
+        run_id,
+        model,
+        opt,
+        ps=ps_addr,
+        checkpoint_dir=directory,
+        grpo=grpo,
+        wait_s=wait,
+        micro_batch_tokens=micro_batch_tokens,
+        max_grad_norm=max_grad_norm or None,
+        extra_state={"model_config": cfg.to_dict(), "model_seed": model_seed},
+    )
 
 
 # ---- parameter server -------------------------------------------------------------------------
+
 
 def ps(
     data_dir: Path = typer.Option(..., "--data-dir", help="where versions are persisted (safetensors)"),
     port: int = typer.Option(8790, "--port", min=0, max=65535, help="control port; 0 picks a free one"),
     host: str = typer.Option("127.0.0.1", "--host", help="address to listen on"),
     backend: Backend = typer.Option(Backend.gloo, "--backend", help="gloo (CPU) or nccl (GPU) transfers"),
-    device: Optional[str] = typer.Option(None, "--device", help="where the PS keeps weights (default: cpu; cuda for nccl)"),
-    ready_file: Optional[Path] = typer.Option(None, "--ready-file", help="write {host, port, pid} here once serving"),
+    device: str | None = typer.Option(
+        None, "--device", help="where the PS keeps weights (default: cpu; cuda for nccl)"
+    ),
+    ready_file: Path | None = typer.Option(None, "--ready-file", help="write {host, port, pid} here once serving"),
 ) -> None:
     """Serve weight versions: the trainer pushes, rollout workers pull (until SIGTERM)."""
     import torch
@@ -259,34 +336,44 @@ def ps(
 
     if backend is Backend.nccl and not torch.cuda.is_available():
         raise typer.BadParameter("nccl needs CUDA GPUs; use --backend gloo on CPU", param_hint="--backend")
-    main(data_dir, host, port, backend=backend.value, device=device or ("cuda" if backend is Backend.nccl else "cpu"),
-         ready_file=ready_file)
+    main(
+        data_dir,
+        host,
+        port,
+        backend=backend.value,
+        device=device or ("cuda" if backend is Backend.nccl else "cpu"),
+        ready_file=ready_file,
+    )
 
 
 # ---- rollout worker ---------------------------------------------------------------------------
 
+
 def rollout_worker(
     run: str = RUN,
     engine: Engine = typer.Option(..., "--engine", help="torch (tiny model, CPU/GPU), sim (cost model) or vllm"),
-    api: Optional[list[str]] = API,
-    token: Optional[str] = TOKEN,
-    api_wait: Optional[float] = API_WAIT,
-    ps: Optional[str] = typer.Option(None, "--ps", help="HOST:PORT of the PS to pull weights from"),
-    name: Optional[str] = typer.Option(None, "--name", help="instance label (default: host-pid)"),
-    kv_capacity: Optional[int] = typer.Option(None, "--kv-capacity", min=16,
-                                              help="KV-cache tokens (torch: default 8192; sim: the engine's)"),
-    phi_wait: Optional[int] = typer.Option(None, "--phi-wait", min=0,
-                                           help="interrupt a preempted sample when more than this many wait"),
+    api: list[str] | None = API,
+    token: str | None = TOKEN,
+    api_wait: float | None = API_WAIT,
+    ps: str | None = typer.Option(None, "--ps", help="HOST:PORT of the PS to pull weights from"),
+    name: str | None = typer.Option(None, "--name", help="instance label (default: host-pid)"),
+    kv_capacity: int | None = typer.Option(
+        None, "--kv-capacity", min=16, help="KV-cache tokens (torch: default 8192; sim: the engine's)"
+    ),
+    phi_wait: int | None = typer.Option(
+        None, "--phi-wait", min=0, help="interrupt a preempted sample when more than this many wait"
+    ),
     max_running: int = typer.Option(256, "--max-running", min=1),
     temperature: float = typer.Option(1.0, "--temperature", min=0.0),
-    model_config_: Optional[str] = MODEL_CONFIG,
+    model_config_: str | None = MODEL_CONFIG,
     model_seed: int = MODEL_SEED,
     device: str = typer.Option("cpu", "--device", help="torch engine device"),
-    vllm_model: Optional[str] = typer.Option(None, "--vllm-model", help="vllm: model name or path"),
-    sim_model: Optional[str] = typer.Option(None, "--sim-model", help="sim: cost model (cost_models.json), e.g. qwen_7b"),
-    sim_parallelism: Optional[str] = typer.Option(None, "--sim-parallelism", help="sim: e.g. TP1_PP1"),
-    time_scale: Optional[float] = typer.Option(None, "--time-scale", min=0.0,
-                                               help="sim: wall seconds per simulated second"),
+    vllm_model: str | None = typer.Option(None, "--vllm-model", help="vllm: model name or path"),
+    sim_model: str | None = typer.Option(None, "--sim-model", help="sim: cost model (cost_models.json), e.g. qwen_7b"),
+    sim_parallelism: str | None = typer.Option(None, "--sim-parallelism", help="sim: e.g. TP1_PP1"),
+    time_scale: float | None = typer.Option(
+        None, "--time-scale", min=0.0, help="sim: wall seconds per simulated second"
+    ),
     heartbeat: float = typer.Option(1.0, "--heartbeat", min=0.05, help="seconds between snapshots"),
     ps_wait: float = typer.Option(120.0, "--ps-wait", min=0.0, help="seconds to wait for the PS's first version"),
 ) -> None:
@@ -302,10 +389,18 @@ def rollout_worker(
     if engine is Engine.sim:
         eng, weights = _sim_engine(client, run_id, kv_capacity, max_running, cost, time_scale)
     else:
-        eng, weights = _engine(engine, pc, cfg, model_seed, kv_capacity or 8192, max_running, temperature, device,
-                               vllm_model, ps_wait)
-    worker = RolloutWorker(client, run_id, eng, name=name or f"{socket.gethostname()}-{os.getpid()}",
-                           weights=weights, phi_wait=phi_wait, heartbeat_s=heartbeat)
+        eng, weights = _engine(
+            engine, pc, cfg, model_seed, kv_capacity or 8192, max_running, temperature, device, vllm_model, ps_wait
+        )
+    worker = RolloutWorker(
+        client,
+        run_id,
+        eng,
+        name=name or f"{socket.gethostname()}-{os.getpid()}",
+        weights=weights,
+        phi_wait=phi_wait,
+        heartbeat_s=heartbeat,
+    )
     on_signals(worker.stop, "flushing reports and deregistering")
     with progress(None, f"rollout run {run_id}: starting") as (bar, task):
         last = [0.0]
@@ -313,10 +408,14 @@ def rollout_worker(
         def show() -> bool:
             if time.monotonic() - last[0] >= 1.0:
                 s = worker.stats
-                bar.update(task, description=(
-                    f"rollout {worker.instance_id} v{eng.version}: routed {s.routed} finished {s.finished} "
-                    f"interrupted {s.interrupted} tokens {s.tokens} pulls {s.pulls}"
-                    f"{' (API unavailable)' if client.api.down else ''}"))
+                bar.update(
+                    task,
+                    description=(
+                        f"rollout {worker.instance_id} v{eng.version}: routed {s.routed} finished {s.finished} "
+                        f"interrupted {s.interrupted} tokens {s.tokens} pulls {s.pulls}"
+                        f"{' (API unavailable)' if client.api.down else ''}"
+                    ),
+                )
                 last[0] = time.monotonic()
             return False
 
@@ -346,10 +445,15 @@ def _sim_engine(client, run_id, kv_capacity, max_running, cost, time_scale):
     except ModuleNotFoundError as e:
         if e.name != "workers.rollout.engines.sim_engine":
             raise
-        raise typer.BadParameter("the sim engine (workers/rollout/engines/sim_engine.py) is not in this installation",
-                                 param_hint="--engine") from None
-    kw: dict[str, Any] = {"cost": cost, "max_running": max_running, "time_scale": time_scale,
-                          "version": client.run_status(run_id).version}
+        raise typer.BadParameter(
+            "the sim engine (workers/rollout/engines/sim_engine.py) is not in this installation", param_hint="--engine"
+        ) from None
+    kw: dict[str, Any] = {
+        "cost": cost,
+        "max_running": max_running,
+        "time_scale": time_scale,
+        "version": client.run_status(run_id).version,
+    }
     if kv_capacity is not None:
         kw["kv_capacity_tokens"] = kv_capacity
     eng = mod.SimEngine(**kw)
@@ -361,8 +465,14 @@ def _engine(kind, pc, cfg, model_seed, kv_capacity, max_running, temperature, de
     if kind is Engine.torch:
         from workers.rollout.engines.torch_engine import TorchEngine
 
-        eng = TorchEngine(cfg, model_seed=model_seed, kv_capacity_tokens=kv_capacity, max_running=max_running,
-                          temperature=temperature, device=device)
+        eng = TorchEngine(
+            cfg,
+            model_seed=model_seed,
+            kv_capacity_tokens=kv_capacity,
+            max_running=max_running,
+            temperature=temperature,
+            device=device,
+        )
     else:
         from workers.rollout.engines.vllm_engine import VLLMEngine, VLLMUnavailable
 
@@ -392,8 +502,10 @@ def _first_weights(pc, wait_s: float):
             except ParamServerError:  # nothing committed yet
                 pass
             if time.monotonic() > deadline:
-                raise _fail(f"the PS at {pc.addr[0]}:{pc.addr[1]} served no committed version within "
-                            f"{wait_s:.0f}s (the trainer pushes and commits version 0 when it starts)")
+                raise _fail(
+                    f"the PS at {pc.addr[0]}:{pc.addr[1]} served no committed version within "
+                    f"{wait_s:.0f}s (the trainer pushes and commits version 0 when it starts)"
+                )
             time.sleep(0.5)
 
 
@@ -415,12 +527,13 @@ def _pull(pc, target: int | None):
 
 # ---- reward worker ----------------------------------------------------------------------------
 
+
 def reward_worker(
     run: str = RUN,
     verifier: str = typer.Option(..., "--verifier", help="a verifier of workers/tasks/verifiers.py: repeat, math, ..."),
-    api: Optional[list[str]] = API,
-    token: Optional[str] = TOKEN,
-    api_wait: Optional[float] = API_WAIT,
+    api: list[str] | None = API,
+    token: str | None = TOKEN,
+    api_wait: float | None = API_WAIT,
     batch: int = typer.Option(256, "--batch", min=1, help="samples claimed per request"),
     lease: float = typer.Option(60.0, "--lease", min=1.0, help="seconds a claim is held"),
 ) -> None:
@@ -429,17 +542,22 @@ def reward_worker(
     from workers.tasks.verifiers import VERIFIERS
 
     if verifier not in VERIFIERS:
-        raise typer.BadParameter(f"unknown verifier {verifier!r} (known: {', '.join(sorted(VERIFIERS))})",
-                                 param_hint="--verifier")
+        raise typer.BadParameter(
+            f"unknown verifier {verifier!r} (known: {', '.join(sorted(VERIFIERS))})", param_hint="--verifier"
+        )
     client, run_id = connect(api, token, run, api_wait)
     worker = RewardWorker(client, run_id, verifier, batch=batch, lease_s=lease)
     on_signals(worker.stop, "posting the rewards in hand")
     with progress(None, f"reward run {run_id}: waiting for samples") as (bar, task):
+
         def until() -> bool:
             s = worker.stats
             mean = s.reward_sum / s.scored if s.scored else 0.0
-            bar.update(task, description=f"reward run {run_id}: scored {s.scored} (mean {mean:.3f}) "
-                                         f"groups {s.groups_occupied} filtered {s.groups_filtered}")
+            bar.update(
+                task,
+                description=f"reward run {run_id}: scored {s.scored} (mean {mean:.3f}) "
+                f"groups {s.groups_occupied} filtered {s.groups_filtered}",
+            )
             return False
 
         try:

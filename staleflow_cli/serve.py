@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Optional
 
 import typer
 
@@ -25,7 +24,7 @@ def serve(
     host: str = typer.Option("127.0.0.1", "--host", help="address to listen on"),
     port: int = typer.Option(8000, "--port", min=0, max=65535),
     workers: int = typer.Option(1, "--workers", min=1, help="uvicorn worker processes (replicas)"),
-    upgrade: Optional[bool] = typer.Option(
+    upgrade: bool | None = typer.Option(
         None, "--upgrade/--no-upgrade", help="migrate the database first (default: only the embedded one)"
     ),
     access_log: bool = typer.Option(False, "--access-log/--no-access-log"),
@@ -50,6 +49,12 @@ def serve(
     os.environ["STALEFLOW_DATABASE_URL"] = url
     log.info("serving on http://%s:%s (%d worker%s)", host, port, workers, "s" if workers > 1 else "")
     uvicorn.run(
-        "api.app:app_from_env", factory=True, host=host, port=port, workers=workers,
-        access_log=access_log, log_level="info", timeout_graceful_shutdown=5,
+        "api.app:app_from_env",
+        factory=True,
+        host=host,
+        port=port,
+        workers=workers,
+        access_log=access_log,
+        log_level="info",
+        timeout_graceful_shutdown=5,
     )

@@ -20,8 +20,16 @@ def _err(msg: str) -> None:
 
 @app.command()
 def run(
-    model: str = typer.Option("qwen_14b", "--model", "--setup", help="Set-up (SPEC §5): qwen_14b, qwen_32b, qwen_moe_30b, qwen_7b, small, tiny."),
-    policy: str = typer.Option("staleflow", help="sync, one_step, strict, staleflow, staleflow-naive-route, staleflow-greedy-pull, staleflow-no-migration."),
+    model: str = typer.Option(
+        "qwen_14b",
+        "--model",
+        "--setup",
+        help="Set-up (SPEC §5): qwen_14b, qwen_32b, qwen_moe_30b, qwen_7b, small, tiny.",
+    ),
+    policy: str = typer.Option(
+        "staleflow",
+        help="sync, one_step, strict, staleflow, staleflow-naive-route, staleflow-greedy-pull, staleflow-no-migration.",
+    ),
     eta: int = typer.Option(2, help="Staleness bound (sync forces 0, one_step 1)."),
     steps: int = typer.Option(20, help="Training steps to simulate."),
     seed: int = typer.Option(0, help="Workload seed."),
@@ -35,7 +43,9 @@ def run(
     from workers.coordinator.policies import get_policy
     from workers.sim.simulator import simulate
 
-    overrides = {k: v for k, v in dict(mu=mu, psi=psi, phi_wait=phi_wait, kv_threshold=kv_threshold).items() if v is not None}
+    overrides = {
+        k: v for k, v in dict(mu=mu, psi=psi, phi_wait=phi_wait, kv_threshold=kv_threshold).items() if v is not None
+    }
     try:
         pol = get_policy(policy, **overrides)
     except KeyError as e:
@@ -45,8 +55,10 @@ def run(
         print(json.dumps(r.to_dict(), indent=1, default=str))
     else:
         print(r.summary())
-        print(f"commands: {r.commands}; snapshots: {r.snapshots}; cycles: {r.cycles} "
-              f"({1000 * r.coordinator_wall_s / max(r.cycles, 1):.2f} ms each)")
+        print(
+            f"commands: {r.commands}; snapshots: {r.snapshots}; cycles: {r.cycles} "
+            f"({1000 * r.coordinator_wall_s / max(r.cycles, 1):.2f} ms each)"
+        )
     if r.invariant_violations:
         _err("PROTOCOL INVARIANT VIOLATIONS:\n" + "\n".join(r.invariant_violations[:20]))
         raise typer.Exit(1)

@@ -3,8 +3,6 @@ the database credentials; remote admins use POST /v1/tokens)."""
 
 from __future__ import annotations
 
-from typing import Optional
-
 import typer
 
 from api import auth
@@ -18,8 +16,8 @@ app = typer.Typer(help="API tokens: create, list, revoke.", no_args_is_help=True
 @app.command()
 def create(
     role: str = typer.Option(..., "--role", help="admin, rollout, reward, trainer or coordinator"),
-    run: Optional[str] = typer.Option(None, "--run", help="limit the token to this run (id or name)"),
-    name: Optional[str] = typer.Option(None, "--name", help="a label to recognise it by"),
+    run: str | None = typer.Option(None, "--run", help="limit the token to this run (id or name)"),
+    name: str | None = typer.Option(None, "--name", help="a label to recognise it by"),
 ) -> None:
     """Print a new token (shown once: only its hash is stored)."""
     try:
@@ -44,7 +42,9 @@ def list_() -> None:
         for t in auth.list_tokens(engine):
             scope = "all runs" if t["run_id"] is None else f"run {t['run_id']}"
             state = "revoked" if t["revoked_at"] else "active"
-            print(f"{t['id']}\t{t['role'].value if hasattr(t['role'], 'value') else t['role']}\t{scope}\t{state}\t{t['name'] or ''}")
+            print(
+                f"{t['id']}\t{t['role'].value if hasattr(t['role'], 'value') else t['role']}\t{scope}\t{state}\t{t['name'] or ''}"
+            )
     finally:
         engine.dispose()
 

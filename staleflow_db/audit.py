@@ -27,7 +27,9 @@ def summary(engine: Engine, run_id: int) -> dict[str, Any]:
     """Everything `staleflow audit` prints, from one read-only transaction."""
     with engine.connect() as c, c.begin():
         c.execute(text("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ READ ONLY"))
-        run = c.execute(text("SELECT name, version, eta, batch_size, group_size FROM runs WHERE id = :r"), {"r": run_id}).first()
+        run = c.execute(
+            text("SELECT name, version, eta, batch_size, group_size FROM runs WHERE id = :r"), {"r": run_id}
+        ).first()
         if run is None:
             raise NotFound(f"run {run_id}")
         hist = c.execute(
@@ -45,7 +47,9 @@ def summary(engine: Engine, run_id: int) -> dict[str, Any]:
             {"r": run_id},
         ).all()
         found = _violations(c, run_id)
-    steps: dict[int, dict[str, Any]] = defaultdict(lambda: {"staleness": {}, "samples": 0, "tokens": 0, "reward_sum": 0.0})
+    steps: dict[int, dict[str, Any]] = defaultdict(
+        lambda: {"staleness": {}, "samples": 0, "tokens": 0, "reward_sum": 0.0}
+    )
     for step, staleness, n, tokens, reward in hist:
         s = steps[step]
         s["staleness"][int(staleness)] = n
@@ -58,8 +62,13 @@ def summary(engine: Engine, run_id: int) -> dict[str, Any]:
         "version": run[1],
         "eta": run[2],
         "steps": [
-            {"step": k, "samples": v["samples"], "tokens": v["tokens"], "mean_reward": v["reward_sum"] / v["samples"],
-             "staleness": v["staleness"]}
+            {
+                "step": k,
+                "samples": v["samples"],
+                "tokens": v["tokens"],
+                "mean_reward": v["reward_sum"] / v["samples"],
+                "staleness": v["staleness"],
+            }
             for k, v in sorted(steps.items())
         ],
         "drops": [{"reason": r, "samples": n, "tokens": int(t)} for r, n, t in drops],
@@ -105,10 +114,14 @@ def step_metrics(engine: Engine, run_id: int) -> list[dict[str, Any]]:
             ),
             {"r": run_id},
         ).all()
-        pulls = c.execute(
-            text("SELECT created_at FROM commands WHERE run_id = :r AND kind = 'pull' ORDER BY created_at"),
-            {"r": run_id},
-        ).scalars().all()
+        pulls = (
+            c.execute(
+                text("SELECT created_at FROM commands WHERE run_id = :r AND kind = 'pull' ORDER BY created_at"),
+                {"r": run_id},
+            )
+            .scalars()
+            .all()
+        )
         migrations = c.execute(
             text("SELECT at, migrated FROM coordinator_cycles WHERE run_id = :r AND migrated > 0 ORDER BY at"),
             {"r": run_id},
@@ -119,19 +132,21 @@ def step_metrics(engine: Engine, run_id: int) -> list[dict[str, Any]]:
         window = lambda t: prev < t <= at  # noqa: E731 - one window per step
         s = by_step.get(step, {"samples": 0, "tokens": 0, "mean_reward": 0.0, "staleness": {}})
         seconds = (at - prev).total_seconds()
-        rows.append({
-            "step": step,
-            "published_at": at.isoformat(),
-            "seconds": seconds,
-            "samples": s["samples"],
-            "tokens": s["tokens"],
-            "tokens_per_s": s["tokens"] / seconds if seconds > 0 else 0.0,
-            "mean_reward": s["mean_reward"],
-            "staleness": s["staleness"],
-            "routed": sum(1 for t, k in counts if k == "sample_routed" and window(t)),
-            "interrupts": sum(1 for t, k in counts if k == "sample_interrupted" and window(t)),
-            "pulls": sum(1 for t in pulls if window(t)),
-            "migrations": sum(m for t, m in migrations if window(t)),
-        })
+        rows.append(
+            {
+                "step": step,
+                "published_at": at.isoformat(),
+                "seconds": seconds,
+                "samples": s["samples"],
+                "tokens": s["tokens"],
+                "tokens_per_s": s["tokens"] / seconds if seconds > 0 else 0.0,
+                "mean_reward": s["mean_reward"],
+                "staleness": s["staleness"],
+                "routed": sum(1 for t, k in counts if k == "sample_routed" and window(t)),
+                "interrupts": sum(1 for t, k in counts if k == "sample_interrupted" and window(t)),
+                "pulls": sum(1 for t in pulls if window(t)),
+                "migrations": sum(m for t, m in migrations if window(t)),
+            }
+        )
         prev = at
     return rows

@@ -9,7 +9,6 @@ from sqlalchemy.engine import make_url
 
 from staleflow_db.settings import Settings, get_settings, to_libpq_url, to_sqlalchemy_url
 
-
 CONNECT_TIMEOUT_S = 5
 
 
@@ -44,8 +43,7 @@ def session_options(settings: Settings | None = None) -> str:
     )
 
 
-def make_engine(url: str | None = None, *, settings: Settings | None = None,
-                **kw: Any) -> Engine:
+def make_engine(url: str | None = None, *, settings: Settings | None = None, **kw: Any) -> Engine:
     """A pooled SQLAlchemy engine on the psycopg 3 driver.
 
     ``url`` defaults to :func:`database_url`; keyword arguments override the defaults
@@ -55,8 +53,11 @@ def make_engine(url: str | None = None, *, settings: Settings | None = None,
     url = to_sqlalchemy_url(url or database_url(settings))
     # A connect timeout, so a database that is down (or a host that drops packets) is a prompt
     # error the caller can retry, not a process hung in connect().
-    connect_args: dict[str, Any] = {"options": session_options(settings), "application_name": "staleflow",
-                                    "connect_timeout": CONNECT_TIMEOUT_S}
+    connect_args: dict[str, Any] = {
+        "options": session_options(settings),
+        "application_name": "staleflow",
+        "connect_timeout": CONNECT_TIMEOUT_S,
+    }
     connect_args.update(kw.pop("connect_args", {}))
     # Pre-ping: after a database restart every pooled connection is dead; the first checkout
     # notices, and SQLAlchemy then invalidates the whole pool, so one failed ping (not one per
@@ -68,5 +69,4 @@ def make_engine(url: str | None = None, *, settings: Settings | None = None,
     return create_engine(url, connect_args=connect_args, **opts)
 
 
-__all__ = ["database_url", "make_engine", "session_options", "with_database",
-           "to_libpq_url", "to_sqlalchemy_url"]
+__all__ = ["database_url", "make_engine", "session_options", "with_database", "to_libpq_url", "to_sqlalchemy_url"]

@@ -261,8 +261,12 @@ class EmbeddedPostgres:
             if self.info() is None:
                 return False
             log.info("stopping embedded PostgreSQL in %s", self.pgdata)
-            self._run("pg_ctl", ["-D", str(self.pgdata), "-m", "fast", "-w",
-                                 "-t", str(int(timeout)), "stop"], _system_user(), timeout + 10)
+            self._run(
+                "pg_ctl",
+                ["-D", str(self.pgdata), "-m", "fast", "-w", "-t", str(int(timeout)), "stop"],
+                _system_user(),
+                timeout + 10,
+            )
             return True
 
     def ensure_running(self) -> str:
@@ -281,8 +285,7 @@ class EmbeddedPostgres:
 
     # -- internals -------------------------------------------------------------------
 
-    def _run(self, prog: str, args: list[str], user: tuple[int, int] | None,
-             timeout: float) -> str:
+    def _run(self, prog: str, args: list[str], user: tuple[int, int] | None, timeout: float) -> str:
         # Output goes to temp files, not pipes: the postmaster forked by `pg_ctl start`
         # can inherit a pipe and keep it open, and reading it to EOF would hang.
         cmd = [str(pg_bin(prog)), *args]
@@ -291,8 +294,17 @@ class EmbeddedPostgres:
             extra = {"user": user[0], "group": user[1], "extra_groups": []}
         with tempfile.TemporaryFile("w+") as out:
             try:
-                subprocess.run(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=out,
-                               cwd="/", check=True, timeout=timeout, text=True, **extra)
+                subprocess.run(
+                    cmd,
+                    stdin=subprocess.DEVNULL,
+                    stdout=out,
+                    stderr=out,
+                    cwd="/",
+                    check=True,
+                    timeout=timeout,
+                    text=True,
+                    **extra,
+                )
             except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as err:
                 out.seek(0)
                 raise EmbeddedPostgresError(
@@ -324,9 +336,20 @@ class EmbeddedPostgres:
         if user is not None:
             _wheel_utils().ensure_prefix_permissions(tmp)
             os.chown(tmp, *user)
-        self._run("initdb", ["-D", str(tmp), "--auth=trust", f"--username={SUPERUSER}",
-                             "--encoding=UTF8", "--locale=C", "--no-instructions"],
-                  user, timeout=300)
+        self._run(
+            "initdb",
+            [
+                "-D",
+                str(tmp),
+                "--auth=trust",
+                f"--username={SUPERUSER}",
+                "--encoding=UTF8",
+                "--locale=C",
+                "--no-instructions",
+            ],
+            user,
+            timeout=300,
+        )
         if self.pgdata.exists():
             self.pgdata.rmdir()
         tmp.rename(self.pgdata)
@@ -357,15 +380,28 @@ class EmbeddedPostgres:
     def _start_server(self, user: tuple[int, int] | None, timeout: float) -> None:
         for attempt in range(3):
             port = self._choose_port()
-            sock = "" if len(str(self.pgdata / f".s.PGSQL.{port}")) > _MAX_SOCKET_PATH \
-                else str(self.pgdata)
+            sock = "" if len(str(self.pgdata / f".s.PGSQL.{port}")) > _MAX_SOCKET_PATH else str(self.pgdata)
             opts = [f"-h 127.0.0.1 -p {port} -k {shlex.quote(sock)}"]
             opts += [f"-c {shlex.quote(f'{k}={v}')}" for k, v in self.server_options.items()]
             log.info("starting embedded PostgreSQL on 127.0.0.1:%d (data: %s)", port, self.pgdata)
             try:
-                self._run("pg_ctl", ["-D", str(self.pgdata), "-w", "-t", str(int(timeout)),
-                                     "-l", str(self.pgdata / LOG_FILE), "-o", " ".join(opts),
-                                     "start"], user, timeout + 10)
+                self._run(
+                    "pg_ctl",
+                    [
+                        "-D",
+                        str(self.pgdata),
+                        "-w",
+                        "-t",
+                        str(int(timeout)),
+                        "-l",
+                        str(self.pgdata / LOG_FILE),
+                        "-o",
+                        " ".join(opts),
+                        "start",
+                    ],
+                    user,
+                    timeout + 10,
+                )
                 break
             except EmbeddedPostgresError as err:
                 # Another program may grab the port between our check and the bind.
@@ -382,21 +418,19 @@ class EmbeddedPostgres:
                 return
             if time.monotonic() > deadline:
                 raise EmbeddedPostgresError(
-                    f"embedded PostgreSQL in {self.pgdata} not ready after {timeout}s"
-                    + self._log_tail())
+                    f"embedded PostgreSQL in {self.pgdata} not ready after {timeout}s" + self._log_tail()
+                )
             time.sleep(0.1)
 
     def _ensure_database(self) -> None:
         with psycopg.connect(self.url("postgres"), autocommit=True, connect_timeout=10) as conn:
-            exists = conn.execute("SELECT 1 FROM pg_database WHERE datname = %s",
-                                  (self.database,)).fetchone()
+            exists = conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", (self.database,)).fetchone()
             if not exists:
                 log.info("creating database %s", self.database)
                 conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(self.database)))
 
 
-def ensure_running(home: str | Path | None = None,
-                   server_options: Mapping[str, str] | None = None) -> str:
+def ensure_running(home: str | Path | None = None, server_options: Mapping[str, str] | None = None) -> str:
     """Start (or reuse) the embedded server and return the libpq URL of ``staleflow``."""
     return EmbeddedPostgres(home, server_options).ensure_running()
 
@@ -407,8 +441,9 @@ def stop(home: str | Path | None = None) -> bool:
 
 
 @contextmanager
-def server(home: str | Path | None = None,
-           server_options: Mapping[str, str] | None = None) -> Iterator[EmbeddedPostgres]:
+def server(
+    home: str | Path | None = None, server_options: Mapping[str, str] | None = None
+) -> Iterator[EmbeddedPostgres]:
     """``with server() as pg: pg.url()`` -- stops on exit only if it started the server."""
     with EmbeddedPostgres(home, server_options).running() as pg:
         yield pg

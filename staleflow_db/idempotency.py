@@ -18,9 +18,10 @@ import hashlib
 import logging
 import random
 import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
-from typing import Any, Callable, Iterator, TypeVar
+from typing import Any, TypeVar
 
 from sqlalchemy import Connection, Engine, text
 from sqlalchemy.exc import DBAPIError
@@ -132,7 +133,9 @@ def once(
         ).first()
         if row is not None:
             if row[0] != op:
-                raise KeyReused([(0, f"request id {key!r} was already used for another request ({row[0].split('#')[0]})")])
+                raise KeyReused(
+                    [(0, f"request id {key!r} was already used for another request ({row[0].split('#')[0]})")]
+                )
             return decode(row[1]), True
         outcome = call(conn)
         if store(outcome):

@@ -9,8 +9,8 @@ nothing.
 from __future__ import annotations
 
 import uuid
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Iterable
 
 from .enums import DropReason, GroupState, InstanceState, SampleState, SegmentKind
 from .errors import Conflict, InvalidInput, NotFound
@@ -18,11 +18,11 @@ from .rules import (
     BufferCounts,
     Limits,
     Reservation,
-    replacement_key,
     apply_moves,
     cascade_moves,
     group_version,
     occupy_plan,
+    replacement_key,
     reserve_target,
     route_decision,
     window_has_room,
@@ -202,7 +202,11 @@ class ReferenceProtocol:
             if r.sample_id in pending:
                 raise InvalidInput(f"sample {r.sample_id} appears twice in one report batch")
             # fenced by the reporting instance, the attempt and the secret lease token
-            if s.state != SampleState.RUNNING or (s.instance_id, s.attempt, s.lease) != (r.instance_id, r.attempt, r.lease):
+            if s.state != SampleState.RUNNING or (s.instance_id, s.attempt, s.lease) != (
+                r.instance_id,
+                r.attempt,
+                r.lease,
+            ):
                 conflicts.append((r.sample_id, "lease lost (not running, another instance's, stale attempt or lease)"))
                 continue
             last = s.segments[-1].version if s.segments else s.v_traj
@@ -449,10 +453,16 @@ class ReferenceProtocol:
         """Every violated invariant of SPEC §2, in words; empty when healthy."""
         bad = []
         for b, buf in self.buffers.items():
-            groups = [g for g in self.groups.values() if g.buffer == b and g.state in (GroupState.OCCUPIED, GroupState.CONSUMED)]
+            groups = [
+                g
+                for g in self.groups.values()
+                if g.buffer == b and g.state in (GroupState.OCCUPIED, GroupState.CONSUMED)
+            ]
             reserved = [g for g in self.groups.values() if g.state == GroupState.RESERVED and g.reserved_buffer == b]
             if len(groups) != buf.occupied or len(reserved) != buf.reserved:
-                bad.append(f"buffer {b}: counters {buf.occupied}/{buf.reserved} vs entries {len(groups)}/{len(reserved)}")
+                bad.append(
+                    f"buffer {b}: counters {buf.occupied}/{buf.reserved} vs entries {len(groups)}/{len(reserved)}"
+                )
             if buf.occupied + buf.reserved > self.config.buffer_capacity:
                 bad.append(f"buffer {b} over capacity")
             if buf.consumed and buf.occupied != self.config.batch_size:

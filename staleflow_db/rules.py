@@ -7,8 +7,8 @@ do not exist yet count as empty (they are created lazily).
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Iterable, Mapping
 
 
 @dataclass
@@ -74,9 +74,7 @@ def occupy_target(
     return None
 
 
-def window_has_room(
-    buffers: Mapping[int, BufferCounts], group_version: int, version_now: int, limits: Limits
-) -> bool:
+def window_has_room(buffers: Mapping[int, BufferCounts], group_version: int, version_now: int, limits: Limits) -> bool:
     """False once every buffer of the window is ready or consumed (abort-after-ready)."""
     for b in window(group_version, version_now, limits):
         buf = buffers.get(b)
@@ -173,9 +171,7 @@ def occupy_plan(
     `freed` once the group is placed (if it landed elsewhere). `buffers` is not changed.
     """
     trial = {
-        b: BufferCounts(c.index, c.occupied, c.reserved, c.consumed)
-        for b, c in buffers.items()
-        if b >= version_now
+        b: BufferCounts(c.index, c.occupied, c.reserved, c.consumed) for b, c in buffers.items() if b >= version_now
     }
     chain = cascade_moves(freed, trial, reservations, limits)
     win = window(group_version, version_now, limits)
@@ -242,6 +238,6 @@ def replacement_key(client_key: str) -> str:
     replacement's insert a no-op, and the filtered prompt was silently lost."""
     depth, root = 0, client_key
     if client_key.startswith(REPLACEMENT_PREFIX) and ":" in client_key:
-        head, root = client_key[len(REPLACEMENT_PREFIX):].split(":", 1)
+        head, root = client_key[len(REPLACEMENT_PREFIX) :].split(":", 1)
         depth = int(head) if head.isdigit() else 0
     return f"{REPLACEMENT_PREFIX}{depth + 1}:{root}"

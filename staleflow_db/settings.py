@@ -38,7 +38,7 @@ def to_sqlalchemy_url(url: str) -> str:
     """``postgresql://`` / ``postgres://`` -> ``postgresql+psycopg://``; other drivers kept."""
     for prefix in ("postgresql://", "postgres://"):
         if url.startswith(prefix):
-            return "postgresql+psycopg://" + url[len(prefix):]
+            return "postgresql+psycopg://" + url[len(prefix) :]
     return url
 
 
@@ -74,9 +74,7 @@ class Settings:
             home=Path(home).expanduser().absolute(),
             statement_timeout=_timeout("STALEFLOW_STATEMENT_TIMEOUT", "30s"),
             lock_timeout=_timeout("STALEFLOW_LOCK_TIMEOUT", "10s"),
-            idle_in_transaction_session_timeout=_timeout(
-                "STALEFLOW_IDLE_IN_TRANSACTION_TIMEOUT", "60s"
-            ),
+            idle_in_transaction_session_timeout=_timeout("STALEFLOW_IDLE_IN_TRANSACTION_TIMEOUT", "60s"),
             pool_size=_int("STALEFLOW_POOL_SIZE", 10),
             max_overflow=_int("STALEFLOW_MAX_OVERFLOW", 10),
         )

@@ -92,15 +92,15 @@ class Report:
 
     def check_shape(self) -> None:
         if len(self.tokens) != len(self.logprobs):
-            raise InvalidInput(
-                f"sample {self.sample_id}: {len(self.tokens)} tokens but {len(self.logprobs)} log-probs"
-            )
+            raise InvalidInput(f"sample {self.sample_id}: {len(self.tokens)} tokens but {len(self.logprobs)} log-probs")
 
     def lease_uuid(self) -> uuid.UUID:
         try:
             return uuid.UUID(str(self.lease))
         except ValueError:
-            raise InvalidInput(f"sample {self.sample_id}: lease {str(self.lease)[:50]!r} is not a lease token") from None
+            raise InvalidInput(
+                f"sample {self.sample_id}: lease {str(self.lease)[:50]!r} is not a lease token"
+            ) from None
 
 
 @dataclass

@@ -11,9 +11,10 @@ import sys
 import tempfile
 import time
 import warnings
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import httpx
 
@@ -53,9 +54,19 @@ class ApiServer:
 
     def launch(self) -> ApiServer:
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "staleflow_cli.main", "serve", "--port", str(self.port),
-             *(["--no-upgrade"] if self.db_url else [])],
-            cwd=REPO, env=self.env, stdout=self.log, stderr=subprocess.STDOUT,
+            [
+                sys.executable,
+                "-m",
+                "staleflow_cli.main",
+                "serve",
+                "--port",
+                str(self.port),
+                *(["--no-upgrade"] if self.db_url else []),
+            ],
+            cwd=REPO,
+            env=self.env,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
         )
         return self
 
@@ -134,7 +145,10 @@ def in_process(db_url: str, **settings: Any) -> Iterator[TestClient]:
 
 
 def walk_lifecycle(
-    admin: StaleFlowClient, roles: dict[str, StaleFlowClient], run_id: int, batch_source: Any = None,
+    admin: StaleFlowClient,
+    roles: dict[str, StaleFlowClient],
+    run_id: int,
+    batch_source: Any = None,
 ) -> dict[str, Any]:
     """Drive one full step through the API: enqueue -> register -> route -> segments (a partial,
     an interrupt and a continuation) -> rewards -> occupy -> consume -> publish.
@@ -152,19 +166,58 @@ def walk_lifecycle(
     assert sorted(w.sample_id for w in work) == sorted(queued)
     first = work[0]
     # A partial checkpoint, then an interrupt: the sample returns to the queue with its tokens.
-    rollout.report(run_id, inst, [{"sample_id": first.sample_id, "attempt": first.attempt, "lease": first.lease,
-                                   "version": 0, "tokens": [7], "logprobs": [-0.5], "kind": "partial"}])
+    rollout.report(
+        run_id,
+        inst,
+        [
+            {
+                "sample_id": first.sample_id,
+                "attempt": first.attempt,
+                "lease": first.lease,
+                "version": 0,
+                "tokens": [7],
+                "logprobs": [-0.5],
+                "kind": "partial",
+            }
+        ],
+    )
     assert coord.interrupt(run_id, [first.sample_id]) == 1
     cmds = rollout.poll(run_id, inst, wait=5).commands
     assert [(c.kind, c.sample_id) for c in cmds] == [("interrupt", first.sample_id)]
-    rollout.report(run_id, inst, [{"sample_id": first.sample_id, "attempt": first.attempt, "lease": first.lease,
-                                   "version": 0, "tokens": [8], "logprobs": [-0.25], "kind": "interrupted"}])
+    rollout.report(
+        run_id,
+        inst,
+        [
+            {
+                "sample_id": first.sample_id,
+                "attempt": first.attempt,
+                "lease": first.lease,
+                "version": 0,
+                "tokens": [8],
+                "logprobs": [-0.25],
+                "kind": "interrupted",
+            }
+        ],
+    )
     (again,) = coord.route(run_id, [(first.sample_id, inst)])
     (cont,) = rollout.poll(run_id, inst, wait=5).work
     assert cont.prefix_tokens == [7, 8] and cont.attempt == again.attempt
     finished = [w for w in work if w.sample_id != first.sample_id] + [cont]
-    rollout.report(run_id, inst, [{"sample_id": w.sample_id, "attempt": w.attempt, "lease": w.lease, "version": 0,
-                                   "tokens": [9, 10], "logprobs": [-0.1, -0.2]} for w in finished])
+    rollout.report(
+        run_id,
+        inst,
+        [
+            {
+                "sample_id": w.sample_id,
+                "attempt": w.attempt,
+                "lease": w.lease,
+                "version": 0,
+                "tokens": [9, 10],
+                "logprobs": [-0.1, -0.2],
+            }
+            for w in finished
+        ],
+    )
     tasks = reward.claim(run_id, limit=100, wait=5)
     assert len(tasks) == B * N
     outcomes = reward.record_rewards(run_id, [(t.sample_id, t.reward_attempt, float(t.sample_id % 2)) for t in tasks])

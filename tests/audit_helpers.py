@@ -16,13 +16,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from protocol_helpers import Driver
 from sqlalchemy import text
 
 from staleflow_db.audit import violations
 from staleflow_db.enums import SegmentKind
 from staleflow_db.types import Report
-
-from protocol_helpers import Driver
 
 
 @dataclass
@@ -63,8 +62,9 @@ def _report(d: Driver, sid: int, attempt: int, version: int, tokens, kind: Segme
 def healthy_run(engine, name: str = "healthy", check=None) -> Healthy:
     """Drive the run above through the protocol; `check()` (if given) runs after each step."""
     check = check or (lambda: None)
-    d = Driver(engine, name=name, batch_size=1, buffer_capacity=2, group_size=2, samples_per_group=3,
-               eta=1, dapo_filter=True)
+    d = Driver(
+        engine, name=name, batch_size=1, buffer_capacity=2, group_size=2, samples_per_group=3, eta=1, dapo_filter=True
+    )
     h = Healthy(d)
     p = d.p
     h.inst["i0"] = p.register_instance(d.run, "i0", 0)

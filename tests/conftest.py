@@ -120,8 +120,9 @@ def template_db(admin_url: str) -> Iterator[str]:
 def db_url(admin_url: str, template_db: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     name = f"sf_t_{uuid.uuid4().hex[:16]}"
     with _admin(admin_url) as conn:
-        conn.execute(sql.SQL("CREATE DATABASE {} TEMPLATE {}").format(
-            sql.Identifier(name), sql.Identifier(template_db)))
+        conn.execute(
+            sql.SQL("CREATE DATABASE {} TEMPLATE {}").format(sql.Identifier(name), sql.Identifier(template_db))
+        )
     url = with_database(admin_url, name)
     # Code under test that calls database_url() itself, and subprocesses, land here too.
     monkeypatch.setenv("STALEFLOW_DATABASE_URL", url)
@@ -132,7 +133,7 @@ def db_url(admin_url: str, template_db: str, monkeypatch: pytest.MonkeyPatch) ->
 
 
 @pytest.fixture
-def engine(db_url: str):  # noqa: ANN201 - sqlalchemy.Engine
+def engine(db_url: str):
     eng = make_engine(db_url)
     try:
         yield eng

@@ -47,8 +47,10 @@ class Driver:
     def finish(self, attempts: dict[int, int], version: int = 0, tokens=(7, 8)) -> None:
         self.p.report(
             self.run,
-            [Report(s, a, version, list(tokens), [-0.5] * len(tokens), SegmentKind.FINISHED, **self.lease(s))
-             for s, a in attempts.items()],
+            [
+                Report(s, a, version, list(tokens), [-0.5] * len(tokens), SegmentKind.FINISHED, **self.lease(s))
+                for s, a in attempts.items()
+            ],
         )
 
     def reward_all(self, reward=1.0, rewards: dict[int, float] | None = None):

@@ -28,8 +28,7 @@ def state_dict(seed: int) -> dict[str, torch.Tensor]:
 
 
 def same(a: dict, b: dict) -> bool:
-    return a.keys() == b.keys() and all(
-        a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in a)
+    return a.keys() == b.keys() and all(a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in a)
 
 
 def publish(c: ParamClient, sd: dict, version: int) -> str:
@@ -49,8 +48,11 @@ class PSProcess:
 
     def __init__(self, data_dir: Path, **kw):
         self.ready = data_dir.parent / f"ready-{time.monotonic_ns()}.json"
-        self.proc = SPAWN.Process(target=main, args=(str(data_dir),),
-                                  kwargs={"ready_file": str(self.ready), "transfer_timeout_s": WAIT_S, **kw})
+        self.proc = SPAWN.Process(
+            target=main,
+            args=(str(data_dir),),
+            kwargs={"ready_file": str(self.ready), "transfer_timeout_s": WAIT_S, **kw},
+        )
         self.proc.start()
         deadline = time.monotonic() + WAIT_S
         while not self.ready.exists():

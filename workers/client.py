@@ -23,8 +23,9 @@ import dataclasses
 import logging
 import os
 import uuid
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any, Iterable, Sequence, TypeVar
+from typing import Any, TypeVar
 
 import httpx
 from pydantic import BaseModel
@@ -50,11 +51,23 @@ class ApiError(Exception):
 
 
 class Unauthorized(ApiError): ...
+
+
 class Forbidden(ApiError): ...
+
+
 class NotFound(ApiError): ...
+
+
 class Conflict(ApiError): ...
+
+
 class TooLarge(ApiError): ...
+
+
 class InvalidInput(ApiError): ...
+
+
 class Unavailable(ApiError): ...
 
 
@@ -176,8 +189,13 @@ class StaleFlowClient:
             headers["Content-Type"] = "application/json"
         kw = dict(content=content, params=params, headers=headers, timeout=timeout)
         try:
-            for attempt in retrying(self.api, _retryable, retry_for=self.retry_for if retry_for is True else retry_for,
-                                    initial=self.backoff, cap=self.max_backoff):
+            for attempt in retrying(
+                self.api,
+                _retryable,
+                retry_for=self.retry_for if retry_for is True else retry_for,
+                initial=self.backoff,
+                cap=self.max_backoff,
+            ):
                 with attempt:
                     r = self._attempt(method, path, kw)
         except httpx.TransportError as exc:
@@ -262,8 +280,12 @@ class StaleFlowClient:
         return self._call(m.RegisterOut, "POST", f"/v1/runs/{run_id}/instances", body=body, key=True)
 
     def heartbeat(
-        self, run_id: int, instance_id: int, version: int,
-        snapshot: m.InstanceSnapshotIn | dict | None = None, lease_seconds: float = 30.0,
+        self,
+        run_id: int,
+        instance_id: int,
+        version: int,
+        snapshot: m.InstanceSnapshotIn | dict | None = None,
+        lease_seconds: float = 30.0,
     ) -> m.HeartbeatOut:
         snap = _as(m.InstanceSnapshotIn, snapshot or {})
         body = m.HeartbeatIn(version=version, snapshot=snap, lease_seconds=lease_seconds)
@@ -276,8 +298,12 @@ class StaleFlowClient:
         """Long-poll for routed work and commands; empty after `wait` seconds. Each work item
         carries its `attempt` and secret `lease` token: reports on it must quote both."""
         return self._call(
-            m.PollOut, "POST", f"/v1/runs/{run_id}/instances/{instance_id}/poll",
-            params={"wait": wait, "limit": limit}, key=True, wait=wait,
+            m.PollOut,
+            "POST",
+            f"/v1/runs/{run_id}/instances/{instance_id}/poll",
+            params={"wait": wait, "limit": limit},
+            key=True,
+            wait=wait,
         )
 
     def report(self, run_id: int, instance_id: int, reports: Sequence[m.ReportIn | dict | Any]) -> int:
@@ -298,10 +324,18 @@ class StaleFlowClient:
 
     # ---- reward and trainer ----------------------------------------------------------------
 
-    def claim(self, run_id: int, limit: int = 100, lease_seconds: float = 60.0, wait: float = 10.0) -> list[m.RewardTaskOut]:
+    def claim(
+        self, run_id: int, limit: int = 100, lease_seconds: float = 60.0, wait: float = 10.0
+    ) -> list[m.RewardTaskOut]:
         body = m.ClaimIn(limit=limit, lease_seconds=lease_seconds)
         return self._call(
-            m.ClaimOut, "POST", f"/v1/runs/{run_id}/rewards/claim", body=body, params={"wait": wait}, key=True, wait=wait,
+            m.ClaimOut,
+            "POST",
+            f"/v1/runs/{run_id}/rewards/claim",
+            body=body,
+            params={"wait": wait},
+            key=True,
+            wait=wait,
         ).tasks
 
     def record_rewards(self, run_id: int, rewards: Sequence[m.RewardIn | dict | tuple]) -> list[m.GroupOutcomeOut]:
@@ -312,13 +346,22 @@ class StaleFlowClient:
     def consume(self, run_id: int, version: int, wait: float = 10.0) -> m.BatchOut | None:
         """The whole batch of buffer `version` once it is ready; None if not ready within `wait`."""
         out = self._call(
-            m.ConsumeOut, "POST", f"/v1/runs/{run_id}/batches/{version}/consume", params={"wait": wait}, wait=wait,
+            m.ConsumeOut,
+            "POST",
+            f"/v1/runs/{run_id}/batches/{version}/consume",
+            params={"wait": wait},
+            wait=wait,
         )
         return out.batch
 
     def publish(
-        self, run_id: int, version: int, lease: int,
-        size_bytes: int | None = None, checksum: str | None = None, location: str | None = None,
+        self,
+        run_id: int,
+        version: int,
+        lease: int,
+        size_bytes: int | None = None,
+        checksum: str | None = None,
+        location: str | None = None,
     ) -> int:
         """Publish `version + 1` (buffer `version` trained); returns the run's new version."""
         body = m.PublishIn(lease=lease, size_bytes=size_bytes, checksum=checksum, location=location)
@@ -338,19 +381,23 @@ class StaleFlowClient:
         body = m.InterruptIn(sample_ids=list(sample_ids), epoch=epoch)
         return self._call(m.CommandsOut, "POST", f"/v1/runs/{run_id}/commands/interrupt", body=body, key=True).commands
 
-    def pull(self, run_id: int, instance_ids: Sequence[int], target_version: int | None = None,
-             epoch: int | None = None) -> int:
+    def pull(
+        self, run_id: int, instance_ids: Sequence[int], target_version: int | None = None, epoch: int | None = None
+    ) -> int:
         body = m.PullIn(instance_ids=list(instance_ids), target_version=target_version, epoch=epoch)
         return self._call(m.CommandsOut, "POST", f"/v1/runs/{run_id}/commands/pull", body=body, key=True).commands
 
-    def abort_samples(self, run_id: int, sample_ids: Sequence[int], reason: str = "user",
-                      epoch: int | None = None) -> list[int]:
+    def abort_samples(
+        self, run_id: int, sample_ids: Sequence[int], reason: str = "user", epoch: int | None = None
+    ) -> list[int]:
         body = m.AbortSamplesIn(sample_ids=list(sample_ids), reason=reason, epoch=epoch)
         return self._call(m.AbortedOut, "POST", f"/v1/runs/{run_id}/samples/abort", body=body, key=True).aborted
 
     def abort_group(self, run_id: int, group_id: int, reason: str = "user", epoch: int | None = None) -> bool:
         body = m.AbortGroupIn(reason=reason, epoch=epoch)
-        return self._call(m.AbortGroupOut, "POST", f"/v1/runs/{run_id}/groups/{group_id}/abort", body=body, key=True).aborted
+        return self._call(
+            m.AbortGroupOut, "POST", f"/v1/runs/{run_id}/groups/{group_id}/abort", body=body, key=True
+        ).aborted
 
     def abort_after_ready(self, run_id: int) -> list[int]:
         return self._call(m.DroppedGroupsOut, "POST", f"/v1/runs/{run_id}/abort-after-ready").groups
@@ -360,10 +407,14 @@ class StaleFlowClient:
 
     # ---- audit and health ------------------------------------------------------------------
 
-    def trained_samples(self, run_id: int | None = None, limit: int = 1000, offset: int = 0) -> list[m.TrainedSampleRow]:
+    def trained_samples(
+        self, run_id: int | None = None, limit: int = 1000, offset: int = 0
+    ) -> list[m.TrainedSampleRow]:
         return self._call(m.TrainedSamples, "GET", "/v1/audit/trained", params=_page(run_id, limit, offset)).rows
 
-    def dropped_samples(self, run_id: int | None = None, limit: int = 1000, offset: int = 0) -> list[m.DroppedSampleRow]:
+    def dropped_samples(
+        self, run_id: int | None = None, limit: int = 1000, offset: int = 0
+    ) -> list[m.DroppedSampleRow]:
         return self._call(m.DroppedSamples, "GET", "/v1/audit/dropped", params=_page(run_id, limit, offset)).rows
 
     def violations(self, run_id: int | None = None, limit: int = 1000, offset: int = 0) -> list[m.ViolationRow]:

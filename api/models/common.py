@@ -20,7 +20,6 @@ INT32_MAX = 2**31 - 1
 INT64_MAX = 2**63 - 1
 
 
-
 def _json_number(value: Any) -> Any:
     """A float field takes JSON numbers only: an integer is a number, "0.5" and true are not
     (pydantic's strict float would refuse the integer, its lax float accepts the others)."""

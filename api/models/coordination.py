@@ -88,7 +88,9 @@ class CycleIn(In):
 
 class Fenced(In):
     epoch: Int | None = Field(
-        None, ge=0, le=INT64_MAX,
+        None,
+        ge=0,
+        le=INT64_MAX,
         description="coordinator leadership epoch; refused (409) unless it is the run's current lease epoch",
     )
 

@@ -9,7 +9,21 @@ from pydantic import Field
 from staleflow_db.enums import SegmentKind
 
 from .common import (
-    INT64_MAX, Attempt, Bool, Count, Finite, Id, In, Int, LeaseSeconds, LogProb, Name, Number, Out, TokenId, Version,
+    INT64_MAX,
+    Attempt,
+    Bool,
+    Count,
+    Finite,
+    Id,
+    In,
+    Int,
+    LeaseSeconds,
+    LogProb,
+    Name,
+    Number,
+    Out,
+    TokenId,
+    Version,
 )
 
 
@@ -113,7 +127,19 @@ class ExpireOut(Out):
 
 
 __all__ = [
-    "CommandOut", "DeregisterOut", "ExpireOut", "Finite", "HeartbeatIn", "HeartbeatOut", "InstanceSnapshotIn",
-    "PollOut", "RegisterIn", "RegisterOut", "ReportIn", "ReportsIn", "ReportsOut", "RunningSampleIn",
+    "CommandOut",
+    "DeregisterOut",
+    "ExpireOut",
+    "Finite",
+    "HeartbeatIn",
+    "HeartbeatOut",
+    "InstanceSnapshotIn",
+    "PollOut",
+    "RegisterIn",
+    "RegisterOut",
+    "ReportIn",
+    "ReportsIn",
+    "ReportsOut",
+    "RunningSampleIn",
     "WorkOut",
 ]

@@ -128,7 +128,25 @@ class Revoked(Out):
 
 
 __all__ = [
-    "BufferOut", "Count", "EnqueueIn", "EnqueueOut", "ParamVersionList", "ParamVersionOut", "PromptIn",
-    "QueuedByVersion", "Revoked", "RunConfigIn", "RunConfigOut", "RunCreate", "RunList", "RunOut", "RunStatus",
-    "TokenCreate", "TokenCreated", "TokenList", "TokenOut", "Version", "Location",
+    "BufferOut",
+    "Count",
+    "EnqueueIn",
+    "EnqueueOut",
+    "ParamVersionList",
+    "ParamVersionOut",
+    "PromptIn",
+    "QueuedByVersion",
+    "Revoked",
+    "RunConfigIn",
+    "RunConfigOut",
+    "RunCreate",
+    "RunList",
+    "RunOut",
+    "RunStatus",
+    "TokenCreate",
+    "TokenCreated",
+    "TokenList",
+    "TokenOut",
+    "Version",
+    "Location",
 ]

@@ -103,6 +103,18 @@ class PublishOut(Out):
 
 
 __all__ = [
-    "BatchOut", "ClaimIn", "ClaimOut", "ConsumeOut", "GroupOutcomeOut", "PublishIn", "PublishOut", "RewardIn",
-    "RewardTaskOut", "RewardsIn", "RewardsOut", "SegmentInfoOut", "TrainGroupOut", "TrainSampleOut",
+    "BatchOut",
+    "ClaimIn",
+    "ClaimOut",
+    "ConsumeOut",
+    "GroupOutcomeOut",
+    "PublishIn",
+    "PublishOut",
+    "RewardIn",
+    "RewardTaskOut",
+    "RewardsIn",
+    "RewardsOut",
+    "SegmentInfoOut",
+    "TrainGroupOut",
+    "TrainSampleOut",
 ]

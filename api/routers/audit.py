@@ -21,7 +21,11 @@ RunFilter = Annotated[int | None, Query(ge=1, le=2**63 - 1, description="only th
 
 @router.get("/trained", response_model=TrainedSamples)
 def trained(
-    state: State, run_id: RunFilter = None, limit: Page = 1000, offset: Offset = 0, who: Principal = Auditor,
+    state: State,
+    run_id: RunFilter = None,
+    limit: Page = 1000,
+    offset: Offset = 0,
+    who: Principal = Auditor,
 ) -> TrainedSamples:
     """`trained_samples`: per trained sample its step, V_traj, staleness and segment versions."""
     return TrainedSamples(rows=queries.audit(state.engine, "trained", run_filter(who, run_id), limit, offset))
@@ -29,7 +33,11 @@ def trained(
 
 @router.get("/dropped", response_model=DroppedSamples)
 def dropped(
-    state: State, run_id: RunFilter = None, limit: Page = 1000, offset: Offset = 0, who: Principal = Auditor,
+    state: State,
+    run_id: RunFilter = None,
+    limit: Page = 1000,
+    offset: Offset = 0,
+    who: Principal = Auditor,
 ) -> DroppedSamples:
     """`dropped_samples`: every aborted sample with its reason."""
     return DroppedSamples(rows=queries.audit(state.engine, "dropped", run_filter(who, run_id), limit, offset))
@@ -37,7 +45,11 @@ def dropped(
 
 @router.get("/violations", response_model=Violations)
 def violations(
-    state: State, run_id: RunFilter = None, limit: Page = 1000, offset: Offset = 0, who: Principal = Auditor,
+    state: State,
+    run_id: RunFilter = None,
+    limit: Page = 1000,
+    offset: Offset = 0,
+    who: Principal = Auditor,
 ) -> Violations:
     """`staleness_violations`: broken invariants (bound, capacity, versions, contiguity, loss)."""
     return Violations(rows=queries.audit(state.engine, "violations", run_filter(who, run_id), limit, offset))

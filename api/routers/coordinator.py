@@ -19,9 +19,27 @@ from .. import queries
 from ..auth import Principal
 from ..deps import IdempotencyKey, RunId, State, allow_run
 from ..models import (
-    AbortedOut, AbortGroupIn, AbortGroupOut, AbortSamplesIn, ClusterSnapshotOut, CommandsOut, CycleIn, DroppedGroupsOut,
-    ExpireOut, InstanceViewOut, InterruptIn, LeaseIn, LeaseOut, PullIn, QueuedSampleOut, ReleaseIn, RouteIn, RouteOut,
-    RunningOut, SnapshotBufferOut, errors,
+    AbortedOut,
+    AbortGroupIn,
+    AbortGroupOut,
+    AbortSamplesIn,
+    ClusterSnapshotOut,
+    CommandsOut,
+    CycleIn,
+    DroppedGroupsOut,
+    ExpireOut,
+    InstanceViewOut,
+    InterruptIn,
+    LeaseIn,
+    LeaseOut,
+    PullIn,
+    QueuedSampleOut,
+    ReleaseIn,
+    RouteIn,
+    RouteOut,
+    RunningOut,
+    SnapshotBufferOut,
+    errors,
 )
 from ..notify import BATCH, WORK, instance_topic
 from ..service import dump, scoped_key
@@ -36,11 +54,18 @@ def snapshot(run_id: RunId, state: State, who: Principal = Coordinator) -> Clust
     lengths, unconsumed buffers, from one repeatable-read transaction."""
     snap = state.protocol.snapshot(run_id)
     return ClusterSnapshotOut(
-        run_id=snap.run_id, version=snap.version, config=snap.config, latest_params=snap.latest_params,
+        run_id=snap.run_id,
+        version=snap.version,
+        config=snap.config,
+        latest_params=snap.latest_params,
         buffers=[SnapshotBufferOut(index=i, occupied=o, reserved=r) for i, (o, r) in sorted(snap.buffers.items())],
         instances=[
             InstanceViewOut(
-                instance_id=i.id, name=i.name, version=i.version, snapshot=i.snapshot, snapshot_age_s=i.snapshot_age_s,
+                instance_id=i.id,
+                name=i.name,
+                version=i.version,
+                snapshot=i.snapshot,
+                snapshot_age_s=i.snapshot_age_s,
                 running=[RunningOut(sample_id=s, tokens=n, prompt_tokens=p, v_traj=v) for s, n, p, v in i.running],
             )
             for i in snap.instances
@@ -69,13 +94,21 @@ def release_lease(run_id: RunId, body: ReleaseIn, state: State, who: Principal =
 
 
 @router.post("/coordinator/cycle", response_model=RouteOut, responses=errors(409, 413))
-def cycle(run_id: RunId, body: CycleIn, state: State, key: IdempotencyKey = None, who: Principal = Coordinator) -> RouteOut:
+def cycle(
+    run_id: RunId, body: CycleIn, state: State, key: IdempotencyKey = None, who: Principal = Coordinator
+) -> RouteOut:
     """One cycle's routes, interrupts and pulls in one transaction, refused (409) unless
     `holder` leads the run at `epoch`."""
 
     def call(_conn) -> RouteOut:
         results = state.protocol.apply_commands(
-            run_id, body.holder, body.epoch, body.routes, body.interrupts, body.pulls, body.cycle,
+            run_id,
+            body.holder,
+            body.epoch,
+            body.routes,
+            body.interrupts,
+            body.pulls,
+            body.cycle,
         )
         return RouteOut.model_validate({"results": dump(results)})
 
@@ -92,7 +125,9 @@ def cycle(run_id: RunId, body: CycleIn, state: State, key: IdempotencyKey = None
 
 
 @router.post("/routes", response_model=RouteOut, responses=errors(409, 413))
-def route(run_id: RunId, body: RouteIn, state: State, key: IdempotencyKey = None, who: Principal = Coordinator) -> RouteOut:
+def route(
+    run_id: RunId, body: RouteIn, state: State, key: IdempotencyKey = None, who: Principal = Coordinator
+) -> RouteOut:
     """Route queued samples to instances in one transaction; a group's first routed member
     reserves a buffer entry. Each result says routed (with the attempt) or why not."""
     pairs = [(r.sample_id, r.instance_id) for r in body.routes]
@@ -112,7 +147,11 @@ def route(run_id: RunId, body: RouteIn, state: State, key: IdempotencyKey = None
 
 @router.post("/commands/interrupt", response_model=CommandsOut, responses=errors(409, 413))
 def interrupt(
-    run_id: RunId, body: InterruptIn, state: State, key: IdempotencyKey = None, who: Principal = Coordinator,
+    run_id: RunId,
+    body: InterruptIn,
+    state: State,
+    key: IdempotencyKey = None,
+    who: Principal = Coordinator,
 ) -> CommandsOut:
     """Ask the instances running these samples to interrupt them (they report what they have
     as an interrupted segment; the sample returns to the queue)."""
@@ -129,7 +168,11 @@ def interrupt(
 
 @router.post("/commands/pull", response_model=CommandsOut, responses=errors(409, 413))
 def pull(
-    run_id: RunId, body: PullIn, state: State, key: IdempotencyKey = None, who: Principal = Coordinator,
+    run_id: RunId,
+    body: PullIn,
+    state: State,
+    key: IdempotencyKey = None,
+    who: Principal = Coordinator,
 ) -> CommandsOut:
     """Tell instances to load newer weights (`target_version`, default the run's version)."""
 
@@ -145,7 +188,11 @@ def pull(
 
 @router.post("/samples/abort", response_model=AbortedOut, responses=errors(409, 413))
 def abort_samples(
-    run_id: RunId, body: AbortSamplesIn, state: State, key: IdempotencyKey = None, who: Principal = Coordinator,
+    run_id: RunId,
+    body: AbortSamplesIn,
+    state: State,
+    key: IdempotencyKey = None,
+    who: Principal = Coordinator,
 ) -> AbortedOut:
     """Abort samples (stragglers, surplus); a group left with fewer than N live members is
     aborted too. Running samples get an abort command."""
@@ -161,8 +208,12 @@ def abort_samples(
 
 @router.post("/groups/{group_id}/abort", response_model=AbortGroupOut, responses=errors(409))
 def abort_group(
-    run_id: RunId, group_id: Annotated[int, Path(ge=1, le=2**63 - 1)], body: AbortGroupIn, state: State,
-    key: IdempotencyKey = None, who: Principal = Coordinator,
+    run_id: RunId,
+    group_id: Annotated[int, Path(ge=1, le=2**63 - 1)],
+    body: AbortGroupIn,
+    state: State,
+    key: IdempotencyKey = None,
+    who: Principal = Coordinator,
 ) -> AbortGroupOut:
     """Abort a whole group and release its reservation."""
 

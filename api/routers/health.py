@@ -51,7 +51,10 @@ def readyz(state: State, request: Request) -> JSONResponse:
     ok = reachable and rev == expected
     body = Ready(
         status="ready" if ok else ("database unavailable" if not reachable else "schema not current"),
-        database=reachable, schema_revision=rev, expected_revision=expected, listening=state.notifier.listening,
+        database=reachable,
+        schema_revision=rev,
+        expected_revision=expected,
+        listening=state.notifier.listening,
     )
     headers = None if ok else {"Retry-After": str(state.settings.retry_after)}
     return JSONResponse(body.model_dump(), status_code=200 if ok else 503, headers=headers)
@@ -61,4 +64,3 @@ def readyz(state: State, request: Request) -> JSONResponse:
 def metrics(state: State) -> Response:
     """Prometheus text format: request latencies, queue depth by version, buffer states, staleness."""
     return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
-

@@ -14,7 +14,15 @@ from ..auth import Principal
 from ..deps import IdempotencyKey, InstanceId, RunId, State, Wait, allow_run, long_poll
 from ..errors import error_body
 from ..models import (
-    DeregisterOut, HeartbeatIn, HeartbeatOut, PollOut, RegisterIn, RegisterOut, ReportsIn, ReportsOut, errors,
+    DeregisterOut,
+    HeartbeatIn,
+    HeartbeatOut,
+    PollOut,
+    RegisterIn,
+    RegisterOut,
+    ReportsIn,
+    ReportsOut,
+    errors,
 )
 from ..models.common import Limit
 from ..notify import REWARDS, instance_topic
@@ -26,7 +34,11 @@ Rollout = Depends(allow_run(Role.ROLLOUT))
 
 @router.post("/instances", status_code=201, response_model=RegisterOut)
 def register(
-    run_id: RunId, body: RegisterIn, state: State, key: IdempotencyKey = None, who: Principal = Rollout,
+    run_id: RunId,
+    body: RegisterIn,
+    state: State,
+    key: IdempotencyKey = None,
+    who: Principal = Rollout,
 ) -> RegisterOut:
     """Register a rollout instance: a new id for every process start (send an Idempotency-Key
     so a retried registration does not leave a second instance behind)."""
@@ -42,7 +54,11 @@ def register(
 
 @router.post("/instances/{instance_id}/heartbeat", response_model=HeartbeatOut, responses=errors(409))
 def heartbeat(
-    run_id: RunId, instance_id: InstanceId, body: HeartbeatIn, state: State, who: Principal = Rollout,
+    run_id: RunId,
+    instance_id: InstanceId,
+    body: HeartbeatIn,
+    state: State,
+    who: Principal = Rollout,
 ) -> HeartbeatOut:
     """Extend the lease and store the snapshot. 409: the lease expired (register again)."""
     state.instance_in_run(run_id, instance_id, who)
@@ -59,8 +75,14 @@ def deregister(run_id: RunId, instance_id: InstanceId, state: State, who: Princi
 
 @router.post("/instances/{instance_id}/poll", response_model=PollOut, responses=errors(409))
 async def poll(
-    request: Request, run_id: RunId, instance_id: InstanceId, state: State, key: IdempotencyKey = None,
-    wait: Wait = 0.0, limit: Limit = 1000, who: Principal = Rollout,
+    request: Request,
+    run_id: RunId,
+    instance_id: InstanceId,
+    state: State,
+    key: IdempotencyKey = None,
+    wait: Wait = 0.0,
+    limit: Limit = 1000,
+    who: Principal = Rollout,
 ) -> PollOut:
     """Long-poll: newly routed samples (with the tokens and log-probs to continue from) and
     commands (interrupt, abort, pull). Returns as soon as there is something, or empty after
@@ -85,7 +107,11 @@ def _nonempty(out: PollOut) -> bool:
 
 @router.post("/instances/{instance_id}/segments", response_model=ReportsOut, responses=errors(409, 413))
 def report(
-    run_id: RunId, instance_id: InstanceId, body: ReportsIn, state: State, key: IdempotencyKey = None,
+    run_id: RunId,
+    instance_id: InstanceId,
+    body: ReportsIn,
+    state: State,
+    key: IdempotencyKey = None,
     who: Principal = Rollout,
 ) -> ReportsOut:
     """Report segments (finished, interrupted or partial) of samples routed to this instance,
@@ -95,8 +121,17 @@ def report(
     instance itself is fenced (lease lapsed or expired: register again)."""
     state.instance_in_run(run_id, instance_id, who)
     reports = [
-        Report(r.sample_id, r.attempt, r.version, r.tokens, r.logprobs, SegmentKind(r.kind), r.finish_reason,
-               instance_id=instance_id, lease=str(r.lease))
+        Report(
+            r.sample_id,
+            r.attempt,
+            r.version,
+            r.tokens,
+            r.logprobs,
+            SegmentKind(r.kind),
+            r.finish_reason,
+            instance_id=instance_id,
+            lease=str(r.lease),
+        )
         for r in body.reports
     ]
 

@@ -14,8 +14,18 @@ from .. import auth, queries
 from ..auth import Principal
 from ..deps import IdempotencyKey, Offset, Page, RunId, State, allow, allow_run, principal, run_filter
 from ..models import (
-    EnqueueIn, EnqueueOut, ParamVersionList, Revoked, RunCreate, RunList, RunOut, RunStatus, TokenCreate,
-    TokenCreated, TokenList, errors,
+    EnqueueIn,
+    EnqueueOut,
+    ParamVersionList,
+    Revoked,
+    RunCreate,
+    RunList,
+    RunOut,
+    RunStatus,
+    TokenCreate,
+    TokenCreated,
+    TokenList,
+    errors,
 )
 from ..service import scoped_key
 
@@ -25,7 +35,9 @@ RUN_ROLES = tuple(Role)
 
 @router.post("/runs", status_code=201, response_model=RunOut, responses=errors(409), tags=["runs"])
 def create_run(
-    body: RunCreate, state: State, key: IdempotencyKey = None,
+    body: RunCreate,
+    state: State,
+    key: IdempotencyKey = None,
     who: Principal = Depends(allow(global_only=True)),
 ) -> RunOut:
     """Create a run with its protocol configuration (admin). Names are unique."""
@@ -41,7 +53,10 @@ def create_run(
 
 @router.get("/runs", response_model=RunList, tags=["runs"])
 def list_runs(
-    state: State, who: Annotated[Principal, Depends(principal)], limit: Page = 100, offset: Offset = 0,
+    state: State,
+    who: Annotated[Principal, Depends(principal)],
+    limit: Page = 100,
+    offset: Offset = 0,
 ) -> RunList:
     """Runs by id; a run-scoped token sees only its own."""
     return RunList(runs=queries.list_runs(state.engine, run_filter(who, None), limit, offset))
@@ -55,17 +70,25 @@ def run_status(run_id: RunId, state: State, who: Principal = Depends(allow_run(*
 
 @router.get("/runs/{run_id}/versions", response_model=ParamVersionList, responses=errors(404), tags=["runs"])
 def param_versions(
-    run_id: RunId, state: State, limit: Page = 10, who: Principal = Depends(allow_run(*RUN_ROLES)),
+    run_id: RunId,
+    state: State,
+    limit: Page = 10,
+    who: Principal = Depends(allow_run(*RUN_ROLES)),
 ) -> ParamVersionList:
     """Published parameter versions, newest first (size, checksum, where to pull them)."""
     return ParamVersionList(versions=queries.param_versions(state.engine, run_id, limit))
 
 
 @router.post(
-    "/runs/{run_id}/prompts", response_model=EnqueueOut, responses=errors(404, 413), tags=["runs"],
+    "/runs/{run_id}/prompts",
+    response_model=EnqueueOut,
+    responses=errors(404, 413),
+    tags=["runs"],
 )
 def enqueue(
-    run_id: RunId, body: EnqueueIn, state: State,
+    run_id: RunId,
+    body: EnqueueIn,
+    state: State,
     who: Principal = Depends(allow_run(Role.TRAINER, Role.COORDINATOR)),
 ) -> EnqueueOut:
     """Enqueue prompt groups. Idempotent by `client_key`: a key seen before returns its group."""
@@ -88,7 +111,9 @@ def list_tokens(state: State, who: Principal = Depends(allow())) -> TokenList:
 
 @router.delete("/tokens/{token_id}", response_model=Revoked, responses=errors(404), tags=["tokens"])
 def revoke_token(
-    token_id: Annotated[int, Path(ge=1, le=2**63 - 1)], state: State, who: Principal = Depends(allow()),
+    token_id: Annotated[int, Path(ge=1, le=2**63 - 1)],
+    state: State,
+    who: Principal = Depends(allow()),
 ) -> Revoked:
     """Revoke a token (admin). Replicas stop accepting it within the token cache time."""
     try:
@@ -97,4 +122,3 @@ def revoke_token(
         raise HTTPException(403, str(exc)) from None
     state.tokens.forget()
     return Revoked(id=token_id, revoked=revoked)
-

@@ -12,7 +12,15 @@ from staleflow_db.enums import Role
 from ..auth import Principal
 from ..deps import IdempotencyKey, RunId, State, Wait, allow_run, long_poll
 from ..models import (
-    BatchOut, ClaimIn, ClaimOut, ConsumeOut, PublishIn, PublishOut, RewardsIn, RewardsOut, errors,
+    BatchOut,
+    ClaimIn,
+    ClaimOut,
+    ConsumeOut,
+    PublishIn,
+    PublishOut,
+    RewardsIn,
+    RewardsOut,
+    errors,
 )
 from ..notify import BATCH, REWARDS, WORK
 from ..service import dump, scoped_key
@@ -25,8 +33,13 @@ VersionPath = Annotated[int, Path(ge=0, le=2**31 - 1, description="the buffer: m
 
 @router.post("/rewards/claim", response_model=ClaimOut, tags=["reward"])
 async def claim(
-    request: Request, run_id: RunId, body: ClaimIn, state: State, key: IdempotencyKey = None,
-    wait: Wait = 0.0, who: Principal = Reward,
+    request: Request,
+    run_id: RunId,
+    body: ClaimIn,
+    state: State,
+    key: IdempotencyKey = None,
+    wait: Wait = 0.0,
+    who: Principal = Reward,
 ) -> ClaimOut:
     """Long-poll: lease up to `limit` finished samples for scoring. Claims not scored within
     `lease_seconds` become claimable again; with an Idempotency-Key a retry gets the same claim."""
@@ -44,7 +57,11 @@ async def claim(
 
 @router.post("/rewards", response_model=RewardsOut, responses=errors(409, 413), tags=["reward"])
 def record_rewards(
-    run_id: RunId, body: RewardsIn, state: State, key: IdempotencyKey = None, who: Principal = Reward,
+    run_id: RunId,
+    body: RewardsIn,
+    state: State,
+    key: IdempotencyKey = None,
+    who: Principal = Reward,
 ) -> RewardsOut:
     """Post rewards, each fenced by its claim's `reward_attempt`. Groups that reach N rewarded
     members are placed in a buffer (or filtered, or dropped) in the same transaction."""
@@ -61,10 +78,18 @@ def record_rewards(
 
 
 @router.post(
-    "/batches/{version}/consume", response_model=ConsumeOut, responses=errors(409), tags=["trainer"],
+    "/batches/{version}/consume",
+    response_model=ConsumeOut,
+    responses=errors(409),
+    tags=["trainer"],
 )
 async def consume(
-    request: Request, run_id: RunId, version: VersionPath, state: State, wait: Wait = 0.0, who: Principal = Trainer,
+    request: Request,
+    run_id: RunId,
+    version: VersionPath,
+    state: State,
+    wait: Wait = 0.0,
+    who: Principal = Trainer,
 ) -> ConsumeOut:
     """Long-poll until buffer `version` is ready, then lease it and return the whole batch.
     409 when the run is not at `version`. A repeated consume takes a new lease (fencing the
@@ -80,10 +105,17 @@ async def consume(
 
 
 @router.post(
-    "/batches/{version}/publish", response_model=PublishOut, responses=errors(409), tags=["trainer"],
+    "/batches/{version}/publish",
+    response_model=PublishOut,
+    responses=errors(409),
+    tags=["trainer"],
 )
 def publish(
-    run_id: RunId, version: VersionPath, body: PublishIn, state: State, who: Principal = Trainer,
+    run_id: RunId,
+    version: VersionPath,
+    body: PublishIn,
+    state: State,
+    who: Principal = Trainer,
 ) -> PublishOut:
     """Buffer `version` is trained: mark it consumed and make `version + 1` the run's version,
     with the new parameters' size, checksum and location. Only with the latest consume lease

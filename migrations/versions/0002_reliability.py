@@ -6,7 +6,7 @@ Revises: 0001
 Each section below belongs to one concern; keep `schema.py` equal to what they create.
 """
 
-from alembic import op  # noqa: F401 - used by the sections
+from alembic import op
 
 revision = "0002"
 down_revision = "0001"
@@ -72,7 +72,7 @@ def _initial_violations_view() -> str:
     initial = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(initial)
     views = initial.AUDIT_VIEWS
-    return views[views.index("CREATE VIEW staleness_violations"):]
+    return views[views.index("CREATE VIEW staleness_violations") :]
 
 
 def _audit_upgrade() -> None:

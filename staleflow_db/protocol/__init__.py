@@ -21,6 +21,16 @@ class Protocol(RolloutOps, ScoringOps, TrainingOps, CoordinationOps):
 
 
 __all__ = [
-    "Batch", "Command", "InstanceView", "Prompt", "Protocol", "QueuedView", "RewardTask", "SegmentInfo", "Snapshot",
-    "TrainGroup", "TrainSample", "Work",
+    "Batch",
+    "Command",
+    "InstanceView",
+    "Prompt",
+    "Protocol",
+    "QueuedView",
+    "RewardTask",
+    "SegmentInfo",
+    "Snapshot",
+    "TrainGroup",
+    "TrainSample",
+    "Work",
 ]

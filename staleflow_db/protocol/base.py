@@ -8,9 +8,10 @@ import enum
 import functools
 import inspect
 import json
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any
 
 from sqlalchemy import Connection, Engine, text
 
@@ -94,7 +95,7 @@ class RunTx:
         self.events: list[tuple] = []
 
     @classmethod
-    def open(cls, conn: Connection, run_id: int) -> "RunTx":
+    def open(cls, conn: Connection, run_id: int) -> RunTx:
         """Lock the run, then read its buffers in a second statement: under READ COMMITTED a
         statement that waited for the lock still reads from the snapshot it started with, so
         counters read in the locking statement itself could predate the previous holder's commit."""
@@ -166,9 +167,7 @@ class RunTx:
 
     def flush(self) -> None:
         """Persist counters and moved reservations, then the events, in a few statements."""
-        changed = [
-            c for b, c in self.buffers.items() if self._original.get(b) != (c.occupied, c.reserved)
-        ]
+        changed = [c for b, c in self.buffers.items() if self._original.get(b) != (c.occupied, c.reserved)]
         if changed:
             self.conn.execute(
                 text(
@@ -353,9 +352,7 @@ class TxMixin:
     ) -> Any:
         """`run` in one transaction with the stored outcome of `request_id` (see
         staleflow_db.idempotency.once): a repeat replays it, another `body` is refused."""
-        return idempotency.once(
-            self.engine, request_id, operation, idempotency.digest(body), run, dumps, decode
-        )[0]
+        return idempotency.once(self.engine, request_id, operation, idempotency.digest(body), run, dumps, decode)[0]
 
 
 _NOT_WRAPPED = frozenset({"tx", "run_tx", "idempotent", "once"})

@@ -4,8 +4,9 @@ leader's epoch so a deposed leader cannot clobber state)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 from sqlalchemy import Connection, text
 
@@ -185,9 +186,15 @@ class CoordinationOps(TxMixin):
                         " interrupted, pulled, migrated) VALUES (:run, :e, :s, :d, :w, :r, :i, :p, :m)"
                     ),
                     {
-                        "run": run_id, "e": epoch, "s": cycle.get("snapshot_ms", 0.0), "d": cycle.get("decide_ms", 0.0),
-                        "w": cycle.get("write_ms", 0.0), "r": sum(r.outcome == "routed" for r in results),
-                        "i": len(interrupts), "p": len(pulls), "m": int(cycle.get("migrated", 0)),
+                        "run": run_id,
+                        "e": epoch,
+                        "s": cycle.get("snapshot_ms", 0.0),
+                        "d": cycle.get("decide_ms", 0.0),
+                        "w": cycle.get("write_ms", 0.0),
+                        "r": sum(r.outcome == "routed" for r in results),
+                        "i": len(interrupts),
+                        "p": len(pulls),
+                        "m": int(cycle.get("migrated", 0)),
                     },
                 )
             rtx.flush()

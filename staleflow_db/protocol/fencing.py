@@ -5,7 +5,7 @@ route (its attempt and secret lease token)."""
 from __future__ import annotations
 
 import json
-from typing import Sequence
+from collections.abc import Sequence
 
 from sqlalchemy import Connection, text
 
@@ -73,7 +73,8 @@ def report_in(conn: Connection, run_id: int, reports: Sequence[Report]) -> int:
         rows.update(
             (r[0], r)
             for r in conn.execute(
-                text(f"{cols} WHERE run_id = :run AND id = ANY(CAST(:ids AS bigint[]))"), {"run": run_id, "ids": missing}
+                text(f"{cols} WHERE run_id = :run AND id = ANY(CAST(:ids AS bigint[]))"),
+                {"run": run_id, "ids": missing},
             ).all()
         )
     conflicts = []
@@ -98,8 +99,14 @@ def report_in(conn: Connection, run_id: int, reports: Sequence[Report]) -> int:
         payload = json.dumps(
             [
                 {
-                    "s": r.sample_id, "q": rows[r.sample_id][6], "v": r.version, "i": r.instance_id,
-                    "a": r.attempt, "t": r.tokens, "l": r.logprobs, "f": r.finish_reason,
+                    "s": r.sample_id,
+                    "q": rows[r.sample_id][6],
+                    "v": r.version,
+                    "i": r.instance_id,
+                    "a": r.attempt,
+                    "t": r.tokens,
+                    "l": r.logprobs,
+                    "f": r.finish_reason,
                 }
                 for r in segs
             ]
@@ -135,7 +142,14 @@ def report_in(conn: Connection, run_id: int, reports: Sequence[Report]) -> int:
         conn,
         run_id,
         [
-            (f"sample_{SegmentKind(r.kind).value}", r.sample_id, None, None, r.instance_id, {"n": len(r.tokens), "v": r.version})
+            (
+                f"sample_{SegmentKind(r.kind).value}",
+                r.sample_id,
+                None,
+                None,
+                r.instance_id,
+                {"n": len(r.tokens), "v": r.version},
+            )
             for r in reports
             if r.kind != SegmentKind.PARTIAL
         ],

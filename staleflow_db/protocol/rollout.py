@@ -4,8 +4,9 @@ and work delivery."""
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 from sqlalchemy import Connection, text
 from sqlalchemy.exc import IntegrityError
@@ -113,7 +114,9 @@ class RolloutOps(TxMixin):
                 ),
                 {"run": run_id, "name": name, "v": version, "ttl": lease_seconds, "tok": token_id},
             ).scalar_one()
-            log_events(conn, run_id, [("instance_registered", None, None, None, iid, {"name": name, "version": version})])
+            log_events(
+                conn, run_id, [("instance_registered", None, None, None, iid, {"name": name, "version": version})]
+            )
             return iid
 
     def heartbeat(
@@ -159,14 +162,18 @@ class RolloutOps(TxMixin):
         gives its samples back to the queue, and also those of any instance fenced earlier
         (a straggler a concurrent route left behind must not stay running forever)."""
         with self.tx() as conn:
-            ids = conn.execute(
-                text(
-                    "UPDATE instances SET state = 'expired' WHERE id IN (SELECT id FROM instances"
-                    "   WHERE run_id = :run AND state = 'active' AND lease_expires_at <= now() ORDER BY id FOR UPDATE)"
-                    " RETURNING id"
-                ),
-                {"run": run_id},
-            ).scalars().all()
+            ids = (
+                conn.execute(
+                    text(
+                        "UPDATE instances SET state = 'expired' WHERE id IN (SELECT id FROM instances"
+                        "   WHERE run_id = :run AND state = 'active' AND lease_expires_at <= now() ORDER BY id FOR UPDATE)"
+                        " RETURNING id"
+                    ),
+                    {"run": run_id},
+                )
+                .scalars()
+                .all()
+            )
             log_events(conn, run_id, [("instance_expired", None, None, None, i, None) for i in sorted(ids)])
             requeue_fenced(conn, run_id, "instance_expired")
             return sorted(ids)
@@ -175,9 +182,7 @@ class RolloutOps(TxMixin):
         """A clean shutdown: the instance's running samples go back to the queue at once."""
         with self.tx() as conn:
             row = conn.execute(
-                text(
-                    "UPDATE instances SET state = 'deregistered' WHERE id = :i AND state = 'active' RETURNING run_id"
-                ),
+                text("UPDATE instances SET state = 'deregistered' WHERE id = :i AND state = 'active' RETURNING run_id"),
                 {"i": instance_id},
             ).first()
             if row is None:
@@ -193,7 +198,10 @@ class RolloutOps(TxMixin):
         """Route queued samples to instances; the group's first member reserves a buffer entry."""
         check_batch(pairs, "routes")
         return self.idempotent(
-            request_id, "route", under_run_lock(run_id, lambda rtx: route_in(rtx, pairs)), lambda stored: [RouteResult(**{**r, "outcome": RouteOutcome(r["outcome"])}) for r in stored],
+            request_id,
+            "route",
+            under_run_lock(run_id, lambda rtx: route_in(rtx, pairs)),
+            lambda stored: [RouteResult(**{**r, "outcome": RouteOutcome(r["outcome"])}) for r in stored],
             body=[run_id, pairs],
         )
 
@@ -203,7 +211,9 @@ class RolloutOps(TxMixin):
         """Append segments, each fenced by its reporting instance (routed to it, lease live),
         attempt and lease token; all or nothing. Returns the number applied."""
         check_batch(reports, "reports")
-        return self.idempotent(request_id, "report", lambda conn: report_in(conn, run_id, reports), int, body=[run_id, reports])
+        return self.idempotent(
+            request_id, "report", lambda conn: report_in(conn, run_id, reports), int, body=[run_id, reports]
+        )
 
     def poll_work(self, instance_id: int, limit: int = 1000) -> tuple[list[Work], list[Command]]:
         """Deliver newly routed samples (with any prefix to continue from) and pending commands."""
@@ -271,21 +281,31 @@ def interrupt_running(conn: Connection, run_id: int, sample_ids: Sequence[int], 
     return len(running)
 
 
-def enqueue_prompts(conn: Connection, run, prompts: Sequence[Prompt], replacement_of: Sequence[int] | None = None) -> list[int]:
+def enqueue_prompts(
+    conn: Connection, run, prompts: Sequence[Prompt], replacement_of: Sequence[int] | None = None
+) -> list[int]:
     for p in prompts:
         if not p.client_key or len(p.client_key) > 500:
             raise InvalidInput("client_key must have 1..500 characters")
         if replacement_of is None and p.client_key.startswith("~"):
             raise InvalidInput(f"client_key {p.client_key!r}: keys starting with '~' are reserved for replacements")
         if not 1 <= len(p.prompt_tokens) <= run.max_prompt_tokens:
-            raise InvalidInput(f"prompt {p.client_key!r}: {len(p.prompt_tokens)} tokens (allowed 1..{run.max_prompt_tokens})")
+            raise InvalidInput(
+                f"prompt {p.client_key!r}: {len(p.prompt_tokens)} tokens (allowed 1..{run.max_prompt_tokens})"
+            )
         if any(not isinstance(t, int) or t < 0 or t >= 2**31 for t in p.prompt_tokens):
             raise InvalidInput(f"prompt {p.client_key!r}: token ids must be integers in 0..2^31-1")
     if len({p.client_key for p in prompts}) != len(prompts):
         raise InvalidInput("a client_key appears twice in one batch")
     payload = json.dumps(
         [
-            {"o": i, "k": p.client_key, "t": p.prompt_tokens, "m": p.meta, "r": replacement_of[i] if replacement_of else None}
+            {
+                "o": i,
+                "k": p.client_key,
+                "t": p.prompt_tokens,
+                "m": p.meta,
+                "r": replacement_of[i] if replacement_of else None,
+            }
             for i, p in enumerate(prompts)
         ]
     )

@@ -5,15 +5,15 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 from sqlalchemy import text
 
-from ..enums import DropReason
+from ..enums import DropReason, GroupState
 from ..errors import Conflict, InvalidInput, NotFound
 from ..rules import occupy_plan, replacement_key, window_has_room
-from ..enums import GroupState
 from ..types import GroupOutcome
 from .base import RunTx, TxMixin, abort_samples_where, load_run, response_so_far, under_run_lock
 from .rollout import Prompt, check_batch, enqueue_prompts
@@ -216,7 +216,9 @@ def occupy_ready_groups(rtx: RunTx, group_ids: list[int]) -> list[GroupOutcome]:
         if run.dapo_filter and len({m[3] for m in chosen}) == 1:
             rtx.drop_groups([gid], "filtered", DropReason.FILTERED)
             rtx.cascade(freed)
-            (replacement,) = enqueue_prompts(conn, run, [Prompt(replacement_key(key), list(prompt), meta)], replacement_of=[gid])
+            (replacement,) = enqueue_prompts(
+                conn, run, [Prompt(replacement_key(key), list(prompt), meta)], replacement_of=[gid]
+            )
             outcomes.append(GroupOutcome(gid, GroupState.FILTERED, replacement=replacement))
             continue
         version = min(m[2] for m in chosen)

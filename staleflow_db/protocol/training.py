@@ -112,10 +112,13 @@ class TrainingOps(TxMixin):
                 parts = segs[sid]
                 groups[gid].samples.append(
                     TrainSample(
-                        sid, idx, v_traj,
+                        sid,
+                        idx,
+                        v_traj,
                         [t for p in parts for t in p[4]],
                         [lp for p in parts for lp in p[5]],
-                        reward, fin,
+                        reward,
+                        fin,
                         [SegmentInfo(p[1], p[2], p[3], len(p[4])) for p in parts],
                     )
                 )
@@ -190,8 +193,15 @@ class TrainingOps(TxMixin):
         ).first()
         published = version + 1
         if row is None or row[0] != lease:
-            raise Conflict([(version, f"fenced: another trainer published version {published}"
-                                      f" (consume lease {lease}, the publishing lease was {row and row[0]})")])
+            raise Conflict(
+                [
+                    (
+                        version,
+                        f"fenced: another trainer published version {published}"
+                        f" (consume lease {lease}, the publishing lease was {row and row[0]})",
+                    )
+                ]
+            )
         if checksum is not None and row[1] != checksum:
             raise Conflict([(version, f"version {published} was published with checksum {row[1]}, not {checksum}")])
 
@@ -222,14 +232,21 @@ class TrainingOps(TxMixin):
             conn.execute(text("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ READ ONLY"))
             run = load_run(conn, run_id, lock=False)
             buffers = conn.execute(
-                text("SELECT idx, occupied, reserved, consumed_at IS NOT NULL FROM buffers WHERE run_id = :run AND idx >= :v ORDER BY idx"),
+                text(
+                    "SELECT idx, occupied, reserved, consumed_at IS NOT NULL FROM buffers WHERE run_id = :run AND idx >= :v ORDER BY idx"
+                ),
                 {"run": run_id, "v": max(0, run.version - 1)},
             ).all()
             samples = dict(
-                conn.execute(text("SELECT state::text, count(*) FROM samples WHERE run_id = :run GROUP BY 1"), {"run": run_id}).all()
+                conn.execute(
+                    text("SELECT state::text, count(*) FROM samples WHERE run_id = :run GROUP BY 1"), {"run": run_id}
+                ).all()
             )
             groups = dict(
-                conn.execute(text("SELECT state::text, count(*) FROM prompt_groups WHERE run_id = :run GROUP BY 1"), {"run": run_id}).all()
+                conn.execute(
+                    text("SELECT state::text, count(*) FROM prompt_groups WHERE run_id = :run GROUP BY 1"),
+                    {"run": run_id},
+                ).all()
             )
             queued = conn.execute(
                 text(

@@ -35,9 +35,24 @@ MATRIX: list[tuple[str, str, Any, set[str], int]] = [
     ("POST", "/v1/runs/{A}/instances/{I}/heartbeat", {"version": 0}, ROLLOUT, 403),
     ("DELETE", "/v1/runs/{A}/instances/{I}", None, ROLLOUT, 403),
     ("POST", "/v1/runs/{A}/instances/{I}/poll?wait=0", None, ROLLOUT, 403),
-    ("POST", "/v1/runs/{A}/instances/{I}/segments",
-     {"reports": [{"sample_id": 1, "attempt": 1, "lease": "00000000-0000-4000-8000-000000000000", "version": 0,
-                   "tokens": [], "logprobs": []}]}, ROLLOUT, 403),
+    (
+        "POST",
+        "/v1/runs/{A}/instances/{I}/segments",
+        {
+            "reports": [
+                {
+                    "sample_id": 1,
+                    "attempt": 1,
+                    "lease": "00000000-0000-4000-8000-000000000000",
+                    "version": 0,
+                    "tokens": [],
+                    "logprobs": [],
+                }
+            ]
+        },
+        ROLLOUT,
+        403,
+    ),
     ("POST", "/v1/runs/{A}/segments", None, ROLLOUT, 403),  # gone (410) for those who may report
     ("POST", "/v1/runs/{A}/rewards/claim?wait=0", {"limit": 1}, REWARD, 403),
     ("POST", "/v1/runs/{A}/rewards", {"rewards": [{"sample_id": 1, "reward_attempt": 1, "reward": 1.0}]}, REWARD, 403),
@@ -95,7 +110,12 @@ def test_every_endpoint_by_every_role(db_url, engine):
         endpoints = {(m.upper(), path) for path, ops in schema.items() for m in ops if path.startswith("/v1")}
         covered = {(m, _fill(path, ids).split("?")[0]) for m, path, *_ in MATRIX}
         concrete = {
-            (m, p.replace("{run_id}", str(run_a)).replace("{instance_id}", str(ids["I"])).replace("{token_id}", str(ids["T"])))
+            (
+                m,
+                p.replace("{run_id}", str(run_a))
+                .replace("{instance_id}", str(ids["I"]))
+                .replace("{token_id}", str(ids["T"])),
+            )
             for m, p in endpoints
         }
         assert {e for e in concrete if "{" not in e[1]} <= covered, "an endpoint is missing from the matrix"

@@ -123,8 +123,16 @@ def test_retry_after_lost_response_replays_stored_outcome(db_url):
 
         lossy = httpx.Client(base_url=server.url, transport=DropFirstResponse("/segments"))
         flaky = StaleFlowClient(token=roles["rollout"].token, http=lossy)
-        report = [{"sample_id": sample, "attempt": work.attempt, "lease": work.lease, "version": 0, "tokens": [3],
-                   "logprobs": [-1.0]}]
+        report = [
+            {
+                "sample_id": sample,
+                "attempt": work.attempt,
+                "lease": work.lease,
+                "version": 0,
+                "tokens": [3],
+                "logprobs": [-1.0],
+            }
+        ]
         assert flaky.report(run.id, inst, report) == 1  # the retry is not a stale attempt
         with pytest.raises(Conflict):  # a genuinely new call with the same data is
             roles["rollout"].report(run.id, inst, report)
@@ -145,7 +153,9 @@ def test_local_default_and_postgres_restart(embedded_pg, monkeypatch):
         assert httpx.get(f"{server.url}/readyz", timeout=10).json()["schema_revision"] == migrate.head()
 
         embedded_pg.stop()
-        raw = httpx.get(f"{server.url}/v1/runs/{run.id}", headers={"Authorization": f"Bearer {admin.token}"}, timeout=10)
+        raw = httpx.get(
+            f"{server.url}/v1/runs/{run.id}", headers={"Authorization": f"Bearer {admin.token}"}, timeout=10
+        )
         assert raw.status_code == 503 and raw.headers["Retry-After"]
         assert raw.json()["error"]["code"] == "database_unavailable"
         assert httpx.get(f"{server.url}/readyz", timeout=10).status_code == 503

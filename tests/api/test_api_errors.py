@@ -14,15 +14,30 @@ from staleflow_db.protocol import Prompt, Protocol
 from staleflow_db.types import RunConfig
 from tests.api_helpers import in_process
 
-TABLES = ("runs", "prompt_groups", "samples", "segments", "buffers", "commands", "events", "idempotency",
-          "param_versions", "instances", "api_tokens")
+TABLES = (
+    "runs",
+    "prompt_groups",
+    "samples",
+    "segments",
+    "buffers",
+    "commands",
+    "events",
+    "idempotency",
+    "param_versions",
+    "instances",
+    "api_tokens",
+)
 
 
 def fingerprint(engine) -> dict[str, object]:
     """Every table's rows, hashed: equal before and after means nothing changed."""
     with engine.connect() as c:
-        return {t: c.execute(text(f"SELECT md5(coalesce(string_agg(x::text, ',' ORDER BY x::text), '')) FROM {t} x")).scalar()
-                for t in TABLES}
+        return {
+            t: c.execute(
+                text(f"SELECT md5(coalesce(string_agg(x::text, ',' ORDER BY x::text), '')) FROM {t} x")
+            ).scalar()
+            for t in TABLES
+        }
 
 
 @pytest.fixture
@@ -40,13 +55,28 @@ def world(db_url, engine):
     admin = create_token(engine, "admin")["token"]
     with in_process(db_url, max_body_bytes=64 * 1024, max_wait=0.2) as http:
         http.headers["Authorization"] = f"Bearer {admin}"
-        yield {"http": http, "run": run, "inst": inst, "sample": sample, "attempt": routed.attempt, "group": group,
-               "lease": routed.lease, "other_inst": other_inst, "engine": engine}
+        yield {
+            "http": http,
+            "run": run,
+            "inst": inst,
+            "sample": sample,
+            "attempt": routed.attempt,
+            "group": group,
+            "lease": routed.lease,
+            "other_inst": other_inst,
+            "engine": engine,
+        }
 
 
 def report(w, **over):
-    r = {"sample_id": w["sample"], "attempt": w["attempt"], "lease": w["lease"], "version": 0, "tokens": [5],
-         "logprobs": [-0.1]}
+    r = {
+        "sample_id": w["sample"],
+        "attempt": w["attempt"],
+        "lease": w["lease"],
+        "version": 0,
+        "tokens": [5],
+        "logprobs": [-0.1],
+    }
     return {"reports": [{**r, **over}]}
 
 
@@ -65,9 +95,16 @@ def test_bad_input_is_a_clear_4xx_that_changes_nothing(world):
     seg = f"/v1/runs/{run}/instances/{inst}/segments"
 
     # oversized: the whole body, the run's response limit, the run's prompt limit, the batch limit
-    expect(http.post(seg, content=b"{" + b" " * 70_000 + b"}", headers={"Content-Type": "application/json"}), 413, "too_large")
-    chunked = http.post(seg, content=iter([b'{"reports": [' + b" " * 40_000, b" " * 40_000 + b"]}"]),
-                        headers={"Content-Type": "application/json"})
+    expect(
+        http.post(seg, content=b"{" + b" " * 70_000 + b"}", headers={"Content-Type": "application/json"}),
+        413,
+        "too_large",
+    )
+    chunked = http.post(
+        seg,
+        content=iter([b'{"reports": [' + b" " * 40_000, b" " * 40_000 + b"]}"]),
+        headers={"Content-Type": "application/json"},
+    )
     expect(chunked, 413, "too_large")
     err = expect(http.post(seg, json=report(world, tokens=list(range(9)), logprobs=[0.0] * 9)), 413, "too_large")
     assert "8 tokens" in err["message"]
@@ -81,13 +118,22 @@ def test_bad_input_is_a_clear_4xx_that_changes_nothing(world):
     err = expect(http.post(seg, json=report(world, lease=str(uuid.uuid4()))), 409, "conflict")  # a guessed token
     assert err["items"] == [{"id": world["sample"], "reason": "lease lost: stale attempt or lease token"}]
     expect(http.post(seg, json=report(world, lease="guess")), 422, "invalid_input")
-    expect(http.post(seg, json={"reports": [{k: v for k, v in report(world)["reports"][0].items() if k != "lease"}]}),
-           422, "invalid_input")
+    expect(
+        http.post(seg, json={"reports": [{k: v for k, v in report(world)["reports"][0].items() if k != "lease"}]}),
+        422,
+        "invalid_input",
+    )
     # the old path, without the instance: gone, pointing at the new one
     err = expect(http.post(f"/v1/runs/{run}/segments", json=report(world)), 410, "gone")
     assert "/instances/" in err["message"]
-    expect(http.post(f"/v1/runs/{run}/rewards", json={"rewards": [
-        {"sample_id": world["sample"], "reward_attempt": 1, "reward": 1.0}]}), 409, "conflict")
+    expect(
+        http.post(
+            f"/v1/runs/{run}/rewards",
+            json={"rewards": [{"sample_id": world["sample"], "reward_attempt": 1, "reward": 1.0}]},
+        ),
+        409,
+        "conflict",
+    )
     expect(http.post(seg, json=report(world, version=3)), 422, "invalid_input")  # a version the run never had
 
     # out of order: consume or publish another version than the run's, or with no lease
@@ -113,17 +159,33 @@ def test_bad_input_is_a_clear_4xx_that_changes_nothing(world):
     expect(http.post(seg, content=b"{not json", headers={"Content-Type": "application/json"}), 422)
     expect(http.post(seg, json=report(world, version=2**31)), 422)
     expect(http.post(seg, json=report(world, logprobs=[-0.1, -0.2])), 422)  # not aligned with tokens
-    expect(http.post(f"/v1/runs/{run}/prompts", json={"prompts": [{"client_key": "m", "prompt_tokens": [1],
-                                                                     "meta": {"x": "\x00"}}]}), 422)
-    expect(http.post("/v1/runs", json={"name": "bad", "config": {"batch_size": 2, "group_size": 1, "eta": 0,
-                                                                  "buffer_capacity": 1}}), 422, "invalid_input")
+    expect(
+        http.post(
+            f"/v1/runs/{run}/prompts",
+            json={"prompts": [{"client_key": "m", "prompt_tokens": [1], "meta": {"x": "\x00"}}]},
+        ),
+        422,
+    )
+    expect(
+        http.post(
+            "/v1/runs",
+            json={"name": "bad", "config": {"batch_size": 2, "group_size": 1, "eta": 0, "buffer_capacity": 1}},
+        ),
+        422,
+        "invalid_input",
+    )
     expect(http.get("/v1/runs/abc"), 422)
     expect(http.put(f"/v1/runs/{run}"), 405, "method_not_allowed")
     expect(http.get("/v1/nothing-here"), 404, "not_found")
     expect(http.post(seg, json=report(world), headers={"Idempotency-Key": "has space"}), 422)
     expect(http.post(f"/v1/runs/{run}/instances/{world['other_inst']}/segments", json=report(world)), 404, "not_found")
-    expect(http.post(f"/v1/runs/{run}/routes", json={"routes": [{"sample_id": world["sample"], "instance_id": inst}],
-                                                     "epoch": 7}), 409, "conflict")  # not the leader's epoch
+    expect(
+        http.post(
+            f"/v1/runs/{run}/routes", json={"routes": [{"sample_id": world["sample"], "instance_id": inst}], "epoch": 7}
+        ),
+        409,
+        "conflict",
+    )  # not the leader's epoch
 
     assert fingerprint(engine) == before
 
@@ -138,11 +200,13 @@ def test_request_id_replays_outcome_and_refuses_other_body(world):
     again = http.post(seg, json=report(world, kind="partial"), headers=key)
     assert again.status_code == 200 and again.json() == first.json()
     assert fingerprint(world["engine"]) == before  # replayed, not applied twice
-    expect(http.post(seg, json=report(world, tokens=[6]), headers=key), 409,
-           "idempotency_key_reused")
+    expect(http.post(seg, json=report(world, tokens=[6]), headers=key), 409, "idempotency_key_reused")
     # the same key in another run is another request
-    other = http.post("/v1/runs", json={"name": "x", "config": {"batch_size": 1, "group_size": 1, "eta": 0}},
-                      headers={"Idempotency-Key": "rep-1"})
+    other = http.post(
+        "/v1/runs",
+        json={"name": "x", "config": {"batch_size": 1, "group_size": 1, "eta": 0}},
+        headers={"Idempotency-Key": "rep-1"},
+    )
     assert other.status_code == 201
 
 

@@ -13,16 +13,16 @@ import typing
 
 import httpx
 import pytest
+from api_helpers import ApiServer
+from protocol_helpers import Driver
 from pydantic import TypeAdapter
 from sqlalchemy import text
+from test_api_errors import fingerprint
 
 from api.auth import create_token
 from api.models.common import In
-from api_helpers import ApiServer
-from protocol_helpers import Driver
 from staleflow_db.protocol import Prompt, Protocol
 from staleflow_db.types import RunConfig
-from test_api_errors import fingerprint
 
 INT, FLOAT, BOOL = "int", "float", "bool"
 COERCED = {
@@ -49,43 +49,139 @@ def _endpoints(run: int, inst: int, group: int, sample: int, attempt: int, lease
     """(path, valid body, [(path into the body, kind)]) for every write endpoint with a body."""
     r = f"/v1/runs/{run}"
     return [
-        ("/v1/runs", {"name": "new", "config": {
-            "batch_size": 4, "group_size": 2, "eta": 1, "buffer_capacity": 5, "samples_per_group": 3,
-            "max_response_tokens": 16, "max_prompt_tokens": 16, "dapo_filter": False}},
-         [(("config", k), INT) for k in ("batch_size", "group_size", "eta", "buffer_capacity", "samples_per_group",
-                                          "max_response_tokens", "max_prompt_tokens")]
-         + [(("config", "dapo_filter"), BOOL)]),
-        (f"{r}/prompts", {"prompts": [{"client_key": "k2", "prompt_tokens": [1, 2]}]},
-         [(("prompts", 0, "prompt_tokens", 0), INT)]),
+        (
+            "/v1/runs",
+            {
+                "name": "new",
+                "config": {
+                    "batch_size": 4,
+                    "group_size": 2,
+                    "eta": 1,
+                    "buffer_capacity": 5,
+                    "samples_per_group": 3,
+                    "max_response_tokens": 16,
+                    "max_prompt_tokens": 16,
+                    "dapo_filter": False,
+                },
+            },
+            [
+                (("config", k), INT)
+                for k in (
+                    "batch_size",
+                    "group_size",
+                    "eta",
+                    "buffer_capacity",
+                    "samples_per_group",
+                    "max_response_tokens",
+                    "max_prompt_tokens",
+                )
+            ]
+            + [(("config", "dapo_filter"), BOOL)],
+        ),
+        (
+            f"{r}/prompts",
+            {"prompts": [{"client_key": "k2", "prompt_tokens": [1, 2]}]},
+            [(("prompts", 0, "prompt_tokens", 0), INT)],
+        ),
         ("/v1/tokens", {"role": "rollout", "run_id": run}, [(("run_id",), INT)]),
-        (f"{r}/instances", {"name": "gpu1", "version": 0, "lease_seconds": 30},
-         [(("version",), INT), (("lease_seconds",), FLOAT)]),
-        (f"{r}/instances/{inst}/heartbeat", {"version": 0, "lease_seconds": 60, "snapshot": {
-            "running": 1, "waiting": 0, "kv_used": 3, "kv_capacity": 100, "throughput": 2.5, "pulling": False,
-            "routed_seen": 1, "max_running": 8, "running_samples": [{"sample_id": sample, "tokens": 0}]}},
-         [(("version",), INT), (("lease_seconds",), FLOAT)]
-         + [(("snapshot", k), INT) for k in ("running", "waiting", "kv_used", "kv_capacity", "routed_seen", "max_running")]
-         + [(("snapshot", "throughput"), FLOAT), (("snapshot", "pulling"), BOOL),
-            (("snapshot", "running_samples", 0, "sample_id"), INT), (("snapshot", "running_samples", 0, "tokens"), INT)]),
-        (f"{r}/instances/{inst}/segments", {"reports": [{"sample_id": sample, "attempt": attempt, "lease": lease,
-                                                         "version": 0, "tokens": [5], "logprobs": [-0.5],
-                                                         "kind": "partial"}]},
-         [(("reports", 0, k), INT) for k in ("sample_id", "attempt", "version")]
-         + [(("reports", 0, "tokens", 0), INT), (("reports", 0, "logprobs", 0), FLOAT)]),
+        (
+            f"{r}/instances",
+            {"name": "gpu1", "version": 0, "lease_seconds": 30},
+            [(("version",), INT), (("lease_seconds",), FLOAT)],
+        ),
+        (
+            f"{r}/instances/{inst}/heartbeat",
+            {
+                "version": 0,
+                "lease_seconds": 60,
+                "snapshot": {
+                    "running": 1,
+                    "waiting": 0,
+                    "kv_used": 3,
+                    "kv_capacity": 100,
+                    "throughput": 2.5,
+                    "pulling": False,
+                    "routed_seen": 1,
+                    "max_running": 8,
+                    "running_samples": [{"sample_id": sample, "tokens": 0}],
+                },
+            },
+            [(("version",), INT), (("lease_seconds",), FLOAT)]
+            + [
+                (("snapshot", k), INT)
+                for k in ("running", "waiting", "kv_used", "kv_capacity", "routed_seen", "max_running")
+            ]
+            + [
+                (("snapshot", "throughput"), FLOAT),
+                (("snapshot", "pulling"), BOOL),
+                (("snapshot", "running_samples", 0, "sample_id"), INT),
+                (("snapshot", "running_samples", 0, "tokens"), INT),
+            ],
+        ),
+        (
+            f"{r}/instances/{inst}/segments",
+            {
+                "reports": [
+                    {
+                        "sample_id": sample,
+                        "attempt": attempt,
+                        "lease": lease,
+                        "version": 0,
+                        "tokens": [5],
+                        "logprobs": [-0.5],
+                        "kind": "partial",
+                    }
+                ]
+            },
+            [(("reports", 0, k), INT) for k in ("sample_id", "attempt", "version")]
+            + [(("reports", 0, "tokens", 0), INT), (("reports", 0, "logprobs", 0), FLOAT)],
+        ),
         (f"{r}/rewards/claim", {"limit": 10, "lease_seconds": 30}, [(("limit",), INT), (("lease_seconds",), FLOAT)]),
-        (f"{r}/rewards", {"rewards": [{"sample_id": sample, "reward_attempt": 1, "reward": 0.5}]},
-         [(("rewards", 0, "sample_id"), INT), (("rewards", 0, "reward_attempt"), INT), (("rewards", 0, "reward"), FLOAT)]),
+        (
+            f"{r}/rewards",
+            {"rewards": [{"sample_id": sample, "reward_attempt": 1, "reward": 0.5}]},
+            [
+                (("rewards", 0, "sample_id"), INT),
+                (("rewards", 0, "reward_attempt"), INT),
+                (("rewards", 0, "reward"), FLOAT),
+            ],
+        ),
         (f"{r}/batches/0/publish", {"lease": 1, "size_bytes": 10}, [(("lease",), INT), (("size_bytes",), INT)]),
         (f"{r}/coordinator/lease", {"holder": "c", "ttl_seconds": 5}, [(("ttl_seconds",), FLOAT)]),
-        (f"{r}/coordinator/cycle", {"holder": "c", "epoch": 1, "routes": [[sample, inst]], "interrupts": [sample],
-                                    "pulls": [[inst, 0]], "cycle": {"snapshot_ms": 1.5}},
-         [(("epoch",), INT), (("routes", 0, 0), INT), (("routes", 0, 1), INT), (("interrupts", 0), INT),
-          (("pulls", 0, 1), INT), (("cycle", "snapshot_ms"), FLOAT)]),
-        (f"{r}/routes", {"routes": [{"sample_id": sample, "instance_id": inst}], "epoch": 1},
-         [(("routes", 0, "sample_id"), INT), (("routes", 0, "instance_id"), INT), (("epoch",), INT)]),
-        (f"{r}/commands/interrupt", {"sample_ids": [sample], "epoch": 1}, [(("sample_ids", 0), INT), (("epoch",), INT)]),
-        (f"{r}/commands/pull", {"instance_ids": [inst], "target_version": 0, "epoch": 1},
-         [(("instance_ids", 0), INT), (("target_version",), INT), (("epoch",), INT)]),
+        (
+            f"{r}/coordinator/cycle",
+            {
+                "holder": "c",
+                "epoch": 1,
+                "routes": [[sample, inst]],
+                "interrupts": [sample],
+                "pulls": [[inst, 0]],
+                "cycle": {"snapshot_ms": 1.5},
+            },
+            [
+                (("epoch",), INT),
+                (("routes", 0, 0), INT),
+                (("routes", 0, 1), INT),
+                (("interrupts", 0), INT),
+                (("pulls", 0, 1), INT),
+                (("cycle", "snapshot_ms"), FLOAT),
+            ],
+        ),
+        (
+            f"{r}/routes",
+            {"routes": [{"sample_id": sample, "instance_id": inst}], "epoch": 1},
+            [(("routes", 0, "sample_id"), INT), (("routes", 0, "instance_id"), INT), (("epoch",), INT)],
+        ),
+        (
+            f"{r}/commands/interrupt",
+            {"sample_ids": [sample], "epoch": 1},
+            [(("sample_ids", 0), INT), (("epoch",), INT)],
+        ),
+        (
+            f"{r}/commands/pull",
+            {"instance_ids": [inst], "target_version": 0, "epoch": 1},
+            [(("instance_ids", 0), INT), (("target_version",), INT), (("epoch",), INT)],
+        ),
         (f"{r}/samples/abort", {"sample_ids": [sample], "epoch": 1}, [(("sample_ids", 0), INT), (("epoch",), INT)]),
         (f"{r}/groups/{group}/abort", {"epoch": 1}, [(("epoch",), INT)]),
     ]
@@ -111,8 +207,10 @@ def test_coerced_scalars_are_refused_at_every_write_endpoint(db_url, engine):
     admin = create_token(engine, "admin")["token"]
     endpoints = _endpoints(d.run, inst, group, sample, attempt, d.lease(sample)["lease"])
     before = fingerprint(engine)
-    with ApiServer(db_url) as server, httpx.Client(base_url=server.url, timeout=30,
-                                                   headers={"Authorization": f"Bearer {admin}"}) as http:
+    with (
+        ApiServer(db_url) as server,
+        httpx.Client(base_url=server.url, timeout=30, headers={"Authorization": f"Bearer {admin}"}) as http,
+    ):
         tried = 0
         for url, body, fields in endpoints:
             for path, kind in fields:
@@ -121,7 +219,7 @@ def test_coerced_scalars_are_refused_at_every_write_endpoint(db_url, engine):
                     assert r.status_code == 422, (url, path, bad, r.text)
                     locs = [tuple(x["loc"]) for x in r.json()["error"]["details"]]
                     want = ("body", *map(str, path))
-                    assert any(loc[:len(want)] == want for loc in locs), (url, path, bad, locs)
+                    assert any(loc[: len(want)] == want for loc in locs), (url, path, bad, locs)
                     tried += 1
         assert fingerprint(engine) == before  # nothing changed
         # The untouched bodies are valid input: none of them is refused as such.
@@ -135,6 +233,7 @@ def test_coerced_scalars_are_refused_at_every_write_endpoint(db_url, engine):
 
 def test_every_request_model_field_is_strict():
     """Guard for new fields: every scalar field of every request model refuses coercion."""
+
     def request_models():
         seen, todo = set(), list(In.__subclasses__())
         while todo:
@@ -155,7 +254,7 @@ def test_every_request_model_field_is_strict():
 
     checked = 0
     for cls in request_models():
-        for name, field in cls.model_fields.items():
+        for field in cls.model_fields.values():
             kind = {int: INT, float: FLOAT, bool: BOOL}.get(scalar(field.annotation))
             if kind is None:
                 continue
@@ -174,8 +273,10 @@ def test_documented_error_behaviours(db_url, engine):
     scoped_admin = create_token(engine, "admin", d.run)["token"]
     with engine.connect() as c:
         other_sample = c.execute(text("SELECT id FROM samples WHERE group_id = :g"), {"g": other_group}).scalar()
-    with ApiServer(db_url) as server, httpx.Client(base_url=server.url, timeout=30,
-                                                   headers={"Authorization": f"Bearer {admin}"}) as http:
+    with (
+        ApiServer(db_url) as server,
+        httpx.Client(base_url=server.url, timeout=30, headers={"Authorization": f"Bearer {admin}"}) as http,
+    ):
         scoped = {"Authorization": f"Bearer {scoped_admin}"}
         # 404 for an unknown run with an all-runs token, 403 with a run-scoped one
         assert http.get("/v1/runs/999999").status_code == 404
@@ -192,15 +293,31 @@ def test_documented_error_behaviours(db_url, engine):
         # an interrupt naming another run's sample (or an unknown one) is 404, nothing queued
         r = http.post(f"/v1/runs/{d.run}/commands/interrupt", json={"sample_ids": [other_sample]})
         assert r.status_code == 404 and r.json()["error"]["code"] == "not_found", r.text
-        assert http.post(f"/v1/runs/{d.run}/commands/interrupt", json={"sample_ids": [sample, 999999]}).status_code == 404
+        assert (
+            http.post(f"/v1/runs/{d.run}/commands/interrupt", json={"sample_ids": [sample, 999999]}).status_code == 404
+        )
         assert d.scalars("SELECT count(*) FROM commands") == [0]
-        assert http.post(f"/v1/runs/{d.run}/commands/interrupt", json={"sample_ids": [sample]}).json() == {"commands": 1}
+        assert http.post(f"/v1/runs/{d.run}/commands/interrupt", json={"sample_ids": [sample]}).json() == {
+            "commands": 1
+        }
         # prompt over max_prompt_tokens: 422; response over max_response_tokens: 413
         r = http.post(f"/v1/runs/{d.run}/prompts", json={"prompts": [{"client_key": "long", "prompt_tokens": [1] * 5}]})
         assert r.status_code == 422 and r.json()["error"]["code"] == "invalid_input"
-        r = http.post(f"/v1/runs/{d.run}/instances/{inst}/segments", json={"reports": [{
-            "sample_id": sample, "attempt": attempt, "lease": d.lease(sample)["lease"], "version": 0, "tokens": [1] * 5,
-            "logprobs": [0.0] * 5}]})
+        r = http.post(
+            f"/v1/runs/{d.run}/instances/{inst}/segments",
+            json={
+                "reports": [
+                    {
+                        "sample_id": sample,
+                        "attempt": attempt,
+                        "lease": d.lease(sample)["lease"],
+                        "version": 0,
+                        "tokens": [1] * 5,
+                        "logprobs": [0.0] * 5,
+                    }
+                ]
+            },
+        )
         assert r.status_code == 413 and r.json()["error"]["code"] == "too_large"
         # a run-scoped admin's token with run_id null (or absent) is a token for its own run
         for body in ({"role": "rollout", "run_id": None}, {"role": "rollout"}):

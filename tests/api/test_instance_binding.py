@@ -50,8 +50,14 @@ def test_another_rollout_token_gets_403_and_changes_nothing(db_url, engine):
         assert _instance(d, inst) == before  # lease not extended, snapshot unchanged
 
         (work,) = owner.poll(d.run, inst, wait=5).work  # the work is still the owner's to take
-        item = {"sample_id": s, "attempt": work.attempt, "lease": work.lease, "version": 0, "tokens": [7],
-                "logprobs": [-0.7]}
+        item = {
+            "sample_id": s,
+            "attempt": work.attempt,
+            "lease": work.lease,
+            "version": 0,
+            "tokens": [7],
+            "logprobs": [-0.7],
+        }
         _refused(lambda: other.report(d.run, inst, [item]))  # even quoting the right lease token
         assert _segments(d) == [] and d.sample(s)[0] == "running"
         _refused(lambda: other.deregister(d.run, inst))
@@ -76,8 +82,14 @@ def test_an_admin_of_the_run_may_act_for_any_instance(db_url, engine):
         coord.route(d.run, [(s, inst)])
         (work,) = admin.poll(d.run, inst, wait=5).work
         admin.heartbeat(d.run, inst, 0)
-        item = {"sample_id": s, "attempt": work.attempt, "lease": work.lease, "version": 0, "tokens": [3],
-                "logprobs": [-0.3]}
+        item = {
+            "sample_id": s,
+            "attempt": work.attempt,
+            "lease": work.lease,
+            "version": 0,
+            "tokens": [3],
+            "logprobs": [-0.3],
+        }
         assert admin.report(d.run, inst, [item]) == 1
         assert _segments(d) == [(s, inst, work.attempt, [3])]
         assert admin.deregister(d.run, inst) == []  # the sample finished with that report

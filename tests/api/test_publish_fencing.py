@@ -9,12 +9,13 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from api_helpers import ApiServer, token  # noqa: E402
-from protocol_helpers import Driver  # noqa: E402
-from staleflow_db.errors import Conflict  # noqa: E402
-from ps_helpers import same, state_dict  # noqa: E402
-from workers.trainer.param_server import ChecksumError, ParamServerError, state_dict_checksum  # noqa: E402
-from workers.trainer.loop import TrainerError, publish_fenced  # noqa: E402
+from api_helpers import ApiServer, token
+from protocol_helpers import Driver
+from ps_helpers import same, state_dict
+
+from staleflow_db.errors import Conflict
+from workers.trainer.loop import TrainerError, publish_fenced
+from workers.trainer.param_server import ChecksumError, ParamServerError, state_dict_checksum
 
 
 def _ready_buffer(d: Driver) -> None:
@@ -172,9 +173,29 @@ def test_a_fenced_sim_trainer_process_exits_non_zero(db_url, engine, tmp_path):
         tok = token(db_url, "trainer", d.run)
         out = open(tmp_path / "trainer.log", "w+")
         proc = subprocess.Popen(
-            [sys.executable, "-m", "staleflow_cli.main", "trainer", "--run", str(d.run), "--api", server.url,
-             "--token", tok, "--sim", "--sim-overhead", "4", "--sim-s-per-token", "0", "--steps", "3"],
-            cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
+            [
+                sys.executable,
+                "-m",
+                "staleflow_cli.main",
+                "trainer",
+                "--run",
+                str(d.run),
+                "--api",
+                server.url,
+                "--token",
+                tok,
+                "--sim",
+                "--sim-overhead",
+                "4",
+                "--sim-s-per-token",
+                "0",
+                "--steps",
+                "3",
+            ],
+            cwd=REPO,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
         try:
             deadline = time.monotonic() + 60
             while d.scalars("SELECT lease FROM buffers WHERE run_id = :r AND idx = 0") != [1]:
@@ -233,8 +254,9 @@ def test_a_rollout_workers_pull_lands_on_the_committed_checksum(db_url, engine, 
     with ApiServer(db_url) as server:
         admin = server.client(token(db_url, "admin"))
         eng = TorchEngine(cfg, model_seed=0, kv_capacity_tokens=1024)
-        worker = RolloutWorker(server.client(token(db_url, "rollout", d.run)), d.run, eng, weights=weights,
-                               heartbeat_s=0.2)
+        worker = RolloutWorker(
+            server.client(token(db_url, "rollout", d.run)), d.run, eng, weights=weights, heartbeat_s=0.2
+        )
         t = threading.Thread(target=worker.run, daemon=True)
         t.start()
         try:

@@ -12,15 +12,14 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from workers.models.tiny_model import TinyConfig  # noqa: E402
-from workers.rollout.engines.torch_engine import TorchEngine  # noqa: E402
-from workers.rollout.worker import RolloutWorker  # noqa: E402
+from api_helpers import ApiServer, token
+from sqlalchemy import text
 
-from sqlalchemy import text  # noqa: E402
-
-from api_helpers import ApiServer, token  # noqa: E402
-from staleflow_db.db import make_engine  # noqa: E402
-from workers.rollout.engines.base import FinishedEvent  # noqa: E402
+from staleflow_db.db import make_engine
+from workers.models.tiny_model import TinyConfig
+from workers.rollout.engines.base import FinishedEvent
+from workers.rollout.engines.torch_engine import TorchEngine
+from workers.rollout.worker import RolloutWorker
 
 CFG = TinyConfig(vocab_size=32, d_model=32, n_layers=1, n_heads=2, max_seq=512)
 MAX_RESPONSE = 400
@@ -58,8 +57,12 @@ def _segments(db_url, sample_id):
     eng = make_engine(db_url)
     try:
         with eng.connect() as c:
-            return c.execute(text("SELECT instance_id, version, token_ids, logprobs FROM segments"
-                                  " WHERE sample_id = :s ORDER BY seq"), {"s": sample_id}).all()
+            return c.execute(
+                text(
+                    "SELECT instance_id, version, token_ids, logprobs FROM segments WHERE sample_id = :s ORDER BY seq"
+                ),
+                {"s": sample_id},
+            ).all()
     finally:
         eng.dispose()
 
@@ -115,8 +118,9 @@ def test_pull_command_loads_new_weights(served):
         pulled.append(target)
         return new_model.model.state_dict(), 0 if target is None else target
 
-    worker = RolloutWorker(server.client(token(server.db_url, "rollout", run)), run, _engine(), weights=weights,
-                           heartbeat_s=0.2)
+    worker = RolloutWorker(
+        server.client(token(server.db_url, "rollout", run)), run, _engine(), weights=weights, heartbeat_s=0.2
+    )
     t = _start(worker)
     admin.pull(run, [worker.instance_id], target_version=0)
     _wait(lambda: pulled == [0])
@@ -130,8 +134,15 @@ def test_checkpoints_and_finish_in_one_report_window_are_one_report(served):
     segment: a batch never names a sample twice (the API would refuse it)."""
     server, admin, run = served
     admin.enqueue(run, [(f"q{i}", [1, 2, 3 + i]) for i in range(2)])
-    w = RolloutWorker(server.client(token(server.db_url, "rollout", run)), run, _engine(), name="m",
-                      checkpoint_every_s=0.0001, report_every_s=0.5, heartbeat_s=0.2)
+    w = RolloutWorker(
+        server.client(token(server.db_url, "rollout", run)),
+        run,
+        _engine(),
+        name="m",
+        checkpoint_every_s=0.0001,
+        report_every_s=0.5,
+        heartbeat_s=0.2,
+    )
     t = _start(w)
     admin.route(run, [(q.sample_id, w.instance_id) for q in admin.snapshot(run).queued])
     _wait(lambda: w.stats.finished == 4)
@@ -146,14 +157,22 @@ def test_a_worker_whose_lease_lapsed_registers_again_and_keeps_serving(served):
     worker starts over as a new instance instead of dying."""
     server, admin, run = served
     admin.enqueue(run, [("late", [1, 2, 3])])
-    w = RolloutWorker(server.client(token(server.db_url, "rollout", run)), run, _engine(), name="stalled",
-                      heartbeat_s=3600, idle_wait_s=0.1)  # only its polls can notice
+    w = RolloutWorker(
+        server.client(token(server.db_url, "rollout", run)),
+        run,
+        _engine(),
+        name="stalled",
+        heartbeat_s=3600,
+        idle_wait_s=0.1,
+    )  # only its polls can notice
     t = _start(w)
     first = w.instance_id
     eng = make_engine(server.db_url)
     try:
         with eng.begin() as c:
-            c.execute(text("UPDATE instances SET lease_expires_at = now() - interval '1 s' WHERE id = :i"), {"i": first})
+            c.execute(
+                text("UPDATE instances SET lease_expires_at = now() - interval '1 s' WHERE id = :i"), {"i": first}
+            )
     finally:
         eng.dispose()
     _wait(lambda: w.instance_id != first)

@@ -8,11 +8,10 @@ invariant and subject (plus, where listed, what the same corruption necessarily 
 from __future__ import annotations
 
 import pytest
+from audit_helpers import forge, found, healthy_run, state
 
 from staleflow_db.audit import summary, violations
 from staleflow_db.enums import DropReason
-
-from audit_helpers import forge, found, healthy_run, state
 
 
 @pytest.fixture
@@ -33,12 +32,28 @@ def _s(h, key, idx):
 def test_the_healthy_run_has_every_state_the_forgeries_start_from(engine, h):
     groups = dict(state(engine, "SELECT id, state::text FROM prompt_groups WHERE run_id = :r", r=h.run))
     assert [groups[h.groups[k]] for k in ("g1", "g2", "g3", "g4", "g5", "g5r", "g6")] == [
-        "consumed", "consumed", "reserved", "occupied", "filtered", "queued", "queued"]
-    assert state(engine, "SELECT idx, occupied, reserved, consumed_at IS NOT NULL FROM buffers WHERE run_id = :r"
-                 " ORDER BY idx", r=h.run) == [(0, 1, 0, True), (1, 1, 0, True), (2, 1, 1, False), (3, 0, 0, False)]
-    assert [r[0] for r in state(engine, "SELECT state::text FROM samples WHERE group_id = :g ORDER BY idx",
-                                g=h.groups["g3"])] == ["queued", "running", "queued"]
-    assert state(engine, "SELECT version FROM segments WHERE sample_id = :s ORDER BY seq", s=h.m("g2", 0)) == [(0,), (0,), (1,)]
+        "consumed",
+        "consumed",
+        "reserved",
+        "occupied",
+        "filtered",
+        "queued",
+        "queued",
+    ]
+    assert state(
+        engine,
+        "SELECT idx, occupied, reserved, consumed_at IS NOT NULL FROM buffers WHERE run_id = :r ORDER BY idx",
+        r=h.run,
+    ) == [(0, 1, 0, True), (1, 1, 0, True), (2, 1, 1, False), (3, 0, 0, False)]
+    assert [
+        r[0]
+        for r in state(engine, "SELECT state::text FROM samples WHERE group_id = :g ORDER BY idx", g=h.groups["g3"])
+    ] == ["queued", "running", "queued"]
+    assert state(engine, "SELECT version FROM segments WHERE sample_id = :s ORDER BY seq", s=h.m("g2", 0)) == [
+        (0,),
+        (0,),
+        (1,),
+    ]
     assert summary(engine, h.run)["steps"][1]["staleness"] == {1: 2}
 
 
@@ -47,15 +62,24 @@ def test_the_healthy_run_has_every_state_the_forgeries_start_from(engine, h):
 
 def test_bound_members_too_stale_for_their_occupied_group(engine, h):
     """Group g4 waits in buffer 2 (not trained yet); with eta 1 members of version 0 are too stale."""
-    forge(engine, "UPDATE samples SET v_traj = 0 WHERE group_id = :g AND state = 'rewarded'",
-          "UPDATE prompt_groups SET group_version = 0 WHERE id = :g", g=h.groups["g4"])
+    forge(
+        engine,
+        "UPDATE samples SET v_traj = 0 WHERE group_id = :g AND state = 'rewarded'",
+        "UPDATE prompt_groups SET group_version = 0 WHERE id = :g",
+        g=h.groups["g4"],
+    )
     assert found(engine, h.run) == {("bound", _g(h, "g4")), ("bound", _s(h, "g4", 0)), ("bound", _s(h, "g4", 1))}
 
 
 def test_bound_a_member_trained_before_its_model_existed(engine, h):
     """A member of g1 (trained at step 0) claiming V_traj 1 and a segment at version 1."""
     sid = h.m("g1", 0)
-    forge(engine, "UPDATE samples SET v_traj = 1 WHERE id = :s", "UPDATE segments SET version = 1 WHERE sample_id = :s", s=sid)
+    forge(
+        engine,
+        "UPDATE samples SET v_traj = 1 WHERE id = :s",
+        "UPDATE segments SET version = 1 WHERE sample_id = :s",
+        s=sid,
+    )
     assert found(engine, h.run) == {("bound", f"sample {sid}"), ("segment_version", f"sample {sid}")}
 
 
@@ -73,18 +97,28 @@ def test_capacity_counter_disagrees_with_the_entries(engine, h):
 
 
 def test_capacity_over_the_buffer_capacity(engine, h):
-    forge(engine, "UPDATE buffers SET capacity = 1 WHERE run_id = :r AND idx = 2", r=h.run,
-          drop_checks=(("buffers", "ck_buffers_capacity"),))
+    forge(
+        engine,
+        "UPDATE buffers SET capacity = 1 WHERE run_id = :r AND idx = 2",
+        r=h.run,
+        drop_checks=(("buffers", "ck_buffers_capacity"),),
+    )
     assert found(engine, h.run) == {("capacity", "buffer 2")}
 
 
 def test_capacity_more_occupied_entries_than_b(engine, h):
     """g3 (reserved in buffer 2 beside g4) forged occupied there too: two groups where B = 1."""
-    forge(engine, "UPDATE prompt_groups SET state = 'occupied', reserved_buffer = NULL, buffer = 2, group_version = 1"
-          " WHERE id = :g", "UPDATE samples SET state = 'rewarded', reward = 1, instance_id = NULL"
-          " WHERE group_id = :g AND idx < 2", "UPDATE samples SET state = 'aborted', reason = 'surplus' WHERE group_id = :g AND idx = 2",
-          "UPDATE buffers SET occupied = 2, reserved = 0 WHERE run_id = :r AND idx = 2", g=h.groups["g3"], r=h.run,
-          drop_checks=(("buffers", "ck_buffers_batch"),))
+    forge(
+        engine,
+        "UPDATE prompt_groups SET state = 'occupied', reserved_buffer = NULL, buffer = 2, group_version = 1"
+        " WHERE id = :g",
+        "UPDATE samples SET state = 'rewarded', reward = 1, instance_id = NULL WHERE group_id = :g AND idx < 2",
+        "UPDATE samples SET state = 'aborted', reason = 'surplus' WHERE group_id = :g AND idx = 2",
+        "UPDATE buffers SET occupied = 2, reserved = 0 WHERE run_id = :r AND idx = 2",
+        g=h.groups["g3"],
+        r=h.run,
+        drop_checks=(("buffers", "ck_buffers_batch"),),
+    )
     assert found(engine, h.run) == {("capacity", "buffer 2")}
 
 
@@ -94,9 +128,14 @@ def test_entry_in_a_buffer_that_does_not_exist(engine, h):
 
 
 def test_entry_reserved_in_a_consumed_buffer(engine, h):
-    forge(engine, "UPDATE prompt_groups SET reserved_buffer = 1 WHERE id = :g",
-          "UPDATE buffers SET reserved = reserved - 1 WHERE run_id = :r AND idx = 2",
-          "UPDATE buffers SET reserved = reserved + 1 WHERE run_id = :r AND idx = 1", g=h.groups["g3"], r=h.run)
+    forge(
+        engine,
+        "UPDATE prompt_groups SET reserved_buffer = 1 WHERE id = :g",
+        "UPDATE buffers SET reserved = reserved - 1 WHERE run_id = :r AND idx = 2",
+        "UPDATE buffers SET reserved = reserved + 1 WHERE run_id = :r AND idx = 1",
+        g=h.groups["g3"],
+        r=h.run,
+    )
     assert found(engine, h.run) == {("entry_buffer", _g(h, "g3"))}
 
 
@@ -107,8 +146,13 @@ def test_reservation_outside_a_members_window(engine, h):
 
 
 def test_consumed_buffer_trained_on_fewer_than_b_groups(engine, h):
-    forge(engine, "UPDATE runs SET batch_size = 2 WHERE id = :r", "UPDATE buffers SET batch_size = 2 WHERE run_id = :r",
-          r=h.run, drop_checks=(("buffers", "ck_buffers_consumed_full"),))
+    forge(
+        engine,
+        "UPDATE runs SET batch_size = 2 WHERE id = :r",
+        "UPDATE buffers SET batch_size = 2 WHERE run_id = :r",
+        r=h.run,
+        drop_checks=(("buffers", "ck_buffers_consumed_full"),),
+    )
     assert found(engine, h.run) == {("consumed_batch", "buffer 0"), ("consumed_batch", "buffer 1")}
 
 
@@ -131,15 +175,23 @@ def test_horizon_no_buffer_beyond_version_plus_eta(engine, h):
 
 
 def test_contiguity_a_version_published_twice(engine, h):
-    forge(engine, "INSERT INTO events (run_id, kind, buffer, data) VALUES (:r, 'published', 0, '{\"version\": 1}')", r=h.run)
+    forge(
+        engine,
+        "INSERT INTO events (run_id, kind, buffer, data) VALUES (:r, 'published', 0, '{\"version\": 1}')",
+        r=h.run,
+    )
     assert found(engine, h.run) == {("contiguity", "buffer 0")}
 
 
 def test_contiguity_a_published_version_with_no_consumed_buffer(engine, h):
     forge(engine, "INSERT INTO param_versions (run_id, version) VALUES (:r, 3)", r=h.run)  # buffer 2 is not consumed
     assert found(engine, h.run) == {("contiguity", "buffer 2")}
-    forge(engine, "INSERT INTO param_versions (run_id, version) VALUES (:r, 8)",
-          "INSERT INTO events (run_id, kind, buffer) VALUES (:r, 'published', 9)", r=h.run)  # no such buffers
+    forge(
+        engine,
+        "INSERT INTO param_versions (run_id, version) VALUES (:r, 8)",
+        "INSERT INTO events (run_id, kind, buffer) VALUES (:r, 'published', 9)",
+        r=h.run,
+    )  # no such buffers
     assert found(engine, h.run) == {("contiguity", "buffer 2"), ("contiguity", "version 8"), ("contiguity", "buffer 9")}
 
 
@@ -147,15 +199,21 @@ def test_contiguity_run_version_disagrees_with_consumed_buffers(engine, h):
     """Buffer 2 marked consumed without a publish: the run is still at version 2."""
     forge(engine, "UPDATE buffers SET consumed_at = now() WHERE run_id = :r AND idx = 2", r=h.run)
     assert found(engine, h.run) == {
-        ("contiguity", f"run {h.run}"), ("contiguity", "buffer 2"),  # consumed, never published
-        ("trained_state", _g(h, "g4")), ("entry_buffer", _g(h, "g3")),  # what its groups then are
+        ("contiguity", f"run {h.run}"),
+        ("contiguity", "buffer 2"),  # consumed, never published
+        ("trained_state", _g(h, "g4")),
+        ("entry_buffer", _g(h, "g3")),  # what its groups then are
     }
 
 
 def test_contiguity_a_consumed_buffer_missing_in_the_sequence(engine, h):
-    forge(engine, "UPDATE buffers SET consumed_at = NULL WHERE run_id = :r AND idx = 0",
-          "UPDATE prompt_groups SET state = 'occupied' WHERE run_id = :r AND buffer = 0", r=h.run,
-          drop_checks=())
+    forge(
+        engine,
+        "UPDATE buffers SET consumed_at = NULL WHERE run_id = :r AND idx = 0",
+        "UPDATE prompt_groups SET state = 'occupied' WHERE run_id = :r AND buffer = 0",
+        r=h.run,
+        drop_checks=(),
+    )
     assert found(engine, h.run) == {("contiguity", f"run {h.run}"), ("contiguity", "buffer 0")}
 
 
@@ -176,8 +234,13 @@ def test_segment_generated_by_a_model_newer_than_the_step_that_trained_it(engine
 
 def test_segment_older_than_v_traj_or_newer_than_the_run(engine, h):
     older, newer = h.m("g4", 0), h.m("g3", 0)  # V_traj 2 (occupied) and 1 (queued with tokens)
-    forge(engine, "UPDATE segments SET version = 1 WHERE sample_id = :a AND seq = 0",
-          "UPDATE segments SET version = 3 WHERE sample_id = :b", a=older, b=newer)
+    forge(
+        engine,
+        "UPDATE segments SET version = 1 WHERE sample_id = :a AND seq = 0",
+        "UPDATE segments SET version = 3 WHERE sample_id = :b",
+        a=older,
+        b=newer,
+    )
     assert found(engine, h.run) == {("segment_version", f"sample {older}"), ("segment_version", f"sample {newer}")}
 
 
@@ -190,8 +253,12 @@ def test_tokens_count_disagrees_with_the_segments(engine, h):
 def test_tokens_a_segment_lost_from_the_concatenation(engine, h):
     """The count still agrees, but segment 0 of three is gone: the concatenation is not whole."""
     sid = h.m("g2", 0)
-    forge(engine, "UPDATE samples SET n_tokens = n_tokens - 2 WHERE id = :s",
-          "DELETE FROM segments WHERE sample_id = :s AND seq = 0", s=sid)
+    forge(
+        engine,
+        "UPDATE samples SET n_tokens = n_tokens - 2 WHERE id = :s",
+        "DELETE FROM segments WHERE sample_id = :s AND seq = 0",
+        s=sid,
+    )
     assert found(engine, h.run) == {("tokens", f"sample {sid}")}
 
 
@@ -214,8 +281,12 @@ def test_live_member_left_in_a_dropped_group(engine, h):
 
 
 def test_routed_member_of_a_group_that_holds_no_reservation(engine, h):
-    forge(engine, "UPDATE samples SET state = 'running', v_traj = 2, instance_id = :i, attempt = 1 WHERE id = :s",
-          s=h.m("g6", 0), i=h.inst["i2"])
+    forge(
+        engine,
+        "UPDATE samples SET state = 'running', v_traj = 2, instance_id = :i, attempt = 1 WHERE id = :s",
+        s=h.m("g6", 0),
+        i=h.inst["i2"],
+    )
     assert found(engine, h.run) == {("unreserved_member", _s(h, "g6", 0))}
 
 
@@ -230,8 +301,14 @@ def test_sample_running_on_a_dead_instance(engine, h):
 
 
 def test_drops_carry_a_reason(engine, h):
-    forge(engine, "UPDATE samples SET reason = NULL WHERE id = :s", "UPDATE prompt_groups SET reason = ' ' WHERE id = :g",
-          s=h.m("g1", 2), g=h.groups["g5"], drop_checks=(("samples", "ck_samples_abort_has_reason"),))
+    forge(
+        engine,
+        "UPDATE samples SET reason = NULL WHERE id = :s",
+        "UPDATE prompt_groups SET reason = ' ' WHERE id = :g",
+        s=h.m("g1", 2),
+        g=h.groups["g5"],
+        drop_checks=(("samples", "ck_samples_abort_has_reason"),),
+    )
     assert found(engine, h.run) == {("drop_reason", _s(h, "g1", 2)), ("drop_reason", _g(h, "g5"))}
 
 
@@ -244,8 +321,12 @@ def test_conservation_a_sample_row_lost(engine, h):
 
 
 def test_conservation_a_live_group_that_can_no_longer_reach_n(engine, h):
-    forge(engine, "UPDATE samples SET state = 'aborted', reason = :why WHERE id = ANY(:s)",
-          s=[h.m("g3", 0), h.m("g3", 2)], why=DropReason.USER.value)  # one live member left, N = 2
+    forge(
+        engine,
+        "UPDATE samples SET state = 'aborted', reason = :why WHERE id = ANY(:s)",
+        s=[h.m("g3", 0), h.m("g3", 2)],
+        why=DropReason.USER.value,
+    )  # one live member left, N = 2
     assert found(engine, h.run) == {("conservation", _g(h, "g3"))}
 
 
@@ -255,7 +336,9 @@ def test_conservation_filtered_without_a_replacement(engine, h):
 
 
 def test_conservation_an_enqueued_group_lost(engine, h):
-    forge(engine, "DELETE FROM samples WHERE group_id = :g", "DELETE FROM prompt_groups WHERE id = :g", g=h.groups["g6"])
+    forge(
+        engine, "DELETE FROM samples WHERE group_id = :g", "DELETE FROM prompt_groups WHERE id = :g", g=h.groups["g6"]
+    )
     assert found(engine, h.run) == {("conservation", _g(h, "g6"))}
 
 

@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import json
 
+from audit_helpers import healthy_run, state
 from sqlalchemy import text
 
 from staleflow_db import migrate
 from staleflow_db.audit import summary, violations
 from staleflow_db.enums import DropReason
 from staleflow_db.types import GroupState
-
-from audit_helpers import healthy_run, state
 
 
 def test_a_healthy_run_audits_empty_after_every_operation(engine):
@@ -43,7 +42,9 @@ def test_a_healthy_run_audits_empty_after_every_operation(engine):
     d.routed(g5r, h.inst["i2"])  # V 2 at run version 3: reserves buffer 3
     clean()
     with engine.begin() as c:  # i2's lease lapses; until a sweep fences it, it is still active
-        c.execute(text("UPDATE instances SET lease_expires_at = now() - interval '1 s' WHERE id = :i"), {"i": h.inst["i2"]})
+        c.execute(
+            text("UPDATE instances SET lease_expires_at = now() - interval '1 s' WHERE id = :i"), {"i": h.inst["i2"]}
+        )
     clean()
     assert p.expire_instances(h.run) == [h.inst["i2"]]  # its samples go back to the queue
     clean()
@@ -67,9 +68,12 @@ def test_a_healthy_run_audits_empty_after_every_operation(engine):
 
 def test_audit_view_columns_are_unchanged(engine):
     with engine.connect() as c:
-        cols = c.execute(text(
-            "SELECT column_name, data_type FROM information_schema.columns WHERE table_name = 'staleness_violations'"
-            " ORDER BY ordinal_position")).all()
+        cols = c.execute(
+            text(
+                "SELECT column_name, data_type FROM information_schema.columns WHERE table_name = 'staleness_violations'"
+                " ORDER BY ordinal_position"
+            )
+        ).all()
     assert cols == [("run_id", "bigint"), ("invariant", "text"), ("subject", "text"), ("detail", "text")]
 
 
@@ -131,8 +135,9 @@ def test_plan_every_branch_reads_only_the_audited_run_and_nothing_per_row(engine
     run = state(engine, "SELECT min(id) FROM runs")[0][0]
     assert violations(engine, run) == []
     with engine.connect() as c:
-        (plan,) = c.execute(text("EXPLAIN (FORMAT JSON) SELECT * FROM staleness_violations WHERE run_id = :r"),
-                            {"r": run}).scalar()
+        (plan,) = c.execute(
+            text("EXPLAIN (FORMAT JSON) SELECT * FROM staleness_violations WHERE run_id = :r"), {"r": run}
+        ).scalar()
     if isinstance(plan, str):
         plan = json.loads(plan)[0]
     nodes = list(_nodes(plan["Plan"]))
@@ -145,5 +150,6 @@ def test_plan_every_branch_reads_only_the_audited_run_and_nothing_per_row(engine
         conds = " ".join(str(n.get(k, "")) for k in ("Filter", "Index Cond", "Recheck Cond", "Join Filter"))
         restricted = "run_id" in conds or (table == "runs" and "id =" in conds)
         by_key = (n["Node Type"] in ("Index Scan", "Index Only Scan") and "Index Cond" in n) or (
-            n["Node Type"] == "Bitmap Heap Scan" and "Recheck Cond" in n)
+            n["Node Type"] == "Bitmap Heap Scan" and "Recheck Cond" in n
+        )
         assert restricted or by_key, (table, n["Node Type"], conds)

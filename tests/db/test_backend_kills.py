@@ -17,7 +17,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from bench.backend_kills import check, drive, setup_run  # noqa: E402
+from bench.backend_kills import check, drive, setup_run
 
 SECONDS = 20  # CI size: the workers' deadline; set-up, join and check add a few seconds
 
@@ -52,12 +52,16 @@ def test_check_catches_forged_losses(engine, db_url, tmp_path):
     sid, att, toks = report["items"][0]
     with engine.begin() as c:
         c.execute(text("ALTER TABLE segments DISABLE TRIGGER USER"))  # forging: bypass any guard
-        c.execute(text("DELETE FROM segments WHERE sample_id = :s AND attempt = :a AND token_ids = CAST(:t AS integer[])"),
-                  {"s": sid, "a": att, "t": toks})
+        c.execute(
+            text("DELETE FROM segments WHERE sample_id = :s AND attempt = :a AND token_ids = CAST(:t AS integer[])"),
+            {"s": sid, "a": att, "t": toks},
+        )
         c.execute(text("UPDATE samples SET reward = reward + 7 WHERE id = :s"), {"s": reward["items"][0][0]})
         for pub in publish:
-            c.execute(text("DELETE FROM param_versions WHERE run_id = :r AND version = :v"),
-                      {"r": run, "v": pub["version"] + 1})
+            c.execute(
+                text("DELETE FROM param_versions WHERE run_id = :r AND version = :v"),
+                {"r": run, "v": pub["version"] + 1},
+            )
     problems = "\n".join(check(engine, run, logs)["problems"])
     assert f"acked report missing: [[{sid}, {att}," in problems, problems
     assert "acked rewards missing" in problems, problems

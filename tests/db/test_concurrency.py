@@ -30,8 +30,16 @@ from staleflow_db.protocol import Prompt, Protocol
 from staleflow_db.types import Report, RouteOutcome, RunConfig
 
 SPAWN = mp.get_context("spawn")
-CONFIG = dict(batch_size=4, buffer_capacity=5, group_size=2, samples_per_group=3, eta=2,
-              dapo_filter=True, max_response_tokens=40, max_prompt_tokens=8)
+CONFIG = dict(
+    batch_size=4,
+    buffer_capacity=5,
+    group_size=2,
+    samples_per_group=3,
+    eta=2,
+    dapo_filter=True,
+    max_response_tokens=40,
+    max_prompt_tokens=8,
+)
 PROMPTS = 90
 ROUTE_WORKERS, REWARD_WORKERS = 3, 2
 TARGET_VERSIONS = 6
@@ -64,7 +72,7 @@ def run_worker(kind: str, url: str, run: int, name: str, log_dir: str, stop, see
     engine = make_engine(url, pool_size=2, max_overflow=2)
     try:
         body(Protocol(engine), engine, run, name, stop, random.Random(seed), log)
-    except BaseException:  # noqa: BLE001 - reported by the test
+    except BaseException:
         log["error"] = [traceback.format_exc()]
     finally:
         engine.dispose()
@@ -110,11 +118,18 @@ def _route_body(p: Protocol, engine, run: int, name: str, stop, rng: random.Rand
         if zombie and _late_report(p, engine, run, zombie, log):
             zombie = None
         with engine.connect() as c:  # members of admitted groups first, as a coordinator would
-            candidates = c.execute(text(
-                "SELECT s.id FROM samples s JOIN prompt_groups g ON g.id = s.group_id"
-                " WHERE s.run_id = :r AND s.state = 'queued' AND coalesce(s.last_version, 0) <= :v"
-                " ORDER BY g.state = 'reserved' DESC, random() LIMIT :n"),
-                {"r": run, "v": version, "n": ROUTE_BATCH}).scalars().all()
+            candidates = (
+                c.execute(
+                    text(
+                        "SELECT s.id FROM samples s JOIN prompt_groups g ON g.id = s.group_id"
+                        " WHERE s.run_id = :r AND s.state = 'queued' AND coalesce(s.last_version, 0) <= :v"
+                        " ORDER BY g.state = 'reserved' DESC, random() LIMIT :n"
+                    ),
+                    {"r": run, "v": version, "n": ROUTE_BATCH},
+                )
+                .scalars()
+                .all()
+            )
         if not candidates:
             time.sleep(0.02)
             continue
@@ -141,9 +156,12 @@ def _route_body(p: Protocol, engine, run: int, name: str, stop, rng: random.Rand
             continue
         busy += 1
         with engine.connect() as c:  # route only hands out work this instance's version may continue
-            floor = dict(c.execute(text(
-                "SELECT id, greatest(v_traj, coalesce(last_version, 0)) FROM samples WHERE id = ANY(:ids)"),
-                {"ids": [w.sample_id for w in work]}).all())
+            floor = dict(
+                c.execute(
+                    text("SELECT id, greatest(v_traj, coalesce(last_version, 0)) FROM samples WHERE id = ANY(:ids)"),
+                    {"ids": [w.sample_id for w in work]},
+                ).all()
+            )
         assert all(floor[w.sample_id] <= version for w in work), (floor, version)
         partial, final = [], []
         for w in work:
@@ -157,13 +175,32 @@ def _route_body(p: Protocol, engine, run: int, name: str, stop, rng: random.Rand
                 return [tok(w.sample_id, i) for i in out], [logprob(i) for i in out]
 
             if busy == crash_at or rng.random() < 0.15:  # a checkpoint: the sample keeps running
-                partial.append(Report(w.sample_id, w.attempt, version, *gen(rng.randint(1, 4)), SegmentKind.PARTIAL,
-                                      instance_id=inst, lease=w.lease))
+                partial.append(
+                    Report(
+                        w.sample_id,
+                        w.attempt,
+                        version,
+                        *gen(rng.randint(1, 4)),
+                        SegmentKind.PARTIAL,
+                        instance_id=inst,
+                        lease=w.lease,
+                    )
+                )
             interrupt = w.attempt < MAX_ATTEMPTS and left > 8 and rng.random() < 0.4
             kind = SegmentKind.INTERRUPTED if interrupt else SegmentKind.FINISHED
             n = rng.randint(0, 5) if interrupt else rng.randint(1, 8)
-            final.append(Report(w.sample_id, w.attempt, version, *gen(n), kind, None if interrupt else "stop",
-                                instance_id=inst, lease=w.lease))
+            final.append(
+                Report(
+                    w.sample_id,
+                    w.attempt,
+                    version,
+                    *gen(n),
+                    kind,
+                    None if interrupt else "stop",
+                    instance_id=inst,
+                    lease=w.lease,
+                )
+            )
         applied = {r.sample_id for r in _report(p, run, partial, log)}
         if busy == crash_at and not applied:
             crash_at += 1  # every checkpoint lost its lease meanwhile: crash next time instead
@@ -171,8 +208,20 @@ def _route_body(p: Protocol, engine, run: int, name: str, stop, rng: random.Rand
             # Crash: the instance stops heartbeating with its leases (and checkpoints) in the
             # database; the restarted process registers a new instance. The trainer's
             # expire_instances must requeue the samples with the tokens reported so far.
-            dead = [Report(r.sample_id, r.attempt, version, [tok(r.sample_id, 99)], [0.0], SegmentKind.FINISHED,
-                           instance_id=r.instance_id, lease=r.lease) for r in partial if r.sample_id in applied]
+            dead = [
+                Report(
+                    r.sample_id,
+                    r.attempt,
+                    version,
+                    [tok(r.sample_id, 99)],
+                    [0.0],
+                    SegmentKind.FINISHED,
+                    instance_id=r.instance_id,
+                    lease=r.lease,
+                )
+                for r in partial
+                if r.sample_id in applied
+            ]
             zombie = (inst, dead)
             log["crashed"].append(inst)
             inst = p.register_instance(run, name + "-restarted", version, lease_seconds=10.0)
@@ -268,8 +317,10 @@ def test_processes_share_one_run(engine, db_url, tmp_path):
     stop = SPAWN.Event()
     roles = [("route", f"route-{i}") for i in range(ROUTE_WORKERS)]
     roles += [("reward", f"reward-{i}") for i in range(REWARD_WORKERS)] + [("trainer", "trainer")]
-    procs = [SPAWN.Process(target=run_worker, args=(kind, db_url, run, name, str(tmp_path), stop, seed))
-             for seed, (kind, name) in enumerate(roles)]
+    procs = [
+        SPAWN.Process(target=run_worker, args=(kind, db_url, run, name, str(tmp_path), stop, seed))
+        for seed, (kind, name) in enumerate(roles)
+    ]
     for proc in procs:
         proc.start()
     for proc in procs:
@@ -296,8 +347,11 @@ def test_processes_share_one_run(engine, db_url, tmp_path):
     received = [tuple(x) for x in merged["received"]]
     assert len(received) == len({(s, a) for s, a, _ in received}), "a lease was delivered twice"
     routes = defaultdict(list)  # sample -> instance of attempt 1, 2, ... (route order = attempt order)
-    events = _rows(engine, "SELECT sample_id, kind, instance_id FROM events WHERE run_id = :r"
-                           " AND sample_id IS NOT NULL ORDER BY id", r=run)
+    events = _rows(
+        engine,
+        "SELECT sample_id, kind, instance_id FROM events WHERE run_id = :r AND sample_id IS NOT NULL ORDER BY id",
+        r=run,
+    )
     held: dict[int, bool] = defaultdict(bool)
     for sid, kind, inst in events:
         if kind == "sample_routed":
@@ -317,8 +371,12 @@ def test_processes_share_one_run(engine, db_url, tmp_path):
     assert all(held[sid] and routes[sid][-1] == inst for sid, inst in running)
 
     # -- segments: each from the lease's own instance, attempts in order, exactly those acked ----
-    segs = _rows(engine, "SELECT sample_id, seq, attempt, instance_id, version, token_ids FROM segments"
-                         " WHERE run_id = :r ORDER BY sample_id, seq", r=run)
+    segs = _rows(
+        engine,
+        "SELECT sample_id, seq, attempt, instance_id, version, token_ids FROM segments"
+        " WHERE run_id = :r ORDER BY sample_id, seq",
+        r=run,
+    )
     by_sample = defaultdict(list)
     for sid, seq, att, inst, ver, toks in segs:
         assert routes[sid][att - 1] == inst, (sid, seq)
@@ -330,7 +388,9 @@ def test_processes_share_one_run(engine, db_url, tmp_path):
     assert acked == sorted((s, a, tuple(t)) for s, _, a, _, _, t in segs), "segments lost or duplicated"
 
     # -- nothing lost --------------------------------------------------------------------------
-    samples = _rows(engine, "SELECT id, state::text, n_tokens, n_segments, reason FROM samples WHERE run_id = :r", r=run)
+    samples = _rows(
+        engine, "SELECT id, state::text, n_tokens, n_segments, reason FROM samples WHERE run_id = :r", r=run
+    )
     for sid, state, n, nseg, reason in samples:
         parts = by_sample.get(sid, [])
         assert [x for *_, seg in parts for x in seg] == expected(sid, n) and nseg == len(parts), sid
@@ -354,9 +414,14 @@ def test_processes_share_one_run(engine, db_url, tmp_path):
     # -- the bound and the versions ------------------------------------------------------------
     assert _rows(engine, "SELECT * FROM staleness_violations WHERE run_id = :r", r=run) == []
     assert _rows(engine, "SELECT version FROM runs WHERE id = :r", r=run) == [(versions,)]
-    consumed = _rows(engine, "SELECT idx FROM buffers WHERE run_id = :r AND consumed_at IS NOT NULL ORDER BY idx", r=run)
+    consumed = _rows(
+        engine, "SELECT idx FROM buffers WHERE run_id = :r AND consumed_at IS NOT NULL ORDER BY idx", r=run
+    )
     assert [b for (b,) in consumed] == list(range(versions))
     published = _rows(engine, "SELECT version FROM param_versions WHERE run_id = :r ORDER BY version", r=run)
     assert [v for (v,) in published] == list(range(1, versions + 1))
-    print({k: len(v) for k, v in merged.items()}, dict(states),
-          {o: merged["route_outcomes"].count(o) for o in set(merged["route_outcomes"])})
+    print(
+        {k: len(v) for k, v in merged.items()},
+        dict(states),
+        {o: merged["route_outcomes"].count(o) for o in set(merged["route_outcomes"])},
+    )

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import pytest
+from protocol_helpers import Driver
 from sqlalchemy import text
 
 from staleflow_db.enums import SegmentKind
 from staleflow_db.errors import Conflict
 from staleflow_db.types import Report, RouteOutcome
-
-from protocol_helpers import Driver
 
 
 def test_one_leader_at_a_time_and_takeover_fences_the_old_one(engine):

@@ -12,14 +12,14 @@ from staleflow_db.db import database_url, make_engine, with_database
 from staleflow_db.embedded import EmbeddedPostgres
 
 
-def test_engine_sets_session_timeouts(engine) -> None:  # noqa: ANN001
+def test_engine_sets_session_timeouts(engine) -> None:
     with engine.connect() as conn:
         assert conn.execute(text("SHOW statement_timeout")).scalar() == "30s"
         assert conn.execute(text("SHOW lock_timeout")).scalar() == "10s"
         assert conn.execute(text("SHOW idle_in_transaction_session_timeout")).scalar() == "1min"
         assert conn.execute(text("SHOW application_name")).scalar() == "staleflow"
     assert engine.dialect.driver == "psycopg"
-    assert engine.pool._pre_ping  # noqa: SLF001
+    assert engine.pool._pre_ping
 
 
 def test_statement_timeout_is_enforced(db_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -38,19 +38,19 @@ def test_database_url_prefers_env(db_url: str) -> None:
     eng = make_engine()
     try:
         with eng.connect() as conn:
-            assert conn.execute(text("SELECT current_database()")).scalar() == \
-                db_url.rsplit("/", 1)[1]
+            assert conn.execute(text("SELECT current_database()")).scalar() == db_url.rsplit("/", 1)[1]
     finally:
         eng.dispose()
 
 
 def test_with_database() -> None:
-    assert with_database("postgresql://u:p%40ss@h:1/a?sslmode=disable", "b") == \
-        "postgresql://u:p%40ss@h:1/b?sslmode=disable"
+    assert (
+        with_database("postgresql://u:p%40ss@h:1/a?sslmode=disable", "b")
+        == "postgresql://u:p%40ss@h:1/b?sslmode=disable"
+    )
 
 
-def test_each_test_gets_a_fresh_migrated_copy(db_url: str, admin_url: str,
-                                             template_db: str) -> None:
+def test_each_test_gets_a_fresh_migrated_copy(db_url: str, admin_url: str, template_db: str) -> None:
     assert migrate.current(db_url) == migrate.head()
     with psycopg.connect(db_url, autocommit=True) as conn:
         conn.execute("CREATE TABLE scratch (x int)")
@@ -69,8 +69,7 @@ def test_downgrade_and_upgrade_round_trip(db_url: str) -> None:
 
 
 @pytest.mark.embedded
-def test_database_url_starts_embedded_server(embedded_pg: EmbeddedPostgres,
-                                             monkeypatch: pytest.MonkeyPatch) -> None:
+def test_database_url_starts_embedded_server(embedded_pg: EmbeddedPostgres, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("STALEFLOW_DATABASE_URL", raising=False)
     monkeypatch.setenv("STALEFLOW_HOME", str(embedded_pg.home))
     url = database_url()

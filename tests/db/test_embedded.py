@@ -28,8 +28,7 @@ def test_start_reuse_stop(embedded_pg: EmbeddedPostgres) -> None:
     assert again.start() is False
     second = again.info()
     assert second is not None and (second.pid, second.port) == (first.pid, first.port)
-    assert again.url() == embedded_pg.url() == (
-        f"postgresql://postgres@127.0.0.1:{first.port}/staleflow")
+    assert again.url() == embedded_pg.url() == (f"postgresql://postgres@127.0.0.1:{first.port}/staleflow")
 
     with psycopg.connect(again.url()) as conn:
         assert conn.execute("SELECT current_database()").fetchone() == ("staleflow",)
@@ -78,11 +77,16 @@ def test_context_manager_stops_only_what_it_started(embedded_pg: EmbeddedPostgre
 def test_concurrent_first_starts_share_one_server(embedded_pg: EmbeddedPostgres) -> None:
     # Several processes start at once on a fresh home: the file lock must give one
     # initdb and one server, and every process the same URL.
-    code = ("import sys; from staleflow_db.embedded import ensure_running; "
-            "print(ensure_running(sys.argv[1]))")
-    procs = [subprocess.Popen([sys.executable, "-c", code, str(embedded_pg.home)],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for _ in range(4)]
+    code = "import sys; from staleflow_db.embedded import ensure_running; print(ensure_running(sys.argv[1]))"
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code, str(embedded_pg.home)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(4)
+    ]
     outs = [p.communicate(timeout=120) for p in procs]
     assert all(p.returncode == 0 for p in procs), outs
     urls = {out.strip() for out, _ in outs}

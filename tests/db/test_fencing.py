@@ -34,9 +34,11 @@ def wait_for(condition, what: str, timeout: float = 30.0) -> None:
 def lock_waiters(engine) -> int:
     """Backends of this database blocked on a lock right now."""
     with engine.connect() as c:
-        return c.execute(text(
-            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'"
-        )).scalar()
+        return c.execute(
+            text(
+                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'"
+            )
+        ).scalar()
 
 
 def running_on_fenced(d: Driver) -> list:
@@ -48,7 +50,9 @@ def running_on_fenced(d: Driver) -> list:
 
 
 def segments(d: Driver) -> list:
-    return d.rows("SELECT sample_id, seq, instance_id, attempt, token_ids FROM segments WHERE run_id = :r ORDER BY 1, 2")
+    return d.rows(
+        "SELECT sample_id, seq, instance_id, attempt, token_ids FROM segments WHERE run_id = :r ORDER BY 1, 2"
+    )
 
 
 # ---- item 2: a route racing an expiry or a deregistration -----------------------------------
@@ -91,8 +95,10 @@ def test_route_racing_an_expiry_leaves_nothing_running_on_it(engine):
     (s,) = d.members(g)
 
     def lapse():  # the route already runs (its lease check passed); now the lease runs out
-        wait_for(lambda: d.scalars("SELECT lease_expires_at <= now() FROM instances WHERE id = :i", i=inst)[0],
-                 "the lease to lapse")
+        wait_for(
+            lambda: d.scalars("SELECT lease_expires_at <= now() FROM instances WHERE id = :i", i=inst)[0],
+            "the lease to lapse",
+        )
 
     (routed,), expired = _race_route_against(d, engine, inst, s, lambda: d.p.expire_instances(d.run), lapse)
     assert expired == [inst]
@@ -115,7 +121,8 @@ def test_the_sweep_requeues_samples_on_any_fenced_instance(engine):
     assert d.sample(s)[:4] == ("queued", 0, att[s], 2)
     assert running_on_fenced(d) == []
     assert d.scalars("SELECT data->>'why' FROM events WHERE kind = 'sample_requeued' AND sample_id = :s", s=s) == [
-        "instance_expired"]
+        "instance_expired"
+    ]
 
 
 # ---- item 6: overlapping heartbeats ---------------------------------------------------------
@@ -130,8 +137,10 @@ def test_overlapping_heartbeats_never_move_the_version_backwards(engine):
     d.train(1)
     with ThreadPoolExecutor(1) as pool, engine.connect() as newer:
         newer.begin()  # a heartbeat at version 2, not committed yet
-        newer.execute(text("UPDATE instances SET version = 2, lease_expires_at = now() + interval '30 s'"
-                           " WHERE id = :i"), {"i": inst})
+        newer.execute(
+            text("UPDATE instances SET version = 2, lease_expires_at = now() + interval '30 s' WHERE id = :i"),
+            {"i": inst},
+        )
         older = pool.submit(d.p.heartbeat, inst, 1)  # read version 0 <= 1 before the newer one commits
         wait_for(lambda: lock_waiters(engine) == 1, "the older heartbeat to wait on the row")
         newer.commit()
@@ -243,10 +252,19 @@ def test_over_http_a_lapsed_instance_gets_409_and_registers_again(db_url, engine
         (work,) = rollout.poll(d.run, inst, wait=5).work
         with engine.begin() as c:
             c.execute(text("UPDATE instances SET lease_expires_at = now() - interval '1 s' WHERE id = :i"), {"i": inst})
-        item = {"sample_id": s, "attempt": work.attempt, "lease": work.lease, "version": 0, "tokens": [1],
-                "logprobs": [-1.0]}
-        for call in (lambda: rollout.poll(d.run, inst, wait=0), lambda: rollout.report(d.run, inst, [item]),
-                     lambda: rollout.heartbeat(d.run, inst, 0)):
+        item = {
+            "sample_id": s,
+            "attempt": work.attempt,
+            "lease": work.lease,
+            "version": 0,
+            "tokens": [1],
+            "logprobs": [-1.0],
+        }
+        for call in (
+            lambda: rollout.poll(d.run, inst, wait=0),
+            lambda: rollout.report(d.run, inst, [item]),
+            lambda: rollout.heartbeat(d.run, inst, 0),
+        ):
             with pytest.raises(ApiConflict) as refused:
                 call()
             assert refused.value.status == 409

@@ -10,11 +10,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+from api_helpers import ApiServer, token
+from protocol_helpers import Driver
 from sqlalchemy import text
 from sqlalchemy.exc import DBAPIError
 
-from api_helpers import ApiServer, token
-from protocol_helpers import Driver
 from staleflow_db import idempotency
 from staleflow_db.errors import Conflict
 from staleflow_db.idempotency import KeyReused
@@ -38,7 +38,7 @@ def _together(n: int, fn) -> list:
         barrier.wait(WAIT_S)
         try:
             return fn(i)
-        except Exception as e:  # noqa: BLE001 - the test inspects it
+        except Exception as e:
             return e
 
     with ThreadPoolExecutor(n) as pool:
@@ -94,8 +94,13 @@ def test_a_deadlock_victim_is_retried_whole(engine):
     with engine.begin() as c:
         c.execute(text("CREATE TABLE pair (id int PRIMARY KEY, n int NOT NULL)"))
         c.execute(text("INSERT INTO pair VALUES (1, 0), (2, 0)"))
-        c.execute(text("ALTER DATABASE " + c.execute(text("SELECT current_database()")).scalar()
-                       + " SET deadlock_timeout = '50ms'"))
+        c.execute(
+            text(
+                "ALTER DATABASE "
+                + c.execute(text("SELECT current_database()")).scalar()
+                + " SET deadlock_timeout = '50ms'"
+            )
+        )
     engine.dispose()  # new sessions pick the short deadlock_timeout
     runs = [0, 0]
     both_locked = threading.Barrier(2)

@@ -3,12 +3,10 @@ model alike), and bench/protocol.py taking the SQLAlchemy-style URLs the README 
 
 from __future__ import annotations
 
-import sys
-
 import psycopg
 import pytest
-
 from protocol_helpers import Driver
+
 from staleflow_db.errors import InvalidInput
 from staleflow_db.reference import ReferenceProtocol
 from staleflow_db.settings import to_sqlalchemy_url

@@ -70,10 +70,17 @@ def backlog(admin_url: str, template_db: str):
     """(engine, run, instance) on a database holding the backlog, dropped afterwards."""
     name = f"sf_plans_{uuid.uuid4().hex[:12]}"
     with psycopg.connect(admin_url, autocommit=True) as admin:
-        admin.execute(sql.SQL("CREATE DATABASE {} TEMPLATE {}").format(sql.Identifier(name), sql.Identifier(template_db)))
+        admin.execute(
+            sql.SQL("CREATE DATABASE {} TEMPLATE {}").format(sql.Identifier(name), sql.Identifier(template_db))
+        )
     engine = make_engine(with_database(admin_url, name))
     try:
-        params = {"runs": RUNS, "instances": INSTANCES_PER_RUN, "groups": GROUPS_PER_RUN, "per_group": SAMPLES_PER_GROUP}
+        params = {
+            "runs": RUNS,
+            "instances": INSTANCES_PER_RUN,
+            "groups": GROUPS_PER_RUN,
+            "per_group": SAMPLES_PER_GROUP,
+        }
         with engine.begin() as conn:
             for stmt in filter(str.strip, BACKLOG_SQL.split(";")):
                 conn.execute(text(stmt), params)
@@ -137,20 +144,43 @@ def _snapshot(p: Protocol, run: int, inst: int) -> None:
 
 # (id, the operation, a substring that picks its claim statement, the index it must read, table)
 CASES = [
-    ("claim-rewards", lambda p, run, inst: p.claim_rewards(run, 100),
-     "AND state = 'finished'", "ix_samples_finished", "samples"),
-    ("claim-rewards-expired", lambda p, run, inst: p.claim_rewards(run, 100),
-     "state = 'scoring' AND reward_deadline <= now()", "ix_samples_scoring", "samples"),
-    ("poll-work-samples", lambda p, run, inst: p.poll_work(inst),
-     "NOT delivered", "ix_samples_running", "samples"),
-    ("poll-work-commands", lambda p, run, inst: p.poll_work(inst),
-     "FROM commands WHERE instance_id", "ix_commands_pending", "commands"),
-    ("requeue-running", lambda p, run, inst: p.deregister_instance(inst + 1),
-     "s.state = 'running' AND s.instance_id = ANY", "ix_samples_running", "samples"),
-    ("expiry-sweep", lambda p, run, inst: p.expire_instances(run),
-     "s.state = 'running' AND i.state <> 'active'", "ix_samples_running", "samples"),
-    ("status-queued", lambda p, run, inst: p.status(run),
-     "state = 'queued'", "ix_samples_queued", "samples"),
+    (
+        "claim-rewards",
+        lambda p, run, inst: p.claim_rewards(run, 100),
+        "AND state = 'finished'",
+        "ix_samples_finished",
+        "samples",
+    ),
+    (
+        "claim-rewards-expired",
+        lambda p, run, inst: p.claim_rewards(run, 100),
+        "state = 'scoring' AND reward_deadline <= now()",
+        "ix_samples_scoring",
+        "samples",
+    ),
+    ("poll-work-samples", lambda p, run, inst: p.poll_work(inst), "NOT delivered", "ix_samples_running", "samples"),
+    (
+        "poll-work-commands",
+        lambda p, run, inst: p.poll_work(inst),
+        "FROM commands WHERE instance_id",
+        "ix_commands_pending",
+        "commands",
+    ),
+    (
+        "requeue-running",
+        lambda p, run, inst: p.deregister_instance(inst + 1),
+        "s.state = 'running' AND s.instance_id = ANY",
+        "ix_samples_running",
+        "samples",
+    ),
+    (
+        "expiry-sweep",
+        lambda p, run, inst: p.expire_instances(run),
+        "s.state = 'running' AND i.state <> 'active'",
+        "ix_samples_running",
+        "samples",
+    ),
+    ("status-queued", lambda p, run, inst: p.status(run), "state = 'queued'", "ix_samples_queued", "samples"),
     ("snapshot-queued", _snapshot, "s.state = 'queued'", "ix_samples_queued", "samples"),
 ]
 
@@ -173,5 +203,7 @@ def test_route_candidates_use_queued_index(backlog):
         "SELECT id FROM samples WHERE run_id = %(run)s AND state = 'queued' ORDER BY id LIMIT 256 FOR UPDATE SKIP LOCKED",
         {"run": run},
     )
-    assert plan["Node Type"] == "Limit" and "ix_samples_queued" in {n.get("Index Name") for n in nodes(plan)}, describe(plan)
+    assert plan["Node Type"] == "Limit" and "ix_samples_queued" in {n.get("Index Name") for n in nodes(plan)}, describe(
+        plan
+    )
     assert not any(n["Node Type"] == "Sort" for n in nodes(plan)), describe(plan)  # the index gives the order

@@ -5,6 +5,7 @@ and interrupt/resume keeping every token."""
 from __future__ import annotations
 
 import pytest
+from protocol_helpers import Driver
 from sqlalchemy import text
 from sqlalchemy.exc import DBAPIError
 
@@ -14,16 +15,21 @@ from staleflow_db.protocol import Prompt
 from staleflow_db.schema import ENUM_TYPES
 from staleflow_db.types import GroupState, Report, RouteOutcome, RunConfig
 
-from protocol_helpers import Driver
-
 
 def test_database_enums_mirror_python(engine):
     with engine.connect() as c:
         for name, py_enum in ENUM_TYPES.items():
-            labels = c.execute(
-                text("SELECT e.enumlabel FROM pg_enum e JOIN pg_type t ON t.oid = e.enumtypid"
-                     " WHERE t.typname = :n ORDER BY e.enumsortorder"), {"n": name}
-            ).scalars().all()
+            labels = (
+                c.execute(
+                    text(
+                        "SELECT e.enumlabel FROM pg_enum e JOIN pg_type t ON t.oid = e.enumtypid"
+                        " WHERE t.typname = :n ORDER BY e.enumsortorder"
+                    ),
+                    {"n": name},
+                )
+                .scalars()
+                .all()
+            )
             assert labels == [m.value for m in py_enum], name
 
 
@@ -44,8 +50,12 @@ def test_enqueue_is_idempotent_by_client_key_and_validates(engine):
     again = d.p.enqueue(d.run, [Prompt("b", [9]), Prompt("a", [1]), Prompt("c", [4])])
     assert again[:2] == [first[1], first[0]]
     assert d.scalars("SELECT count(*) FROM samples WHERE run_id = :r") == [9]  # N' = 3 per group
-    for bad, why in [([Prompt("d", [])], "tokens"), ([Prompt("d", [1] * 5)], "tokens"),
-                     ([Prompt("d", [-1])], "integers"), ([Prompt("d", [1]), Prompt("d", [2])], "twice")]:
+    for bad, why in [
+        ([Prompt("d", [])], "tokens"),
+        ([Prompt("d", [1] * 5)], "tokens"),
+        ([Prompt("d", [-1])], "integers"),
+        ([Prompt("d", [1]), Prompt("d", [2])], "twice"),
+    ]:
         with pytest.raises(InvalidInput, match=why):
             d.p.enqueue(d.run, bad)
     assert d.scalars("SELECT count(*) FROM prompt_groups WHERE run_id = :r") == [3]
@@ -219,13 +229,17 @@ def test_interrupt_and_resume_keep_every_token_and_logprob(engine):
     _, (cmd,) = d.p.poll_work(i1)
     assert (cmd.kind, cmd.sample_id, cmd.attempt) == ("interrupt", s, w.attempt)
     assert w.lease == d.lease(s)["lease"]  # delivered with the work
-    d.p.report(d.run, [Report(s, w.attempt, 0, [10, 11], [-1.0, -1.1], SegmentKind.PARTIAL, instance_id=i1, lease=w.lease)])
+    d.p.report(
+        d.run, [Report(s, w.attempt, 0, [10, 11], [-1.0, -1.1], SegmentKind.PARTIAL, instance_id=i1, lease=w.lease)]
+    )
     d.p.report(d.run, [Report(s, w.attempt, 0, [12], [-1.2], SegmentKind.INTERRUPTED, instance_id=i1, lease=w.lease)])
     d.routed([s], i2)
     (w2,), _ = d.p.poll_work(i2)
     assert (w2.prefix_tokens, w2.prefix_logprobs) == ([10, 11, 12], pytest.approx([-1.0, -1.1, -1.2]))
     assert w2.lease != w.lease  # a fresh token for every route
-    d.p.report(d.run, [Report(s, w2.attempt, 0, [13], [-1.3], SegmentKind.FINISHED, "eos", instance_id=i2, lease=w2.lease)])
+    d.p.report(
+        d.run, [Report(s, w2.attempt, 0, [13], [-1.3], SegmentKind.FINISHED, "eos", instance_id=i2, lease=w2.lease)]
+    )
     d.reward_all()
     batch = d.p.consume(d.run, 0)
     (sample,) = batch.groups[0].samples
@@ -291,8 +305,9 @@ def test_dapo_filter_drops_uniform_groups_and_enqueues_a_replacement(engine):
     assert outcome.state == GroupState.FILTERED
     assert d.group(g)[0::4] == ("filtered", "filtered")
     assert d.buffers() == {1: (0, 0)}  # the reservation was released
-    key, prompt, origin = d.one("SELECT client_key, prompt_tokens, replacement_of FROM prompt_groups WHERE id = :g",
-                                g=outcome.replacement)
+    key, prompt, origin = d.one(
+        "SELECT client_key, prompt_tokens, replacement_of FROM prompt_groups WHERE id = :g", g=outcome.replacement
+    )
     assert (key, prompt, origin) == ("~r1:k0", [1, 2, 3], g)
     m = d.members(outcome.replacement)
     att = d.routed(m, inst)
@@ -310,8 +325,9 @@ def test_a_replacement_never_collides_with_a_client_key(engine):
     q, lookalike = d.p.enqueue(d.run, [Prompt("q", [1, 2]), Prompt("q~r", [9, 9])])
     (outcome,) = d.complete(d.members(q), inst, reward=1.0)
     assert outcome.state == GroupState.FILTERED and outcome.replacement not in (q, lookalike)
-    assert d.one("SELECT client_key, prompt_tokens, replacement_of FROM prompt_groups WHERE id = :g",
-                 g=outcome.replacement) == ("~r1:q", [1, 2], q)
+    assert d.one(
+        "SELECT client_key, prompt_tokens, replacement_of FROM prompt_groups WHERE id = :g", g=outcome.replacement
+    ) == ("~r1:q", [1, 2], q)
     with pytest.raises(InvalidInput, match="reserved for replacements"):
         d.p.enqueue(d.run, [Prompt("~r2:q", [1])])  # the namespace is the protocol's
     assert d.violations() == []

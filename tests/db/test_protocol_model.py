@@ -43,12 +43,23 @@ class ProtocolMachine(RuleBasedStateMachine):
     seen: Counter = Counter()  # outcomes met, so the test can show it was not vacuous
 
     @initialize(
-        B=st.integers(1, 3), extra_B=st.integers(0, 1), N=st.integers(1, 3), extra_N=st.integers(0, 1),
-        eta=st.integers(0, 2), dapo=st.booleans(),
+        B=st.integers(1, 3),
+        extra_B=st.integers(0, 1),
+        N=st.integers(1, 3),
+        extra_N=st.integers(0, 1),
+        eta=st.integers(0, 2),
+        dapo=st.booleans(),
     )
     def setup(self, B, extra_B, N, extra_N, eta, dapo):
-        cfg = dict(batch_size=B, buffer_capacity=B + extra_B, group_size=N, samples_per_group=N + extra_N,
-                   eta=eta, dapo_filter=dapo and N > 1, max_response_tokens=6)  # DAPO needs N >= 2
+        cfg = dict(
+            batch_size=B,
+            buffer_capacity=B + extra_B,
+            group_size=N,
+            samples_per_group=N + extra_N,
+            eta=eta,
+            dapo_filter=dapo and N > 1,
+            max_response_tokens=6,
+        )  # DAPO needs N >= 2
         self.ref = ReferenceProtocol(RunConfig(**cfg))
         self.db = Protocol(self.engine)
         self.run = self.db.create_run(f"model-{next(_runs)}", RunConfig(**cfg))
@@ -64,8 +75,12 @@ class ProtocolMachine(RuleBasedStateMachine):
     def _map_new_groups(self):
         with self.engine.connect() as c:
             rows = c.execute(
-                text("SELECT g.client_key, s.idx, s.id, g.id FROM samples s JOIN prompt_groups g ON g.id = s.group_id"
-                     " WHERE g.run_id = :r"), {"r": self.run}).all()
+                text(
+                    "SELECT g.client_key, s.idx, s.id, g.id FROM samples s JOIN prompt_groups g ON g.id = s.group_id"
+                    " WHERE g.run_id = :r"
+                ),
+                {"r": self.run},
+            ).all()
         by_key = {(k, i): (sid, gid) for k, i, sid, gid in rows}
         for g in self.ref.groups.values():
             for sid in g.sample_ids:
@@ -93,8 +108,9 @@ class ProtocolMachine(RuleBasedStateMachine):
     @rule(data=st.data(), invalid=st.integers(0, 7))
     def register(self, data, invalid):
         version = data.draw(st.integers(0, self.ref.version)) + (invalid == 0)
-        ref_id, db_id = same_outcome(lambda: self.ref.register_instance(version),
-                                     lambda: self.db.register_instance(self.run, "i", version))
+        ref_id, db_id = same_outcome(
+            lambda: self.ref.register_instance(version), lambda: self.db.register_instance(self.run, "i", version)
+        )
         if ref_id is not None:
             self.inst_map[ref_id] = db_id
 
@@ -116,8 +132,10 @@ class ProtocolMachine(RuleBasedStateMachine):
         iid = data.draw(st.sampled_from(self._active()))
         self.ref.expire_instance(iid)
         with self.engine.begin() as c:
-            c.execute(text("UPDATE instances SET lease_expires_at = now() - interval '1 second' WHERE id = :i"),
-                      {"i": self.inst_map[iid]})
+            c.execute(
+                text("UPDATE instances SET lease_expires_at = now() - interval '1 second' WHERE id = :i"),
+                {"i": self.inst_map[iid]},
+            )
         self.db.expire_instances(self.run)
 
     @precondition(lambda self: self.inst_map and self.ref.queued_samples())
@@ -158,7 +176,9 @@ class ProtocolMachine(RuleBasedStateMachine):
             reports.append((sid, attempt, version, tokens, [-0.5 * (i + 1) for i in range(n)]))
         forged = {}
         if stale == 1 and len(self.inst_map) > 1:
-            forged["instance"] = data.draw(st.sampled_from(sorted(set(self.inst_map) - {self.ref.samples[picked[0]].instance_id})))
+            forged["instance"] = data.draw(
+                st.sampled_from(sorted(set(self.inst_map) - {self.ref.samples[picked[0]].instance_id}))
+            )
         elif stale == 2:
             forged["lease"] = str(uuid.uuid4())
         self._report(reports, kind, forged)
@@ -177,8 +197,10 @@ class ProtocolMachine(RuleBasedStateMachine):
             return {"instance_id": self.inst_map[iid] if db else iid, "lease": lease}
 
         ref = [Report(s, a, v, t, lp, kind, **ident(s, i == 0, False)) for i, (s, a, v, t, lp) in enumerate(reports)]
-        db = [Report(self.sample_map[s], a, v, t, lp, kind, **ident(s, i == 0, True))
-              for i, (s, a, v, t, lp) in enumerate(reports)]
+        db = [
+            Report(self.sample_map[s], a, v, t, lp, kind, **ident(s, i == 0, True))
+            for i, (s, a, v, t, lp) in enumerate(reports)
+        ]
         if forged:
             self.seen[f"forged {next(iter(forged))}"] += 1
         same_outcome(lambda: self.ref.report(ref), lambda: self.db.report(self.run, db))
@@ -193,13 +215,14 @@ class ProtocolMachine(RuleBasedStateMachine):
             self._route(queued, iid)
         running = self._samples(SampleState.RUNNING)
         if running:
-            self._report([(sid, self.ref.samples[sid].attempt, self.ref.version, [7], [-0.25]) for sid in running],
-                         SegmentKind.FINISHED)
+            self._report(
+                [(sid, self.ref.samples[sid].attempt, self.ref.version, [7], [-0.25]) for sid in running],
+                SegmentKind.FINISHED,
+            )
         self.claim(12)
         scoring = self._samples(SampleState.SCORING)
         if scoring:
-            self._reward([(sid, self.ref.samples[sid].reward_attempt, data.draw(REWARDS))
-                          for sid in scoring])
+            self._reward([(sid, self.ref.samples[sid].reward_attempt, data.draw(REWARDS)) for sid in scoring])
 
     @rule(limit=st.integers(1, 8))
     def claim(self, limit):
@@ -216,8 +239,10 @@ class ProtocolMachine(RuleBasedStateMachine):
     def reward(self, data, stale):
         scoring = self._samples(SampleState.SCORING)
         picked = data.draw(st.lists(st.sampled_from(scoring), min_size=1, max_size=8, unique=True))
-        rewards = [(s, self.ref.samples[s].reward_attempt - (stale == 0 and s == picked[0]), data.draw(REWARDS))
-                   for s in picked]
+        rewards = [
+            (s, self.ref.samples[s].reward_attempt - (stale == 0 and s == picked[0]), data.draw(REWARDS))
+            for s in picked
+        ]
         self._reward(rewards)
 
     def _reward(self, rewards):
@@ -229,7 +254,12 @@ class ProtocolMachine(RuleBasedStateMachine):
         self.seen["reward refused" if ref is None else "reward applied"] += 1
         for r, d in zip(ref or [], db or []):
             self.seen[f"group {r.state.value}"] += 1
-            assert (self.group_map[r.group_id], r.state, r.buffer, r.reason) == (d.group_id, d.state, d.buffer, d.reason)
+            assert (self.group_map[r.group_id], r.state, r.buffer, r.reason) == (
+                d.group_id,
+                d.state,
+                d.buffer,
+                d.reason,
+            )
 
     @precondition(lambda self: self.ref.samples)
     @rule(data=st.data(), rare=st.integers(0, 5))
@@ -261,7 +291,9 @@ class ProtocolMachine(RuleBasedStateMachine):
         for g in db.groups:
             assert len(g.samples) == self.ref.config.group_size
             for s in g.samples:
-                assert s.tokens == [t for seg in self.ref.samples[self._ref_sample(s.sample_id)].segments for t in seg.tokens]
+                assert s.tokens == [
+                    t for seg in self.ref.samples[self._ref_sample(s.sample_id)].segments for t in seg.tokens
+                ]
         assert self.ref.publish(v, lease) == self.db.publish(self.run, v, db.lease) == v + 1
         if retry:
             assert self.db.publish(self.run, v, db.lease) == v + 1
@@ -277,23 +309,53 @@ class ProtocolMachine(RuleBasedStateMachine):
             return
         self.seen["steps"] += 1
         with self.engine.connect() as c:
-            samples = {r[0]: r[1:] for r in c.execute(text(
-                "SELECT id, state::text, v_traj, attempt, n_tokens, reward, reason FROM samples WHERE run_id = :r"),
-                {"r": self.run}).all()}
-            groups = {r[0]: r[1:] for r in c.execute(text(
-                "SELECT id, state::text, reserved_buffer, min_version, buffer, group_version, reason"
-                " FROM prompt_groups WHERE run_id = :r"), {"r": self.run}).all()}
-            buffers = {r[0]: r[1:] for r in c.execute(text(
-                "SELECT idx, occupied, reserved, consumed_at IS NOT NULL FROM buffers WHERE run_id = :r"),
-                {"r": self.run}).all()}
+            samples = {
+                r[0]: r[1:]
+                for r in c.execute(
+                    text(
+                        "SELECT id, state::text, v_traj, attempt, n_tokens, reward, reason FROM samples WHERE run_id = :r"
+                    ),
+                    {"r": self.run},
+                ).all()
+            }
+            groups = {
+                r[0]: r[1:]
+                for r in c.execute(
+                    text(
+                        "SELECT id, state::text, reserved_buffer, min_version, buffer, group_version, reason"
+                        " FROM prompt_groups WHERE run_id = :r"
+                    ),
+                    {"r": self.run},
+                ).all()
+            }
+            buffers = {
+                r[0]: r[1:]
+                for r in c.execute(
+                    text("SELECT idx, occupied, reserved, consumed_at IS NOT NULL FROM buffers WHERE run_id = :r"),
+                    {"r": self.run},
+                ).all()
+            }
             version = c.execute(text("SELECT version FROM runs WHERE id = :r"), {"r": self.run}).scalar()
             violations = c.execute(text("SELECT * FROM staleness_violations WHERE run_id = :r"), {"r": self.run}).all()
         assert version == self.ref.version
         for sid, s in self.ref.samples.items():
-            assert samples[self.sample_map[sid]] == (s.state.value, s.v_traj, s.attempt, s.n_tokens, s.reward, s.reason), sid
+            assert samples[self.sample_map[sid]] == (
+                s.state.value,
+                s.v_traj,
+                s.attempt,
+                s.n_tokens,
+                s.reward,
+                s.reason,
+            ), sid
         for gid, g in self.ref.groups.items():
-            assert groups[self.group_map[gid]] == (g.state.value, g.reserved_buffer, g.min_version, g.buffer,
-                                                   g.group_version, g.reason), gid
+            assert groups[self.group_map[gid]] == (
+                g.state.value,
+                g.reserved_buffer,
+                g.min_version,
+                g.buffer,
+                g.group_version,
+                g.reason,
+            ), gid
         for b, buf in self.ref.buffers.items():
             assert buffers.get(b, (0, 0, False)) == (buf.occupied, buf.reserved, buf.consumed), b
         assert self.ref.check_invariants() == []
@@ -307,7 +369,10 @@ def test_reference_and_database_agree(engine):
     # CI runs a fixed, derandomized 60 x 80; bench/model_based.py sets a larger, random budget.
     examples = int(os.environ.get("STALEFLOW_MODEL_EXAMPLES", "60"))
     machine.settings = settings(
-        max_examples=examples, stateful_step_count=80, deadline=None, derandomize=examples == 60,
+        max_examples=examples,
+        stateful_step_count=80,
+        deadline=None,
+        derandomize=examples == 60,
         database=None,
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
     )
@@ -315,6 +380,13 @@ def test_reference_and_database_agree(engine):
     print(dict(ProtocolMachine.seen))
     if examples != 60:  # a chunk of bench/model_based.py: it checks coverage over all chunks
         return
-    for outcome in ("route routed", "route not_admitted", "group occupied", "group filtered", "published",
-                    "refused Conflict", "refused InvalidInput"):
+    for outcome in (
+        "route routed",
+        "route not_admitted",
+        "group occupied",
+        "group filtered",
+        "published",
+        "refused Conflict",
+        "refused InvalidInput",
+    ):
         assert ProtocolMachine.seen[outcome] > 0, outcome

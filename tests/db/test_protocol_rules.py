@@ -8,14 +8,13 @@ so these tests state what the spec expects instead.)
 from __future__ import annotations
 
 import pytest
+from protocol_helpers import Driver
 from sqlalchemy import text
 
 from staleflow_db.enums import SegmentKind
 from staleflow_db.errors import InvalidInput
 from staleflow_db.reference import ReferenceProtocol
 from staleflow_db.types import GroupState, Report, RouteOutcome, RunConfig
-
-from protocol_helpers import Driver
 from workers.coordinator.admission import AdmissionView
 from workers.coordinator.state import QueuedSample
 
@@ -44,7 +43,9 @@ class DbSide(Driver):
         return self.buffers().get(idx, (0, 0))
 
     def events(self, kind: str):
-        return self.rows("SELECT group_id, buffer, data FROM events WHERE run_id = :r AND kind = :k ORDER BY id", k=kind)
+        return self.rows(
+            "SELECT group_id, buffer, data FROM events WHERE run_id = :r AND kind = :k ORDER BY id", k=kind
+        )
 
 
 class RefSide:
@@ -210,7 +211,9 @@ def test_a_member_is_not_routed_at_a_version_whose_window_is_ready(side):
     assert (ox.state, ox.buffer) == (GroupState.OCCUPIED, 1)  # buffer 1 is ready now
     if isinstance(p, RefSide):
         ref = p.p
-        adm = AdmissionView(ref.buffers, ref.version, ref.limits, {k: x.reserved_buffer for k, x in ref.reserved.items()})
+        adm = AdmissionView(
+            ref.buffers, ref.version, ref.limits, {k: x.reserved_buffer for k, x in ref.reserved.items()}
+        )
         queued = QueuedSample(second, g, 3)
         assert (adm.admits(queued, 0), adm.admits(queued, 1)) == (False, True)
     (r,) = p.route([second], old)
@@ -246,8 +249,10 @@ def test_dapo_filter_with_groups_of_one_is_a_422_over_http(db_url, engine):
     admin = create_token(engine, "admin")["token"]
     with in_process(db_url) as http:
         http.headers["Authorization"] = f"Bearer {admin}"
-        r = http.post("/v1/runs", json={"name": "dapo1", "config": {"batch_size": 2, "group_size": 1, "eta": 1,
-                                                                    "dapo_filter": True}})
+        r = http.post(
+            "/v1/runs",
+            json={"name": "dapo1", "config": {"batch_size": 2, "group_size": 1, "eta": 1, "dapo_filter": True}},
+        )
     assert r.status_code == 422, r.text
     assert r.json()["error"]["code"] == "invalid_input" and "dapo_filter" in r.json()["error"]["message"]
     with engine.connect() as c:

@@ -1,7 +1,7 @@
-from staleflow_db.enums import SegmentKind
+from sqlalchemy import text
+
 from staleflow_db.protocol import Prompt, Protocol
 from staleflow_db.types import Report, RunConfig
-from sqlalchemy import text
 
 
 def test_full_lifecycle(engine):
@@ -12,11 +12,13 @@ def test_full_lifecycle(engine):
     inst = p.register_instance(run, "i0", 0)
     with engine.connect() as c:
         queued = c.execute(text("select id from samples where state='queued' order by id")).scalars().all()
-    res = p.route(run, [(s, inst) for s in queued])
+    p.route(run, [(s, inst) for s in queued])
     work, cmds = p.poll_work(inst)
-    p.report(run, [Report(w.sample_id, w.attempt, 0, [5, 6], [-0.1, -0.2], instance_id=inst, lease=w.lease) for w in work])
+    p.report(
+        run, [Report(w.sample_id, w.attempt, 0, [5, 6], [-0.1, -0.2], instance_id=inst, lease=w.lease) for w in work]
+    )
     tasks = p.claim_rewards(run, 100)
-    outs = p.record_rewards(run, [(t.sample_id, t.reward_attempt, 1.0) for t in tasks])
+    p.record_rewards(run, [(t.sample_id, t.reward_attempt, 1.0) for t in tasks])
     batch = p.consume(run, 0)
     assert batch is not None and len(batch.groups) == 2
     assert p.publish(run, 0, batch.lease) == 1

@@ -7,14 +7,20 @@ import os
 import subprocess
 import sys
 
-from staleflow_db.audit import summary
 from protocol_helpers import Driver
+
+from staleflow_db.audit import summary
 
 
 def _run_audit(db_url, *args):
     env = {**os.environ, "STALEFLOW_DATABASE_URL": db_url}
-    return subprocess.run([sys.executable, "-m", "staleflow_cli.main", "audit", *args], env=env,
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "staleflow_cli.main", "audit", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def test_audit_summarises_steps_drops_and_violations(engine, db_url):
@@ -82,8 +88,8 @@ def test_step_metrics_count_what_happened_between_publishes(engine):
     d.train(0)
     (s,) = d.members(g2)
     att = d.routed([s], inst)
-    from staleflow_db.types import Report
     from staleflow_db.enums import SegmentKind
+    from staleflow_db.types import Report
 
     d.p.report(d.run, [Report(s, att[s], 0, [1], [-1.0], SegmentKind.INTERRUPTED, **d.lease(s))])
     d.complete([s], inst)

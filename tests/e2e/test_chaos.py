@@ -28,9 +28,27 @@ def test_chaos_loses_nothing(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     env.pop("STALEFLOW_DATABASE_URL", None)  # its own private server, never the test one
     out = subprocess.run(
-        [sys.executable, str(REPO / "bench" / "chaos.py"), "--engine", "sim", "--seconds", "25", "--kills", "8",
-         "--drain-steps", "2", "--drain-timeout", "60", "--report-dir", str(tmp_path)],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=240,
+        [
+            sys.executable,
+            str(REPO / "bench" / "chaos.py"),
+            "--engine",
+            "sim",
+            "--seconds",
+            "25",
+            "--kills",
+            "8",
+            "--drain-steps",
+            "2",
+            "--drain-timeout",
+            "60",
+            "--report-dir",
+            str(tmp_path),
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
     )
     tail = out.stdout[-6000:] + out.stderr[-3000:]
     last = out.stdout.strip().splitlines()[-1] if out.stdout.strip() else ""

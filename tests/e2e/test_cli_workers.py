@@ -13,10 +13,9 @@ import sys
 import time
 
 import pytest
-
+from api_helpers import REPO, ApiServer, free_port, token, walk_lifecycle
 from typer.testing import CliRunner
 
-from api_helpers import REPO, ApiServer, free_port, token, walk_lifecycle
 from staleflow_cli.main import app
 
 WAIT_S = 60  # guards against a hang, never a timing assertion
@@ -29,8 +28,14 @@ def _env(**extra: str) -> dict[str, str]:
 
 
 def staleflow(*args: str, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "staleflow_cli.main", *args], cwd=REPO, env=_env(**env),
-                          capture_output=True, text=True, timeout=WAIT_S * 2)
+    return subprocess.run(
+        [sys.executable, "-m", "staleflow_cli.main", *args],
+        cwd=REPO,
+        env=_env(**env),
+        capture_output=True,
+        text=True,
+        timeout=WAIT_S * 2,
+    )
 
 
 def invoke(*args: str) -> subprocess.CompletedProcess:
@@ -56,18 +61,42 @@ def test_root_help_lists_the_worker_commands():
 
 def test_the_cli_and_the_sim_trainer_do_not_load_torch():
     # hosts running the data layer, the sim trainer or the reward worker need no torch
-    code = ("import sys, staleflow_cli.main, workers.trainer.loop, workers.trainer.sim_trainer, workers.reward.worker, workers.rollout.engines.vllm_engine; "
-            "sys.exit('torch' in sys.modules)")
+    code = (
+        "import sys, staleflow_cli.main, workers.trainer.loop, workers.trainer.sim_trainer, workers.reward.worker, workers.rollout.engines.vllm_engine; "
+        "sys.exit('torch' in sys.modules)"
+    )
     assert subprocess.run([sys.executable, "-c", code], cwd=REPO, timeout=WAIT_S).returncode == 0
 
 
-@pytest.mark.parametrize("cmd, options", [
-    ("trainer", ["--run", "--api", "--token", "--ps", "--checkpoint-dir", "--steps", "--lr", "--sim", "--time-scale",
-                 "--model-config", "--tis-cap", "--clip-high", "STALEFLOW_API_URL"]),
-    ("ps", ["--data-dir", "--port", "--backend", "--ready-file"]),
-    ("rollout-worker", ["--run", "--engine", "--ps", "--kv-capacity", "--phi-wait", "--model-config", "--vllm-model"]),
-    ("reward-worker", ["--run", "--verifier", "--batch"]),
-])
+@pytest.mark.parametrize(
+    "cmd, options",
+    [
+        (
+            "trainer",
+            [
+                "--run",
+                "--api",
+                "--token",
+                "--ps",
+                "--checkpoint-dir",
+                "--steps",
+                "--lr",
+                "--sim",
+                "--time-scale",
+                "--model-config",
+                "--tis-cap",
+                "--clip-high",
+                "STALEFLOW_API_URL",
+            ],
+        ),
+        ("ps", ["--data-dir", "--port", "--backend", "--ready-file"]),
+        (
+            "rollout-worker",
+            ["--run", "--engine", "--ps", "--kv-capacity", "--phi-wait", "--model-config", "--vllm-model"],
+        ),
+        ("reward-worker", ["--run", "--verifier", "--batch"]),
+    ],
+)
 def test_help(cmd, options):
     out = invoke(cmd, "--help")
     assert out.returncode == 0, out.stderr
@@ -75,21 +104,27 @@ def test_help(cmd, options):
         assert opt in out.stdout
 
 
-@pytest.mark.parametrize("args, needles", [
-    (["trainer"], ["Missing option '--run'"]),
-    (["trainer", "--run", "1", "--steps", "0"], ["--steps", "greater than or equal to 1"]),
-    (["trainer", "--run", "1", "--ps", "nohostport"], ["--ps", "is not HOST:PORT"]),
-    (["trainer", "--run", "1", "--model-config", "{nope"], ["--model-config"]),
-    (["trainer", "--run", "1", "--model-config", '{"d_model": 30, "n_heads": 4}'], ["d_model must be divisible"]),
-    (["trainer", "--run", "1", "--model-config", '{"layers": 3}'], ["--model-config", "layers"]),
-    (["rollout-worker", "--run", "1", "--engine", "bogus"], ["--engine", "bogus", "torch", "sim", "vllm"]),
-    (["rollout-worker", "--run", "1"], ["Missing option '--engine'"]),
-    (["rollout-worker", "--run", "1", "--engine", "vllm"], ["--engine vllm needs --vllm-model"]),
-    (["rollout-worker", "--run", "1", "--engine", "sim", "--sim-model", "gpt9"], ["--sim-model", "no cost model", "qwen_7b"]),
-    (["ps"], ["Missing option '--data-dir'"]),
-    (["ps", "--data-dir", "x", "--backend", "mpi"], ["--backend", "mpi", "gloo", "nccl"]),
-    (["reward-worker", "--run", "1", "--verifier", "nope"], ["unknown verifier 'nope'", "math", "repeat"]),
-])
+@pytest.mark.parametrize(
+    "args, needles",
+    [
+        (["trainer"], ["Missing option '--run'"]),
+        (["trainer", "--run", "1", "--steps", "0"], ["--steps", "greater than or equal to 1"]),
+        (["trainer", "--run", "1", "--ps", "nohostport"], ["--ps", "is not HOST:PORT"]),
+        (["trainer", "--run", "1", "--model-config", "{nope"], ["--model-config"]),
+        (["trainer", "--run", "1", "--model-config", '{"d_model": 30, "n_heads": 4}'], ["d_model must be divisible"]),
+        (["trainer", "--run", "1", "--model-config", '{"layers": 3}'], ["--model-config", "layers"]),
+        (["rollout-worker", "--run", "1", "--engine", "bogus"], ["--engine", "bogus", "torch", "sim", "vllm"]),
+        (["rollout-worker", "--run", "1"], ["Missing option '--engine'"]),
+        (["rollout-worker", "--run", "1", "--engine", "vllm"], ["--engine vllm needs --vllm-model"]),
+        (
+            ["rollout-worker", "--run", "1", "--engine", "sim", "--sim-model", "gpt9"],
+            ["--sim-model", "no cost model", "qwen_7b"],
+        ),
+        (["ps"], ["Missing option '--data-dir'"]),
+        (["ps", "--data-dir", "x", "--backend", "mpi"], ["--backend", "mpi", "gloo", "nccl"]),
+        (["reward-worker", "--run", "1", "--verifier", "nope"], ["unknown verifier 'nope'", "math", "repeat"]),
+    ],
+)
 def test_bad_arguments_are_refused_clearly(args, needles):
     _refused(invoke(*args), *needles)
 
@@ -103,8 +138,20 @@ def test_nccl_without_gpus_is_refused():
 
 def test_unreachable_api_is_refused_when_not_waiting():
     # Without --api-wait a worker waits for the API for ever (tests/test_outages.py).
-    _refused(invoke("reward-worker", "--run", "1", "--verifier", "repeat", "--api", f"http://127.0.0.1:{free_port()}",
-                    "--api-wait", "0"), "cannot reach the StaleFlow API")
+    _refused(
+        invoke(
+            "reward-worker",
+            "--run",
+            "1",
+            "--verifier",
+            "repeat",
+            "--api",
+            f"http://127.0.0.1:{free_port()}",
+            "--api-wait",
+            "0",
+        ),
+        "cannot reach the StaleFlow API",
+    )
 
 
 @pytest.fixture
@@ -122,8 +169,21 @@ def _fill_buffer(admin, run: int, version: int) -> None:
     queued = [q.sample_id for q in admin.snapshot(run).queued]
     admin.route(run, [(s, inst) for s in queued])
     work = admin.poll(run, inst, wait=5).work
-    admin.report(run, inst, [{"sample_id": w.sample_id, "attempt": w.attempt, "lease": w.lease, "version": version,
-                              "tokens": [5, 6, 7], "logprobs": [-0.5] * 3} for w in work])
+    admin.report(
+        run,
+        inst,
+        [
+            {
+                "sample_id": w.sample_id,
+                "attempt": w.attempt,
+                "lease": w.lease,
+                "version": version,
+                "tokens": [5, 6, 7],
+                "logprobs": [-0.5] * 3,
+            }
+            for w in work
+        ],
+    )
     tasks = admin.claim(run, limit=100, wait=5)
     admin.record_rewards(run, [(t.sample_id, t.reward_attempt, float(t.sample_id % 2)) for t in tasks])
     admin.deregister(run, inst)
@@ -133,18 +193,45 @@ def test_connection_errors_name_the_culprit(served):
     server, admin = served
     run = admin.create_run("cli", batch_size=1, group_size=1, eta=0).id
     api = ["--api", server.url]
-    _refused(invoke("trainer", "--run", "999", "--sim", *api, "--token", token(server.db_url, "admin")),
-             "no run '999'")
-    _refused(invoke("trainer", "--run", "nosuch", "--sim", *api, "--token", token(server.db_url, "admin")),
-             "no run named 'nosuch'")
+    _refused(invoke("trainer", "--run", "999", "--sim", *api, "--token", token(server.db_url, "admin")), "no run '999'")
+    _refused(
+        invoke("trainer", "--run", "nosuch", "--sim", *api, "--token", token(server.db_url, "admin")),
+        "no run named 'nosuch'",
+    )
     _refused(invoke("trainer", "--run", str(run), "--sim", *api, "--token", "sf_bogus"), "refused the token")
     _refused(invoke("trainer", "--run", str(run), "--sim", *api), "no token")
     if importlib.util.find_spec("vllm") is None:
-        _refused(invoke("rollout-worker", "--run", str(run), "--engine", "vllm", "--vllm-model", "some/model", *api,
-                        "--token", token(server.db_url, "rollout", run)), "pip install 'staleflow[vllm]'", code=1)
+        _refused(
+            invoke(
+                "rollout-worker",
+                "--run",
+                str(run),
+                "--engine",
+                "vllm",
+                "--vllm-model",
+                "some/model",
+                *api,
+                "--token",
+                token(server.db_url, "rollout", run),
+            ),
+            "pip install 'staleflow[vllm]'",
+            code=1,
+        )
     if importlib.util.find_spec("workers.rollout.engines.sim_engine") is None:
-        _refused(invoke("rollout-worker", "--run", str(run), "--engine", "sim", *api,
-                           "--token", token(server.db_url, "rollout", run)), "the sim engine", "not in this installation")
+        _refused(
+            invoke(
+                "rollout-worker",
+                "--run",
+                str(run),
+                "--engine",
+                "sim",
+                *api,
+                "--token",
+                token(server.db_url, "rollout", run),
+            ),
+            "the sim engine",
+            "not in this installation",
+        )
 
 
 def test_trainer_without_its_checkpoint_refuses_a_run_that_moved_on(served, tmp_path):
@@ -153,8 +240,17 @@ def test_trainer_without_its_checkpoint_refuses_a_run_that_moved_on(served, tmp_
     run = admin.create_run("moved", batch_size=1, group_size=1, eta=0).id
     roles = {r: server.client(token(server.db_url, r, run)) for r in ("rollout", "reward", "trainer", "coordinator")}
     walk_lifecycle(admin, roles, run)  # someone else trained step 0
-    proc = staleflow("trainer", "--run", str(run), "--api", server.url, "--token", token(server.db_url, "trainer", run),
-                     "--checkpoint-dir", str(tmp_path / "empty"))
+    proc = staleflow(
+        "trainer",
+        "--run",
+        str(run),
+        "--api",
+        server.url,
+        "--token",
+        token(server.db_url, "trainer", run),
+        "--checkpoint-dir",
+        str(tmp_path / "empty"),
+    )
     _refused(proc, f"run {run} is at version 1", "holds no trainer checkpoint", code=1)
 
 
@@ -163,8 +259,21 @@ def test_sim_trainer_trains_and_records_metrics(served, tmp_path):
     run = admin.create_run("sim", batch_size=2, group_size=1, eta=1).id
     _fill_buffer(admin, run, 0)
     metrics = tmp_path / "metrics.jsonl"
-    proc = staleflow("trainer", "--run", "sim", "--sim", "--time-scale", "0", "--steps", "1", "--api", server.url,
-                     "--metrics-file", str(metrics), STALEFLOW_TOKEN=token(server.db_url, "admin"))
+    proc = staleflow(
+        "trainer",
+        "--run",
+        "sim",
+        "--sim",
+        "--time-scale",
+        "0",
+        "--steps",
+        "1",
+        "--api",
+        server.url,
+        "--metrics-file",
+        str(metrics),
+        STALEFLOW_TOKEN=token(server.db_url, "admin"),
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert admin.run_status(run).version == 1
     (m,) = [json.loads(line) for line in metrics.read_text().splitlines()]
@@ -186,17 +295,34 @@ def test_sigterm_exits_cleanly_and_deregisters(served, tmp_path):
     run = admin.create_run("term", batch_size=1, group_size=1, eta=0).id
     env = _env(STALEFLOW_API_URL=server.url, STALEFLOW_TOKEN=token(server.db_url, "admin"))
     procs = {
-        "rollout": ["rollout-worker", "--run", str(run), "--engine", "torch", "--model-config",
-                    '{"vocab_size": 32, "d_model": 16, "n_layers": 1, "n_heads": 2, "max_seq": 64}'],
+        "rollout": [
+            "rollout-worker",
+            "--run",
+            str(run),
+            "--engine",
+            "torch",
+            "--model-config",
+            '{"vocab_size": 32, "d_model": 16, "n_layers": 1, "n_heads": 2, "max_seq": 64}',
+        ],
         "sim": ["rollout-worker", "--run", str(run), "--engine", "sim", "--time-scale", "0.01"],
         "reward": ["reward-worker", "--run", str(run), "--verifier", "repeat"],
         "trainer": ["trainer", "--run", str(run), "--sim", "--wait", "1"],
     }
-    started = {k: subprocess.Popen([sys.executable, "-m", "staleflow_cli.main", *a], cwd=REPO, env=env,
-                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-               for k, a in procs.items()}
+    started = {
+        k: subprocess.Popen(
+            [sys.executable, "-m", "staleflow_cli.main", *a],
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for k, a in procs.items()
+    }
     try:
-        _until(lambda: admin.run_status(run).active_instances == 2, started["rollout"], "the rollout workers to register")
+        _until(
+            lambda: admin.run_status(run).active_instances == 2, started["rollout"], "the rollout workers to register"
+        )
         for p in started.values():
             assert p.poll() is None
             p.send_signal(signal.SIGTERM)

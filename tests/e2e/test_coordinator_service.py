@@ -9,20 +9,20 @@ import subprocess
 import sys
 import time
 
-from sqlalchemy import text
+from protocol_helpers import Driver
 
 from staleflow_db.protocol import Protocol
 from workers.coordinator.cost_model import get_cost_model
 from workers.coordinator.policies import get_policy
 from workers.coordinator.service import Coordinator
 
-from protocol_helpers import Driver
-
 SNAP = {"running": 0, "waiting": 0, "kv_used": 0, "kv_capacity": 100_000, "running_samples": [], "throughput": 0.0}
 
 
 def _coordinator(engine, run, policy="staleflow", **kw):
-    return Coordinator(Protocol(engine), run, get_policy(policy, **kw), get_cost_model("qwen_7b", "TP1_PP1"), holder="t")
+    return Coordinator(
+        Protocol(engine), run, get_policy(policy, **kw), get_cost_model("qwen_7b", "TP1_PP1"), holder="t"
+    )
 
 
 def test_routes_within_the_budget_and_records_cycles(engine):
@@ -60,9 +60,21 @@ def test_pulls_an_idle_instance_that_is_behind(engine):
 def test_standby_takes_over_from_a_killed_leader(engine, db_url):
     d = Driver(engine, name="failover", batch_size=1, group_size=1, eta=1)
     env = {**os.environ, "STALEFLOW_DATABASE_URL": db_url}
-    cmd = [sys.executable, "-m", "staleflow_cli.main", "coordinator", "--run", "failover", "--lease", "1", "--period", "0.05"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "staleflow_cli.main",
+        "coordinator",
+        "--run",
+        "failover",
+        "--lease",
+        "1",
+        "--period",
+        "0.05",
+    ]
     procs = [subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for _ in range(2)]
     try:
+
         def lease():
             rows = d.rows("SELECT holder, epoch, expires_at > now() FROM coordinator_leases WHERE run_id = :r")
             return rows[0] if rows else None
@@ -87,7 +99,9 @@ def test_standby_takes_over_from_a_killed_leader(engine, db_url):
         while d.sample(d.members(g)[0])[0] != "running" and time.monotonic() < deadline:
             time.sleep(0.1)
         assert d.sample(d.members(g)[0])[0] == "running"
-        assert d.scalars("SELECT DISTINCT epoch FROM coordinator_cycles WHERE run_id = :r AND routed > 0") == [new_epoch]
+        assert d.scalars("SELECT DISTINCT epoch FROM coordinator_cycles WHERE run_id = :r AND routed > 0") == [
+            new_epoch
+        ]
     finally:
         for p in procs:
             if p.poll() is None:

@@ -15,9 +15,28 @@ pytest.importorskip("torch")
 def test_small_demo_trains_publishes_and_reports(db_url, tmp_path):
     env = {**os.environ, "STALEFLOW_DATABASE_URL": db_url}
     out = subprocess.run(
-        [sys.executable, "-m", "staleflow_cli.main", "demo", "--steps", "3", "--instances", "2", "--batch-size", "4",
-         "--group-size", "2", "--report-dir", str(tmp_path), "--timeout", "240"],
-        env=env, capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "staleflow_cli.main",
+            "demo",
+            "--steps",
+            "3",
+            "--instances",
+            "2",
+            "--batch-size",
+            "4",
+            "--group-size",
+            "2",
+            "--report-dir",
+            str(tmp_path),
+            "--timeout",
+            "240",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "staleness_violations: 0" in out.stdout

@@ -23,6 +23,7 @@ import httpx
 import pytest
 
 from api.auth import create_token
+from staleflow_cli.launch import Cluster
 from staleflow_db import migrate
 from staleflow_db.audit import summary
 from staleflow_db.db import make_engine
@@ -31,8 +32,6 @@ from staleflow_db.types import RunConfig
 from tests.api_helpers import REPO, ApiServer, free_port, token
 from workers.client import StaleFlowClient, Unavailable, api_urls
 from workers.rollout.engines.sim_engine import encode_prompt
-from staleflow_cli.launch import Cluster
-
 
 WAIT_S = 60.0
 OUTAGE_S = 3.0
@@ -65,8 +64,9 @@ def test_sim_run_rides_through_a_database_restart(embedded_pg, tmp_path):
     engine = make_engine(url)
     protocol = Protocol(engine)
     try:
-        run = protocol.create_run("outage", RunConfig(batch_size=2, group_size=2, eta=1, max_response_tokens=128,
-                                                      max_prompt_tokens=64))
+        run = protocol.create_run(
+            "outage", RunConfig(batch_size=2, group_size=2, eta=1, max_response_tokens=128, max_prompt_tokens=64)
+        )
         protocol.enqueue(run, [Prompt(f"g{k}", encode_prompt(16, 24, 0.3)) for k in range(400)])
         tokens = {r: create_token(engine, r, run)["token"] for r in ("trainer", "rollout", "reward")}
         version = lambda: protocol.status(run)["version"]  # noqa: E731
@@ -75,12 +75,19 @@ def test_sim_run_rides_through_a_database_restart(embedded_pg, tmp_path):
             common = ["--run", str(run)]
             coord = cluster.spawn("coordinator", ["coordinator", *common, "--lease", "2"])
             workers = [
-                cluster.spawn("reward", ["reward-worker", *common, "--verifier", "sim"],
-                              env={"STALEFLOW_TOKEN": tokens["reward"]}),
-                cluster.spawn("rollout", ["rollout-worker", *common, "--engine", "sim", "--heartbeat", "0.25"],
-                              env={"STALEFLOW_TOKEN": tokens["rollout"]}),
-                cluster.spawn("trainer", ["trainer", *common, "--sim", "--sim-overhead", "0.1", "--sim-s-per-token",
-                                          "0", "--wait", "1"], env={"STALEFLOW_TOKEN": tokens["trainer"]}),
+                cluster.spawn(
+                    "reward", ["reward-worker", *common, "--verifier", "sim"], env={"STALEFLOW_TOKEN": tokens["reward"]}
+                ),
+                cluster.spawn(
+                    "rollout",
+                    ["rollout-worker", *common, "--engine", "sim", "--heartbeat", "0.25"],
+                    env={"STALEFLOW_TOKEN": tokens["rollout"]},
+                ),
+                cluster.spawn(
+                    "trainer",
+                    ["trainer", *common, "--sim", "--sim-overhead", "0.1", "--sim-s-per-token", "0", "--wait", "1"],
+                    env={"STALEFLOW_TOKEN": tokens["trainer"]},
+                ),
             ]
             t0 = time.monotonic()
             _until(lambda: version() >= 1, "a version before the outage", cluster.check)
@@ -121,9 +128,14 @@ def test_sim_run_rides_through_a_database_restart(embedded_pg, tmp_path):
 
 
 def _spawn(args: list[str], log: Path, **env: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "staleflow_cli.main", *args], cwd=REPO,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1", **env},
-                            stdout=open(log, "wb"), stderr=subprocess.STDOUT, start_new_session=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "staleflow_cli.main", *args],
+        cwd=REPO,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", **env},
+        stdout=open(log, "wb"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
 
 
 @pytest.mark.slow
@@ -137,9 +149,24 @@ def test_rollout_worker_fails_over_between_api_replicas(db_url, tmp_path):
     engine.dispose()
     try:
         # Started while both replicas are down: it waits instead of exiting.
-        worker = _spawn(["rollout-worker", "--run", str(run_id), "--engine", "sim", "--heartbeat", "0.25",
-                         "--api-url", first.url, "--api-url", second.url],
-                        log, STALEFLOW_TOKEN=admin_token, STALEFLOW_SIM_TIME_SCALE="0.01")
+        worker = _spawn(
+            [
+                "rollout-worker",
+                "--run",
+                str(run_id),
+                "--engine",
+                "sim",
+                "--heartbeat",
+                "0.25",
+                "--api-url",
+                first.url,
+                "--api-url",
+                second.url,
+            ],
+            log,
+            STALEFLOW_TOKEN=admin_token,
+            STALEFLOW_SIM_TIME_SCALE="0.01",
+        )
         second.start()
         admin = second.client(admin_token)
 

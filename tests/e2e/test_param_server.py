@@ -11,17 +11,23 @@ import time
 from pathlib import Path
 
 import pytest
+from ps_helpers import SPAWN, WAIT_S, publish, record_published, same, state_dict
 from safetensors.torch import load_file
 
 from workers.models.tiny_model import TinyConfig, TinyTransformer
 from workers.rollout.engines.torch_engine import TorchEngine
-from ps_helpers import SPAWN, WAIT_S, publish, record_published, same, state_dict
 from workers.trainer.param_server import (
-    ChecksumError, ParamClient, ParamServer, ParamServerError, state_dict_checksum,
+    ChecksumError,
+    ParamClient,
+    ParamServer,
+    ParamServerError,
+    state_dict_checksum,
 )
+
 
 def _pull_held(addr, version, replied, go, out) -> None:
     """Child process: pull `version` but pause after the PS answered (transfer in flight)."""
+
     def hold(msg):
         replied.set()
         go.wait(WAIT_S)

@@ -18,17 +18,16 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from sqlalchemy import text  # noqa: E402
+from api_helpers import REPO, ApiServer, token
+from sqlalchemy import text
 
-from api.models import BatchOut  # noqa: E402
-
-from api_helpers import REPO, ApiServer, token  # noqa: E402
-from staleflow_db.db import make_engine  # noqa: E402
-from workers.rollout.engines.base import FinishedEvent  # noqa: E402
-from workers.models.tiny_model import TinyConfig, TinyTransformer  # noqa: E402
-from workers.rollout.engines.torch_engine import TorchEngine  # noqa: E402
-from workers.trainer.param_server import ParamClient  # noqa: E402
-from workers.trainer.torch_trainer import PAUSE_ENV, Trainer, load_checkpoint, read_steps_log  # noqa: E402
+from api.models import BatchOut
+from staleflow_db.db import make_engine
+from workers.models.tiny_model import TinyConfig, TinyTransformer
+from workers.rollout.engines.base import FinishedEvent
+from workers.rollout.engines.torch_engine import TorchEngine
+from workers.trainer.param_server import ParamClient
+from workers.trainer.torch_trainer import PAUSE_ENV, Trainer, load_checkpoint, read_steps_log
 
 CFG = TinyConfig(vocab_size=32, d_model=32, n_layers=1, n_heads=2, max_seq=64)
 B, N, ETA = 2, 2, 1
@@ -57,7 +56,10 @@ class PSProcess:
         self.log = open(data_dir.parent / "ps.log", "wb")
         self.proc = subprocess.Popen(
             _cli("ps", "--data-dir", str(data_dir), "--port", "0", "--ready-file", str(self.ready)),
-            cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT)
+            cwd=REPO,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+        )
         _wait(self.ready.exists, "the PS to serve", self.proc)
         info = json.loads(self.ready.read_text())
         self.addr = f"{info['host']}:{info['port']}"
@@ -99,10 +101,22 @@ class ScriptedRollout(threading.Thread):
             c.route(run, [(s, self.instance) for s in queued])
         work = c.poll(run, self.instance, wait=0).work
         if work:
-            c.report(run, self.instance, [{"sample_id": w.sample_id, "attempt": w.attempt, "lease": w.lease, "version": v,
-                                           "tokens": [(w.sample_id + j) % 31 + 1 for j in range(2 + w.sample_id % 3)],
-                                           "logprobs": [-1.0 - 0.1 * j for j in range(2 + w.sample_id % 3)],
-                                           "finish_reason": "length"} for w in work])
+            c.report(
+                run,
+                self.instance,
+                [
+                    {
+                        "sample_id": w.sample_id,
+                        "attempt": w.attempt,
+                        "lease": w.lease,
+                        "version": v,
+                        "tokens": [(w.sample_id + j) % 31 + 1 for j in range(2 + w.sample_id % 3)],
+                        "logprobs": [-1.0 - 0.1 * j for j in range(2 + w.sample_id % 3)],
+                        "finish_reason": "length",
+                    }
+                    for w in work
+                ],
+            )
         tasks = c.claim(run, limit=100, wait=0)
         if tasks:
             c.record_rewards(run, [(t.sample_id, t.reward_attempt, float(t.sample_id % 2)) for t in tasks])
@@ -150,20 +164,39 @@ def test_trainer_scores_exactly_the_tokens_the_engine_sampled(tmp_path):
     done = {}
     while engine.has_work():
         done.update({int(e.sample_id): e for e in engine.step() if isinstance(e, FinishedEvent)})
-    groups = [{"group_id": g, "group_version": 0, "prompt_tokens": prompts[2 * g - 1], "meta": {}, "samples": [
-        {"sample_id": s, "idx": s % 2, "v_traj": 0, "tokens": done[s].tokens, "logprobs": done[s].logprobs,
-         "reward": float(s % 2), "finish_reason": done[s].finish_reason, "segments": []}
-        for s in (2 * g - 1, 2 * g)]} for g in (1, 2)]
+    groups = [
+        {
+            "group_id": g,
+            "group_version": 0,
+            "prompt_tokens": prompts[2 * g - 1],
+            "meta": {},
+            "samples": [
+                {
+                    "sample_id": s,
+                    "idx": s % 2,
+                    "v_traj": 0,
+                    "tokens": done[s].tokens,
+                    "logprobs": done[s].logprobs,
+                    "reward": float(s % 2),
+                    "finish_reason": done[s].finish_reason,
+                    "segments": [],
+                }
+                for s in (2 * g - 1, 2 * g)
+            ],
+        }
+        for g in (1, 2)
+    ]
     batch = BatchOut(run_id=1, version=0, lease=1, groups=groups)
     model = TinyTransformer(CFG, seed=3)
-    trainer = Trainer(None, 1, model, torch.optim.SGD(model.parameters(), lr=0.0), checkpoint_dir=tmp_path,
-                      micro_batch_tokens=20)  # several micro batches of different widths
+    trainer = Trainer(
+        None, 1, model, torch.optim.SGD(model.parameters(), lr=0.0), checkpoint_dir=tmp_path, micro_batch_tokens=20
+    )  # several micro batches of different widths
     loss, metrics = trainer.train_batch(batch)
     assert metrics["mismatch_mean"] == pytest.approx(0.0, abs=1e-4)
     assert metrics["tis_mean"] == pytest.approx(1.0, abs=1e-3) and metrics["clip_frac"] == 0.0
     # ratio 1 and TIS 1: the token mean of -A, each sample weighing its response length
     lengths = [len(done[s].tokens) for s in (1, 2, 3, 4)]
-    adv = [2 ** -0.5, -(2 ** -0.5)] * 2  # rewards (1, 0) per group: ±1/√2 (unbiased std)
+    adv = [2**-0.5, -(2**-0.5)] * 2  # rewards (1, 0) per group: ±1/√2 (unbiased std)
     assert loss == pytest.approx(-sum(a * n for a, n in zip(adv, lengths)) / sum(lengths), rel=1e-3)
 
 
@@ -172,8 +205,15 @@ def test_trainer_advances_versions_pushes_and_publishes(cluster, tmp_path):
     model = TinyTransformer(CFG, seed=0)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    trainer = Trainer(server.client(token(server.db_url, "trainer", run)), run, model, opt, ps=ps.client,
-                      checkpoint_dir=tmp_path / "ckpt", wait_s=1.0)
+    trainer = Trainer(
+        server.client(token(server.db_url, "trainer", run)),
+        run,
+        model,
+        opt,
+        ps=ps.client,
+        checkpoint_dir=tmp_path / "ckpt",
+        wait_s=1.0,
+    )
 
     steps = trainer.run(steps=2)
 
@@ -203,13 +243,30 @@ def test_trainer_advances_versions_pushes_and_publishes(cluster, tmp_path):
 def test_trainer_killed_between_checkpoint_and_publish_resumes_exactly_once(cluster, tmp_path):
     server, admin, run, ps = cluster
     ckpt = tmp_path / "ckpt"
-    args = _cli("trainer", "--run", str(run), "--api", server.url, "--token", token(server.db_url, "trainer", run),
-                "--ps", ps.addr, "--checkpoint-dir", str(ckpt), "--model-config", json.dumps(CFG.to_dict()),
-                "--lr", "1e-2", "--wait", "1")
+    args = _cli(
+        "trainer",
+        "--run",
+        str(run),
+        "--api",
+        server.url,
+        "--token",
+        token(server.db_url, "trainer", run),
+        "--ps",
+        ps.addr,
+        "--checkpoint-dir",
+        str(ckpt),
+        "--model-config",
+        json.dumps(CFG.to_dict()),
+        "--lr",
+        "1e-2",
+        "--wait",
+        "1",
+    )
     env = {k: v for k, v in os.environ.items() if k != PAUSE_ENV}
     with open(tmp_path / "trainer1.log", "wb") as out:
-        first = subprocess.Popen([*args, "--steps", "3"], cwd=REPO, env={**env, PAUSE_ENV: "2"},
-                                 stdout=out, stderr=subprocess.STDOUT)
+        first = subprocess.Popen(
+            [*args, "--steps", "3"], cwd=REPO, env={**env, PAUSE_ENV: "2"}, stdout=out, stderr=subprocess.STDOUT
+        )
         try:
             _wait((ckpt / "paused-v2").exists, "the trainer to checkpoint v2", first)
         finally:
@@ -221,8 +278,9 @@ def test_trainer_killed_between_checkpoint_and_publish_resumes_exactly_once(clus
     killed = read_steps_log(ckpt)
     (trained_v2,) = [e for e in killed if e["event"] == "trained" and e["version"] == 2]
 
-    second = subprocess.run([*args, "--steps", "2"], cwd=REPO, env=env, capture_output=True, text=True,
-                            timeout=WAIT_S * 2)
+    second = subprocess.run(
+        [*args, "--steps", "2"], cwd=REPO, env=env, capture_output=True, text=True, timeout=WAIT_S * 2
+    )
     assert second.returncode == 0, second.stdout + second.stderr
     assert "(resumed)" in second.stderr
 
@@ -236,8 +294,12 @@ def test_trainer_killed_between_checkpoint_and_publish_resumes_exactly_once(clus
     assert pub_v2["resumed"] and pub_v2["pid"] != trained_v2["pid"]
     # the database agrees: each buffer published once, in order, with the weights trained
     # before the crash for v2 (not retrained ones)
-    assert [r.buffer for r in _db_rows(server.db_url, "SELECT buffer FROM events WHERE run_id = :r"
-                                       " AND kind = 'published' ORDER BY id", r=run)] == [0, 1, 2]
+    assert [
+        r.buffer
+        for r in _db_rows(
+            server.db_url, "SELECT buffer FROM events WHERE run_id = :r AND kind = 'published' ORDER BY id", r=run
+        )
+    ] == [0, 1, 2]
     rows = {p.version: p for p in admin.param_versions(run)}
     assert sorted(rows) == [1, 2, 3]
     assert rows[2].checksum == trained_v2["checksum"]

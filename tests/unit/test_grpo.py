@@ -9,8 +9,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from workers.models.tiny_model import TinyConfig, TinyTransformer  # noqa: E402
-from workers.trainer.grpo import GRPOConfig, group_advantages, policy_loss, summarize, token_logprobs  # noqa: E402
+from workers.models.tiny_model import TinyConfig, TinyTransformer
+from workers.trainer.grpo import GRPOConfig, group_advantages, policy_loss, summarize, token_logprobs
 
 
 def test_advantages_are_zero_mean_unit_std_per_group():
@@ -89,8 +89,18 @@ def test_token_mean_weighs_every_token_the_same():
     assert sums["tokens"] == 4
     assert float(loss) == pytest.approx((-1 + 3) / 4)  # not the mean of per-sequence means (0)
     # micro-batching with the whole batch's token count sums to the same loss
-    part = [policy_loss(old[i:i + 1], old[i:i + 1], old[i:i + 1], adv[i:i + 1], mask[i:i + 1],
-                        GRPOConfig(tis_cap=None), num_tokens=4)[0] for i in range(2)]
+    part = [
+        policy_loss(
+            old[i : i + 1],
+            old[i : i + 1],
+            old[i : i + 1],
+            adv[i : i + 1],
+            mask[i : i + 1],
+            GRPOConfig(tis_cap=None),
+            num_tokens=4,
+        )[0]
+        for i in range(2)
+    ]
     assert float(sum(part)) == pytest.approx(float(loss))
 
 

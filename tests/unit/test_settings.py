@@ -8,9 +8,15 @@ import pytest
 
 from staleflow_db.settings import Settings, get_settings, to_libpq_url, to_sqlalchemy_url
 
-ENV = ("STALEFLOW_DATABASE_URL", "STALEFLOW_HOME", "STALEFLOW_STATEMENT_TIMEOUT",
-       "STALEFLOW_LOCK_TIMEOUT", "STALEFLOW_IDLE_IN_TRANSACTION_TIMEOUT",
-       "STALEFLOW_POOL_SIZE", "STALEFLOW_MAX_OVERFLOW")
+ENV = (
+    "STALEFLOW_DATABASE_URL",
+    "STALEFLOW_HOME",
+    "STALEFLOW_STATEMENT_TIMEOUT",
+    "STALEFLOW_LOCK_TIMEOUT",
+    "STALEFLOW_IDLE_IN_TRANSACTION_TIMEOUT",
+    "STALEFLOW_POOL_SIZE",
+    "STALEFLOW_MAX_OVERFLOW",
+)
 
 
 @pytest.fixture
@@ -25,8 +31,7 @@ def test_defaults(clean_env: pytest.MonkeyPatch) -> None:
     assert s.database_url is None
     assert s.home == Path("~/.staleflow").expanduser()
     assert s.pgdata == s.home / "pgdata"
-    assert (s.statement_timeout, s.lock_timeout, s.idle_in_transaction_session_timeout) == (
-        "30s", "10s", "60s")
+    assert (s.statement_timeout, s.lock_timeout, s.idle_in_transaction_session_timeout) == ("30s", "10s", "60s")
     assert s.pool_size > 0
 
 
@@ -55,12 +60,15 @@ def test_bad_integer(clean_env: pytest.MonkeyPatch) -> None:
         Settings.from_env()
 
 
-@pytest.mark.parametrize(("url", "sa", "libpq"), [
-    ("postgresql://u@h/d", "postgresql+psycopg://u@h/d", "postgresql://u@h/d"),
-    ("postgres://u@h/d", "postgresql+psycopg://u@h/d", "postgres://u@h/d"),
-    ("postgresql+psycopg://u@h/d", "postgresql+psycopg://u@h/d", "postgresql://u@h/d"),
-    ("postgresql+psycopg2://u@h/d", "postgresql+psycopg2://u@h/d", "postgresql://u@h/d"),
-])
+@pytest.mark.parametrize(
+    ("url", "sa", "libpq"),
+    [
+        ("postgresql://u@h/d", "postgresql+psycopg://u@h/d", "postgresql://u@h/d"),
+        ("postgres://u@h/d", "postgresql+psycopg://u@h/d", "postgres://u@h/d"),
+        ("postgresql+psycopg://u@h/d", "postgresql+psycopg://u@h/d", "postgresql://u@h/d"),
+        ("postgresql+psycopg2://u@h/d", "postgresql+psycopg2://u@h/d", "postgresql://u@h/d"),
+    ],
+)
 def test_url_forms(url: str, sa: str, libpq: str) -> None:
     assert to_sqlalchemy_url(url) == sa
     assert to_libpq_url(url) == libpq

@@ -14,9 +14,7 @@ from workers.coordinator.state import InstanceView, QueuedSample, RunningSample
 from workers.coordinator.strategies import (
     NEW_LEVEL,
     AdmissionView,
-    AlwaysAdmit,
     CallbackAdmission,
-    InterruptDecision,
     PullDecision,
     RouteDecision,
     engine_should_interrupt_preempted,
@@ -131,7 +129,7 @@ def _reference_waterfall(views, queued, mu, group_versions, admission):
     """Sample by sample, exactly as SPEC §4 words it (slow; the oracle of the matrix form)."""
     state = {v.instance_id: [v.version, v.running, v.kv_used, v.waiting, v.pulling, v.kv_capacity] for v in views}
     routes, blocked = [], set()
-    for level, samples in queue_levels(queued, group_versions):
+    for _level, samples in queue_levels(queued, group_versions):
         failed = []
         for s in samples:
             best, best_gain = None, -math.inf
@@ -168,7 +166,9 @@ def _protocol_scenario(rng):
     views = []
     for i in range(rng.randint(1, 6)):
         n = rng.randint(0, 60)
-        views.append(inst(i + 1, version=0, running=n, kv=n * rng.randint(100, 6_000), waiting=int(rng.random() < 0.15)))
+        views.append(
+            inst(i + 1, version=0, running=n, kv=n * rng.randint(100, 6_000), waiting=int(rng.random() < 0.15))
+        )
     queued = []
     for sid in p.queued_samples():
         s = p.samples[sid]
@@ -187,7 +187,9 @@ def test_matrix_waterfall_equals_the_sample_by_sample_rule(seed):
     rng = random.Random(seed)
     p, views, queued, reserved, gv = _protocol_scenario(rng)
     mu = rng.choice([0.0, 0.1, 0.25, 0.5])
-    fast = route_waterfall(views, queued, COST, AdmissionView(p.buffers, p.version, p.limits, reserved), mu=mu, group_versions=gv)
+    fast = route_waterfall(
+        views, queued, COST, AdmissionView(p.buffers, p.version, p.limits, reserved), mu=mu, group_versions=gv
+    )
     slow = _reference_waterfall(views, queued, mu, gv, AdmissionView(p.buffers, p.version, p.limits, reserved))
     assert fast == slow
 
@@ -278,7 +280,11 @@ def test_status_based_pull_with_a_callable_and_threshold():
 
 
 def test_greedy_pull_is_naive_and_all_idle_waits_for_everyone():
-    views = [inst(1, version=0, running=50, kv=200_000, waiting=3), inst(2, version=1), inst(3, version=0, pulling=True)]
+    views = [
+        inst(1, version=0, running=50, kv=200_000, waiting=3),
+        inst(2, version=1),
+        inst(3, version=0, pulling=True),
+    ]
     assert sync_greedy(views, 1) == [PullDecision(1, 1)]
     idle = [inst(1, version=0), inst(2, version=0)]
     assert sync_all_idle(idle, 1, {0: False}) == [PullDecision(1, 1), PullDecision(2, 1)]

@@ -5,8 +5,17 @@ from workers.coordinator.state import InstanceSnapshot, RunningSample, Speculati
 
 def snap(t, running=0, waiting=0, kv=0, seen=None, version=0, pulling=False, samples=()):
     return InstanceSnapshot(
-        instance_id=1, version=version, running=running, waiting=waiting, kv_used=kv, kv_capacity=100_000,
-        running_samples=tuple(samples), heartbeat_at=t, snapshot_at=t, pulling=pulling, routed_seen=seen,
+        instance_id=1,
+        version=version,
+        running=running,
+        waiting=waiting,
+        kv_used=kv,
+        kv_capacity=100_000,
+        running_samples=tuple(samples),
+        heartbeat_at=t,
+        snapshot_at=t,
+        pulling=pulling,
+        routed_seen=seen,
     )
 
 

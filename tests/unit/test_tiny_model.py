@@ -9,7 +9,13 @@ import pytest
 import torch
 
 from workers.models.tiny_model import (
-    KVCacheFull, KVPool, TinyConfig, TinyTransformer, generate, sample_tokens, uniform,
+    KVCacheFull,
+    KVPool,
+    TinyConfig,
+    TinyTransformer,
+    generate,
+    sample_tokens,
+    uniform,
 )
 
 CFG = TinyConfig(vocab_size=48, d_model=32, n_layers=2, n_heads=4, max_seq=96, eos_token_id=0)
@@ -56,7 +62,7 @@ def test_prefill_and_decode_are_bitwise_identical(model):
     assert torch.equal(whole, stepwise)
     # and the stored K/V agree too
     for li in range(CFG.n_layers):
-        assert torch.equal(pool.k[li][a.slot_idx[:a.length]], pool.k[li][b.slot_idx[:b.length]])
+        assert torch.equal(pool.k[li][a.slot_idx[: a.length]], pool.k[li][b.slot_idx[: b.length]])
 
 
 def test_decode_row_does_not_depend_on_batch(model):

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from workers.rollout.engines.base import FinishedEvent, PreemptedEvent, TokensEvent
 from workers.models.tiny_model import TinyConfig, TinyTransformer, generate
+from workers.rollout.engines.base import FinishedEvent, PreemptedEvent, TokensEvent
 from workers.rollout.engines.torch_engine import TorchEngine
 
 CFG = TinyConfig(vocab_size=48, d_model=32, n_layers=2, n_heads=4, max_seq=128, eos_token_id=0)
@@ -56,7 +56,7 @@ def _run(e: TorchEngine, max_steps: int = 10_000, check=True) -> dict[str, Finis
             elif isinstance(ev, FinishedEvent):
                 done[ev.sample_id] = ev
                 seen = streamed.pop(ev.sample_id, [])  # steps run before _run are unseen
-                assert seen and ev.tokens[len(ev.tokens) - len(seen):] == seen
+                assert seen and ev.tokens[len(ev.tokens) - len(seen) :] == seen
         if check:
             _check_kv(e)
     raise AssertionError("engine did not drain")
@@ -211,7 +211,9 @@ def test_edge_requests():
     e.add_request("zero", [1, 2], max_new_tokens=0)
     evs = e.step()
     assert [(ev.sample_id, ev.tokens, ev.finish_reason) for ev in evs] == [
-        ("full", [], "length"), ("zero", [], "length")]
+        ("full", [], "length"),
+        ("zero", [], "length"),
+    ]
     with pytest.raises(ValueError):
         e.add_request("big", [1] * 70)  # never fits 64 KV tokens
     with pytest.raises(ValueError):

@@ -19,8 +19,9 @@ needs_no_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is not None,
 def record(request_id, tokens, logprobs, finished=False, reason=None):
     """A RequestOutput of DELTA kind: the new tokens, each with its {token: Logprob} map
     (vLLM adds the top-k alternatives; with logprobs=0 only the sampled token)."""
-    lp_maps = [{t: SimpleNamespace(logprob=lp), (t + 1) % 7: SimpleNamespace(logprob=-9.0)}
-               for t, lp in zip(tokens, logprobs)]
+    lp_maps = [
+        {t: SimpleNamespace(logprob=lp), (t + 1) % 7: SimpleNamespace(logprob=-9.0)} for t, lp in zip(tokens, logprobs)
+    ]
     comp = SimpleNamespace(token_ids=list(tokens), logprobs=lp_maps, finish_reason=reason)
     return SimpleNamespace(request_id=request_id, outputs=[comp], finished=finished)
 
@@ -37,8 +38,9 @@ def test_outputs_map_to_the_torch_engines_events():
     from workers.models.tiny_model import TinyConfig
     from workers.rollout.engines.torch_engine import TorchEngine
 
-    engine = TorchEngine(TinyConfig(vocab_size=32, d_model=32, n_layers=1, n_heads=2, max_seq=64), model_seed=5,
-                         kv_capacity_tokens=1024)
+    engine = TorchEngine(
+        TinyConfig(vocab_size=32, d_model=32, n_layers=1, n_heads=2, max_seq=64), model_seed=5, kv_capacity_tokens=1024
+    )
     engine.add_request("7", [1, 2, 3], prefix_tokens=[4, 5], max_new_tokens=12, seed=7)
     ref = []
     while engine.has_work():
@@ -51,8 +53,9 @@ def test_outputs_map_to_the_torch_engines_events():
     events = []
     for a, b in zip(cuts, cuts[1:]):
         last = b == len(done.tokens)
-        events += st.absorb(record("7#0", done.tokens[a:b], done.logprobs[a:b], finished=last,
-                                   reason=vllm_reason if last else None))
+        events += st.absorb(
+            record("7#0", done.tokens[a:b], done.logprobs[a:b], finished=last, reason=vllm_reason if last else None)
+        )
     streamed = [e for e in events if isinstance(e, TokensEvent)]
     assert [t for e in streamed for t in e.tokens] == [t for e in ref if isinstance(e, TokensEvent) for t in e.tokens]
     assert events[-1] == done  # tokens, log-probs, reason and prefix length alike
@@ -72,7 +75,8 @@ def test_finish_reasons_and_abort():
     assert events == [TokensEvent("3", [9], [-2.0])] and aborted.tokens == [9]
     # an empty final delta carries the finish alone
     assert Stretch("4", "4#0", 3, 0).absorb(record("4#0", [], [], finished=True, reason="length")) == [
-        FinishedEvent("4", [], [], "length", 0)]
+        FinishedEvent("4", [], [], "length", 0)
+    ]
 
 
 def test_missing_logprobs_are_an_error():

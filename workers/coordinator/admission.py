@@ -8,7 +8,8 @@ asks the database; `AlwaysAdmit` admits everything.
 
 from __future__ import annotations
 
-from typing import Callable, Container, Hashable, Mapping, Protocol
+from collections.abc import Callable, Container, Hashable, Mapping
+from typing import Protocol
 
 from staleflow_db.rules import BufferCounts, Limits, route_decision
 
@@ -40,7 +41,9 @@ class AlwaysAdmit:
 class CallbackAdmission:
     """Wrap `fn(sample, instance_version) -> bool` (and an optional `on_commit`)."""
 
-    def __init__(self, fn: Callable[[QueuedSample, int], bool], on_commit: Callable[[QueuedSample, int], None] | None = None):
+    def __init__(
+        self, fn: Callable[[QueuedSample, int], bool], on_commit: Callable[[QueuedSample, int], None] | None = None
+    ):
         self.fn, self.on_commit = fn, on_commit
 
     def admits(self, sample: QueuedSample, instance_version: int) -> bool:

@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 import numpy as np
 
@@ -95,7 +96,7 @@ class CostModel:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "CostModel":
+    def from_dict(cls, d: Mapping[str, Any]) -> CostModel:
         return cls(**{k: float(d[k]) for k in _FIELDS})
 
 

@@ -18,8 +18,9 @@ migration, each seeing the previous one's decisions — and is pure like the str
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any
 
 from .cost_model import CostModel
 from .state import InstanceView, QueuedSample
@@ -90,7 +91,7 @@ class Policy:
         """φ_wait for the engines, or None when the engine-side rule is off."""
         return self.phi_wait if self.engine_migration else None
 
-    def with_params(self, **overrides: Any) -> "Policy":
+    def with_params(self, **overrides: Any) -> Policy:
         return replace(self, **overrides)
 
     def plan(
@@ -116,13 +117,24 @@ class Policy:
                 instances = apply_pulls(instances, pulls)
         if self.routing == "waterfall":
             routes = route_waterfall(
-                instances, queued, cost, admission, mu=self.mu, group_versions=group_versions,
-                block_scope=self.block_scope, levels=levels,
+                instances,
+                queued,
+                cost,
+                admission,
+                mu=self.mu,
+                group_versions=group_versions,
+                block_scope=self.block_scope,
+                levels=levels,
             )
         else:
             routes = route_request_count(
-                instances, queued, admission, group_versions=group_versions, max_requests=self.max_requests,
-                levels=levels, sticky=self.sticky_resume,
+                instances,
+                queued,
+                admission,
+                group_versions=group_versions,
+                max_requests=self.max_requests,
+                levels=levels,
+                sticky=self.sticky_resume,
             )
         routed: set[int] = set()
         if routes:
@@ -151,7 +163,11 @@ class Policy:
             if pulls and self.sync != "greedy":
                 after = apply_pulls(after, pulls)
             interrupts = migrate_throughput_ratio(
-                after, routable, cost, psi=self.psi, min_running=self.min_migrate_running,
+                after,
+                routable,
+                cost,
+                psi=self.psi,
+                min_running=self.min_migrate_running,
                 min_gain=self.migrate_min_gain,
             )
         return CyclePlan(routes, pulls, interrupts)
@@ -159,7 +175,9 @@ class Policy:
 
 _BASE: dict[str, Policy] = {
     "sync": Policy("sync", routing="request_count", sync="all_idle", migration=False, engine_migration=False, eta=0),
-    "one_step": Policy("one_step", routing="request_count", sync="all_idle", migration=False, engine_migration=False, eta=1),
+    "one_step": Policy(
+        "one_step", routing="request_count", sync="all_idle", migration=False, engine_migration=False, eta=1
+    ),
     "strict": Policy(
         "strict", routing="request_count", sync="greedy", migration=False, engine_migration=False, sticky_resume=True
     ),
@@ -172,7 +190,9 @@ _BASE: dict[str, Policy] = {
 BASELINES = ("sync", "one_step", "strict", "staleflow")
 ABLATIONS = ("staleflow-naive-route", "staleflow-greedy-pull", "staleflow-no-migration")
 POLICY_NAMES = tuple(_BASE)
-TUNABLE = tuple(f.name for f in fields(Policy) if f.name not in ("name", "routing", "sync", "migration", "engine_migration", "eta"))
+TUNABLE = tuple(
+    f.name for f in fields(Policy) if f.name not in ("name", "routing", "sync", "migration", "engine_migration", "eta")
+)
 
 
 def get_policy(name: str | Policy, **overrides: Any) -> Policy:

@@ -13,8 +13,8 @@ Pure functions, like the rest of the strategies (see `strategies`).
 from __future__ import annotations
 
 import math
+from collections.abc import Container, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Container, Iterable, Mapping, Sequence
 
 import numpy as np
 

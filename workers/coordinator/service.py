@@ -17,8 +17,8 @@ import logging
 import os
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from staleflow_db.errors import Conflict
 from staleflow_db.protocol import Protocol, Snapshot
@@ -60,12 +60,18 @@ def instance_snapshots(snap: Snapshot, now: float) -> list[InstanceSnapshot]:
         age = inst.snapshot_age_s if inst.snapshot_age_s is not None else 1e9
         out.append(
             InstanceSnapshot(
-                instance_id=inst.id, version=inst.version,
-                running=int(hb.get("running", len(running))), waiting=int(hb.get("waiting", 0)),
+                instance_id=inst.id,
+                version=inst.version,
+                running=int(hb.get("running", len(running))),
+                waiting=int(hb.get("waiting", 0)),
                 kv_used=int(hb.get("kv_used", sum(r.length for r in running))),
-                kv_capacity=int(hb.get("kv_capacity", 0)) or 1, running_samples=running,
-                throughput=float(hb.get("throughput", 0.0)), heartbeat_at=now - age, snapshot_at=now - age,
-                pulling=bool(hb.get("pulling", False)), routed_seen=hb.get("routed_seen"),
+                kv_capacity=int(hb.get("kv_capacity", 0)) or 1,
+                running_samples=running,
+                throughput=float(hb.get("throughput", 0.0)),
+                heartbeat_at=now - age,
+                snapshot_at=now - age,
+                pulling=bool(hb.get("pulling", False)),
+                routed_seen=hb.get("routed_seen"),
                 max_running=int(hb.get("max_running") or 1 << 30),
             )
         )
@@ -171,8 +177,12 @@ class Coordinator:
         )
         group_versions = {q.group_id: q.group_min_version for q in snap.queued if q.group_state == "reserved"}
         plan = self.policy.plan(
-            self.spec.views(), queued, self.cost, ps_version=snap.version,
-            admission=admission, group_versions=group_versions,
+            self.spec.views(),
+            queued,
+            self.cost,
+            ps_version=snap.version,
+            admission=admission,
+            group_versions=group_versions,
         )
         t2 = time.monotonic()
         lengths = {q.sample_id: q.length for q in queued}
@@ -181,9 +191,18 @@ class Coordinator:
         pulls = [(p.instance_id, p.version) for p in plan.pulls]
         try:
             results = self.protocol.apply_commands(
-                self.run_id, self.holder, self.epoch, routes, interrupts, pulls,
-                cycle={"snapshot_ms": (t1 - t0) * 1000, "decide_ms": (t2 - t1) * 1000,
-                       "write_ms": 0.0, "migrated": len(plan.interrupts)},
+                self.run_id,
+                self.holder,
+                self.epoch,
+                routes,
+                interrupts,
+                pulls,
+                cycle={
+                    "snapshot_ms": (t1 - t0) * 1000,
+                    "decide_ms": (t2 - t1) * 1000,
+                    "write_ms": 0.0,
+                    "migrated": len(plan.interrupts),
+                },
             )
         except Conflict:
             log.warning("deposed while writing; standing by")

@@ -25,8 +25,9 @@ Pure data and bookkeeping: no I/O, no clock reads (times are passed in).
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping, NamedTuple, Sequence
+from typing import NamedTuple
 
 
 class RunningSample(NamedTuple):
@@ -135,17 +136,33 @@ class InstanceView:
     def kv_usage(self) -> float:
         return self.kv_used / self.kv_capacity if self.kv_capacity else 1.0
 
-    def copy(self) -> "InstanceView":
+    def copy(self) -> InstanceView:
         return InstanceView(
-            self.instance_id, self.version, self.running, self.waiting, self.kv_used, self.kv_capacity,
-            self.running_samples, self.throughput, self.pulling, self.max_running,
+            self.instance_id,
+            self.version,
+            self.running,
+            self.waiting,
+            self.kv_used,
+            self.kv_capacity,
+            self.running_samples,
+            self.throughput,
+            self.pulling,
+            self.max_running,
         )
 
     @classmethod
-    def of(cls, s: InstanceSnapshot) -> "InstanceView":
+    def of(cls, s: InstanceSnapshot) -> InstanceView:
         return cls(
-            s.instance_id, s.version, s.running, s.waiting, s.kv_used, s.kv_capacity,
-            s.running_samples, s.throughput, s.pulling, s.max_running,
+            s.instance_id,
+            s.version,
+            s.running,
+            s.waiting,
+            s.kv_used,
+            s.kv_capacity,
+            s.running_samples,
+            s.throughput,
+            s.pulling,
+            s.max_running,
         )
 
 
@@ -173,7 +190,8 @@ class SpeculativeState:
         est = self.estimates.get(snap.instance_id)
         if est is None:
             self.estimates[snap.instance_id] = InstanceEstimate(
-                InstanceView.of(snap), snapshot_at=snap.snapshot_at,
+                InstanceView.of(snap),
+                snapshot_at=snap.snapshot_at,
                 routed_sent=snap.routed_seen or 0,
                 pull_version=None,
             )

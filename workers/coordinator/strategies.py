@@ -19,8 +19,8 @@ strategies update private copies of the views as they decide, never the caller's
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Callable, Mapping, Sequence
 
 from .admission import Admission, AdmissionView, AlwaysAdmit, CallbackAdmission
 from .cost_model import CostModel
@@ -38,10 +38,27 @@ from .routing import (
 from .state import InstanceView
 
 __all__ = [
-    "NEW_LEVEL", "Admission", "AdmissionView", "AlwaysAdmit", "CallbackAdmission", "InterruptDecision",
-    "Levels", "PullDecision", "RouteDecision", "apply_pulls", "apply_routes", "engine_should_interrupt_preempted",
-    "level_of", "migrate_throughput_ratio", "queue_levels", "routable_versions", "route_request_count",
-    "route_waterfall", "sync_all_idle", "sync_greedy", "sync_status_based",
+    "NEW_LEVEL",
+    "Admission",
+    "AdmissionView",
+    "AlwaysAdmit",
+    "CallbackAdmission",
+    "InterruptDecision",
+    "Levels",
+    "PullDecision",
+    "RouteDecision",
+    "apply_pulls",
+    "apply_routes",
+    "engine_should_interrupt_preempted",
+    "level_of",
+    "migrate_throughput_ratio",
+    "queue_levels",
+    "routable_versions",
+    "route_request_count",
+    "route_waterfall",
+    "sync_all_idle",
+    "sync_greedy",
+    "sync_status_based",
 ]
 
 
@@ -160,7 +177,7 @@ def migrate_throughput_ratio(
     starved = [i for i in live if i.waiting == 0 and not is_routable(i.version)]
     if not starved:
         return []
-    loaded = sorted(((thr(l), l) for l in live if l.running >= min_running), key=lambda x: -x[0])
+    loaded = sorted(((thr(ld), ld) for ld in live if ld.running >= min_running), key=lambda x: -x[0])
     if not loaded:
         return []
     starved_t = sorted(((thr(s), s) for s in starved), key=lambda x: x[0])
@@ -168,26 +185,26 @@ def migrate_throughput_ratio(
         return []  # no pair passes the ψ trigger
     pairs: list[tuple[float, float, InstanceView, InstanceView]] = []
     for ts, s in starved_t:
-        for tl, l in loaded:
+        for tl, ld in loaded:
             if tl <= psi * ts:
                 break  # sorted: no later loaded instance passes either
-            if l.instance_id == s.instance_id or l.version > s.version or l.running - s.running < 2:
+            if ld.instance_id == s.instance_id or ld.version > s.version or ld.running - s.running < 2:
                 continue
-            pairs.append((math.inf if ts <= 0 else tl / ts, tl, s, l))
+            pairs.append((math.inf if ts <= 0 else tl / ts, tl, s, ld))
     pairs.sort(key=lambda x: (x[0], x[1]), reverse=True)
-    for _, _, s, l in pairs[:max_tries]:
-        ids = _best_move(s, l, cost, min_gain)
+    for _, _, s, ld in pairs[:max_tries]:
+        ids = _best_move(s, ld, cost, min_gain)
         if ids:
-            return [InterruptDecision(l.instance_id, ids, "migration")]
+            return [InterruptDecision(ld.instance_id, ids, "migration")]
     return []
 
 
-def _best_move(s: InstanceView, l: InstanceView, cost: CostModel, min_gain: float) -> tuple[int, ...]:
-    kmax = (l.running - s.running) // 2
+def _best_move(s: InstanceView, ld: InstanceView, cost: CostModel, min_gain: float) -> tuple[int, ...]:
+    kmax = (ld.running - s.running) // 2
     room = s.kv_capacity - s.kv_used
-    before = cost.throughput(l.running, l.kv_used) + cost.throughput(s.running, s.kv_used)
+    before = cost.throughput(ld.running, ld.kv_used) + cost.throughput(s.running, s.kv_used)
     candidates = sorted(
-        (r for r in l.running_samples if r.v_traj <= s.version), key=lambda r: (-r.tokens, r.sample_id)
+        (r for r in ld.running_samples if r.v_traj <= s.version), key=lambda r: (-r.tokens, r.sample_id)
     )
     chosen: list[int] = []
     moved_kv = 0
@@ -200,7 +217,9 @@ def _best_move(s: InstanceView, l: InstanceView, cost: CostModel, min_gain: floa
         chosen.append(r.sample_id)
         moved_kv += r.length
         k = len(chosen)
-        total = cost.throughput(l.running - k, l.kv_used - moved_kv) + cost.throughput(s.running + k, s.kv_used + moved_kv)
+        total = cost.throughput(ld.running - k, ld.kv_used - moved_kv) + cost.throughput(
+            s.running + k, s.kv_used + moved_kv
+        )
         if total > best_total:
             best_total, best_k = total, k
     if best_k == 0 or best_total < before * (1.0 + min_gain):

@@ -25,8 +25,8 @@ algorithms by batch count, so cross-batch bit equality there is best effort.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -67,8 +67,14 @@ class KVPool:
     fails. `tokens_held` counts slots actually written by live sequences.
     """
 
-    def __init__(self, cfg: TinyConfig, capacity_tokens: int, block_size: int = 16,
-                 device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):
+    def __init__(
+        self,
+        cfg: TinyConfig,
+        capacity_tokens: int,
+        block_size: int = 16,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype = torch.float32,
+    ):
         if capacity_tokens < block_size or block_size < 1:
             raise ValueError("capacity_tokens must be >= block_size >= 1")
         self.cfg = cfg
@@ -92,7 +98,7 @@ class KVPool:
     def blocks_needed(self, n_tokens: int) -> int:
         return -(-n_tokens // self.block_size)
 
-    def new_sequence(self) -> "SeqCache":
+    def new_sequence(self) -> SeqCache:
         return SeqCache(self)
 
 
@@ -195,8 +201,7 @@ class TinyTransformer(nn.Module):
         if not tokens:
             raise ValueError("prefill needs at least one token")
         start = cache.length
-        return self.forward_rows([cache] * len(tokens), list(range(start, start + len(tokens))),
-                          list(tokens))[-1]
+        return self.forward_rows([cache] * len(tokens), list(range(start, start + len(tokens))), list(tokens))[-1]
 
     def decode(self, caches: Sequence[SeqCache], tokens: Sequence[int]) -> torch.Tensor:
         """One new token per sequence (sequences of any lengths); returns logits (B, V)."""
@@ -219,12 +224,13 @@ class TinyTransformer(nn.Module):
             raise KVCacheFull(f"need {need} blocks, {caches[0].pool.free_blocks} free")
         for c, e in ends.values():
             c.reserve(e)
-            c.slot_idx[c.length:e] = torch.tensor(c._slots(c.length, e), dtype=torch.long)
+            c.slot_idx[c.length : e] = torch.tensor(c._slots(c.length, e), dtype=torch.long)
         pool = caches[0].pool
         bs = pool.block_size
         dev = self.device
-        slot_t = torch.tensor([c.blocks[p // bs] * bs + p % bs for c, p in zip(caches, positions)],
-                              dtype=torch.long, device=dev)
+        slot_t = torch.tensor(
+            [c.blocks[p // bs] * bs + p % bs for c, p in zip(caches, positions)], dtype=torch.long, device=dev
+        )
         h = self.tok_emb[torch.tensor(tokens, device=dev)] + self.pos_emb[torch.tensor(positions, device=dev)]
         scale = 1.0 / math.sqrt(dh)
         for li, blk in enumerate(self.blocks):
@@ -256,11 +262,12 @@ def _splitmix64(x: int) -> int:
 
 def uniform(seed: int, position: int) -> float:
     """A uniform number in [0, 1) that depends only on (seed, position)."""
-    return (_splitmix64(_splitmix64(seed & _MASK64) ^ (position & _MASK64)) >> 11) * 2.0 ** -53
+    return (_splitmix64(_splitmix64(seed & _MASK64) ^ (position & _MASK64)) >> 11) * 2.0**-53
 
 
-def sample_tokens(logits: torch.Tensor, seeds: Sequence[int], positions: Sequence[int],
-                  temperature: float = 1.0) -> tuple[list[int], list[float]]:
+def sample_tokens(
+    logits: torch.Tensor, seeds: Sequence[int], positions: Sequence[int], temperature: float = 1.0
+) -> tuple[list[int], list[float]]:
     """Sample one token per row of logits (B, V) for the sequence positions given.
 
     Log-probs are those of the sampling distribution (logits / temperature), which is what
@@ -272,8 +279,7 @@ def sample_tokens(logits: torch.Tensor, seeds: Sequence[int], positions: Sequenc
         tok = logp.argmax(dim=-1)
     else:
         cdf = logp.double().exp().cumsum(dim=-1)
-        u = torch.tensor([uniform(s, p) for s, p in zip(seeds, positions)],
-                         dtype=torch.float64, device=logits.device)
+        u = torch.tensor([uniform(s, p) for s, p in zip(seeds, positions)], dtype=torch.float64, device=logits.device)
         target = (u * cdf[:, -1]).unsqueeze(1)  # scale: cdf[-1] may be 1 +- rounding
         tok = torch.searchsorted(cdf, target, right=True).clamp_(max=logits.shape[-1] - 1)
         tok = tok.squeeze(1)
@@ -281,12 +287,17 @@ def sample_tokens(logits: torch.Tensor, seeds: Sequence[int], positions: Sequenc
     return tok.tolist(), lp.tolist()
 
 
-def generate(model: TinyTransformer, prompt: Sequence[int], max_new_tokens: int, seed: int,
-             temperature: float = 1.0, capacity_tokens: int | None = None) -> tuple[list[int], list[float]]:
+def generate(
+    model: TinyTransformer,
+    prompt: Sequence[int],
+    max_new_tokens: int,
+    seed: int,
+    temperature: float = 1.0,
+    capacity_tokens: int | None = None,
+) -> tuple[list[int], list[float]]:
     """Reference single-sequence generation (prefill + decode loop); used by tests/tools."""
     cfg = model.cfg
-    pool = KVPool(cfg, capacity_tokens or cfg.max_seq, block_size=16, device=model.device,
-                  dtype=model.tok_emb.dtype)
+    pool = KVPool(cfg, capacity_tokens or cfg.max_seq, block_size=16, device=model.device, dtype=model.tok_emb.dtype)
     cache = pool.new_sequence()
     seq = list(prompt)
     out: list[int] = []

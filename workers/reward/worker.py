@@ -4,8 +4,8 @@ posts the rewards (which places complete groups into buffers)."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from workers.client import Conflict, StaleFlowClient
 from workers.tasks.verifiers import VERIFIERS, Detokenize, bytes_detokenize
@@ -54,7 +54,11 @@ class RewardWorker:
         if not tasks:
             return 0
         rewards = [
-            (t.sample_id, t.reward_attempt, float(self.verify(t.response_tokens, t.finish_reason, t.meta, self.detokenize)))
+            (
+                t.sample_id,
+                t.reward_attempt,
+                float(self.verify(t.response_tokens, t.finish_reason, t.meta, self.detokenize)),
+            )
             for t in tasks
         ]
         while rewards:

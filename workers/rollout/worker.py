@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any
 
 from workers.client import Conflict, StaleFlowClient
 from workers.rollout.engines.base import Engine, FinishedEvent, PreemptedEvent, TokensEvent
@@ -121,8 +122,12 @@ class RolloutWorker:
             return
         for w in out.work:
             self.engine.add_request(
-                str(w.sample_id), w.prompt_tokens, w.prefix_tokens, w.prefix_logprobs,
-                max_new_tokens=w.max_new_tokens, seed=w.sample_id,
+                str(w.sample_id),
+                w.prompt_tokens,
+                w.prefix_tokens,
+                w.prefix_logprobs,
+                max_new_tokens=w.max_new_tokens,
+                seed=w.sample_id,
             )
             self.held[w.sample_id] = _Held(w.attempt, w.lease, len(w.prefix_tokens), len(w.prompt_tokens))
             self.stats.routed += 1
@@ -161,19 +166,31 @@ class RolloutWorker:
         held = self.held.get(sid)
         if held is None:
             return
-        new_t, new_lp = tokens[held.reported:], logprobs[held.reported:]
+        new_t, new_lp = tokens[held.reported :], logprobs[held.reported :]
         last = next((r for r in reversed(self.pending) if r["sample_id"] == sid), None)
-        if last is not None and last["kind"] == "partial" and last["attempt"] == held.attempt \
-                and last["version"] == self.engine.version:
+        if (
+            last is not None
+            and last["kind"] == "partial"
+            and last["attempt"] == held.attempt
+            and last["version"] == self.engine.version
+        ):
             # one report per sample per batch: extend the unsent checkpoint instead
             last["tokens"] += list(new_t)
             last["logprobs"] += list(new_lp)
             last["kind"], last["finish_reason"] = kind, reason
         else:
-            self.pending.append({
-                "sample_id": sid, "attempt": held.attempt, "lease": held.lease, "version": self.engine.version,
-                "tokens": list(new_t), "logprobs": list(new_lp), "kind": kind, "finish_reason": reason,
-            })
+            self.pending.append(
+                {
+                    "sample_id": sid,
+                    "attempt": held.attempt,
+                    "lease": held.lease,
+                    "version": self.engine.version,
+                    "tokens": list(new_t),
+                    "logprobs": list(new_lp),
+                    "kind": kind,
+                    "finish_reason": reason,
+                }
+            )
         if kind == "partial":
             held.reported += len(new_t)
         else:
@@ -225,14 +242,20 @@ class RolloutWorker:
     def _heartbeat(self, pulling: bool = False) -> None:
         s = self.engine.stats()
         snapshot = {
-            "running": s.running, "waiting": s.waiting, "kv_used": s.kv_tokens, "kv_capacity": s.kv_capacity,
+            "running": s.running,
+            "waiting": s.waiting,
+            "kv_used": s.kv_tokens,
+            "kv_capacity": s.kv_capacity,
             # engines count prompt + response; the snapshot carries response tokens
             "running_samples": [
                 {"sample_id": int(k), "tokens": max(0, v - self.held[int(k)].prompt_len)}
-                for k, v in s.running_tokens.items() if int(k) in self.held
+                for k, v in s.running_tokens.items()
+                if int(k) in self.held
             ],
             "max_running": getattr(self.engine, "max_running", None),
-            "throughput": s.tokens_per_s, "pulling": pulling, "routed_seen": self.stats.routed,
+            "throughput": s.tokens_per_s,
+            "pulling": pulling,
+            "routed_seen": self.stats.routed,
         }
         try:
             self.client.heartbeat(self.run_id, self.instance_id, s.version, snapshot, self.lease_s)
@@ -248,4 +271,3 @@ class RolloutWorker:
         self.pending.clear()
         self.instance_id = self.client.register(self.run_id, self.name, self.engine.version, self.lease_s).instance_id
         self._last["heartbeat"] = time.monotonic()
-

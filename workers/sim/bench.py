@@ -14,10 +14,10 @@ import json
 import os
 import statistics
 import time
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 from workers.coordinator.policies import ABLATIONS
 
@@ -45,7 +45,7 @@ class BenchConfig:
     jobs: int = field(default_factory=lambda: max(1, min(2, os.cpu_count() or 1)))
 
     @classmethod
-    def quick(cls) -> "BenchConfig":
+    def quick(cls) -> BenchConfig:
         """CI-sized: the small set-up, fewer steps."""
         return cls(setups=("small",), etas=(1, 2, 3), steps=10)
 
@@ -68,7 +68,9 @@ def plan_jobs(cfg: BenchConfig) -> list[Job]:
                     jobs.append(Job(s, a, cfg.ablation_eta, cfg.steps, seed))
     # longest first, so the pool's last job is a short one
     weight = {"sync": 3, "one_step": 2, "strict": 2}
-    return sorted(jobs, key=lambda j: -(weight.get(j.policy, 1) * get_setup(j.setup).batch_size * get_setup(j.setup).group_size))
+    return sorted(
+        jobs, key=lambda j: -(weight.get(j.policy, 1) * get_setup(j.setup).batch_size * get_setup(j.setup).group_size)
+    )
 
 
 def _run(job: Job) -> SimResult:
@@ -136,12 +138,19 @@ def average(results: dict[Job, SimResult]) -> dict[Job, Averaged]:
             for k, v in r.commands.items():
                 cmds[k] = cmds.get(k, 0) + v / len(rs)
         out[j] = Averaged(
-            eta=rs[0].eta, runs=len(rs), steady_tokens_per_s=mean("steady_tokens_per_s"),
-            steady_samples_per_s=mean("steady_samples_per_s"), tokens_per_s=mean("tokens_per_s"),
-            ratio_to_ideal=mean("ratio_to_ideal"), rollout_idle_fraction=mean("rollout_idle_fraction"),
-            rollout_pull_fraction=mean("rollout_pull_fraction"), staleness_hist=dict(sorted(hist.items())),
-            step_times=[t for r in rs for t in r.step_times], commands=cmds,
-            coordinator_wall_s=sum(r.coordinator_wall_s for r in rs), cycles=sum(r.cycles for r in rs),
+            eta=rs[0].eta,
+            runs=len(rs),
+            steady_tokens_per_s=mean("steady_tokens_per_s"),
+            steady_samples_per_s=mean("steady_samples_per_s"),
+            tokens_per_s=mean("tokens_per_s"),
+            ratio_to_ideal=mean("ratio_to_ideal"),
+            rollout_idle_fraction=mean("rollout_idle_fraction"),
+            rollout_pull_fraction=mean("rollout_pull_fraction"),
+            staleness_hist=dict(sorted(hist.items())),
+            step_times=[t for r in rs for t in r.step_times],
+            commands=cmds,
+            coordinator_wall_s=sum(r.coordinator_wall_s for r in rs),
+            cycles=sum(r.cycles for r in rs),
             per_seed_tokens_per_s=[r.steady_tokens_per_s for r in rs],
         )
     return out
@@ -157,7 +166,11 @@ class Cell:
     staleflow: Averaged
 
     def ratio(self, other: Averaged) -> float:
-        return self.staleflow.steady_tokens_per_s / other.steady_tokens_per_s if other.steady_tokens_per_s else float("nan")
+        return (
+            self.staleflow.steady_tokens_per_s / other.steady_tokens_per_s
+            if other.steady_tokens_per_s
+            else float("nan")
+        )
 
 
 def cells(results: dict[Job, Averaged], cfg: BenchConfig) -> list[Cell]:
@@ -165,7 +178,16 @@ def cells(results: dict[Job, Averaged], cfg: BenchConfig) -> list[Cell]:
     out = []
     for s in cfg.setups:
         for eta in cfg.etas:
-            out.append(Cell(s, eta, by[(s, "sync", 0)], by[(s, "one_step", 1)], by[(s, "strict", eta)], by[(s, "staleflow", eta)]))
+            out.append(
+                Cell(
+                    s,
+                    eta,
+                    by[(s, "sync", 0)],
+                    by[(s, "one_step", 1)],
+                    by[(s, "strict", eta)],
+                    by[(s, "staleflow", eta)],
+                )
+            )
     return out
 
 
@@ -205,7 +227,9 @@ def markdown(results: dict[Job, Averaged], cfg: BenchConfig, wall: float, runs: 
             f"{c.staleflow.ratio_to_ideal:.0%} | {c.sync.rollout_idle_fraction:.0%} / {c.strict.rollout_idle_fraction:.0%} / "
             f"{c.staleflow.rollout_idle_fraction:.0%} | {_hist(c.staleflow.staleness_hist)} |"
         )
-    best_strict = [c.staleflow.steady_tokens_per_s / max(c.strict.steady_tokens_per_s, c.one_step.steady_tokens_per_s) for c in cs]
+    best_strict = [
+        c.staleflow.steady_tokens_per_s / max(c.strict.steady_tokens_per_s, c.one_step.steady_tokens_per_s) for c in cs
+    ]
     rs = [c.ratio(c.sync) for c in cs]
     rt = [c.ratio(c.strict) for c in cs]
     lines += [
@@ -330,7 +354,9 @@ def run_bench(
     out_dir.mkdir(parents=True, exist_ok=True)
     jobs = plan_jobs(cfg)
     if progress:
-        progress(f"{len(jobs)} simulations on {cfg.jobs} processes: set-ups {', '.join(cfg.setups)}, η {cfg.etas}, {cfg.steps} steps")
+        progress(
+            f"{len(jobs)} simulations on {cfg.jobs} processes: set-ups {', '.join(cfg.setups)}, η {cfg.etas}, {cfg.steps} steps"
+        )
     t0 = time.perf_counter()
     results = run_jobs(jobs, cfg.jobs, progress)
     wall = time.perf_counter() - t0

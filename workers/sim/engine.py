@@ -81,9 +81,17 @@ class SampleTable:
         if sid != len(self.group):
             raise ValueError(f"sample ids must be contiguous: got {sid}, expected {len(self.group)}")
         for lst, v in (
-            (self.group, group), (self.prompt, prompt), (self.target, target), (self.gen, 0), (self.seg0, 0),
-            (self.v_traj, 0), (self.attempt, 0), (self.instance, 0), (self.seg_version, 0),
-            (self.last_version, None), (self.ran_on, 0),
+            (self.group, group),
+            (self.prompt, prompt),
+            (self.target, target),
+            (self.gen, 0),
+            (self.seg0, 0),
+            (self.v_traj, 0),
+            (self.attempt, 0),
+            (self.instance, 0),
+            (self.seg_version, 0),
+            (self.last_version, None),
+            (self.ran_on, 0),
         ):
             lst.append(v)
 
@@ -350,8 +358,17 @@ class SimInstance:
         thr = (self.tokens - self._hb_tokens) / dt if dt > 0 else 0.0
         self._hb_t, self._hb_tokens = now, self.tokens
         return InstanceSnapshot(
-            instance_id=self.id, version=self.version, running=n, waiting=len(self.waiting),
-            kv_used=self.S + n * it, kv_capacity=self.cap, running_samples=samples, throughput=thr,
-            heartbeat_at=now, snapshot_at=now, pulling=self.pulling_until is not None,
-            routed_seen=self.received, max_running=self.max_running,
+            instance_id=self.id,
+            version=self.version,
+            running=n,
+            waiting=len(self.waiting),
+            kv_used=self.S + n * it,
+            kv_capacity=self.cap,
+            running_samples=samples,
+            throughput=thr,
+            heartbeat_at=now,
+            snapshot_at=now,
+            pulling=self.pulling_until is not None,
+            routed_seen=self.received,
+            max_running=self.max_running,
         )

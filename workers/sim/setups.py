@@ -102,7 +102,7 @@ class Setup:
     def train_step_time(self, tokens: int) -> float:
         return TRAIN_OVERHEAD * self.step_time_scale + tokens * self.train_seconds_per_token
 
-    def scaled(self, **changes) -> "Setup":
+    def scaled(self, **changes) -> Setup:
         """A variant (smaller cluster, batch, ...); `max_response` also rescales the workload."""
         if "max_response" in changes and "workload" not in changes:
             changes["workload"] = self.workload.scaled(changes["max_response"])
@@ -115,34 +115,91 @@ def _shape(max_response: int) -> WorkloadShape:
 
 SETUPS: dict[str, Setup] = {
     "qwen_14b": Setup(
-        "qwen_14b", "qwen_14b", "TP1_PP1", batch_size=128, group_size=16, max_response=20_000,
-        instances=32, tp=1, etas=(1, 2, 3), params=14.8e9, active_params=14.8e9, layers=48, kv_heads=8,
+        "qwen_14b",
+        "qwen_14b",
+        "TP1_PP1",
+        batch_size=128,
+        group_size=16,
+        max_response=20_000,
+        instances=32,
+        tp=1,
+        etas=(1, 2, 3),
+        params=14.8e9,
+        active_params=14.8e9,
+        layers=48,
+        kv_heads=8,
         workload=_shape(20_000),
     ),
     "qwen_32b": Setup(
-        "qwen_32b", "qwen_32b", "TP2_PP1", batch_size=64, group_size=16, max_response=20_000,
-        instances=16, tp=2, etas=(1, 2, 3), params=32.8e9, active_params=32.8e9, layers=64, kv_heads=8,
+        "qwen_32b",
+        "qwen_32b",
+        "TP2_PP1",
+        batch_size=64,
+        group_size=16,
+        max_response=20_000,
+        instances=16,
+        tp=2,
+        etas=(1, 2, 3),
+        params=32.8e9,
+        active_params=32.8e9,
+        layers=64,
+        kv_heads=8,
         workload=_shape(20_000),
     ),
     "qwen_moe_30b": Setup(
-        "qwen_moe_30b", "qwen_moe_30b", "TP1_PP1", batch_size=64, group_size=16, max_response=20_000,
-        instances=32, tp=1, etas=(1, 2, 3), params=30.5e9, active_params=3.3e9, layers=48, kv_heads=4,
-        moe=True, workload=_shape(20_000),
+        "qwen_moe_30b",
+        "qwen_moe_30b",
+        "TP1_PP1",
+        batch_size=64,
+        group_size=16,
+        max_response=20_000,
+        instances=32,
+        tp=1,
+        etas=(1, 2, 3),
+        params=30.5e9,
+        active_params=3.3e9,
+        layers=48,
+        kv_heads=4,
+        moe=True,
+        workload=_shape(20_000),
     ),
     "qwen_7b": Setup(
-        "qwen_7b", "qwen_7b", "TP1_PP1", batch_size=64, group_size=8, max_response=28_000,
-        instances=32, tp=1, etas=(1, 2, 3, 5, 10), params=7.6e9, active_params=7.6e9, layers=28, kv_heads=4,
+        "qwen_7b",
+        "qwen_7b",
+        "TP1_PP1",
+        batch_size=64,
+        group_size=8,
+        max_response=28_000,
+        instances=32,
+        tp=1,
+        etas=(1, 2, 3, 5, 10),
+        params=7.6e9,
+        active_params=7.6e9,
+        layers=28,
+        kv_heads=4,
         workload=_shape(28_000),
     ),
 }
 
 # Small set-ups for tests and CI-sized runs: same cost model as 7B, few instances.
 SETUPS["tiny"] = SETUPS["qwen_7b"].scaled(
-    name="tiny", batch_size=8, group_size=4, max_response=4_000, instances=4, etas=(1, 2),
-    kv_capacity_override=60_000, train_gpus=8, step_time_scale=0.05,
+    name="tiny",
+    batch_size=8,
+    group_size=4,
+    max_response=4_000,
+    instances=4,
+    etas=(1, 2),
+    kv_capacity_override=60_000,
+    train_gpus=8,
+    step_time_scale=0.05,
 )
 SETUPS["small"] = SETUPS["qwen_14b"].scaled(
-    name="small", batch_size=32, group_size=16, max_response=8_000, instances=8, etas=(1, 2, 3),
+    name="small",
+    batch_size=32,
+    group_size=16,
+    max_response=8_000,
+    instances=8,
+    etas=(1, 2, 3),
     train_gpus=48,
 )
 

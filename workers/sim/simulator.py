@@ -31,7 +31,8 @@ from __future__ import annotations
 import math
 import time
 from collections import Counter
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -80,9 +81,13 @@ class Simulator:
         if su.kv_capacity < su.workload.prompt_max + su.max_response:
             raise ValueError(f"{su.name}: KV capacity {su.kv_capacity} cannot hold one longest sample")
         cfg = RunConfig(
-            batch_size=su.batch_size, group_size=su.group_size, eta=self.eta,
-            buffer_capacity=buffer_capacity, samples_per_group=samples_per_group,
-            max_response_tokens=su.max_response, max_prompt_tokens=su.workload.prompt_max,
+            batch_size=su.batch_size,
+            group_size=su.group_size,
+            eta=self.eta,
+            buffer_capacity=buffer_capacity,
+            samples_per_group=samples_per_group,
+            max_response_tokens=su.max_response,
+            max_prompt_tokens=su.workload.prompt_max,
         )
         self.p = SimProtocol(cfg)
         self.table = SampleTable()
@@ -100,8 +105,14 @@ class Simulator:
         for _ in range(su.instances):
             iid = self.p.register_instance(0)
             e = SimInstance(
-                iid, self.cost, su.kv_capacity, su.max_running, su.prefill_rate, self.table,
-                version=0, phi_wait=self.policy.phi,
+                iid,
+                self.cost,
+                su.kv_capacity,
+                su.max_running,
+                su.prefill_rate,
+                self.table,
+                version=0,
+                phi_wait=self.policy.phi,
             )
             self.engines[iid] = e
             self.spec.observe(e.snapshot(0.0, self.detail))
@@ -153,8 +164,14 @@ class Simulator:
         if has:
             tbl.last_version[sid] = tbl.seg_version[sid]
         return Report(
-            sid, tbl.attempt[sid], tbl.seg_version[sid], _ONE if has else [], _ONE_LP if has else [], kind,
-            instance_id=tbl.ran_on[sid], lease=self.leases[sid],
+            sid,
+            tbl.attempt[sid],
+            tbl.seg_version[sid],
+            _ONE if has else [],
+            _ONE_LP if has else [],
+            kind,
+            instance_id=tbl.ran_on[sid],
+            lease=self.leases[sid],
         )
 
     def _requeue(self, sids: list[int]) -> None:
@@ -167,7 +184,12 @@ class Simulator:
             tbl.instance[sid] = 0
             g = tbl.gen[sid]
             self.queued[sid] = QueuedSample(
-                sid, tbl.group[sid], tbl.prompt[sid] + g, tbl.v_traj[sid], g, tbl.last_version[sid],
+                sid,
+                tbl.group[sid],
+                tbl.prompt[sid] + g,
+                tbl.v_traj[sid],
+                g,
+                tbl.last_version[sid],
                 tbl.ran_on[sid] or None,
             )
 
@@ -192,8 +214,10 @@ class Simulator:
         claimed = self.p.claim_rewards(len(self.p._finished))
         outcomes = self.p.record_rewards([(sid, att, 1.0) for sid, att in claimed])
         touched = [o.group_id for o in outcomes]
-        if touched and (self.p.config.samples_per_group > self.p.config.group_size or
-                        any(o.state != GroupState.OCCUPIED for o in outcomes)):
+        if touched and (
+            self.p.config.samples_per_group > self.p.config.group_size
+            or any(o.state != GroupState.OCCUPIED for o in outcomes)
+        ):
             self._drop_aborted(touched)
         return bool(outcomes)
 
@@ -285,7 +309,9 @@ class Simulator:
             ):
                 # nothing discrete happened on this engine since its last accepted snapshot:
                 # the DB row would differ only in KV growth; read it at most every quiet_heartbeat
-                self.next_hb[iid] += self.heartbeat_period * math.ceil((now - self.next_hb[iid]) / self.heartbeat_period + 1e-9)
+                self.next_hb[iid] += self.heartbeat_period * math.ceil(
+                    (now - self.next_hb[iid]) / self.heartbeat_period + 1e-9
+                )
                 continue
             e.advance(now)
             self._collect(e, finished, interrupted)
@@ -313,8 +339,12 @@ class Simulator:
             p.buffers, p.version, p.limits, {gid: g.reserved_buffer for gid, g in reserved.items()}
         )
         plan = self.policy.plan(
-            self.spec.views(copy=False), list(self.queued.values()), self.cost, ps_version=p.version,
-            admission=admission, group_versions=group_versions,
+            self.spec.views(copy=False),
+            list(self.queued.values()),
+            self.cost,
+            ps_version=p.version,
+            admission=admission,
+            group_versions=group_versions,
         )
         self.coord_wall += time.perf_counter() - t0
         if plan.empty():
@@ -389,7 +419,9 @@ class Simulator:
         ticks = max(1, math.ceil((t - self.now) / self.period - 1e-9))
         return self.now + ticks * self.period
 
-    def run(self, steps: int, max_virtual_time: float | None = None, progress: Callable[[str], None] | None = None) -> SimResult:
+    def run(
+        self, steps: int, max_virtual_time: float | None = None, progress: Callable[[str], None] | None = None
+    ) -> SimResult:
         wall0 = time.perf_counter()
         limit = max_virtual_time if max_virtual_time is not None else 200_000.0
         p = self.p

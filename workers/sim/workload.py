@@ -52,7 +52,7 @@ class WorkloadShape:
         z = NormalDist().inv_cdf(1.0 - self.truncated_fraction)
         return math.log(self.max_response / self.median) / z
 
-    def scaled(self, max_response: int) -> "WorkloadShape":
+    def scaled(self, max_response: int) -> WorkloadShape:
         return replace(self, max_response=max_response)
 
 

@@ -7,7 +7,7 @@ registered by name, so a reward worker picks one with `--verifier NAME`.
 from __future__ import annotations
 
 import re
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 Detokenize = Callable[[Sequence[int]], str]
 Verifier = Callable[[Sequence[int], "str | None", dict, Detokenize], float]

@@ -59,8 +59,9 @@ def group_advantages(rewards: torch.Tensor, group_index: torch.Tensor, eps: floa
     return ((rewards - mean_s) / (std_s + eps)).float()
 
 
-def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
+def token_logprobs(
+    logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-prob of each target token under logits / T, and the distribution's entropy
     (detached): logits (B, T, V), targets (B, T) -> two (B, T) tensors."""
     logp_all = F.log_softmax(logits.float() / temperature, dim=-1)

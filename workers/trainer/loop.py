@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import collections
 import logging
-import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from api.models import BatchOut
 from workers.client import StaleFlowClient
@@ -51,9 +51,11 @@ class StepMetrics:
         stale = " ".join(f"{k}:{v}" for k, v in sorted(self.staleness.items()))
         loss = "" if self.loss is None else f" loss {self.loss:+.4f}"
         tag = " (resumed)" if self.resumed else ""
-        return (f"v{self.version}->v{self.version + 1}{tag}: reward {self.reward_mean:.3f}{loss}"
-                f" tokens {self.tokens} staleness [{stale}] wait {self.wait_s:.1f}s"
-                f" train {self.train_s:.2f}s push {self.push_s:.2f}s")
+        return (
+            f"v{self.version}->v{self.version + 1}{tag}: reward {self.reward_mean:.3f}{loss}"
+            f" tokens {self.tokens} staleness [{stale}] wait {self.wait_s:.1f}s"
+            f" train {self.train_s:.2f}s push {self.push_s:.2f}s"
+        )
 
 
 def batch_metrics(batch: BatchOut) -> StepMetrics:
@@ -62,12 +64,14 @@ def batch_metrics(batch: BatchOut) -> StepMetrics:
     response = sum(len(s.tokens) for s in samples)
     staleness = collections.Counter(batch.version - s.v_traj for s in samples)
     reward = sum(s.reward for s in samples) / len(samples) if samples else 0.0
-    return StepMetrics(batch.version, len(batch.groups), len(samples), prompt + response, response,
-                       reward, dict(staleness))
+    return StepMetrics(
+        batch.version, len(batch.groups), len(samples), prompt + response, response, reward, dict(staleness)
+    )
 
 
-def consume_ready(client: StaleFlowClient, run_id: int, version: int, wait_s: float,
-                  stopping: Callable[[], bool]) -> tuple[BatchOut | None, float]:
+def consume_ready(
+    client: StaleFlowClient, run_id: int, version: int, wait_s: float, stopping: Callable[[], bool]
+) -> tuple[BatchOut | None, float]:
     """Long-poll until buffer `version` is ready (or we are told to stop)."""
     t0 = time.monotonic()
     while not stopping():
@@ -92,9 +96,13 @@ def publish_fenced(client: StaleFlowClient, run_id: int, version: int, lease: in
         raise TrainerError(f"fenced: another trainer consumed buffer {version} ({e.message})") from None
 
 
-def run_steps(step: Callable[[], StepMetrics | None], stopping: Callable[[], bool], steps: int | None,
-              on_step: Callable[[StepMetrics], None] | None = None,
-              done: list[StepMetrics] | None = None) -> list[StepMetrics]:
+def run_steps(
+    step: Callable[[], StepMetrics | None],
+    stopping: Callable[[], bool],
+    steps: int | None,
+    on_step: Callable[[StepMetrics], None] | None = None,
+    done: list[StepMetrics] | None = None,
+) -> list[StepMetrics]:
     """The trainers' loop: call `step` until `stopping()` or `done` holds `steps` metrics,
     logging each and passing it to `on_step`. `step` returning None (stopped while waiting)
     counts nothing. `done` may be pre-filled (and is extended in place)."""
@@ -106,8 +114,7 @@ def run_steps(step: Callable[[], StepMetrics | None], stopping: Callable[[], boo
     return done
 
 
-def record_step(m: StepMetrics, done: list[StepMetrics],
-                on_step: Callable[[StepMetrics], None] | None = None) -> None:
+def record_step(m: StepMetrics, done: list[StepMetrics], on_step: Callable[[StepMetrics], None] | None = None) -> None:
     done.append(m)
     log.info("%s", m.line())
     if on_step:

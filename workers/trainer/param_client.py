@@ -12,15 +12,24 @@ import datetime
 import json
 import logging
 import socket
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from typing import Callable, Iterator, Mapping, TypeVar
+from typing import TypeVar
 
 import torch
 from torch.distributed import PrefixStore, ProcessGroupGloo, TCPStore
 
 from staleflow_db.retry import Outage, retrying
 from workers.trainer.param_store import (
-    _CHUNK, ChecksumError, ParamServerError, _hasher, _metas_from_json, _metas_json, _update, flatten, unflatten,
+    _CHUNK,
+    ChecksumError,
+    ParamServerError,
+    _hasher,
+    _metas_from_json,
+    _metas_json,
+    _update,
+    flatten,
+    unflatten,
 )
 
 log = logging.getLogger("staleflow.ps")
@@ -45,7 +54,7 @@ def _group(store: TCPStore, rank: int, backend: str, local_host: str, timeout_s:
 
 
 def _chunks(flat: torch.Tensor) -> list[torch.Tensor]:
-    return [flat[i:i + _CHUNK] for i in range(0, flat.numel(), _CHUNK)]
+    return [flat[i : i + _CHUNK] for i in range(0, flat.numel(), _CHUNK)]
 
 
 def _send(pg, flat: torch.Tensor, peer: int, on_chunk: Callable[[torch.Tensor], None] | None = None) -> None:
@@ -66,7 +75,6 @@ def _recv(pg, flat: torch.Tensor, peer: int, on_chunk: Callable[[torch.Tensor], 
         w.wait()
         if on_chunk:
             on_chunk(c)
-
 
 
 # ---- client ------------------------------------------------------------------------------
@@ -137,8 +145,7 @@ class ParamClient:
         return msg
 
     def _join(self, sock: socket.socket, msg: dict):
-        store = TCPStore(self.addr[0], msg["store_port"], 2, False,
-                         datetime.timedelta(seconds=self.timeout_s))
+        store = TCPStore(self.addr[0], msg["store_port"], 2, False, datetime.timedelta(seconds=self.timeout_s))
         return store, _group(store, 1, msg["backend"], sock.getsockname()[0], self.timeout_s)
 
     def latest(self) -> dict | None:
@@ -184,9 +191,14 @@ class ParamClient:
             del pg, store
         return done["checksum"]
 
-    def pull(self, version: int | None = None, device: str | torch.device = "cpu",
-             verify: bool = True, _on_reply: Callable[[dict], None] | None = None,
-             checksum: str | None = None) -> tuple[dict[str, torch.Tensor], int, str]:
+    def pull(
+        self,
+        version: int | None = None,
+        device: str | torch.device = "cpu",
+        verify: bool = True,
+        _on_reply: Callable[[dict], None] | None = None,
+        checksum: str | None = None,
+    ) -> tuple[dict[str, torch.Tensor], int, str]:
         """Fetch `version`: (state_dict, version, checksum). The tensors are views into one
         buffer. Without `checksum` only committed weights are served: `version` if it is
         committed, the latest committed one if None; ParamServerError otherwise (e.g. in the
@@ -195,9 +207,14 @@ class ParamClient:
         ChecksumError. ChecksumError also if the received bytes do not match."""
         return self._call(lambda: self._pull(version, device, verify, _on_reply, checksum))
 
-    def _pull(self, version: int | None, device: str | torch.device, verify: bool,
-              _on_reply: Callable[[dict], None] | None, checksum: str | None
-              ) -> tuple[dict[str, torch.Tensor], int, str]:
+    def _pull(
+        self,
+        version: int | None,
+        device: str | torch.device,
+        verify: bool,
+        _on_reply: Callable[[dict], None] | None,
+        checksum: str | None,
+    ) -> tuple[dict[str, torch.Tensor], int, str]:
         sock, f = self._connect({"op": "pull", "version": version, "checksum": checksum})
         with sock, f:
             msg = self._read(f)

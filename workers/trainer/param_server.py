@@ -42,9 +42,9 @@ import os
 import signal
 import socketserver
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 from torch.distributed import TCPStore
@@ -52,11 +52,23 @@ from torch.distributed import TCPStore
 # The client and transfers live in param_client, layout, checksum and persistence in
 # param_store; their public names are re-exported so `from workers.trainer.param_server import ...`
 # keeps working.
-from workers.trainer.param_client import PSUnavailable, ParamClient, _group, _recv, _send  # noqa: F401
+from workers.trainer.param_client import ParamClient, PSUnavailable, _group, _recv, _send  # noqa: F401
 from workers.trainer.param_store import (  # noqa: F401
-    _CHUNK, ChecksumError, ParamServerError, TensorMeta, VersionWriter, _hasher,
-    _metas_from_json, _metas_json, _update, flat_checksum, flatten, layout, load_version,
-    state_dict_checksum, unflatten,
+    _CHUNK,
+    ChecksumError,
+    ParamServerError,
+    TensorMeta,
+    VersionWriter,
+    _hasher,
+    _metas_from_json,
+    _metas_json,
+    _update,
+    flat_checksum,
+    flatten,
+    layout,
+    load_version,
+    state_dict_checksum,
+    unflatten,
 )
 
 log = logging.getLogger("staleflow.ps")
@@ -80,8 +92,13 @@ class _Version:
     committed: bool = False  # its checksum is the published one: no other push may replace it
 
     def info(self) -> dict:
-        return {"version": self.version, "size": self.flat.numel(), "checksum": self.checksum,
-                "location": self.location, "committed": self.committed}
+        return {
+            "version": self.version,
+            "size": self.flat.numel(),
+            "checksum": self.checksum,
+            "location": self.location,
+            "committed": self.committed,
+        }
 
 
 class _Server(socketserver.ThreadingTCPServer):
@@ -90,10 +107,18 @@ class _Server(socketserver.ThreadingTCPServer):
 
 
 class ParamServer:
-    def __init__(self, data_dir: str | os.PathLike, host: str = "127.0.0.1", port: int = 0, *,
-                 backend: str = "gloo", device: str = "cpu",
-                 on_published: OnPublished | None = None, transfer_timeout_s: float = 300.0,
-                 _tamper_pulls: bool = False):
+    def __init__(
+        self,
+        data_dir: str | os.PathLike,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        backend: str = "gloo",
+        device: str = "cpu",
+        on_published: OnPublished | None = None,
+        transfer_timeout_s: float = 300.0,
+        _tamper_pulls: bool = False,
+    ):
         self.data_dir = Path(data_dir)
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self.backend, self.device = backend, torch.device(device)
@@ -148,10 +173,15 @@ class ParamServer:
         for side in {id(s): s for s in (latest, committed) if s is not None}.values():
             path = self.data_dir / side["file"]
             flat, metas, checksum = load_version(path, side["checksum"])  # raises if corrupt
-            self._versions[side["version"]] = _Version(side["version"], flat.to(self.device), metas, checksum,
-                                                       str(path), committed=bool(side.get("committed")))
-            log.info("loaded v%d (%s) from %s", side["version"],
-                     "committed" if side.get("committed") else "provisional", path)
+            self._versions[side["version"]] = _Version(
+                side["version"], flat.to(self.device), metas, checksum, str(path), committed=bool(side.get("committed"))
+            )
+            log.info(
+                "loaded v%d (%s) from %s",
+                side["version"],
+                "committed" if side.get("committed") else "provisional",
+                path,
+            )
         self._latest = latest["version"]
         self._committed = committed["version"] if committed is not None else None
 
@@ -183,8 +213,7 @@ class ParamServer:
 
     def _open_transfer(self, h) -> tuple[TCPStore, str]:
         local = h.connection.getsockname()[0]  # the address this peer reached us on
-        store = TCPStore(local, 0, 2, True, datetime.timedelta(seconds=self.timeout_s),
-                         wait_for_workers=False)
+        store = TCPStore(local, 0, 2, True, datetime.timedelta(seconds=self.timeout_s), wait_for_workers=False)
         return store, local
 
     def _serve_pull(self, h, req: dict, reply) -> None:
@@ -196,21 +225,30 @@ class ParamServer:
                 v = self._latest if want is not None else self._committed
             entry = self._versions.get(v) if v is not None else None
             if entry is None:
-                reply({"error": f"version {req.get('version')} not available (latest pushed {self._latest}, "
-                                f"latest committed {self._committed})"})
+                reply(
+                    {
+                        "error": f"version {req.get('version')} not available (latest pushed {self._latest}, "
+                        f"latest committed {self._committed})"
+                    }
+                )
                 return
             if want is not None and want != entry.checksum:
-                reply({"error": f"ChecksumError: v{v} here is {entry.checksum[:12]}, not the expected {str(want)[:12]}"})
+                reply(
+                    {"error": f"ChecksumError: v{v} here is {entry.checksum[:12]}, not the expected {str(want)[:12]}"}
+                )
                 return
             if want is None and not entry.committed:
-                reply({"error": f"version {v} is not committed yet (provisional until its publisher commits "
-                                f"it; latest committed {self._committed})"})
+                reply(
+                    {
+                        "error": f"version {v} is not committed yet (provisional until its publisher commits "
+                        f"it; latest committed {self._committed})"
+                    }
+                )
                 return
             entry.pulls += 1
         try:
             store, local = self._open_transfer(h)
-            reply({**entry.info(), "meta": _metas_json(entry.metas), "store_port": store.port,
-                   "backend": self.backend})
+            reply({**entry.info(), "meta": _metas_json(entry.metas), "store_port": store.port, "backend": self.backend})
             pg = _group(store, 0, self.backend, local, self.timeout_s)
             flat = entry.flat
             if self._tamper_pulls:
@@ -254,8 +292,10 @@ class ParamServer:
                     return
                 if latest is not None and version == latest.version and latest.committed:
                     # other weights under a published number: a fenced trainer's push
-                    raise ParamServerError(f"push of v{version}: v{version} is published with checksum "
-                                           f"{latest.checksum[:12]}, not {checksum[:12]}")
+                    raise ParamServerError(
+                        f"push of v{version}: v{version} is published with checksum "
+                        f"{latest.checksum[:12]}, not {checksum[:12]}"
+                    )
                 path = writer.commit(checksum)
             except BaseException:
                 writer.abort()
@@ -326,16 +366,31 @@ def _mark_committed(data_dir: Path, version: int) -> None:
 
 
 # ---- process entry -----------------------------------------------------------------------
-def main(data_dir: str | os.PathLike, host: str = "127.0.0.1", port: int = 0, *,
-         backend: str = "gloo", device: str = "cpu", on_published: OnPublished | None = None,
-         ready_file: str | os.PathLike | None = None, transfer_timeout_s: float = 300.0,
-         _tamper_pulls: bool = False) -> None:
+def main(
+    data_dir: str | os.PathLike,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    *,
+    backend: str = "gloo",
+    device: str = "cpu",
+    on_published: OnPublished | None = None,
+    ready_file: str | os.PathLike | None = None,
+    transfer_timeout_s: float = 300.0,
+    _tamper_pulls: bool = False,
+) -> None:
     """Run a PS until SIGTERM/SIGINT. With port=0 the bound address is written to
     `ready_file` (JSON: host, port, pid) once the PS serves requests."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s ps %(levelname)s %(message)s")
-    ps = ParamServer(data_dir, host, port, backend=backend, device=device,
-                     on_published=on_published, transfer_timeout_s=transfer_timeout_s,
-                     _tamper_pulls=_tamper_pulls)
+    ps = ParamServer(
+        data_dir,
+        host,
+        port,
+        backend=backend,
+        device=device,
+        on_published=on_published,
+        transfer_timeout_s=transfer_timeout_s,
+        _tamper_pulls=_tamper_pulls,
+    )
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
@@ -347,4 +402,3 @@ def main(data_dir: str | os.PathLike, host: str = "127.0.0.1", port: int = 0, *,
     log.info("PS listening on %s:%d (%s), dir %s", h, p, backend, data_dir)
     stop.wait()
     ps.stop()
-

@@ -20,17 +20,25 @@ import math
 import os
 import struct
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping
 
 import torch
 
 _DTYPES = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
-    torch.uint8: "U8", torch.bool: "BOOL",
-    torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
 }
 _BY_NAME = {v: k for k, v in _DTYPES.items()}
 # bytes per send/recv message: small enough that hashing (and on the PS writing) chunk k
@@ -83,21 +91,21 @@ def _header(metas: list[TensorMeta]) -> bytes:
     return json.dumps(_metas_json(metas), separators=(",", ":")).encode()
 
 
-def flatten(state_dict: Mapping[str, torch.Tensor], device: str | torch.device = "cpu"
-            ) -> tuple[torch.Tensor, list[TensorMeta]]:
+def flatten(
+    state_dict: Mapping[str, torch.Tensor], device: str | torch.device = "cpu"
+) -> tuple[torch.Tensor, list[TensorMeta]]:
     metas = layout({n: (t.dtype, tuple(t.shape)) for n, t in state_dict.items()})
     flat = torch.empty(sum(m.nbytes for m in metas), dtype=torch.uint8, device=device)
     for m in metas:
         if m.nbytes:
             src = state_dict[m.name].detach().contiguous().reshape(-1).view(torch.uint8)
-            flat[m.offset:m.offset + m.nbytes].copy_(src)
+            flat[m.offset : m.offset + m.nbytes].copy_(src)
     return flat, metas
 
 
 def unflatten(flat: torch.Tensor, metas: list[TensorMeta]) -> dict[str, torch.Tensor]:
     """Views into `flat` (no copy): the returned tensors share its memory."""
-    return {m.name: flat[m.offset:m.offset + m.nbytes].view(_BY_NAME[m.dtype]).view(m.shape)
-            for m in metas}
+    return {m.name: flat[m.offset : m.offset + m.nbytes].view(_BY_NAME[m.dtype]).view(m.shape) for m in metas}
 
 
 def _bytes(t: torch.Tensor) -> memoryview:
@@ -120,7 +128,7 @@ def _update(h, chunk: torch.Tensor) -> None:
 def flat_checksum(flat: torch.Tensor, metas: list[TensorMeta]) -> str:
     h = _hasher(metas)
     for i in range(0, flat.numel(), _CHUNK):
-        _update(h, flat[i:i + _CHUNK])
+        _update(h, flat[i : i + _CHUNK])
     return h.hexdigest()
 
 
@@ -138,8 +146,10 @@ class VersionWriter:
         self.data_dir, self.version = data_dir, version
         self.path = data_dir / f"v{version}.safetensors"
         self.size = sum(m.nbytes for m in metas)
-        hdr = {m.name: {"dtype": m.dtype, "shape": list(m.shape),
-                        "data_offsets": [m.offset, m.offset + m.nbytes]} for m in metas}
+        hdr = {
+            m.name: {"dtype": m.dtype, "shape": list(m.shape), "data_offsets": [m.offset, m.offset + m.nbytes]}
+            for m in metas
+        }
         hdr["__metadata__"] = {"version": str(version)}
         raw = json.dumps(hdr, separators=(",", ":")).encode()
         raw += b" " * (-len(raw) % 8)  # safetensors aligns the data section to 8 bytes

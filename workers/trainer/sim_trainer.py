@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from workers.client import StaleFlowClient
 from workers.trainer.loop import StepMetrics, batch_metrics, consume_ready, publish_fenced, run_steps
@@ -62,6 +62,5 @@ class SimTrainer:
         m.publish_s = time.monotonic() - t0
         return m
 
-    def run(self, steps: int | None = None, on_step: Callable[[StepMetrics], None] | None = None
-            ) -> list[StepMetrics]:
+    def run(self, steps: int | None = None, on_step: Callable[[StepMetrics], None] | None = None) -> list[StepMetrics]:
         return run_steps(self.step, self._stop.is_set, steps, on_step)

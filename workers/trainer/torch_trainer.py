@@ -36,8 +36,9 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -45,10 +46,16 @@ from torch import nn
 from api.models import BatchOut
 from workers.client import StaleFlowClient
 from workers.trainer.grpo import GRPOConfig, group_advantages, policy_loss, summarize, token_logprobs
-from workers.trainer.param_server import ParamClient, ParamServerError, state_dict_checksum
 from workers.trainer.loop import (
-    StepMetrics, TrainerError, batch_metrics, consume_ready, publish_fenced, record_step, run_steps,
+    StepMetrics,
+    TrainerError,
+    batch_metrics,
+    consume_ready,
+    publish_fenced,
+    record_step,
+    run_steps,
 )
+from workers.trainer.param_server import ParamClient, ParamServerError, state_dict_checksum
 
 log = logging.getLogger("staleflow.trainer")
 
@@ -134,7 +141,8 @@ class Trainer:
             if r != 0:
                 raise TrainerError(
                     f"run {self.run_id} is at version {r} but {self.dir} holds no trainer checkpoint: "
-                    "point --checkpoint-dir at this run's trainer checkpoint")
+                    "point --checkpoint-dir at this run's trainer checkpoint"
+                )
             self._checkpoint(0)  # before the push of v0, as for every version
             k = 0
         else:
@@ -148,7 +156,8 @@ class Trainer:
                 raise TrainerError(
                     f"checkpoint in {self.dir} is at model version {k} but run {self.run_id} is at "
                     f"version {r} (expected {r} or {r + 1}): another trainer moved the run, or the "
-                    "checkpoint is from elsewhere")
+                    "checkpoint is from elsewhere"
+                )
         self._ensure_pushed(k)
         self.version = r
         if k == r:
@@ -181,14 +190,18 @@ class Trainer:
             return
         latest = self.ps.latest()
         if latest is not None and latest["version"] > k:
-            raise TrainerError(f"the PS at {self.ps.addr} serves version {latest['version']}, newer than this "
-                               f"trainer's checkpoint ({k}): it belongs to another run or checkpoint")
+            raise TrainerError(
+                f"the PS at {self.ps.addr} serves version {latest['version']}, newer than this "
+                f"trainer's checkpoint ({k}): it belongs to another run or checkpoint"
+            )
         if latest is not None and latest["version"] == k:
             if latest["checksum"] == self._weights["checksum"]:
                 return
             if latest.get("committed"):
-                raise TrainerError(f"fenced: another trainer published version {k} (the PS serves checksum "
-                                   f"{latest['checksum'][:12]}, this trainer has {self._weights['checksum'][:12]})")
+                raise TrainerError(
+                    f"fenced: another trainer published version {k} (the PS serves checksum "
+                    f"{latest['checksum'][:12]}, this trainer has {self._weights['checksum'][:12]})"
+                )
             # provisional weights of another trainer under k: ours replace them; the publish
             # (fenced by the consume lease) decides which trainer's weights are final
         self._push(k)
@@ -209,8 +222,7 @@ class Trainer:
 
     # ---- the loop --------------------------------------------------------------------------
 
-    def run(self, steps: int | None = None, on_step: Callable[[StepMetrics], None] | None = None
-            ) -> list[StepMetrics]:
+    def run(self, steps: int | None = None, on_step: Callable[[StepMetrics], None] | None = None) -> list[StepMetrics]:
         """Resume, then train until stopped or `steps` versions were published (a resumed
         publish counts)."""
         done: list[StepMetrics] = []
@@ -234,8 +246,15 @@ class Trainer:
         m.train_s = time.monotonic() - t0
         self._checkpoint(v + 1)
         m.checksum = self._weights["checksum"]
-        self._log({"event": "trained", "buffer": v, "version": v + 1, "checksum": m.checksum,
-                   "groups": [g.group_id for g in batch.groups]})
+        self._log(
+            {
+                "event": "trained",
+                "buffer": v,
+                "version": v + 1,
+                "checksum": m.checksum,
+                "groups": [g.group_id for g in batch.groups],
+            }
+        )
         _maybe_pause(self.dir, v + 1)
         self._publish(batch, m)
         return m
@@ -247,8 +266,15 @@ class Trainer:
         m.push_s = time.monotonic() - t0
         t0 = time.monotonic()
         location = f"ps://{self.ps.addr[0]}:{self.ps.addr[1]}/v{v + 1}" if self.ps else None
-        new = publish_fenced(self.client, self.run_id, v, batch.lease, size_bytes=self._weights["size"],
-                             checksum=self._weights["checksum"], location=location)
+        new = publish_fenced(
+            self.client,
+            self.run_id,
+            v,
+            batch.lease,
+            size_bytes=self._weights["size"],
+            checksum=self._weights["checksum"],
+            location=location,
+        )
         self._commit_pushed(v + 1)
         m.publish_s = time.monotonic() - t0
         self._log({"event": "published", "buffer": v, "version": new, "resumed": m.resumed})
@@ -286,15 +312,16 @@ class Trainer:
             rlp = torch.zeros(len(idx), width)
             for row, i in enumerate(idx):
                 s, p, n = seqs[i], starts[i], len(rollout[i])
-                inp[row, :len(s) - 1] = torch.tensor(s[:-1])
-                tgt[row, :len(s) - 1] = torch.tensor(s[1:])
+                inp[row, : len(s) - 1] = torch.tensor(s[:-1])
+                tgt[row, : len(s) - 1] = torch.tensor(s[1:])
                 # response token t sits at sequence position p + t, predicted from p + t - 1
-                mask[row, p - 1:p - 1 + n] = 1.0
-                rlp[row, p - 1:p - 1 + n] = torch.tensor(rollout[i])
+                mask[row, p - 1 : p - 1 + n] = 1.0
+                rlp[row, p - 1 : p - 1 + n] = torch.tensor(rollout[i])
             inp, tgt, mask, rlp = inp.to(dev), tgt.to(dev), mask.to(dev), rlp.to(dev)
             logp, entropy = token_logprobs(self.model(inp), tgt, self.grpo.temperature)
-            loss, part = policy_loss(logp, logp.detach(), rlp, adv[idx].to(dev), mask, self.grpo,
-                                     num_tokens=max(total, 1))
+            loss, part = policy_loss(
+                logp, logp.detach(), rlp, adv[idx].to(dev), mask, self.grpo, num_tokens=max(total, 1)
+            )
             loss.backward()
             loss_sum += float(loss.detach())
             for key, val in part.items():
@@ -329,19 +356,30 @@ class Trainer:
 
     def _checkpoint(self, version: int) -> None:
         sd = self._state_dict()
-        self._weights = {"size": sum(t.numel() * t.element_size() for t in sd.values()),
-                         "checksum": state_dict_checksum(sd)}
-        save_checkpoint(self.dir, {
-            "run_id": self.run_id, "version": version, "model": sd, "optimizer": self.optimizer.state_dict(),
-            "size_bytes": self._weights["size"], "checksum": self._weights["checksum"], **self.extra_state,
-        })
+        self._weights = {
+            "size": sum(t.numel() * t.element_size() for t in sd.values()),
+            "checksum": state_dict_checksum(sd),
+        }
+        save_checkpoint(
+            self.dir,
+            {
+                "run_id": self.run_id,
+                "version": version,
+                "model": sd,
+                "optimizer": self.optimizer.state_dict(),
+                "size_bytes": self._weights["size"],
+                "checksum": self._weights["checksum"],
+                **self.extra_state,
+            },
+        )
 
     def _push(self, version: int) -> None:
         assert self.ps is not None
         checksum = self.ps.push(self._state_dict(), version)
         if checksum != self._weights["checksum"]:
-            raise TrainerError(f"PS reports checksum {checksum[:12]} for v{version}, expected "
-                               f"{self._weights['checksum'][:12]}")
+            raise TrainerError(
+                f"PS reports checksum {checksum[:12]} for v{version}, expected {self._weights['checksum'][:12]}"
+            )
         log.info("pushed v%s to the PS at %s:%s", version, *self.ps.addr)
 
     def _log(self, entry: dict[str, Any]) -> None:

@@ -17,9 +17,10 @@ import hashlib
 import math
 import os
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from statistics import NormalDist
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from workers.coordinator.cost_model import CostModel, get_cost_model
 from workers.rollout.engines.base import Engine, EngineStats, FinishedEvent, Partial, PreemptedEvent, TokensEvent
@@ -190,8 +191,12 @@ class SimEngine(Engine):
 
     def stats(self) -> EngineStats:
         return EngineStats(
-            version=self._version, running=len(self.running), waiting=len(self.waiting), kv_tokens=self._kv(),
-            kv_capacity=self.kv_capacity, running_tokens={s.sid: s.kv for s in self.running},
+            version=self._version,
+            running=len(self.running),
+            waiting=len(self.waiting),
+            kv_tokens=self._kv(),
+            kv_capacity=self.kv_capacity,
+            running_tokens={s.sid: s.kv for s in self.running},
             tokens_per_s=self._rate.per_s(time.monotonic()) / max(self.time_scale, 1e-9) if self.time_scale else 0.0,
             preemptions=self.preemptions,
         )

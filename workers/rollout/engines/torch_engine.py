@@ -11,15 +11,22 @@ from __future__ import annotations
 
 import collections
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import torch
 
-from workers.rollout.engines.base import (
-    Engine, EngineEvent, EngineStats, FinishedEvent, Partial, PreemptedEvent, TokensEvent,
-)
 from workers.models.tiny_model import KVPool, SeqCache, TinyConfig, TinyTransformer, sample_tokens
+from workers.rollout.engines.base import (
+    Engine,
+    EngineEvent,
+    EngineStats,
+    FinishedEvent,
+    Partial,
+    PreemptedEvent,
+    TokensEvent,
+)
 
 
 @dataclass
@@ -81,9 +88,15 @@ class TorchEngine(Engine):
     def version(self) -> int:
         return self._version
 
-    def add_request(self, sample_id: str, prompt_tokens: Sequence[int],
-                    prefix_tokens: Sequence[int] = (), prefix_logprobs: Sequence[float] = (),
-                    max_new_tokens: int = 256, seed: int = 0) -> None:
+    def add_request(
+        self,
+        sample_id: str,
+        prompt_tokens: Sequence[int],
+        prefix_tokens: Sequence[int] = (),
+        prefix_logprobs: Sequence[float] = (),
+        max_new_tokens: int = 256,
+        seed: int = 0,
+    ) -> None:
         if self._find(sample_id) is not None:
             raise ValueError(f"sample {sample_id!r} already in the engine")
         if not prompt_tokens:
@@ -126,8 +139,7 @@ class TorchEngine(Engine):
             last_rows.append(len(tokens) - 1)
         logits = self.model.forward_rows(caches, positions, tokens)[last_rows]
         batch = decoding + admitted
-        new_tok, new_lp = sample_tokens(logits, [r.seed for r in batch],
-                                        [r.seq_len for r in batch], self.temperature)
+        new_tok, new_lp = sample_tokens(logits, [r.seed for r in batch], [r.seq_len for r in batch], self.temperature)
         for r, t, lp in zip(batch, new_tok, new_lp):
             r.gen.append(t)
             r.gen_lp.append(lp)

@@ -33,8 +33,9 @@ import itertools
 import queue
 import threading
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from workers.rollout.engines.base import Engine, EngineEvent, EngineStats, FinishedEvent, Partial, TokensEvent
 
@@ -86,8 +87,9 @@ class Stretch:
             self.finished = True
             reason = FINISH_REASONS.get(comp.finish_reason)
             if reason is not None:
-                events.append(FinishedEvent(self.sample_id, list(self.tokens), list(self.logprobs), reason,
-                                            self.prefix_len))
+                events.append(
+                    FinishedEvent(self.sample_id, list(self.tokens), list(self.logprobs), reason, self.prefix_len)
+                )
         return events
 
 
@@ -98,8 +100,16 @@ class _Failed:
 
 
 class VLLMEngine(Engine):
-    def __init__(self, model: str, *, version: int = 0, temperature: float = 1.0, max_num_seqs: int = 256,
-                 poll_s: float = 0.01, **engine_kwargs: Any):
+    def __init__(
+        self,
+        model: str,
+        *,
+        version: int = 0,
+        temperature: float = 1.0,
+        max_num_seqs: int = 256,
+        poll_s: float = 0.01,
+        **engine_kwargs: Any,
+    ):
         vllm = import_vllm()
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
@@ -173,7 +183,9 @@ class VLLMEngine(Engine):
             if st is not None:  # else: aborted or interrupted meanwhile
                 events = st.absorb(item)
                 self._pending += events
-                self._recent.append((time.monotonic(), sum(len(e.tokens) for e in events if isinstance(e, TokensEvent))))
+                self._recent.append(
+                    (time.monotonic(), sum(len(e.tokens) for e in events if isinstance(e, TokensEvent)))
+                )
                 if st.finished:
                     self._forget(st)
             try:
@@ -191,8 +203,15 @@ class VLLMEngine(Engine):
     def version(self) -> int:
         return self._version
 
-    def add_request(self, sample_id: str, prompt_tokens: Sequence[int], prefix_tokens: Sequence[int] = (),
-                    prefix_logprobs: Sequence[float] = (), max_new_tokens: int = 256, seed: int = 0) -> None:
+    def add_request(
+        self,
+        sample_id: str,
+        prompt_tokens: Sequence[int],
+        prefix_tokens: Sequence[int] = (),
+        prefix_logprobs: Sequence[float] = (),
+        max_new_tokens: int = 256,
+        seed: int = 0,
+    ) -> None:
         if sample_id in self._live:
             raise ValueError(f"sample {sample_id!r} already in the engine")
         if not prompt_tokens:
@@ -203,8 +222,14 @@ class VLLMEngine(Engine):
             return
         st = Stretch(sample_id, f"{sample_id}#{next(self._ids)}", len(context), len(prefix_tokens))
         params = self._vllm.SamplingParams(
-            n=1, temperature=self.temperature, max_tokens=min(max_new_tokens, self._max_len - len(context)),
-            seed=seed, logprobs=0, output_kind=self._DELTA, detokenize=False)
+            n=1,
+            temperature=self.temperature,
+            max_tokens=min(max_new_tokens, self._max_len - len(context)),
+            seed=seed,
+            logprobs=0,
+            output_kind=self._DELTA,
+            detokenize=False,
+        )
         self._live[sample_id] = self._by_request[st.request_id] = st
         asyncio.run_coroutine_threadsafe(self._generate(st.request_id, context, params), self._loop)
 
