@@ -1,21 +1,7 @@
 """Lifecycle states, mirrored one-to-one by PostgreSQL enum types (a test checks they agree).
 
-Sample state machine::
-
-    QUEUED ──route──> RUNNING ──report(finished)──> FINISHED ──claim──> SCORING ──reward──> REWARDED
-      ^                  │                             ^                  │
-      └──report(interrupted) / instance expired ───────┘                  └─claim expired─> FINISHED
-    any non-terminal ──abort(reason)──> ABORTED
-
-A REWARDED sample is trained when its group is consumed; surplus members (beyond N) and the
-members of filtered or dropped groups end ABORTED with a reason.
-
-Group state machine::
-
-    QUEUED ──first member routed (Reserve)──> RESERVED ──N rewarded (Occupy)──> OCCUPIED ──publish──> CONSUMED
-                                                 │
-                                                 ├──all rewards equal (DAPO filter)──> FILTERED
-                                                 └──window ready / closed / abort──> ABORTED
+The state machines (sample, group, buffer, instance, command) are drawn once, in
+docs/protocol.md#state-machines, checked against the transitions the protocol performs.
 """
 
 from __future__ import annotations
