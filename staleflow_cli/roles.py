@@ -35,6 +35,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
+from staleflow_db.settings import get_settings
 from workers.client import ApiError, Forbidden, NotFound, StaleFlowClient, Unauthorized, Unavailable
 
 console = Console(stderr=True)
@@ -294,8 +295,7 @@ def _torch_trainer(
     from workers.trainer.grpo import GRPOConfig
     from workers.trainer.torch_trainer import Trainer
 
-    home = Path(os.environ.get("STALEFLOW_HOME", "").strip() or "~/.staleflow").expanduser()
-    directory = checkpoint_dir or home / "trainer" / f"run-{run_id}"
+    directory = checkpoint_dir or get_settings().home / "trainer" / f"run-{run_id}"
     model = TinyTransformer(cfg, seed=model_seed).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
     grpo = GRPOConfig(clip_low=clip_low, clip_high=clip_high, tis_cap=tis_cap or None, temperature=temperature)
