@@ -272,7 +272,12 @@ class StaleFlowClient:
         return self._call(m.EnqueueOut, "POST", f"/v1/runs/{run_id}/prompts", body=body).group_ids
 
     def create_token(self, role: str, run_id: int | None = None, name: str | None = None) -> m.TokenCreated:
-        return self._call(m.TokenCreated, "POST", "/v1/tokens", body=m.TokenCreate(role=role, run_id=run_id, name=name))
+        return self._call(
+            m.TokenCreated,
+            "POST",
+            "/v1/tokens",
+            body=m.TokenCreate.model_validate({"role": role, "run_id": run_id, "name": name}),
+        )
 
     def list_tokens(self) -> list[m.TokenOut]:
         return self._call(m.TokenList, "GET", "/v1/tokens").tokens
@@ -400,11 +405,12 @@ class StaleFlowClient:
     def abort_samples(
         self, run_id: int, sample_ids: Sequence[int], reason: str = "user", epoch: int | None = None
     ) -> list[int]:
-        body = m.AbortSamplesIn(sample_ids=list(sample_ids), reason=reason, epoch=epoch)
+        # model_validate: the str `reason` becomes the DropReason enum.
+        body = m.AbortSamplesIn.model_validate({"sample_ids": list(sample_ids), "reason": reason, "epoch": epoch})
         return self._call(m.AbortedOut, "POST", f"/v1/runs/{run_id}/samples/abort", body=body, key=True).aborted
 
     def abort_group(self, run_id: int, group_id: int, reason: str = "user", epoch: int | None = None) -> bool:
-        body = m.AbortGroupIn(reason=reason, epoch=epoch)
+        body = m.AbortGroupIn.model_validate({"reason": reason, "epoch": epoch})
         return self._call(
             m.AbortGroupOut, "POST", f"/v1/runs/{run_id}/groups/{group_id}/abort", body=body, key=True
         ).aborted
