@@ -186,3 +186,27 @@ def test_cached_per_environment(bare_env: pytest.MonkeyPatch) -> None:
     bare_env.setenv("STALEFLOW_POOL_SIZE", "4")
     assert get_settings().pool_size == 4  # a changed environment is read again, no cache to clear
     assert Settings(pool_size=2).pool_size == 2  # keyword overrides win over the environment
+
+
+def test_the_sim_engine_reads_its_settings(bare_env: pytest.MonkeyPatch) -> None:
+    from workers.rollout.engines.sim_engine import SimEngine
+
+    bare_env.setenv("STALEFLOW_SIM_TIME_SCALE", "0.25")
+    bare_env.setenv("STALEFLOW_SIM_PULL_S", "2")
+    engine = SimEngine()
+    assert (engine.time_scale, engine.pull_s, engine.prefill_rate) == (0.25, 2.0, 0.0)
+    assert SimEngine(time_scale=0).time_scale == 0  # an argument wins
+
+
+def test_coordinator_options_win_over_the_environment(bare_env: pytest.MonkeyPatch) -> None:
+    """The policy is checked before the database is touched, so the refusal shows which
+    value the command used."""
+    from typer.testing import CliRunner
+
+    from staleflow_cli.main import app
+
+    bare_env.setenv("STALEFLOW_COORDINATOR_POLICY", "from-env")
+    out = CliRunner().invoke(app, ["coordinator", "--run", "1"])
+    assert out.exit_code == 2 and "from-env" in out.output
+    out = CliRunner().invoke(app, ["coordinator", "--run", "1", "--policy", "from-option"])
+    assert out.exit_code == 2 and "from-option" in out.output and "from-env" not in out.output
