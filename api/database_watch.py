@@ -13,6 +13,7 @@ import logging
 
 from prometheus_client import CollectorRegistry, Counter
 from sqlalchemy import Engine, text
+from tenacity import AsyncRetrying, retry_if_exception_type, wait_fixed
 
 from staleflow_db.retry import Outage
 
@@ -48,17 +49,22 @@ class DatabaseWatch:
 
     async def _watch(self) -> None:
         assert self._down is not None
+        # Probe every probe_s until the database answers (or a request saw it answer).
+        until_back = AsyncRetrying(
+            retry=retry_if_exception_type(Exception),
+            wait=wait_fixed(self.probe_s),
+            before_sleep=self.outage.before_sleep,
+        )
         while True:
             await self._down.wait()
-            while self.outage.down:
-                await asyncio.sleep(self.probe_s)
-                try:
-                    await asyncio.to_thread(self._probe)
-                except Exception as exc:
-                    self.outage.failed(exc)
-                else:
-                    self.ok()
+            await asyncio.sleep(self.probe_s)
+            await until_back(self._probe_while_down)
             self._down.clear()
+
+    async def _probe_while_down(self) -> None:
+        if self.outage.down:
+            await asyncio.to_thread(self._probe)
+            self.ok()
 
     def _probe(self) -> None:
         with self.engine.connect() as conn:

@@ -16,6 +16,7 @@ from staleflow_db.retry import Outage, is_db_unavailable, retrying
 from workers.coordinator.cost_model import get_cost_model
 from workers.coordinator.policies import POLICY_NAMES, TUNABLE, get_policy
 from workers.coordinator.service import Coordinator
+from workers.settings import coordinator_settings
 
 log = logging.getLogger("staleflow.coordinator")
 
@@ -37,15 +38,24 @@ def _overrides(params: list[str]) -> dict[str, float]:
 
 def coordinator(
     run: str = typer.Option(..., "--run", help="Run id or name."),
-    policy: str = typer.Option("staleflow", help=f"One of: {', '.join(POLICY_NAMES)}."),
-    model: str = typer.Option("qwen_7b", help="Cost model (a key of cost_models.json)."),
-    parallelism: str = typer.Option("TP1_PP1", help="The fit to use, e.g. TP1_PP1 or TP2_PP1."),
+    policy: str = typer.Option(
+        None, help=f"One of: {', '.join(POLICY_NAMES)} (default: $STALEFLOW_COORDINATOR_POLICY, else staleflow)."
+    ),
+    model: str = typer.Option(None, help="Cost model, a key of cost_models.json (default: qwen_7b)."),
+    parallelism: str = typer.Option(None, help="The fit to use, e.g. TP1_PP1 or TP2_PP1 (default: TP1_PP1)."),
     period: float = typer.Option(None, help="Seconds between cycles (default: the policy's, 0.1)."),
-    lease: float = typer.Option(3.0, help="Leader lease in seconds; a standby takes over after it lapses."),
+    lease: float = typer.Option(None, help="Leader lease in seconds; a standby takes over after it lapses (3)."),
     duration: float = typer.Option(None, help="Stop after this many seconds (default: until SIGTERM)."),
     set_: list[str] = typer.Option([], "--set", help="Policy parameter override NAME=VALUE (repeatable)."),
 ) -> None:
-    """Route, pull and migrate for one run: snapshot -> speculative state -> commands, every cycle."""
+    """Route, pull and migrate for one run: snapshot -> speculative state -> commands, every cycle.
+    Options left out come from STALEFLOW_COORDINATOR_* (docs/settings.md)."""
+    env = coordinator_settings()
+    policy = policy or env.policy
+    model = model or env.model
+    parallelism = parallelism or env.parallelism
+    period = env.period if period is None else period
+    lease = env.lease if lease is None else lease
     if policy not in POLICY_NAMES:
         raise typer.BadParameter(f"unknown policy {policy!r}; known: {', '.join(POLICY_NAMES)}", param_hint="--policy")
     try:

@@ -10,11 +10,12 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+from tenacity import RetryCallState, Retrying, retry_if_result, stop_after_delay, wait_fixed
 
 
 def free_port() -> int:
@@ -39,6 +40,21 @@ class Proc:
 
 class ProcessDied(RuntimeError):
     pass
+
+
+def wait_until(ready: Callable[[], bool], timeout: float, interval: float, failure: Callable[[], str]) -> None:
+    """Call `ready` every `interval` seconds until it is true (its exceptions propagate);
+    ProcessDied with `failure()` once `timeout` seconds passed."""
+
+    def give_up(state: RetryCallState) -> None:
+        raise ProcessDied(failure())
+
+    Retrying(
+        retry=retry_if_result(lambda ok: not ok),
+        stop=stop_after_delay(timeout),
+        wait=wait_fixed(interval),
+        retry_error_callback=give_up,
+    )(ready)
 
 
 class Cluster:
@@ -71,26 +87,26 @@ class Cluster:
         port = free_port()
         self.spawn("api", ["serve", "--port", str(port), "--no-upgrade"])
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+        api = self.procs[-1]
+
+        def ready() -> bool:
             self.check()
             try:
-                if httpx.get(f"{url}/readyz", timeout=2).status_code == 200:
-                    self.api_url = url
-                    self.env["STALEFLOW_API_URL"] = url
-                    return url
+                return httpx.get(f"{url}/readyz", timeout=2).status_code == 200
             except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise ProcessDied(f"the API did not become ready within {timeout:.0f}s\n{self.procs[-1].tail()}")
+                return False
+
+        wait_until(ready, timeout, 0.2, lambda: f"the API did not become ready within {timeout:.0f}s\n{api.tail()}")
+        self.api_url = url
+        self.env["STALEFLOW_API_URL"] = url
+        return url
 
     def wait_file(self, path: Path, timeout: float = 60.0) -> None:
-        deadline = time.monotonic() + timeout
-        while not path.exists():
+        def exists() -> bool:
             self.check()
-            if time.monotonic() > deadline:
-                raise ProcessDied(f"{path} did not appear within {timeout:.0f}s")
-            time.sleep(0.1)
+            return path.exists()
+
+        wait_until(exists, timeout, 0.1, lambda: f"{path} did not appear within {timeout:.0f}s")
 
     def check(self) -> None:
         """Raise if an essential process exited (with the end of its log)."""

@@ -34,7 +34,9 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from tenacity import RetryCallState, Retrying, retry_if_exception, stop_after_delay, wait_fixed
 
+from staleflow_db.settings import get_settings
 from workers.client import ApiError, Forbidden, NotFound, StaleFlowClient, Unauthorized, Unavailable
 
 console = Console(stderr=True)
@@ -160,7 +162,7 @@ def ps_client(addr: str | None):
 
 
 def on_signals(stop: Callable[[], None], what: str) -> None:
-    fired = []
+    fired: list[int] = []
 
     def handler(signum: int, _frame: Any) -> None:
         if fired:
@@ -294,8 +296,7 @@ def _torch_trainer(
     from workers.trainer.grpo import GRPOConfig
     from workers.trainer.torch_trainer import Trainer
 
-    home = Path(os.environ.get("STALEFLOW_HOME", "").strip() or "~/.staleflow").expanduser()
-    directory = checkpoint_dir or home / "trainer" / f"run-{run_id}"
+    directory = checkpoint_dir or get_settings().home / "trainer" / f"run-{run_id}"
     model = TinyTransformer(cfg, seed=model_seed).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
     grpo = GRPOConfig(clip_low=clip_low, clip_high=clip_high, tis_cap=tis_cap or None, temperature=temperature)
@@ -491,22 +492,20 @@ def _first_weights(pc, wait_s: float):
     """The latest COMMITTED version: the PS serves plain pulls only from committed weights."""
     from workers.trainer.param_server import ChecksumError, ParamServerError
 
-    deadline = time.monotonic() + wait_s
+    def give_up(state: RetryCallState) -> None:
+        raise _fail(
+            f"the PS at {pc.addr[0]}:{pc.addr[1]} served no committed version within "
+            f"{wait_s:.0f}s (the trainer pushes and commits version 0 when it starts)"
+        )
+
+    # A ParamServerError other than a checksum mismatch means nothing is committed yet.
+    nothing_yet = retry_if_exception(lambda e: isinstance(e, ParamServerError) and not isinstance(e, ChecksumError))
     with console.status(f"waiting for the PS at {pc.addr[0]}:{pc.addr[1]} to serve a committed version"):
-        while True:
-            try:
-                sd, version, _ = pc.pull()  # waits while the PS is not listening yet
-                return sd, version
-            except ChecksumError:
-                raise
-            except ParamServerError:  # nothing committed yet
-                pass
-            if time.monotonic() > deadline:
-                raise _fail(
-                    f"the PS at {pc.addr[0]}:{pc.addr[1]} served no committed version within "
-                    f"{wait_s:.0f}s (the trainer pushes and commits version 0 when it starts)"
-                )
-            time.sleep(0.5)
+        # pc.pull() itself waits while the PS is not listening yet.
+        sd, version, _ = Retrying(
+            retry=nothing_yet, stop=stop_after_delay(wait_s), wait=wait_fixed(0.5), retry_error_callback=give_up
+        )(pc.pull)
+        return sd, version
 
 
 def _pull(pc, target: int | None):

@@ -24,17 +24,26 @@ import socket
 import subprocess
 import tempfile
 import threading
-import time
 import warnings
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import fasteners
 import psutil
 import psycopg
 from psycopg import sql
+from tenacity import (
+    RetryCallState,
+    Retrying,
+    retry_if_exception,
+    retry_if_result,
+    stop_after_attempt,
+    stop_after_delay,
+    wait_fixed,
+)
 
 from staleflow_db.settings import get_settings
 
@@ -247,7 +256,7 @@ class EmbeddedPostgres:
                 self._initdb(user)
             info = self.info()
             started = info is None
-            if started:
+            if info is None:
                 self._remove_foreign_pidfile()
                 self._start_server(user, timeout)
             elif info.status != "ready":
@@ -289,7 +298,7 @@ class EmbeddedPostgres:
         # Output goes to temp files, not pipes: the postmaster forked by `pg_ctl start`
         # can inherit a pipe and keep it open, and reading it to EOF would hang.
         cmd = [str(pg_bin(prog)), *args]
-        extra: dict[str, object] = {}
+        extra: dict[str, Any] = {}
         if user is not None:
             extra = {"user": user[0], "group": user[1], "extra_groups": []}
         with tempfile.TemporaryFile("w+") as out:
@@ -378,49 +387,54 @@ class EmbeddedPostgres:
         return port
 
     def _start_server(self, user: tuple[int, int] | None, timeout: float) -> None:
-        for attempt in range(3):
-            port = self._choose_port()
-            sock = "" if len(str(self.pgdata / f".s.PGSQL.{port}")) > _MAX_SOCKET_PATH else str(self.pgdata)
-            opts = [f"-h 127.0.0.1 -p {port} -k {shlex.quote(sock)}"]
-            opts += [f"-c {shlex.quote(f'{k}={v}')}" for k, v in self.server_options.items()]
-            log.info("starting embedded PostgreSQL on 127.0.0.1:%d (data: %s)", port, self.pgdata)
-            try:
-                self._run(
-                    "pg_ctl",
-                    [
-                        "-D",
-                        str(self.pgdata),
-                        "-w",
-                        "-t",
-                        str(int(timeout)),
-                        "-l",
-                        str(self.pgdata / LOG_FILE),
-                        "-o",
-                        " ".join(opts),
-                        "start",
-                    ],
-                    user,
-                    timeout + 10,
-                )
-                break
-            except EmbeddedPostgresError as err:
-                # Another program may grab the port between our check and the bind.
-                if "could not bind" not in str(err) or attempt == 2:
-                    raise
-                (self.pgdata / PORT_FILE).unlink(missing_ok=True)
+        # Another program may grab the port between our check and the bind: then forget the
+        # port and start again on a new one (three tries).
+        for attempt in Retrying(
+            retry=retry_if_exception(lambda e: isinstance(e, EmbeddedPostgresError) and "could not bind" in str(e)),
+            stop=stop_after_attempt(3),
+            before_sleep=lambda _: (self.pgdata / PORT_FILE).unlink(missing_ok=True),
+            reraise=True,
+        ):
+            with attempt:
+                self._pg_ctl_start(user, timeout)
         self._wait_ready(timeout)
 
+    def _pg_ctl_start(self, user: tuple[int, int] | None, timeout: float) -> None:
+        port = self._choose_port()
+        sock = "" if len(str(self.pgdata / f".s.PGSQL.{port}")) > _MAX_SOCKET_PATH else str(self.pgdata)
+        opts = [f"-h 127.0.0.1 -p {port} -k {shlex.quote(sock)}"]
+        opts += [f"-c {shlex.quote(f'{k}={v}')}" for k, v in self.server_options.items()]
+        log.info("starting embedded PostgreSQL on 127.0.0.1:%d (data: %s)", port, self.pgdata)
+        self._run(
+            "pg_ctl",
+            [
+                "-D",
+                str(self.pgdata),
+                "-w",
+                "-t",
+                str(int(timeout)),
+                "-l",
+                str(self.pgdata / LOG_FILE),
+                "-o",
+                " ".join(opts),
+                "start",
+            ],
+            user,
+            timeout + 10,
+        )
+
     def _wait_ready(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while True:
-            info = self.info()
-            if info is not None and info.status == "ready":
-                return
-            if time.monotonic() > deadline:
-                raise EmbeddedPostgresError(
-                    f"embedded PostgreSQL in {self.pgdata} not ready after {timeout}s" + self._log_tail()
-                )
-            time.sleep(0.1)
+        def not_ready(state: RetryCallState) -> None:
+            raise EmbeddedPostgresError(
+                f"embedded PostgreSQL in {self.pgdata} not ready after {timeout}s" + self._log_tail()
+            )
+
+        Retrying(
+            retry=retry_if_result(lambda info: info is None or info.status != "ready"),
+            stop=stop_after_delay(timeout),
+            wait=wait_fixed(0.1),
+            retry_error_callback=not_ready,
+        )(self.info)
 
     def _ensure_database(self) -> None:
         with psycopg.connect(self.url("postgres"), autocommit=True, connect_timeout=10) as conn:

@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import random
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -25,6 +23,7 @@ from typing import Any, TypeVar
 
 from sqlalchemy import Connection, Engine, text
 from sqlalchemy.exc import DBAPIError
+from tenacity import RetryCallState, Retrying, retry_if_exception, stop_after_attempt, wait_random_exponential
 
 from .errors import Conflict
 
@@ -54,16 +53,22 @@ def is_retryable(exc: BaseException) -> bool:
 
 def retried(attempt: Callable[[], T], retries: int = RETRIES) -> T:
     """Call `attempt` (one whole transaction) again after a deadlock or serialization
-    failure, with jittered exponential backoff so the colliding transactions drift apart."""
-    for n in range(retries + 1):
-        try:
-            return attempt()
-        except DBAPIError as exc:
-            if not is_retryable(exc) or n == retries:
-                raise
-            log.info("transaction retried after %s (attempt %d)", exc.orig.sqlstate, n + 1)
-            time.sleep(random.uniform(0, BACKOFF_S * 2**n))
-    raise AssertionError("unreachable")
+    failure, with jittered exponential backoff (full jitter: uniform up to BACKOFF_S * 2**n)
+    so the colliding transactions drift apart."""
+
+    def note(state: RetryCallState) -> None:
+        exc = state.outcome.exception() if state.outcome else None
+        sqlstate = getattr(getattr(exc, "orig", None), "sqlstate", None)
+        log.info("transaction retried after %s (attempt %d)", sqlstate, state.attempt_number)
+
+    controller = Retrying(
+        retry=retry_if_exception(is_retryable),
+        stop=stop_after_attempt(retries + 1),
+        wait=wait_random_exponential(multiplier=BACKOFF_S, max=BACKOFF_S * 2**retries),
+        before_sleep=note,
+        reraise=True,
+    )
+    return controller(attempt)
 
 
 @contextmanager
@@ -85,8 +90,9 @@ def joined(engine: Engine) -> Iterator[Connection]:
 def transaction(engine: Engine, body: Callable[[Connection], T]) -> T:
     """Run `body` in one transaction, retried whole on deadlock / serialization failure; joins
     (without retrying) when this context is already inside a transaction."""
-    if _current.get() is not None:
-        return body(_current.get())
+    outer = _current.get()
+    if outer is not None:
+        return body(outer)
 
     def attempt() -> T:
         with joined(engine) as conn:

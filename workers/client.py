@@ -13,18 +13,17 @@
   logical call, reused on each retry, so a retried call returns the stored outcome.
 - Long-polls (`poll`, `claim`, `consume`) set the read timeout above the server's wait.
 
-Configuration: `base_url` or STALEFLOW_API_URL (default http://127.0.0.1:8000); `token` or
-STALEFLOW_TOKEN or the file `$STALEFLOW_HOME/token` that `staleflow serve` writes locally.
+Configuration: arguments, else workers.settings.ClientSettings (STALEFLOW_API_URL, default
+http://127.0.0.1:8000; STALEFLOW_TOKEN, else the file `$STALEFLOW_HOME/token` that `staleflow
+serve` writes locally; STALEFLOW_CLIENT_* timeouts, retries and the long-poll wait).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import uuid
 from collections.abc import Iterable, Sequence
-from pathlib import Path
 from typing import Any, TypeVar
 
 import httpx
@@ -32,12 +31,13 @@ from pydantic import BaseModel
 
 from api import models as m
 from staleflow_db.retry import Outage, retrying
+from staleflow_db.settings import get_settings
+from workers.settings import DEFAULT_URL, client_settings
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T", bound=BaseModel)
 RETRY_STATUSES = {502, 503, 504}
-DEFAULT_URL = "http://127.0.0.1:8000"
 
 
 class ApiError(Exception):
@@ -75,11 +75,10 @@ ERRORS = {401: Unauthorized, 403: Forbidden, 404: NotFound, 409: Conflict, 413: 
 
 
 def default_token() -> str | None:
-    token = os.environ.get("STALEFLOW_TOKEN", "").strip()
+    token = client_settings().token
     if token:
         return token
-    home = Path(os.environ.get("STALEFLOW_HOME", "").strip() or "~/.staleflow").expanduser()
-    path = home / "token"
+    path = get_settings().home / "token"
     return path.read_text().strip() if path.is_file() else None
 
 
@@ -87,7 +86,7 @@ def api_urls(base_url: str | Sequence[str] | None = None) -> list[str]:
     """The API replicas to use: `base_url` (a list, or comma-separated), else
     STALEFLOW_API_URL (comma-separated), else the local default. Blanks and repeats dropped."""
     if base_url is None or base_url == "" or base_url == []:
-        base_url = os.environ.get("STALEFLOW_API_URL", "")
+        base_url = client_settings().api_url
     parts = [base_url] if isinstance(base_url, str) else list(base_url)
     urls: list[str] = []
     for part in parts:
@@ -128,14 +127,22 @@ class StaleFlowClient:
         base_url: str | Sequence[str] | None = None,
         token: str | None = None,
         *,
-        timeout: float = 30.0,
-        retry_for: float | None = 60.0,
-        backoff: float = 0.05,
-        max_backoff: float = 1.0,
+        timeout: float | None = None,
+        retry_for: float | None | bool = True,
+        backoff: float | None = None,
+        max_backoff: float | None = None,
+        wait: float | None = None,
         http: httpx.Client | None = None,
     ):
+        """Unset arguments come from ClientSettings; `retry_for=True` too (None: retry forever)."""
+        cfg = client_settings()
         self.token = token if token is not None else default_token()
-        self.timeout, self.retry_for, self.backoff, self.max_backoff = timeout, retry_for, backoff, max_backoff
+        self.timeout = cfg.timeout if timeout is None else timeout
+        self.retry_for = cfg.retry_for if retry_for is True else retry_for
+        self.backoff = cfg.backoff if backoff is None else backoff
+        self.max_backoff = cfg.max_backoff if max_backoff is None else max_backoff
+        self.wait = cfg.wait if wait is None else wait  # default long-poll wait
+        timeout = self.timeout
         headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
         if http is not None:  # e.g. starlette's TestClient for an in-process app
             http.headers.update(headers)
@@ -265,7 +272,12 @@ class StaleFlowClient:
         return self._call(m.EnqueueOut, "POST", f"/v1/runs/{run_id}/prompts", body=body).group_ids
 
     def create_token(self, role: str, run_id: int | None = None, name: str | None = None) -> m.TokenCreated:
-        return self._call(m.TokenCreated, "POST", "/v1/tokens", body=m.TokenCreate(role=role, run_id=run_id, name=name))
+        return self._call(
+            m.TokenCreated,
+            "POST",
+            "/v1/tokens",
+            body=m.TokenCreate.model_validate({"role": role, "run_id": run_id, "name": name}),
+        )
 
     def list_tokens(self) -> list[m.TokenOut]:
         return self._call(m.TokenList, "GET", "/v1/tokens").tokens
@@ -294,9 +306,10 @@ class StaleFlowClient:
     def deregister(self, run_id: int, instance_id: int) -> list[int]:
         return self._call(m.DeregisterOut, "DELETE", f"/v1/runs/{run_id}/instances/{instance_id}").requeued
 
-    def poll(self, run_id: int, instance_id: int, wait: float = 10.0, limit: int = 1000) -> m.PollOut:
+    def poll(self, run_id: int, instance_id: int, wait: float | None = None, limit: int = 1000) -> m.PollOut:
         """Long-poll for routed work and commands; empty after `wait` seconds. Each work item
         carries its `attempt` and secret `lease` token: reports on it must quote both."""
+        wait = self.wait if wait is None else wait
         return self._call(
             m.PollOut,
             "POST",
@@ -325,8 +338,9 @@ class StaleFlowClient:
     # ---- reward and trainer ----------------------------------------------------------------
 
     def claim(
-        self, run_id: int, limit: int = 100, lease_seconds: float = 60.0, wait: float = 10.0
+        self, run_id: int, limit: int = 100, lease_seconds: float = 60.0, wait: float | None = None
     ) -> list[m.RewardTaskOut]:
+        wait = self.wait if wait is None else wait
         body = m.ClaimIn(limit=limit, lease_seconds=lease_seconds)
         return self._call(
             m.ClaimOut,
@@ -343,8 +357,9 @@ class StaleFlowClient:
         body = m.RewardsIn(rewards=[_as(m.RewardIn, r) for r in rewards])
         return self._call(m.RewardsOut, "POST", f"/v1/runs/{run_id}/rewards", body=body, key=True).groups
 
-    def consume(self, run_id: int, version: int, wait: float = 10.0) -> m.BatchOut | None:
+    def consume(self, run_id: int, version: int, wait: float | None = None) -> m.BatchOut | None:
         """The whole batch of buffer `version` once it is ready; None if not ready within `wait`."""
+        wait = self.wait if wait is None else wait
         out = self._call(
             m.ConsumeOut,
             "POST",
@@ -390,11 +405,12 @@ class StaleFlowClient:
     def abort_samples(
         self, run_id: int, sample_ids: Sequence[int], reason: str = "user", epoch: int | None = None
     ) -> list[int]:
-        body = m.AbortSamplesIn(sample_ids=list(sample_ids), reason=reason, epoch=epoch)
+        # model_validate: the str `reason` becomes the DropReason enum.
+        body = m.AbortSamplesIn.model_validate({"sample_ids": list(sample_ids), "reason": reason, "epoch": epoch})
         return self._call(m.AbortedOut, "POST", f"/v1/runs/{run_id}/samples/abort", body=body, key=True).aborted
 
     def abort_group(self, run_id: int, group_id: int, reason: str = "user", epoch: int | None = None) -> bool:
-        body = m.AbortGroupIn(reason=reason, epoch=epoch)
+        body = m.AbortGroupIn.model_validate({"reason": reason, "epoch": epoch})
         return self._call(
             m.AbortGroupOut, "POST", f"/v1/runs/{run_id}/groups/{group_id}/abort", body=body, key=True
         ).aborted

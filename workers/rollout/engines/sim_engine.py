@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import hashlib
 import math
-import os
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -24,6 +23,7 @@ from typing import Any
 
 from workers.coordinator.cost_model import CostModel, get_cost_model
 from workers.rollout.engines.base import Engine, EngineStats, FinishedEvent, Partial, PreemptedEvent, TokensEvent
+from workers.settings import sim_engine_settings
 
 MAGIC = 7_777_777  # first prompt token of a sim prompt
 TOKEN, LOGPROB = 1, -1.0  # what the sim "generates"
@@ -88,17 +88,15 @@ class SimEngine(Engine):
         pull_s: float | None = None,
         prefill_rate: float | None = None,
     ):
-        self.cost = cost or get_cost_model(
-            os.environ.get("STALEFLOW_SIM_MODEL", "qwen_7b"), os.environ.get("STALEFLOW_SIM_PARALLELISM", "TP1_PP1")
-        )
+        env = sim_engine_settings()  # STALEFLOW_SIM_*, for what the caller leaves unset
+        self.cost = cost or get_cost_model(env.model, env.parallelism)
         self.kv_capacity, self.max_running = kv_capacity_tokens, max_running
         # wall seconds per simulated second; 0.1 runs ten times faster than the GPUs modelled
-        self.time_scale = float(os.environ.get("STALEFLOW_SIM_TIME_SCALE", "1.0")) if time_scale is None else time_scale
+        self.time_scale = env.time_scale if time_scale is None else time_scale
         self.max_step_s = max_step_s
         # simulated seconds to load new weights, and prefill tokens/s charged at each admission
-        self.pull_s = float(os.environ.get("STALEFLOW_SIM_PULL_S", "0")) if pull_s is None else pull_s
-        rate = os.environ.get("STALEFLOW_SIM_PREFILL_RATE") if prefill_rate is None else prefill_rate
-        self.prefill_rate = float(rate) if rate else 0.0
+        self.pull_s = env.pull_s if pull_s is None else pull_s
+        self.prefill_rate = env.prefill_rate if prefill_rate is None else prefill_rate
         self._prefill_due = 0.0
         self._version = version
         self.running: list[_Seq] = []
