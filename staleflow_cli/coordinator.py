@@ -90,7 +90,7 @@ def coordinator(
         if now - last[0] >= 5:
             last[0] = now
             s = service.stats
-            ms = sorted(s.cycle_ms[-200:]) or [0.0]
+            ms = sorted(list(s.cycle_ms)[-200:]) or [0.0]
             log.info(
                 "%s epoch %s: %d cycles, routed %d (refused %d), pulls %d, interrupts %d; cycle p50 %.1f ms;"
                 " database outages %d",

@@ -40,6 +40,8 @@ def test_routes_within_the_budget_and_records_cycles(engine):
     assert sum(n for _, n in placed) == 8  # (eta + 1) * B = 4 groups of N = 2: admission control
     assert d.scalars("SELECT count(*) FROM prompt_groups WHERE run_id = :r AND state = 'reserved'") == [4]
     assert d.scalars("SELECT sum(routed) FROM coordinator_cycles WHERE run_id = :r") == [8]
+    # the time spent writing each cycle's commands is measured, not a placeholder
+    assert d.scalars("SELECT bool_and(write_ms > 0) FROM coordinator_cycles WHERE run_id = :r") == [True]
     assert d.violations() == []
 
 

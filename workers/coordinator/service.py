@@ -17,20 +17,24 @@ import logging
 import os
 import socket
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from staleflow_db.errors import Conflict
 from staleflow_db.protocol import Protocol, Snapshot
 from staleflow_db.retry import Outage, is_db_unavailable, retrying
 from staleflow_db.rules import BufferCounts, Limits
 
+from .admission import AdmissionView
 from .cost_model import CostModel
-from .policies import Policy
+from .cycle import Applied, run_cycle
+from .policies import CyclePlan, Policy
 from .state import InstanceSnapshot, QueuedSample, RunningSample, SpeculativeState
-from .strategies import AdmissionView
 
 log = logging.getLogger("staleflow.coordinator")
+CYCLE_HISTORY = 1000  # cycle times kept in memory
 
 
 @dataclass
@@ -43,7 +47,26 @@ class CycleStats:
     expired: int = 0
     aborted_after_ready: int = 0
     outages: int = 0  # database outages ridden through
-    cycle_ms: list[float] = field(default_factory=list)  # wall time of each leader cycle
+    # wall time of the latest leader cycles (bounded: a run may last weeks)
+    cycle_ms: deque[float] = field(default_factory=lambda: deque(maxlen=CYCLE_HISTORY))
+
+
+class _CycleRow(dict[str, float]):
+    """The cycle's `coordinator_cycles` row. `apply_commands` reads it when it inserts the row,
+    in the write transaction after the routes, interrupts and pulls: `write_ms` is measured
+    then, so it is the real time this cycle's commands took to write (all but the commit)."""
+
+    def __init__(self, started: float, **fields: float):
+        super().__init__(fields)
+        self.started = started
+
+    def __getitem__(self, key: str) -> float:
+        if key == "write_ms":
+            return (time.monotonic() - self.started) * 1000
+        return super().__getitem__(key)
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self[key] if key == "write_ms" or key in self else default
 
 
 def instance_snapshots(snap: Snapshot, now: float) -> list[InstanceSnapshot]:
@@ -155,6 +178,9 @@ class Coordinator:
         return epoch is not None
 
     def cycle(self) -> None:
+        if self.epoch is None:
+            raise RuntimeError("a cycle needs leadership: lead() first")
+        epoch = self.epoch
         t0 = time.monotonic()
         snap = self.protocol.snapshot(self.run_id)
         t1 = time.monotonic()
@@ -172,61 +198,71 @@ class Coordinator:
             {b: BufferCounts(b, o, r) for b, (o, r) in snap.buffers.items()},
             snap.version,
             Limits(cfg["batch_size"], cfg["buffer_capacity"], cfg["eta"]),
-            reserved={q.group_id: q.group_buffer for q in snap.queued if q.group_state == "reserved"},
+            reserved={
+                q.group_id: q.group_buffer
+                for q in snap.queued
+                if q.group_state == "reserved" and q.group_buffer is not None
+            },
             closed={q.group_id for q in snap.queued if q.group_state not in ("queued", "reserved")},
         )
-        group_versions = {q.group_id: q.group_min_version for q in snap.queued if q.group_state == "reserved"}
-        plan = self.policy.plan(
-            self.spec.views(),
-            queued,
+        out = run_cycle(
+            self.policy,
             self.cost,
+            self.spec,
+            queued,
+            lambda plan: self._write(plan, epoch, snapshot_ms=(t1 - t0) * 1000, decided_from=t1),
             ps_version=snap.version,
             admission=admission,
-            group_versions=group_versions,
+            group_versions={
+                q.group_id: q.group_min_version
+                for q in snap.queued
+                if q.group_state == "reserved" and q.group_min_version is not None
+            },
         )
-        t2 = time.monotonic()
-        lengths = {q.sample_id: q.length for q in queued}
-        routes = [(r.sample_id, r.instance_id) for r in plan.routes]
-        interrupts = [s for d in plan.interrupts for s in d.sample_ids]
-        pulls = [(p.instance_id, p.version) for p in plan.pulls]
-        try:
-            results = self.protocol.apply_commands(
-                self.run_id,
-                self.holder,
-                self.epoch,
-                routes,
-                interrupts,
-                pulls,
-                cycle={
-                    "snapshot_ms": (t1 - t0) * 1000,
-                    "decide_ms": (t2 - t1) * 1000,
-                    "write_ms": 0.0,
-                    "migrated": len(plan.interrupts),
-                },
-            )
-        except Conflict:
-            log.warning("deposed while writing; standing by")
-            self.epoch = None
-            return
-        touched = {i for _, i in routes} | {d.instance_id for d in plan.interrupts} | {i for i, _ in pulls}
-        if touched:
-            self.protocol.notify_work(self.run_id, touched)
-        now = time.monotonic()
-        by_sample = dict(routes)
-        for r in results:
-            if r.outcome == "routed":
-                self.spec.on_route(by_sample[r.sample_id], lengths[r.sample_id], now)
-                self.stats.routed += 1
-            else:
-                self.stats.refused += 1
-        for d in plan.interrupts:
-            self.spec.on_interrupt(d.instance_id, d.sample_ids, now)
-        for p in plan.pulls:
-            self.spec.on_pull(p.instance_id, p.version, now)
-        self.stats.interrupted += len(interrupts)
-        self.stats.pulled += len(pulls)
+        if out.applied is None:
+            return  # deposed
+        self.stats.routed += len(out.plan.routes) - out.refused
+        self.stats.refused += out.refused
+        self.stats.interrupted += sum(len(d.sample_ids) for d in out.plan.interrupts)
+        self.stats.pulled += len(out.plan.pulls)
         self.stats.cycles += 1
         # housekeeping of the run, cheap when there is nothing to do
         self.stats.expired += len(self.protocol.expire_instances(self.run_id))
         if cfg["buffer_capacity"] > cfg["batch_size"]:
             self.stats.aborted_after_ready += len(self.protocol.abort_after_ready(self.run_id))
+
+    def _write(self, plan: CyclePlan, epoch: int, *, snapshot_ms: float, decided_from: float) -> Applied | None:
+        """The cycle's commands in one transaction fenced by our epoch, then a wake-up for the
+        instances they concern. None if we were deposed meanwhile."""
+        started = time.monotonic()
+        routes = [(r.sample_id, r.instance_id) for r in plan.routes]
+        pulls = [(p.instance_id, p.version) for p in plan.pulls]
+        stats = _CycleRow(
+            started,
+            snapshot_ms=snapshot_ms,
+            decide_ms=(started - decided_from) * 1000,
+            migrated=len(plan.interrupts),
+        )
+        try:
+            results = self.protocol.apply_commands(
+                self.run_id,
+                self.holder,
+                epoch,
+                routes,
+                [s for d in plan.interrupts for s in d.sample_ids],
+                pulls,
+                cycle=stats,
+            )
+        except Conflict:
+            log.warning("deposed while writing; standing by")
+            self.epoch = None
+            return None
+        touched = {i for _, i in routes} | {d.instance_id for d in plan.interrupts} | {i for i, _ in pulls}
+        if touched:
+            self.protocol.notify_work(self.run_id, sorted(touched))
+        routed = {r.sample_id for r in results if r.outcome == "routed"}
+        return Applied(
+            [r.sample_id in routed for r in plan.routes],
+            [d.sample_ids for d in plan.interrupts],
+            time.monotonic(),
+        )

@@ -38,9 +38,10 @@ import numpy as np
 
 from staleflow_db.enums import GroupState, SampleState, SegmentKind
 from staleflow_db.types import Report, RouteOutcome, RunConfig
-from workers.coordinator.policies import Policy, get_policy
+from workers.coordinator.admission import AdmissionView
+from workers.coordinator.cycle import Applied, run_cycle
+from workers.coordinator.policies import CyclePlan, Policy, get_policy
 from workers.coordinator.state import QueuedSample, SpeculativeState
-from workers.coordinator.strategies import AdmissionView
 
 from .engine import SampleTable, SimInstance
 from .protocol import SimProtocol
@@ -136,6 +137,7 @@ class Simulator:
         self.cycles = 0
         self.coord_wall = 0.0
         self.route_refusals = 0
+        self.requeued = False  # set by the latest cycle's commands
         self.violations: list[str] = []
         self.now = 0.0
 
@@ -330,25 +332,34 @@ class Simulator:
 
     def _coordinate(self) -> tuple[bool, bool]:
         """One coordinator cycle: (issued anything, requeued samples that the next cycle must see)."""
-        p, now, tbl = self.p, self.now, self.table
+        p = self.p
         self.cycles += 1
-        t0 = time.perf_counter()
         reserved = p.reserved
-        group_versions = {gid: g.min_version for gid, g in reserved.items()}
-        admission = AdmissionView(
-            p.buffers, p.version, p.limits, {gid: g.reserved_buffer for gid, g in reserved.items()}
-        )
-        plan = self.policy.plan(
-            self.spec.views(copy=False),
-            list(self.queued.values()),
+        out = run_cycle(
+            self.policy,
             self.cost,
+            self.spec,
+            self.queued.values(),
+            self._apply,
             ps_version=p.version,
-            admission=admission,
-            group_versions=group_versions,
+            admission=AdmissionView(
+                p.buffers, p.version, p.limits, {gid: g.reserved_buffer for gid, g in reserved.items()}
+            ),
+            group_versions={gid: g.min_version for gid, g in reserved.items()},
         )
-        self.coord_wall += time.perf_counter() - t0
+        self.coord_wall += out.decide_s
+        self.route_refusals += out.refused
+        return not out.plan.empty(), self.requeued
+
+    def _apply(self, plan: CyclePlan) -> Applied:
+        """The cycle's commands reach the protocol and the engines at once (`requeued`: some
+        samples went back to the queue, or an engine has an outbox to drain next tick)."""
+        p, now, tbl = self.p, self.now, self.table
+        self.requeued = False
+        routed: list[bool] = []
+        interrupted: list[list[int]] = []
         if plan.empty():
-            return False, False
+            return Applied(routed, interrupted, now)
         touched: set[int] = set()
         if plan.routes:
             for r in plan.routes:  # engines must be at `now` before anything arrives
@@ -357,8 +368,8 @@ class Simulator:
                     touched.add(r.instance_id)
             results = p.route([(r.sample_id, r.instance_id) for r in plan.routes])
             for r, res in zip(plan.routes, results):
-                if res.outcome != RouteOutcome.ROUTED:
-                    self.route_refusals += 1
+                routed.append(res.outcome == RouteOutcome.ROUTED)
+                if not routed[-1]:
                     continue
                 sid, iid = r.sample_id, r.instance_id
                 qs = self.queued.pop(sid)
@@ -371,36 +382,33 @@ class Simulator:
                 tbl.seg_version[sid] = e.version
                 tbl.ran_on[sid] = iid
                 e.add(sid, now)
-                self.spec.on_route(iid, qs.length, now)
             self.commands["route"] += len(plan.routes)
-        requeued = False
         for pull in plan.pulls:
             e = self.engines[pull.instance_id]
             e.advance(now)
             touched.add(e.id)
             self._requeue(e.start_pull(now, pull.version, self.setup.pull_time))
-            self.spec.on_pull(pull.instance_id, pull.version, now)
             self.commands["pull"] += 1
-            requeued = True
+            self.requeued = True
         for it in plan.interrupts:
             e = self.engines[it.instance_id]
             e.advance(now)
             touched.add(e.id)
             got = e.interrupt(it.sample_ids, now)
             self._requeue(got)
-            self.spec.on_interrupt(it.instance_id, got, now)
+            interrupted.append(got)
             self.commands["interrupt"] += len(got)
             self.commands[it.reason] += 1
-            requeued = requeued or bool(got)
+            self.requeued = self.requeued or bool(got)
         for iid in touched:
             e = self.engines[iid]
             e.advance(now)  # admit what arrived
             self.engine_changed.add(iid)
             if e.finished or e.interrupted or e.pulled:
-                requeued = True  # the outbox is drained at the next tick
+                self.requeued = True  # the outbox is drained at the next tick
             else:
                 self.next_ev[iid] = e.next_event_time()
-        return True, requeued
+        return Applied(routed, interrupted, now)
 
     # ---- the loop --------------------------------------------------------------------------
 
