@@ -225,7 +225,8 @@ class SpeculativeState:
         return True
 
     def observe_all(self, snaps: Iterable[InstanceSnapshot]) -> tuple[list[int], list[int]]:
-        acc, drop = [], []
+        acc: list[int] = []
+        drop: list[int] = []
         for s in snaps:
             (acc if self.observe(s) else drop).append(s.instance_id)
         return acc, drop

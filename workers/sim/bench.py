@@ -135,8 +135,8 @@ def average(results: dict[Job, SimResult]) -> dict[Job, Averaged]:
         for r in rs:
             for k, v in r.staleness_hist.items():
                 hist[k] = hist.get(k, 0) + v
-            for k, v in r.commands.items():
-                cmds[k] = cmds.get(k, 0) + v / len(rs)
+            for name, n in r.commands.items():
+                cmds[name] = cmds.get(name, 0) + n / len(rs)
         out[j] = Averaged(
             eta=rs[0].eta,
             runs=len(rs),

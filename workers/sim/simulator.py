@@ -9,8 +9,9 @@ Pieces (none sleeps, none touches a database):
 * a trainer — consumes the ready buffer of its version, trains for a tokens-proportional
   time, publishes (the PS then holds the new version);
 * the coordinator — every `policy.cycle_period` (100 ms) of virtual time: instance
-  heartbeats feed the `SpeculativeState`, `Policy.plan` (the same pure strategy functions the
-  real coordinator runs) decides routes, pulls and interrupts, and they are applied.
+  heartbeats feed the `SpeculativeState`, and `run_cycle` — the very cycle the real
+  coordinator runs — plans routes, pulls and interrupts, applies them here (`_apply`: the
+  protocol and the engines instead of the database) and feeds them back into the state.
 
 Time advances in coordinator ticks. A tick in which nothing discrete happened (no finish,
 no command, no publish, no pull done) and after which nothing can change until the next
@@ -91,6 +92,8 @@ class Simulator:
             max_prompt_tokens=su.workload.prompt_max,
         )
         self.p = SimProtocol(cfg)
+        assert cfg.samples_per_group is not None  # RunConfig fills in the default (N)
+        self.n_prime = cfg.samples_per_group
         self.table = SampleTable()
         self.spec = SpeculativeState(tolerance=snapshot_tolerance)
         self.period = self.policy.cycle_period
@@ -130,10 +133,10 @@ class Simulator:
         self.train_times: list[float] = []
         self.step_tokens: list[int] = []
         self.step_samples: list[int] = []
-        self.staleness = Counter()
-        self.sample_staleness = Counter()
+        self.staleness: Counter[int] = Counter()
+        self.sample_staleness: Counter[int] = Counter()
         self.trained_prompt_tokens = 0
-        self.commands = Counter()
+        self.commands: Counter[str] = Counter()
         self.cycles = 0
         self.coord_wall = 0.0
         self.route_refusals = 0
@@ -148,8 +151,7 @@ class Simulator:
         while len(self.fresh_groups) < self.prefetch:
             k = self.group_index
             self.group_index += 1
-            n_prime = self.p.config.samples_per_group
-            draw = self.workload.group(k, n_prime)
+            draw = self.workload.group(k, self.n_prime)
             gid = self.p.enqueue(f"g{k}", [1] * draw.prompt_len)
             for j, sid in enumerate(self.p.groups[gid].sample_ids):
                 self.table.add(sid, gid, draw.prompt_len, int(draw.lengths[j]))
@@ -217,8 +219,7 @@ class Simulator:
         outcomes = self.p.record_rewards([(sid, att, 1.0) for sid, att in claimed])
         touched = [o.group_id for o in outcomes]
         if touched and (
-            self.p.config.samples_per_group > self.p.config.group_size
-            or any(o.state != GroupState.OCCUPIED for o in outcomes)
+            self.n_prime > self.p.config.group_size or any(o.state != GroupState.OCCUPIED for o in outcomes)
         ):
             self._drop_aborted(touched)
         return bool(outcomes)
@@ -229,6 +230,7 @@ class Simulator:
         changed = False
         p = self.p
         if self.train_until is not None and self.now >= self.train_until - 1e-9:
+            assert self.train_batch is not None  # set with train_until
             v, lease, _ = self.train_batch
             in_flight = list(p.reserved)
             p.publish(v, lease)
@@ -253,10 +255,12 @@ class Simulator:
                 tbl = self.table
                 for gid in gids:
                     g = p.groups[gid]
+                    assert g.group_version is not None  # a consumed group has its version
                     self.staleness[b - g.group_version] += 1
                     for sid in g.sample_ids:
                         s = p.samples[sid]
                         if s.state == SampleState.REWARDED:
+                            assert s.v_traj is not None  # it was routed
                             tokens += tbl.gen[sid]
                             prompt_tokens += tbl.prompt[sid]
                             samples += 1
@@ -317,11 +321,11 @@ class Simulator:
                 continue
             e.advance(now)
             self._collect(e, finished, interrupted)
-            est = self.spec.estimates[iid].view
-            before = (est.running, est.waiting, est.version, est.pulling)
+            view = self.spec.estimates[iid].view
+            before = (view.running, view.waiting, view.version, view.pulling)
             if self.spec.observe(e.snapshot(now, self.detail)):
-                est = self.spec.estimates[iid].view
-                if (est.running, est.waiting, est.version, est.pulling) != before:
+                view = self.spec.estimates[iid].view
+                if (view.running, view.waiting, view.version, view.pulling) != before:
                     changed = True
             self.engine_changed.discard(iid)
             nxt = self.next_hb[iid] + self.heartbeat_period
@@ -342,10 +346,11 @@ class Simulator:
             self.queued.values(),
             self._apply,
             ps_version=p.version,
+            # a reserved group has its buffer and version (the reference protocol's types allow None)
             admission=AdmissionView(
-                p.buffers, p.version, p.limits, {gid: g.reserved_buffer for gid, g in reserved.items()}
+                p.buffers, p.version, p.limits, {gid: g.reserved_buffer or 0 for gid, g in reserved.items()}
             ),
-            group_versions={gid: g.min_version for gid, g in reserved.items()},
+            group_versions={gid: g.min_version or 0 for gid, g in reserved.items()},
         )
         self.coord_wall += out.decide_s
         self.route_refusals += out.refused
@@ -355,12 +360,9 @@ class Simulator:
         """The cycle's commands reach the protocol and the engines at once (`requeued`: some
         samples went back to the queue, or an engine has an outbox to drain next tick)."""
         p, now, tbl = self.p, self.now, self.table
-        self.requeued = False
+        self.requeued, touched = False, set()
         routed: list[bool] = []
         interrupted: list[list[int]] = []
-        if plan.empty():
-            return Applied(routed, interrupted, now)
-        touched: set[int] = set()
         if plan.routes:
             for r in plan.routes:  # engines must be at `now` before anything arrives
                 if r.instance_id not in touched:
@@ -372,6 +374,7 @@ class Simulator:
                 if not routed[-1]:
                     continue
                 sid, iid = r.sample_id, r.instance_id
+                assert res.v_traj is not None and res.attempt is not None and res.lease is not None  # routed
                 qs = self.queued.pop(sid)
                 self.fresh_groups.discard(qs.group_id)
                 e = self.engines[iid]
@@ -472,11 +475,6 @@ class Simulator:
             if progress is not None and p.version != last_reported:
                 last_reported = p.version
                 progress(f"step {p.version}/{steps} at {now:,.0f}s virtual")
-        return self._result(steps, wall0)
-
-    # ---- results ---------------------------------------------------------------------------
-
-    def _result(self, steps: int, wall0: float) -> SimResult:
         return build_result(self, steps, wall0)
 
 

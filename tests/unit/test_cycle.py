@@ -1,0 +1,48 @@
+"""One coordinator cycle (`run_cycle`): what was applied, and only that, reaches the speculative
+state — the same function the service and the simulator run."""
+
+from workers.coordinator.admission import AlwaysAdmit
+from workers.coordinator.cost_model import get_cost_model
+from workers.coordinator.cycle import Applied, run_cycle
+from workers.coordinator.policies import CyclePlan, get_policy
+from workers.coordinator.state import InstanceSnapshot, QueuedSample, SpeculativeState
+
+COST = get_cost_model("qwen_7b", "TP1_PP1")
+
+
+def _spec(n=2):
+    st = SpeculativeState()
+    for i in range(1, n + 1):
+        st.observe(InstanceSnapshot(i, 0, 0, 0, 0, 100_000, max_running=64))
+    return st
+
+
+def _queued(n):
+    return [QueuedSample(10 + k, 1 + k // 2, 100) for k in range(n)]
+
+
+def _cycle(st, queued, apply):
+    return run_cycle(
+        get_policy("strict"), COST, st, queued, apply, ps_version=0, admission=AlwaysAdmit(), group_versions={}
+    )
+
+
+def test_accepted_routes_reach_the_estimates_refused_ones_do_not():
+    st, seen = _spec(), []
+
+    def apply(plan: CyclePlan) -> Applied:
+        seen.append(plan)
+        return Applied([k % 2 == 0 for k in range(len(plan.routes))], [], at=5.0)
+
+    out = _cycle(st, _queued(4), apply)
+    assert seen == [out.plan] and len(out.plan.routes) == 4
+    assert out.refused == 2
+    assert sum(v.requests for v in st.views()) == 2
+    assert all(e.last_change_at == 5.0 for e in st.estimates.values() if e.view.requests)
+
+
+def test_nothing_applied_changes_nothing():
+    st = _spec()
+    out = _cycle(st, _queued(4), lambda plan: None)  # e.g. deposed while writing
+    assert out.plan.routes and out.applied is None and out.refused == 0
+    assert sum(v.requests for v in st.views()) == 0
