@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Annotated, Any
+from typing import Any
 
 from pydantic import Field
 
 from staleflow_db.enums import DropReason
 from staleflow_db.types import RouteOutcome
 
-from .common import INT64_MAX, Id, In, Int, LeaseSeconds, Name, Number, Out, Version
+from .common import INT64_MAX, Id, In, Int, Out, Version
 
 
 class RunningOut(Out):
@@ -58,32 +58,6 @@ class ClusterSnapshotOut(Out):
     instances: list[InstanceViewOut] = Field(description="active instances with a live lease")
     queued: list[QueuedSampleOut]
     latest_params: int | None = Field(description="latest published parameter version")
-
-
-class LeaseIn(In):
-    holder: Name = Field(description="this coordinator process (e.g. host:pid)")
-    ttl_seconds: LeaseSeconds = 5.0
-
-
-class LeaseOut(Out):
-    epoch: int | None = Field(description="the leadership epoch; None while another holder's lease is live")
-
-
-class ReleaseIn(In):
-    holder: Name
-
-
-class CycleIn(In):
-    """One coordinator cycle's commands, applied in one transaction fenced by holder and epoch."""
-
-    holder: Name
-    epoch: Int = Field(ge=0, le=INT64_MAX)
-    routes: list[tuple[Id, Id]] = Field(default_factory=list, description="(sample_id, instance_id)")
-    interrupts: list[Id] = Field(default_factory=list)
-    pulls: list[tuple[Id, Version]] = Field(default_factory=list, description="(instance_id, target_version)")
-    cycle: dict[str, Annotated[Number, Field(allow_inf_nan=False, ge=-1e12, le=1e12)]] | None = Field(
-        None, description="timings and counts to record: snapshot_ms, decide_ms, write_ms, migrated"
-    )
 
 
 class Fenced(In):

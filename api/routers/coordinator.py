@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Path
+from fastapi.responses import JSONResponse
 
 from staleflow_db.enums import Role
 from staleflow_db.protocol.base import load_run
@@ -18,6 +19,7 @@ from staleflow_db.types import RouteOutcome
 from .. import queries
 from ..auth import Principal
 from ..deps import IdempotencyKey, RunId, State, allow_run
+from ..errors import error_body
 from ..models import (
     AbortedOut,
     AbortGroupIn,
@@ -25,16 +27,12 @@ from ..models import (
     AbortSamplesIn,
     ClusterSnapshotOut,
     CommandsOut,
-    CycleIn,
     DroppedGroupsOut,
     ExpireOut,
     InstanceViewOut,
     InterruptIn,
-    LeaseIn,
-    LeaseOut,
     PullIn,
     QueuedSampleOut,
-    ReleaseIn,
     RouteIn,
     RouteOut,
     RunningOut,
@@ -74,54 +72,22 @@ def snapshot(run_id: RunId, state: State, who: Principal = Coordinator) -> Clust
     )
 
 
-@router.post("/coordinator/lease", response_model=LeaseOut)
-def acquire_lease(run_id: RunId, body: LeaseIn, state: State, who: Principal = Coordinator) -> LeaseOut:
-    """Become or stay the run's coordinator: the epoch to fence writes with, or None while
-    another holder's lease is live. Taking over bumps the epoch (fencing the old leader)."""
-    return LeaseOut(epoch=state.protocol.acquire_leadership(run_id, body.holder, body.ttl_seconds))
-
-
-@router.post("/coordinator/release", response_model=LeaseOut)
-def release_lease(run_id: RunId, body: ReleaseIn, state: State, who: Principal = Coordinator) -> LeaseOut:
-    """Step down (a standby may take over at once)."""
-
-    def call(conn) -> LeaseOut:
-        load_run(conn, run_id, lock=False)
-        state.protocol.release_leadership(run_id, body.holder)
-        return LeaseOut(epoch=None)
-
-    return state.protocol.once(None, "release", None, call, LeaseOut)[0]
-
-
-@router.post("/coordinator/cycle", response_model=RouteOut, responses=errors(409, 413))
-def cycle(
-    run_id: RunId, body: CycleIn, state: State, key: IdempotencyKey = None, who: Principal = Coordinator
-) -> RouteOut:
-    """One cycle's routes, interrupts and pulls in one transaction, refused (409) unless
-    `holder` leads the run at `epoch`."""
-
-    def call(_conn) -> RouteOut:
-        results = state.protocol.apply_commands(
-            run_id,
-            body.holder,
-            body.epoch,
-            body.routes,
-            body.interrupts,
-            body.pulls,
-            body.cycle,
-        )
-        return RouteOut.model_validate({"results": dump(results)})
-
-    out, replayed = state.protocol.once(scoped_key(key, f"run{run_id}"), "cycle", body, call, RouteOut)
-    if not replayed:
-        routed = {r.sample_id for r in out.results if r.outcome == RouteOutcome.ROUTED}
-        topics = {instance_topic(i) for s, i in body.routes if s in routed}
-        topics |= {instance_topic(i) for i, _ in body.pulls}
-        if body.interrupts:
-            topics.add(WORK)
-        if topics:
-            state.notifier.publish(run_id, *topics)
-    return out
+@router.post("/coordinator/lease", status_code=410, response_model=None, deprecated=True, responses=errors(410))
+@router.post("/coordinator/release", status_code=410, response_model=None, deprecated=True, responses=errors(410))
+@router.post("/coordinator/cycle", status_code=410, response_model=None, deprecated=True, responses=errors(410))
+def coordinator_gone(run_id: RunId, who: Principal = Coordinator) -> JSONResponse:
+    """Gone: the coordinator runs in-process against the database (`staleflow coordinator --run
+    RUN`), which leads the run by its lease row and writes each cycle in one fenced transaction.
+    Nothing is applied."""
+    return JSONResponse(
+        error_body(
+            "gone",
+            "the coordinator runs in-process against the database (`staleflow coordinator --run"
+            f" {run_id}`): it takes the run's lease and writes its cycles there, not over the API;"
+            " nothing was applied",
+        ),
+        status_code=410,
+    )
 
 
 @router.post("/routes", response_model=RouteOut, responses=errors(409, 413))

@@ -59,9 +59,10 @@ MATRIX: list[tuple[str, str, Any, set[str], int]] = [
     ("POST", "/v1/runs/{A}/batches/0/consume?wait=0", None, TRAINER, 403),
     ("POST", "/v1/runs/{A}/batches/0/publish", {"lease": 1}, TRAINER, 403),
     ("GET", "/v1/runs/{A}/snapshot", None, COORD, 403),
-    ("POST", "/v1/runs/{A}/coordinator/lease", {"holder": "h"}, COORD, 403),
-    ("POST", "/v1/runs/{A}/coordinator/release", {"holder": "nobody"}, COORD, 403),
-    ("POST", "/v1/runs/{A}/coordinator/cycle", {"holder": "h", "epoch": 99}, COORD, 403),
+    # gone (410) for those who may coordinate
+    ("POST", "/v1/runs/{A}/coordinator/lease", None, COORD, 403),
+    ("POST", "/v1/runs/{A}/coordinator/release", None, COORD, 403),
+    ("POST", "/v1/runs/{A}/coordinator/cycle", None, COORD, 403),
     ("POST", "/v1/runs/{A}/routes", {"routes": [{"sample_id": 1, "instance_id": 1}]}, COORD, 403),
     ("POST", "/v1/runs/{A}/commands/interrupt", {"sample_ids": [1]}, COORD, 403),
     ("POST", "/v1/runs/{A}/commands/pull", {"instance_ids": ["{I}"]}, COORD, 403),

@@ -147,26 +147,6 @@ def _endpoints(run: int, inst: int, group: int, sample: int, attempt: int, lease
             ],
         ),
         (f"{r}/batches/0/publish", {"lease": 1, "size_bytes": 10}, [(("lease",), INT), (("size_bytes",), INT)]),
-        (f"{r}/coordinator/lease", {"holder": "c", "ttl_seconds": 5}, [(("ttl_seconds",), FLOAT)]),
-        (
-            f"{r}/coordinator/cycle",
-            {
-                "holder": "c",
-                "epoch": 1,
-                "routes": [[sample, inst]],
-                "interrupts": [sample],
-                "pulls": [[inst, 0]],
-                "cycle": {"snapshot_ms": 1.5},
-            },
-            [
-                (("epoch",), INT),
-                (("routes", 0, 0), INT),
-                (("routes", 0, 1), INT),
-                (("interrupts", 0), INT),
-                (("pulls", 0, 1), INT),
-                (("cycle", "snapshot_ms"), FLOAT),
-            ],
-        ),
         (
             f"{r}/routes",
             {"routes": [{"sample_id": sample, "instance_id": inst}], "epoch": 1},
