@@ -46,3 +46,11 @@ def test_nothing_applied_changes_nothing():
     out = _cycle(st, _queued(4), lambda plan: None)  # e.g. deposed while writing
     assert out.plan.routes and out.applied is None and out.refused == 0
     assert sum(v.requests for v in st.views()) == 0
+
+
+def test_the_services_cycle_history_is_bounded():
+    from workers.coordinator.service import CYCLE_HISTORY, CycleStats
+
+    s = CycleStats()
+    s.cycle_ms.extend(float(k) for k in range(3 * CYCLE_HISTORY))
+    assert len(s.cycle_ms) == CYCLE_HISTORY and s.cycle_ms[-1] == 3 * CYCLE_HISTORY - 1
