@@ -136,3 +136,11 @@ def test_the_simulator_and_the_sim_engine_agree_on_a_batch():
     assert preempted == inst.preemptions > 0
     assert order == inst.finished
     assert eng.sim_time == pytest.approx(inst.busy, rel=1e-9)
+
+
+def test_a_sample_alone_over_capacity_finishes_with_reason_capacity():
+    e = SimEngine(COST, kv_capacity_tokens=300, max_running=4, time_scale=0, max_step_s=1e9)
+    e.add_request("1", encode_prompt(250, 1_000, 0.0), max_new_tokens=4096, seed=1)
+    out = [ev for _ in range(5) for ev in e.step() if isinstance(ev, FinishedEvent)]
+    assert [(ev.finish_reason, len(ev.tokens)) for ev in out] == [("capacity", 50)]
+    assert not e.has_work()

@@ -122,6 +122,7 @@ class SimEngine(Engine):
 
     def add_request(self, sample_id, prompt_tokens, prefix_tokens=(), prefix_logprobs=(), max_new_tokens=256, seed=0):
         sid, done = str(sample_id), len(prefix_tokens)
+        self.batch.remove([sid])  # a sample is held once: a new route replaces a stale copy
         total = target_length(prompt_tokens, seed, done + max_new_tokens)
         lens = self._len
         lens.prompt[sid], lens.gen[sid], lens.prefix[sid] = len(prompt_tokens), done, done
