@@ -55,6 +55,7 @@ class CostModel:
         return self.throughput(n + 1, kv + length) - self.throughput(n, kv)
 
     def latency_array(self, n: np.ndarray, kv: np.ndarray) -> np.ndarray:
+        """`latency` over numpy arrays (broadcast), for routing's [sample x instance] gains."""
         return self.attn_b + self.attn_k * kv + np.maximum(self.other_threshold, self.other_b + self.other_k * n)
 
     def throughput_array(self, n: np.ndarray, kv: np.ndarray) -> np.ndarray:

@@ -55,12 +55,8 @@ def queue_levels(
     """Queued samples by level (see `level_of`), oldest first; the caller's order is kept
     inside a level."""
     levels: dict[float, list[QueuedSample]] = {}
-    gv = group_versions or {}
     for s in queued:
-        if s.tokens > 0 and s.v_traj is not None:
-            key = s.v_traj
-        else:
-            key = gv.get(s.group_id, NEW_LEVEL)
+        key = level_of(s, group_versions)
         lst = levels.get(key)
         if lst is None:
             levels[key] = [s]
@@ -145,8 +141,6 @@ def route_waterfall(
     c = _Cluster(instances, cost)
     blocked = np.zeros(len(c.ids), dtype=bool)
     routes: list[RouteDecision] = []
-    a, ak = cost.attn_b, cost.attn_k
-    thr_c, ob, ok_ = cost.other_threshold, cost.other_b, cost.other_k
     for level, samples in levels:
         base = c.open & ~blocked & (c.waiting == 0) & (c.n < c.max_running)
         if not base.any():
@@ -154,7 +148,6 @@ def route_waterfall(
         if level == NEW_LEVEL and not any(admission.admits(samples[0], v) for v in c.versions):
             # every member of the newest level is a never-routed member of a group not yet in
             # flight: when one cannot reserve at any version, none can (the budget is full)
-            failed_need = 0
             break
         m = len(samples)
         L = np.array([s.length for s in samples], dtype=float)
@@ -171,9 +164,8 @@ def route_waterfall(
             )
 
         def gains(rows: slice, cols) -> np.ndarray:
-            n1 = c.n[cols] + 1
-            lat = a + ak * (c.kv[cols][None, :] + L[rows, None]) + np.maximum(thr_c, ob + ok_ * n1)[None, :]
-            return n1[None, :] / lat - c.T[cols][None, :]
+            n1 = c.n[cols][None, :] + 1
+            return n1 / cost.latency_array(n1, c.kv[cols][None, :] + L[rows, None]) - c.T[cols][None, :]
 
         allc = slice(None)
         F = feasible(slice(0, m))

@@ -13,7 +13,8 @@ strategies update private copies of the views as they decide, never the caller's
   `sync_greedy` (pull as soon as behind) and `sync_all_idle` (whole-batch version, no partial
   rollout: everyone pulls together once all are idle).
 * Migration — `migrate_throughput_ratio` (coordinator side, ψ, one per cycle) and
-  `engine_should_interrupt_preempted` (engine side, φ_wait).
+  `engine_should_interrupt_preempted` (engine side, φ_wait: called by the simulator's batch
+  model and by the rollout worker on a `PreemptedEvent`).
 """
 
 from __future__ import annotations

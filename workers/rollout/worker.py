@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from workers.client import Conflict, StaleFlowClient
+from workers.coordinator.strategies import engine_should_interrupt_preempted
 from workers.rollout.engines.base import Engine, FinishedEvent, PreemptedEvent, TokensEvent
 
 log = logging.getLogger("staleflow.rollout")
@@ -145,7 +146,7 @@ class RolloutWorker:
             if isinstance(e, FinishedEvent):
                 self._queue(int(e.sample_id), e.tokens, e.logprobs, "finished", e.finish_reason)
                 self.stats.finished += 1
-            elif isinstance(e, PreemptedEvent) and self.phi_wait is not None and e.waiting > self.phi_wait:
+            elif isinstance(e, PreemptedEvent) and engine_should_interrupt_preempted(e.waiting, self.phi_wait):
                 # engine-side migration: a preempted sample would wait here; let routing move it
                 self._interrupt([int(e.sample_id)])
                 self.stats.migrated += 1

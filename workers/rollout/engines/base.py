@@ -47,8 +47,9 @@ class PreemptedEvent:
     """KV capacity ran out: a running sample went back to the waiting queue.
 
     Its generated tokens are kept; it is recomputed (prefilled again) when readmitted.
-    `waiting` is the waiting-queue length right after the preemption: the `φ_wait`
-    migration rule interrupts the sample instead when that exceeds its threshold.
+    `waiting` is the waiting-queue length right after the preemption (counting this
+    sample): the rollout worker applies the `φ_wait` migration rule to it
+    (`strategies.engine_should_interrupt_preempted`) and interrupts the sample instead.
     """
 
     sample_id: str

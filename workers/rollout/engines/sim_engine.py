@@ -3,8 +3,11 @@
 No model and no torch: each decode iteration of `n` running samples holding `kv` KV tokens
 takes `latency(n, kv)` simulated seconds (SPEC §4 cost model), slept as `latency · time_scale`
 wall seconds, so a real-service run of the whole system (API, coordinator, workers, trainer)
-behaves like GPUs of that kind, faster. KV capacity, admission, preemption (most recently
-admitted first) and interruption behave as in a real engine.
+behaves like GPUs of that kind, faster. Batching — admission with a KV watermark, decode
+timing, preemption of the most recently admitted sample — is `timing.BatchModel`, the model
+the simulator's instances run too; this class adds the engine API, prefill charged at
+admission, and real (scaled) time. A sample that alone outgrows the KV cache finishes with
+reason "capacity".
 
 A sample's response length comes from its prompt: `encode_prompt` puts the group's median
 length and the member spread into the first tokens (groups are correlated, members vary), and
@@ -23,6 +26,7 @@ from typing import Any
 
 from workers.coordinator.cost_model import CostModel, get_cost_model
 from workers.rollout.engines.base import Engine, EngineStats, FinishedEvent, Partial, PreemptedEvent, TokensEvent
+from workers.rollout.engines.timing import BatchModel
 from workers.settings import sim_engine_settings
 
 MAGIC = 7_777_777  # first prompt token of a sim prompt
@@ -47,17 +51,21 @@ def target_length(prompt: Sequence[int], seed: int, max_len: int) -> int:
 
 
 @dataclass
-class _Seq:
-    sid: str
-    context: int  # prompt + prefix tokens
-    remaining: int  # tokens still to generate in this stretch
-    reason: str  # how it ends when `remaining` reaches 0
-    generated: int = 0
-    admitted: int = -1
+class _Lengths:
+    """Token counts of the samples on this engine, for the batch model (see timing.Lengths)."""
 
-    @property
-    def kv(self) -> int:
-        return self.context + self.generated
+    prompt: dict[str, int] = field(default_factory=dict)
+    gen: dict[str, int] = field(default_factory=dict)  # response tokens, prefix included
+    target: dict[str, int] = field(default_factory=dict)
+    prefix: dict[str, int] = field(default_factory=dict)  # response tokens before this stretch
+    reason: dict[str, str] = field(default_factory=dict)  # finish reason at `target`
+
+    def stretch(self, sid: str) -> int:
+        return self.gen[sid] - self.prefix[sid]
+
+    def drop(self, sid: str) -> None:
+        for d in (self.prompt, self.gen, self.target, self.prefix, self.reason):
+            d.pop(sid, None)
 
 
 @dataclass
@@ -99,10 +107,8 @@ class SimEngine(Engine):
         self.prefill_rate = env.prefill_rate if prefill_rate is None else prefill_rate
         self._prefill_due = 0.0
         self._version = version
-        self.running: list[_Seq] = []
-        self.waiting: list[_Seq] = []
-        self._admissions = 0
-        self.preemptions = 0
+        self._len = _Lengths()
+        self.batch = BatchModel(self.cost, kv_capacity_tokens, max_running, self._len)
         self.sim_time = 0.0
         self._rate = _Rate()
 
@@ -110,73 +116,60 @@ class SimEngine(Engine):
     def version(self) -> int:
         return self._version
 
+    @property
+    def preemptions(self) -> int:
+        return self.batch.preemptions
+
     def add_request(self, sample_id, prompt_tokens, prefix_tokens=(), prefix_logprobs=(), max_new_tokens=256, seed=0):
-        done = len(prefix_tokens)
+        sid, done = str(sample_id), len(prefix_tokens)
+        self.batch.remove([sid])  # a sample is held once: a new route replaces a stale copy
         total = target_length(prompt_tokens, seed, done + max_new_tokens)
-        remaining = max(0, total - done)
-        reason = "length" if total >= done + max_new_tokens else "eos"
-        self.waiting.append(_Seq(str(sample_id), len(prompt_tokens) + done, remaining, reason))
+        lens = self._len
+        lens.prompt[sid], lens.gen[sid], lens.prefix[sid] = len(prompt_tokens), done, done
+        lens.target[sid] = done + max(1, total - done)  # a stretch yields at least one token
+        lens.reason[sid] = "length" if total >= done + max_new_tokens else "eos"
+        self.batch.waiting.append(sid)
 
-    def _kv(self) -> int:
-        return sum(s.kv for s in self.running)
-
-    def _admit(self) -> None:
-        while self.waiting and len(self.running) < self.max_running:
-            nxt = self.waiting[0]
-            if self._kv() + nxt.kv + 1 > self.kv_capacity and self.running:
-                return
-            self.waiting.pop(0)
-            if self.prefill_rate > 0:
-                self._prefill_due += nxt.kv / self.prefill_rate
-            self._admissions += 1
-            nxt.admitted = self._admissions
-            self.running.append(nxt)
+    def _stretch_out(self, sid: str) -> tuple[list[int], list[float]]:
+        m = self._len.stretch(sid)
+        self._len.drop(sid)
+        return [TOKEN] * m, [LOGPROB] * m
 
     def step(self) -> list:
         events: list = []
-        self._admit()
-        if not self.running:
+        b = self.batch
+        prefill = b.admit()
+        if prefill and self.prefill_rate > 0:
+            self._prefill_due += prefill / self.prefill_rate
+        while b.n > 1 and b.room() <= 0:
+            # the worker applies φ_wait to the event (the sample waits here meanwhile)
+            sid, _ = b.preempt()
+            events.append(PreemptedEvent(sid, self._len.stretch(sid), len(b.waiting)))
+        if b.n == 1 and b.room() <= 0:
+            (sid,) = b.remove(list(b.run))
+            events.append(FinishedEvent(sid, *self._stretch_out(sid), "capacity"))
             return events
-        n, kv = len(self.running), self._kv()
-        # several iterations per call: until the first finish, or max_step_s of wall time
-        # (of simulated time when nothing is slept)
+        if not b.n:
+            return events
+        # several iterations per call: until the first finish or the KV cache is full, or
+        # max_step_s of wall time (of simulated time when nothing is slept)
         budget = self.max_step_s / self.time_scale if self.time_scale > 0 else self.max_step_s
-        k = min(min(max(s.remaining, 1) for s in self.running), max(1, self.cost.iterations_within(n, kv, budget)))
-        # KV growth: preempt the latest admitted until k iterations fit
-        while len(self.running) > 1 and self._kv() + k * len(self.running) > self.kv_capacity:
-            victim = max(self.running, key=lambda s: s.admitted)
-            self.running.remove(victim)
-            self.waiting.insert(0, victim)
-            self.preemptions += 1
-            events.append(PreemptedEvent(victim.sid, victim.generated, len(self.waiting)))
-        n, kv = len(self.running), self._kv()
-        step_sim = self.cost.iterations_time(n, kv, k) + self._prefill_due
+        k = min(b.to_finish(), b.room(), max(1, b.within(budget)))
+        n = b.n
+        step_sim = b.time(k) + self._prefill_due
         self._prefill_due = 0.0
         self.sim_time += step_sim
         if self.time_scale > 0:
             time.sleep(step_sim * self.time_scale)
-        now = time.monotonic()
-        self._rate.add(now, k * n)
-        finished = []
-        for s in self.running:
-            m = min(k, s.remaining) if s.remaining else 1
-            s.generated += m
-            s.remaining = max(0, s.remaining - m)
-            events.append(TokensEvent(s.sid, [TOKEN] * m, [LOGPROB] * m))
-            if s.remaining == 0:
-                finished.append(s)
-        for s in finished:
-            self.running.remove(s)
-            events.append(FinishedEvent(s.sid, [TOKEN] * s.generated, [LOGPROB] * s.generated, s.reason))
+        self._rate.add(time.monotonic(), k * n)
+        events.extend(TokensEvent(sid, [TOKEN] * k, [LOGPROB] * k) for sid in b.run)
+        for sid in b.decode(k):
+            reason = self._len.reason[sid]
+            events.append(FinishedEvent(sid, *self._stretch_out(sid), reason))
         return events
 
     def interrupt(self, sample_ids: Sequence[str]) -> list[Partial]:
-        wanted, out = {str(s) for s in sample_ids}, []
-        for pool in (self.running, self.waiting):
-            for s in [s for s in pool if s.sid in wanted]:
-                pool.remove(s)
-                out.append(Partial(s.sid, [TOKEN] * s.generated, [LOGPROB] * s.generated))
-        return out
+        return [Partial(sid, *self._stretch_out(sid)) for sid in self.batch.remove(str(s) for s in sample_ids)]
 
     def abort(self, sample_ids: Sequence[str]) -> None:
         self.interrupt(sample_ids)
@@ -188,13 +181,14 @@ class SimEngine(Engine):
         self._version = version
 
     def stats(self) -> EngineStats:
+        b = self.batch
         return EngineStats(
             version=self._version,
-            running=len(self.running),
-            waiting=len(self.waiting),
-            kv_tokens=self._kv(),
+            running=b.n,
+            waiting=len(b.waiting),
+            kv_tokens=b.kv,
             kv_capacity=self.kv_capacity,
-            running_tokens={s.sid: s.kv for s in self.running},
+            running_tokens={sid: b.context(sid) for sid in b.run},
             tokens_per_s=self._rate.per_s(time.monotonic()) / max(self.time_scale, 1e-9) if self.time_scale else 0.0,
-            preemptions=self.preemptions,
+            preemptions=b.preemptions,
         )
