@@ -280,8 +280,9 @@ def markdown(results: dict[Job, Averaged], cfg: BenchConfig, wall: float, runs: 
 
 
 def plots(results: dict[Job, Averaged], cfg: BenchConfig, out_dir: Path) -> list[Path]:
-    import matplotlib
+    from workers.extras import require
 
+    matplotlib = require("matplotlib")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
