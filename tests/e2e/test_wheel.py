@@ -87,23 +87,29 @@ def test_wheel_installs_migrates_and_runs_the_demo(tmp_path: Path, empty_db: str
     assert not missing, f"not in the wheel (a package missing from pyproject's list?): {sorted(missing)}"
 
     env_dir = tmp_path / "venv"
-    venv.create(env_dir, with_pip=True)  # clean: no system site-packages, no checkout on sys.path
+    venv.create(env_dir, with_pip=True)  # clean: no system site-packages
     bin_dir = env_dir / "bin"
-    pip = [str(bin_dir / "python"), "-m", "pip", "install", "--progress-bar", "off"]
-    _run([*pip, "torch==2.13.0"], timeout=900)  # first, as the README says: the CPU build
-    _run([*pip, f"{wheel}[demo]"], timeout=900)
-
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
+    # Nothing of the checkout or the dev environment on sys.path, for pip too: a PYTHONPATH
+    # with the checkout (and a stray staleflow.egg-info there) makes pip skip the wheel.
     env = {k: v for k, v in os.environ.items() if k not in {"PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME"}}
     env |= {
         "PATH": f"{bin_dir}{os.pathsep}{env['PATH']}",
         "STALEFLOW_HOME": str(tmp_path / "home"),
         "STALEFLOW_DATABASE_URL": empty_db,
     }
+    pip = [str(bin_dir / "python"), "-m", "pip", "install", "--progress-bar", "off"]
+    _run([*pip, "torch==2.13.0"], timeout=900, cwd=elsewhere, env=env)  # first, as the README says
+    _run([*pip, f"{wheel}[demo]"], timeout=900, cwd=elsewhere, env=env)
     staleflow = str(bin_dir / "staleflow")
 
-    where = _run([str(bin_dir / "python"), "-c", "import staleflow_db; print(staleflow_db.__file__)"], 60, env=env)
+    where = _run(
+        [str(bin_dir / "python"), "-c", "import staleflow_db; print(staleflow_db.__file__)"],
+        timeout=60,
+        cwd=elsewhere,
+        env=env,
+    )
     assert str(env_dir) in where.stdout, f"staleflow_db imported from {where.stdout}, not the installed wheel"
 
     up = _run([staleflow, "db", "upgrade"], timeout=300, cwd=elsewhere, env=env)

@@ -280,9 +280,8 @@ def markdown(results: dict[Job, Averaged], cfg: BenchConfig, wall: float, runs: 
 
 
 def plots(results: dict[Job, Averaged], cfg: BenchConfig, out_dir: Path) -> list[Path]:
-    from workers.extras import require
+    import matplotlib
 
-    matplotlib = require("matplotlib")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
