@@ -21,6 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from workers.extras import require
 from workers.sim.bench import BenchConfig, run_bench
 
 
@@ -35,6 +36,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--no-ablations", action="store_true")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
     a = ap.parse_args(argv)
+    require("matplotlib")  # for the plots at the end, not after the runs
     cfg = BenchConfig.quick() if a.quick else BenchConfig()
     if a.setups:
         cfg.setups = tuple(s.strip() for s in a.setups.split(",") if s.strip())

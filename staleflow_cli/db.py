@@ -57,13 +57,14 @@ def status() -> None:
     """
     settings = get_settings()
     emb = EmbeddedPostgres(settings.home).status()
+    target: str | None
     if settings.database_url:
         print("source:    STALEFLOW_DATABASE_URL")
         target = settings.database_url
     else:
         print(f"source:    embedded server ({emb['pgdata']})")
         print(f"running:   {'yes, pid {}, port {}'.format(emb['pid'], emb['port']) if emb['running'] else 'no'}")
-        target = emb["url"]
+        target = emb["url"] if isinstance(emb["url"], str) else None  # None while stopped
     print(f"url:       {target or '-'}")
     head = migrate.head()
     print(f"head:      {head or '(no migrations)'}")

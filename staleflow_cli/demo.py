@@ -21,6 +21,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from api.auth import create_token
+from staleflow_cli.common import need
 from staleflow_cli.launch import Cluster, ProcessDied
 from staleflow_db import migrate
 from staleflow_db.audit import step_metrics, summary
@@ -28,6 +29,7 @@ from staleflow_db.db import database_url, make_engine
 from staleflow_db.protocol import Prompt, Protocol
 from staleflow_db.types import RunConfig
 from workers.coordinator.policies import POLICY_NAMES
+from workers.extras import require
 from workers.tasks.repeat import RepeatTask
 
 
@@ -238,8 +240,7 @@ def print_result(result: dict[str, Any], console: Console) -> None:
 def write_report(folder: Path, result: dict[str, Any]) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "report.json").write_text(json.dumps(result, indent=2, default=str))
-    import matplotlib
-
+    matplotlib = require("matplotlib")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -283,6 +284,7 @@ def demo(
     """Train a tiny model from scratch with asynchronous RL: every process real, every step in PostgreSQL."""
     if policy not in POLICY_NAMES:
         raise typer.BadParameter(f"unknown policy {policy!r}; known: {', '.join(POLICY_NAMES)}", param_hint="--policy")
+    need("torch", "matplotlib")  # before a cluster starts, not at the report
     console = Console()
     cfg = DemoConfig(
         steps=steps,

@@ -11,14 +11,16 @@ import sys
 
 import typer
 
-from staleflow_cli import roles
 from staleflow_cli.audit import audit
 from staleflow_cli.coordinator import coordinator
 from staleflow_cli.db import app as db_app
 from staleflow_cli.demo import demo
+from staleflow_cli.reward import reward_worker
+from staleflow_cli.rollout import rollout_worker
 from staleflow_cli.serve import serve
 from staleflow_cli.sim import app as sim_app
 from staleflow_cli.tokens import app as token_app
+from staleflow_cli.trainer import ps, trainer
 
 app = typer.Typer(
     name="staleflow",
@@ -52,10 +54,10 @@ app.command()(audit)
 app.command()(coordinator)
 app.command()(demo)
 app.add_typer(sim_app, name="sim")
-app.command("trainer")(roles.trainer)
-app.command("ps")(roles.ps)
-app.command("rollout-worker")(roles.rollout_worker)
-app.command("reward-worker")(roles.reward_worker)
+app.command("trainer")(trainer)
+app.command("ps")(ps)
+app.command("rollout-worker")(rollout_worker)
+app.command("reward-worker")(reward_worker)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import typer
 
+from staleflow_cli.common import need
+
 app = typer.Typer(help="Simulate policies on the cost model (virtual time, no database).", no_args_is_help=True)
 
 
@@ -77,6 +79,7 @@ def bench(
     printed is `staleflow/sync=<avg> staleflow/strict=<avg>`."""
     from workers.sim.bench import BenchConfig, run_bench
 
+    need("matplotlib")  # for the plots at the end, not after the runs
     cfg = BenchConfig.quick() if quick else BenchConfig()
     if setups:
         cfg.setups = tuple(s.strip() for s in setups.split(",") if s.strip())

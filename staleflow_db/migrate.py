@@ -1,12 +1,15 @@
 """Schema migrations through Alembic's Python API.
 
-The repository's ``alembic.ini`` and ``migrations/`` are found from this file's
-location (they sit beside the package in a checkout or editable install), so the
-functions work from any working directory.
+The migrations are found from the imported package, so the functions work from any
+working directory: in an installed wheel they are the package data
+``staleflow_db/migrations`` (mapped from the top-level ``migrations/``, see pyproject);
+in a checkout or editable install they are ``migrations/`` beside the package, with the
+repository's ``alembic.ini``.
 """
 
 from __future__ import annotations
 
+from importlib.resources import files
 from pathlib import Path
 
 from alembic import command
@@ -17,19 +20,25 @@ from sqlalchemy import pool
 
 from staleflow_db.settings import to_libpq_url, to_sqlalchemy_url
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-MIGRATIONS_DIR = REPO_ROOT / "migrations"
-ALEMBIC_INI = REPO_ROOT / "alembic.ini"
+PACKAGE_DIR = Path(str(files("staleflow_db")))
+REPO_ROOT = PACKAGE_DIR.parent
+
+
+def migrations_dir() -> Path:
+    """The wheel's package data first: it belongs to this very package, while a
+    `migrations/` beside an installed package could be anyone's."""
+    for candidate in (PACKAGE_DIR / "migrations", REPO_ROOT / "migrations"):
+        if (candidate / "env.py").is_file():
+            return candidate
+    raise FileNotFoundError(f"no migrations in {PACKAGE_DIR} or {REPO_ROOT}: a broken installation")
 
 
 def alembic_config(url: str | None = None) -> Config:
-    if not (MIGRATIONS_DIR / "env.py").is_file():
-        raise FileNotFoundError(
-            f"no migrations at {MIGRATIONS_DIR}: StaleFlow must run from a checkout "
-            "(pip install -e .), not a plain wheel install"
-        )
-    cfg = Config(str(ALEMBIC_INI)) if ALEMBIC_INI.is_file() else Config()
-    cfg.set_main_option("script_location", str(MIGRATIONS_DIR))
+    script_location = migrations_dir()
+    ini = script_location.parent / "alembic.ini"  # in a checkout only
+    cfg = Config(str(ini)) if ini.is_file() else Config()
+    cfg.set_main_option("script_location", str(script_location))
+    cfg.set_main_option("path_separator", "os")  # as alembic.ini says; silences alembic's warning without one
     cfg.attributes["configure_logging"] = False
     if url:
         # configparser would read '%' (e.g. in a percent-encoded password) as interpolation.

@@ -49,25 +49,30 @@ class ApiServer:
         self.env.update(env)
         if db_url is not None:
             self.env["STALEFLOW_DATABASE_URL"] = db_url
-        self.log = tempfile.NamedTemporaryFile(prefix="sf-api-", suffix=".log", delete=False)
+        fd, name = tempfile.mkstemp(prefix="sf-api-", suffix=".log")
+        os.close(fd)
+        self.log = Path(name)
         self.proc: subprocess.Popen | None = None
 
     def launch(self) -> ApiServer:
-        self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "staleflow_cli.main",
-                "serve",
-                "--port",
-                str(self.port),
-                *(["--no-upgrade"] if self.db_url else []),
-            ],
-            cwd=REPO,
-            env=self.env,
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
-        )
+        # The server writes its own descriptor of the log; ours is closed at once, so no file
+        # object here can be flushed or written after closing, across stop/start/relaunch.
+        with self.log.open("ab") as log:
+            self.proc = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "staleflow_cli.main",
+                    "serve",
+                    "--port",
+                    str(self.port),
+                    *(["--no-upgrade"] if self.db_url else []),
+                ],
+                cwd=REPO,
+                env=self.env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
         return self
 
     def start(self, timeout: float = 30.0) -> ApiServer:
@@ -84,8 +89,7 @@ class ApiServer:
                     relaunches -= 1
                     self.port = free_port()
                     self.url = f"http://127.0.0.1:{self.port}"
-                    self.log.seek(0)
-                    self.log.truncate(0)
+                    self.log.write_bytes(b"")
                     self.launch()
                     continue
                 raise RuntimeError(f"API server exited with {self.proc.returncode}:\n{self.output()}")
@@ -106,11 +110,13 @@ class ApiServer:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-        self.log.close()
 
     def output(self) -> str:
-        self.log.flush()
-        return Path(self.log.name).read_text(errors="replace")[-5000:]
+        """The server's log so far (also after stop(): start-up failures quote it)."""
+        try:
+            return self.log.read_text(errors="replace")[-5000:]
+        except FileNotFoundError:
+            return "(no log)"
 
     def client(self, token: str | None, **kw: Any) -> StaleFlowClient:
         return StaleFlowClient(self.url, token, **kw)
@@ -118,9 +124,13 @@ class ApiServer:
     def __enter__(self) -> ApiServer:
         return self.start()
 
-    def __exit__(self, *exc: Any) -> None:
+    def close(self) -> None:
+        """Stop the server and delete its log."""
         self.stop()
-        os.unlink(self.log.name)
+        self.log.unlink(missing_ok=True)
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
 
 
 def token(db_url: str, role: str, run_id: int | None = None) -> str:

@@ -221,7 +221,8 @@ def test_a_rollout_workers_pull_lands_on_the_committed_checksum(db_url, engine, 
     import threading
     import time
 
-    from staleflow_cli.roles import _pull, ps_client
+    from staleflow_cli.common import ps_client
+    from staleflow_cli.rollout import _pull
     from workers.models.tiny_model import TinyConfig, TinyTransformer
     from workers.rollout.engines.torch_engine import TorchEngine
     from workers.rollout.worker import RolloutWorker

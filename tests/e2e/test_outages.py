@@ -128,14 +128,15 @@ def test_sim_run_rides_through_a_database_restart(embedded_pg, tmp_path):
 
 
 def _spawn(args: list[str], log: Path, **env: str) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, "-m", "staleflow_cli.main", *args],
-        cwd=REPO,
-        env={**os.environ, "PYTHONUNBUFFERED": "1", **env},
-        stdout=open(log, "wb"),
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
+    with open(log, "wb") as out:  # the child keeps its own descriptor
+        return subprocess.Popen(
+            [sys.executable, "-m", "staleflow_cli.main", *args],
+            cwd=REPO,
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **env},
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
 
 
 @pytest.mark.slow
@@ -205,8 +206,8 @@ def test_rollout_worker_fails_over_between_api_replicas(db_url, tmp_path):
             except subprocess.TimeoutExpired:
                 worker.kill()
                 worker.wait()
-        first.stop()
-        second.stop()
+        first.close()
+        second.close()
 
 
 def test_api_urls_from_arguments_and_environment(monkeypatch):

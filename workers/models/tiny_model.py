@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -180,6 +181,11 @@ class TinyTransformer(nn.Module):
     def device(self) -> torch.device:
         return self.tok_emb.device
 
+    @property
+    def layers(self) -> list[_Block]:
+        # nn.ModuleList is not generic: iterating it types each block as a plain Module.
+        return cast(list[_Block], list(self.blocks))
+
     # ---- full-sequence path (scoring / training) ---------------------------------------
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens (B, T) -> logits (B, T, V), causal. Matches the cached path to rounding."""
@@ -187,7 +193,7 @@ class TinyTransformer(nn.Module):
         B, T = tokens.shape
         H, dh = cfg.n_heads, cfg.d_model // cfg.n_heads
         h = self.tok_emb[tokens] + self.pos_emb[:T]
-        for blk in self.blocks:
+        for blk in self.layers:
             q, k, v = blk.qkv.full(blk.ln1(h)).split(cfg.d_model, dim=-1)
             q, k, v = (t.view(B, T, H, dh).transpose(1, 2) for t in (q, k, v))
             a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
@@ -233,7 +239,7 @@ class TinyTransformer(nn.Module):
         )
         h = self.tok_emb[torch.tensor(tokens, device=dev)] + self.pos_emb[torch.tensor(positions, device=dev)]
         scale = 1.0 / math.sqrt(dh)
-        for li, blk in enumerate(self.blocks):
+        for li, blk in enumerate(self.layers):
             q, k, v = blk.qkv(blk.ln1(h)).split(cfg.d_model, dim=-1)
             pool.k[li].index_copy_(0, slot_t, k.reshape(-1, H, dh))
             pool.v[li].index_copy_(0, slot_t, v.reshape(-1, H, dh))

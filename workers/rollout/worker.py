@@ -84,6 +84,13 @@ class RolloutWorker:
     def stop(self) -> None:
         self._stop = True
 
+    @property
+    def _instance(self) -> int:
+        """The registered instance id, for calls that only make sense once run() registered."""
+        if self.instance_id is None:
+            raise RuntimeError("the rollout worker is not registered: call run()")
+        return self.instance_id
+
     def run(self, until: Callable[[], bool] | None = None) -> WorkerStats:
         """Serve until stopped (or `until()` is true); deregisters on the way out."""
         self.instance_id = self.client.register(self.run_id, self.name, self.engine.version, self.lease_s).instance_id
@@ -117,7 +124,7 @@ class RolloutWorker:
 
     def _poll(self, wait: float) -> None:
         try:
-            out = self.client.poll(self.run_id, self.instance_id, wait=wait)
+            out = self.client.poll(self.run_id, self._instance, wait=wait)
         except Conflict:  # the lease lapsed: poll is refused by time, before any sweep
             self._register_again()
             return
@@ -210,7 +217,7 @@ class RolloutWorker:
         batch, self.pending = self.pending, []
         while batch:
             try:
-                self.client.report(self.run_id, self.instance_id, batch)
+                self.client.report(self.run_id, self._instance, batch)
                 break
             except Conflict as e:  # lost leases: drop those samples, send the rest
                 lost = {item["id"] for item in e.items}
@@ -259,7 +266,7 @@ class RolloutWorker:
             "routed_seen": self.stats.routed,
         }
         try:
-            self.client.heartbeat(self.run_id, self.instance_id, s.version, snapshot, self.lease_s)
+            self.client.heartbeat(self.run_id, self._instance, s.version, snapshot, self.lease_s)
         except Conflict:
             self._register_again()
         self._last["heartbeat"] = time.monotonic()

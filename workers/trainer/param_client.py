@@ -40,7 +40,8 @@ def _group(store: TCPStore, rank: int, backend: str, local_host: str, timeout_s:
     timeout = datetime.timedelta(seconds=timeout_s)
     prefix = PrefixStore("staleflow-ps", store)
     if backend == "gloo":
-        opts = ProcessGroupGloo._Options()
+        # Private, so not in torch's stubs; the only way to give gloo a timeout and device.
+        opts = ProcessGroupGloo._Options()  # type: ignore[attr-defined]
         opts._timeout = timeout
         opts._devices = [ProcessGroupGloo.create_device(hostname=local_host)]
         return ProcessGroupGloo(prefix, rank, 2, opts)
@@ -61,8 +62,9 @@ def _send(pg, flat: torch.Tensor, peer: int, on_chunk: Callable[[torch.Tensor], 
     """Post every chunk, run on_chunk over them in order while they go out, then wait."""
     chunks = _chunks(flat)
     works = [pg.send([c], peer, k) for k, c in enumerate(chunks)]
-    for c in chunks if on_chunk else ():
-        on_chunk(c)
+    if on_chunk is not None:
+        for c in chunks:
+            on_chunk(c)
     for w in works:
         w.wait()
 

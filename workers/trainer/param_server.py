@@ -142,7 +142,9 @@ class ParamServer:
 
     @property
     def address(self) -> tuple[str, int]:
-        return self._server.server_address[:2]
+        host, port = self._server.server_address[:2]
+        assert isinstance(host, str)  # an AF_INET server's address
+        return host, port
 
     def start(self) -> tuple[str, int]:
         if self._latest is not None:  # a crash may have come between persist and hook
@@ -219,6 +221,7 @@ class ParamServer:
     def _serve_pull(self, h, req: dict, reply) -> None:
         with self._lock:
             want = req.get("checksum")
+            v: int | None
             if req.get("version") is not None:
                 v = int(req["version"])
             else:  # without a checksum to check, only committed (published) weights are served
@@ -279,8 +282,13 @@ class ParamServer:
             flat = torch.empty(sum(m.nbytes for m in metas), dtype=torch.uint8, device=self.device)
             hasher = _hasher(metas)
             writer = VersionWriter(self.data_dir, version, metas)
+
+            def on_chunk(chunk: torch.Tensor) -> None:  # hash and persist while receiving
+                _update(hasher, chunk)
+                writer.write(chunk)
+
             try:
-                _recv(pg, flat, 1, on_chunk=lambda c: (_update(hasher, c), writer.write(c)))
+                _recv(pg, flat, 1, on_chunk=on_chunk)
                 claimed = json.loads(h.rfile.readline() or b"{}").get("checksum")
                 checksum = hasher.hexdigest()
                 if checksum != claimed:

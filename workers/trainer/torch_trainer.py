@@ -181,8 +181,9 @@ class Trainer:
     def _check_published(self, k: int) -> None:
         """Version k is published: it must be with our checksum, else we are a fenced trainer."""
         published = {p.version: p.checksum for p in self.client.param_versions(self.run_id)}
-        if published.get(k) not in (None, self._weights["checksum"]):
-            raise TrainerError(f"fenced: another trainer published version {k} (checksum {published[k][:12]})")
+        theirs = published.get(k)
+        if theirs is not None and theirs != self._weights["checksum"]:
+            raise TrainerError(f"fenced: another trainer published version {k} (checksum {theirs[:12]})")
 
     def _ensure_pushed(self, k: int) -> None:
         """The PS must serve the checkpoint's version k (a crash may have come before the push)."""
@@ -311,9 +312,9 @@ class Trainer:
             mask = torch.zeros(len(idx), width)
             rlp = torch.zeros(len(idx), width)
             for row, i in enumerate(idx):
-                s, p, n = seqs[i], starts[i], len(rollout[i])
-                inp[row, : len(s) - 1] = torch.tensor(s[:-1])
-                tgt[row, : len(s) - 1] = torch.tensor(s[1:])
+                toks, p, n = seqs[i], starts[i], len(rollout[i])
+                inp[row, : len(toks) - 1] = torch.tensor(toks[:-1])
+                tgt[row, : len(toks) - 1] = torch.tensor(toks[1:])
                 # response token t sits at sequence position p + t, predicted from p + t - 1
                 mask[row, p - 1 : p - 1 + n] = 1.0
                 rlp[row, p - 1 : p - 1 + n] = torch.tensor(rollout[i])

@@ -1,0 +1,1 @@
+"""Alembic migrations; shipped in the wheel as ``staleflow_db.migrations`` (see pyproject)."""

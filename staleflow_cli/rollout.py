@@ -1,0 +1,245 @@
+"""``staleflow rollout-worker``: serve routed samples on one engine (docs in staleflow_cli/common.py)."""
+
+from __future__ import annotations
+
+import enum
+import importlib
+import os
+import socket
+import time
+from typing import TYPE_CHECKING, Any
+
+import typer
+from tenacity import RetryCallState, Retrying, retry_if_exception, stop_after_delay, wait_fixed
+
+from staleflow_cli.common import (
+    API,
+    API_WAIT,
+    MODEL_CONFIG,
+    MODEL_SEED,
+    RUN,
+    TOKEN,
+    connect,
+    console,
+    fail,
+    model_config,
+    on_signals,
+    progress,
+    ps_client,
+)
+from workers.client import StaleFlowClient
+
+if TYPE_CHECKING:  # torch-backed or heavy: imported where used
+    import torch
+
+    from workers.coordinator.cost_model import CostModel
+    from workers.models.tiny_model import TinyConfig
+    from workers.rollout.engines.base import Engine as BaseEngine
+    from workers.rollout.worker import WeightSource
+    from workers.trainer.param_server import ParamClient
+
+
+class Engine(str, enum.Enum):
+    torch = "torch"
+    sim = "sim"
+    vllm = "vllm"
+
+
+# ---- rollout worker ---------------------------------------------------------------------------
+
+
+def rollout_worker(
+    run: str = RUN,
+    engine: Engine = typer.Option(..., "--engine", help="torch (tiny model, CPU/GPU), sim (cost model) or vllm"),
+    api: list[str] | None = API,
+    token: str | None = TOKEN,
+    api_wait: float | None = API_WAIT,
+    ps: str | None = typer.Option(None, "--ps", help="HOST:PORT of the PS to pull weights from"),
+    name: str | None = typer.Option(None, "--name", help="instance label (default: host-pid)"),
+    kv_capacity: int | None = typer.Option(
+        None, "--kv-capacity", min=16, help="KV-cache tokens (torch: default 8192; sim: the engine's)"
+    ),
+    phi_wait: int | None = typer.Option(
+        None, "--phi-wait", min=0, help="interrupt a preempted sample when more than this many wait"
+    ),
+    max_running: int = typer.Option(256, "--max-running", min=1),
+    temperature: float = typer.Option(1.0, "--temperature", min=0.0),
+    model_config_: str | None = MODEL_CONFIG,
+    model_seed: int = MODEL_SEED,
+    device: str = typer.Option("cpu", "--device", help="torch engine device"),
+    vllm_model: str | None = typer.Option(None, "--vllm-model", help="vllm: model name or path"),
+    sim_model: str | None = typer.Option(None, "--sim-model", help="sim: cost model (cost_models.json), e.g. qwen_7b"),
+    sim_parallelism: str | None = typer.Option(None, "--sim-parallelism", help="sim: e.g. TP1_PP1"),
+    time_scale: float | None = typer.Option(
+        None, "--time-scale", min=0.0, help="sim: wall seconds per simulated second"
+    ),
+    heartbeat: float = typer.Option(1.0, "--heartbeat", min=0.05, help="seconds between snapshots"),
+    ps_wait: float = typer.Option(120.0, "--ps-wait", min=0.0, help="seconds to wait for the PS's first version"),
+) -> None:
+    """Serve routed samples on one engine; report segments; pull weights when told."""
+    from workers.rollout.worker import RolloutWorker
+
+    cfg = model_config(model_config_) if engine is Engine.torch else None
+    if engine is Engine.vllm and not vllm_model:
+        raise typer.BadParameter("--engine vllm needs --vllm-model", param_hint="--vllm-model")
+    cost = _cost_model(sim_model, sim_parallelism) if engine is Engine.sim else None
+    pc = ps_client(ps)
+    client, run_id = connect(api, token, run, api_wait)
+    weights: WeightSource | None
+    if engine is Engine.sim:
+        eng, weights = _sim_engine(client, run_id, kv_capacity, max_running, cost, time_scale)
+    else:
+        eng, weights = _engine(
+            engine, pc, cfg, model_seed, kv_capacity or 8192, max_running, temperature, device, vllm_model, ps_wait
+        )
+    worker = RolloutWorker(
+        client,
+        run_id,
+        eng,
+        name=name or f"{socket.gethostname()}-{os.getpid()}",
+        weights=weights,
+        phi_wait=phi_wait,
+        heartbeat_s=heartbeat,
+    )
+    on_signals(worker.stop, "flushing reports and deregistering")
+    with progress(None, f"rollout run {run_id}: starting") as (bar, task):
+        last = [0.0]
+
+        def show() -> bool:
+            if time.monotonic() - last[0] >= 1.0:
+                s = worker.stats
+                bar.update(
+                    task,
+                    description=(
+                        f"rollout {worker.instance_id} v{eng.version}: routed {s.routed} finished {s.finished} "
+                        f"interrupted {s.interrupted} tokens {s.tokens} pulls {s.pulls}"
+                        f"{' (API unavailable)' if client.api.down else ''}"
+                    ),
+                )
+                last[0] = time.monotonic()
+            return False
+
+        try:
+            stats = worker.run(until=show)
+        finally:
+            if hasattr(eng, "shutdown"):  # vLLM runs its engine core in another process
+                eng.shutdown()
+    console.print(f"rollout worker: {stats.finished} finished, {stats.tokens} tokens, deregistered")
+
+
+def _cost_model(model: str | None, parallelism: str | None) -> CostModel | None:
+    if model is None:
+        return None  # the sim engine's default (STALEFLOW_SIM_MODEL, else qwen_7b)
+    from workers.coordinator.cost_model import get_cost_model
+
+    try:
+        return get_cost_model(model, parallelism)
+    except KeyError as e:
+        raise typer.BadParameter(str(e.args[0]), param_hint="--sim-model") from None
+
+
+def _sim_engine(
+    client: StaleFlowClient,
+    run_id: int,
+    kv_capacity: int | None,
+    max_running: int,
+    cost: CostModel | None,
+    time_scale: float | None,
+) -> tuple[BaseEngine, WeightSource]:
+    """The cost-model engine: no weights, so a pull only moves its version on."""
+    try:
+        mod = importlib.import_module("workers.rollout.engines.sim_engine")
+    except ModuleNotFoundError as e:
+        if e.name != "workers.rollout.engines.sim_engine":
+            raise
+        raise typer.BadParameter(
+            "the sim engine (workers/rollout/engines/sim_engine.py) is not in this installation", param_hint="--engine"
+        ) from None
+    kw: dict[str, Any] = {
+        "cost": cost,
+        "max_running": max_running,
+        "time_scale": time_scale,
+        "version": client.run_status(run_id).version,
+    }
+    if kv_capacity is not None:
+        kw["kv_capacity_tokens"] = kv_capacity
+    eng = mod.SimEngine(**kw)
+    return eng, lambda target: (None, target if target is not None else client.run_status(run_id).version)
+
+
+def _engine(
+    kind: Engine,
+    pc: ParamClient | None,
+    cfg: TinyConfig | None,
+    model_seed: int,
+    kv_capacity: int,
+    max_running: int,
+    temperature: float,
+    device: str,
+    vllm_model: str | None,
+    ps_wait: float,
+) -> tuple[BaseEngine, WeightSource | None]:
+    """(engine, weight source) for the torch and vllm engines."""
+    if kind is Engine.torch:
+        from workers.rollout.engines.torch_engine import TorchEngine
+
+        assert cfg is not None  # rollout_worker builds one for the torch engine
+        eng: BaseEngine = TorchEngine(
+            cfg,
+            model_seed=model_seed,
+            kv_capacity_tokens=kv_capacity,
+            max_running=max_running,
+            temperature=temperature,
+            device=device,
+        )
+    else:
+        from workers.rollout.engines.vllm_engine import VLLMEngine, VLLMUnavailable
+
+        assert vllm_model  # rollout_worker checks it
+        try:
+            eng = VLLMEngine(vllm_model, temperature=temperature, max_num_seqs=max_running)
+        except VLLMUnavailable as e:
+            raise fail(str(e)) from None
+    if pc is not None:
+        eng.load_weights(*_first_weights(pc, ps_wait))
+    else:
+        console.print("[yellow]no --ps: serving the initial weights; pull commands change nothing")
+    if pc is None:
+        return eng, None
+    return eng, lambda target: _pull(pc, target)
+
+
+def _first_weights(pc: ParamClient, wait_s: float) -> tuple[dict[str, torch.Tensor], int]:
+    """The latest COMMITTED version: the PS serves plain pulls only from committed weights."""
+    from workers.trainer.param_server import ChecksumError, ParamServerError
+
+    def give_up(state: RetryCallState) -> None:
+        raise fail(
+            f"the PS at {pc.addr[0]}:{pc.addr[1]} served no committed version within "
+            f"{wait_s:.0f}s (the trainer pushes and commits version 0 when it starts)"
+        )
+
+    # A ParamServerError other than a checksum mismatch means nothing is committed yet.
+    nothing_yet = retry_if_exception(lambda e: isinstance(e, ParamServerError) and not isinstance(e, ChecksumError))
+    with console.status(f"waiting for the PS at {pc.addr[0]}:{pc.addr[1]} to serve a committed version"):
+        # pc.pull() itself waits while the PS is not listening yet.
+        sd, version, _ = Retrying(
+            retry=nothing_yet, stop=stop_after_delay(wait_s), wait=wait_fixed(0.5), retry_error_callback=give_up
+        )(pc.pull)
+        return sd, version
+
+
+def _pull(pc: ParamClient, target: int | None) -> tuple[dict[str, torch.Tensor], int]:
+    """Weights for a pull command. The PS serves `target` only once it is committed (its
+    checksum is the published one); before that -- or once the PS dropped it for a newer
+    one -- the latest committed version, so an instance never loads unpublished weights
+    (e.g. a fenced trainer's push under a published number, before the winner's commit)."""
+    from workers.trainer.param_server import ChecksumError, ParamServerError
+
+    try:
+        sd, version, _ = pc.pull(target)
+    except ChecksumError:
+        raise
+    except ParamServerError:
+        sd, version, _ = pc.pull()
+    return sd, version

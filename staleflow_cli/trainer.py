@@ -1,0 +1,200 @@
+"""``staleflow trainer`` and ``staleflow ps``: the training side (docs in staleflow_cli/common.py)."""
+
+from __future__ import annotations
+
+import enum
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import typer
+from rich.markup import escape
+
+from staleflow_cli.common import (
+    API,
+    API_WAIT,
+    MODEL_CONFIG,
+    MODEL_SEED,
+    RUN,
+    TOKEN,
+    connect,
+    console,
+    fail,
+    model_config,
+    need,
+    on_signals,
+    progress,
+    ps_client,
+)
+from staleflow_db.settings import get_settings
+from workers.client import ApiError, StaleFlowClient
+
+if TYPE_CHECKING:  # torch-backed: imported where used (the --sim trainer runs without torch)
+    from workers.models.tiny_model import TinyConfig
+    from workers.trainer.param_server import ParamClient
+    from workers.trainer.torch_trainer import Trainer
+
+
+class Backend(str, enum.Enum):
+    gloo = "gloo"
+    nccl = "nccl"
+
+
+# ---- trainer ----------------------------------------------------------------------------------
+
+
+def trainer(
+    run: str = RUN,
+    api: list[str] | None = API,
+    token: str | None = TOKEN,
+    api_wait: float | None = API_WAIT,
+    ps: str | None = typer.Option(None, "--ps", help="HOST:PORT of the parameter server (no push without)"),
+    checkpoint_dir: Path | None = typer.Option(
+        None, "--checkpoint-dir", help="resume state (default: $STALEFLOW_HOME/trainer/run-ID)"
+    ),
+    steps: int | None = typer.Option(None, "--steps", min=1, help="exit after publishing this many versions"),
+    lr: float = typer.Option(1e-3, "--lr", min=0.0, help="AdamW learning rate"),
+    weight_decay: float = typer.Option(0.0, "--weight-decay", min=0.0),
+    clip_low: float = typer.Option(0.2, "--clip-low", min=0.0, max=0.999, help="PPO ε_low"),
+    clip_high: float = typer.Option(0.28, "--clip-high", min=0.0, help="PPO ε_high (clip-higher)"),
+    tis_cap: float = typer.Option(2.0, "--tis-cap", min=0.0, help="truncated-IS cap; 0 disables TIS"),
+    temperature: float = typer.Option(1.0, "--temperature", min=1e-6, help="the rollout's sampling temperature"),
+    max_grad_norm: float = typer.Option(1.0, "--max-grad-norm", min=0.0, help="0 disables clipping"),
+    micro_batch_tokens: int = typer.Option(16384, "--micro-batch-tokens", min=1),
+    model_config_: str | None = MODEL_CONFIG,
+    model_seed: int = MODEL_SEED,
+    device: str = typer.Option("cpu", "--device"),
+    wait: float = typer.Option(5.0, "--wait", min=0.1, help="long-poll seconds per consume"),
+    metrics_file: Path | None = typer.Option(None, "--metrics-file", help="append each step's metrics (JSONL)"),
+    sim: bool = typer.Option(False, "--sim", help="no weights, no torch: sleep (a + b·tokens)·scale per step"),
+    time_scale: float = typer.Option(1.0, "--time-scale", min=0.0, help="--sim: multiplies every step time"),
+    sim_overhead: float | None = typer.Option(None, "--sim-overhead", min=0.0, help="--sim: a, seconds per step"),
+    sim_s_per_token: float | None = typer.Option(None, "--sim-s-per-token", min=0.0, help="--sim: b"),
+) -> None:
+    """Consume ready batches in version order, train (GRPO/DAPO + TIS), push, publish."""
+    from workers.trainer import loop, sim_trainer
+
+    cfg = None if sim else model_config(model_config_)
+    ps_addr = ps_client(ps) if not sim else None
+    client, run_id = connect(api, token, run, api_wait)
+    if sim:
+        worker: Any = sim_trainer.SimTrainer(
+            client,
+            run_id,
+            time_scale=time_scale,
+            wait_s=wait,
+            overhead_s=sim_trainer.SIM_OVERHEAD_S if sim_overhead is None else sim_overhead,
+            s_per_token=sim_trainer.SIM_S_PER_TOKEN if sim_s_per_token is None else sim_s_per_token,
+        )
+    else:
+        assert cfg is not None  # built above unless --sim
+        worker = _torch_trainer(
+            client,
+            run_id,
+            cfg,
+            ps_addr,
+            checkpoint_dir,
+            lr,
+            weight_decay,
+            clip_low,
+            clip_high,
+            tis_cap,
+            temperature,
+            max_grad_norm,
+            micro_batch_tokens,
+            model_seed,
+            device,
+            wait,
+        )
+    on_signals(worker.stop, "finishing the current step")
+    with progress(steps, f"trainer run {run_id}: waiting for a batch") as (bar, task):
+
+        def on_step(m: Any) -> None:
+            bar.update(task, advance=1, description=escape(f"trainer run {run_id}: {m.line()}"))
+            if metrics_file is not None:
+                with open(metrics_file, "a") as f:
+                    f.write(json.dumps(m.to_json()) + "\n")
+
+        try:
+            done = worker.run(steps=steps, on_step=on_step)
+        except (loop.TrainerError, ApiError) as e:
+            raise fail(str(e)) from None
+    console.print(
+        f"trainer: {len(done)} step(s) published; run {run_id} at version {client.run_status(run_id).version}"
+    )
+
+
+def _torch_trainer(
+    client: StaleFlowClient,
+    run_id: int,
+    cfg: TinyConfig,
+    ps_addr: ParamClient | None,
+    checkpoint_dir: Path | None,
+    lr: float,
+    weight_decay: float,
+    clip_low: float,
+    clip_high: float,
+    tis_cap: float,
+    temperature: float,
+    max_grad_norm: float,
+    micro_batch_tokens: int,
+    model_seed: int,
+    device: str,
+    wait: float,
+) -> Trainer:
+    import torch
+
+    from workers.models.tiny_model import TinyTransformer
+    from workers.trainer.grpo import GRPOConfig
+    from workers.trainer.torch_trainer import Trainer
+
+    directory = checkpoint_dir or get_settings().home / "trainer" / f"run-{run_id}"
+    model = TinyTransformer(cfg, seed=model_seed).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
+    grpo = GRPOConfig(clip_low=clip_low, clip_high=clip_high, tis_cap=tis_cap or None, temperature=temperature)
+    where = f"{ps_addr.addr[0]}:{ps_addr.addr[1]}" if ps_addr else "none"
+    console.print(escape(f"trainer: checkpoints in {directory}; PS {where}"))
+    return Trainer(
+        client,
+        run_id,
+        model,
+        opt,
+        ps=ps_addr,
+        checkpoint_dir=directory,
+        grpo=grpo,
+        wait_s=wait,
+        micro_batch_tokens=micro_batch_tokens,
+        max_grad_norm=max_grad_norm or None,
+        extra_state={"model_config": cfg.to_dict(), "model_seed": model_seed},
+    )
+
+
+# ---- parameter server -------------------------------------------------------------------------
+
+
+def ps(
+    data_dir: Path = typer.Option(..., "--data-dir", help="where versions are persisted (safetensors)"),
+    port: int = typer.Option(8790, "--port", min=0, max=65535, help="control port; 0 picks a free one"),
+    host: str = typer.Option("127.0.0.1", "--host", help="address to listen on"),
+    backend: Backend = typer.Option(Backend.gloo, "--backend", help="gloo (CPU) or nccl (GPU) transfers"),
+    device: str | None = typer.Option(
+        None, "--device", help="where the PS keeps weights (default: cpu; cuda for nccl)"
+    ),
+    ready_file: Path | None = typer.Option(None, "--ready-file", help="write {host, port, pid} here once serving"),
+) -> None:
+    """Serve weight versions: the trainer pushes, rollout workers pull (until SIGTERM)."""
+    need("torch")
+    import torch
+
+    from workers.trainer.param_server import main
+
+    if backend is Backend.nccl and not torch.cuda.is_available():
+        raise typer.BadParameter("nccl needs CUDA GPUs; use --backend gloo on CPU", param_hint="--backend")
+    main(
+        data_dir,
+        host,
+        port,
+        backend=backend.value,
+        device=device or ("cuda" if backend is Backend.nccl else "cpu"),
+        ready_file=ready_file,
+    )
