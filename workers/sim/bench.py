@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from workers.coordinator.policies import ABLATIONS
+from workers.extras import require
 
 from .setups import PAPER_SETUPS, get_setup
 from .simulator import SimResult, simulate
@@ -280,8 +281,7 @@ def markdown(results: dict[Job, Averaged], cfg: BenchConfig, wall: float, runs: 
 
 
 def plots(results: dict[Job, Averaged], cfg: BenchConfig, out_dir: Path) -> list[Path]:
-    import matplotlib
-
+    matplotlib = require("matplotlib")  # the 'plots' extra, named when missing
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

@@ -48,6 +48,12 @@ class _Request:
     def tokens(self) -> list[int]:
         return self.context + self.gen
 
+    @property
+    def held(self) -> SeqCache:
+        """The cache of an admitted (running) sample, which always holds one."""
+        assert self.cache is not None, f"{self.sample_id} is not admitted"
+        return self.cache
+
 
 class TorchEngine(Engine):
     def __init__(
@@ -127,13 +133,13 @@ class TorchEngine(Engine):
         # each newly admitted one (prefill); each sequence's last row gives its next token
         caches, positions, tokens, last_rows = [], [], [], []
         for r in decoding:
-            caches.append(r.cache)
-            positions.append(r.cache.length)
+            caches.append(r.held)
+            positions.append(r.held.length)
             tokens.append(r.gen[-1])
             last_rows.append(len(tokens) - 1)
         for r in admitted:
             toks = r.tokens()
-            caches += [r.cache] * len(toks)
+            caches += [r.held] * len(toks)
             positions += range(len(toks))
             tokens += toks
             last_rows.append(len(tokens) - 1)
@@ -189,7 +195,7 @@ class TorchEngine(Engine):
         recently admitted samples until that fits. Returns whether anything was preempted."""
         preempted: list[_Request] = []
         while self._running:
-            need = sum(r.cache.extra_blocks(r.cache.length + 1) for r in self._running)
+            need = sum(r.held.extra_blocks(r.held.length + 1) for r in self._running)
             if need <= self.pool.free_blocks:
                 break
             victim = self._running[-1]
@@ -197,7 +203,7 @@ class TorchEngine(Engine):
                 self._finish(victim, "capacity", events)
                 continue
             self._running.pop()
-            victim.cache.release()
+            victim.held.release()
             victim.cache = None
             preempted.append(victim)
             self._preemptions += 1
@@ -207,7 +213,7 @@ class TorchEngine(Engine):
         for r in reversed(preempted):
             events.append(PreemptedEvent(r.sample_id, r.seq_len, len(self._waiting)))
         for r in self._running:
-            r.cache.reserve(r.cache.length + 1)
+            r.held.reserve(r.held.length + 1)
         return bool(preempted)
 
     def _admit(self) -> list[_Request]:
