@@ -209,6 +209,7 @@ class ReferenceProtocol:
             ):
                 conflicts.append((r.sample_id, "lease lost (not running, another instance's, stale attempt or lease)"))
                 continue
+            assert s.v_traj is not None and s.instance_id is not None  # set by the route it runs under
             last = s.segments[-1].version if s.segments else s.v_traj
             if not (max(last, s.v_traj) <= r.version <= self.version):
                 raise InvalidInput(f"sample {r.sample_id}: segment version {r.version} outside {last}..{self.version}")
@@ -220,6 +221,7 @@ class ReferenceProtocol:
         for r in reports:
             s = self.samples[r.sample_id]
             if r.tokens:
+                assert s.instance_id is not None
                 s.segments.append(RefSegment(r.version, s.instance_id, list(r.tokens), list(r.logprobs)))
             if r.kind == SegmentKind.FINISHED:
                 s.state = SampleState.FINISHED
@@ -283,7 +285,7 @@ class ReferenceProtocol:
             self._cascade(freed)
             replacement = self.enqueue(replacement_key(g.client_key), g.prompt, replacement_of=g.id)
             return GroupOutcome(g.id, GroupState.FILTERED, replacement=replacement)
-        version = min(s.v_traj for s in chosen)
+        version = min(s.v_traj for s in chosen if s.v_traj is not None)  # rewarded: all routed
         b, moves = occupy_plan(freed, self.buffers, self._reservations(), version, self.version, self.limits)
         if b is None:
             self._drop_group(g, GroupState.ABORTED, DropReason.NO_BUFFER)
@@ -307,13 +309,18 @@ class ReferenceProtocol:
 
     def _unreserve(self, g: RefGroup) -> int:
         b = g.reserved_buffer
+        assert b is not None, f"group {g.id} holds no reservation"
         self.buffers[b].reserved -= 1
         g.reserved_buffer = None
         del self.reserved[g.id]
         return b
 
     def _reservations(self) -> list[Reservation]:
-        return [Reservation(o.id, o.reserved_buffer, o.live_version) for o in self.reserved.values()]
+        out = []
+        for o in self.reserved.values():
+            assert o.reserved_buffer is not None  # in self.reserved: it holds a reservation
+            out.append(Reservation(o.id, o.reserved_buffer, o.live_version))
+        return out
 
     def _cascade(self, freed: int) -> None:
         for gid, _, to in cascade_moves(freed, self.buffers, self._reservations(), self.limits):
@@ -468,11 +475,11 @@ class ReferenceProtocol:
             if buf.consumed and buf.occupied != self.config.batch_size:
                 bad.append(f"buffer {b} consumed with {buf.occupied} groups")
             for g in groups:
-                if not g.group_version <= b <= g.group_version + self.config.eta:
+                if g.group_version is None or not g.group_version <= b <= g.group_version + self.config.eta:
                     bad.append(f"group {g.id} of version {g.group_version} in buffer {b}")
         for s in self.samples.values():
             versions = [seg.version for seg in s.segments]
-            if versions and (versions != sorted(versions) or versions[0] < s.v_traj):
+            if versions and (s.v_traj is None or versions != sorted(versions) or versions[0] < s.v_traj):
                 bad.append(f"sample {s.id}: segment versions {versions} with V_traj {s.v_traj}")
             if s.state == SampleState.ABORTED and not s.reason:
                 bad.append(f"sample {s.id} aborted without a reason")

@@ -16,16 +16,18 @@ class RunConfig:
     batch_size: int  # B
     group_size: int  # N
     eta: int  # staleness bound
-    buffer_capacity: int | None = None  # B' >= B (batch-level redundancy); defaults to B
-    samples_per_group: int | None = None  # N' >= N (group-level redundancy); defaults to N
+    # B' >= B (batch-level redundancy) and N' >= N (group-level redundancy). Left out (0, or None
+    # as the API passes it) they are B and N, filled in at construction so readers see ints.
+    buffer_capacity: int = 0
+    samples_per_group: int = 0
     max_response_tokens: int = 1024
     max_prompt_tokens: int = 1024
     dapo_filter: bool = False
 
     def __post_init__(self) -> None:
-        if self.buffer_capacity is None:
+        if not self.buffer_capacity:
             self.buffer_capacity = self.batch_size
-        if self.samples_per_group is None:
+        if not self.samples_per_group:
             self.samples_per_group = self.group_size
 
     def validate(self) -> None:

@@ -86,13 +86,12 @@ class Simulator:
             batch_size=su.batch_size,
             group_size=su.group_size,
             eta=self.eta,
-            buffer_capacity=buffer_capacity,
-            samples_per_group=samples_per_group,
+            buffer_capacity=buffer_capacity or 0,
+            samples_per_group=samples_per_group or 0,
             max_response_tokens=su.max_response,
             max_prompt_tokens=su.workload.prompt_max,
         )
         self.p = SimProtocol(cfg)
-        assert cfg.samples_per_group is not None  # RunConfig fills in the default (N)
         self.n_prime = cfg.samples_per_group
         self.table = SampleTable()
         self.spec = SpeculativeState(tolerance=snapshot_tolerance)
