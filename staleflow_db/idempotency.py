@@ -1,4 +1,4 @@
-"""The one place protocol transactions run: join the transaction this context already has,
+"""The one place protocol transactions run: join the transaction the caller passes (`conn=`),
 else open one, and retry it whole when PostgreSQL picks it as a deadlock victim or a
 serialization failure (SQLSTATE 40P01 / 40001); plus request-id idempotency (ENGINEERING
 pattern 5), used alike by the protocol methods that take a `request_id` and by the API's
@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from contextvars import ContextVar
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 from sqlalchemy import Connection, Engine, text
@@ -35,16 +33,9 @@ RETRYABLE_SQLSTATES = frozenset({"40P01", "40001"})  # deadlock_detected, serial
 RETRIES = 5
 BACKOFF_S = 0.01  # base of the jittered exponential backoff
 
-_current: ContextVar[Connection | None] = ContextVar("staleflow_tx", default=None)
-
 
 class KeyReused(Conflict):
     code = "idempotency_key_reused"
-
-
-def current() -> Connection | None:
-    """The transaction this context runs in, if any (protocol calls join it)."""
-    return _current.get()
 
 
 def is_retryable(exc: BaseException) -> bool:
@@ -71,32 +62,15 @@ def retried(attempt: Callable[[], T], retries: int = RETRIES) -> T:
     return controller(attempt)
 
 
-@contextmanager
-def joined(engine: Engine) -> Iterator[Connection]:
-    """The context's transaction, or a new one that nested calls then join. No retry here
-    (a with-block cannot run twice): wrap the whole transaction in `transaction`/`retried`."""
-    outer = _current.get()
-    if outer is not None:
-        yield outer
-        return
-    with engine.begin() as conn:
-        token = _current.set(conn)
-        try:
-            yield conn
-        finally:
-            _current.reset(token)
-
-
-def transaction(engine: Engine, body: Callable[[Connection], T]) -> T:
-    """Run `body` in one transaction, retried whole on deadlock / serialization failure; joins
-    (without retrying) when this context is already inside a transaction."""
-    outer = _current.get()
-    if outer is not None:
-        return body(outer)
+def transaction(engine: Engine, body: Callable[[Connection], T], conn: Connection | None = None) -> T:
+    """Run `body` in the caller's transaction `conn` when given (its outermost runner retries),
+    else in a new one, retried whole on deadlock / serialization failure."""
+    if conn is not None:
+        return body(conn)
 
     def attempt() -> T:
-        with joined(engine) as conn:
-            return body(conn)
+        with engine.begin() as new:
+            return body(new)
 
     return retried(attempt)
 
@@ -121,9 +95,10 @@ def once(
     encode: Callable[[T], str],
     decode: Callable[[Any], T],
     store: Callable[[T], bool] = lambda _: True,
+    conn: Connection | None = None,
 ) -> tuple[T, bool]:
-    """Run `call` in one transaction together with the stored outcome of `key`; returns
-    (outcome, replayed). Outcomes `store` rejects (an empty long-poll) are not kept:
+    """Run `call` in one transaction (the caller's `conn`, else a new one) together with the
+    stored outcome of `key`; returns (outcome, replayed). Outcomes `store` rejects (an empty long-poll) are not kept:
     repeating them is harmless and they would only fill the table."""
     op = f"{operation}#{body_digest}"
 
@@ -138,11 +113,10 @@ def once(
             text("SELECT operation, response FROM idempotency WHERE request_id = :r"), {"r": key}
         ).first()
         if row is not None:
-            if row[0] != op:
-                raise KeyReused(
-                    [(0, f"request id {key!r} was already used for another request ({row[0].split('#')[0]})")]
-                )
-            return decode(row[1]), True
+            if row.operation != op:
+                used = row.operation.split("#")[0]
+                raise KeyReused([(0, f"request id {key!r} was already used for another request ({used})")])
+            return decode(row.response), True
         outcome = call(conn)
         if store(outcome):
             conn.execute(
@@ -151,4 +125,4 @@ def once(
             )
         return outcome, False
 
-    return transaction(engine, body)
+    return transaction(engine, body, conn)

@@ -9,13 +9,12 @@ from __future__ import annotations
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Path
+from sqlalchemy import Connection
 
 from staleflow_db.enums import Role
 from staleflow_db.protocol.base import load_run
-from staleflow_db.protocol.rollout import interrupt_running
 from staleflow_db.types import RouteOutcome
 
-from .. import queries
 from ..auth import Principal
 from ..deps import IdempotencyKey, RunId, State, allow_run
 from ..models import (
@@ -132,9 +131,9 @@ def route(
     reserves a buffer entry. Each result says routed (with the attempt) or why not."""
     pairs = [(r.sample_id, r.instance_id) for r in body.routes]
 
-    def call(conn) -> RouteOut:
-        queries.check_epoch(conn, run_id, body.epoch)
-        return RouteOut.model_validate({"results": dump(state.protocol.route(run_id, pairs))})
+    def call(conn: Connection) -> RouteOut:
+        state.protocol.check_epoch(run_id, body.epoch, conn=conn)
+        return RouteOut.model_validate({"results": dump(state.protocol.route(run_id, pairs, conn=conn))})
 
     out, replayed = state.protocol.once(scoped_key(key, f"run{run_id}"), "route", body, call, RouteOut)
     if not replayed:
@@ -156,10 +155,9 @@ def interrupt(
     """Ask the instances running these samples to interrupt them (they report what they have
     as an interrupted segment; the sample returns to the queue)."""
 
-    def call(conn) -> CommandsOut:
-        queries.check_epoch(conn, run_id, body.epoch)
-        load_run(conn, run_id, lock=False)
-        return CommandsOut(commands=interrupt_running(conn, run_id, body.sample_ids, body.epoch))
+    def call(conn: Connection) -> CommandsOut:
+        state.protocol.check_epoch(run_id, body.epoch, conn=conn)
+        return CommandsOut(commands=state.protocol.interrupt(run_id, body.sample_ids, body.epoch, conn=conn))
 
     out, _ = state.protocol.once(scoped_key(key, f"run{run_id}"), "interrupt", body, call, CommandsOut)
     state.notifier.publish(run_id, WORK)
@@ -176,10 +174,10 @@ def pull(
 ) -> CommandsOut:
     """Tell instances to load newer weights (`target_version`, default the run's version)."""
 
-    def call(conn) -> CommandsOut:
-        queries.check_epoch(conn, run_id, body.epoch)
-        run = load_run(conn, run_id, lock=False)
-        return CommandsOut(commands=queries.pull(conn, run, body.instance_ids, body.target_version, body.epoch))
+    def call(conn: Connection) -> CommandsOut:
+        state.protocol.check_epoch(run_id, body.epoch, conn=conn)
+        told = state.protocol.pull(run_id, body.instance_ids, body.target_version, body.epoch, conn=conn)
+        return CommandsOut(commands=told)
 
     out, _ = state.protocol.once(scoped_key(key, f"run{run_id}"), "pull", body, call, CommandsOut)
     state.notifier.publish(run_id, *(instance_topic(i) for i in set(body.instance_ids)))
@@ -197,9 +195,9 @@ def abort_samples(
     """Abort samples (stragglers, surplus); a group left with fewer than N live members is
     aborted too. Running samples get an abort command."""
 
-    def call(conn) -> AbortedOut:
-        queries.check_epoch(conn, run_id, body.epoch)
-        return AbortedOut(aborted=state.protocol.abort_samples(run_id, body.sample_ids, body.reason))
+    def call(conn: Connection) -> AbortedOut:
+        state.protocol.check_epoch(run_id, body.epoch, conn=conn)
+        return AbortedOut(aborted=state.protocol.abort_samples(run_id, body.sample_ids, body.reason, conn=conn))
 
     out, _ = state.protocol.once(scoped_key(key, f"run{run_id}"), "abort_samples", body, call, AbortedOut)
     state.notifier.publish(run_id, WORK, BATCH)
@@ -217,9 +215,10 @@ def abort_group(
 ) -> AbortGroupOut:
     """Abort a whole group and release its reservation."""
 
-    def call(conn) -> AbortGroupOut:
-        queries.check_epoch(conn, run_id, body.epoch)
-        return AbortGroupOut(group_id=group_id, aborted=state.protocol.abort_group(run_id, group_id, body.reason))
+    def call(conn: Connection) -> AbortGroupOut:
+        state.protocol.check_epoch(run_id, body.epoch, conn=conn)
+        aborted = state.protocol.abort_group(run_id, group_id, body.reason, conn=conn)
+        return AbortGroupOut(group_id=group_id, aborted=aborted)
 
     out, _ = state.protocol.once(scoped_key(key, f"run{run_id}"), f"abort_group{group_id}", body, call, AbortGroupOut)
     state.notifier.publish(run_id, WORK, BATCH)
@@ -238,8 +237,4 @@ def abort_after_ready(run_id: RunId, state: State, who: Principal = Coordinator)
 def expire_instances(run_id: RunId, state: State, who: Principal = Coordinator) -> ExpireOut:
     """Fence instances whose lease ran out; their samples go back to the queue with their tokens."""
 
-    def call(conn) -> ExpireOut:
-        load_run(conn, run_id, lock=False)
-        return ExpireOut(expired=state.protocol.expire_instances(run_id))
-
-    return state.protocol.once(None, "expire", None, call, ExpireOut)[0]
+    return ExpireOut(expired=state.protocol.expire_instances(run_id))

@@ -6,12 +6,11 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
-import inspect
 import json
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
 from sqlalchemy import Connection, Engine, text
 
@@ -313,32 +312,45 @@ def under_run_lock(run_id: int, body: Callable[[RunTx], Any]) -> Callable[[Conne
     return run
 
 
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def transactional(fn: Callable[P, R]) -> Callable[P, R]:
+    """A protocol method that is one transaction: with `conn=` it runs in the caller's
+    transaction (the caller's runner retries the whole); without, it is the outermost one and
+    runs again whole after a deadlock or serialization failure (jittered backoff). The method
+    opens its transaction with `self.tx(conn)`."""
+
+    @functools.wraps(fn)
+    def method(*args: P.args, **kw: P.kwargs) -> R:
+        if kw.get("conn") is not None:
+            return fn(*args, **kw)
+        return idempotency.retried(lambda: fn(*args, **kw))
+
+    return method
+
+
 class TxMixin:
     """Transactions and request-id idempotency for the operation classes, all through
-    `staleflow_db.idempotency` (the one transaction runner, shared with the API).
-
-    Every public method of a subclass is one transaction; it is wrapped so that, when it is
-    the outermost transaction of its context, a deadlock or serialization failure runs it
-    again whole (jittered backoff). Inside an outer transaction (the API's `once`) it joins
-    that one, and the outer runner retries instead."""
+    `staleflow_db.idempotency` (the one transaction runner, shared with the API). A caller
+    composing several operations in one transaction passes its connection as `conn=`."""
 
     engine: Engine
 
-    def __init_subclass__(cls, **kw: Any) -> None:
-        super().__init_subclass__(**kw)
-        for name, fn in list(vars(cls).items()):
-            if not name.startswith("_") and inspect.isfunction(fn) and name not in _NOT_WRAPPED:
-                setattr(cls, name, _retried_method(fn))
-
     @contextmanager
-    def tx(self) -> Iterator[Connection]:
-        with idempotency.joined(self.engine) as conn:
+    def tx(self, conn: Connection | None) -> Iterator[Connection]:
+        """The caller's transaction, else a new one."""
+        if conn is not None:
             yield conn
+            return
+        with self.engine.begin() as new:
+            yield new
 
     @contextmanager
-    def run_tx(self, run_id: int) -> Iterator[RunTx]:
-        with self.tx() as conn:
-            rtx = RunTx.open(conn, run_id)
+    def run_tx(self, run_id: int, conn: Connection | None) -> Iterator[RunTx]:
+        with self.tx(conn) as c:
+            rtx = RunTx.open(c, run_id)
             yield rtx
             rtx.flush()
 
@@ -349,20 +361,9 @@ class TxMixin:
         run: Callable[[Connection], Any],
         decode: Callable[[Any], Any],
         body: Any = None,
+        conn: Connection | None = None,
     ) -> Any:
         """`run` in one transaction with the stored outcome of `request_id` (see
         staleflow_db.idempotency.once): a repeat replays it, another `body` is refused."""
-        return idempotency.once(self.engine, request_id, operation, idempotency.digest(body), run, dumps, decode)[0]
-
-
-_NOT_WRAPPED = frozenset({"tx", "run_tx", "idempotent", "once"})
-
-
-def _retried_method(fn: Callable) -> Callable:
-    @functools.wraps(fn)
-    def method(self: Any, *args: Any, **kw: Any) -> Any:
-        if idempotency.current() is not None:
-            return fn(self, *args, **kw)
-        return idempotency.retried(lambda: fn(self, *args, **kw))
-
-    return method
+        digest = idempotency.digest(body)
+        return idempotency.once(self.engine, request_id, operation, digest, run, dumps, decode, conn=conn)[0]

@@ -10,9 +10,9 @@ from typing import Any
 
 from sqlalchemy import Connection, text
 
-from ..errors import Conflict
+from ..errors import Conflict, InvalidInput, NotFound
 from ..types import RouteResult
-from .base import RunTx, TxMixin, load_run
+from .base import RunTx, TxMixin, load_run, log_events, transactional
 from .rollout import check_batch, interrupt_running, route_in
 
 
@@ -53,10 +53,13 @@ class Snapshot:
 
 
 class CoordinationOps(TxMixin):
-    def acquire_leadership(self, run_id: int, holder: str, ttl_seconds: float = 5.0) -> int | None:
+    @transactional
+    def acquire_leadership(
+        self, run_id: int, holder: str, ttl_seconds: float = 5.0, *, conn: Connection | None = None
+    ) -> int | None:
         """Become (or stay) the run's coordinator: returns the leadership epoch, or None while
         another holder's lease is live. Taking over bumps the epoch, fencing the old leader."""
-        with self.tx() as conn:
+        with self.tx(conn) as conn:
             load_run(conn, run_id, lock=False)
             row = conn.execute(
                 text(
@@ -71,12 +74,51 @@ class CoordinationOps(TxMixin):
             ).first()
             return None if row is None else row[0]
 
-    def release_leadership(self, run_id: int, holder: str) -> None:
-        with self.tx() as conn:
+    @transactional
+    def release_leadership(self, run_id: int, holder: str, *, conn: Connection | None = None) -> None:
+        with self.tx(conn) as conn:
             conn.execute(
                 text("UPDATE coordinator_leases SET expires_at = now() WHERE run_id = :run AND holder = :h"),
                 {"run": run_id, "h": holder},
             )
+
+    @transactional
+    def check_epoch(
+        self, run_id: int, epoch: int | None, holder: str | None = None, *, conn: Connection | None = None
+    ) -> None:
+        """Refuse (409) a write from a deposed coordinator; `epoch` None checks nothing. With
+        `conn`, the lease stays held (FOR SHARE) until the caller's transaction commits."""
+        if epoch is None:
+            return
+        with self.tx(conn) as conn:
+            check_epoch(conn, run_id, epoch, holder)
+
+    @transactional
+    def pull(
+        self,
+        run_id: int,
+        instance_ids: Sequence[int],
+        target_version: int | None = None,
+        epoch: int | None = None,
+        *,
+        conn: Connection | None = None,
+    ) -> int:
+        """Tell the run's active instances among `instance_ids` to load newer weights
+        (`target_version`, default the run's version); returns how many were told."""
+        with self.tx(conn) as conn:
+            run = load_run(conn, run_id, lock=False)
+            target = run.version if target_version is None else target_version
+            if target > run.version:
+                raise InvalidInput(f"target_version {target} is newer than the run's version {run.version}")
+            ids = sorted(set(instance_ids))
+            known = conn.execute(
+                text("SELECT id FROM instances WHERE run_id = :run AND id = ANY(CAST(:ids AS bigint[]))"),
+                {"run": run_id, "ids": ids},
+            ).scalars()
+            missing = set(ids) - set(known)
+            if missing:
+                raise NotFound(f"instance {min(missing)} in run {run_id}")
+            return len(queue_pulls(conn, run_id, [(i, target) for i in ids], epoch))
 
     def notify_work(self, run_id: int, instance_ids: Sequence[int]) -> None:
         """Wake the API's long-polls of these instances (on every replica) after a commit made
@@ -139,6 +181,7 @@ class CoordinationOps(TxMixin):
             ).scalar()
         return Snapshot(run_id, run.version, run.config(), buffers, instances, queued, latest)
 
+    @transactional
     def apply_commands(
         self,
         run_id: int,
@@ -148,37 +191,20 @@ class CoordinationOps(TxMixin):
         interrupts: Sequence[int] = (),
         pulls: Sequence[tuple[int, int]] = (),
         cycle: dict[str, float] | None = None,
+        *,
+        conn: Connection | None = None,
     ) -> list[RouteResult]:
         """One cycle's routes, interrupts and pulls in one transaction, only from the leader."""
         check_batch(routes, "routes")
 
-        def fenced(conn: Connection) -> RunTx:
+        with self.tx(conn) as conn:
             rtx = RunTx.open(conn, run_id)
-            row = conn.execute(
-                text(
-                    "SELECT 1 FROM coordinator_leases WHERE run_id = :run AND holder = :h AND epoch = :e"
-                    " AND expires_at > now() FOR SHARE"
-                ),
-                {"run": run_id, "h": holder, "e": epoch},
-            ).first()
-            if row is None:
-                raise Conflict([(epoch, "not the coordinator of this run (leadership lost or expired)")])
-            return rtx
-
-        with self.tx() as conn:
-            rtx = fenced(conn)
+            check_epoch(conn, run_id, epoch, holder)
             results = route_in(rtx, routes) if routes else []
             if interrupts:
                 interrupt_running(conn, run_id, interrupts, epoch)
             if pulls:
-                conn.execute(
-                    text(
-                        "INSERT INTO commands (run_id, instance_id, kind, target_version, epoch)"
-                        " SELECT :run, u.i, 'pull', u.v, :e FROM unnest(CAST(:is AS bigint[]), CAST(:vs AS int[])) AS u(i, v)"
-                        " JOIN instances x ON x.id = u.i AND x.run_id = :run AND x.state = 'active'"
-                    ),
-                    {"run": run_id, "e": epoch, "is": [p[0] for p in pulls], "vs": [p[1] for p in pulls]},
-                )
+                queue_pulls(conn, run_id, pulls, epoch)
             if cycle is not None:
                 conn.execute(
                     text(
@@ -199,3 +225,33 @@ class CoordinationOps(TxMixin):
                 )
             rtx.flush()
             return results
+
+
+def check_epoch(conn: Connection, run_id: int, epoch: int, holder: str | None = None) -> None:
+    """The coordinator fence (ENGINEERING pattern 9): `epoch` (and `holder`, when given) must be
+    the run's live lease. FOR SHARE holds off a takeover until this transaction commits."""
+    lease = conn.execute(
+        text("SELECT holder, epoch FROM coordinator_leases WHERE run_id = :run AND expires_at > now() FOR SHARE"),
+        {"run": run_id},
+    ).first()
+    current = None if lease is None else lease.epoch
+    if holder is not None and (lease is None or lease.holder != holder or current != epoch):
+        raise Conflict([(epoch, "not the coordinator of this run (leadership lost or expired)")])
+    if current != epoch:
+        raise Conflict([(epoch, f"coordinator epoch {epoch} is not the run's current lease ({current})")])
+
+
+def queue_pulls(conn: Connection, run_id: int, pulls: Sequence[tuple[int, int]], epoch: int | None) -> list[int]:
+    """Queue a pull command per (instance, target version) for those instances that are active
+    in the run; returns them."""
+    told = conn.execute(
+        text(
+            "INSERT INTO commands (run_id, instance_id, kind, target_version, epoch)"
+            " SELECT :run, u.i, 'pull', u.v, :e FROM unnest(CAST(:is AS bigint[]), CAST(:vs AS int[])) AS u(i, v)"
+            " JOIN instances x ON x.id = u.i AND x.run_id = :run AND x.state = 'active'"
+            " RETURNING instance_id, target_version"
+        ),
+        {"run": run_id, "e": epoch, "is": [p[0] for p in pulls], "vs": [p[1] for p in pulls]},
+    ).all()
+    log_events(conn, run_id, [("pull", None, None, None, t.instance_id, {"target": t.target_version}) for t in told])
+    return [t.instance_id for t in told]

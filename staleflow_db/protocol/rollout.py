@@ -14,7 +14,7 @@ from sqlalchemy.exc import IntegrityError
 from ..errors import Conflict, InvalidInput, NotFound, TooLarge
 from ..rules import group_version, route_decision
 from ..types import Report, RouteOutcome, RouteResult, RunConfig
-from .base import RunTx, TxMixin, load_run, log_events, response_so_far, send_commands, under_run_lock
+from .base import RunTx, TxMixin, load_run, log_events, response_so_far, send_commands, transactional, under_run_lock
 from .fencing import check_live, report_in
 
 MAX_BATCH = 10_000  # items per call: larger batches hold the run lock too long
@@ -59,11 +59,12 @@ def check_batch(items: Sequence, what: str) -> None:
 class RolloutOps(TxMixin):
     # ---- runs and prompts ------------------------------------------------------------------
 
-    def create_run(self, name: str, config: RunConfig) -> int:
+    @transactional
+    def create_run(self, name: str, config: RunConfig, *, conn: Connection | None = None) -> int:
         config.validate()
         if not name or len(name) > 200:
             raise InvalidInput("run name must have 1..200 characters")
-        with self.tx() as conn:
+        with self.tx(conn) as conn:
             try:
                 with conn.begin_nested():
                     run_id = conn.execute(
@@ -89,21 +90,30 @@ class RolloutOps(TxMixin):
             log_events(conn, run_id, [("run_created", None, None, None, None, {"name": name})])
             return run_id
 
-    def enqueue(self, run_id: int, prompts: Sequence[Prompt]) -> list[int]:
+    @transactional
+    def enqueue(self, run_id: int, prompts: Sequence[Prompt], *, conn: Connection | None = None) -> list[int]:
         """Group ids for the prompts, in order; a client key seen before returns its group."""
         check_batch(prompts, "prompts")
-        with self.tx() as conn:
+        with self.tx(conn) as conn:
             run = load_run(conn, run_id, lock=False)
             return enqueue_prompts(conn, run, prompts)
 
     # ---- instances -------------------------------------------------------------------------
 
+    @transactional
     def register_instance(
-        self, run_id: int, name: str, version: int, lease_seconds: float = 30.0, token_id: int | None = None
+        self,
+        run_id: int,
+        name: str,
+        version: int,
+        lease_seconds: float = 30.0,
+        token_id: int | None = None,
+        *,
+        conn: Connection | None = None,
     ) -> int:
         """A new instance id per process start; a restarted worker never inherits a lease.
         `token_id`: the API token registering it (the API lets only that token act for it)."""
-        with self.tx() as conn:
+        with self.tx(conn) as conn:
             run = load_run(conn, run_id, lock=False)
             if not 0 <= version <= run.version:
                 raise InvalidInput(f"instance version {version} outside 0..{run.version}")
@@ -119,15 +129,22 @@ class RolloutOps(TxMixin):
             )
             return iid
 
+    @transactional
     def heartbeat(
-        self, instance_id: int, version: int, snapshot: dict | None = None, lease_seconds: float = 30.0
+        self,
+        instance_id: int,
+        version: int,
+        snapshot: dict | None = None,
+        lease_seconds: float = 30.0,
+        *,
+        conn: Connection | None = None,
     ) -> None:
         """Extend a live lease and store the latest snapshot. Ephemeral: no synchronous commit.
 
         Every condition sits in the UPDATE itself, re-checked on the row it finally locks: two
         overlapping heartbeats can never move the version backwards (a plain read before the
         update could be stale by then) nor revive a lease that lapsed meanwhile."""
-        with self.tx() as conn:
+        with self.tx(conn) as conn:
             conn.execute(text("SET LOCAL synchronous_commit = off"))
             updated = conn.execute(
                 text(
@@ -153,7 +170,8 @@ class RolloutOps(TxMixin):
             _, _, current, run_version = row
             raise InvalidInput(f"instance version {version} outside {current}..{run_version}")
 
-    def expire_instances(self, run_id: int) -> list[int]:
+    @transactional
+    def expire_instances(self, run_id: int, *, conn: Connection | None = None) -> list[int]:
         """Tidy up after lapsed leases: mark those instances expired, and requeue every sample
         still running on any instance that is not active.
 
@@ -161,7 +179,8 @@ class RolloutOps(TxMixin):
         report, heartbeat): a lapsed instance is refused before this sweep runs. The sweep only
         gives its samples back to the queue, and also those of any instance fenced earlier
         (a straggler a concurrent route left behind must not stay running forever)."""
-        with self.tx() as conn:
+        with self.tx(conn) as conn:
+            load_run(conn, run_id, lock=False)
             ids = (
                 conn.execute(
                     text(
@@ -178,9 +197,10 @@ class RolloutOps(TxMixin):
             requeue_fenced(conn, run_id, "instance_expired")
             return sorted(ids)
 
-    def deregister_instance(self, instance_id: int) -> list[int]:
+    @transactional
+    def deregister_instance(self, instance_id: int, *, conn: Connection | None = None) -> list[int]:
         """A clean shutdown: the instance's running samples go back to the queue at once."""
-        with self.tx() as conn:
+        with self.tx(conn) as conn:
             row = conn.execute(
                 text("UPDATE instances SET state = 'deregistered' WHERE id = :i AND state = 'active' RETURNING run_id"),
                 {"i": instance_id},
@@ -194,7 +214,15 @@ class RolloutOps(TxMixin):
 
     # ---- route (Reserve) -------------------------------------------------------------------
 
-    def route(self, run_id: int, pairs: Sequence[tuple[int, int]], request_id: str | None = None) -> list[RouteResult]:
+    @transactional
+    def route(
+        self,
+        run_id: int,
+        pairs: Sequence[tuple[int, int]],
+        request_id: str | None = None,
+        *,
+        conn: Connection | None = None,
+    ) -> list[RouteResult]:
         """Route queued samples to instances; the group's first member reserves a buffer entry."""
         check_batch(pairs, "routes")
         return self.idempotent(
@@ -203,21 +231,28 @@ class RolloutOps(TxMixin):
             under_run_lock(run_id, lambda rtx: route_in(rtx, pairs)),
             lambda stored: [RouteResult(**{**r, "outcome": RouteOutcome(r["outcome"])}) for r in stored],
             body=[run_id, pairs],
+            conn=conn,
         )
 
     # ---- segments --------------------------------------------------------------------------
 
-    def report(self, run_id: int, reports: Sequence[Report], request_id: str | None = None) -> int:
+    @transactional
+    def report(
+        self, run_id: int, reports: Sequence[Report], request_id: str | None = None, *, conn: Connection | None = None
+    ) -> int:
         """Append segments, each fenced by its reporting instance (routed to it, lease live),
         attempt and lease token; all or nothing. Returns the number applied."""
         check_batch(reports, "reports")
         return self.idempotent(
-            request_id, "report", lambda conn: report_in(conn, run_id, reports), int, body=[run_id, reports]
+            request_id, "report", lambda c: report_in(c, run_id, reports), int, body=[run_id, reports], conn=conn
         )
 
-    def poll_work(self, instance_id: int, limit: int = 1000) -> tuple[list[Work], list[Command]]:
+    @transactional
+    def poll_work(
+        self, instance_id: int, limit: int = 1000, *, conn: Connection | None = None
+    ) -> tuple[list[Work], list[Command]]:
         """Deliver newly routed samples (with any prefix to continue from) and pending commands."""
-        with self.tx() as conn:
+        with self.tx(conn) as conn:
             # FOR SHARE: the instance stays active and live until this delivery commits (an
             # expiry waits for it, then requeues what was delivered).
             row = conn.execute(
@@ -256,10 +291,15 @@ class RolloutOps(TxMixin):
             ).all()
             return work, sorted((Command(*c) for c in cmds), key=lambda c: c.id)
 
-    def interrupt(self, run_id: int, sample_ids: Sequence[int]) -> int:
-        """Ask the instances running these samples to interrupt them (they report what they have)."""
-        with self.tx() as conn:
-            return interrupt_running(conn, run_id, sample_ids, None)
+    @transactional
+    def interrupt(
+        self, run_id: int, sample_ids: Sequence[int], epoch: int | None = None, *, conn: Connection | None = None
+    ) -> int:
+        """Ask the instances running these samples to interrupt them (they report what they
+        have); returns how many were running. `epoch`: the coordinator's, kept on the commands."""
+        with self.tx(conn) as conn:
+            load_run(conn, run_id, lock=False)
+            return interrupt_running(conn, run_id, sample_ids, epoch)
 
 
 def interrupt_running(conn: Connection, run_id: int, sample_ids: Sequence[int], epoch: int | None) -> int:

@@ -9,13 +9,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy import text
+from sqlalchemy import Connection, text
 
 from ..enums import DropReason, GroupState
 from ..errors import Conflict, InvalidInput, NotFound
 from ..rules import occupy_plan, replacement_key, window_has_room
 from ..types import GroupOutcome
-from .base import RunTx, TxMixin, abort_samples_where, load_run, response_so_far, under_run_lock
+from .base import RunTx, TxMixin, abort_samples_where, load_run, response_so_far, transactional, under_run_lock
 from .rollout import Prompt, check_batch, enqueue_prompts
 
 
@@ -31,11 +31,14 @@ class RewardTask:
 
 
 class ScoringOps(TxMixin):
-    def claim_rewards(self, run_id: int, limit: int = 100, lease_seconds: float = 60.0) -> list[RewardTask]:
+    @transactional
+    def claim_rewards(
+        self, run_id: int, limit: int = 100, lease_seconds: float = 60.0, *, conn: Connection | None = None
+    ) -> list[RewardTask]:
         """Lease finished samples to a reward worker (expired claims become claimable again)."""
         if not 1 <= limit <= 10_000:
             raise InvalidInput("limit must be in 1..10000")
-        with self.tx() as conn:
+        with self.tx(conn) as conn:
             load_run(conn, run_id, lock=False)
             # Lock expired claims in id order and skip rows another transaction holds (a
             # record_rewards posting late, under the run lock): scan-order locking here
@@ -63,8 +66,14 @@ class ScoringOps(TxMixin):
             ).all()
             return [RewardTask(r[0], r[1], r[2], list(r[3]), list(r[4]), r[5], r[6]) for r in rows]
 
+    @transactional
     def record_rewards(
-        self, run_id: int, rewards: Sequence[tuple[int, int, float]], request_id: str | None = None
+        self,
+        run_id: int,
+        rewards: Sequence[tuple[int, int, float]],
+        request_id: str | None = None,
+        *,
+        conn: Connection | None = None,
     ) -> list[GroupOutcome]:
         """Store rewards, fenced by the claim attempt; groups that reach N rewarded members are
         placed (Occupy) or filtered. All or nothing."""
@@ -75,14 +84,23 @@ class ScoringOps(TxMixin):
             under_run_lock(run_id, lambda rtx: rewards_in(rtx, rewards)),
             lambda stored: [GroupOutcome(**{**o, "state": GroupState(o["state"])}) for o in stored],
             body=[run_id, rewards],
+            conn=conn,
         )
 
-    def abort_samples(self, run_id: int, sample_ids: Sequence[int], reason: DropReason = DropReason.USER) -> list[int]:
+    @transactional
+    def abort_samples(
+        self,
+        run_id: int,
+        sample_ids: Sequence[int],
+        reason: DropReason = DropReason.USER,
+        *,
+        conn: Connection | None = None,
+    ) -> list[int]:
         """Abort members; a group that can no longer reach N live members is aborted too."""
         check_batch(sample_ids, "samples")
         if len(set(sample_ids)) != len(sample_ids):  # counted twice, it would doom the group
             raise InvalidInput("a sample appears twice in one abort batch")
-        with self.run_tx(run_id) as rtx:
+        with self.run_tx(run_id, conn) as rtx:
             rows = rtx.conn.execute(
                 text(
                     "SELECT s.id, s.group_id, s.state, g.state FROM samples s JOIN prompt_groups g ON g.id = s.group_id"
@@ -117,8 +135,11 @@ class ScoringOps(TxMixin):
             rtx.drop_groups(doomed, "aborted", DropReason.INSUFFICIENT_MEMBERS)
             return sorted(aborted)
 
-    def abort_group(self, run_id: int, group_id: int, reason: DropReason = DropReason.USER) -> bool:
-        with self.run_tx(run_id) as rtx:
+    @transactional
+    def abort_group(
+        self, run_id: int, group_id: int, reason: DropReason = DropReason.USER, *, conn: Connection | None = None
+    ) -> bool:
+        with self.run_tx(run_id, conn) as rtx:
             state = rtx.conn.execute(
                 text("SELECT state FROM prompt_groups WHERE id = :g AND run_id = :run FOR UPDATE"),
                 {"g": group_id, "run": run_id},
@@ -130,10 +151,11 @@ class ScoringOps(TxMixin):
             rtx.drop_groups([group_id], "aborted", reason)
             return True
 
-    def abort_after_ready(self, run_id: int) -> list[int]:
+    @transactional
+    def abort_after_ready(self, run_id: int, *, conn: Connection | None = None) -> list[int]:
         """With redundancy: reserved groups whose whole window is ready can never land; drop them.
         The window is that of the group's live version (its members now, not every routing ever)."""
-        with self.run_tx(run_id) as rtx:
+        with self.run_tx(run_id, conn) as rtx:
             run = rtx.run
             doomed = sorted(
                 gid

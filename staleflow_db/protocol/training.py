@@ -7,12 +7,12 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy import text
+from sqlalchemy import Connection, text
 
 from ..enums import DropReason
 from ..errors import Conflict, InvalidInput
 from ..rules import BufferCounts, buffer_state, reserve_target
-from .base import TxMixin, load_run
+from .base import TxMixin, load_run, transactional
 
 
 @dataclass
@@ -53,10 +53,11 @@ class Batch:
 
 
 class TrainingOps(TxMixin):
-    def consume(self, run_id: int, version: int) -> Batch | None:
+    @transactional
+    def consume(self, run_id: int, version: int, *, conn: Connection | None = None) -> Batch | None:
         """Lease buffer `version` once it is ready and return its full batch; None while it is
         not ready. A second consume (a restarted trainer) takes a new lease and fences the old."""
-        with self.tx() as conn:
+        with self.tx(conn) as conn:
             # A trainer polls this while it waits: answer "not ready" without the run lock.
             # At version `version` with buffer `version` not ready, no publish can be in flight
             # (it needs that buffer ready), so None is what the locked path would say too.
@@ -124,6 +125,7 @@ class TrainingOps(TxMixin):
                 )
             return Batch(run_id, version, lease, list(groups.values()))
 
+    @transactional
     def publish(
         self,
         run_id: int,
@@ -132,11 +134,13 @@ class TrainingOps(TxMixin):
         size_bytes: int | None = None,
         checksum: str | None = None,
         location: str | None = None,
+        *,
+        conn: Connection | None = None,
     ) -> int:
         """Mark buffer `version` consumed and move the run to `version + 1`; returns the new
         version. Only from the expected version and lease. A repeated publish with the lease
         that published (and the same checksum, when given) is a no-op; any other is 409."""
-        with self.run_tx(run_id) as rtx:
+        with self.run_tx(run_id, conn) as rtx:
             conn, run = rtx.conn, rtx.run
             if version == run.version - 1:
                 self._check_replay(rtx, version, lease, checksum)
