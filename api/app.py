@@ -34,12 +34,13 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
     settings = settings or ApiSettings.from_env()
     url = database_url(settings.db)  # starts the embedded server when no URL is configured
     engine = make_engine(url, settings=settings.db, connect_args={"connect_timeout": settings.connect_timeout})
-    metrics = Metrics(engine)
+    protocol = ApiProtocol(engine)
+    metrics = Metrics(protocol.metrics_rows)
     watch = DatabaseWatch(engine, metrics.registry)
     state = AppState(
         settings=settings,
         engine=engine,
-        protocol=ApiProtocol(engine),
+        protocol=protocol,
         notifier=Notifier(engine, url, settings.notify_debounce, settings.listen),
         tokens=TokenCache(engine, settings.token_cache_seconds),
         metrics=metrics,

@@ -10,12 +10,13 @@ from __future__ import annotations
 from sqlalchemy import Engine
 
 from .coordination import CoordinationOps, InstanceView, QueuedView, Snapshot
+from .reads import InstanceOwner, MetricsRows, ParamVersion, ReadOps, RunInfo
 from .rollout import Command, Prompt, RolloutOps, Work
 from .scoring import RewardTask, ScoringOps
 from .training import Batch, SegmentInfo, TrainGroup, TrainingOps, TrainSample
 
 
-class Protocol(RolloutOps, ScoringOps, TrainingOps, CoordinationOps):
+class Protocol(RolloutOps, ScoringOps, TrainingOps, CoordinationOps, ReadOps):
     def __init__(self, engine: Engine):
         self.engine = engine
 
@@ -23,11 +24,15 @@ class Protocol(RolloutOps, ScoringOps, TrainingOps, CoordinationOps):
 __all__ = [
     "Batch",
     "Command",
+    "InstanceOwner",
     "InstanceView",
+    "MetricsRows",
+    "ParamVersion",
     "Prompt",
     "Protocol",
     "QueuedView",
     "RewardTask",
+    "RunInfo",
     "SegmentInfo",
     "Snapshot",
     "TrainGroup",
