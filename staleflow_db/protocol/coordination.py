@@ -10,6 +10,7 @@ from typing import Any
 
 from sqlalchemy import Connection, text
 
+from .. import notify
 from ..errors import Conflict, InvalidInput, NotFound
 from ..types import RouteResult
 from .base import RunTx, TxMixin, load_run, log_events, transactional
@@ -124,11 +125,9 @@ class CoordinationOps(TxMixin):
         """Wake the API's long-polls of these instances (on every replica) after a commit made
         outside the API: one NOTIFY, in its own statement, never inside a protocol transaction
         (NOTIFY takes a global lock at commit). Without it they notice on their polling timer."""
-        ids = sorted(set(instance_ids))
-        topics = ",".join(f"work:{i}" for i in ids) if len(ids) <= 64 else "work"
-        with self.engine.connect() as conn:
-            conn.execute(text("SELECT pg_notify('staleflow', :p)"), {"p": f"-|{run_id}|{topics}"})
-            conn.commit()
+        wakeup = notify.Wakeup.of(notify.OUTSIDE, run_id, map(notify.instance_topic, instance_ids))
+        with self.engine.begin() as conn:
+            notify.send(conn, [wakeup])
 
     def snapshot(self, run_id: int, max_queued: int = 20_000) -> Snapshot:
         """Everything a coordinator cycle decides on, from one consistent read-only view."""
