@@ -18,6 +18,7 @@ from .. import idempotency
 from ..enums import DropReason
 from ..errors import NotFound
 from ..rules import BufferCounts, Limits, Reservation, apply_moves, cascade_moves
+from .events import Event, log_events
 
 
 def dumps(value: Any) -> str:
@@ -91,7 +92,7 @@ class RunTx:
         self._original = {b: (c.occupied, c.reserved) for b, c in self.buffers.items()}
         self._reservations: dict[int, Reservation] | None = None
         self.moved: dict[int, int] = {}  # group -> new reserved buffer, from cascades
-        self.events: list[tuple] = []
+        self.events: list[Event] = []
 
     @classmethod
     def open(cls, conn: Connection, run_id: int) -> RunTx:
@@ -157,7 +158,7 @@ class RunTx:
         for gid, source, to in moves:
             self._reservations[gid] = Reservation(gid, to, self._reservations[gid].version)
             self.moved[gid] = to
-            self.events.append(("reservation_moved", None, gid, to, None, {"from": source}))
+            self.events.append(Event("reservation_moved", group=gid, buffer=to, data={"from": source}))
 
     def reserved_buffer(self, group_id: int) -> int:
         return self.reservations()[group_id].buffer
@@ -214,17 +215,19 @@ class RunTx:
             ),
             {"ids": list(group_ids), "state": state, "reason": reason},
         )
-        self.events.extend((f"group_{state}", None, g, None, None, {"reason": reason}) for g in group_ids)
+        self.events.extend(Event(f"group_{state}", group=g, data={"reason": reason}) for g in group_ids)
         return abort_members(self.conn, self.run.id, group_ids, reason, self.events)
 
 
-def abort_members(conn: Connection, run_id: int, group_ids: Sequence[int], reason: str, events: list) -> list[int]:
+def abort_members(
+    conn: Connection, run_id: int, group_ids: Sequence[int], reason: str, events: list[Event]
+) -> list[int]:
     """Abort every live member of the groups; running ones also get an abort command."""
     return abort_samples_where(conn, run_id, "group_id", group_ids, reason, events)
 
 
 def abort_samples_where(
-    conn: Connection, run_id: int, column: str, ids: Sequence[int], reason: str, events: list
+    conn: Connection, run_id: int, column: str, ids: Sequence[int], reason: str, events: list[Event]
 ) -> list[int]:
     """Abort the live samples whose `column` ("id" or "group_id") is in `ids`."""
     assert column in ("id", "group_id")
@@ -242,7 +245,7 @@ def abort_samples_where(
     ).all()
     running = [(sid, inst, att) for sid, inst, att in rows if inst is not None]
     send_commands(conn, run_id, "abort", running)
-    events.extend(("sample_aborted", sid, None, None, inst, {"reason": reason}) for sid, inst, _ in rows)
+    events.extend(Event("sample_aborted", sample=sid, instance=inst, data={"reason": reason}) for sid, inst, _ in rows)
     return [r[0] for r in rows]
 
 
@@ -265,29 +268,6 @@ def send_commands(
             "sids": [t[0] for t in targets],
             "insts": [t[1] for t in targets],
             "atts": [t[2] for t in targets],
-        },
-    )
-
-
-def log_events(conn: Connection, run_id: int, events: Sequence[tuple]) -> None:
-    """Append (kind, sample, group, buffer, instance, data) rows to the event log in one statement."""
-    if not events:
-        return
-    cols = list(zip(*events))
-    conn.execute(
-        text(
-            "INSERT INTO events (run_id, kind, sample_id, group_id, buffer, instance_id, data)"
-            " SELECT :run, u.k, u.s, u.g, u.b, u.i, u.d FROM unnest(CAST(:k AS text[]), CAST(:s AS bigint[]),"
-            " CAST(:g AS bigint[]), CAST(:b AS int[]), CAST(:i AS bigint[]), CAST(:d AS jsonb[])) AS u(k, s, g, b, i, d)"
-        ),
-        {
-            "run": run_id,
-            "k": list(cols[0]),
-            "s": list(cols[1]),
-            "g": list(cols[2]),
-            "b": list(cols[3]),
-            "i": list(cols[4]),
-            "d": [None if d is None else json.dumps(d) for d in cols[5]],
         },
     )
 

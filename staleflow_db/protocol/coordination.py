@@ -13,7 +13,8 @@ from sqlalchemy import Connection, text
 from .. import notify
 from ..errors import Conflict, InvalidInput, NotFound
 from ..types import RouteResult
-from .base import RunTx, TxMixin, load_run, log_events, transactional
+from .base import RunTx, TxMixin, load_run, transactional
+from .events import Event, log_events
 from .rollout import check_batch, interrupt_running, route_in
 
 
@@ -252,5 +253,5 @@ def queue_pulls(conn: Connection, run_id: int, pulls: Sequence[tuple[int, int]],
         ),
         {"run": run_id, "e": epoch, "is": [p[0] for p in pulls], "vs": [p[1] for p in pulls]},
     ).all()
-    log_events(conn, run_id, [("pull", None, None, None, t.instance_id, {"target": t.target_version}) for t in told])
+    log_events(conn, run_id, [Event("pull", instance=t.instance_id, data={"target": t.target_version}) for t in told])
     return [t.instance_id for t in told]

@@ -12,7 +12,8 @@ from sqlalchemy import Connection, text
 from ..enums import SegmentKind
 from ..errors import Conflict, InvalidInput, NotFound, TooLarge
 from ..types import Report
-from .base import load_run, log_events
+from .base import load_run
+from .events import Event, log_events
 
 
 def check_live(instance_id: int, state: str, live: bool) -> None:
@@ -142,13 +143,11 @@ def report_in(conn: Connection, run_id: int, reports: Sequence[Report]) -> int:
         conn,
         run_id,
         [
-            (
+            Event(
                 f"sample_{SegmentKind(r.kind).value}",
-                r.sample_id,
-                None,
-                None,
-                r.instance_id,
-                {"n": len(r.tokens), "v": r.version},
+                sample=r.sample_id,
+                instance=r.instance_id,
+                data={"n": len(r.tokens), "v": r.version},
             )
             for r in reports
             if r.kind != SegmentKind.PARTIAL

@@ -14,7 +14,8 @@ from sqlalchemy.exc import IntegrityError
 from ..errors import Conflict, InvalidInput, NotFound, TooLarge
 from ..rules import group_version, route_decision
 from ..types import Report, RouteOutcome, RouteResult, RunConfig
-from .base import RunTx, TxMixin, load_run, log_events, response_so_far, send_commands, transactional, under_run_lock
+from .base import RunTx, TxMixin, load_run, response_so_far, send_commands, transactional, under_run_lock
+from .events import Event, log_events
 from .fencing import check_live, report_in
 
 MAX_BATCH = 10_000  # items per call: larger batches hold the run lock too long
@@ -87,7 +88,7 @@ class RolloutOps(TxMixin):
                     ).scalar_one()
             except IntegrityError:
                 raise Conflict([(0, f"a run named {name!r} exists already")]) from None
-            log_events(conn, run_id, [("run_created", None, None, None, None, {"name": name})])
+            log_events(conn, run_id, [Event("run_created", data={"name": name})])
             return run_id
 
     @transactional
@@ -125,7 +126,7 @@ class RolloutOps(TxMixin):
                 {"run": run_id, "name": name, "v": version, "ttl": lease_seconds, "tok": token_id},
             ).scalar_one()
             log_events(
-                conn, run_id, [("instance_registered", None, None, None, iid, {"name": name, "version": version})]
+                conn, run_id, [Event("instance_registered", instance=iid, data={"name": name, "version": version})]
             )
             return iid
 
@@ -193,7 +194,7 @@ class RolloutOps(TxMixin):
                 .scalars()
                 .all()
             )
-            log_events(conn, run_id, [("instance_expired", None, None, None, i, None) for i in sorted(ids)])
+            log_events(conn, run_id, [Event("instance_expired", instance=i) for i in sorted(ids)])
             requeue_fenced(conn, run_id, "instance_expired")
             return sorted(ids)
 
@@ -209,7 +210,7 @@ class RolloutOps(TxMixin):
                 if conn.execute(text("SELECT 1 FROM instances WHERE id = :i"), {"i": instance_id}).first() is None:
                     raise NotFound(f"instance {instance_id}")
                 return []
-            log_events(conn, row[0], [("instance_deregistered", None, None, None, instance_id, None)])
+            log_events(conn, row[0], [Event("instance_deregistered", instance=instance_id)])
             return requeue_fenced(conn, row[0], "instance_deregistered", [instance_id])
 
     # ---- route (Reserve) -------------------------------------------------------------------
@@ -361,7 +362,7 @@ def enqueue_prompts(
         ),
         {"run": run.id, "p": payload, "n": run.samples_per_group},
     ).all()
-    log_events(conn, run.id, [("group_enqueued", None, gid, None, None, None) for gid, _ in created])
+    log_events(conn, run.id, [Event("group_enqueued", group=gid) for gid, _ in created])
     ids = dict((k, g) for g, k in created)
     missing = [p.client_key for p in prompts if p.client_key not in ids]
     if missing:
@@ -388,7 +389,9 @@ def requeue_fenced(conn: Connection, run_id: int, why: str, instance_ids: Sequen
         ),
         {"run": run_id, "ids": list(instance_ids or [])},
     ).all()
-    log_events(conn, run_id, [("sample_requeued", s, None, None, i, {"why": why}) for s, i in sorted(rows)])
+    log_events(
+        conn, run_id, [Event("sample_requeued", sample=s, instance=i, data={"why": why}) for s, i in sorted(rows)]
+    )
     return sorted(s for s, _ in rows)
 
 
@@ -476,7 +479,7 @@ def route_in(rtx: RunTx, pairs: Sequence[tuple[int, int]]) -> list[RouteResult]:
         if b is not None:
             g[1], g[2] = "reserved", b
             rtx.add_reservation(gid, b, g[3])
-            rtx.events.append(("group_reserved", None, gid, b, None, {"version": v}))
+            rtx.events.append(Event("group_reserved", group=gid, buffer=b, data={"version": v}))
         else:
             rtx.set_group_version(gid, g[3])
         touched.add(gid)
@@ -508,5 +511,5 @@ def route_in(rtx: RunTx, pairs: Sequence[tuple[int, int]]) -> list[RouteResult]:
             ),
             {"ids": tg, "bs": [groups[g][2] for g in tg], "mvs": [groups[g][3] for g in tg]},
         )
-        rtx.events.extend(("sample_routed", sid, None, None, iid, {"v": v}) for sid, v, iid in routed)
+        rtx.events.extend(Event("sample_routed", sample=sid, instance=iid, data={"v": v}) for sid, v, iid in routed)
     return results

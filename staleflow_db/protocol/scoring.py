@@ -16,6 +16,7 @@ from ..errors import Conflict, InvalidInput, NotFound
 from ..rules import occupy_plan, replacement_key, window_has_room
 from ..types import GroupOutcome
 from .base import RunTx, TxMixin, abort_samples_where, load_run, response_so_far, transactional, under_run_lock
+from .events import Event
 from .rollout import Prompt, check_batch, enqueue_prompts
 
 
@@ -199,7 +200,7 @@ def rewards_in(rtx: RunTx, rewards: Sequence[tuple[int, int, float]]) -> list[Gr
         ),
         {"ids": ids, "rs": [float(r[2]) for r in rewards]},
     )
-    rtx.events.extend(("sample_rewarded", sid, None, None, None, {"reward": float(r)}) for sid, _, r in rewards)
+    rtx.events.extend(Event("sample_rewarded", sample=sid, data={"reward": float(r)}) for sid, _, r in rewards)
     return occupy_ready_groups(rtx, sorted({rows[sid][3] for sid in ids}))
 
 
@@ -253,7 +254,7 @@ def occupy_ready_groups(rtx: RunTx, group_ids: list[int]) -> list[GroupOutcome]:
         rtx.apply_moves(moves)
         rtx.buffer(b).occupied += 1
         occupied.append((gid, b, version))
-        rtx.events.append(("group_occupied", None, gid, b, None, {"version": version}))
+        rtx.events.append(Event("group_occupied", group=gid, buffer=b, data={"version": version}))
         chosen_ids = {m[0] for m in chosen}
         surplus = [m[0] for m in members[gid] if m[0] not in chosen_ids and m[1] != "aborted"]
         abort_samples_where(conn, run.id, "id", surplus, DropReason.SURPLUS.value, rtx.events)

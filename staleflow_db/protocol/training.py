@@ -13,6 +13,7 @@ from ..enums import DropReason
 from ..errors import Conflict, InvalidInput
 from ..rules import BufferCounts, buffer_state, reserve_target
 from .base import TxMixin, load_run, transactional
+from .events import Event
 
 
 @dataclass
@@ -178,7 +179,7 @@ class TrainingOps(TxMixin):
             )
             run.version = version + 1
             rtx.buffers[version].consumed = True
-            rtx.events.append(("published", None, None, version, None, {"version": version + 1}))
+            rtx.events.append(Event("published", buffer=version, data={"version": version + 1}))
             self._move_stranded(rtx, version)
             return run.version
 
@@ -227,7 +228,7 @@ class TrainingOps(TxMixin):
             else:
                 rtx.add_reservation(gid, b, res.version)
                 rtx.moved[gid] = b
-                rtx.events.append(("reservation_moved", None, gid, b, None, {"from": consumed}))
+                rtx.events.append(Event("reservation_moved", group=gid, buffer=b, data={"from": consumed}))
         rtx.drop_groups(dropped, "aborted", DropReason.WINDOW_CLOSED)
 
     def status(self, run_id: int) -> dict[str, Any]:
