@@ -57,7 +57,10 @@ def snapshot(run_id: RunId, state: State, who: Principal = Coordinator) -> Clust
         version=snap.version,
         config=snap.config,
         latest_params=snap.latest_params,
-        buffers=[SnapshotBufferOut(index=i, occupied=o, reserved=r) for i, (o, r) in sorted(snap.buffers.items())],
+        buffers=[
+            SnapshotBufferOut(index=i, occupied=b.occupied, reserved=b.reserved)
+            for i, b in sorted(snap.buffers.items())
+        ],
         instances=[
             InstanceViewOut(
                 instance_id=i.id,
@@ -65,7 +68,7 @@ def snapshot(run_id: RunId, state: State, who: Principal = Coordinator) -> Clust
                 version=i.version,
                 snapshot=i.snapshot,
                 snapshot_age_s=i.snapshot_age_s,
-                running=[RunningOut(sample_id=s, tokens=n, prompt_tokens=p, v_traj=v) for s, n, p, v in i.running],
+                running=[RunningOut.model_validate(r._asdict()) for r in i.running],
             )
             for i in snap.instances
         ],

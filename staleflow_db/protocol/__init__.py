@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from sqlalchemy import Engine
 
-from .coordination import CoordinationOps, InstanceView, QueuedView, Snapshot
+from .coordination import BufferView, CoordinationOps, InstanceView, QueuedView, RunningSample, Snapshot
 from .reads import InstanceOwner, MetricsRows, ParamVersion, ReadOps, RunInfo
 from .rollout import Command, Prompt, RolloutOps, Work
 from .scoring import RewardTask, ScoringOps
@@ -23,6 +23,7 @@ class Protocol(RolloutOps, ScoringOps, TrainingOps, CoordinationOps, ReadOps):
 
 __all__ = [
     "Batch",
+    "BufferView",
     "Command",
     "InstanceOwner",
     "InstanceView",
@@ -32,6 +33,7 @@ __all__ = [
     "Protocol",
     "QueuedView",
     "RewardTask",
+    "RunningSample",
     "RunInfo",
     "SegmentInfo",
     "Snapshot",

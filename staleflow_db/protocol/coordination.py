@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from sqlalchemy import Connection, text
 
@@ -18,6 +18,18 @@ from .events import Event, log_events
 from .rollout import check_batch, interrupt_running, route_in
 
 
+class RunningSample(NamedTuple):
+    sample_id: int
+    tokens: int  # response tokens reported
+    prompt_tokens: int
+    v_traj: int
+
+
+class BufferView(NamedTuple):
+    occupied: int
+    reserved: int
+
+
 @dataclass
 class InstanceView:
     id: int
@@ -25,7 +37,7 @@ class InstanceView:
     version: int
     snapshot: dict[str, Any]
     snapshot_age_s: float | None
-    running: list[tuple[int, int, int, int]]  # (sample id, response tokens reported, prompt tokens, V_traj)
+    running: list[RunningSample]
 
 
 @dataclass
@@ -47,7 +59,7 @@ class Snapshot:
     run_id: int
     version: int
     config: dict[str, int | bool]
-    buffers: dict[int, tuple[int, int]]  # idx -> (occupied, reserved), unconsumed only
+    buffers: dict[int, BufferView]  # by index, unconsumed only
     instances: list[InstanceView]
     queued: list[QueuedView]
     latest_params: int | None = None
@@ -136,40 +148,45 @@ class CoordinationOps(TxMixin):
             conn.execute(text("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ READ ONLY"))
             run = load_run(conn, run_id, lock=False)
             buffers = {
-                i: (o, r)
-                for i, o, r in conn.execute(
+                b.idx: BufferView(b.occupied, b.reserved)
+                for b in conn.execute(
                     text("SELECT idx, occupied, reserved FROM buffers WHERE run_id = :run AND idx >= :v ORDER BY idx"),
                     {"run": run_id, "v": run.version},
                 ).all()
             }
-            running: dict[int, list[tuple[int, int, int, int]]] = {}
-            for inst, sid, n, prompt, v in conn.execute(
+            running: dict[int, list[RunningSample]] = {}
+            for r in conn.execute(
                 text(
-                    "SELECT s.instance_id, s.id, s.n_tokens, cardinality(g.prompt_tokens), s.v_traj FROM samples s"
+                    "SELECT s.instance_id, s.id, s.n_tokens, cardinality(g.prompt_tokens) AS prompt, s.v_traj"
+                    " FROM samples s"
                     " JOIN instances i ON i.id = s.instance_id JOIN prompt_groups g ON g.id = s.group_id"
                     " WHERE i.run_id = :run AND i.state = 'active' AND i.lease_expires_at > now()"
                     "   AND s.state = 'running' ORDER BY s.id"
                 ),
                 {"run": run_id},
             ).all():
-                running.setdefault(inst, []).append((sid, n, prompt, v))
+                running.setdefault(r.instance_id, []).append(RunningSample(r.id, r.n_tokens, r.prompt, r.v_traj))
             instances = [
-                InstanceView(i, name, v, snap or {}, age, running.get(i, []))
-                for i, name, v, snap, age in conn.execute(
+                InstanceView(i.id, i.name, i.version, i.snapshot or {}, i.age, running.get(i.id, []))
+                for i in conn.execute(
                     text(
-                        "SELECT id, name, version, snapshot, extract(epoch FROM now() - snapshot_at)::float8 FROM instances"
+                        "SELECT id, name, version, snapshot, extract(epoch FROM now() - snapshot_at)::float8 AS age"
+                        " FROM instances"
                         " WHERE run_id = :run AND state = 'active' AND lease_expires_at > now() ORDER BY id"
                     ),
                     {"run": run_id},
                 ).all()
             ]
             queued = [
-                QueuedView(*r)
+                QueuedView(**r._mapping)
                 for r in conn.execute(
                     text(
-                        "SELECT s.id, s.group_id, s.v_traj, s.last_version, cardinality(g.prompt_tokens) + s.n_tokens,"
-                        "  s.n_tokens, g.state::text, g.reserved_buffer, g.min_version,"
+                        "SELECT s.id AS sample_id, s.group_id, s.v_traj, s.last_version,"
+                        "  cardinality(g.prompt_tokens) + s.n_tokens AS length, s.n_tokens AS tokens,"
+                        "  g.state::text AS group_state, g.reserved_buffer AS group_buffer,"
+                        "  g.min_version AS group_min_version,"
                         "  (SELECT x.instance_id FROM segments x WHERE x.sample_id = s.id ORDER BY x.seq DESC LIMIT 1)"
+                        "   AS last_instance"
                         " FROM samples s JOIN prompt_groups g ON g.id = s.group_id"
                         " WHERE s.run_id = :run AND s.state = 'queued' ORDER BY s.id LIMIT :n"
                     ),

@@ -395,6 +395,15 @@ def requeue_fenced(conn: Connection, run_id: int, why: str, instance_ids: Sequen
     return sorted(s for s, _ in rows)
 
 
+@dataclass
+class RoutedGroup:
+    """A group as a route batch changes it: its state, reserved buffer and live version."""
+
+    state: str
+    buffer: int | None
+    version: int | None
+
+
 def route_in(rtx: RunTx, pairs: Sequence[tuple[int, int]]) -> list[RouteResult]:
     conn, run = rtx.conn, rtx.run
     sample_ids = [p[0] for p in pairs]
@@ -404,17 +413,17 @@ def route_in(rtx: RunTx, pairs: Sequence[tuple[int, int]]) -> list[RouteResult]:
     # SHARE in id order: an expiry or deregistration waits until this route commits, so its
     # requeue then sees the samples routed here; one that committed first is seen as fenced.
     instances = {
-        r[0]: r
+        r.id: r
         for r in conn.execute(
             text(
-                "SELECT id, state, version, lease_expires_at > now() FROM instances"
+                "SELECT id, state, version, lease_expires_at > now() AS live FROM instances"
                 " WHERE run_id = :run AND id = ANY(CAST(:ids AS bigint[])) ORDER BY id FOR SHARE"
             ),
             {"run": run.id, "ids": sorted({p[1] for p in pairs})},
         ).all()
     }
     samples = {
-        r[0]: r
+        r.id: r
         for r in conn.execute(
             text(
                 "SELECT s.id, s.group_id, s.state, s.v_traj, s.n_tokens, s.last_version FROM samples s"
@@ -429,18 +438,18 @@ def route_in(rtx: RunTx, pairs: Sequence[tuple[int, int]]) -> list[RouteResult]:
         if iid not in instances:
             raise NotFound(f"instance {iid} in run {run.id}")
     groups = {
-        r[0]: list(r)
+        r.id: RoutedGroup(r.state, r.reserved_buffer, r.min_version)
         for r in conn.execute(
             text(
-                "SELECT id, state, reserved_buffer, min_version FROM prompt_groups"
+                "SELECT id, state::text, reserved_buffer, min_version FROM prompt_groups"
                 " WHERE id = ANY(CAST(:ids AS bigint[])) ORDER BY id FOR UPDATE"
             ),
-            {"ids": list({s[1] for s in samples.values()})},
+            {"ids": list({s.group_id for s in samples.values()})},
         ).all()
     }
     # live members of the reserved groups: the group version after the route (min_version)
     members: dict[int, dict[int, tuple[str, int | None, int]]] = {}
-    reserved = [gid for gid, g in groups.items() if g[1] == "reserved"]
+    reserved = [gid for gid, g in groups.items() if g.state == "reserved"]
     if reserved:
         for m, gid, st, v, n in conn.execute(
             text(
@@ -452,39 +461,46 @@ def route_in(rtx: RunTx, pairs: Sequence[tuple[int, int]]) -> list[RouteResult]:
             members.setdefault(gid, {})[m] = (st, v, n)
     results, routed, touched = [], [], set()
     for sid, iid in pairs:
-        _, gid, state, v_traj, n_tokens, last_version = samples[sid]
-        _, inst_state, inst_version, inst_live = instances[iid]
+        sample, inst = samples[sid], instances[iid]
+        gid = sample.group_id
         g = groups[gid]
-        if state != "queued":
+        if sample.state != "queued":
             results.append(RouteResult(sid, RouteOutcome.NOT_QUEUED))
             continue
-        if inst_state != "active" or not inst_live:  # a lapsed lease is fenced before any sweep
+        if inst.state != "active" or not inst.live:  # a lapsed lease is fenced before any sweep
             results.append(RouteResult(sid, RouteOutcome.INSTANCE_INACTIVE))
             continue
-        if g[1] not in ("queued", "reserved"):
+        if g.state not in ("queued", "reserved"):
             results.append(RouteResult(sid, RouteOutcome.GROUP_CLOSED))
             continue
         # the group rows (locked above) carry the reservation: route moves none, so no need to
         # read all of the run's reservations inside the serial section
-        reserved_at = g[2] if g[1] == "reserved" else None
+        reserved_at = g.buffer if g.state == "reserved" else None
         live = members.setdefault(gid, {})
         outcome, v, b = route_decision(
-            n_tokens > 0, v_traj, last_version, inst_version, reserved_at, rtx.buffers, run.version, run.limits
+            sample.n_tokens > 0,
+            sample.v_traj,
+            sample.last_version,
+            inst.version,
+            reserved_at,
+            rtx.buffers,
+            run.version,
+            run.limits,
         )
         if outcome != RouteOutcome.ROUTED:
             results.append(RouteResult(sid, RouteOutcome(outcome)))
             continue
-        live[sid] = ("running", v, n_tokens)
-        g[3] = group_version(live.values())  # raised if this member was the oldest (version raise)
+        live[sid] = ("running", v, sample.n_tokens)
+        g.version = group_version(live.values())  # raised if this member was the oldest (version raise)
         if b is not None:
-            g[1], g[2] = "reserved", b
-            rtx.add_reservation(gid, b, g[3])
+            g.state, g.buffer = "reserved", b
+            rtx.add_reservation(gid, b, g.version)
             rtx.events.append(Event("group_reserved", group=gid, buffer=b, data={"version": v}))
         else:
-            rtx.set_group_version(gid, g[3])
+            rtx.set_group_version(gid, g.version)
         touched.add(gid)
         routed.append((sid, v, iid))
-        results.append(RouteResult(sid, RouteOutcome.ROUTED, None, v, g[2]))
+        results.append(RouteResult(sid, RouteOutcome.ROUTED, None, v, g.buffer))
     if routed:
         # every route draws a fresh secret lease token (gen_random_uuid: a strong random source)
         leases = {
@@ -509,7 +525,7 @@ def route_in(rtx: RunTx, pairs: Sequence[tuple[int, int]]) -> list[RouteResult]:
                 " FROM unnest(CAST(:ids AS bigint[]), CAST(:bs AS int[]), CAST(:mvs AS int[])) AS u(id, b, mv)"
                 " WHERE g.id = u.id"
             ),
-            {"ids": tg, "bs": [groups[g][2] for g in tg], "mvs": [groups[g][3] for g in tg]},
+            {"ids": tg, "bs": [groups[g].buffer for g in tg], "mvs": [groups[g].version for g in tg]},
         )
         rtx.events.extend(Event("sample_routed", sample=sid, instance=iid, data={"v": v}) for sid, v, iid in routed)
     return results
