@@ -126,3 +126,16 @@ def once(
         return outcome, False
 
     return transaction(engine, body, conn)
+
+
+def prune(engine: Engine, ttl_seconds: float, batch: int = 10_000) -> int:
+    """Delete stored outcomes older than `ttl_seconds` (they outlive any retry by far), at most
+    `batch` of them; returns how many."""
+    with engine.begin() as conn:
+        return conn.execute(
+            text(
+                "DELETE FROM idempotency WHERE request_id IN (SELECT request_id FROM idempotency"
+                " WHERE created_at < now() - make_interval(secs => :ttl) LIMIT :n)"
+            ),
+            {"ttl": ttl_seconds, "n": batch},
+        ).rowcount
