@@ -1,7 +1,7 @@
-"""The data layer as the API uses it: each request's protocol calls run in one transaction
-(the `conn` that `once` hands to its `call`, passed on as `conn=`), retried on deadlock by staleflow_db.idempotency together with the stored outcome
-of its Idempotency-Key (ENGINEERING pattern 5) -- the same implementation the protocol's own
-`request_id` uses."""
+"""The data layer as the API uses it: each request's protocol calls run in one transaction (the
+`conn` that `once` hands to its `call`, passed on as `conn=`), retried on deadlock by
+staleflow_db.idempotency together with the stored outcome of its Idempotency-Key (ENGINEERING
+pattern 5) -- the same implementation the protocol's own `request_id` uses."""
 
 from __future__ import annotations
 
