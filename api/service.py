@@ -57,7 +57,7 @@ def dump(value: Any) -> Any:
     """Data-layer dataclasses to plain data for the response models."""
     import dataclasses
 
-    if dataclasses.is_dataclass(value):
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return dataclasses.asdict(value)
     if isinstance(value, list):
         return [dump(v) for v in value]

@@ -108,7 +108,7 @@ def create_token(body: TokenCreate, state: State, who: Principal = Depends(allow
 @router.get("/tokens", response_model=TokenList, tags=["tokens"])
 def list_tokens(state: State, who: Principal = Depends(allow())) -> TokenList:
     """Tokens without their secrets (admin)."""
-    return TokenList(tokens=auth.list_tokens(state.engine, who.run_id))
+    return TokenList.model_validate({"tokens": auth.list_tokens(state.engine, who.run_id)})
 
 
 @router.delete("/tokens/{token_id}", response_model=Revoked, responses=errors(404), tags=["tokens"])

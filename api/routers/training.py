@@ -100,7 +100,7 @@ async def consume(
     def fetch() -> ConsumeOut:
         batch = state.protocol.consume(run_id, version)
         if batch is None:
-            return ConsumeOut(ready=False, version=version)
+            return ConsumeOut(ready=False, version=version, batch=None)
         return ConsumeOut(ready=True, version=version, batch=BatchOut.model_validate(dump(batch)))
 
     return await long_poll(request, state, run_id, BATCH, wait, fetch, lambda o: o.ready)

@@ -23,7 +23,7 @@ from .events import Event, log_events
 
 def dumps(value: Any) -> str:
     def default(o: Any) -> Any:
-        if dataclasses.is_dataclass(o):
+        if dataclasses.is_dataclass(o) and not isinstance(o, type):
             return dataclasses.asdict(o)
         if isinstance(o, enum.Enum):
             return o.value
@@ -155,8 +155,9 @@ class RunTx:
         self._record_moves(moves)
 
     def _record_moves(self, moves: Sequence[tuple[int, int, int]]) -> None:
+        reservations = self.reservations()
         for gid, source, to in moves:
-            self._reservations[gid] = Reservation(gid, to, self._reservations[gid].version)
+            reservations[gid] = Reservation(gid, to, reservations[gid].version)
             self.moved[gid] = to
             self.events.append(Event("reservation_moved", group=gid, buffer=to, data={"from": source}))
 

@@ -242,12 +242,12 @@ class TrainingOps(TxMixin):
                 ),
                 {"run": run_id, "v": max(0, run.version - 1)},
             ).all()
-            samples = dict(
+            samples: dict[str, int] = dict(
                 conn.execute(
                     text("SELECT state::text, count(*) FROM samples WHERE run_id = :run GROUP BY 1"), {"run": run_id}
                 ).all()
             )
-            groups = dict(
+            groups: dict[str, int] = dict(
                 conn.execute(
                     text("SELECT state::text, count(*) FROM prompt_groups WHERE run_id = :run GROUP BY 1"),
                     {"run": run_id},
