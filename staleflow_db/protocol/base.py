@@ -71,6 +71,18 @@ def load_run(conn: Connection, run_id: int, *, lock: bool) -> RunRow:
     return RunRow(*row)
 
 
+def read_buffers(conn: Connection, run_id: int, first: int) -> list[BufferCounts]:
+    """The run's buffers from index `first` on, in order."""
+    rows = conn.execute(
+        text(
+            "SELECT idx, occupied, reserved, consumed_at IS NOT NULL AS consumed FROM buffers"
+            " WHERE run_id = :run AND idx >= :first ORDER BY idx"
+        ),
+        {"run": run_id, "first": first},
+    ).all()
+    return [BufferCounts(r.idx, r.occupied, r.reserved, r.consumed) for r in rows]
+
+
 class RunTx:
     """One transaction holding the run's lock: every change to buffer accounting of a run is
     serialized here (a global budget, so no SKIP LOCKED), and flushed in batched statements."""
@@ -78,16 +90,7 @@ class RunTx:
     def __init__(self, conn: Connection, run: RunRow, buffers: list[BufferCounts] | None = None):
         self.conn, self.run = conn, run
         if buffers is None:
-            buffers = [
-                BufferCounts(*r)
-                for r in conn.execute(
-                    text(
-                        "SELECT idx, occupied, reserved, consumed_at IS NOT NULL FROM buffers"
-                        " WHERE run_id = :run AND idx >= :v"
-                    ),
-                    {"run": run.id, "v": run.version},
-                ).all()
-            ]
+            buffers = read_buffers(conn, run.id, run.version)
         self.buffers = {b.index: b for b in buffers}
         self._original = {b: (c.occupied, c.reserved) for b, c in self.buffers.items()}
         self._reservations: dict[int, Reservation] | None = None

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy import Connection, text
+from sqlalchemy import Connection, Row, text
 
 from ..enums import DropReason, GroupState
 from ..errors import Conflict, InvalidInput, NotFound
@@ -60,12 +60,17 @@ class ScoringOps(TxMixin):
                     "   reward_deadline = now() + make_interval(secs => :ttl), updated_at = now()"
                     "   FROM c WHERE s.id = c.id RETURNING s.id, s.reward_attempt, s.group_id, s.finish_reason)"
                     " SELECT u.id, u.reward_attempt, u.group_id, g.prompt_tokens,"
-                    f"  {response_so_far('token_ids', 'u.id')}, u.finish_reason, g.meta"
+                    f"  {response_so_far('token_ids', 'u.id')} AS response, u.finish_reason, g.meta"
                     " FROM u JOIN prompt_groups g ON g.id = u.group_id ORDER BY u.id"
                 ),
                 {"run": run_id, "n": limit, "ttl": lease_seconds},
             ).all()
-            return [RewardTask(r[0], r[1], r[2], list(r[3]), list(r[4]), r[5], r[6]) for r in rows]
+            return [
+                RewardTask(
+                    r.id, r.reward_attempt, r.group_id, list(r.prompt_tokens), list(r.response), r.finish_reason, r.meta
+                )
+                for r in rows
+            ]
 
     @transactional
     def record_rewards(
@@ -104,16 +109,17 @@ class ScoringOps(TxMixin):
         with self.run_tx(run_id, conn) as rtx:
             rows = rtx.conn.execute(
                 text(
-                    "SELECT s.id, s.group_id, s.state, g.state FROM samples s JOIN prompt_groups g ON g.id = s.group_id"
+                    "SELECT s.id, s.group_id, s.state, g.state AS group_state"
+                    " FROM samples s JOIN prompt_groups g ON g.id = s.group_id"
                     " WHERE s.run_id = :run AND s.id = ANY(CAST(:ids AS bigint[]))"
                 ),
                 {"run": run_id, "ids": list(sample_ids)},
             ).all()
-            info = {r[0]: r for r in rows}
+            info = {r.id: r for r in rows}
             for sid in sample_ids:
                 if sid not in info:
                     raise NotFound(f"sample {sid} in run {run_id}")
-            gids = sorted({r[1] for r in rows if r[3] in ("queued", "reserved")})
+            gids = sorted({r.group_id for r in rows if r.group_state in ("queued", "reserved")})
             live = defaultdict(int)
             for gid, n in rtx.conn.execute(
                 text(
@@ -125,8 +131,9 @@ class ScoringOps(TxMixin):
                 live[gid] = n
             chosen, doomed = [], []
             for sid in sample_ids:  # one at a time, as the reference model does
-                _, gid, state, gstate = info[sid]
-                if state == "aborted" or gstate not in ("queued", "reserved") or gid in doomed:
+                s = info[sid]
+                gid = s.group_id
+                if s.state == "aborted" or s.group_state not in ("queued", "reserved") or gid in doomed:
                     continue
                 chosen.append(sid)
                 live[gid] -= 1
@@ -176,7 +183,7 @@ def rewards_in(rtx: RunTx, rewards: Sequence[tuple[int, int, float]]) -> list[Gr
         if not isinstance(reward, (int, float)) or not math.isfinite(reward):
             raise InvalidInput(f"sample {sid}: reward must be a finite number")
     rows = {
-        r[0]: r
+        r.id: r
         for r in conn.execute(
             text(
                 "SELECT id, state, reward_attempt, group_id FROM samples"
@@ -189,7 +196,7 @@ def rewards_in(rtx: RunTx, rewards: Sequence[tuple[int, int, float]]) -> list[Gr
     for sid, attempt, _ in rewards:
         if sid not in rows:
             raise NotFound(f"sample {sid} in run {run.id}")
-        if rows[sid][1] != "scoring" or rows[sid][2] != attempt:
+        if rows[sid].state != "scoring" or rows[sid].reward_attempt != attempt:
             conflicts.append((sid, "reward claim lost (stale attempt or sample not scoring)"))
     if conflicts:
         raise Conflict(conflicts)
@@ -201,14 +208,14 @@ def rewards_in(rtx: RunTx, rewards: Sequence[tuple[int, int, float]]) -> list[Gr
         {"ids": ids, "rs": [float(r[2]) for r in rewards]},
     )
     rtx.events.extend(Event("sample_rewarded", sample=sid, data={"reward": float(r)}) for sid, _, r in rewards)
-    return occupy_ready_groups(rtx, sorted({rows[sid][3] for sid in ids}))
+    return occupy_ready_groups(rtx, sorted({rows[sid].group_id for sid in ids}))
 
 
 def occupy_ready_groups(rtx: RunTx, group_ids: list[int]) -> list[GroupOutcome]:
     """Occupy (or filter) each reserved group that now has N rewarded members."""
     conn, run = rtx.conn, rtx.run
     groups = {
-        r[0]: r
+        r.id: r
         for r in conn.execute(
             text(
                 "SELECT id, state, client_key, prompt_tokens, meta FROM prompt_groups"
@@ -217,34 +224,34 @@ def occupy_ready_groups(rtx: RunTx, group_ids: list[int]) -> list[GroupOutcome]:
             {"ids": group_ids},
         ).all()
     }
-    members = defaultdict(list)
-    for gid, sid, state, v_traj, reward in conn.execute(
+    members: defaultdict[int, list[Row[Any]]] = defaultdict(list)
+    for m in conn.execute(
         text(
             "SELECT group_id, id, state, v_traj, reward FROM samples"
             " WHERE group_id = ANY(CAST(:ids AS bigint[])) ORDER BY group_id, idx"
         ),
         {"ids": group_ids},
     ).all():
-        members[gid].append((sid, state, v_traj, reward))
+        members[m.group_id].append(m)
     outcomes, occupied = [], []
     for gid in group_ids:
-        _, state, key, prompt, meta = groups[gid]
-        rewarded = [m for m in members[gid] if m[1] == "rewarded"]
-        if state != "reserved" or len(rewarded) < run.group_size:
+        g = groups[gid]
+        rewarded = [m for m in members[gid] if m.state == "rewarded"]
+        if g.state != "reserved" or len(rewarded) < run.group_size:
             continue
         chosen = rewarded[: run.group_size]
         # Release, place this group, and only then let other reservations move into the slot
         # it freed: a cascade run first could take the very slot this group needs.
         freed = rtx.unreserve(gid)
-        if run.dapo_filter and len({m[3] for m in chosen}) == 1:
+        if run.dapo_filter and len({m.reward for m in chosen}) == 1:
             rtx.drop_groups([gid], "filtered", DropReason.FILTERED)
             rtx.cascade(freed)
             (replacement,) = enqueue_prompts(
-                conn, run, [Prompt(replacement_key(key), list(prompt), meta)], replacement_of=[gid]
+                conn, run, [Prompt(replacement_key(g.client_key), list(g.prompt_tokens), g.meta)], replacement_of=[gid]
             )
             outcomes.append(GroupOutcome(gid, GroupState.FILTERED, replacement=replacement))
             continue
-        version = min(m[2] for m in chosen)
+        version = min(m.v_traj for m in chosen)
         b, moves = occupy_plan(freed, rtx.buffers, rtx.reservations().values(), version, run.version, run.limits)
         if b is None:
             rtx.drop_groups([gid], "aborted", DropReason.NO_BUFFER)
@@ -255,8 +262,8 @@ def occupy_ready_groups(rtx: RunTx, group_ids: list[int]) -> list[GroupOutcome]:
         rtx.buffer(b).occupied += 1
         occupied.append((gid, b, version))
         rtx.events.append(Event("group_occupied", group=gid, buffer=b, data={"version": version}))
-        chosen_ids = {m[0] for m in chosen}
-        surplus = [m[0] for m in members[gid] if m[0] not in chosen_ids and m[1] != "aborted"]
+        chosen_ids = {m.id for m in chosen}
+        surplus = [m.id for m in members[gid] if m.id not in chosen_ids and m.state != "aborted"]
         abort_samples_where(conn, run.id, "id", surplus, DropReason.SURPLUS.value, rtx.events)
         if not moves and b != freed:  # it landed earlier on its own: the slot it held is free now
             rtx.cascade(freed)
