@@ -10,7 +10,7 @@ import json
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, ParamSpec, TypeVar
+from typing import Any, NamedTuple, ParamSpec, TypeVar
 
 from sqlalchemy import Connection, Engine, text
 
@@ -223,6 +223,14 @@ class RunTx:
         return abort_members(self.conn, self.run.id, group_ids, reason, self.events)
 
 
+class CommandTarget(NamedTuple):
+    """A running sample a command is for: the instance running it, at this attempt."""
+
+    sample_id: int
+    instance_id: int
+    attempt: int
+
+
 def abort_members(
     conn: Connection, run_id: int, group_ids: Sequence[int], reason: str, events: list[Event]
 ) -> list[int]:
@@ -247,16 +255,16 @@ def abort_samples_where(
         ),
         {"ids": list(ids), "reason": reason},
     ).all()
-    running = [(sid, inst, att) for sid, inst, att in rows if inst is not None]
+    running = [CommandTarget(r.id, r.instance_id, r.attempt) for r in rows if r.instance_id is not None]
     send_commands(conn, run_id, "abort", running)
-    events.extend(Event("sample_aborted", sample=sid, instance=inst, data={"reason": reason}) for sid, inst, _ in rows)
-    return [r[0] for r in rows]
+    events.extend(Event("sample_aborted", sample=r.id, instance=r.instance_id, data={"reason": reason}) for r in rows)
+    return [r.id for r in rows]
 
 
 def send_commands(
-    conn: Connection, run_id: int, kind: str, targets: Sequence[tuple[int, int, int]], epoch: int | None = None
+    conn: Connection, run_id: int, kind: str, targets: Sequence[CommandTarget], epoch: int | None = None
 ) -> None:
-    """Queue `kind` commands for (sample, instance, attempt) triples."""
+    """Queue `kind` commands for running samples."""
     if not targets:
         return
     conn.execute(
@@ -269,9 +277,9 @@ def send_commands(
             "run": run_id,
             "kind": kind,
             "epoch": epoch,
-            "sids": [t[0] for t in targets],
-            "insts": [t[1] for t in targets],
-            "atts": [t[2] for t in targets],
+            "sids": [t.sample_id for t in targets],
+            "insts": [t.instance_id for t in targets],
+            "atts": [t.attempt for t in targets],
         },
     )
 

@@ -14,7 +14,7 @@ from sqlalchemy.exc import IntegrityError
 from ..errors import Conflict, InvalidInput, NotFound, TooLarge
 from ..rules import group_version, route_decision
 from ..types import Report, RouteOutcome, RouteResult, RunConfig
-from .base import RunTx, TxMixin, load_run, response_so_far, send_commands, transactional, under_run_lock
+from .base import CommandTarget, RunTx, TxMixin, load_run, response_so_far, send_commands, transactional, under_run_lock
 from .events import Event, log_events
 from .fencing import check_live, report_in
 
@@ -160,16 +160,15 @@ class RolloutOps(TxMixin):
                 return
             row = conn.execute(
                 text(
-                    "SELECT i.state, i.lease_expires_at > now(), i.version, r.version"
+                    "SELECT i.state, i.lease_expires_at > now() AS live, i.version, r.version AS run_version"
                     " FROM instances i JOIN runs r ON r.id = i.run_id WHERE i.id = :i"
                 ),
                 {"i": instance_id},
             ).first()
             if row is None:
                 raise NotFound(f"instance {instance_id}")
-            check_live(instance_id, row[0], row[1])
-            _, _, current, run_version = row
-            raise InvalidInput(f"instance version {version} outside {current}..{run_version}")
+            check_live(instance_id, row.state, row.live)
+            raise InvalidInput(f"instance version {version} outside {row.version}..{row.run_version}")
 
     @transactional
     def expire_instances(self, run_id: int, *, conn: Connection | None = None) -> list[int]:
@@ -210,8 +209,8 @@ class RolloutOps(TxMixin):
                 if conn.execute(text("SELECT 1 FROM instances WHERE id = :i"), {"i": instance_id}).first() is None:
                     raise NotFound(f"instance {instance_id}")
                 return []
-            log_events(conn, row[0], [Event("instance_deregistered", instance=instance_id)])
-            return requeue_fenced(conn, row[0], "instance_deregistered", [instance_id])
+            log_events(conn, row.run_id, [Event("instance_deregistered", instance=instance_id)])
+            return requeue_fenced(conn, row.run_id, "instance_deregistered", [instance_id])
 
     # ---- route (Reserve) -------------------------------------------------------------------
 
@@ -258,29 +257,39 @@ class RolloutOps(TxMixin):
             # expiry waits for it, then requeues what was delivered).
             row = conn.execute(
                 text(
-                    "SELECT i.state, i.lease_expires_at > now(), r.max_response_tokens FROM instances i"
+                    "SELECT i.state, i.lease_expires_at > now() AS live, r.max_response_tokens FROM instances i"
                     " JOIN runs r ON r.id = i.run_id WHERE i.id = :i FOR SHARE OF i"
                 ),
                 {"i": instance_id},
             ).first()
             if row is None:
                 raise NotFound(f"instance {instance_id}")
-            check_live(instance_id, row[0], row[1])
+            check_live(instance_id, row.state, row.live)
             rows = conn.execute(
                 text(
                     "WITH d AS MATERIALIZED (SELECT id FROM samples WHERE instance_id = :i AND state = 'running'"
                     "   AND NOT delivered ORDER BY id LIMIT :n FOR UPDATE),"
                     " u AS (UPDATE samples s SET delivered = true FROM d WHERE s.id = d.id"
                     "   RETURNING s.id, s.attempt, s.lease, s.group_id, s.v_traj, s.n_tokens)"
-                    " SELECT u.id, u.attempt, u.lease::text, u.group_id, u.v_traj, u.n_tokens, g.prompt_tokens,"
-                    f"  {response_so_far('token_ids', 'u.id')}, {response_so_far('logprobs', 'u.id')}"
+                    " SELECT u.id, u.attempt, u.lease::text AS lease, u.group_id, u.v_traj, u.n_tokens, g.prompt_tokens,"
+                    f"  {response_so_far('token_ids', 'u.id')} AS tokens, {response_so_far('logprobs', 'u.id')} AS logprobs"
                     " FROM u JOIN prompt_groups g ON g.id = u.group_id ORDER BY u.id"
                 ),
                 {"i": instance_id, "n": limit},
             ).all()
             work = [
-                Work(sid, att, lease, gid, v, list(prompt), list(toks), list(lps), row[2] - n)
-                for sid, att, lease, gid, v, n, prompt, toks, lps in rows
+                Work(
+                    w.id,
+                    w.attempt,
+                    w.lease,
+                    w.group_id,
+                    w.v_traj,
+                    list(w.prompt_tokens),
+                    list(w.tokens),
+                    list(w.logprobs),
+                    row.max_response_tokens - w.n_tokens,
+                )
+                for w in rows
             ]
             cmds = conn.execute(
                 text(
@@ -290,7 +299,7 @@ class RolloutOps(TxMixin):
                 ),
                 {"i": instance_id},
             ).all()
-            return work, sorted((Command(*c) for c in cmds), key=lambda c: c.id)
+            return work, sorted((Command(**c._mapping) for c in cmds), key=lambda c: c.id)
 
     @transactional
     def interrupt(
@@ -308,16 +317,16 @@ def interrupt_running(conn: Connection, run_id: int, sample_ids: Sequence[int], 
     A sample that is not in the run (unknown, or another run's) is NotFound, as everywhere."""
     rows = conn.execute(
         text(
-            "SELECT id, instance_id, attempt, state = 'running' FROM samples WHERE run_id = :run"
+            "SELECT id, instance_id, attempt, state = 'running' AS running FROM samples WHERE run_id = :run"
             " AND id = ANY(CAST(:ids AS bigint[]))"
         ),
         {"run": run_id, "ids": list(sample_ids)},
     ).all()
-    found = {r[0] for r in rows}
+    found = {r.id for r in rows}
     missing = [sid for sid in sample_ids if sid not in found]
     if missing:
         raise NotFound(f"sample {missing[0]} in run {run_id}")
-    running = [tuple(r[:3]) for r in rows if r[3]]
+    running = [CommandTarget(r.id, r.instance_id, r.attempt) for r in rows if r.running]
     send_commands(conn, run_id, "interrupt", running, epoch)
     return len(running)
 
