@@ -68,7 +68,7 @@ def load_run(conn: Connection, run_id: int, *, lock: bool) -> RunRow:
     row = conn.execute(text(sql), {"run": run_id}).first()
     if row is None:
         raise NotFound(f"run {run_id}")
-    return RunRow(*row)
+    return RunRow(**row._mapping)
 
 
 def read_buffers(conn: Connection, run_id: int, first: int) -> list[BufferCounts]:

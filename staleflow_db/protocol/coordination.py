@@ -86,7 +86,7 @@ class CoordinationOps(TxMixin):
                 ),
                 {"run": run_id, "h": holder, "ttl": ttl_seconds},
             ).first()
-            return None if row is None else row[0]
+            return None if row is None else row.epoch
 
     @transactional
     def release_leadership(self, run_id: int, holder: str, *, conn: Connection | None = None) -> None:

@@ -57,7 +57,7 @@ AUDIT_VIEWS = {
 
 
 def _run_info(row: Row[Any]) -> RunInfo:
-    run = RunRow(*(getattr(row, c) for c in RUN_COLUMNS.split(", ")))
+    run = RunRow(**{c: row._mapping[c] for c in RUN_COLUMNS.split(", ")})
     return RunInfo(run.id, row.name, run.version, row.created_at, run.config())
 
 
@@ -125,7 +125,7 @@ class ReadOps(TxMixin):
         with self.engine.connect() as c, c.begin():
             c.execute(text("SET TRANSACTION READ ONLY"))
             runs = [
-                RunRow(*r)
+                RunRow(**r._mapping)
                 for r in c.execute(
                     text(f"SELECT {RUN_COLUMNS} FROM runs ORDER BY id DESC LIMIT :n"), {"n": max_runs}
                 ).all()
