@@ -15,7 +15,8 @@ from ..errors import Conflict, InvalidInput, NotFound
 from ..types import RouteResult
 from .base import RunTx, TxMixin, load_run, transactional
 from .events import Event, log_events
-from .rollout import check_batch, interrupt_running, route_in
+from .rollout import check_batch, interrupt_running
+from .routing import route_in
 
 
 class RunningSample(NamedTuple):
