@@ -14,10 +14,12 @@ then replays the first one's outcome: one application, equal answers.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
-from collections.abc import Callable
-from typing import Any, TypeVar
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, ParamSpec, TypeVar
 
 from sqlalchemy import Connection, Engine, text
 from sqlalchemy.exc import DBAPIError
@@ -26,6 +28,7 @@ from tenacity import RetryCallState, Retrying, retry_if_exception, stop_after_at
 from .errors import Conflict
 
 T = TypeVar("T")
+P = ParamSpec("P")
 log = logging.getLogger("staleflow.tx")
 
 # Transient failures: the whole transaction may simply run again.
@@ -62,6 +65,31 @@ def retried(attempt: Callable[[], T], retries: int = RETRIES) -> T:
     return controller(attempt)
 
 
+@contextmanager
+def within(engine: Engine, conn: Connection | None) -> Iterator[Connection]:
+    """The caller's transaction `conn`, else a new one (committed when the block ends)."""
+    if conn is not None:
+        yield conn
+        return
+    with engine.begin() as new:
+        yield new
+
+
+def transactional(fn: Callable[P, T]) -> Callable[P, T]:
+    """A protocol method that is one transaction: with `conn=` it runs in the caller's
+    transaction (whose runner retries the whole); without, it is the outermost one and runs
+    again whole after a deadlock or serialization failure. The method opens its transaction
+    with `within(engine, conn)`."""
+
+    @functools.wraps(fn)
+    def method(*args: P.args, **kw: P.kwargs) -> T:
+        if kw.get("conn") is not None:
+            return fn(*args, **kw)
+        return retried(lambda: fn(*args, **kw))
+
+    return method
+
+
 def transaction(engine: Engine, body: Callable[[Connection], T], conn: Connection | None = None) -> T:
     """Run `body` in the caller's transaction `conn` when given (its outermost runner retries),
     else in a new one, retried whole on deadlock / serialization failure."""
@@ -69,7 +97,7 @@ def transaction(engine: Engine, body: Callable[[Connection], T], conn: Connectio
         return body(conn)
 
     def attempt() -> T:
-        with engine.begin() as new:
+        with within(engine, None) as new:
             return body(new)
 
     return retried(attempt)

@@ -1,16 +1,16 @@
 """Shared machinery of the protocol transactions: the per-run lock, buffer counters, releases
-with their cascade, drops, commands, the event log and request-id idempotency."""
+with their cascade, drops, commands, and the operation classes' access to transactions and
+request-id idempotency (`staleflow_db.idempotency`)."""
 
 from __future__ import annotations
 
 import dataclasses
 import enum
-import functools
 import json
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
-from typing import Any, NamedTuple, ParamSpec, TypeVar
+from typing import Any, NamedTuple
 
 from sqlalchemy import Connection, Engine, text
 
@@ -304,25 +304,6 @@ def under_run_lock(run_id: int, body: Callable[[RunTx], Any]) -> Callable[[Conne
     return run
 
 
-P = ParamSpec("P")
-R = TypeVar("R")
-
-
-def transactional(fn: Callable[P, R]) -> Callable[P, R]:
-    """A protocol method that is one transaction: with `conn=` it runs in the caller's
-    transaction (the caller's runner retries the whole); without, it is the outermost one and
-    runs again whole after a deadlock or serialization failure (jittered backoff). The method
-    opens its transaction with `self.tx(conn)`."""
-
-    @functools.wraps(fn)
-    def method(*args: P.args, **kw: P.kwargs) -> R:
-        if kw.get("conn") is not None:
-            return fn(*args, **kw)
-        return idempotency.retried(lambda: fn(*args, **kw))
-
-    return method
-
-
 class TxMixin:
     """Transactions and request-id idempotency for the operation classes, all through
     `staleflow_db.idempotency` (the one transaction runner, shared with the API). A caller
@@ -330,14 +311,9 @@ class TxMixin:
 
     engine: Engine
 
-    @contextmanager
-    def tx(self, conn: Connection | None) -> Iterator[Connection]:
+    def tx(self, conn: Connection | None) -> AbstractContextManager[Connection]:
         """The caller's transaction, else a new one."""
-        if conn is not None:
-            yield conn
-            return
-        with self.engine.begin() as new:
-            yield new
+        return idempotency.within(self.engine, conn)
 
     @contextmanager
     def run_tx(self, run_id: int, conn: Connection | None) -> Iterator[RunTx]:

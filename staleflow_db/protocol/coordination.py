@@ -12,8 +12,9 @@ from sqlalchemy import Connection, text
 
 from .. import notify
 from ..errors import Conflict, InvalidInput, NotFound
+from ..idempotency import transactional
 from ..types import RouteResult
-from .base import RunTx, TxMixin, load_run, transactional
+from .base import RunTx, TxMixin, load_run
 from .events import Event, log_events
 from .rollout import check_batch, interrupt_running
 from .routing import route_in

@@ -11,7 +11,8 @@ from typing import Any, NamedTuple
 from sqlalchemy import Connection, Row, text
 
 from ..errors import NotFound
-from .base import RUN_COLUMNS, RunRow, TxMixin, load_run, transactional
+from ..idempotency import transactional
+from .base import RUN_COLUMNS, RunRow, TxMixin, load_run
 
 
 @dataclass(frozen=True)

@@ -12,8 +12,9 @@ from sqlalchemy import Connection, text
 from sqlalchemy.exc import IntegrityError
 
 from ..errors import Conflict, InvalidInput, NotFound, TooLarge
+from ..idempotency import transactional
 from ..types import Report, RouteOutcome, RouteResult, RunConfig
-from .base import CommandTarget, TxMixin, load_run, response_so_far, send_commands, transactional, under_run_lock
+from .base import CommandTarget, TxMixin, load_run, response_so_far, send_commands, under_run_lock
 from .events import Event, log_events
 from .fencing import check_live, report_in
 from .routing import route_in

@@ -13,9 +13,10 @@ from sqlalchemy import Connection, Row, text
 
 from ..enums import DropReason, GroupState
 from ..errors import Conflict, InvalidInput, NotFound
+from ..idempotency import transactional
 from ..rules import occupy_plan, replacement_key, window_has_room
 from ..types import GroupOutcome
-from .base import RunTx, TxMixin, abort_samples_where, load_run, response_so_far, transactional, under_run_lock
+from .base import RunTx, TxMixin, abort_samples_where, load_run, response_so_far, under_run_lock
 from .events import Event
 from .rollout import Prompt, check_batch, enqueue_prompts
 

@@ -11,8 +11,9 @@ from sqlalchemy import Connection, Row, text
 
 from ..enums import DropReason
 from ..errors import Conflict, InvalidInput
+from ..idempotency import transactional
 from ..rules import buffer_state, reserve_target
-from .base import TxMixin, load_run, read_buffers, transactional
+from .base import TxMixin, load_run, read_buffers
 from .events import Event
 
 
