@@ -96,7 +96,7 @@ def pins_group_version(state: str, v_traj: int | None, n_tokens: int) -> bool:
 def group_version(members: Iterable[tuple[str, int | None, int]]) -> int | None:
     """The live group version from (state, V_traj, tokens) of its members; None while no
     member pins one (then only the join rule constrains where it may still land)."""
-    return min((v for st, v, n in members if pins_group_version(st, v, n)), default=None)
+    return min((v for st, v, n in members if v is not None and pins_group_version(st, v, n)), default=None)
 
 
 @dataclass(frozen=True)
@@ -215,7 +215,7 @@ def route_decision(
     floor = 0 if v_traj is None else max(v_traj, last_version if last_version is not None else v_traj)
     if instance_version < floor:  # V_traj only grows, and segment versions never decrease
         return "too_old", None, None
-    v = instance_version if not has_tokens else v_traj
+    v = v_traj if has_tokens and v_traj is not None else instance_version  # a sample with tokens has its V_traj
     if group_reserved_buffer is None:
         b = reserve_target(buffers, v, version_now, limits)
         return ("routed", v, b) if b is not None else ("not_admitted", None, None)

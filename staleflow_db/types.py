@@ -36,9 +36,10 @@ class RunConfig:
             problems.append("group_size (N) must be >= 1")
         if self.eta < 0:
             problems.append("eta must be >= 0")
-        if self.buffer_capacity < self.batch_size:
+        # None only before __post_init__ set them (the defaults B and N)
+        if self.buffer_capacity is None or self.buffer_capacity < self.batch_size:
             problems.append("buffer_capacity (B') must be >= batch_size (B)")
-        if self.samples_per_group < self.group_size:
+        if self.samples_per_group is None or self.samples_per_group < self.group_size:
             problems.append("samples_per_group (N') must be >= group_size (N)")
         if self.dapo_filter and self.group_size < 2:
             # one reward is always "all equal": the filter would drop every group, nothing trains
