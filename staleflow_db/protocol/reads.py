@@ -121,6 +121,11 @@ class ReadOps(TxMixin):
             ).all()
         return [dict(r._mapping) for r in rows]
 
+    def schema_revision(self) -> str | None:
+        """The migration the database is at (readiness: it must be the newest one)."""
+        with self.engine.connect() as c:
+            return c.execute(text("SELECT version_num FROM alembic_version")).scalar()
+
     def metrics_rows(self, max_runs: int = 50) -> MetricsRows:
         """Figures for /metrics, for the newest runs; one read-only transaction."""
         with self.engine.connect() as c, c.begin():
