@@ -239,5 +239,4 @@ def abort_after_ready(run_id: RunId, state: State, who: Principal = Coordinator)
 @router.post("/instances/expire", response_model=ExpireOut)
 def expire_instances(run_id: RunId, state: State, who: Principal = Coordinator) -> ExpireOut:
     """Fence instances whose lease ran out; their samples go back to the queue with their tokens."""
-
     return ExpireOut(expired=state.protocol.expire_instances(run_id))
