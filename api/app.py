@@ -9,10 +9,9 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
-from sqlalchemy import text
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from staleflow_db import migrate
+from staleflow_db import idempotency, migrate
 from staleflow_db.db import database_url, make_engine
 
 from . import errors
@@ -34,12 +33,13 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
     settings = settings or ApiSettings.from_env()
     url = database_url(settings.db)  # starts the embedded server when no URL is configured
     engine = make_engine(url, settings=settings.db, connect_args={"connect_timeout": settings.connect_timeout})
-    metrics = Metrics(engine)
+    protocol = ApiProtocol(engine)
+    metrics = Metrics(protocol.metrics_rows)
     watch = DatabaseWatch(engine, metrics.registry)
     state = AppState(
         settings=settings,
         engine=engine,
-        protocol=ApiProtocol(engine),
+        protocol=protocol,
         notifier=Notifier(engine, url, settings.notify_debounce, settings.listen),
         tokens=TokenCache(engine, settings.token_cache_seconds),
         metrics=metrics,
@@ -79,21 +79,12 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
 
 
 async def _prune_idempotency(state: AppState, every: float = 60.0) -> None:
-    """Stored outcomes outlive any retry by far after the TTL; delete them in bounded batches
-    (every replica may do it: concurrent deletes of the same rows are harmless)."""
-    sql = text(
-        "DELETE FROM idempotency WHERE request_id IN (SELECT request_id FROM idempotency"
-        " WHERE created_at < now() - make_interval(secs => :ttl) LIMIT 10000)"
-    )
-
-    def prune() -> None:
-        with state.engine.begin() as conn:
-            conn.execute(sql, {"ttl": state.settings.idempotency_ttl})
-
+    """Stored outcomes outlive any retry by far after the TTL (every replica may prune them:
+    concurrent deletes of the same rows are harmless)."""
     while True:
         await asyncio.sleep(every)
         try:
-            await asyncio.to_thread(prune)
+            await asyncio.to_thread(idempotency.prune, state.engine, state.settings.idempotency_ttl)
         except Exception as exc:  # the database is down; next time
             log.debug("idempotency pruning failed: %s", exc)
 

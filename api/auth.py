@@ -52,7 +52,7 @@ def create_token(
                 " RETURNING id, role, run_id, name, created_at, revoked_at"
             ),
             {"h": hash_token(token), "role": role.value, "run": run_id, "name": name},
-        ).first()
+        ).one()
     return {**row._mapping, "token": token}
 
 

@@ -15,8 +15,8 @@ from starlette.concurrency import run_in_threadpool
 
 from staleflow_db.enums import Role
 from staleflow_db.errors import NotFound
+from staleflow_db.protocol import InstanceOwner
 
-from . import queries
 from .auth import Principal, TokenCache
 from .metrics import Metrics
 from .notify import Notifier, wait_for
@@ -39,21 +39,21 @@ class AppState:
     # instance -> (run, registering token) never changes once registered, so it is cached
     # without expiry. (A deleted token's instances keep their cached owner: nobody can
     # present a deleted token anyway.)
-    instance_owners: dict[int, tuple[int, int | None]] = field(default_factory=dict)
+    instance_owners: dict[int, InstanceOwner] = field(default_factory=dict)
 
     def instance_in_run(self, run_id: int, instance_id: int, who: Principal) -> None:
         """404 unless the instance is in the run; 403 unless `who` registered it or is an
         admin (an instance registered in-process, without a token, is an admin's alone)."""
         owner = self.instance_owners.get(instance_id)
         if owner is None:
-            owner = queries.instance_owner(self.engine, instance_id)
+            owner = self.protocol.instance_owner(instance_id)
             if owner is not None:
                 if len(self.instance_owners) > 100_000:
                     self.instance_owners.clear()
                 self.instance_owners[instance_id] = owner
-        if owner is None or owner[0] != run_id:
+        if owner is None or owner.run_id != run_id:
             raise NotFound(f"instance {instance_id} in run {run_id}")
-        if who.role != Role.ADMIN and owner[1] != who.token_id:
+        if who.role != Role.ADMIN and owner.token_id != who.token_id:
             raise HTTPException(403, f"instance {instance_id} belongs to another token")
 
 

@@ -9,24 +9,22 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
-from sqlalchemy import Engine
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from staleflow_db.protocol import MetricsRows
 from staleflow_db.rules import BufferCounts, buffer_state
-
-from . import queries
 
 STALENESS_BUCKETS = (0, 1, 2, 3, 4, 5, 10, 20)
 BUFFER_STATES = ("waiting", "stuck", "ready", "consumed")
 
 
 class Metrics:
-    def __init__(self, engine: Engine, cache_seconds: float = 2.0):
+    def __init__(self, read: Callable[[], MetricsRows], cache_seconds: float = 2.0):
         self.registry = CollectorRegistry()
         self.latency = Histogram(
             "staleflow_api_request_seconds",
@@ -35,12 +33,12 @@ class Metrics:
             registry=self.registry,
             buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
         )
-        self.registry.register(_DatabaseCollector(engine, cache_seconds))
+        self.registry.register(_DatabaseCollector(read, cache_seconds))
 
 
 class _DatabaseCollector:
-    def __init__(self, engine: Engine, cache_seconds: float):
-        self.engine, self.cache_seconds = engine, cache_seconds
+    def __init__(self, read: Callable[[], MetricsRows], cache_seconds: float):
+        self.read, self.cache_seconds = read, cache_seconds
         self._lock = threading.Lock()
         self._cached: tuple[float, list[Any]] = (0.0, [])
 
@@ -58,7 +56,7 @@ class _DatabaseCollector:
     def _read(self) -> list[Any]:
         up = GaugeMetricFamily("staleflow_database_up", "1 if the database answered the last scrape")
         try:
-            data = queries.metrics_rows(self.engine)
+            data = self.read()
         except Exception:
             up.add_metric([], 0)
             return [up]
@@ -73,16 +71,18 @@ class _DatabaseCollector:
         entries = GaugeMetricFamily(
             "staleflow_buffer_entries", "entries of unconsumed buffers", labels=["run", "buffer", "kind"]
         )
-        runs = {r.id: r for r in data["runs"]}
+        runs = {r.id: r for r in data.runs}
         counts: dict[int, dict[str, int]] = {r: dict.fromkeys(BUFFER_STATES, 0) for r in runs}
-        for r in data["runs"]:
+        for r in data.runs:
             version.add_metric([str(r.id)], r.version)
-        for run, v, n in data["queued"]:
-            queued.add_metric([str(run), "new" if v is None else str(v)], n)
-        for run, idx, occ, res, consumed in data["buffers"]:
-            counts[run][buffer_state(BufferCounts(idx, occ, res, consumed), runs[run].limits)] += 1
-            entries.add_metric([str(run), str(idx), "occupied"], occ)
-            entries.add_metric([str(run), str(idx), "reserved"], res)
+        for q in data.queued:
+            queued.add_metric([str(q.run_id), "new" if q.v_traj is None else str(q.v_traj)], q.n)
+        for b in data.buffers:
+            counts[b.run_id][
+                buffer_state(BufferCounts(b.idx, b.occupied, b.reserved, b.consumed), runs[b.run_id].limits)
+            ] += 1
+            entries.add_metric([str(b.run_id), str(b.idx), "occupied"], b.occupied)
+            entries.add_metric([str(b.run_id), str(b.idx), "reserved"], b.reserved)
         for run, by_state in counts.items():
             for state, n in by_state.items():
                 states.add_metric([str(run), state], n)
@@ -90,8 +90,8 @@ class _DatabaseCollector:
             "staleflow_staleness", "staleness (step - V_traj) of trained samples", labels=["run"]
         )
         per_run: dict[int, dict[int, int]] = {}
-        for run, s, n in data["staleness"]:
-            per_run.setdefault(run, {})[int(s)] = n
+        for t in data.staleness:
+            per_run.setdefault(t.run_id, {})[int(t.staleness)] = t.n
         for run, hist in per_run.items():
             buckets = [(str(le), sum(n for s, n in hist.items() if s <= le)) for le in STALENESS_BUCKETS]
             total = sum(hist.values())

@@ -1,11 +1,10 @@
 """Wake-ups for long-polls (ENGINEERING pattern 7).
 
 After a commit the handler calls `publish(run, topics)`: waiters of this process wake at once,
-and other replicas hear about it through at most one debounced NOTIFY per run (payload
-``<sender>|<run>|<topic,topic>``) on channel ``staleflow``. NOTIFY takes a global lock at
-commit, so it is never sent per row nor inside the protocol transactions. Waiters also
-re-check on a timer, so a lost NOTIFY (or a writer that bypasses the API, which may send
-``pg_notify('staleflow', '-|<run>|work')`` itself) costs latency, never correctness.
+and other replicas hear about it through at most one debounced NOTIFY per run (the payload and
+its channel: `staleflow_db.notify`). NOTIFY takes a global lock at commit, so it is never sent
+per row nor inside the protocol transactions. Waiters also re-check on a timer, so a lost
+NOTIFY (or a writer that bypasses the API without one) costs latency, never correctness.
 """
 
 from __future__ import annotations
@@ -16,21 +15,17 @@ import uuid
 from collections import defaultdict
 
 import psycopg
-from sqlalchemy import Engine, text
+from sqlalchemy import Engine
 from tenacity import AsyncRetrying, retry_if_exception_type
 from tenacity.wait import wait_exponential_jitter
 
+from staleflow_db import notify
+from staleflow_db.notify import BATCH, CHANNEL, REWARDS, TOPICS, WORK, Wakeup, instance_topic
 from staleflow_db.retry import MAX_BACKOFF_S, Outage
 
 log = logging.getLogger(__name__)
 
-CHANNEL = "staleflow"
-
-# Topics: what a waiter is waiting for.
-WORK = "work"  # routes and commands for instances
-REWARDS = "rewards"  # finished samples to score
-BATCH = "batch"  # buffers that may have become ready
-TOPICS = (WORK, REWARDS, BATCH)
+__all__ = ["BATCH", "REWARDS", "TOPICS", "WORK", "Notifier", "instance_topic", "wait_for"]
 
 
 class Notifier:
@@ -108,23 +103,22 @@ class Notifier:
             await self._dirty.wait()
             self._dirty.clear()
             batch, self._pending = self._pending, defaultdict(set)
-            payloads = [f"{self.sender_id}|{run}|{','.join(_compact(t))}" for run, t in batch.items()]
+            wakeups = [Wakeup.of(self.sender_id, run, t) for run, t in batch.items()]
             try:
-                await asyncio.to_thread(self._send, payloads)
+                await asyncio.to_thread(self._send, wakeups)
             except Exception as exc:  # the database is down: waiters fall back to polling
                 log.debug("NOTIFY failed: %s", exc)
             await asyncio.sleep(self.debounce)
 
-    def _send(self, payloads: list[str]) -> None:
-        with self.engine.connect() as conn:
-            conn.execute(
-                text("SELECT pg_notify(:ch, p) FROM unnest(CAST(:ps AS text[])) AS p"), {"ch": CHANNEL, "ps": payloads}
-            )
-            conn.commit()
+    def _send(self, wakeups: list[Wakeup]) -> None:
+        with self.engine.begin() as conn:
+            notify.send(conn, wakeups)
 
     async def _listener(self) -> None:
         """Keep one LISTEN connection up. A lost one is reconnected with capped backoff (a
         fresh backoff per loss); meanwhile long-polls fall back to their polling timer."""
+        url = self.url
+        assert url is not None  # started only with a URL
         while True:
             conn: psycopg.AsyncConnection | None = None
             try:
@@ -135,7 +129,7 @@ class Notifier:
                 ):
                     with attempt:
                         conn = await psycopg.AsyncConnection.connect(
-                            self.url,
+                            url,
                             autocommit=True,
                             connect_timeout=5,
                             application_name="staleflow-api-listen",
@@ -161,24 +155,9 @@ class Notifier:
                 self.connection.failed(exc)  # long-polls fall back to polling meanwhile
 
     def _received(self, payload: str) -> None:
-        try:
-            sender, run, topics = payload.split("|", 2)
-            run_id = int(run)
-        except ValueError:
-            return
-        if sender != self.sender_id:
-            self._wake(run_id, tuple(t for t in topics.split(",") if t.split(":")[0] in TOPICS) or TOPICS)
-
-
-def instance_topic(instance_id: int) -> str:
-    return f"{WORK}:{instance_id}"
-
-
-def _compact(topics: set[str], most: int = 64) -> list[str]:
-    """NOTIFY payloads are limited (8000 bytes): many subtopics collapse into their parent."""
-    if len(topics) <= most:
-        return sorted(topics)
-    return sorted({t.split(":")[0] for t in topics})
+        wakeup = Wakeup.parse(payload)
+        if wakeup is not None and wakeup.sender != self.sender_id:
+            self._wake(wakeup.run_id, wakeup.topics)
 
 
 async def wait_for(event: asyncio.Event, timeout: float) -> bool:

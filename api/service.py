@@ -1,7 +1,7 @@
-"""The data layer as the API uses it: each request's protocol calls join one transaction,
-run (and retried on deadlock) by staleflow_db.idempotency together with the stored outcome
-of its Idempotency-Key (ENGINEERING pattern 5) -- the same implementation the protocol's own
-`request_id` uses."""
+"""The data layer as the API uses it: each request's protocol calls run in one transaction (the
+`conn` that `once` hands to its `call`, passed on as `conn=`), retried on deadlock by
+staleflow_db.idempotency together with the stored outcome of its Idempotency-Key (ENGINEERING
+pattern 5) -- the same implementation the protocol's own `request_id` uses."""
 
 from __future__ import annotations
 
@@ -57,7 +57,7 @@ def dump(value: Any) -> Any:
     """Data-layer dataclasses to plain data for the response models."""
     import dataclasses
 
-    if dataclasses.is_dataclass(value):
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return dataclasses.asdict(value)
     if isinstance(value, list):
         return [dump(v) for v in value]

@@ -1,4 +1,4 @@
-"""The one place protocol transactions run: join the transaction this context already has,
+"""The one place protocol transactions run: join the transaction the caller passes (`conn=`),
 else open one, and retry it whole when PostgreSQL picks it as a deadlock victim or a
 serialization failure (SQLSTATE 40P01 / 40001); plus request-id idempotency (ENGINEERING
 pattern 5), used alike by the protocol methods that take a `request_id` and by the API's
@@ -14,12 +14,12 @@ then replays the first one's outcome: one application, equal answers.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from contextvars import ContextVar
-from typing import Any, TypeVar
+from typing import Any, ParamSpec, TypeVar
 
 from sqlalchemy import Connection, Engine, text
 from sqlalchemy.exc import DBAPIError
@@ -28,6 +28,7 @@ from tenacity import RetryCallState, Retrying, retry_if_exception, stop_after_at
 from .errors import Conflict
 
 T = TypeVar("T")
+P = ParamSpec("P")
 log = logging.getLogger("staleflow.tx")
 
 # Transient failures: the whole transaction may simply run again.
@@ -35,16 +36,9 @@ RETRYABLE_SQLSTATES = frozenset({"40P01", "40001"})  # deadlock_detected, serial
 RETRIES = 5
 BACKOFF_S = 0.01  # base of the jittered exponential backoff
 
-_current: ContextVar[Connection | None] = ContextVar("staleflow_tx", default=None)
-
 
 class KeyReused(Conflict):
     code = "idempotency_key_reused"
-
-
-def current() -> Connection | None:
-    """The transaction this context runs in, if any (protocol calls join it)."""
-    return _current.get()
 
 
 def is_retryable(exc: BaseException) -> bool:
@@ -72,31 +66,39 @@ def retried(attempt: Callable[[], T], retries: int = RETRIES) -> T:
 
 
 @contextmanager
-def joined(engine: Engine) -> Iterator[Connection]:
-    """The context's transaction, or a new one that nested calls then join. No retry here
-    (a with-block cannot run twice): wrap the whole transaction in `transaction`/`retried`."""
-    outer = _current.get()
-    if outer is not None:
-        yield outer
+def within(engine: Engine, conn: Connection | None) -> Iterator[Connection]:
+    """The caller's transaction `conn`, else a new one (committed when the block ends)."""
+    if conn is not None:
+        yield conn
         return
-    with engine.begin() as conn:
-        token = _current.set(conn)
-        try:
-            yield conn
-        finally:
-            _current.reset(token)
+    with engine.begin() as new:
+        yield new
 
 
-def transaction(engine: Engine, body: Callable[[Connection], T]) -> T:
-    """Run `body` in one transaction, retried whole on deadlock / serialization failure; joins
-    (without retrying) when this context is already inside a transaction."""
-    outer = _current.get()
-    if outer is not None:
-        return body(outer)
+def transactional(fn: Callable[P, T]) -> Callable[P, T]:
+    """A protocol method that is one transaction: with `conn=` it runs in the caller's
+    transaction (whose runner retries the whole); without, it is the outermost one and runs
+    again whole after a deadlock or serialization failure. The method opens its transaction
+    with `within(engine, conn)`."""
+
+    @functools.wraps(fn)
+    def method(*args: P.args, **kw: P.kwargs) -> T:
+        if kw.get("conn") is not None:
+            return fn(*args, **kw)
+        return retried(lambda: fn(*args, **kw))
+
+    return method
+
+
+def transaction(engine: Engine, body: Callable[[Connection], T], conn: Connection | None = None) -> T:
+    """Run `body` in the caller's transaction `conn` when given (its outermost runner retries),
+    else in a new one, retried whole on deadlock / serialization failure."""
+    if conn is not None:
+        return body(conn)
 
     def attempt() -> T:
-        with joined(engine) as conn:
-            return body(conn)
+        with within(engine, None) as new:
+            return body(new)
 
     return retried(attempt)
 
@@ -121,9 +123,10 @@ def once(
     encode: Callable[[T], str],
     decode: Callable[[Any], T],
     store: Callable[[T], bool] = lambda _: True,
+    conn: Connection | None = None,
 ) -> tuple[T, bool]:
-    """Run `call` in one transaction together with the stored outcome of `key`; returns
-    (outcome, replayed). Outcomes `store` rejects (an empty long-poll) are not kept:
+    """Run `call` in one transaction (the caller's `conn`, else a new one) together with the
+    stored outcome of `key`; returns (outcome, replayed). Outcomes `store` rejects (an empty long-poll) are not kept:
     repeating them is harmless and they would only fill the table."""
     op = f"{operation}#{body_digest}"
 
@@ -138,11 +141,10 @@ def once(
             text("SELECT operation, response FROM idempotency WHERE request_id = :r"), {"r": key}
         ).first()
         if row is not None:
-            if row[0] != op:
-                raise KeyReused(
-                    [(0, f"request id {key!r} was already used for another request ({row[0].split('#')[0]})")]
-                )
-            return decode(row[1]), True
+            if row.operation != op:
+                used = row.operation.split("#")[0]
+                raise KeyReused([(0, f"request id {key!r} was already used for another request ({used})")])
+            return decode(row.response), True
         outcome = call(conn)
         if store(outcome):
             conn.execute(
@@ -151,4 +153,17 @@ def once(
             )
         return outcome, False
 
-    return transaction(engine, body)
+    return transaction(engine, body, conn)
+
+
+def prune(engine: Engine, ttl_seconds: float, batch: int = 10_000) -> int:
+    """Delete stored outcomes older than `ttl_seconds` (they outlive any retry by far), at most
+    `batch` of them; returns how many."""
+    with engine.begin() as conn:
+        return conn.execute(
+            text(
+                "DELETE FROM idempotency WHERE request_id IN (SELECT request_id FROM idempotency"
+                " WHERE created_at < now() - make_interval(secs => :ttl) LIMIT :n)"
+            ),
+            {"ttl": ttl_seconds, "n": batch},
+        ).rowcount

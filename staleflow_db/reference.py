@@ -91,7 +91,9 @@ class ReferenceProtocol:
     def __init__(self, config: RunConfig):
         config.validate()
         self.config = config
+        assert config.buffer_capacity is not None and config.samples_per_group is not None  # __post_init__
         self.limits = Limits(config.batch_size, config.buffer_capacity, config.eta)
+        self.samples_per_group = config.samples_per_group
         self.version = 0
         self.groups: dict[int, RefGroup] = {}
         self.samples: dict[int, RefSample] = {}
@@ -114,7 +116,7 @@ class ReferenceProtocol:
             raise InvalidInput(f"prompt of {len(prompt)} tokens (allowed 1..{self.config.max_prompt_tokens})")
         gid = len(self.groups) + 1
         first = len(self.samples) + 1
-        ids = list(range(first, first + self.config.samples_per_group))
+        ids = list(range(first, first + self.samples_per_group))
         self.groups[gid] = RefGroup(gid, client_key, list(prompt), ids, replacement_of=replacement_of)
         for i, sid in enumerate(ids):
             self.samples[sid] = RefSample(sid, gid, i)
@@ -209,7 +211,7 @@ class ReferenceProtocol:
             ):
                 conflicts.append((r.sample_id, "lease lost (not running, another instance's, stale attempt or lease)"))
                 continue
-            assert s.v_traj is not None and s.instance_id is not None  # set by the route it runs under
+            assert s.v_traj is not None  # running: routed at a version
             last = s.segments[-1].version if s.segments else s.v_traj
             if not (max(last, s.v_traj) <= r.version <= self.version):
                 raise InvalidInput(f"sample {r.sample_id}: segment version {r.version} outside {last}..{self.version}")
@@ -221,7 +223,7 @@ class ReferenceProtocol:
         for r in reports:
             s = self.samples[r.sample_id]
             if r.tokens:
-                assert s.instance_id is not None
+                assert s.instance_id is not None  # running on the reporting instance
                 s.segments.append(RefSegment(r.version, s.instance_id, list(r.tokens), list(r.logprobs)))
             if r.kind == SegmentKind.FINISHED:
                 s.state = SampleState.FINISHED
@@ -285,7 +287,7 @@ class ReferenceProtocol:
             self._cascade(freed)
             replacement = self.enqueue(replacement_key(g.client_key), g.prompt, replacement_of=g.id)
             return GroupOutcome(g.id, GroupState.FILTERED, replacement=replacement)
-        version = min(s.v_traj for s in chosen if s.v_traj is not None)  # rewarded: all routed
+        version = min(v for v in (s.v_traj for s in chosen) if v is not None)  # rewarded: all routed
         b, moves = occupy_plan(freed, self.buffers, self._reservations(), version, self.version, self.limits)
         if b is None:
             self._drop_group(g, GroupState.ABORTED, DropReason.NO_BUFFER)
@@ -309,18 +311,18 @@ class ReferenceProtocol:
 
     def _unreserve(self, g: RefGroup) -> int:
         b = g.reserved_buffer
-        assert b is not None, f"group {g.id} holds no reservation"
+        assert b is not None  # a reserved group
         self.buffers[b].reserved -= 1
         g.reserved_buffer = None
         del self.reserved[g.id]
         return b
 
     def _reservations(self) -> list[Reservation]:
-        out = []
-        for o in self.reserved.values():
-            assert o.reserved_buffer is not None  # in self.reserved: it holds a reservation
-            out.append(Reservation(o.id, o.reserved_buffer, o.live_version))
-        return out
+        return [
+            Reservation(o.id, o.reserved_buffer, o.live_version)
+            for o in self.reserved.values()
+            if o.reserved_buffer is not None  # all of them: reserved groups hold a buffer
+        ]
 
     def _cascade(self, freed: int) -> None:
         for gid, _, to in cascade_moves(freed, self.buffers, self._reservations(), self.limits):
@@ -470,7 +472,7 @@ class ReferenceProtocol:
                 bad.append(
                     f"buffer {b}: counters {buf.occupied}/{buf.reserved} vs entries {len(groups)}/{len(reserved)}"
                 )
-            if buf.occupied + buf.reserved > self.config.buffer_capacity:
+            if buf.occupied + buf.reserved > self.limits.capacity:
                 bad.append(f"buffer {b} over capacity")
             if buf.consumed and buf.occupied != self.config.batch_size:
                 bad.append(f"buffer {b} consumed with {buf.occupied} groups")
@@ -479,7 +481,7 @@ class ReferenceProtocol:
                     bad.append(f"group {g.id} of version {g.group_version} in buffer {b}")
         for s in self.samples.values():
             versions = [seg.version for seg in s.segments]
-            if versions and (s.v_traj is None or versions != sorted(versions) or versions[0] < s.v_traj):
+            if versions and (versions != sorted(versions) or s.v_traj is None or versions[0] < s.v_traj):
                 bad.append(f"sample {s.id}: segment versions {versions} with V_traj {s.v_traj}")
             if s.state == SampleState.ABORTED and not s.reason:
                 bad.append(f"sample {s.id} aborted without a reason")

@@ -83,8 +83,9 @@ class Outage:
 
     def before_sleep(self, state: RetryCallState) -> None:
         """tenacity hook: one attempt failed with an outage."""
-        assert state.outcome is not None
-        self.failed(state.outcome.exception(), state.upcoming_sleep)
+        exc = state.outcome.exception() if state.outcome is not None else None
+        assert exc is not None  # tenacity sleeps only after a failed attempt
+        self.failed(exc, state.upcoming_sleep)
 
 
 def retrying(

@@ -215,8 +215,7 @@ def route_decision(
     floor = 0 if v_traj is None else max(v_traj, last_version if last_version is not None else v_traj)
     if instance_version < floor:  # V_traj only grows, and segment versions never decrease
         return "too_old", None, None
-    # a sample with tokens has a V_traj (its first route set it)
-    v = v_traj if has_tokens and v_traj is not None else instance_version
+    v = v_traj if has_tokens and v_traj is not None else instance_version  # a sample with tokens has its V_traj
     if group_reserved_buffer is None:
         b = reserve_target(buffers, v, version_now, limits)
         return ("routed", v, b) if b is not None else ("not_admitted", None, None)

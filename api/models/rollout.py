@@ -60,7 +60,7 @@ class InstanceSnapshotIn(In):
 
 class HeartbeatIn(In):
     version: Version
-    snapshot: InstanceSnapshotIn = Field(default_factory=InstanceSnapshotIn)
+    snapshot: InstanceSnapshotIn = Field(default_factory=lambda: InstanceSnapshotIn.model_validate({}))
     lease_seconds: LeaseSeconds = 30.0
 
 

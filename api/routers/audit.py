@@ -9,7 +9,6 @@ from fastapi import APIRouter, Depends, Query
 
 from staleflow_db.enums import Role
 
-from .. import queries
 from ..auth import Principal
 from ..deps import Offset, Page, State, allow, run_filter
 from ..models import DroppedSamples, TrainedSamples, Violations, errors
@@ -28,7 +27,9 @@ def trained(
     who: Principal = Auditor,
 ) -> TrainedSamples:
     """`trained_samples`: per trained sample its step, V_traj, staleness and segment versions."""
-    return TrainedSamples(rows=queries.audit(state.engine, "trained", run_filter(who, run_id), limit, offset))
+    return TrainedSamples.model_validate(
+        {"rows": state.protocol.audit("trained", run_filter(who, run_id), limit, offset)}
+    )
 
 
 @router.get("/dropped", response_model=DroppedSamples)
@@ -40,7 +41,9 @@ def dropped(
     who: Principal = Auditor,
 ) -> DroppedSamples:
     """`dropped_samples`: every aborted sample with its reason."""
-    return DroppedSamples(rows=queries.audit(state.engine, "dropped", run_filter(who, run_id), limit, offset))
+    return DroppedSamples.model_validate(
+        {"rows": state.protocol.audit("dropped", run_filter(who, run_id), limit, offset)}
+    )
 
 
 @router.get("/violations", response_model=Violations)
@@ -52,4 +55,6 @@ def violations(
     who: Principal = Auditor,
 ) -> Violations:
     """`staleness_violations`: broken invariants (bound, capacity, versions, contiguity, loss)."""
-    return Violations(rows=queries.audit(state.engine, "violations", run_filter(who, run_id), limit, offset))
+    return Violations.model_validate(
+        {"rows": state.protocol.audit("violations", run_filter(who, run_id), limit, offset)}
+    )

@@ -10,13 +10,11 @@ from typing import Annotated
 
 from fastapi import APIRouter, Depends, Path
 from fastapi.responses import JSONResponse
+from sqlalchemy import Connection
 
 from staleflow_db.enums import Role
-from staleflow_db.protocol.base import load_run
-from staleflow_db.protocol.rollout import interrupt_running
 from staleflow_db.types import RouteOutcome
 
-from .. import queries
 from ..auth import Principal
 from ..deps import IdempotencyKey, RunId, State, allow_run
 from ..errors import error_body
@@ -56,7 +54,10 @@ def snapshot(run_id: RunId, state: State, who: Principal = Coordinator) -> Clust
         version=snap.version,
         config=snap.config,
         latest_params=snap.latest_params,
-        buffers=[SnapshotBufferOut(index=i, occupied=o, reserved=r) for i, (o, r) in sorted(snap.buffers.items())],
+        buffers=[
+            SnapshotBufferOut(index=i, occupied=b.occupied, reserved=b.reserved)
+            for i, b in sorted(snap.buffers.items())
+        ],
         instances=[
             InstanceViewOut(
                 instance_id=i.id,
@@ -64,7 +65,7 @@ def snapshot(run_id: RunId, state: State, who: Principal = Coordinator) -> Clust
                 version=i.version,
                 snapshot=i.snapshot,
                 snapshot_age_s=i.snapshot_age_s,
-                running=[RunningOut(sample_id=s, tokens=n, prompt_tokens=p, v_traj=v) for s, n, p, v in i.running],
+                running=[RunningOut.model_validate(r._asdict()) for r in i.running],
             )
             for i in snap.instances
         ],
@@ -98,9 +99,9 @@ def route(
     reserves a buffer entry. Each result says routed (with the attempt) or why not."""
     pairs = [(r.sample_id, r.instance_id) for r in body.routes]
 
-    def call(conn) -> RouteOut:
-        queries.check_epoch(conn, run_id, body.epoch)
-        return RouteOut.model_validate({"results": dump(state.protocol.route(run_id, pairs))})
+    def call(conn: Connection) -> RouteOut:
+        state.protocol.check_epoch(run_id, body.epoch, conn=conn)
+        return RouteOut.model_validate({"results": dump(state.protocol.route(run_id, pairs, conn=conn))})
 
     out, replayed = state.protocol.once(scoped_key(key, f"run{run_id}"), "route", body, call, RouteOut)
     if not replayed:
@@ -122,10 +123,9 @@ def interrupt(
     """Ask the instances running these samples to interrupt them (they report what they have
     as an interrupted segment; the sample returns to the queue)."""
 
-    def call(conn) -> CommandsOut:
-        queries.check_epoch(conn, run_id, body.epoch)
-        load_run(conn, run_id, lock=False)
-        return CommandsOut(commands=interrupt_running(conn, run_id, body.sample_ids, body.epoch))
+    def call(conn: Connection) -> CommandsOut:
+        state.protocol.check_epoch(run_id, body.epoch, conn=conn)
+        return CommandsOut(commands=state.protocol.interrupt(run_id, body.sample_ids, body.epoch, conn=conn))
 
     out, _ = state.protocol.once(scoped_key(key, f"run{run_id}"), "interrupt", body, call, CommandsOut)
     state.notifier.publish(run_id, WORK)
@@ -142,10 +142,10 @@ def pull(
 ) -> CommandsOut:
     """Tell instances to load newer weights (`target_version`, default the run's version)."""
 
-    def call(conn) -> CommandsOut:
-        queries.check_epoch(conn, run_id, body.epoch)
-        run = load_run(conn, run_id, lock=False)
-        return CommandsOut(commands=queries.pull(conn, run, body.instance_ids, body.target_version, body.epoch))
+    def call(conn: Connection) -> CommandsOut:
+        state.protocol.check_epoch(run_id, body.epoch, conn=conn)
+        told = state.protocol.pull(run_id, body.instance_ids, body.target_version, body.epoch, conn=conn)
+        return CommandsOut(commands=told)
 
     out, _ = state.protocol.once(scoped_key(key, f"run{run_id}"), "pull", body, call, CommandsOut)
     state.notifier.publish(run_id, *(instance_topic(i) for i in set(body.instance_ids)))
@@ -163,9 +163,9 @@ def abort_samples(
     """Abort samples (stragglers, surplus); a group left with fewer than N live members is
     aborted too. Running samples get an abort command."""
 
-    def call(conn) -> AbortedOut:
-        queries.check_epoch(conn, run_id, body.epoch)
-        return AbortedOut(aborted=state.protocol.abort_samples(run_id, body.sample_ids, body.reason))
+    def call(conn: Connection) -> AbortedOut:
+        state.protocol.check_epoch(run_id, body.epoch, conn=conn)
+        return AbortedOut(aborted=state.protocol.abort_samples(run_id, body.sample_ids, body.reason, conn=conn))
 
     out, _ = state.protocol.once(scoped_key(key, f"run{run_id}"), "abort_samples", body, call, AbortedOut)
     state.notifier.publish(run_id, WORK, BATCH)
@@ -183,9 +183,10 @@ def abort_group(
 ) -> AbortGroupOut:
     """Abort a whole group and release its reservation."""
 
-    def call(conn) -> AbortGroupOut:
-        queries.check_epoch(conn, run_id, body.epoch)
-        return AbortGroupOut(group_id=group_id, aborted=state.protocol.abort_group(run_id, group_id, body.reason))
+    def call(conn: Connection) -> AbortGroupOut:
+        state.protocol.check_epoch(run_id, body.epoch, conn=conn)
+        aborted = state.protocol.abort_group(run_id, group_id, body.reason, conn=conn)
+        return AbortGroupOut(group_id=group_id, aborted=aborted)
 
     out, _ = state.protocol.once(scoped_key(key, f"run{run_id}"), f"abort_group{group_id}", body, call, AbortGroupOut)
     state.notifier.publish(run_id, WORK, BATCH)
@@ -203,9 +204,4 @@ def abort_after_ready(run_id: RunId, state: State, who: Principal = Coordinator)
 @router.post("/instances/expire", response_model=ExpireOut)
 def expire_instances(run_id: RunId, state: State, who: Principal = Coordinator) -> ExpireOut:
     """Fence instances whose lease ran out; their samples go back to the queue with their tokens."""
-
-    def call(conn) -> ExpireOut:
-        load_run(conn, run_id, lock=False)
-        return ExpireOut(expired=state.protocol.expire_instances(run_id))
-
-    return state.protocol.once(None, "expire", None, call, ExpireOut)[0]
+    return ExpireOut(expired=state.protocol.expire_instances(run_id))

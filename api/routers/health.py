@@ -6,7 +6,6 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel
-from sqlalchemy import text
 
 from ..deps import State
 
@@ -38,8 +37,7 @@ def readyz(state: State, request: Request) -> JSONResponse:
     expected = state.schema_head
     watch = getattr(request.app.state, "database_watch", None)
     try:
-        with state.engine.connect() as c:
-            rev = c.execute(text("SELECT version_num FROM alembic_version")).scalar()
+        rev = state.protocol.schema_revision()
         reachable = True
     except Exception as exc:
         rev, reachable = None, False

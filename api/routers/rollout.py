@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
+from sqlalchemy import Connection
 from starlette.concurrency import run_in_threadpool
 
 from staleflow_db.enums import Role, SegmentKind
@@ -43,8 +44,10 @@ def register(
     """Register a rollout instance: a new id for every process start (send an Idempotency-Key
     so a retried registration does not leave a second instance behind)."""
 
-    def call(_conn) -> RegisterOut:
-        iid = state.protocol.register_instance(run_id, body.name, body.version, body.lease_seconds, who.token_id)
+    def call(conn: Connection) -> RegisterOut:
+        iid = state.protocol.register_instance(
+            run_id, body.name, body.version, body.lease_seconds, who.token_id, conn=conn
+        )
         return RegisterOut(instance_id=iid, run_id=run_id, lease_seconds=body.lease_seconds)
 
     # The key is the token's own: another token's retry must not be handed this instance.
@@ -91,8 +94,8 @@ async def poll(
     await run_in_threadpool(state.instance_in_run, run_id, instance_id, who)
     skey = scoped_key(key, f"inst{instance_id}")
 
-    def call(_conn) -> PollOut:
-        work, commands = state.protocol.poll_work(instance_id, limit)
+    def call(conn: Connection) -> PollOut:
+        work, commands = state.protocol.poll_work(instance_id, limit, conn=conn)
         return PollOut.model_validate({"work": dump(work), "commands": dump(commands)})
 
     def fetch() -> PollOut:
@@ -135,8 +138,8 @@ def report(
         for r in body.reports
     ]
 
-    def call(_conn) -> ReportsOut:
-        return ReportsOut(applied=state.protocol.report(run_id, reports))
+    def call(conn: Connection) -> ReportsOut:
+        return ReportsOut(applied=state.protocol.report(run_id, reports, conn=conn))
 
     out, replayed = state.protocol.once(scoped_key(key, f"inst{instance_id}"), "report", body, call, ReportsOut)
     if not replayed and any(r.kind == SegmentKind.FINISHED for r in reports):

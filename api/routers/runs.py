@@ -5,12 +5,13 @@ from __future__ import annotations
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, HTTPException, Path
+from sqlalchemy import Connection
 
 from staleflow_db.enums import Role
 from staleflow_db.protocol import Prompt
 from staleflow_db.types import RunConfig
 
-from .. import auth, queries
+from .. import auth
 from ..auth import Principal
 from ..deps import IdempotencyKey, Offset, Page, RunId, State, allow, allow_run, principal, run_filter
 from ..models import (
@@ -27,7 +28,7 @@ from ..models import (
     TokenList,
     errors,
 )
-from ..service import scoped_key
+from ..service import dump, scoped_key
 
 router = APIRouter(prefix="/v1", responses=errors(401, 403, 422, 503))
 RUN_ROLES = tuple(Role)
@@ -43,9 +44,9 @@ def create_run(
     """Create a run with its protocol configuration (admin). Names are unique."""
     cfg = RunConfig(**body.config.model_dump())
 
-    def call(_conn) -> RunOut:
-        run_id = state.protocol.create_run(body.name, cfg)
-        return RunOut.model_validate(queries.get_run(_conn, run_id))
+    def call(conn: Connection) -> RunOut:
+        run_id = state.protocol.create_run(body.name, cfg, conn=conn)
+        return RunOut.model_validate(dump(state.protocol.get_run(run_id, conn=conn)))
 
     out, _ = state.protocol.once(scoped_key(key, "runs"), "create_run", body, call, RunOut)
     return out
@@ -59,7 +60,8 @@ def list_runs(
     offset: Offset = 0,
 ) -> RunList:
     """Runs by id; a run-scoped token sees only its own."""
-    return RunList(runs=queries.list_runs(state.engine, run_filter(who, None), limit, offset))
+    runs = state.protocol.list_runs(run_filter(who, None), limit, offset)
+    return RunList.model_validate({"runs": dump(runs)})
 
 
 @router.get("/runs/{run_id}", response_model=RunStatus, responses=errors(404), tags=["runs"])
@@ -76,7 +78,7 @@ def param_versions(
     who: Principal = Depends(allow_run(*RUN_ROLES)),
 ) -> ParamVersionList:
     """Published parameter versions, newest first (size, checksum, where to pull them)."""
-    return ParamVersionList(versions=queries.param_versions(state.engine, run_id, limit))
+    return ParamVersionList.model_validate({"versions": dump(state.protocol.param_versions(run_id, limit))})
 
 
 @router.post(
@@ -106,7 +108,7 @@ def create_token(body: TokenCreate, state: State, who: Principal = Depends(allow
 @router.get("/tokens", response_model=TokenList, tags=["tokens"])
 def list_tokens(state: State, who: Principal = Depends(allow())) -> TokenList:
     """Tokens without their secrets (admin)."""
-    return TokenList(tokens=auth.list_tokens(state.engine, who.run_id))
+    return TokenList.model_validate({"tokens": auth.list_tokens(state.engine, who.run_id)})
 
 
 @router.delete("/tokens/{token_id}", response_model=Revoked, responses=errors(404), tags=["tokens"])

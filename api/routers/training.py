@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Path, Request
+from sqlalchemy import Connection
 
 from staleflow_db.enums import Role
 
@@ -45,8 +46,8 @@ async def claim(
     `lease_seconds` become claimable again; with an Idempotency-Key a retry gets the same claim."""
     skey = scoped_key(key, f"run{run_id}")
 
-    def call(_conn) -> ClaimOut:
-        tasks = state.protocol.claim_rewards(run_id, body.limit, body.lease_seconds)
+    def call(conn: Connection) -> ClaimOut:
+        tasks = state.protocol.claim_rewards(run_id, body.limit, body.lease_seconds, conn=conn)
         return ClaimOut.model_validate({"tasks": dump(tasks)})
 
     def fetch() -> ClaimOut:
@@ -67,8 +68,9 @@ def record_rewards(
     members are placed in a buffer (or filtered, or dropped) in the same transaction."""
     rewards = [(r.sample_id, r.reward_attempt, r.reward) for r in body.rewards]
 
-    def call(_conn) -> RewardsOut:
-        return RewardsOut.model_validate({"groups": dump(state.protocol.record_rewards(run_id, rewards))})
+    def call(conn: Connection) -> RewardsOut:
+        groups = state.protocol.record_rewards(run_id, rewards, conn=conn)
+        return RewardsOut.model_validate({"groups": dump(groups)})
 
     out, replayed = state.protocol.once(scoped_key(key, f"run{run_id}"), "reward", body, call, RewardsOut)
     if not replayed and out.groups:
@@ -98,7 +100,7 @@ async def consume(
     def fetch() -> ConsumeOut:
         batch = state.protocol.consume(run_id, version)
         if batch is None:
-            return ConsumeOut(ready=False, version=version)
+            return ConsumeOut(ready=False, version=version, batch=None)
         return ConsumeOut(ready=True, version=version, batch=BatchOut.model_validate(dump(batch)))
 
     return await long_poll(request, state, run_id, BATCH, wait, fetch, lambda o: o.ready)

@@ -9,25 +9,32 @@ from __future__ import annotations
 
 from sqlalchemy import Engine
 
-from .coordination import CoordinationOps, InstanceView, QueuedView, Snapshot
+from .coordination import BufferView, CoordinationOps, InstanceView, QueuedView, RunningSample, Snapshot
+from .reads import InstanceOwner, MetricsRows, ParamVersion, ReadOps, RunInfo
 from .rollout import Command, Prompt, RolloutOps, Work
 from .scoring import RewardTask, ScoringOps
 from .training import Batch, SegmentInfo, TrainGroup, TrainingOps, TrainSample
 
 
-class Protocol(RolloutOps, ScoringOps, TrainingOps, CoordinationOps):
+class Protocol(RolloutOps, ScoringOps, TrainingOps, CoordinationOps, ReadOps):
     def __init__(self, engine: Engine):
         self.engine = engine
 
 
 __all__ = [
     "Batch",
+    "BufferView",
     "Command",
+    "InstanceOwner",
     "InstanceView",
+    "MetricsRows",
+    "ParamVersion",
     "Prompt",
     "Protocol",
     "QueuedView",
     "RewardTask",
+    "RunningSample",
+    "RunInfo",
     "SegmentInfo",
     "Snapshot",
     "TrainGroup",

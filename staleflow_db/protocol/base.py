@@ -1,17 +1,16 @@
 """Shared machinery of the protocol transactions: the per-run lock, buffer counters, releases
-with their cascade, drops, commands, the event log and request-id idempotency."""
+with their cascade, drops, commands, and the operation classes' access to transactions and
+request-id idempotency (`staleflow_db.idempotency`)."""
 
 from __future__ import annotations
 
 import dataclasses
 import enum
-import functools
-import inspect
 import json
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from sqlalchemy import Connection, Engine, text
 
@@ -19,11 +18,12 @@ from .. import idempotency
 from ..enums import DropReason
 from ..errors import NotFound
 from ..rules import BufferCounts, Limits, Reservation, apply_moves, cascade_moves
+from .events import Event, log_events
 
 
 def dumps(value: Any) -> str:
     def default(o: Any) -> Any:
-        if dataclasses.is_dataclass(o):
+        if dataclasses.is_dataclass(o) and not isinstance(o, type):
             return dataclasses.asdict(o)
         if isinstance(o, enum.Enum):
             return o.value
@@ -68,7 +68,19 @@ def load_run(conn: Connection, run_id: int, *, lock: bool) -> RunRow:
     row = conn.execute(text(sql), {"run": run_id}).first()
     if row is None:
         raise NotFound(f"run {run_id}")
-    return RunRow(*row)
+    return RunRow(**row._mapping)
+
+
+def read_buffers(conn: Connection, run_id: int, first: int) -> list[BufferCounts]:
+    """The run's buffers from index `first` on, in order."""
+    rows = conn.execute(
+        text(
+            "SELECT idx, occupied, reserved, consumed_at IS NOT NULL AS consumed FROM buffers"
+            " WHERE run_id = :run AND idx >= :first ORDER BY idx"
+        ),
+        {"run": run_id, "first": first},
+    ).all()
+    return [BufferCounts(r.idx, r.occupied, r.reserved, r.consumed) for r in rows]
 
 
 class RunTx:
@@ -78,21 +90,12 @@ class RunTx:
     def __init__(self, conn: Connection, run: RunRow, buffers: list[BufferCounts] | None = None):
         self.conn, self.run = conn, run
         if buffers is None:
-            buffers = [
-                BufferCounts(*r)
-                for r in conn.execute(
-                    text(
-                        "SELECT idx, occupied, reserved, consumed_at IS NOT NULL FROM buffers"
-                        " WHERE run_id = :run AND idx >= :v"
-                    ),
-                    {"run": run.id, "v": run.version},
-                ).all()
-            ]
+            buffers = read_buffers(conn, run.id, run.version)
         self.buffers = {b.index: b for b in buffers}
         self._original = {b: (c.occupied, c.reserved) for b, c in self.buffers.items()}
         self._reservations: dict[int, Reservation] | None = None
         self.moved: dict[int, int] = {}  # group -> new reserved buffer, from cascades
-        self.events: list[tuple] = []
+        self.events: list[Event] = []
 
     @classmethod
     def open(cls, conn: Connection, run_id: int) -> RunTx:
@@ -155,10 +158,11 @@ class RunTx:
         self._record_moves(moves)
 
     def _record_moves(self, moves: Sequence[tuple[int, int, int]]) -> None:
+        reservations = self.reservations()
         for gid, source, to in moves:
-            self._reservations[gid] = Reservation(gid, to, self._reservations[gid].version)
+            reservations[gid] = Reservation(gid, to, reservations[gid].version)
             self.moved[gid] = to
-            self.events.append(("reservation_moved", None, gid, to, None, {"from": source}))
+            self.events.append(Event("reservation_moved", group=gid, buffer=to, data={"from": source}))
 
     def reserved_buffer(self, group_id: int) -> int:
         return self.reservations()[group_id].buffer
@@ -215,17 +219,27 @@ class RunTx:
             ),
             {"ids": list(group_ids), "state": state, "reason": reason},
         )
-        self.events.extend((f"group_{state}", None, g, None, None, {"reason": reason}) for g in group_ids)
+        self.events.extend(Event(f"group_{state}", group=g, data={"reason": reason}) for g in group_ids)
         return abort_members(self.conn, self.run.id, group_ids, reason, self.events)
 
 
-def abort_members(conn: Connection, run_id: int, group_ids: Sequence[int], reason: str, events: list) -> list[int]:
+class CommandTarget(NamedTuple):
+    """A running sample a command is for: the instance running it, at this attempt."""
+
+    sample_id: int
+    instance_id: int
+    attempt: int
+
+
+def abort_members(
+    conn: Connection, run_id: int, group_ids: Sequence[int], reason: str, events: list[Event]
+) -> list[int]:
     """Abort every live member of the groups; running ones also get an abort command."""
     return abort_samples_where(conn, run_id, "group_id", group_ids, reason, events)
 
 
 def abort_samples_where(
-    conn: Connection, run_id: int, column: str, ids: Sequence[int], reason: str, events: list
+    conn: Connection, run_id: int, column: str, ids: Sequence[int], reason: str, events: list[Event]
 ) -> list[int]:
     """Abort the live samples whose `column` ("id" or "group_id") is in `ids`."""
     assert column in ("id", "group_id")
@@ -241,16 +255,16 @@ def abort_samples_where(
         ),
         {"ids": list(ids), "reason": reason},
     ).all()
-    running = [(sid, inst, att) for sid, inst, att in rows if inst is not None]
+    running = [CommandTarget(r.id, r.instance_id, r.attempt) for r in rows if r.instance_id is not None]
     send_commands(conn, run_id, "abort", running)
-    events.extend(("sample_aborted", sid, None, None, inst, {"reason": reason}) for sid, inst, _ in rows)
-    return [r[0] for r in rows]
+    events.extend(Event("sample_aborted", sample=r.id, instance=r.instance_id, data={"reason": reason}) for r in rows)
+    return [r.id for r in rows]
 
 
 def send_commands(
-    conn: Connection, run_id: int, kind: str, targets: Sequence[tuple[int, int, int]], epoch: int | None = None
+    conn: Connection, run_id: int, kind: str, targets: Sequence[CommandTarget], epoch: int | None = None
 ) -> None:
-    """Queue `kind` commands for (sample, instance, attempt) triples."""
+    """Queue `kind` commands for running samples."""
     if not targets:
         return
     conn.execute(
@@ -263,32 +277,9 @@ def send_commands(
             "run": run_id,
             "kind": kind,
             "epoch": epoch,
-            "sids": [t[0] for t in targets],
-            "insts": [t[1] for t in targets],
-            "atts": [t[2] for t in targets],
-        },
-    )
-
-
-def log_events(conn: Connection, run_id: int, events: Sequence[tuple]) -> None:
-    """Append (kind, sample, group, buffer, instance, data) rows to the event log in one statement."""
-    if not events:
-        return
-    cols = list(zip(*events))
-    conn.execute(
-        text(
-            "INSERT INTO events (run_id, kind, sample_id, group_id, buffer, instance_id, data)"
-            " SELECT :run, u.k, u.s, u.g, u.b, u.i, u.d FROM unnest(CAST(:k AS text[]), CAST(:s AS bigint[]),"
-            " CAST(:g AS bigint[]), CAST(:b AS int[]), CAST(:i AS bigint[]), CAST(:d AS jsonb[])) AS u(k, s, g, b, i, d)"
-        ),
-        {
-            "run": run_id,
-            "k": list(cols[0]),
-            "s": list(cols[1]),
-            "g": list(cols[2]),
-            "b": list(cols[3]),
-            "i": list(cols[4]),
-            "d": [None if d is None else json.dumps(d) for d in cols[5]],
+            "sids": [t.sample_id for t in targets],
+            "insts": [t.instance_id for t in targets],
+            "atts": [t.attempt for t in targets],
         },
     )
 
@@ -315,30 +306,19 @@ def under_run_lock(run_id: int, body: Callable[[RunTx], Any]) -> Callable[[Conne
 
 class TxMixin:
     """Transactions and request-id idempotency for the operation classes, all through
-    `staleflow_db.idempotency` (the one transaction runner, shared with the API).
-
-    Every public method of a subclass is one transaction; it is wrapped so that, when it is
-    the outermost transaction of its context, a deadlock or serialization failure runs it
-    again whole (jittered backoff). Inside an outer transaction (the API's `once`) it joins
-    that one, and the outer runner retries instead."""
+    `staleflow_db.idempotency` (the one transaction runner, shared with the API). A caller
+    composing several operations in one transaction passes its connection as `conn=`."""
 
     engine: Engine
 
-    def __init_subclass__(cls, **kw: Any) -> None:
-        super().__init_subclass__(**kw)
-        for name, fn in list(vars(cls).items()):
-            if not name.startswith("_") and inspect.isfunction(fn) and name not in _NOT_WRAPPED:
-                setattr(cls, name, _retried_method(fn))
+    def tx(self, conn: Connection | None) -> AbstractContextManager[Connection]:
+        """The caller's transaction, else a new one."""
+        return idempotency.within(self.engine, conn)
 
     @contextmanager
-    def tx(self) -> Iterator[Connection]:
-        with idempotency.joined(self.engine) as conn:
-            yield conn
-
-    @contextmanager
-    def run_tx(self, run_id: int) -> Iterator[RunTx]:
-        with self.tx() as conn:
-            rtx = RunTx.open(conn, run_id)
+    def run_tx(self, run_id: int, conn: Connection | None) -> Iterator[RunTx]:
+        with self.tx(conn) as c:
+            rtx = RunTx.open(c, run_id)
             yield rtx
             rtx.flush()
 
@@ -349,20 +329,9 @@ class TxMixin:
         run: Callable[[Connection], Any],
         decode: Callable[[Any], Any],
         body: Any = None,
+        conn: Connection | None = None,
     ) -> Any:
         """`run` in one transaction with the stored outcome of `request_id` (see
         staleflow_db.idempotency.once): a repeat replays it, another `body` is refused."""
-        return idempotency.once(self.engine, request_id, operation, idempotency.digest(body), run, dumps, decode)[0]
-
-
-_NOT_WRAPPED = frozenset({"tx", "run_tx", "idempotent", "once"})
-
-
-def _retried_method(fn: Callable) -> Callable:
-    @functools.wraps(fn)
-    def method(self: Any, *args: Any, **kw: Any) -> Any:
-        if idempotency.current() is not None:
-            return fn(self, *args, **kw)
-        return idempotency.retried(lambda: fn(self, *args, **kw))
-
-    return method
+        digest = idempotency.digest(body)
+        return idempotency.once(self.engine, request_id, operation, digest, run, dumps, decode, conn=conn)[0]

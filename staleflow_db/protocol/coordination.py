@@ -4,16 +4,33 @@ leader's epoch so a deposed leader cannot clobber state)."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from sqlalchemy import Connection, text
 
-from ..errors import Conflict
+from .. import notify
+from ..errors import Conflict, InvalidInput, NotFound
+from ..idempotency import transactional
 from ..types import RouteResult
 from .base import RunTx, TxMixin, load_run
-from .rollout import check_batch, interrupt_running, route_in
+from .events import Event, log_events
+from .rollout import check_batch, interrupt_running
+from .routing import route_in
+
+
+class RunningSample(NamedTuple):
+    sample_id: int
+    tokens: int  # response tokens reported
+    prompt_tokens: int
+    v_traj: int
+
+
+class BufferView(NamedTuple):
+    occupied: int
+    reserved: int
 
 
 @dataclass
@@ -23,7 +40,7 @@ class InstanceView:
     version: int
     snapshot: dict[str, Any]
     snapshot_age_s: float | None
-    running: list[tuple[int, int, int, int]]  # (sample id, response tokens reported, prompt tokens, V_traj)
+    running: list[RunningSample]
 
 
 @dataclass
@@ -45,7 +62,7 @@ class Snapshot:
     run_id: int
     version: int
     config: dict[str, int | bool]
-    buffers: dict[int, tuple[int, int]]  # idx -> (occupied, reserved), unconsumed only
+    buffers: dict[int, BufferView]  # by index, unconsumed only
     instances: list[InstanceView]
     queued: list[QueuedView]
     latest_params: int | None = None
@@ -53,10 +70,13 @@ class Snapshot:
 
 
 class CoordinationOps(TxMixin):
-    def acquire_leadership(self, run_id: int, holder: str, ttl_seconds: float = 5.0) -> int | None:
+    @transactional
+    def acquire_leadership(
+        self, run_id: int, holder: str, ttl_seconds: float = 5.0, *, conn: Connection | None = None
+    ) -> int | None:
         """Become (or stay) the run's coordinator: returns the leadership epoch, or None while
         another holder's lease is live. Taking over bumps the epoch, fencing the old leader."""
-        with self.tx() as conn:
+        with self.tx(conn) as conn:
             load_run(conn, run_id, lock=False)
             row = conn.execute(
                 text(
@@ -69,24 +89,61 @@ class CoordinationOps(TxMixin):
                 ),
                 {"run": run_id, "h": holder, "ttl": ttl_seconds},
             ).first()
-            return None if row is None else row[0]
+            return None if row is None else row.epoch
 
-    def release_leadership(self, run_id: int, holder: str) -> None:
-        with self.tx() as conn:
+    @transactional
+    def release_leadership(self, run_id: int, holder: str, *, conn: Connection | None = None) -> None:
+        with self.tx(conn) as conn:
             conn.execute(
                 text("UPDATE coordinator_leases SET expires_at = now() WHERE run_id = :run AND holder = :h"),
                 {"run": run_id, "h": holder},
             )
 
+    @transactional
+    def check_epoch(
+        self, run_id: int, epoch: int | None, holder: str | None = None, *, conn: Connection | None = None
+    ) -> None:
+        """Refuse (409) a write from a deposed coordinator; `epoch` None checks nothing. With
+        `conn`, the lease stays held (FOR SHARE) until the caller's transaction commits."""
+        if epoch is None:
+            return
+        with self.tx(conn) as conn:
+            check_epoch(conn, run_id, epoch, holder)
+
+    @transactional
+    def pull(
+        self,
+        run_id: int,
+        instance_ids: Sequence[int],
+        target_version: int | None = None,
+        epoch: int | None = None,
+        *,
+        conn: Connection | None = None,
+    ) -> int:
+        """Tell the run's active instances among `instance_ids` to load newer weights
+        (`target_version`, default the run's version); returns how many were told."""
+        with self.tx(conn) as conn:
+            run = load_run(conn, run_id, lock=False)
+            target = run.version if target_version is None else target_version
+            if target > run.version:
+                raise InvalidInput(f"target_version {target} is newer than the run's version {run.version}")
+            ids = sorted(set(instance_ids))
+            known = conn.execute(
+                text("SELECT id FROM instances WHERE run_id = :run AND id = ANY(CAST(:ids AS bigint[]))"),
+                {"run": run_id, "ids": ids},
+            ).scalars()
+            missing = set(ids) - set(known)
+            if missing:
+                raise NotFound(f"instance {min(missing)} in run {run_id}")
+            return len(queue_pulls(conn, run_id, [(i, target) for i in ids], epoch))
+
     def notify_work(self, run_id: int, instance_ids: Sequence[int]) -> None:
         """Wake the API's long-polls of these instances (on every replica) after a commit made
         outside the API: one NOTIFY, in its own statement, never inside a protocol transaction
         (NOTIFY takes a global lock at commit). Without it they notice on their polling timer."""
-        ids = sorted(set(instance_ids))
-        topics = ",".join(f"work:{i}" for i in ids) if len(ids) <= 64 else "work"
-        with self.engine.connect() as conn:
-            conn.execute(text("SELECT pg_notify('staleflow', :p)"), {"p": f"-|{run_id}|{topics}"})
-            conn.commit()
+        wakeup = notify.Wakeup.of(notify.OUTSIDE, run_id, map(notify.instance_topic, instance_ids))
+        with self.engine.begin() as conn:
+            notify.send(conn, [wakeup])
 
     def snapshot(self, run_id: int, max_queued: int = 20_000) -> Snapshot:
         """Everything a coordinator cycle decides on, from one consistent read-only view."""
@@ -94,40 +151,45 @@ class CoordinationOps(TxMixin):
             conn.execute(text("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ READ ONLY"))
             run = load_run(conn, run_id, lock=False)
             buffers = {
-                i: (o, r)
-                for i, o, r in conn.execute(
+                b.idx: BufferView(b.occupied, b.reserved)
+                for b in conn.execute(
                     text("SELECT idx, occupied, reserved FROM buffers WHERE run_id = :run AND idx >= :v ORDER BY idx"),
                     {"run": run_id, "v": run.version},
                 ).all()
             }
-            running: dict[int, list[tuple[int, int, int, int]]] = {}
-            for inst, sid, n, prompt, v in conn.execute(
+            running: dict[int, list[RunningSample]] = {}
+            for r in conn.execute(
                 text(
-                    "SELECT s.instance_id, s.id, s.n_tokens, cardinality(g.prompt_tokens), s.v_traj FROM samples s"
+                    "SELECT s.instance_id, s.id, s.n_tokens, cardinality(g.prompt_tokens) AS prompt, s.v_traj"
+                    " FROM samples s"
                     " JOIN instances i ON i.id = s.instance_id JOIN prompt_groups g ON g.id = s.group_id"
                     " WHERE i.run_id = :run AND i.state = 'active' AND i.lease_expires_at > now()"
                     "   AND s.state = 'running' ORDER BY s.id"
                 ),
                 {"run": run_id},
             ).all():
-                running.setdefault(inst, []).append((sid, n, prompt, v))
+                running.setdefault(r.instance_id, []).append(RunningSample(r.id, r.n_tokens, r.prompt, r.v_traj))
             instances = [
-                InstanceView(i, name, v, snap or {}, age, running.get(i, []))
-                for i, name, v, snap, age in conn.execute(
+                InstanceView(i.id, i.name, i.version, i.snapshot or {}, i.age, running.get(i.id, []))
+                for i in conn.execute(
                     text(
-                        "SELECT id, name, version, snapshot, extract(epoch FROM now() - snapshot_at)::float8 FROM instances"
+                        "SELECT id, name, version, snapshot, extract(epoch FROM now() - snapshot_at)::float8 AS age"
+                        " FROM instances"
                         " WHERE run_id = :run AND state = 'active' AND lease_expires_at > now() ORDER BY id"
                     ),
                     {"run": run_id},
                 ).all()
             ]
             queued = [
-                QueuedView(*r)
+                QueuedView(**r._mapping)
                 for r in conn.execute(
                     text(
-                        "SELECT s.id, s.group_id, s.v_traj, s.last_version, cardinality(g.prompt_tokens) + s.n_tokens,"
-                        "  s.n_tokens, g.state::text, g.reserved_buffer, g.min_version,"
+                        "SELECT s.id AS sample_id, s.group_id, s.v_traj, s.last_version,"
+                        "  cardinality(g.prompt_tokens) + s.n_tokens AS length, s.n_tokens AS tokens,"
+                        "  g.state::text AS group_state, g.reserved_buffer AS group_buffer,"
+                        "  g.min_version AS group_min_version,"
                         "  (SELECT x.instance_id FROM segments x WHERE x.sample_id = s.id ORDER BY x.seq DESC LIMIT 1)"
+                        "   AS last_instance"
                         " FROM samples s JOIN prompt_groups g ON g.id = s.group_id"
                         " WHERE s.run_id = :run AND s.state = 'queued' ORDER BY s.id LIMIT :n"
                     ),
@@ -139,6 +201,7 @@ class CoordinationOps(TxMixin):
             ).scalar()
         return Snapshot(run_id, run.version, run.config(), buffers, instances, queued, latest)
 
+    @transactional
     def apply_commands(
         self,
         run_id: int,
@@ -147,39 +210,25 @@ class CoordinationOps(TxMixin):
         routes: Sequence[tuple[int, int]] = (),
         interrupts: Sequence[int] = (),
         pulls: Sequence[tuple[int, int]] = (),
-        cycle: dict[str, float] | None = None,
+        cycle: dict[str, float] | None = None,  # snapshot_ms, decide_ms, migrated; write_ms is timed here
+        *,
+        conn: Connection | None = None,
     ) -> list[RouteResult]:
         """One cycle's routes, interrupts and pulls in one transaction, only from the leader."""
         check_batch(routes, "routes")
 
-        def fenced(conn: Connection) -> RunTx:
+        with self.tx(conn) as conn:
+            started = time.monotonic()
             rtx = RunTx.open(conn, run_id)
-            row = conn.execute(
-                text(
-                    "SELECT 1 FROM coordinator_leases WHERE run_id = :run AND holder = :h AND epoch = :e"
-                    " AND expires_at > now() FOR SHARE"
-                ),
-                {"run": run_id, "h": holder, "e": epoch},
-            ).first()
-            if row is None:
-                raise Conflict([(epoch, "not the coordinator of this run (leadership lost or expired)")])
-            return rtx
-
-        with self.tx() as conn:
-            rtx = fenced(conn)
+            check_epoch(conn, run_id, epoch, holder)
             results = route_in(rtx, routes) if routes else []
             if interrupts:
                 interrupt_running(conn, run_id, interrupts, epoch)
             if pulls:
-                conn.execute(
-                    text(
-                        "INSERT INTO commands (run_id, instance_id, kind, target_version, epoch)"
-                        " SELECT :run, u.i, 'pull', u.v, :e FROM unnest(CAST(:is AS bigint[]), CAST(:vs AS int[])) AS u(i, v)"
-                        " JOIN instances x ON x.id = u.i AND x.run_id = :run AND x.state = 'active'"
-                    ),
-                    {"run": run_id, "e": epoch, "is": [p[0] for p in pulls], "vs": [p[1] for p in pulls]},
-                )
+                queue_pulls(conn, run_id, pulls, epoch)
+            rtx.flush()
             if cycle is not None:
+                # the cycle's write time: every statement of this transaction but the commit
                 conn.execute(
                     text(
                         "INSERT INTO coordinator_cycles (run_id, epoch, snapshot_ms, decide_ms, write_ms, routed,"
@@ -190,12 +239,41 @@ class CoordinationOps(TxMixin):
                         "e": epoch,
                         "s": cycle.get("snapshot_ms", 0.0),
                         "d": cycle.get("decide_ms", 0.0),
-                        "w": cycle.get("write_ms", 0.0),
+                        "w": (time.monotonic() - started) * 1000,
                         "r": sum(r.outcome == "routed" for r in results),
                         "i": len(interrupts),
                         "p": len(pulls),
                         "m": int(cycle.get("migrated", 0)),
                     },
                 )
-            rtx.flush()
             return results
+
+
+def check_epoch(conn: Connection, run_id: int, epoch: int, holder: str | None = None) -> None:
+    """The coordinator fence (ENGINEERING pattern 9): `epoch` (and `holder`, when given) must be
+    the run's live lease. FOR SHARE holds off a takeover until this transaction commits."""
+    lease = conn.execute(
+        text("SELECT holder, epoch FROM coordinator_leases WHERE run_id = :run AND expires_at > now() FOR SHARE"),
+        {"run": run_id},
+    ).first()
+    current = None if lease is None else lease.epoch
+    if holder is not None and (lease is None or lease.holder != holder or current != epoch):
+        raise Conflict([(epoch, "not the coordinator of this run (leadership lost or expired)")])
+    if current != epoch:
+        raise Conflict([(epoch, f"coordinator epoch {epoch} is not the run's current lease ({current})")])
+
+
+def queue_pulls(conn: Connection, run_id: int, pulls: Sequence[tuple[int, int]], epoch: int | None) -> list[int]:
+    """Queue a pull command per (instance, target version) for those instances that are active
+    in the run; returns them."""
+    told = conn.execute(
+        text(
+            "INSERT INTO commands (run_id, instance_id, kind, target_version, epoch)"
+            " SELECT :run, u.i, 'pull', u.v, :e FROM unnest(CAST(:is AS bigint[]), CAST(:vs AS int[])) AS u(i, v)"
+            " JOIN instances x ON x.id = u.i AND x.run_id = :run AND x.state = 'active'"
+            " RETURNING instance_id, target_version"
+        ),
+        {"run": run_id, "e": epoch, "is": [p[0] for p in pulls], "vs": [p[1] for p in pulls]},
+    ).all()
+    log_events(conn, run_id, [Event("pull", instance=t.instance_id, data={"target": t.target_version}) for t in told])
+    return [t.instance_id for t in told]

@@ -12,7 +12,8 @@ from sqlalchemy import Connection, text
 from ..enums import SegmentKind
 from ..errors import Conflict, InvalidInput, NotFound, TooLarge
 from ..types import Report
-from .base import load_run, log_events
+from .base import load_run
+from .events import Event, log_events
 
 
 def check_live(instance_id: int, state: str, live: bool) -> None:
@@ -40,17 +41,17 @@ def report_in(conn: Connection, run_id: int, reports: Sequence[Report]) -> int:
     inst_ids = sorted({r.instance_id for r in reports})
     found = conn.execute(
         text(
-            "SELECT id, state, lease_expires_at > now() FROM instances"
+            "SELECT id, state, lease_expires_at > now() AS live FROM instances"
             " WHERE run_id = :run AND id = ANY(CAST(:ids AS bigint[])) ORDER BY id FOR SHARE"
         ),
         {"run": run_id, "ids": inst_ids},
     ).all()
-    for iid, state, live in found:
+    for inst in found:
         try:
-            check_live(iid, state, live)
+            check_live(inst.id, inst.state, inst.live)
         except Conflict as e:
-            fenced[iid] = e.items[0][1]
-    unknown = sorted(set(inst_ids) - {r[0] for r in found})
+            fenced[inst.id] = e.items[0][1]
+    unknown = sorted(set(inst_ids) - {r.id for r in found})
     if unknown:
         raise NotFound(f"instance {unknown[0]} in run {run_id}")
     cols = "SELECT id, state, attempt, v_traj, last_version, n_tokens, n_segments, instance_id, lease FROM samples"
@@ -59,7 +60,7 @@ def report_in(conn: Connection, run_id: int, reports: Sequence[Report]) -> int:
     # record_rewards, which holds scoring rows and then locks their groups' members, that
     # wait closed a deadlock cycle. The rest are read unlocked, only to refuse them.
     rows = {
-        r[0]: r
+        r.id: r
         for r in conn.execute(
             text(
                 f"{cols} WHERE run_id = :run AND id = ANY(CAST(:ids AS bigint[])) AND state = 'running'"
@@ -71,7 +72,7 @@ def report_in(conn: Connection, run_id: int, reports: Sequence[Report]) -> int:
     missing = [i for i in ids if i not in rows]
     if missing:
         rows.update(
-            (r[0], r)
+            (r.id, r)
             for r in conn.execute(
                 text(f"{cols} WHERE run_id = :run AND id = ANY(CAST(:ids AS bigint[]))"),
                 {"run": run_id, "ids": missing},
@@ -79,18 +80,19 @@ def report_in(conn: Connection, run_id: int, reports: Sequence[Report]) -> int:
         )
     conflicts = []
     for r in reports:
-        row = rows.get(r.sample_id)
-        if row is None:
+        s = rows.get(r.sample_id)
+        if s is None:
             raise NotFound(f"sample {r.sample_id} in run {run_id}")
-        _, state, attempt, v_traj, last, n_tokens, _, instance, lease = row
-        why = fenced.get(r.instance_id) or lease_lost(r, state, attempt, instance, lease, leases[r.sample_id])
+        why = fenced.get(r.instance_id) or lease_lost(
+            r, s.state, s.attempt, s.instance_id, s.lease, leases[r.sample_id]
+        )
         if why:
             conflicts.append((r.sample_id, why))
             continue
-        floor = last if last is not None else v_traj
+        floor = s.last_version if s.last_version is not None else s.v_traj
         if not floor <= r.version <= run.version:
             raise InvalidInput(f"sample {r.sample_id}: segment version {r.version} outside {floor}..{run.version}")
-        if n_tokens + len(r.tokens) > run.max_response_tokens:
+        if s.n_tokens + len(r.tokens) > run.max_response_tokens:
             raise TooLarge(f"sample {r.sample_id}: response over {run.max_response_tokens} tokens")
     if conflicts:
         raise Conflict(conflicts)
@@ -100,7 +102,7 @@ def report_in(conn: Connection, run_id: int, reports: Sequence[Report]) -> int:
             [
                 {
                     "s": r.sample_id,
-                    "q": rows[r.sample_id][6],
+                    "q": rows[r.sample_id].n_segments,
                     "v": r.version,
                     "i": r.instance_id,
                     "a": r.attempt,
@@ -142,13 +144,11 @@ def report_in(conn: Connection, run_id: int, reports: Sequence[Report]) -> int:
         conn,
         run_id,
         [
-            (
+            Event(
                 f"sample_{SegmentKind(r.kind).value}",
-                r.sample_id,
-                None,
-                None,
-                r.instance_id,
-                {"n": len(r.tokens), "v": r.version},
+                sample=r.sample_id,
+                instance=r.instance_id,
+                data={"n": len(r.tokens), "v": r.version},
             )
             for r in reports
             if r.kind != SegmentKind.PARTIAL

@@ -12,10 +12,12 @@ from sqlalchemy import Connection, text
 from sqlalchemy.exc import IntegrityError
 
 from ..errors import Conflict, InvalidInput, NotFound, TooLarge
-from ..rules import group_version, route_decision
+from ..idempotency import transactional
 from ..types import Report, RouteOutcome, RouteResult, RunConfig
-from .base import RunTx, TxMixin, load_run, log_events, response_so_far, send_commands, under_run_lock
+from .base import CommandTarget, TxMixin, load_run, response_so_far, send_commands, under_run_lock
+from .events import Event, log_events
 from .fencing import check_live, report_in
+from .routing import route_in
 
 MAX_BATCH = 10_000  # items per call: larger batches hold the run lock too long
 
@@ -59,11 +61,12 @@ def check_batch(items: Sequence, what: str) -> None:
 class RolloutOps(TxMixin):
     # ---- runs and prompts ------------------------------------------------------------------
 
-    def create_run(self, name: str, config: RunConfig) -> int:
+    @transactional
+    def create_run(self, name: str, config: RunConfig, *, conn: Connection | None = None) -> int:
         config.validate()
         if not name or len(name) > 200:
             raise InvalidInput("run name must have 1..200 characters")
-        with self.tx() as conn:
+        with self.tx(conn) as conn:
             try:
                 with conn.begin_nested():
                     run_id = conn.execute(
@@ -86,24 +89,33 @@ class RolloutOps(TxMixin):
                     ).scalar_one()
             except IntegrityError:
                 raise Conflict([(0, f"a run named {name!r} exists already")]) from None
-            log_events(conn, run_id, [("run_created", None, None, None, None, {"name": name})])
+            log_events(conn, run_id, [Event("run_created", data={"name": name})])
             return run_id
 
-    def enqueue(self, run_id: int, prompts: Sequence[Prompt]) -> list[int]:
+    @transactional
+    def enqueue(self, run_id: int, prompts: Sequence[Prompt], *, conn: Connection | None = None) -> list[int]:
         """Group ids for the prompts, in order; a client key seen before returns its group."""
         check_batch(prompts, "prompts")
-        with self.tx() as conn:
+        with self.tx(conn) as conn:
             run = load_run(conn, run_id, lock=False)
             return enqueue_prompts(conn, run, prompts)
 
     # ---- instances -------------------------------------------------------------------------
 
+    @transactional
     def register_instance(
-        self, run_id: int, name: str, version: int, lease_seconds: float = 30.0, token_id: int | None = None
+        self,
+        run_id: int,
+        name: str,
+        version: int,
+        lease_seconds: float = 30.0,
+        token_id: int | None = None,
+        *,
+        conn: Connection | None = None,
     ) -> int:
         """A new instance id per process start; a restarted worker never inherits a lease.
         `token_id`: the API token registering it (the API lets only that token act for it)."""
-        with self.tx() as conn:
+        with self.tx(conn) as conn:
             run = load_run(conn, run_id, lock=False)
             if not 0 <= version <= run.version:
                 raise InvalidInput(f"instance version {version} outside 0..{run.version}")
@@ -115,19 +127,26 @@ class RolloutOps(TxMixin):
                 {"run": run_id, "name": name, "v": version, "ttl": lease_seconds, "tok": token_id},
             ).scalar_one()
             log_events(
-                conn, run_id, [("instance_registered", None, None, None, iid, {"name": name, "version": version})]
+                conn, run_id, [Event("instance_registered", instance=iid, data={"name": name, "version": version})]
             )
             return iid
 
+    @transactional
     def heartbeat(
-        self, instance_id: int, version: int, snapshot: dict | None = None, lease_seconds: float = 30.0
+        self,
+        instance_id: int,
+        version: int,
+        snapshot: dict | None = None,
+        lease_seconds: float = 30.0,
+        *,
+        conn: Connection | None = None,
     ) -> None:
         """Extend a live lease and store the latest snapshot. Ephemeral: no synchronous commit.
 
         Every condition sits in the UPDATE itself, re-checked on the row it finally locks: two
         overlapping heartbeats can never move the version backwards (a plain read before the
         update could be stale by then) nor revive a lease that lapsed meanwhile."""
-        with self.tx() as conn:
+        with self.tx(conn) as conn:
             conn.execute(text("SET LOCAL synchronous_commit = off"))
             updated = conn.execute(
                 text(
@@ -142,18 +161,18 @@ class RolloutOps(TxMixin):
                 return
             row = conn.execute(
                 text(
-                    "SELECT i.state, i.lease_expires_at > now(), i.version, r.version"
+                    "SELECT i.state, i.lease_expires_at > now() AS live, i.version, r.version AS run_version"
                     " FROM instances i JOIN runs r ON r.id = i.run_id WHERE i.id = :i"
                 ),
                 {"i": instance_id},
             ).first()
             if row is None:
                 raise NotFound(f"instance {instance_id}")
-            check_live(instance_id, row[0], row[1])
-            _, _, current, run_version = row
-            raise InvalidInput(f"instance version {version} outside {current}..{run_version}")
+            check_live(instance_id, row.state, row.live)
+            raise InvalidInput(f"instance version {version} outside {row.version}..{row.run_version}")
 
-    def expire_instances(self, run_id: int) -> list[int]:
+    @transactional
+    def expire_instances(self, run_id: int, *, conn: Connection | None = None) -> list[int]:
         """Tidy up after lapsed leases: mark those instances expired, and requeue every sample
         still running on any instance that is not active.
 
@@ -161,7 +180,8 @@ class RolloutOps(TxMixin):
         report, heartbeat): a lapsed instance is refused before this sweep runs. The sweep only
         gives its samples back to the queue, and also those of any instance fenced earlier
         (a straggler a concurrent route left behind must not stay running forever)."""
-        with self.tx() as conn:
+        with self.tx(conn) as conn:
+            load_run(conn, run_id, lock=False)
             ids = (
                 conn.execute(
                     text(
@@ -174,13 +194,14 @@ class RolloutOps(TxMixin):
                 .scalars()
                 .all()
             )
-            log_events(conn, run_id, [("instance_expired", None, None, None, i, None) for i in sorted(ids)])
+            log_events(conn, run_id, [Event("instance_expired", instance=i) for i in sorted(ids)])
             requeue_fenced(conn, run_id, "instance_expired")
             return sorted(ids)
 
-    def deregister_instance(self, instance_id: int) -> list[int]:
+    @transactional
+    def deregister_instance(self, instance_id: int, *, conn: Connection | None = None) -> list[int]:
         """A clean shutdown: the instance's running samples go back to the queue at once."""
-        with self.tx() as conn:
+        with self.tx(conn) as conn:
             row = conn.execute(
                 text("UPDATE instances SET state = 'deregistered' WHERE id = :i AND state = 'active' RETURNING run_id"),
                 {"i": instance_id},
@@ -189,12 +210,20 @@ class RolloutOps(TxMixin):
                 if conn.execute(text("SELECT 1 FROM instances WHERE id = :i"), {"i": instance_id}).first() is None:
                     raise NotFound(f"instance {instance_id}")
                 return []
-            log_events(conn, row[0], [("instance_deregistered", None, None, None, instance_id, None)])
-            return requeue_fenced(conn, row[0], "instance_deregistered", [instance_id])
+            log_events(conn, row.run_id, [Event("instance_deregistered", instance=instance_id)])
+            return requeue_fenced(conn, row.run_id, "instance_deregistered", [instance_id])
 
     # ---- route (Reserve) -------------------------------------------------------------------
 
-    def route(self, run_id: int, pairs: Sequence[tuple[int, int]], request_id: str | None = None) -> list[RouteResult]:
+    @transactional
+    def route(
+        self,
+        run_id: int,
+        pairs: Sequence[tuple[int, int]],
+        request_id: str | None = None,
+        *,
+        conn: Connection | None = None,
+    ) -> list[RouteResult]:
         """Route queued samples to instances; the group's first member reserves a buffer entry."""
         check_batch(pairs, "routes")
         return self.idempotent(
@@ -203,48 +232,65 @@ class RolloutOps(TxMixin):
             under_run_lock(run_id, lambda rtx: route_in(rtx, pairs)),
             lambda stored: [RouteResult(**{**r, "outcome": RouteOutcome(r["outcome"])}) for r in stored],
             body=[run_id, pairs],
+            conn=conn,
         )
 
     # ---- segments --------------------------------------------------------------------------
 
-    def report(self, run_id: int, reports: Sequence[Report], request_id: str | None = None) -> int:
+    @transactional
+    def report(
+        self, run_id: int, reports: Sequence[Report], request_id: str | None = None, *, conn: Connection | None = None
+    ) -> int:
         """Append segments, each fenced by its reporting instance (routed to it, lease live),
         attempt and lease token; all or nothing. Returns the number applied."""
         check_batch(reports, "reports")
         return self.idempotent(
-            request_id, "report", lambda conn: report_in(conn, run_id, reports), int, body=[run_id, reports]
+            request_id, "report", lambda c: report_in(c, run_id, reports), int, body=[run_id, reports], conn=conn
         )
 
-    def poll_work(self, instance_id: int, limit: int = 1000) -> tuple[list[Work], list[Command]]:
+    @transactional
+    def poll_work(
+        self, instance_id: int, limit: int = 1000, *, conn: Connection | None = None
+    ) -> tuple[list[Work], list[Command]]:
         """Deliver newly routed samples (with any prefix to continue from) and pending commands."""
-        with self.tx() as conn:
+        with self.tx(conn) as conn:
             # FOR SHARE: the instance stays active and live until this delivery commits (an
             # expiry waits for it, then requeues what was delivered).
             row = conn.execute(
                 text(
-                    "SELECT i.state, i.lease_expires_at > now(), r.max_response_tokens FROM instances i"
+                    "SELECT i.state, i.lease_expires_at > now() AS live, r.max_response_tokens FROM instances i"
                     " JOIN runs r ON r.id = i.run_id WHERE i.id = :i FOR SHARE OF i"
                 ),
                 {"i": instance_id},
             ).first()
             if row is None:
                 raise NotFound(f"instance {instance_id}")
-            check_live(instance_id, row[0], row[1])
+            check_live(instance_id, row.state, row.live)
             rows = conn.execute(
                 text(
                     "WITH d AS MATERIALIZED (SELECT id FROM samples WHERE instance_id = :i AND state = 'running'"
                     "   AND NOT delivered ORDER BY id LIMIT :n FOR UPDATE),"
                     " u AS (UPDATE samples s SET delivered = true FROM d WHERE s.id = d.id"
                     "   RETURNING s.id, s.attempt, s.lease, s.group_id, s.v_traj, s.n_tokens)"
-                    " SELECT u.id, u.attempt, u.lease::text, u.group_id, u.v_traj, u.n_tokens, g.prompt_tokens,"
-                    f"  {response_so_far('token_ids', 'u.id')}, {response_so_far('logprobs', 'u.id')}"
+                    " SELECT u.id, u.attempt, u.lease::text AS lease, u.group_id, u.v_traj, u.n_tokens, g.prompt_tokens,"
+                    f"  {response_so_far('token_ids', 'u.id')} AS tokens, {response_so_far('logprobs', 'u.id')} AS logprobs"
                     " FROM u JOIN prompt_groups g ON g.id = u.group_id ORDER BY u.id"
                 ),
                 {"i": instance_id, "n": limit},
             ).all()
             work = [
-                Work(sid, att, lease, gid, v, list(prompt), list(toks), list(lps), row[2] - n)
-                for sid, att, lease, gid, v, n, prompt, toks, lps in rows
+                Work(
+                    w.id,
+                    w.attempt,
+                    w.lease,
+                    w.group_id,
+                    w.v_traj,
+                    list(w.prompt_tokens),
+                    list(w.tokens),
+                    list(w.logprobs),
+                    row.max_response_tokens - w.n_tokens,
+                )
+                for w in rows
             ]
             cmds = conn.execute(
                 text(
@@ -254,12 +300,17 @@ class RolloutOps(TxMixin):
                 ),
                 {"i": instance_id},
             ).all()
-            return work, sorted((Command(*c) for c in cmds), key=lambda c: c.id)
+            return work, sorted((Command(**c._mapping) for c in cmds), key=lambda c: c.id)
 
-    def interrupt(self, run_id: int, sample_ids: Sequence[int]) -> int:
-        """Ask the instances running these samples to interrupt them (they report what they have)."""
-        with self.tx() as conn:
-            return interrupt_running(conn, run_id, sample_ids, None)
+    @transactional
+    def interrupt(
+        self, run_id: int, sample_ids: Sequence[int], epoch: int | None = None, *, conn: Connection | None = None
+    ) -> int:
+        """Ask the instances running these samples to interrupt them (they report what they
+        have); returns how many were running. `epoch`: the coordinator's, kept on the commands."""
+        with self.tx(conn) as conn:
+            load_run(conn, run_id, lock=False)
+            return interrupt_running(conn, run_id, sample_ids, epoch)
 
 
 def interrupt_running(conn: Connection, run_id: int, sample_ids: Sequence[int], epoch: int | None) -> int:
@@ -267,16 +318,16 @@ def interrupt_running(conn: Connection, run_id: int, sample_ids: Sequence[int], 
     A sample that is not in the run (unknown, or another run's) is NotFound, as everywhere."""
     rows = conn.execute(
         text(
-            "SELECT id, instance_id, attempt, state = 'running' FROM samples WHERE run_id = :run"
+            "SELECT id, instance_id, attempt, state = 'running' AS running FROM samples WHERE run_id = :run"
             " AND id = ANY(CAST(:ids AS bigint[]))"
         ),
         {"run": run_id, "ids": list(sample_ids)},
     ).all()
-    found = {r[0] for r in rows}
+    found = {r.id for r in rows}
     missing = [sid for sid in sample_ids if sid not in found]
     if missing:
         raise NotFound(f"sample {missing[0]} in run {run_id}")
-    running = [tuple(r[:3]) for r in rows if r[3]]
+    running = [CommandTarget(r.id, r.instance_id, r.attempt) for r in rows if r.running]
     send_commands(conn, run_id, "interrupt", running, epoch)
     return len(running)
 
@@ -321,7 +372,7 @@ def enqueue_prompts(
         ),
         {"run": run.id, "p": payload, "n": run.samples_per_group},
     ).all()
-    log_events(conn, run.id, [("group_enqueued", None, gid, None, None, None) for gid, _ in created])
+    log_events(conn, run.id, [Event("group_enqueued", group=gid) for gid, _ in created])
     ids = dict((k, g) for g, k in created)
     missing = [p.client_key for p in prompts if p.client_key not in ids]
     if missing:
@@ -348,125 +399,7 @@ def requeue_fenced(conn: Connection, run_id: int, why: str, instance_ids: Sequen
         ),
         {"run": run_id, "ids": list(instance_ids or [])},
     ).all()
-    log_events(conn, run_id, [("sample_requeued", s, None, None, i, {"why": why}) for s, i in sorted(rows)])
+    log_events(
+        conn, run_id, [Event("sample_requeued", sample=s, instance=i, data={"why": why}) for s, i in sorted(rows)]
+    )
     return sorted(s for s, _ in rows)
-
-
-def route_in(rtx: RunTx, pairs: Sequence[tuple[int, int]]) -> list[RouteResult]:
-    conn, run = rtx.conn, rtx.run
-    sample_ids = [p[0] for p in pairs]
-    if len(set(sample_ids)) != len(sample_ids):
-        raise InvalidInput("a sample appears twice in one route batch")
-    # Instances first (lock order instances -> samples, as expiry and reports take them), FOR
-    # SHARE in id order: an expiry or deregistration waits until this route commits, so its
-    # requeue then sees the samples routed here; one that committed first is seen as fenced.
-    instances = {
-        r[0]: r
-        for r in conn.execute(
-            text(
-                "SELECT id, state, version, lease_expires_at > now() FROM instances"
-                " WHERE run_id = :run AND id = ANY(CAST(:ids AS bigint[])) ORDER BY id FOR SHARE"
-            ),
-            {"run": run.id, "ids": sorted({p[1] for p in pairs})},
-        ).all()
-    }
-    samples = {
-        r[0]: r
-        for r in conn.execute(
-            text(
-                "SELECT s.id, s.group_id, s.state, s.v_traj, s.n_tokens, s.last_version FROM samples s"
-                " WHERE s.run_id = :run AND s.id = ANY(CAST(:ids AS bigint[])) ORDER BY s.id FOR UPDATE"
-            ),
-            {"run": run.id, "ids": sample_ids},
-        ).all()
-    }
-    for sid, iid in pairs:
-        if sid not in samples:
-            raise NotFound(f"sample {sid} in run {run.id}")
-        if iid not in instances:
-            raise NotFound(f"instance {iid} in run {run.id}")
-    groups = {
-        r[0]: list(r)
-        for r in conn.execute(
-            text(
-                "SELECT id, state, reserved_buffer, min_version FROM prompt_groups"
-                " WHERE id = ANY(CAST(:ids AS bigint[])) ORDER BY id FOR UPDATE"
-            ),
-            {"ids": list({s[1] for s in samples.values()})},
-        ).all()
-    }
-    # live members of the reserved groups: the group version after the route (min_version)
-    members: dict[int, dict[int, tuple[str, int | None, int]]] = {}
-    reserved = [gid for gid, g in groups.items() if g[1] == "reserved"]
-    if reserved:
-        for m, gid, st, v, n in conn.execute(
-            text(
-                "SELECT id, group_id, state::text, v_traj, n_tokens FROM samples"
-                " WHERE group_id = ANY(CAST(:g AS bigint[])) AND state <> 'aborted' AND v_traj IS NOT NULL"
-            ),
-            {"g": reserved},
-        ).all():
-            members.setdefault(gid, {})[m] = (st, v, n)
-    results, routed, touched = [], [], set()
-    for sid, iid in pairs:
-        _, gid, state, v_traj, n_tokens, last_version = samples[sid]
-        _, inst_state, inst_version, inst_live = instances[iid]
-        g = groups[gid]
-        if state != "queued":
-            results.append(RouteResult(sid, RouteOutcome.NOT_QUEUED))
-            continue
-        if inst_state != "active" or not inst_live:  # a lapsed lease is fenced before any sweep
-            results.append(RouteResult(sid, RouteOutcome.INSTANCE_INACTIVE))
-            continue
-        if g[1] not in ("queued", "reserved"):
-            results.append(RouteResult(sid, RouteOutcome.GROUP_CLOSED))
-            continue
-        # the group rows (locked above) carry the reservation: route moves none, so no need to
-        # read all of the run's reservations inside the serial section
-        reserved_at = g[2] if g[1] == "reserved" else None
-        live = members.setdefault(gid, {})
-        outcome, v, b = route_decision(
-            n_tokens > 0, v_traj, last_version, inst_version, reserved_at, rtx.buffers, run.version, run.limits
-        )
-        if outcome != RouteOutcome.ROUTED:
-            results.append(RouteResult(sid, RouteOutcome(outcome)))
-            continue
-        live[sid] = ("running", v, n_tokens)
-        g[3] = group_version(live.values())  # raised if this member was the oldest (version raise)
-        if b is not None:
-            g[1], g[2] = "reserved", b
-            rtx.add_reservation(gid, b, g[3])
-            rtx.events.append(("group_reserved", None, gid, b, None, {"version": v}))
-        else:
-            rtx.set_group_version(gid, g[3])
-        touched.add(gid)
-        routed.append((sid, v, iid))
-        results.append(RouteResult(sid, RouteOutcome.ROUTED, None, v, g[2]))
-    if routed:
-        # every route draws a fresh secret lease token (gen_random_uuid: a strong random source)
-        leases = {
-            sid: (att, lease)
-            for sid, att, lease in conn.execute(
-                text(
-                    "UPDATE samples s SET state = 'running', v_traj = u.v, instance_id = u.i, attempt = s.attempt + 1,"
-                    " lease = gen_random_uuid(), delivered = false, updated_at = now()"
-                    " FROM unnest(CAST(:ids AS bigint[]), CAST(:vs AS int[]), CAST(:is AS bigint[])) AS u(id, v, i)"
-                    " WHERE s.id = u.id RETURNING s.id, s.attempt, s.lease::text"
-                ),
-                {"ids": [r[0] for r in routed], "vs": [r[1] for r in routed], "is": [r[2] for r in routed]},
-            ).all()
-        }
-        for r in results:
-            if r.outcome == RouteOutcome.ROUTED:
-                r.attempt, r.lease = leases[r.sample_id]
-        tg = sorted(touched)
-        conn.execute(
-            text(
-                "UPDATE prompt_groups g SET state = 'reserved', reserved_buffer = u.b, min_version = u.mv"
-                " FROM unnest(CAST(:ids AS bigint[]), CAST(:bs AS int[]), CAST(:mvs AS int[])) AS u(id, b, mv)"
-                " WHERE g.id = u.id"
-            ),
-            {"ids": tg, "bs": [groups[g][2] for g in tg], "mvs": [groups[g][3] for g in tg]},
-        )
-        rtx.events.extend(("sample_routed", sid, None, None, iid, {"v": v}) for sid, v, iid in routed)
-    return results

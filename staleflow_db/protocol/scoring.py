@@ -9,13 +9,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy import text
+from sqlalchemy import Connection, Row, text
 
 from ..enums import DropReason, GroupState
 from ..errors import Conflict, InvalidInput, NotFound
+from ..idempotency import transactional
 from ..rules import occupy_plan, replacement_key, window_has_room
 from ..types import GroupOutcome
 from .base import RunTx, TxMixin, abort_samples_where, load_run, response_so_far, under_run_lock
+from .events import Event
 from .rollout import Prompt, check_batch, enqueue_prompts
 
 
@@ -31,11 +33,14 @@ class RewardTask:
 
 
 class ScoringOps(TxMixin):
-    def claim_rewards(self, run_id: int, limit: int = 100, lease_seconds: float = 60.0) -> list[RewardTask]:
+    @transactional
+    def claim_rewards(
+        self, run_id: int, limit: int = 100, lease_seconds: float = 60.0, *, conn: Connection | None = None
+    ) -> list[RewardTask]:
         """Lease finished samples to a reward worker (expired claims become claimable again)."""
         if not 1 <= limit <= 10_000:
             raise InvalidInput("limit must be in 1..10000")
-        with self.tx() as conn:
+        with self.tx(conn) as conn:
             load_run(conn, run_id, lock=False)
             # Lock expired claims in id order and skip rows another transaction holds (a
             # record_rewards posting late, under the run lock): scan-order locking here
@@ -56,15 +61,26 @@ class ScoringOps(TxMixin):
                     "   reward_deadline = now() + make_interval(secs => :ttl), updated_at = now()"
                     "   FROM c WHERE s.id = c.id RETURNING s.id, s.reward_attempt, s.group_id, s.finish_reason)"
                     " SELECT u.id, u.reward_attempt, u.group_id, g.prompt_tokens,"
-                    f"  {response_so_far('token_ids', 'u.id')}, u.finish_reason, g.meta"
+                    f"  {response_so_far('token_ids', 'u.id')} AS response, u.finish_reason, g.meta"
                     " FROM u JOIN prompt_groups g ON g.id = u.group_id ORDER BY u.id"
                 ),
                 {"run": run_id, "n": limit, "ttl": lease_seconds},
             ).all()
-            return [RewardTask(r[0], r[1], r[2], list(r[3]), list(r[4]), r[5], r[6]) for r in rows]
+            return [
+                RewardTask(
+                    r.id, r.reward_attempt, r.group_id, list(r.prompt_tokens), list(r.response), r.finish_reason, r.meta
+                )
+                for r in rows
+            ]
 
+    @transactional
     def record_rewards(
-        self, run_id: int, rewards: Sequence[tuple[int, int, float]], request_id: str | None = None
+        self,
+        run_id: int,
+        rewards: Sequence[tuple[int, int, float]],
+        request_id: str | None = None,
+        *,
+        conn: Connection | None = None,
     ) -> list[GroupOutcome]:
         """Store rewards, fenced by the claim attempt; groups that reach N rewarded members are
         placed (Occupy) or filtered. All or nothing."""
@@ -75,26 +91,36 @@ class ScoringOps(TxMixin):
             under_run_lock(run_id, lambda rtx: rewards_in(rtx, rewards)),
             lambda stored: [GroupOutcome(**{**o, "state": GroupState(o["state"])}) for o in stored],
             body=[run_id, rewards],
+            conn=conn,
         )
 
-    def abort_samples(self, run_id: int, sample_ids: Sequence[int], reason: DropReason = DropReason.USER) -> list[int]:
+    @transactional
+    def abort_samples(
+        self,
+        run_id: int,
+        sample_ids: Sequence[int],
+        reason: DropReason = DropReason.USER,
+        *,
+        conn: Connection | None = None,
+    ) -> list[int]:
         """Abort members; a group that can no longer reach N live members is aborted too."""
         check_batch(sample_ids, "samples")
         if len(set(sample_ids)) != len(sample_ids):  # counted twice, it would doom the group
             raise InvalidInput("a sample appears twice in one abort batch")
-        with self.run_tx(run_id) as rtx:
+        with self.run_tx(run_id, conn) as rtx:
             rows = rtx.conn.execute(
                 text(
-                    "SELECT s.id, s.group_id, s.state, g.state FROM samples s JOIN prompt_groups g ON g.id = s.group_id"
+                    "SELECT s.id, s.group_id, s.state, g.state AS group_state"
+                    " FROM samples s JOIN prompt_groups g ON g.id = s.group_id"
                     " WHERE s.run_id = :run AND s.id = ANY(CAST(:ids AS bigint[]))"
                 ),
                 {"run": run_id, "ids": list(sample_ids)},
             ).all()
-            info = {r[0]: r for r in rows}
+            info = {r.id: r for r in rows}
             for sid in sample_ids:
                 if sid not in info:
                     raise NotFound(f"sample {sid} in run {run_id}")
-            gids = sorted({r[1] for r in rows if r[3] in ("queued", "reserved")})
+            gids = sorted({r.group_id for r in rows if r.group_state in ("queued", "reserved")})
             live = defaultdict(int)
             for gid, n in rtx.conn.execute(
                 text(
@@ -106,8 +132,9 @@ class ScoringOps(TxMixin):
                 live[gid] = n
             chosen, doomed = [], []
             for sid in sample_ids:  # one at a time, as the reference model does
-                _, gid, state, gstate = info[sid]
-                if state == "aborted" or gstate not in ("queued", "reserved") or gid in doomed:
+                s = info[sid]
+                gid = s.group_id
+                if s.state == "aborted" or s.group_state not in ("queued", "reserved") or gid in doomed:
                     continue
                 chosen.append(sid)
                 live[gid] -= 1
@@ -117,8 +144,11 @@ class ScoringOps(TxMixin):
             rtx.drop_groups(doomed, "aborted", DropReason.INSUFFICIENT_MEMBERS)
             return sorted(aborted)
 
-    def abort_group(self, run_id: int, group_id: int, reason: DropReason = DropReason.USER) -> bool:
-        with self.run_tx(run_id) as rtx:
+    @transactional
+    def abort_group(
+        self, run_id: int, group_id: int, reason: DropReason = DropReason.USER, *, conn: Connection | None = None
+    ) -> bool:
+        with self.run_tx(run_id, conn) as rtx:
             state = rtx.conn.execute(
                 text("SELECT state FROM prompt_groups WHERE id = :g AND run_id = :run FOR UPDATE"),
                 {"g": group_id, "run": run_id},
@@ -130,10 +160,11 @@ class ScoringOps(TxMixin):
             rtx.drop_groups([group_id], "aborted", reason)
             return True
 
-    def abort_after_ready(self, run_id: int) -> list[int]:
+    @transactional
+    def abort_after_ready(self, run_id: int, *, conn: Connection | None = None) -> list[int]:
         """With redundancy: reserved groups whose whole window is ready can never land; drop them.
         The window is that of the group's live version (its members now, not every routing ever)."""
-        with self.run_tx(run_id) as rtx:
+        with self.run_tx(run_id, conn) as rtx:
             run = rtx.run
             doomed = sorted(
                 gid
@@ -153,7 +184,7 @@ def rewards_in(rtx: RunTx, rewards: Sequence[tuple[int, int, float]]) -> list[Gr
         if not isinstance(reward, (int, float)) or not math.isfinite(reward):
             raise InvalidInput(f"sample {sid}: reward must be a finite number")
     rows = {
-        r[0]: r
+        r.id: r
         for r in conn.execute(
             text(
                 "SELECT id, state, reward_attempt, group_id FROM samples"
@@ -166,7 +197,7 @@ def rewards_in(rtx: RunTx, rewards: Sequence[tuple[int, int, float]]) -> list[Gr
     for sid, attempt, _ in rewards:
         if sid not in rows:
             raise NotFound(f"sample {sid} in run {run.id}")
-        if rows[sid][1] != "scoring" or rows[sid][2] != attempt:
+        if rows[sid].state != "scoring" or rows[sid].reward_attempt != attempt:
             conflicts.append((sid, "reward claim lost (stale attempt or sample not scoring)"))
     if conflicts:
         raise Conflict(conflicts)
@@ -177,15 +208,15 @@ def rewards_in(rtx: RunTx, rewards: Sequence[tuple[int, int, float]]) -> list[Gr
         ),
         {"ids": ids, "rs": [float(r[2]) for r in rewards]},
     )
-    rtx.events.extend(("sample_rewarded", sid, None, None, None, {"reward": float(r)}) for sid, _, r in rewards)
-    return occupy_ready_groups(rtx, sorted({rows[sid][3] for sid in ids}))
+    rtx.events.extend(Event("sample_rewarded", sample=sid, data={"reward": float(r)}) for sid, _, r in rewards)
+    return occupy_ready_groups(rtx, sorted({rows[sid].group_id for sid in ids}))
 
 
 def occupy_ready_groups(rtx: RunTx, group_ids: list[int]) -> list[GroupOutcome]:
     """Occupy (or filter) each reserved group that now has N rewarded members."""
     conn, run = rtx.conn, rtx.run
     groups = {
-        r[0]: r
+        r.id: r
         for r in conn.execute(
             text(
                 "SELECT id, state, client_key, prompt_tokens, meta FROM prompt_groups"
@@ -194,34 +225,34 @@ def occupy_ready_groups(rtx: RunTx, group_ids: list[int]) -> list[GroupOutcome]:
             {"ids": group_ids},
         ).all()
     }
-    members = defaultdict(list)
-    for gid, sid, state, v_traj, reward in conn.execute(
+    members: defaultdict[int, list[Row[Any]]] = defaultdict(list)
+    for m in conn.execute(
         text(
             "SELECT group_id, id, state, v_traj, reward FROM samples"
             " WHERE group_id = ANY(CAST(:ids AS bigint[])) ORDER BY group_id, idx"
         ),
         {"ids": group_ids},
     ).all():
-        members[gid].append((sid, state, v_traj, reward))
+        members[m.group_id].append(m)
     outcomes, occupied = [], []
     for gid in group_ids:
-        _, state, key, prompt, meta = groups[gid]
-        rewarded = [m for m in members[gid] if m[1] == "rewarded"]
-        if state != "reserved" or len(rewarded) < run.group_size:
+        g = groups[gid]
+        rewarded = [m for m in members[gid] if m.state == "rewarded"]
+        if g.state != "reserved" or len(rewarded) < run.group_size:
             continue
         chosen = rewarded[: run.group_size]
         # Release, place this group, and only then let other reservations move into the slot
         # it freed: a cascade run first could take the very slot this group needs.
         freed = rtx.unreserve(gid)
-        if run.dapo_filter and len({m[3] for m in chosen}) == 1:
+        if run.dapo_filter and len({m.reward for m in chosen}) == 1:
             rtx.drop_groups([gid], "filtered", DropReason.FILTERED)
             rtx.cascade(freed)
             (replacement,) = enqueue_prompts(
-                conn, run, [Prompt(replacement_key(key), list(prompt), meta)], replacement_of=[gid]
+                conn, run, [Prompt(replacement_key(g.client_key), list(g.prompt_tokens), g.meta)], replacement_of=[gid]
             )
             outcomes.append(GroupOutcome(gid, GroupState.FILTERED, replacement=replacement))
             continue
-        version = min(m[2] for m in chosen)
+        version = min(m.v_traj for m in chosen)
         b, moves = occupy_plan(freed, rtx.buffers, rtx.reservations().values(), version, run.version, run.limits)
         if b is None:
             rtx.drop_groups([gid], "aborted", DropReason.NO_BUFFER)
@@ -231,9 +262,9 @@ def occupy_ready_groups(rtx: RunTx, group_ids: list[int]) -> list[GroupOutcome]:
         rtx.apply_moves(moves)
         rtx.buffer(b).occupied += 1
         occupied.append((gid, b, version))
-        rtx.events.append(("group_occupied", None, gid, b, None, {"version": version}))
-        chosen_ids = {m[0] for m in chosen}
-        surplus = [m[0] for m in members[gid] if m[0] not in chosen_ids and m[1] != "aborted"]
+        rtx.events.append(Event("group_occupied", group=gid, buffer=b, data={"version": version}))
+        chosen_ids = {m.id for m in chosen}
+        surplus = [m.id for m in members[gid] if m.id not in chosen_ids and m.state != "aborted"]
         abort_samples_where(conn, run.id, "id", surplus, DropReason.SURPLUS.value, rtx.events)
         if not moves and b != freed:  # it landed earlier on its own: the slot it held is free now
             rtx.cascade(freed)

@@ -7,12 +7,14 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy import text
+from sqlalchemy import Connection, Row, text
 
 from ..enums import DropReason
 from ..errors import Conflict, InvalidInput
-from ..rules import BufferCounts, buffer_state, reserve_target
-from .base import TxMixin, load_run
+from ..idempotency import transactional
+from ..rules import buffer_state, reserve_target
+from .base import TxMixin, load_run, read_buffers
+from .events import Event
 
 
 @dataclass
@@ -53,10 +55,11 @@ class Batch:
 
 
 class TrainingOps(TxMixin):
-    def consume(self, run_id: int, version: int) -> Batch | None:
+    @transactional
+    def consume(self, run_id: int, version: int, *, conn: Connection | None = None) -> Batch | None:
         """Lease buffer `version` once it is ready and return its full batch; None while it is
         not ready. A second consume (a restarted trainer) takes a new lease and fences the old."""
-        with self.tx() as conn:
+        with self.tx(conn) as conn:
             # A trainer polls this while it waits: answer "not ready" without the run lock.
             # At version `version` with buffer `version` not ready, no publish can be in flight
             # (it needs that buffer ready), so None is what the locked path would say too.
@@ -82,8 +85,8 @@ class TrainingOps(TxMixin):
             if lease is None:
                 return None
             groups = {
-                g: TrainGroup(g, gv, list(p), m)
-                for g, gv, p, m in conn.execute(
+                g.id: TrainGroup(g.id, g.group_version, list(g.prompt_tokens), g.meta)
+                for g in conn.execute(
                     text(
                         "SELECT id, group_version, prompt_tokens, meta FROM prompt_groups"
                         " WHERE run_id = :run AND state = 'occupied' AND buffer = :v ORDER BY id"
@@ -91,7 +94,7 @@ class TrainingOps(TxMixin):
                     {"run": run_id, "v": version},
                 ).all()
             }
-            segs = defaultdict(list)
+            segs: defaultdict[int, list[Row[Any]]] = defaultdict(list)
             rows = conn.execute(
                 text(
                     "SELECT x.sample_id, x.seq, x.version, x.instance_id, x.token_ids, x.logprobs"
@@ -101,29 +104,30 @@ class TrainingOps(TxMixin):
                 {"g": list(groups)},
             ).all()
             for r in rows:
-                segs[r[0]].append(r)
-            for sid, gid, idx, v_traj, reward, fin in conn.execute(
+                segs[r.sample_id].append(r)
+            for s in conn.execute(
                 text(
                     "SELECT id, group_id, idx, v_traj, reward, finish_reason FROM samples"
                     " WHERE group_id = ANY(CAST(:g AS bigint[])) AND state = 'rewarded' ORDER BY group_id, idx"
                 ),
                 {"g": list(groups)},
             ).all():
-                parts = segs[sid]
-                groups[gid].samples.append(
+                parts = segs[s.id]
+                groups[s.group_id].samples.append(
                     TrainSample(
-                        sid,
-                        idx,
-                        v_traj,
-                        [t for p in parts for t in p[4]],
-                        [lp for p in parts for lp in p[5]],
-                        reward,
-                        fin,
-                        [SegmentInfo(p[1], p[2], p[3], len(p[4])) for p in parts],
+                        s.id,
+                        s.idx,
+                        s.v_traj,
+                        [t for p in parts for t in p.token_ids],
+                        [lp for p in parts for lp in p.logprobs],
+                        s.reward,
+                        s.finish_reason,
+                        [SegmentInfo(p.seq, p.version, p.instance_id, len(p.token_ids)) for p in parts],
                     )
                 )
             return Batch(run_id, version, lease, list(groups.values()))
 
+    @transactional
     def publish(
         self,
         run_id: int,
@@ -132,25 +136,27 @@ class TrainingOps(TxMixin):
         size_bytes: int | None = None,
         checksum: str | None = None,
         location: str | None = None,
+        *,
+        conn: Connection | None = None,
     ) -> int:
         """Mark buffer `version` consumed and move the run to `version + 1`; returns the new
         version. Only from the expected version and lease. A repeated publish with the lease
         that published (and the same checksum, when given) is a no-op; any other is 409."""
-        with self.run_tx(run_id) as rtx:
+        with self.run_tx(run_id, conn) as rtx:
             conn, run = rtx.conn, rtx.run
             if version == run.version - 1:
                 self._check_replay(rtx, version, lease, checksum)
                 return run.version  # already published by this very lease: a retry
             if version != run.version:
                 raise Conflict([(version, f"run {run_id} is at version {run.version}")])
-            row = conn.execute(
+            buf = conn.execute(
                 text("SELECT lease, occupied, batch_size FROM buffers WHERE run_id = :run AND idx = :v"),
                 {"run": run_id, "v": version},
             ).first()
-            if row is None or row[1] < row[2]:
+            if buf is None or buf.occupied < buf.batch_size:
                 raise Conflict([(version, f"buffer {version} is not ready")])
-            if row[0] != lease:
-                raise Conflict([(version, f"consume lease {lease} lost (the latest is {row[0]})")])
+            if buf.lease != lease:
+                raise Conflict([(version, f"consume lease {lease} lost (the latest is {buf.lease})")])
             if size_bytes is not None and size_bytes < 0:
                 raise InvalidInput("size_bytes must be >= 0")
             conn.execute(
@@ -174,7 +180,7 @@ class TrainingOps(TxMixin):
             )
             run.version = version + 1
             rtx.buffers[version].consumed = True
-            rtx.events.append(("published", None, None, version, None, {"version": version + 1}))
+            rtx.events.append(Event("published", buffer=version, data={"version": version + 1}))
             self._move_stranded(rtx, version)
             return run.version
 
@@ -192,18 +198,20 @@ class TrainingOps(TxMixin):
             {"run": rtx.run.id, "v": version},
         ).first()
         published = version + 1
-        if row is None or row[0] != lease:
+        if row is None or row.lease != lease:
             raise Conflict(
                 [
                     (
                         version,
                         f"fenced: another trainer published version {published}"
-                        f" (consume lease {lease}, the publishing lease was {row and row[0]})",
+                        f" (consume lease {lease}, the publishing lease was {row and row.lease})",
                     )
                 ]
             )
-        if checksum is not None and row[1] != checksum:
-            raise Conflict([(version, f"version {published} was published with checksum {row[1]}, not {checksum}")])
+        if checksum is not None and row.checksum != checksum:
+            raise Conflict(
+                [(version, f"version {published} was published with checksum {row.checksum}, not {checksum}")]
+            )
 
     @staticmethod
     def _move_stranded(rtx, consumed: int) -> None:
@@ -223,7 +231,7 @@ class TrainingOps(TxMixin):
             else:
                 rtx.add_reservation(gid, b, res.version)
                 rtx.moved[gid] = b
-                rtx.events.append(("reservation_moved", None, gid, b, None, {"from": consumed}))
+                rtx.events.append(Event("reservation_moved", group=gid, buffer=b, data={"from": consumed}))
         rtx.drop_groups(dropped, "aborted", DropReason.WINDOW_CLOSED)
 
     def status(self, run_id: int) -> dict[str, Any]:
@@ -231,18 +239,13 @@ class TrainingOps(TxMixin):
         with self.engine.connect() as conn, conn.begin():
             conn.execute(text("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ READ ONLY"))
             run = load_run(conn, run_id, lock=False)
-            buffers = conn.execute(
-                text(
-                    "SELECT idx, occupied, reserved, consumed_at IS NOT NULL FROM buffers WHERE run_id = :run AND idx >= :v ORDER BY idx"
-                ),
-                {"run": run_id, "v": max(0, run.version - 1)},
-            ).all()
-            samples = dict(
+            buffers = read_buffers(conn, run_id, max(0, run.version - 1))
+            samples: dict[str, int] = dict(
                 conn.execute(
                     text("SELECT state::text, count(*) FROM samples WHERE run_id = :run GROUP BY 1"), {"run": run_id}
                 ).all()
             )
-            groups = dict(
+            groups: dict[str, int] = dict(
                 conn.execute(
                     text("SELECT state::text, count(*) FROM prompt_groups WHERE run_id = :run GROUP BY 1"),
                     {"run": run_id},
@@ -263,7 +266,7 @@ class TrainingOps(TxMixin):
             "version": run.version,
             "config": run.config(),
             "buffers": [
-                {"index": b[0], "occupied": b[1], "reserved": b[2], "state": buffer_state(BufferCounts(*b), run.limits)}
+                {"index": b.index, "occupied": b.occupied, "reserved": b.reserved, "state": buffer_state(b, run.limits)}
                 for b in buffers
             ],
             "samples": samples,

@@ -20,7 +20,6 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 from staleflow_db.errors import Conflict
 from staleflow_db.protocol import Protocol, Snapshot
@@ -49,24 +48,6 @@ class CycleStats:
     outages: int = 0  # database outages ridden through
     # wall time of the latest leader cycles (bounded: a run may last weeks)
     cycle_ms: deque[float] = field(default_factory=lambda: deque(maxlen=CYCLE_HISTORY))
-
-
-class _CycleRow(dict[str, float]):
-    """The cycle's `coordinator_cycles` row. `apply_commands` reads it when it inserts the row,
-    in the write transaction after the routes, interrupts and pulls: `write_ms` is measured
-    then, so it is the real time this cycle's commands took to write (all but the commit)."""
-
-    def __init__(self, started: float, **fields: float):
-        super().__init__(fields)
-        self.started = started
-
-    def __getitem__(self, key: str) -> float:
-        if key == "write_ms":
-            return (time.monotonic() - self.started) * 1000
-        return super().__getitem__(key)
-
-    def get(self, key: str, default: Any = None) -> Any:
-        return self[key] if key == "write_ms" or key in self else default
 
 
 def instance_snapshots(snap: Snapshot, now: float) -> list[InstanceSnapshot]:
@@ -237,12 +218,12 @@ class Coordinator:
         started = time.monotonic()
         routes = [(r.sample_id, r.instance_id) for r in plan.routes]
         pulls = [(p.instance_id, p.version) for p in plan.pulls]
-        stats = _CycleRow(
-            started,
-            snapshot_ms=snapshot_ms,
-            decide_ms=(started - decided_from) * 1000,
-            migrated=len(plan.interrupts),
-        )
+        # write_ms is measured by apply_commands itself, inside the transaction
+        stats = {
+            "snapshot_ms": snapshot_ms,
+            "decide_ms": (started - decided_from) * 1000,
+            "migrated": len(plan.interrupts),
+        }
         try:
             results = self.protocol.apply_commands(
                 self.run_id,

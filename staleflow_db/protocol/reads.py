@@ -1,0 +1,163 @@
+"""Reads outside the protocol transitions: run lists, parameter versions, instance owners, the
+audit views and the figures for /metrics, as named rows. Each is one short transaction."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, NamedTuple
+
+from sqlalchemy import Connection, Row, text
+
+from ..errors import NotFound
+from ..idempotency import transactional
+from .base import RUN_COLUMNS, RunRow, TxMixin, load_run
+
+
+@dataclass(frozen=True)
+class RunInfo:
+    id: int
+    name: str
+    version: int
+    created_at: datetime
+    config: dict[str, int | bool]
+
+
+@dataclass(frozen=True)
+class ParamVersion:
+    version: int
+    size_bytes: int | None
+    checksum: str | None
+    location: str | None
+    created_at: datetime
+
+
+class InstanceOwner(NamedTuple):
+    run_id: int
+    token_id: int | None  # the API token that registered it (None: registered in-process)
+
+
+@dataclass(frozen=True)
+class MetricsRows:
+    """For the newest runs: rows of (run_id, v_traj, n) queued samples, (run_id, idx,
+    occupied, reserved, consumed) unconsumed buffers, (run_id, staleness, n) trained samples."""
+
+    runs: list[RunRow]
+    queued: Sequence[Row[Any]]
+    buffers: Sequence[Row[Any]]
+    staleness: Sequence[Row[Any]]
+
+
+# name of each audit view and its order (after run_id)
+AUDIT_VIEWS = {
+    "trained": ("trained_samples", "step, sample_id"),
+    "dropped": ("dropped_samples", "sample_id"),
+    "violations": ("staleness_violations", "invariant, subject"),
+}
+
+
+def _run_info(row: Row[Any]) -> RunInfo:
+    run = RunRow(**{c: row._mapping[c] for c in RUN_COLUMNS.split(", ")})
+    return RunInfo(run.id, row.name, run.version, row.created_at, run.config())
+
+
+class ReadOps(TxMixin):
+    @transactional
+    def list_runs(
+        self, run_id: int | None, limit: int, offset: int, *, conn: Connection | None = None
+    ) -> list[RunInfo]:
+        """Runs by id (only `run_id`, when given)."""
+        where = "" if run_id is None else " WHERE id = :run"
+        with self.tx(conn) as conn:
+            rows = conn.execute(
+                text(f"SELECT {RUN_COLUMNS}, name, created_at FROM runs{where} ORDER BY id LIMIT :n OFFSET :o"),
+                {"run": run_id, "n": limit, "o": offset},
+            ).all()
+        return [_run_info(r) for r in rows]
+
+    @transactional
+    def get_run(self, run_id: int, *, conn: Connection | None = None) -> RunInfo:
+        with self.tx(conn) as conn:
+            row = conn.execute(
+                text(f"SELECT {RUN_COLUMNS}, name, created_at FROM runs WHERE id = :run"), {"run": run_id}
+            ).first()
+        if row is None:
+            raise NotFound(f"run {run_id}")
+        return _run_info(row)
+
+    @transactional
+    def param_versions(self, run_id: int, limit: int, *, conn: Connection | None = None) -> list[ParamVersion]:
+        """Published parameter versions, newest first."""
+        with self.tx(conn) as conn:
+            load_run(conn, run_id, lock=False)
+            rows = conn.execute(
+                text(
+                    "SELECT version, size_bytes, checksum, location, created_at FROM param_versions"
+                    " WHERE run_id = :run ORDER BY version DESC LIMIT :n"
+                ),
+                {"run": run_id, "n": limit},
+            ).all()
+        return [ParamVersion(**r._mapping) for r in rows]
+
+    @transactional
+    def instance_owner(self, instance_id: int, *, conn: Connection | None = None) -> InstanceOwner | None:
+        """The run and registering token of an instance; None if there is no such instance."""
+        with self.tx(conn) as conn:
+            row = conn.execute(text("SELECT run_id, token_id FROM instances WHERE id = :i"), {"i": instance_id}).first()
+        return None if row is None else InstanceOwner(row.run_id, row.token_id)
+
+    @transactional
+    def audit(
+        self, view: str, run_id: int | None, limit: int, offset: int, *, conn: Connection | None = None
+    ) -> list[dict[str, Any]]:
+        """Rows of an audit view (`AUDIT_VIEWS`), by column name."""
+        name, order = AUDIT_VIEWS[view]
+        where = "" if run_id is None else " WHERE run_id = :run"
+        with self.tx(conn) as conn:
+            rows = conn.execute(
+                text(f"SELECT * FROM {name}{where} ORDER BY run_id, {order} LIMIT :n OFFSET :o"),
+                {"run": run_id, "n": limit, "o": offset},
+            ).all()
+        return [dict(r._mapping) for r in rows]
+
+    def schema_revision(self) -> str | None:
+        """The migration the database is at (readiness: it must be the newest one)."""
+        with self.engine.connect() as c:
+            return c.execute(text("SELECT version_num FROM alembic_version")).scalar()
+
+    def metrics_rows(self, max_runs: int = 50) -> MetricsRows:
+        """Figures for /metrics, for the newest runs; one read-only transaction."""
+        with self.engine.connect() as c, c.begin():
+            c.execute(text("SET TRANSACTION READ ONLY"))
+            runs = [
+                RunRow(**r._mapping)
+                for r in c.execute(
+                    text(f"SELECT {RUN_COLUMNS} FROM runs ORDER BY id DESC LIMIT :n"), {"n": max_runs}
+                ).all()
+            ]
+            ids = [r.id for r in runs]
+            queued = c.execute(
+                text(
+                    "SELECT run_id, v_traj, count(*) AS n FROM samples WHERE state = 'queued'"
+                    " AND run_id = ANY(CAST(:ids AS bigint[])) GROUP BY 1, 2"
+                ),
+                {"ids": ids},
+            ).all()
+            buffers = c.execute(
+                text(
+                    "SELECT b.run_id, b.idx, b.occupied, b.reserved, b.consumed_at IS NOT NULL AS consumed FROM buffers b"
+                    " JOIN runs r ON r.id = b.run_id WHERE b.run_id = ANY(CAST(:ids AS bigint[])) AND b.idx >= r.version"
+                ),
+                {"ids": ids},
+            ).all()
+            staleness = c.execute(
+                text(
+                    "SELECT s.run_id, g.buffer - s.v_traj AS staleness, count(*) AS n"
+                    " FROM samples s JOIN prompt_groups g ON g.id = s.group_id"
+                    " WHERE g.state = 'consumed' AND s.state = 'rewarded' AND s.run_id = ANY(CAST(:ids AS bigint[]))"
+                    " GROUP BY 1, 2"
+                ),
+                {"ids": ids},
+            ).all()
+        return MetricsRows(runs, queued, buffers, staleness)
