@@ -1,6 +1,6 @@
-"""Coordinator policies compared in the discrete-event simulator (SPEC §4, §5).
+"""Coordinator policies compared in the discrete-event simulator (docs/coordinator.md, docs/policies.md).
 
-    python bench/policies.py            # the four set-ups of SPEC §5, η = 1, 2, 3, 20 steps
+    python bench/policies.py            # the four reference set-ups, η = 1, 2, 3, 20 steps
     python bench/policies.py --quick    # CI-sized: the small set-up, 10 steps
 
 For each set-up and η: tokens/s and samples/s of every policy, the ratios staleflow/sync,

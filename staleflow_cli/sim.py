@@ -26,7 +26,7 @@ def run(
         "qwen_14b",
         "--model",
         "--setup",
-        help="Set-up (SPEC §5): qwen_14b, qwen_32b, qwen_moe_30b, qwen_7b, small, tiny.",
+        help="Set-up (docs/policies.md): qwen_14b, qwen_32b, qwen_moe_30b, qwen_7b, small, tiny.",
     ),
     policy: str = typer.Option(
         "staleflow",
@@ -69,7 +69,7 @@ def run(
 @app.command()
 def bench(
     quick: bool = typer.Option(False, help="CI-sized: the small set-up, 10 steps."),
-    setups: str = typer.Option(None, help="Comma-separated set-ups (default: the four of SPEC §5)."),
+    setups: str = typer.Option(None, help="Comma-separated set-ups (default: the four reference set-ups)."),
     steps: int = typer.Option(None, help="Training steps per run."),
     jobs: int = typer.Option(None, help="Parallel processes."),
     seeds: str = typer.Option("0", help="Comma-separated workload seeds (means over them)."),

@@ -459,7 +459,7 @@ class ReferenceProtocol:
         return [s.id for s in self.samples.values() if s.state == SampleState.QUEUED]
 
     def check_invariants(self) -> list[str]:
-        """Every violated invariant of SPEC §2, in words; empty when healthy."""
+        """Every violated invariant of docs/protocol.md, in words; empty when healthy."""
         bad = []
         for b, buf in self.buffers.items():
             groups = [

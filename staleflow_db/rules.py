@@ -1,4 +1,4 @@
-"""Pure buffer-placement rules of the staleness protocol (SPEC §2).
+"""Pure buffer-placement rules of the staleness protocol (docs/protocol.md).
 
 Both the in-memory reference model and the PostgreSQL implementation call these functions on
 the buffer counters they hold, so the placement policy is written exactly once. Buffers that
@@ -84,7 +84,7 @@ def window_has_room(buffers: Mapping[int, BufferCounts], group_version: int, ver
 
 
 def pins_group_version(state: str, v_traj: int | None, n_tokens: int) -> bool:
-    """Does this member's V_traj count toward its group's version (SPEC §1: min V_traj over
+    """Does this member's V_traj count toward its group's version (docs/protocol.md: min V_traj over
     the group's members)? Only a live member whose version can no longer change: aborted
     members are gone, and a queued member with no tokens has no trajectory yet (routed again,
     it takes the version of its new instance: version raise)."""
@@ -210,7 +210,7 @@ def route_decision(
     window, and only while their version's window still has a buffer that needs groups: once
     every buffer of it is ready, no group holding a member of that version can land (every
     buffer it could still use lies in that window), so no more work is routed at that version
-    (SPEC §2, abort after ready). Outcomes are `RouteOutcome` values.
+    (docs/protocol.md, abort after ready). Outcomes are `RouteOutcome` values.
     """
     floor = 0 if v_traj is None else max(v_traj, last_version if last_version is not None else v_traj)
     if instance_version < floor:  # V_traj only grows, and segment versions never decrease

@@ -49,7 +49,7 @@ class SnapshotBufferOut(Out):
 
 
 class ClusterSnapshotOut(Out):
-    """One read-only transaction: everything a coordinator cycle decides from (SPEC §4)."""
+    """One read-only transaction: everything a coordinator cycle decides from (docs/coordinator.md)."""
 
     run_id: int
     version: int

@@ -45,7 +45,7 @@ class RunningSampleIn(In):
 
 
 class InstanceSnapshotIn(In):
-    """What the coordinator needs to route (SPEC §4): load, KV cache, per-sample progress."""
+    """What the coordinator needs to route (docs/coordinator.md): load, KV cache, per-sample progress."""
 
     running: Count = 0
     waiting: Count = 0

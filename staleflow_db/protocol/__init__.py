@@ -1,4 +1,4 @@
-"""The staleness protocol as PostgreSQL transactions (SPEC §2).
+"""The staleness protocol as PostgreSQL transactions (docs/protocol.md).
 
 Every public method is one transaction. Methods that change buffer accounting (route,
 record_rewards, aborts, publish) serialize on the run's row; the others are fenced by

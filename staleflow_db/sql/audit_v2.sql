@@ -1,4 +1,4 @@
--- staleness_violations, version 2 (migration 0002): one row per broken invariant of SPEC §2
+-- staleness_violations, version 2 (migration 0002): one row per broken invariant of docs/protocol.md
 -- and of conservation, as (run_id, invariant, subject, detail). Empty in a healthy run, also
 -- between any two protocol transactions. Never edit this file once released: a later
 -- migration that changes the view ships audit_v3.sql, so 0002 keeps creating exactly this.

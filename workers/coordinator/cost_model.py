@@ -1,4 +1,4 @@
-"""Decode-iteration cost model of a rollout instance (SPEC §4).
+"""Decode-iteration cost model of a rollout instance (docs/coordinator.md).
 
     latency(n, kv) = attn_b + attn_k·kv + max(other_threshold, other_b + other_k·n)
     T(n, kv)       = n / latency(n, kv)        tokens per second

@@ -1,4 +1,4 @@
-"""Coordinator policies (SPEC §4 "Baselines") as configurations of the strategy functions.
+"""Coordinator policies (docs/coordinator.md, policies and baselines) as configurations of the strategy functions.
 
 | policy | routing | synchronization | migration | staleness bound |
 |---|---|---|---|---|

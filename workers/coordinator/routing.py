@@ -1,4 +1,4 @@
-"""Routing strategies (SPEC §4): queue levels, waterfall and request-count routing.
+"""Routing strategies (docs/coordinator.md): queue levels, waterfall and request-count routing.
 
 * `route_waterfall`: multi-level queue by version (oldest level first; a level that cannot be
   fully routed blocks newer levels this cycle) and, per sample, the instance with the largest
@@ -116,7 +116,7 @@ def route_waterfall(
     block_scope: str = "instance",
     levels: Levels | None = None,
 ) -> list[RouteDecision]:
-    """Multi-level queue + waterfall (SPEC §4).
+    """Multi-level queue + waterfall (docs/coordinator.md).
 
     Levels are served oldest first (`queue_levels`). Inside a level samples are taken in
     order; for each, the eligible instances are those not pulling, with an empty waiting

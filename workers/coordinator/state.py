@@ -1,4 +1,4 @@
-"""What the coordinator sees: snapshots, and its speculative state (SPEC §4).
+"""What the coordinator sees: snapshots, and its speculative state (docs/coordinator.md).
 
 A *snapshot* is what the database says about the cluster at one instant: per instance its
 model version, running and waiting counts, KV-cache usage, per-running-sample token counts,

@@ -1,4 +1,4 @@
-"""Coordinator strategies (SPEC §4) as pure functions.
+"""Coordinator strategies (docs/coordinator.md) as pure functions.
 
 Inputs: instance views (the speculative state), queued samples, the cost model, an
 admission oracle and parameters. Outputs: lists of decisions. No I/O and no clock reads;
@@ -91,7 +91,7 @@ def sync_status_based(
 ) -> list[PullDecision]:
     """Pull instance i only when it is behind the PS, its waiting queue is empty, no queued
     sample can still be routed to it at its current version, and its KV usage is at or below
-    `kv_threshold` (SPEC §4). Staying on an old version while old work remains is safe."""
+    `kv_threshold` (docs/coordinator.md). Staying on an old version while old work remains is safe."""
     is_routable = routable if callable(routable) else (lambda v: routable.get(v, False))
     pulls = []
     for i in instances:
@@ -155,7 +155,7 @@ def migrate_throughput_ratio(
     use_measured: bool = False,
     max_tries: int = 8,
 ) -> list[InterruptDecision]:
-    """Coordinator-side migration, at most one per cycle (SPEC §4).
+    """Coordinator-side migration, at most one per cycle (docs/coordinator.md).
 
     Trigger: a starved instance (not pulling, nothing waiting, nothing routable at its
     version) whose throughput is less than 1/ψ of a loaded instance's (same or older version,

@@ -1,4 +1,4 @@
-"""Policy comparison on the SPEC §5 set-ups (the engine of `bench/policies.py` and
+"""Policy comparison on the reference set-ups (docs/policies.md) (the engine of `bench/policies.py` and
 `staleflow sim bench`).
 
 For each set-up: `sync` (η = 0) and `one_step` (η = 1) once, `strict` and `staleflow` for

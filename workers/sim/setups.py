@@ -1,4 +1,4 @@
-"""Experiment set-ups of SPEC §5, with the hardware numbers the simulator needs.
+"""Experiment set-ups (docs/policies.md), with the hardware numbers the simulator needs.
 
 Each set-up is a rollout cluster of H20 GPUs (96 GB, 148 dense bf16 TFLOP/s) running one of
 the fitted cost models of `cost_models.json`, and a trainer on the rest of a 128-GPU

@@ -1,4 +1,4 @@
-"""The policy loss of the reference runs (SPEC §5): DAPO on a GRPO advantage, pure torch.
+"""The policy loss of the reference runs (docs/policies.md): DAPO on a GRPO advantage, pure torch.
 
 * Advantage: (reward - group mean) / (group std + eps), per prompt group; no KL term.
 * Ratio r = π_θ / π_old per response token, PPO-clipped with clip-higher:

@@ -6,7 +6,7 @@ the time a real step would take under a tokens-proportional model
     t = (a + b · tokens) · time_scale         (tokens: prompt + response, all samples)
 
 and publishes. Defaults: a = 10 s fixed overhead, b = 1.27e-5 s/token, i.e. 6 · 7e9 FLOP per
-token on 64 GPUs at 148 TFLOP/s and 35 % MFU (the 7B dense set-up of SPEC §5, as in
+token on 64 GPUs at 148 TFLOP/s and 35 % MFU (the 7B dense set-up of docs/policies.md, as in
 workers/sim/setups.py). A restart needs no checkpoint: an unpublished batch is consumed
 again under a new lease.
 """

@@ -1,7 +1,7 @@
 """The `sim` engine: continuous batching on the cost-model clock, in real (scaled) time.
 
 No model and no torch: each decode iteration of `n` running samples holding `kv` KV tokens
-takes `latency(n, kv)` simulated seconds (SPEC §4 cost model), slept as `latency · time_scale`
+takes `latency(n, kv)` simulated seconds (the cost model, docs/coordinator.md), slept as `latency · time_scale`
 wall seconds, so a real-service run of the whole system (API, coordinator, workers, trainer)
 behaves like GPUs of that kind, faster. Batching — admission with a KV watermark, decode
 timing, preemption of the most recently admitted sample — is `timing.BatchModel`, the model

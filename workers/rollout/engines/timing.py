@@ -6,7 +6,7 @@ compare policies on the same engine. Callers own the clock; this class owns the 
 
 Continuous batching: a decode iteration of `n` running samples holding `kv` KV tokens takes
 `cost.latency(n, kv)`; every running sample gains one token per iteration, so KV grows by n
-per iteration and k iterations take `cost.iterations_time(n, kv, k)` (SPEC §4).
+per iteration and k iterations take `cost.iterations_time(n, kv, k)` (docs/coordinator.md).
 
 Running samples are kept as *offsets* from the iteration counter `it`: a sample admitted at
 iteration it0 with g tokens finishes at `finish_it = it0 + (target - g)` and holds
