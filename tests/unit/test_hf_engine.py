@@ -134,3 +134,50 @@ def test_eos_ends_a_sample(folder, prompts):
         e.model.lm_head.weight[eos] += 100.0 * e.model.lm_head.weight[eos].sign()
     (ev,) = _run(e, prompts[:1]).values()
     assert ev.finish_reason == "eos" and ev.tokens[-1] == eos
+
+
+def test_the_trainer_sees_the_engines_logprobs(folder, prompts, tmp_path):
+    """The GRPO trainer on the same folder: π_old equals π_rollout token by token (no TIS
+    mismatch), micro batches of different widths included."""
+    from api.models import BatchOut
+    from workers.trainer.grpo import GRPOConfig
+    from workers.trainer.torch_trainer import Trainer
+
+    temperature = 0.7
+    # two samples per prompt (seeds differ), one group per prompt
+    done = _run(HFEngine(folder, temperature=temperature), [prompts[0], prompts[0], prompts[1], prompts[1]])
+    groups = [
+        {
+            "group_id": g,
+            "group_version": 0,
+            "prompt_tokens": prompts[g],
+            "meta": {},
+            "samples": [
+                {
+                    "sample_id": 2 * g + j,
+                    "idx": j,
+                    "v_traj": 0,
+                    "tokens": done[f"s{2 * g + j}"].tokens,
+                    "logprobs": done[f"s{2 * g + j}"].logprobs,
+                    "reward": float(j),
+                    "finish_reason": done[f"s{2 * g + j}"].finish_reason,
+                    "segments": [],
+                }
+                for j in (0, 1)
+            ],
+        }
+        for g in (0, 1)
+    ]
+    model = load_model(folder)
+    trainer = Trainer(
+        None,  # type: ignore[arg-type]  # train_batch needs no API
+        1,
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.0),
+        checkpoint_dir=tmp_path,
+        grpo=GRPOConfig(temperature=temperature),
+        micro_batch_tokens=40,
+    )
+    _, metrics = trainer.train_batch(BatchOut(run_id=1, version=0, lease=1, groups=groups))
+    assert metrics["mismatch_mean"] == pytest.approx(0.0, abs=1e-4)
+    assert metrics["tis_mean"] == pytest.approx(1.0, abs=1e-3)
