@@ -7,6 +7,9 @@ engine generates with the published versions, and the audit is clean."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -114,3 +117,22 @@ def test_bad_model_options_are_refused_before_anything_starts(args, needles):
     assert res.exit_code == 2, out
     for n in needles:
         assert n in out, out
+
+
+@pytest.mark.slow
+def test_demo_trains_a_model_folder(db_url, tmp_path):
+    folder = make_tiny_hf_model(tmp_path / "model")
+    args = ["demo", "--model", str(folder), "--steps", "2", "--instances", "1", "--batch-size", "2"]
+    args += ["--group-size", "2", "--report-dir", str(tmp_path / "reports"), "--timeout", "240"]
+    out = subprocess.run(
+        [sys.executable, "-m", "staleflow_cli.main", *args],
+        env={**os.environ, "STALEFLOW_DATABASE_URL": db_url},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "staleness_violations: 0" in out.stdout
+    (report,) = (tmp_path / "reports").iterdir()
+    result = json.loads((report / "report.json").read_text())
+    assert result["model"] == str(folder) and len(result["steps"]) == 2
