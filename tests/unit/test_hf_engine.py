@@ -181,3 +181,17 @@ def test_the_trainer_sees_the_engines_logprobs(folder, prompts, tmp_path):
     _, metrics = trainer.train_batch(BatchOut(run_id=1, version=0, lease=1, groups=groups))
     assert metrics["mismatch_mean"] == pytest.approx(0.0, abs=1e-4)
     assert metrics["tis_mean"] == pytest.approx(1.0, abs=1e-3)
+
+
+def test_a_sample_that_outgrows_the_kv_cache_finishes_as_capacity(folder, prompts):
+    p = prompts[0]
+    e = HFEngine(folder, temperature=1.0, kv_capacity_tokens=len(p) + 4)
+    (ev,) = _run(e, [p]).values()
+    assert ev.finish_reason == "capacity" and len(ev.tokens) == 5  # the last one needs no K/V
+    assert e.stats().kv_tokens == 0
+    with pytest.raises(ValueError, match="never fit"):
+        e.add_request("big", p + p)
+    e.add_request("gone", p)
+    e.step()
+    e.abort(["gone", "unknown"])
+    assert not e.has_work() and e.stats().kv_tokens == 0
