@@ -100,12 +100,15 @@ class HFEngine(Engine):
         dtype: torch.dtype = torch.float32,
         num_threads: int | None = 1,
     ):
-        if model is None and model_path is None:
-            raise ValueError("pass model_path or model")
+        # None leaves torch's thread setting alone (a bigger model, an embedding process);
+        # for tiny models intra-op threads only spin on a shared CPU
         if num_threads is not None and torch.device(device).type == "cpu":
-            torch.set_num_threads(num_threads)  # small models: intra-op threads only spin
-        self.model = model if model is not None else load_model(model_path, device, dtype)  # type: ignore[arg-type]
-        self.model.eval()
+            torch.set_num_threads(num_threads)
+        if model is None:
+            if model_path is None:
+                raise ValueError("pass model_path or model")
+            model = load_model(model_path, device, dtype)
+        self.model = model.eval()
         if tokenizer is None and model_path is not None:
             tokenizer = load_tokenizer(model_path)
         self.eos = eos_token_ids(self.model, tokenizer)
