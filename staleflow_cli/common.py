@@ -10,7 +10,8 @@ commands that need it, so ``--help``, the reward worker and the sim trainer star
 
 The torch trainer and torch rollout workers must build the same model: both take
 ``--model-config`` (TinyConfig fields as JSON, or a path to a JSON file; defaults shared)
-and get their weights from the PS, where the trainer pushes version 0 when it starts.
+(or both ``--model FOLDER``, a Hugging Face model folder) and get their weights from the
+PS, where the trainer pushes version 0 when it starts.
 
 SIGTERM/SIGINT: finish the current step (trainer) or flush reports and deregister
 (rollout), then exit 0; a second signal exits at once.
@@ -66,6 +67,12 @@ MODEL_CONFIG = typer.Option(
     "must match between trainer and rollout workers",
 )
 MODEL_SEED = typer.Option(0, "--model-seed", help="seed of the initial weights (the same everywhere)")
+HF_MODEL = typer.Option(
+    None,
+    "--model",
+    help="a Hugging Face causal-LM folder (config, weights, tokenizer) instead of the tiny model; "
+    "the same folder for the trainer and the rollout workers",
+)
 
 
 # ---- shared helpers ---------------------------------------------------------------------------
@@ -135,6 +142,13 @@ def model_config(spec: str | None) -> TinyConfig:
         return TinyConfig(**json.loads(text))
     except (OSError, ValueError, TypeError) as e:  # bad path, bad JSON, unknown or bad field
         raise typer.BadParameter(f"{e}", param_hint="--model-config") from None
+
+
+def hf_folder(path: Path) -> None:
+    """Refuse a --model that is not a model folder before anything starts."""
+    need("transformers")
+    if not (path / "config.json").is_file():
+        raise typer.BadParameter(f"{path} is not a Hugging Face model folder (no config.json)", param_hint="--model")
 
 
 def ps_client(addr: str | None) -> ParamClient | None:

@@ -48,6 +48,7 @@ class DemoConfig:
     report_dir: Path = Path("reports")
     d_model: int = 64
     n_layers: int = 2
+    model: Path | None = None  # a Hugging Face model folder instead of the tiny model
 
 
 def model_config(task: RepeatTask, cfg: DemoConfig) -> dict[str, int]:
@@ -69,6 +70,8 @@ def run_demo(cfg: DemoConfig, console: Console) -> dict[str, Any]:
     protocol = Protocol(engine)
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
     name = f"demo-{stamp}"
+    # twice what the steps consume: filtered groups are replaced, in-flight work spills over
+    prompts = _prompts(task, cfg, 2 * cfg.steps * cfg.batch_size, name)
     run = protocol.create_run(
         name,
         RunConfig(
@@ -77,11 +80,9 @@ def run_demo(cfg: DemoConfig, console: Console) -> dict[str, Any]:
             eta=cfg.eta,
             dapo_filter=True,
             max_response_tokens=task.max_response,
-            max_prompt_tokens=8,
+            max_prompt_tokens=max(8, *(len(t) for _, t, _ in prompts)),
         ),
     )
-    # twice what the steps consume: filtered groups are replaced, in-flight work spills over
-    prompts = task.prompts(2 * cfg.steps * cfg.batch_size, seed=cfg.seed, prefix=name)
     protocol.enqueue(run, [Prompt(k, t, m) for k, t, m in prompts])
     report = (cfg.report_dir / name).resolve()
     console.print(
@@ -90,6 +91,7 @@ def run_demo(cfg: DemoConfig, console: Console) -> dict[str, Any]:
     )
     tokens = {r: create_token(engine, r, run)["token"] for r in ("trainer", "rollout", "reward", "coordinator")}
     mc = json.dumps(model_config(task, cfg))
+    model = ["--model", str(cfg.model)] if cfg.model else ["--model-config", mc]
     started = time.monotonic()
     with Cluster(report, url) as cluster:
         cluster.start_api()
@@ -112,8 +114,7 @@ def run_demo(cfg: DemoConfig, console: Console) -> dict[str, Any]:
                 str(cfg.steps),
                 "--lr",
                 str(cfg.lr),
-                "--model-config",
-                mc,
+                *model,
                 "--metrics-file",
                 str(report / "trainer.jsonl"),
             ],
@@ -129,11 +130,10 @@ def run_demo(cfg: DemoConfig, console: Console) -> dict[str, Any]:
                     "rollout-worker",
                     *common,
                     "--engine",
-                    "torch",
+                    "hf" if cfg.model else "torch",
                     "--ps",
                     ps_addr,
-                    "--model-config",
-                    mc,
+                    *model,
                     "--kv-capacity",
                     str(cfg.kv_capacity),
                     "--phi-wait",
@@ -155,7 +155,7 @@ def run_demo(cfg: DemoConfig, console: Console) -> dict[str, Any]:
         "run_id": run,
         "name": name,
         "config": {**asdict(cfg), "report_dir": str(cfg.report_dir)},
-        "model": json.loads(mc),
+        "model": str(cfg.model) if cfg.model else json.loads(mc),
         "elapsed_s": elapsed,
         "steps": steps,
         "audit": audit,
@@ -164,6 +164,15 @@ def run_demo(cfg: DemoConfig, console: Console) -> dict[str, Any]:
     print_result(result, console)
     console.print(f"report: {report}")
     return result
+
+
+def _prompts(task: RepeatTask, cfg: DemoConfig, n: int, name: str) -> list[tuple[str, list[int], dict]]:
+    if cfg.model is None:
+        return task.prompts(n, seed=cfg.seed, prefix=name)
+    from workers.models.hf import load_tokenizer
+    from workers.tasks.text import repeat_prompts
+
+    return repeat_prompts(load_tokenizer(cfg.model), n, seed=cfg.seed, prefix=name, task=task)
 
 
 def _follow(cluster: Cluster, protocol: Protocol, engine, run: int, cfg: DemoConfig, console: Console) -> None:
@@ -280,11 +289,14 @@ def demo(
     seed: int = typer.Option(0, help="Prompt seed."),
     report_dir: Path = typer.Option(Path("reports"), help="Where the report folder goes."),
     timeout: float = typer.Option(1200.0, min=1.0, help="Give up after this many seconds."),
+    model: Path | None = typer.Option(
+        None, "--model", help="A Hugging Face model folder to train instead of the tiny model (engine hf)."
+    ),
 ) -> None:
     """Train a tiny model from scratch with asynchronous RL: every process real, every step in PostgreSQL."""
     if policy not in POLICY_NAMES:
         raise typer.BadParameter(f"unknown policy {policy!r}; known: {', '.join(POLICY_NAMES)}", param_hint="--policy")
-    need("torch", "matplotlib")  # before a cluster starts, not at the report
+    need("torch", "matplotlib", *(["transformers"] if model else []))  # before a cluster starts
     console = Console()
     cfg = DemoConfig(
         steps=steps,
@@ -297,6 +309,7 @@ def demo(
         seed=seed,
         report_dir=report_dir,
         timeout_s=timeout,
+        model=model,
     )
     try:
         result = run_demo(cfg, console)

@@ -7,6 +7,7 @@ import importlib
 import os
 import socket
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import typer
@@ -15,6 +16,7 @@ from tenacity import RetryCallState, Retrying, retry_if_exception, stop_after_de
 from staleflow_cli.common import (
     API,
     API_WAIT,
+    HF_MODEL,
     MODEL_CONFIG,
     MODEL_SEED,
     RUN,
@@ -22,6 +24,7 @@ from staleflow_cli.common import (
     connect,
     console,
     fail,
+    hf_folder,
     model_config,
     on_signals,
     progress,
@@ -43,6 +46,7 @@ class Engine(str, enum.Enum):
     torch = "torch"
     sim = "sim"
     vllm = "vllm"
+    hf = "hf"
 
 
 # ---- rollout worker ---------------------------------------------------------------------------
@@ -50,14 +54,16 @@ class Engine(str, enum.Enum):
 
 def rollout_worker(
     run: str = RUN,
-    engine: Engine = typer.Option(..., "--engine", help="torch (tiny model, CPU/GPU), sim (cost model) or vllm"),
+    engine: Engine = typer.Option(
+        ..., "--engine", help="torch (tiny model, CPU/GPU), hf (a Hugging Face model folder), sim (cost model) or vllm"
+    ),
     api: list[str] | None = API,
     token: str | None = TOKEN,
     api_wait: float | None = API_WAIT,
     ps: str | None = typer.Option(None, "--ps", help="HOST:PORT of the PS to pull weights from"),
     name: str | None = typer.Option(None, "--name", help="instance label (default: host-pid)"),
     kv_capacity: int | None = typer.Option(
-        None, "--kv-capacity", min=16, help="KV-cache tokens (torch: default 8192; sim: the engine's)"
+        None, "--kv-capacity", min=16, help="KV-cache tokens (torch, hf: default 8192; sim: the engine's)"
     ),
     phi_wait: int | None = typer.Option(
         None, "--phi-wait", min=0, help="interrupt a preempted sample when more than this many wait"
@@ -66,7 +72,8 @@ def rollout_worker(
     temperature: float = typer.Option(1.0, "--temperature", min=0.0),
     model_config_: str | None = MODEL_CONFIG,
     model_seed: int = MODEL_SEED,
-    device: str = typer.Option("cpu", "--device", help="torch engine device"),
+    model: Path | None = HF_MODEL,
+    device: str = typer.Option("cpu", "--device", help="torch and hf engine device"),
     vllm_model: str | None = typer.Option(None, "--vllm-model", help="vllm: model name or path"),
     sim_model: str | None = typer.Option(None, "--sim-model", help="sim: cost model (cost_models.json), e.g. qwen_7b"),
     sim_parallelism: str | None = typer.Option(None, "--sim-parallelism", help="sim: e.g. TP1_PP1"),
@@ -80,8 +87,12 @@ def rollout_worker(
     from workers.rollout.worker import RolloutWorker
 
     cfg = model_config(model_config_) if engine is Engine.torch else None
-    if engine is Engine.vllm and not vllm_model:
-        raise typer.BadParameter("--engine vllm needs --vllm-model", param_hint="--vllm-model")
+    if engine is Engine.vllm and not (vllm_model or model):
+        raise typer.BadParameter("--engine vllm needs --vllm-model (or --model FOLDER)", param_hint="--vllm-model")
+    if engine is Engine.hf:
+        if model is None:
+            raise typer.BadParameter("--engine hf needs --model", param_hint="--model")
+        hf_folder(model)
     cost = _cost_model(sim_model, sim_parallelism) if engine is Engine.sim else None
     pc = ps_client(ps)
     client, run_id = connect(api, token, run, api_wait)
@@ -90,7 +101,16 @@ def rollout_worker(
         eng, weights = _sim_engine(client, run_id, kv_capacity, max_running, cost, time_scale)
     else:
         eng, weights = _engine(
-            engine, pc, cfg, model_seed, kv_capacity or 8192, max_running, temperature, device, vllm_model, ps_wait
+            engine,
+            pc,
+            cfg,
+            model_seed,
+            kv_capacity or 8192,
+            max_running,
+            temperature,
+            device,
+            vllm_model or (str(model) if model else None),
+            ps_wait,
         )
     worker = RolloutWorker(
         client,
@@ -176,10 +196,10 @@ def _engine(
     max_running: int,
     temperature: float,
     device: str,
-    vllm_model: str | None,
+    model: str | None,
     ps_wait: float,
 ) -> tuple[BaseEngine, WeightSource | None]:
-    """(engine, weight source) for the torch and vllm engines."""
+    """(engine, weight source) for the torch, hf and vllm engines (`model`: hf and vllm)."""
     if kind is Engine.torch:
         from workers.rollout.engines.torch_engine import TorchEngine
 
@@ -192,12 +212,19 @@ def _engine(
             temperature=temperature,
             device=device,
         )
+    elif kind is Engine.hf:
+        from workers.rollout.engines.hf_engine import HFEngine
+
+        assert model  # rollout_worker checks it
+        eng = HFEngine(
+            model, kv_capacity_tokens=kv_capacity, max_running=max_running, temperature=temperature, device=device
+        )
     else:
         from workers.rollout.engines.vllm_engine import VLLMEngine, VLLMUnavailable
 
-        assert vllm_model  # rollout_worker checks it
+        assert model  # rollout_worker checks it
         try:
-            eng = VLLMEngine(vllm_model, temperature=temperature, max_num_seqs=max_running)
+            eng = VLLMEngine(model, temperature=temperature, max_num_seqs=max_running)
         except VLLMUnavailable as e:
             raise fail(str(e)) from None
     if pc is not None:

@@ -13,6 +13,7 @@ from rich.markup import escape
 from staleflow_cli.common import (
     API,
     API_WAIT,
+    HF_MODEL,
     MODEL_CONFIG,
     MODEL_SEED,
     RUN,
@@ -20,6 +21,7 @@ from staleflow_cli.common import (
     connect,
     console,
     fail,
+    hf_folder,
     model_config,
     need,
     on_signals,
@@ -30,6 +32,8 @@ from staleflow_db.settings import get_settings
 from workers.client import ApiError, StaleFlowClient
 
 if TYPE_CHECKING:  # torch-backed: imported where used (the --sim trainer runs without torch)
+    import torch
+
     from workers.models.tiny_model import TinyConfig
     from workers.trainer.param_server import ParamClient
     from workers.trainer.torch_trainer import Trainer
@@ -63,6 +67,7 @@ def trainer(
     micro_batch_tokens: int = typer.Option(16384, "--micro-batch-tokens", min=1),
     model_config_: str | None = MODEL_CONFIG,
     model_seed: int = MODEL_SEED,
+    model: Path | None = HF_MODEL,
     device: str = typer.Option("cpu", "--device"),
     wait: float = typer.Option(5.0, "--wait", min=0.1, help="long-poll seconds per consume"),
     metrics_file: Path | None = typer.Option(None, "--metrics-file", help="append each step's metrics (JSONL)"),
@@ -74,7 +79,13 @@ def trainer(
     """Consume ready batches in version order, train (GRPO/DAPO + TIS), push, publish."""
     from workers.trainer import loop, sim_trainer
 
-    cfg = None if sim else model_config(model_config_)
+    if model is not None and (sim or model_config_):
+        raise typer.BadParameter(
+            "--model trains a Hugging Face model: no --sim, no --model-config", param_hint="--model"
+        )
+    cfg = None if sim or model is not None else model_config(model_config_)
+    if model is not None:
+        hf_folder(model)
     ps_addr = ps_client(ps) if not sim else None
     client, run_id = connect(api, token, run, api_wait)
     if sim:
@@ -87,11 +98,10 @@ def trainer(
             s_per_token=sim_trainer.SIM_S_PER_TOKEN if sim_s_per_token is None else sim_s_per_token,
         )
     else:
-        assert cfg is not None  # built above unless --sim
         worker = _torch_trainer(
             client,
             run_id,
-            cfg,
+            _build_model(cfg, model, model_seed, device),
             ps_addr,
             checkpoint_dir,
             lr,
@@ -102,8 +112,6 @@ def trainer(
             temperature,
             max_grad_norm,
             micro_batch_tokens,
-            model_seed,
-            device,
             wait,
         )
     on_signals(worker.stop, "finishing the current step")
@@ -124,10 +132,25 @@ def trainer(
     )
 
 
+def _build_model(
+    cfg: TinyConfig | None, folder: Path | None, model_seed: int, device: str
+) -> tuple[torch.nn.Module, dict[str, Any]]:
+    """The model to train and what its checkpoint records about it: a Hugging Face folder
+    (`--model`, its weights are version 0) or the tiny model (`--model-config`, seeded)."""
+    if folder is not None:
+        from workers.models.hf import load_model
+
+        return load_model(folder, device), {"model_path": str(folder.resolve())}
+    from workers.models.tiny_model import TinyTransformer
+
+    assert cfg is not None  # trainer() builds one unless --model or --sim
+    return TinyTransformer(cfg, seed=model_seed).to(device), {"model_config": cfg.to_dict(), "model_seed": model_seed}
+
+
 def _torch_trainer(
     client: StaleFlowClient,
     run_id: int,
-    cfg: TinyConfig,
+    built: tuple[torch.nn.Module, dict[str, Any]],
     ps_addr: ParamClient | None,
     checkpoint_dir: Path | None,
     lr: float,
@@ -138,18 +161,15 @@ def _torch_trainer(
     temperature: float,
     max_grad_norm: float,
     micro_batch_tokens: int,
-    model_seed: int,
-    device: str,
     wait: float,
 ) -> Trainer:
     import torch
 
-    from workers.models.tiny_model import TinyTransformer
     from workers.trainer.grpo import GRPOConfig
     from workers.trainer.torch_trainer import Trainer
 
     directory = checkpoint_dir or get_settings().home / "trainer" / f"run-{run_id}"
-    model = TinyTransformer(cfg, seed=model_seed).to(device)
+    model, extra_state = built
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
     grpo = GRPOConfig(clip_low=clip_low, clip_high=clip_high, tis_cap=tis_cap or None, temperature=temperature)
     where = f"{ps_addr.addr[0]}:{ps_addr.addr[1]}" if ps_addr else "none"
@@ -165,7 +185,7 @@ def _torch_trainer(
         wait_s=wait,
         micro_batch_tokens=micro_batch_tokens,
         max_grad_norm=max_grad_norm or None,
-        extra_state={"model_config": cfg.to_dict(), "model_seed": model_seed},
+        extra_state=extra_state,
     )
 
 

@@ -6,6 +6,9 @@ Per version v (the run's current version):
     version v+1, checksum) -> ps.push(v+1) -> publish(v, lease, size, checksum, location)
     -> ps.commit(v+1, checksum)
 
+The model is the tiny transformer or any Hugging Face causal LM (workers.models.hf): the
+loss only needs next-token logits, and the PS moves whatever state dict the model has.
+
 Fencing: a publish refused with 409 (another trainer's consume took the buffer, or another
 trainer published it) stops this trainer with "fenced: ..." (TrainerError; the CLI exits 1):
 its weights are not the published ones. Pushes stay provisional on the PS until the
@@ -286,7 +289,7 @@ class Trainer:
     def train_batch(self, batch: BatchOut) -> tuple[float, dict[str, float]]:
         """One optimizer step on the batch; returns (loss, metrics)."""
         seqs, starts, rollout, groups, rewards = [], [], [], [], []
-        max_seq = getattr(getattr(self.model, "cfg", None), "max_seq", None)
+        max_seq = _max_seq(self.model)
         for gi, g in enumerate(batch.groups):
             for s in g.samples:
                 seq = list(g.prompt_tokens) + list(s.tokens)
@@ -319,7 +322,8 @@ class Trainer:
                 mask[row, p - 1 : p - 1 + n] = 1.0
                 rlp[row, p - 1 : p - 1 + n] = torch.tensor(rollout[i])
             inp, tgt, mask, rlp = inp.to(dev), tgt.to(dev), mask.to(dev), rlp.to(dev)
-            logp, entropy = token_logprobs(self.model(inp), tgt, self.grpo.temperature)
+            # right padding needs no attention mask: causal attention never looks ahead
+            logp, entropy = token_logprobs(_logits(self.model(inp)), tgt, self.grpo.temperature)
             loss, part = policy_loss(
                 logp, logp.detach(), rlp, adv[idx].to(dev), mask, self.grpo, num_tokens=max(total, 1)
             )
@@ -389,6 +393,23 @@ class Trainer:
             f.write(json.dumps({**entry, "pid": os.getpid(), "at": time.time()}) + "\n")
             f.flush()
             os.fsync(f.fileno())
+
+
+def _logits(out: Any) -> torch.Tensor:
+    """The tiny model returns logits; a Hugging Face model an output object holding them."""
+    return out if isinstance(out, torch.Tensor) else out.logits
+
+
+def _max_seq(model: nn.Module) -> int | None:
+    tiny = getattr(model, "cfg", None)
+    if tiny is not None:
+        return int(tiny.max_seq)
+    config = getattr(model, "config", None)
+    if config is None:
+        return None
+    from workers.models.hf import max_positions
+
+    return max_positions(config)
 
 
 def _maybe_pause(directory: Path, version: int) -> None:
