@@ -10,7 +10,14 @@ import importlib
 from types import ModuleType
 
 # Which extra of pyproject.toml brings each optional top-level module.
-EXTRAS = {"torch": "torch", "safetensors": "torch", "matplotlib": "plots", "vllm": "vllm", "transformers": "hf", "tokenizers": "hf"}
+EXTRAS = {
+    "torch": "torch",
+    "safetensors": "torch",
+    "matplotlib": "plots",
+    "vllm": "vllm",
+    "transformers": "hf",
+    "tokenizers": "hf",
+}
 
 
 class MissingExtra(ImportError):
