@@ -146,6 +146,19 @@ def test_commands_are_real_staleflow_commands(rendered) -> None:
     assert not problems, problems
 
 
+def test_command_line_variables_are_defined(rendered) -> None:
+    """Every $(VAR) in args is an env var of the container (Kubernetes leaves unknown ones as
+    literal text, so a typo would reach the command line silently)."""
+    tree, docs = rendered
+    config = {d["metadata"]["name"]: d.get("data", {}) for d in docs if d["kind"] == "ConfigMap"}
+    for d, c, _ in containers(docs):
+        defined = {e["name"] for e in c.get("env", [])}
+        for src in c.get("envFrom", []):
+            defined |= set(config[src["configMapRef"]["name"]])
+        used = {v for a in c.get("args", []) for v in re.findall(r"\$\((\w+)\)", a)}
+        assert used <= defined, f"{tree} {d['metadata']['name']} {c['name']}: undefined {used - defined}"
+
+
 def test_the_shape_of_the_deployment(rendered) -> None:
     tree, docs = rendered
     api = named(docs, "Deployment", "staleflow-api")
