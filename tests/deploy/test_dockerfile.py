@@ -109,3 +109,19 @@ def test_copied_sources_exist_and_pass_the_dockerignore() -> None:
 def test_hadolint() -> None:
     out = subprocess.run(["hadolint", str(DOCKERFILE)], capture_output=True, text=True)
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_the_builder_copies_everything_the_wheel_is_built_from() -> None:
+    """pyproject's packages (and their package-dir sources), pyproject.toml and the readme."""
+    import tomllib
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())
+    tool = project["tool"]["setuptools"]
+    needed = {"pyproject.toml", project["project"]["readme"]}
+    needed |= {p.split(".")[0] for p in tool["packages"] if p not in tool.get("package-dir", {})}
+    needed |= {src.split("/")[0] for src in tool.get("package-dir", {}).values()}
+    copied = set()
+    for op, a in stages()[0]:
+        if op == "COPY":
+            copied |= {src.rstrip("/") for src in a.split()[:-1]}
+    assert needed <= copied, f"not copied into the builder: {needed - copied}"
