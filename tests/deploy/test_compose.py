@@ -6,6 +6,7 @@ API's /metrics."""
 from __future__ import annotations
 
 import re
+import shlex
 from typing import Any
 
 import pytest
@@ -16,7 +17,18 @@ from tests.deploy_helpers import DEPLOY, REPO, check_staleflow_args
 pytestmark = pytest.mark.deploy
 
 COMPOSE = DEPLOY / "compose.yaml"
-ROLES = {"postgres", "migrate", "api", "coordinator", "ps", "trainer", "reward-worker", "rollout-worker", "prometheus"}
+ROLES = {
+    "postgres",
+    "migrate",
+    "admin-token",
+    "api",
+    "coordinator",
+    "ps",
+    "trainer",
+    "reward-worker",
+    "rollout-worker",
+    "prometheus",
+}
 VAR = re.compile(r"\$\{(\w+)(?::([-?])([^}]*))?\}")
 # Variables the user must set (compose stops with the message after `:?`); all others have defaults.
 REQUIRED_VARS = {"POSTGRES_PASSWORD"}
@@ -41,13 +53,25 @@ def test_every_role_is_a_service(compose) -> None:
     assert ROLES <= set(compose["services"])
 
 
+def staleflow_command_lines(svc: dict[str, Any]) -> list[list[str]]:
+    """The `staleflow` argument lists a service runs: its command under the image's entrypoint,
+    or each `staleflow ...` inside an `sh -c` script."""
+    command = [interpolate(a) for a in svc["command"]]
+    if svc.get("entrypoint") is None:
+        return [command]
+    assert svc["entrypoint"] == ["sh", "-c"] and len(command) == 1
+    return [shlex.split(m.group(1)) for m in re.finditer(r"\bstaleflow\s+([^|;&>]*)", command[0])]
+
+
 def test_commands_are_real_staleflow_commands(compose) -> None:
     services = staleflow_services(compose)
     assert set(services) == ROLES - {"postgres", "prometheus"}
     problems = []
     for name, svc in services.items():
-        assert isinstance(svc["command"], list), f"{name}: command as a list (no shell)"
-        problems += [f"{name}: {p}" for p in check_staleflow_args([interpolate(a) for a in svc["command"]])]
+        assert isinstance(svc["command"], list), f"{name}: command as a list"
+        lines = staleflow_command_lines(svc)
+        assert lines, f"{name}: runs no staleflow command"
+        problems += [f"{name}: {p}" for line in lines for p in check_staleflow_args(line)]
     assert not problems, problems
 
 
@@ -82,8 +106,10 @@ def test_start_order(compose) -> None:
     assert s["migrate"]["depends_on"]["postgres"]["condition"] == "service_healthy"
     assert s["api"]["depends_on"]["migrate"]["condition"] == "service_completed_successfully"
     assert "/readyz" in " ".join(s["api"]["healthcheck"]["test"])
+    assert s["admin-token"]["depends_on"]["migrate"]["condition"] == "service_completed_successfully"
     for role in ("coordinator", "trainer", "reward-worker", "rollout-worker"):
         assert s[role]["depends_on"]["api"]["condition"] == "service_healthy"
+        assert s[role]["depends_on"]["admin-token"]["condition"] == "service_completed_successfully"
     assert s["coordinator"]["deploy"]["replicas"] == 2  # leader and standby
 
 
