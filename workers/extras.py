@@ -10,7 +10,7 @@ import importlib
 from types import ModuleType
 
 # Which extra of pyproject.toml brings each optional top-level module.
-EXTRAS = {"torch": "torch", "safetensors": "torch", "matplotlib": "plots", "vllm": "vllm"}
+EXTRAS = {"torch": "torch", "safetensors": "torch", "matplotlib": "plots", "vllm": "vllm", "ray": "ray"}
 
 
 class MissingExtra(ImportError):
