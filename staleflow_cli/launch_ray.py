@@ -236,6 +236,8 @@ def _prompts(cfg: LaunchConfig) -> list[tuple[str, list[int], dict]]:
 def connect(cfg: LaunchConfig) -> Any:
     import ray
 
+    # It warns that removing a placement group kills its actors: that is what --stop does.
+    logging.getLogger("ray.actor").setLevel(logging.ERROR)
     if not ray.is_initialized():
         ray.init(
             address=cfg.ray.address,
@@ -310,7 +312,10 @@ def start(cfg: LaunchConfig) -> tuple[int, str]:
                 scheduling_strategy=placement,
                 **actor_resources(rc),
             ).remote(spec)
-    console.print(f"run {cfg.run.name} (id {run_id}): {len(running(cfg))} actors started; logs in {workdir}/logs")
+    console.print(
+        f"run {cfg.run.name} (id {run_id}): {len(running(cfg))} actors started; logs in {workdir}/logs on their nodes",
+        soft_wrap=True,
+    )
     return run_id, tokens["admin"]
 
 

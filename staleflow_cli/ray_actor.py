@@ -35,6 +35,7 @@ import ray
 WATCH_S = 3.0  # how often dependencies' addresses are looked up again
 MAX_BACKOFF_S = 30.0
 STABLE_S = 60.0  # a process that ran this long restarts without back-off
+ALL_API_S = 60.0  # how long a starting process waits for every API replica, not just one
 PR_SET_PDEATHSIG = 1
 
 try:  # loaded before any fork: the child must not import after fork
@@ -226,17 +227,23 @@ class RoleProcess:
                 self.addr = f"{ready['host']}:{ready['port']}"
         else:
             self.addr = self.host
+            self.ready.set()
+            return
         if self.addr is not None:
             self.ready.set()
             self._note(f"serving at {self.addr}")
 
     def _resolve(self, wait: bool) -> dict[str, Any] | None:
-        """The dependencies' addresses from their actors. wait: until at least one API replica
-        and the PS answer (None once stopping); else what answers within a second."""
+        """The dependencies' addresses from their actors. wait: until every API replica (after
+        ALL_API_S, at least one) and the PS answer (None once stopping); else what answers
+        within a second."""
+        since = time.monotonic()
         while True:
-            api = [a for a in (self._lookup(n, 1.0 if not wait else 5.0) for n in self.spec["api"]) if a]
-            ps = self._lookup(self.spec["ps"], 1.0 if not wait else 5.0) if self.spec["ps"] else None
-            if not wait or ((api or not self.spec["api"]) and (ps or not self.spec["ps"])):
+            api = [a for a in (self._lookup(n, 5.0 if wait else 1.0) for n in self.spec["api"]) if a]
+            ps = self._lookup(self.spec["ps"], 5.0 if wait else 1.0) if self.spec["ps"] else None
+            # Starting with every replica spares a restart when a late one appears.
+            enough = len(api) == len(self.spec["api"]) or (api and time.monotonic() - since > ALL_API_S)
+            if not wait or (enough and (ps or not self.spec["ps"])):
                 return {"api": sorted(api), "ps": ps}
             if self.stopping.wait(1.0):
                 return None
