@@ -319,10 +319,22 @@ def start(cfg: LaunchConfig) -> tuple[int, str]:
     return run_id, tokens["admin"]
 
 
+def _handles(cfg: LaunchConfig, names: list[str]) -> dict[str, Any]:
+    """Handles of those of the named actors that still exist."""
+    ray = connect(cfg)
+    found = {}
+    for n in names:
+        try:
+            found[n] = ray.get_actor(n)
+        except ValueError:
+            pass  # killed since it was listed
+    return found
+
+
 def actors_info(cfg: LaunchConfig, timeout: float = 10.0) -> dict[str, dict[str, Any]]:
     """info() of every actor of the run that answers within `timeout`."""
     ray = connect(cfg)
-    handles = {n: ray.get_actor(n) for n in running(cfg)}
+    handles = _handles(cfg, running(cfg))
     refs = {n: h.info.remote() for n, h in handles.items()}
     ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout)
     done = set(ready)
@@ -331,8 +343,9 @@ def actors_info(cfg: LaunchConfig, timeout: float = 10.0) -> dict[str, dict[str,
 
 def api_urls(cfg: LaunchConfig, timeout: float = 180.0) -> list[str]:
     ray = connect(cfg)
-    refs = [ray.get_actor(n).address.remote(timeout) for n in cfg.names("api")]
-    return [u for u in ray.get(refs, timeout=timeout + 10) if u]
+    refs = [h.address.remote(timeout) for h in _handles(cfg, cfg.names("api")).values()]
+    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout + 10)
+    return [u for u in ray.get(ready) if u]
 
 
 def follow(cfg: LaunchConfig, run_id: int, token: str, timeout: float | None = None) -> None:
@@ -369,7 +382,7 @@ def stop(cfg: LaunchConfig, timeout: float = 30.0) -> int:
     ray = connect(cfg)
     names = running(cfg)
     for role in STOP_ORDER:
-        handles = [ray.get_actor(n) for n in names if n.startswith(f"{cfg.run.name}.{role}-")]
+        handles = list(_handles(cfg, [n for n in names if n.startswith(f"{cfg.run.name}.{role}-")]).values())
         refs = [h.stop.remote(timeout) for h in handles]
         ray.wait(refs, num_returns=len(refs), timeout=timeout + 10)
         for h in handles:

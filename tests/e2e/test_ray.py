@@ -138,6 +138,16 @@ def test_config_example_parses_and_bad_ones_are_refused(tmp_path):
             load_config(bad)
 
 
+def test_without_ray_the_command_names_the_extra(monkeypatch):
+    from typer.testing import CliRunner
+
+    from staleflow_cli.main import app
+
+    monkeypatch.setitem(sys.modules, "ray", None)  # as if not installed
+    res = CliRunner().invoke(app, ["launch", "ray", "--config", str(REPO / "deploy" / "ray" / "run.toml")])
+    assert res.exit_code == 1 and "staleflow[ray]" in res.output, res.output
+
+
 @pytest.mark.slow
 @pytest.mark.db
 def test_ray_run_survives_a_node_removal(db_url, tmp_path):
