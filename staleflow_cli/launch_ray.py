@@ -77,6 +77,28 @@ class RewardCfg(RoleCfg):
     verifier: str = "sim"
 
 
+# Each role's default replica count holds when its section sets other fields only.
+class ApiCfg(RoleCfg):
+    replicas: Annotated[int, Field(ge=1)] = 2
+
+
+class CoordinatorCfg(RoleCfg):
+    replicas: Annotated[int, Field(ge=0)] = 2  # leader and standby (the database lease decides)
+
+
+class PsCfg(RoleCfg):
+    replicas: Annotated[int, Field(ge=0, le=1)] = 0  # needed by the torch and vllm engines
+
+
+class TrainerCfg(EngineRoleCfg):
+    replicas: Annotated[int, Field(ge=0, le=1)] = 1
+    engine: Literal["sim", "torch"] = "sim"
+
+
+class RolloutCfg(EngineRoleCfg):
+    replicas: Annotated[int, Field(ge=0)] = 2  # one actor per inference instance
+
+
 class PlacementCfg(_Strict):
     roles: list[str]
     strategy: Literal["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"] = "STRICT_PACK"
@@ -86,12 +108,12 @@ class LaunchConfig(_Strict):
     ray: RayCfg = RayCfg()
     run: RunCfg
     env: dict[str, str] = {}  # for every role
-    api: RoleCfg = RoleCfg(replicas=2)
-    coordinator: RoleCfg = RoleCfg(replicas=2)  # leader and standby (the database lease decides)
-    ps: RoleCfg = RoleCfg(replicas=0)  # needed by torch and vllm engines
-    trainer: EngineRoleCfg = EngineRoleCfg()
+    api: ApiCfg = ApiCfg()
+    coordinator: CoordinatorCfg = CoordinatorCfg()
+    ps: PsCfg = PsCfg()
+    trainer: TrainerCfg = TrainerCfg()
     reward: RewardCfg = RewardCfg()
-    rollout: EngineRoleCfg = EngineRoleCfg(replicas=2)  # one actor per inference instance
+    rollout: RolloutCfg = RolloutCfg()
     placement_groups: list[PlacementCfg] = []
 
     def role(self, name: str) -> RoleCfg:
@@ -115,10 +137,6 @@ class LaunchConfig(_Strict):
         torchy = self.trainer.engine != "sim" or self.rollout.engine != "sim"
         if torchy and self.ps.replicas != 1:
             problems.append("torch/vllm engines pull weights from a parameter server: set [ps] replicas = 1")
-        if self.ps.replicas > 1 or self.trainer.replicas > 1:
-            problems.append("one parameter server and one trainer per run")
-        if self.api.replicas < 1:
-            problems.append("[api] replicas must be >= 1")
         if problems:
             raise typer.BadParameter("; ".join(problems), param_hint="--config")
 
@@ -180,9 +198,9 @@ def database_url(cfg: LaunchConfig) -> str:
     return url
 
 
-def prepare_run(cfg: LaunchConfig, url: str) -> tuple[int, dict[str, str]]:
+def prepare_run(cfg: LaunchConfig, url: str) -> tuple[int, dict[str, str], bool]:
     """Migrate, create the run (or find it: a second launch resumes) with its prompts, and
-    issue one token per role."""
+    issue one token per role; also whether the run already has its steps."""
     from api.auth import create_token
     from staleflow_db import migrate
     from staleflow_db.audit import find_run
@@ -211,11 +229,12 @@ def prepare_run(cfg: LaunchConfig, url: str) -> tuple[int, dict[str, str]]:
                 ),
             )
             protocol.enqueue(run_id, [Prompt(k, t, m) for k, t, m in _prompts(cfg)])
+        complete = Protocol(engine).status(run_id)["version"] >= cfg.run.steps
         tokens = {role: create_token(engine, role, run_id)["token"] for role in ("trainer", "rollout", "reward")}
         tokens["admin"] = create_token(engine, "admin", None, name=f"launch ray {cfg.run.name}")["token"]
     finally:
         engine.dispose()
-    return run_id, tokens
+    return run_id, tokens, complete
 
 
 def _prompts(cfg: LaunchConfig) -> list[tuple[str, list[int], dict]]:
@@ -265,9 +284,12 @@ def start(cfg: LaunchConfig) -> tuple[int, str]:
     from staleflow_cli.ray_actor import RoleProcess
 
     url = database_url(cfg)
-    run_id, tokens = prepare_run(cfg, url)
+    run_id, tokens, complete = prepare_run(cfg, url)
     if running(cfg):
         console.print(f"run {cfg.run.name} is already running on this cluster; following it")
+        return run_id, tokens["admin"]
+    if complete:
+        console.print(f"run {cfg.run.name} already has its {cfg.run.steps} steps: nothing to start")
         return run_id, tokens["admin"]
     workdir = f"{cfg.ray.workdir}/{cfg.run.name}"
     strategies: dict[tuple[str, int], Any] = {}

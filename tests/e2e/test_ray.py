@@ -127,6 +127,9 @@ def test_config_example_parses_and_bad_ones_are_refused(tmp_path):
     assert (cfg.api.replicas, cfg.coordinator.replicas, cfg.ps.replicas) == (2, 2, 1)
     cfg.rollout.num_gpus, cfg.rollout.tensor_parallel = 1, 4
     assert actor_resources(cfg.rollout)["num_gpus"] == 4  # per instance: GPUs x tensor parallel size
+    partial = tmp_path / "partial.toml"  # a section setting other fields keeps the role's replicas
+    partial.write_text('[run]\nname = "x"\n[api]\nnum_cpus = 0.5\n[rollout]\nnum_cpus = 0.5')
+    assert (load_config(partial).api.replicas, load_config(partial).rollout.replicas) == (2, 2)
     bad = tmp_path / "bad.toml"
     for text, problem in [
         ('[run]\nname = "x"\n[rollout]\nengine = "torch"', "parameter server"),
