@@ -17,6 +17,7 @@ EXTRAS = {
     "vllm": "vllm",
     "transformers": "hf",
     "tokenizers": "hf",
+    "ray": "ray",
 }
 
 
