@@ -319,6 +319,10 @@ class VLLMEngine(Engine):
             self._forget(st)
             if not st.reported:  # a finish that raced the interrupt is reported as a finish
                 out.append(Partial(st.sample_id, list(st.tokens), list(st.logprobs), st.prefix_len))
+        # the partials hold every token: unread TokensEvents would otherwise reach the caller
+        # after the partial, or be taken for a new stretch of the same sample
+        stopped = {p.sample_id for p in out}
+        self._pending = [e for e in self._pending if e.sample_id not in stopped]
         return out
 
     def abort(self, sample_ids: Sequence[str]) -> None:
