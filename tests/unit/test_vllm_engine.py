@@ -16,8 +16,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from workers.rollout.engines.base import FinishedEvent, Partial, TokensEvent
-from workers.rollout.engines.vllm_engine import StaleFlowWorkerExtension, VLLMEngine
+from workers.rollout.engines.base import FINISH_REASONS, FinishedEvent, Partial, TokensEvent
+from workers.rollout.engines.vllm_engine import VLLM_FINISH_REASONS, StaleFlowWorkerExtension, VLLMEngine
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 needs_vllm = pytest.mark.skipif(not HAVE_VLLM, reason="vLLM is not installed (test-only env: pip install vllm==0.33.0)")
@@ -370,3 +370,11 @@ def test_engine_args_ask_for_processed_logprobs_and_our_worker_extension(monkeyp
     from vllm.engine.arg_utils import AsyncEngineArgs  # the real class takes these arguments
 
     assert AsyncEngineArgs(**seen).logprobs_mode == "processed_logprobs"
+
+
+def test_every_vllm_finish_reason_maps_into_our_vocabulary():
+    assert set(VLLM_FINISH_REASONS.values()) <= set(FINISH_REASONS)
+    if HAVE_VLLM:  # and vLLM has no finish reason we do not map
+        from vllm.v1.engine import FINISH_REASON_STRINGS
+
+        assert set(FINISH_REASON_STRINGS) <= set(VLLM_FINISH_REASONS)
