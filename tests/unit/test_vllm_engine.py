@@ -145,10 +145,13 @@ class FakeLLM:
         self.calls: list[tuple] = []
         self.rpc_results: list[list[int]] = []
         self.reset_ok = True
+        self.errored = False  # AsyncLLM.errored: the engine is dead
 
     async def add_request(self, rid: str, prompt: dict, params: object) -> object:
         assert prompt["type"] == "token"  # the 0.33 input API, not a raw TokensPrompt
         await self.registration.wait()
+        if 999 in prompt["prompt_token_ids"]:
+            raise ValueError("refused by the input processor")
         q = self.front.add(rid, prompt["prompt_token_ids"], params)  # type: ignore[attr-defined]
         self.running[rid] = [params.max_tokens, 0]  # type: ignore[attr-defined]
         return q
@@ -292,6 +295,17 @@ def test_length_eos_and_a_prompt_that_never_fits(frontend):
     # longer than the model: refused before vLLM (its input processor would raise)
     eng.add_request("3", list(range(1, 65)), max_new_tokens=3)
     assert eng.step() == [FinishedEvent("3", [], [], "length", 0)]
+
+
+@pytest.mark.parametrize("frontend", FRONTENDS)
+def test_a_request_vllm_refuses_ends_as_error_and_a_dead_engine_raises(frontend):
+    eng, fake = engine(frontend)
+    eng.add_request("1", [1, 999], max_new_tokens=3)
+    assert drain(eng, 3) == [FinishedEvent("1", [], [], "error", 0)] and not eng.has_work()
+    fake.errored = True
+    eng.add_request("2", [1, 999], max_new_tokens=3)
+    with pytest.raises(RuntimeError, match="refused by the input processor"):
+        drain(eng, 3)
 
 
 def test_weight_load_pauses_pulls_on_every_worker_and_checks_the_cache():

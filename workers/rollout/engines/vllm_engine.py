@@ -15,7 +15,8 @@ How the interface maps:
   * step -> drain the outputs that arrived (waiting up to `poll_s` when there are none):
     deltas become TokensEvents, vLLM's finish reasons FinishedEvents (stop -> "eos"; "length"
     with no token at all -> "capacity": the prompt was never scheduled; vLLM's own "abort",
-    "error" and "repetition" pass through under those names, see base.FINISH_REASONS).
+    "error" and "repetition" pass through under those names, see base.FINISH_REASONS). A
+    request vLLM refuses or fails alone ends as "error" too; a dead engine raises from step().
   * interrupt/abort -> mark the stretch stopping and `abort` it once vLLM has registered it
     (a stretch still being registered aborts itself right after), then wait for its task to
     end: vLLM's final "abort" output carries the tokens not yet read, which the partial keeps.
@@ -35,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import itertools
+import logging
 import queue
 import threading
 import time
@@ -54,6 +56,7 @@ VLLM_FINISH_REASONS = {
     "repetition": "repetition",
 }
 EXTENSION = f"{__name__}.StaleFlowWorkerExtension"
+log = logging.getLogger("staleflow.rollout.vllm")
 STOP_TIMEOUT_S = 30.0  # how long interrupt() waits for vLLM's final output of a stopped stretch
 
 
@@ -248,10 +251,18 @@ class VLLMEngine(Engine):
         except queue.Empty:
             return
         while True:
-            if isinstance(item, _Failed):
-                raise RuntimeError(f"vLLM request {item.request_id} failed: {item.error!r}") from item.error
             st = self._by_request.get(item.request_id)
-            if st is not None:  # else: interrupted or aborted meanwhile
+            if isinstance(item, _Failed):
+                if self._llm.errored:  # the engine is dead: nothing more will come
+                    raise RuntimeError(f"vLLM request {item.request_id} failed: {item.error!r}") from item.error
+                # one request refused or failed (e.g. a validation error): it ends as "error",
+                # rather than stopping the worker, which would be handed the same sample again
+                log.warning("vLLM request %s failed: %r", item.request_id, item.error)
+                if st is not None and not st.stopping:
+                    st.done = True
+                    self._pending += [fin for fin in [st.finish("error")] if fin is not None]
+                    self._forget(st)
+            elif st is not None:  # else: interrupted or aborted meanwhile
                 events = st.absorb(item)
                 self._pending += events
                 self._recent.append(
