@@ -196,9 +196,8 @@ def _engine(
         from workers.rollout.engines.vllm_engine import VLLMEngine, VLLMUnavailable
 
         assert vllm_model  # rollout_worker checks it
-        ps_addr = f"{pc.addr[0]}:{pc.addr[1]}" if pc is not None else None
         try:
-            eng = VLLMEngine(vllm_model, temperature=temperature, max_num_seqs=max_running, ps_addr=ps_addr)
+            eng = VLLMEngine(vllm_model, temperature=temperature, max_num_seqs=max_running)
         except VLLMUnavailable as e:
             raise fail(str(e)) from None
     if pc is None:
@@ -207,7 +206,8 @@ def _engine(
     if kind is Engine.vllm:
         # each vLLM worker pulls from the PS itself: no weights pass through this process
         assert isinstance(eng, VLLMEngine)
-        with console.status(f"vLLM workers loading the latest committed version from the PS at {ps_addr}"):
+        eng.ps_addr = f"{pc.addr[0]}:{pc.addr[1]}"
+        with console.status(f"vLLM workers loading the latest committed version from the PS at {eng.ps_addr}"):
             eng.load_from_ps(None, wait_s=ps_wait)
         return eng, eng.weight_source
     eng.load_weights(*_first_weights(pc, ps_wait))
