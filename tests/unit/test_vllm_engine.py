@@ -392,3 +392,18 @@ def test_every_vllm_finish_reason_maps_into_our_vocabulary():
         from vllm.v1.engine import FINISH_REASON_STRINGS
 
         assert set(FINISH_REASON_STRINGS) <= set(VLLM_FINISH_REASONS)
+
+
+@needs_vllm
+def test_kv_statistics_come_from_vllms_scheduler_stats():
+    from vllm.v1.metrics.stats import IterationStats, SchedulerStats
+
+    eng, _ = engine("real")
+    logger = eng._stat_logger()(vllm_config=None, engine_index=0)  # vLLM's factory call
+    it = IterationStats()
+    it.num_preempted_reqs = 2
+    logger.record(
+        scheduler_stats=SchedulerStats(num_running_reqs=3, num_waiting_reqs=1, kv_cache_usage=0.25), iteration_stats=it
+    )
+    s = eng.stats()
+    assert (s.running, s.waiting, s.kv_capacity, s.kv_tokens, s.preemptions) == (3, 1, 8 * 16, 32, 2)

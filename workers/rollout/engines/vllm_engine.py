@@ -196,11 +196,17 @@ class VLLMEngine(Engine):
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
 
     async def _create(self, args: Any) -> Any:
-        engine = self
         from vllm.v1.engine.async_llm import AsyncLLM
+
+        return AsyncLLM.from_engine_args(args, stat_loggers=[self._stat_logger()])
+
+    def _stat_logger(self) -> type:
+        """A vLLM stat-logger class that keeps the latest scheduler stats for stats()."""
         from vllm.v1.metrics.loggers import StatLoggerBase
 
-        class _Stats(StatLoggerBase):  # keeps the latest scheduler stats for stats()
+        engine = self
+
+        class _Stats(StatLoggerBase):
             def __init__(self, vllm_config: Any, engine_index: int = 0):
                 pass
 
@@ -212,7 +218,7 @@ class VLLMEngine(Engine):
             def log_engine_initialized(self) -> None:
                 pass
 
-        return AsyncLLM.from_engine_args(args, stat_loggers=[_Stats])
+        return _Stats
 
     async def _run(self, st: Stretch, context: list[int], params: Any) -> None:
         """Register the stretch's request with vLLM, then move its outputs to self._outputs."""
