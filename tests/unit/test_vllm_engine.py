@@ -2,9 +2,9 @@
 replaced: `FakeLLM` stands in for AsyncLLM's engine core (one token per `produce` tick per
 request). Its front end -- the output collector that merges DELTA outputs and the abort that
 queues a final `finished=True, "abort"` output -- is vLLM's REAL OutputProcessor and
-RequestOutputCollector where vLLM imports (a test-only environment: `pip install vllm==0.33.0`
-runs on CPU for these classes), and a minimal copy of their semantics otherwise; every engine
-test runs on each front end available. Nothing here needs a GPU; bench/gpu_check.py covers the rest.
+RequestOutputCollector where vLLM imports (a test-only environment with `pip install
+vllm==0.33.0`, or the pinned 0.32.0: these classes run on CPU), and a minimal copy of their
+semantics otherwise; every engine test runs on each front end available. Nothing here needs a GPU; bench/gpu_check.py covers the rest.
 """
 
 from __future__ import annotations
