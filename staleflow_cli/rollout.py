@@ -227,12 +227,17 @@ def _engine(
             eng = VLLMEngine(model, temperature=temperature, max_num_seqs=max_running)
         except VLLMUnavailable as e:
             raise fail(str(e)) from None
-    if pc is not None:
-        eng.load_weights(*_first_weights(pc, ps_wait))
-    else:
-        console.print("[yellow]no --ps: serving the initial weights; pull commands change nothing")
     if pc is None:
+        console.print("[yellow]no --ps: serving the initial weights; pull commands change nothing")
         return eng, None
+    if kind is Engine.vllm:
+        # each vLLM worker pulls from the PS itself: no weights pass through this process
+        assert isinstance(eng, VLLMEngine)
+        eng.ps_addr = f"{pc.addr[0]}:{pc.addr[1]}"
+        with console.status(f"vLLM workers loading the latest committed version from the PS at {eng.ps_addr}"):
+            eng.load_from_ps(None, wait_s=ps_wait)
+        return eng, eng.weight_source
+    eng.load_weights(*_first_weights(pc, ps_wait))
     return eng, lambda target: _pull(pc, target)
 
 

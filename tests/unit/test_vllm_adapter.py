@@ -59,7 +59,7 @@ def test_outputs_map_to_the_torch_engines_events():
     streamed = [e for e in events if isinstance(e, TokensEvent)]
     assert [t for e in streamed for t in e.tokens] == [t for e in ref if isinstance(e, TokensEvent) for t in e.tokens]
     assert events[-1] == done  # tokens, log-probs, reason and prefix length alike
-    assert st.finished
+    assert st.done and st.reported
 
 
 def test_finish_reasons_and_abort():
@@ -70,12 +70,22 @@ def test_finish_reasons_and_abort():
     (*_, fin) = length.absorb(record("2#0", [4], [-0.5], finished=True, reason="length"))
     assert fin.finish_reason == "length" and fin.prefix_len == 1
     # our own abort (interrupt): tokens are kept, but it is not a finish
-    aborted = Stretch("3", "3#0", 3, 0)
+    aborted = Stretch("3", "3#0", 3, 0, stopping=True)
     events = aborted.absorb(record("3#0", [9], [-2.0], finished=True, reason="abort"))
-    assert events == [TokensEvent("3", [9], [-2.0])] and aborted.tokens == [9]
-    # an empty final delta carries the finish alone
+    assert events == [TokensEvent("3", [9], [-2.0])] and aborted.tokens == [9] and not aborted.reported
+    # vLLM's own abort, error and repetition stop are finishes under those names
+    for reason in ("abort", "error", "repetition"):
+        events = Stretch("5", "5#0", 3, 0).absorb(record("5#0", [9], [-2.0], finished=True, reason=reason))
+        assert events[-1] == FinishedEvent("5", [9], [-2.0], reason, 0)
+    # "length" with no token at all: vLLM never scheduled the prompt, ours is "capacity"
     assert Stretch("4", "4#0", 3, 0).absorb(record("4#0", [], [], finished=True, reason="length")) == [
-        FinishedEvent("4", [], [], "length", 0)
+        FinishedEvent("4", [], [], "capacity", 0)
+    ]
+    # an empty final delta after tokens carries the finish alone
+    late = Stretch("6", "6#0", 3, 0)
+    late.absorb(record("6#0", [4], [-0.5]))
+    assert late.absorb(record("6#0", [], [], finished=True, reason="length")) == [
+        FinishedEvent("6", [4], [-0.5], "length", 0)
     ]
 
 

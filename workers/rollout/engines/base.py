@@ -26,13 +26,19 @@ class TokensEvent:
     logprobs: list[float]
 
 
+FINISH_REASONS = ("eos", "length", "capacity", "abort", "error", "repetition")
+
+
 @dataclass(frozen=True)
 class FinishedEvent:
     """A sample finished. `tokens`/`logprobs` cover this stretch only (after the prefix).
 
-    finish_reason: "eos" (EOS sampled; it is included in `tokens`), "length"
-    (max_new_tokens or the model's max sequence reached) or "capacity" (the sample alone
-    no longer fits in the KV cache).
+    finish_reason: one of FINISH_REASONS: "eos" (EOS sampled; it is included in `tokens`),
+    "length" (max_new_tokens or the model's max sequence reached) or "capacity" (the sample
+    alone no longer fits in the KV cache); engines that can stop a sample on their own also
+    report "abort" (the engine dropped it, not our interrupt/abort), "error" (a request-level
+    engine failure) or "repetition" (the engine's repetition detector). The response ends
+    there with the tokens so far, like any other finish.
     """
 
     sample_id: str

@@ -1,25 +1,31 @@
-"""The `vllm` rollout engine: a small adapter from vLLM's public async engine to our Engine.
+"""The `vllm` rollout engine: a small adapter from vLLM's async engine (V1 `AsyncLLM`) to our Engine.
 
-vLLM is an optional extra for GPU hosts (`pip install 'staleflow[vllm]'`) and is imported
-lazily: this module imports without it, and constructing the engine without it raises
-VLLMUnavailable with that instruction.
+vLLM is an optional extra for GPU hosts (`pip install 'staleflow[vllm]'`, see pyproject for the
+pin) and is imported lazily: this module imports without it, and constructing the engine
+without it raises VLLMUnavailable with that instruction. Written against vLLM 0.33; every call
+below exists unchanged in the pinned 0.32.
 
-How the interface maps (vLLM >= 0.8, V1 engine; `AsyncLLMEngine` is AsyncLLM there):
-  * add_request -> `generate(TokensPrompt(prompt + prefix), SamplingParams(max_tokens,
-    seed, logprobs=0, output_kind=DELTA, detokenize=False), request_id)` on a private
-    event-loop thread; each stretch gets a fresh request id, because vLLM may still hold
-    an aborted id for a moment.
+How the interface maps:
+  * add_request -> `AsyncLLM.add_request(request_id, tokens_input(prompt + prefix),
+    SamplingParams(max_tokens, seed, logprobs=0, output_kind=DELTA, detokenize=False))` on a
+    private event-loop thread, then a task that drains the request's output collector. Each
+    stretch gets a fresh request id, because vLLM may still hold an aborted id for a moment.
+    The engine runs with `logprobs_mode="processed_logprobs"`: log-probs of the distribution
+    actually sampled (after temperature), which is what the trainer's TIS weights expect.
   * step -> drain the outputs that arrived (waiting up to `poll_s` when there are none):
-    deltas become TokensEvents, finish "stop"/"length" a FinishedEvent ("eos"/"length").
-    `logprobs=0` returns the sampled token's log-prob only. For temperatures other than 1
-    pass `logprobs_mode="processed_logprobs"` (vLLM >= 0.10.2) so they are of the sampling
-    distribution, which is what the trainer's TIS weights expect.
-  * interrupt/abort -> `abort(request_id)`; an interrupt returns the tokens seen so far.
-  * load_weights -> `collective_rpc("staleflow_load_weights", ...)` into every worker via
-    the worker extension below (vLLM's RLHF recipe), then `reset_prefix_cache()` so no new
-    request reuses K/V computed by the old weights. `load_from_ps` instead has each worker
-    pull from the parameter server itself (NCCL straight to the GPU for a PS started with
-    `--backend nccl`), which is the path for models too large to ship over the RPC pipe.
+    deltas become TokensEvents, vLLM's finish reasons FinishedEvents (stop -> "eos"; "length"
+    with no token at all -> "capacity": the prompt was never scheduled; vLLM's own "abort",
+    "error" and "repetition" pass through under those names, see base.FINISH_REASONS). A
+    request vLLM refuses or fails alone ends as "error" too; a dead engine raises from step().
+  * interrupt/abort -> mark the stretch stopping and `abort` it once vLLM has registered it
+    (a stretch still being registered aborts itself right after), then wait for its task to
+    end: vLLM's final "abort" output carries the tokens not yet read, which the partial keeps.
+  * load_weights / load_from_ps -> each vLLM worker pulls the version from the parameter
+    server itself (the worker extension below) and installs it with `reload_weights` (vLLM's
+    post-load processing runs); tensors passed through `collective_rpc` would arrive as plain
+    lists (vLLM's msgpack decodes them untyped). Around it generation is paused with
+    `mode="keep", clear_cache=True`: running requests are preempted (recomputed on the new
+    weights when resumed) and the prefix cache emptied, so no K/V of the old weights is reused.
   * stats -> a stat logger records vLLM's scheduler stats (running, waiting, KV usage).
 Not available: PreemptedEvent. vLLM preempts and recomputes internally and does not say
 which request it preempted, so φ_wait migration inside the engine does not apply.
@@ -30,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import itertools
+import logging
 import queue
 import threading
 import time
@@ -40,8 +47,17 @@ from typing import Any
 from workers.rollout.engines.base import Engine, EngineEvent, EngineStats, FinishedEvent, Partial, TokensEvent
 
 INSTALL_HINT = "the vllm engine needs vLLM on a GPU host: pip install 'staleflow[vllm]'"
-FINISH_REASONS = {"stop": "eos", "length": "length"}  # vLLM's "abort" is ours: no event
+# vLLM's finish reason -> ours; "abort" of a stretch we stopped ourselves is no finish at all
+VLLM_FINISH_REASONS = {
+    "stop": "eos",
+    "length": "length",
+    "abort": "abort",
+    "error": "error",
+    "repetition": "repetition",
+}
 EXTENSION = f"{__name__}.StaleFlowWorkerExtension"
+log = logging.getLogger("staleflow.rollout.vllm")
+STOP_TIMEOUT_S = 30.0  # how long interrupt() waits for vLLM's final output of a stopped stretch
 
 
 class VLLMUnavailable(ImportError):
@@ -73,7 +89,11 @@ class Stretch:
     prefix_len: int
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
-    finished: bool = False
+    done: bool = False  # vLLM sent its last output
+    reported: bool = False  # a FinishedEvent went out: interrupt() returns no partial for it
+    stopping: bool = False  # we aborted it (interrupt/abort): its "abort" finish is ours
+    registered: bool = False  # vLLM knows the id: abort() reaches it (set on the loop thread)
+    task: Any = None  # the concurrent.futures.Future of its drain task
 
     def absorb(self, out: Any) -> list[EngineEvent]:
         """Events for one RequestOutput (DELTA kind: only the new tokens)."""
@@ -84,13 +104,23 @@ class Stretch:
         self.logprobs += lps
         events: list[EngineEvent] = [TokensEvent(self.sample_id, new, lps)] if new else []
         if out.finished:
-            self.finished = True
-            reason = FINISH_REASONS.get(comp.finish_reason)
-            if reason is not None:
-                events.append(
-                    FinishedEvent(self.sample_id, list(self.tokens), list(self.logprobs), reason, self.prefix_len)
-                )
+            self.done = True
+            fin = self.finish(comp.finish_reason)
+            if fin is not None:
+                events.append(fin)
         return events
+
+    def finish(self, vllm_reason: Any) -> FinishedEvent | None:
+        reason = str(vllm_reason)  # vLLM's FinishReason prints as its name
+        if reason == "abort" and self.stopping:
+            return None
+        ours = VLLM_FINISH_REASONS.get(reason, reason)
+        if ours == "length" and not self.tokens:
+            # a request vLLM never scheduled (its prompt does not fit) ends as "length" with
+            # no token; max_tokens >= 1 rules out every other way to get there
+            ours = "capacity"
+        self.reported = True
+        return FinishedEvent(self.sample_id, list(self.tokens), list(self.logprobs), ours, self.prefix_len)
 
 
 @dataclass(frozen=True)
@@ -108,22 +138,51 @@ class VLLMEngine(Engine):
         temperature: float = 1.0,
         max_num_seqs: int = 256,
         poll_s: float = 0.01,
+        ps_addr: str | None = None,
         **engine_kwargs: Any,
     ):
+        """`ps_addr` (HOST:PORT): the parameter server every vLLM worker pulls weights from;
+        without it the engine serves the weights in `model` and load_weights refuses."""
         vllm = import_vllm()
-        from vllm.inputs import TokensPrompt
+        from vllm.inputs import tokens_input
         from vllm.sampling_params import RequestOutputKind
 
-        self._vllm, self._TokensPrompt, self._DELTA = vllm, TokensPrompt, RequestOutputKind.DELTA
-        self._version, self.temperature, self.poll_s = version, temperature, poll_s
+        engine_kwargs.setdefault("worker_extension_cls", EXTENSION)
+        engine_kwargs.setdefault("logprobs_mode", "processed_logprobs")
+        args = vllm.AsyncEngineArgs(model=model, max_num_seqs=max_num_seqs, **engine_kwargs)
+        self._start(
+            lambda: self._create(args),
+            vllm.SamplingParams,
+            tokens_input,
+            RequestOutputKind.DELTA,
+            version=version,
+            temperature=temperature,
+            poll_s=poll_s,
+            ps_addr=ps_addr,
+        )
+
+    def _start(
+        self,
+        create: Any,
+        sampling_params: Any,
+        tokens_input: Any,
+        delta: Any,
+        *,
+        version: int,
+        temperature: float,
+        poll_s: float,
+        ps_addr: str | None,
+    ) -> None:
+        """Everything but importing vLLM: the event-loop thread, the engine that `create()`
+        builds on it, our bookkeeping. Unit tests pass stand-ins for vLLM's names here."""
+        self._SamplingParams, self._tokens_input, self._DELTA = sampling_params, tokens_input, delta
+        self._version, self.temperature, self.poll_s, self.ps_addr = version, temperature, poll_s, ps_addr
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="vllm-loop", daemon=True)
         self._thread.start()
-        engine_kwargs.setdefault("worker_extension_cls", EXTENSION)
-        args = vllm.AsyncEngineArgs(model=model, max_num_seqs=max_num_seqs, **engine_kwargs)
         self._sched: Any = None  # the latest SchedulerStats, set by the stat logger
         self._preempted = 0
-        self._llm = self._call(self._create(args))
+        self._llm = self._call(create())
         self._max_len = int(self._llm.vllm_config.model_config.max_model_len)
         self._outputs: queue.Queue = queue.Queue()
         self._live: dict[str, Stretch] = {}  # sample id -> running stretch
@@ -137,13 +196,17 @@ class VLLMEngine(Engine):
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
 
     async def _create(self, args: Any) -> Any:
-        engine = self
-        try:
-            from vllm.v1.metrics.loggers import StatLoggerBase
-        except ImportError:  # an engine without V1 stat loggers: stats() falls back to our counts
-            return self._vllm.AsyncLLMEngine.from_engine_args(args)
+        from vllm.v1.engine.async_llm import AsyncLLM
 
-        class _Stats(StatLoggerBase):  # keeps the latest scheduler stats for stats()
+        return AsyncLLM.from_engine_args(args, stat_loggers=[self._stat_logger()])
+
+    def _stat_logger(self) -> type:
+        """A vLLM stat-logger class that keeps the latest scheduler stats for stats()."""
+        from vllm.v1.metrics.loggers import StatLoggerBase
+
+        engine = self
+
+        class _Stats(StatLoggerBase):
             def __init__(self, vllm_config: Any, engine_index: int = 0):
                 pass
 
@@ -155,20 +218,37 @@ class VLLMEngine(Engine):
             def log_engine_initialized(self) -> None:
                 pass
 
-        return self._vllm.AsyncLLMEngine.from_engine_args(args, stat_loggers=[_Stats])
+        return _Stats
 
-    async def _abort(self, request_ids: list[str]) -> None:
-        for rid in request_ids:  # one at a time: older vLLMs take a single id
-            await self._llm.abort(rid)
-
-    async def _generate(self, request_id: str, prompt: list[int], params: Any) -> None:
+    async def _run(self, st: Stretch, context: list[int], params: Any) -> None:
+        """Register the stretch's request with vLLM, then move its outputs to self._outputs."""
         try:
-            async for out in self._llm.generate(self._TokensPrompt(prompt_token_ids=prompt), params, request_id):
+            q = await self._llm.add_request(st.request_id, self._tokens_input(context), params)
+            st.registered = True
+            if st.stopping:  # interrupted while vLLM was registering it: it must not run on
+                await self._llm.abort(st.request_id)
+            while True:
+                out = q.get_nowait() or await q.get()
                 self._outputs.put(out)
+                if out.finished:
+                    return
         except asyncio.CancelledError:
             raise
         except Exception as e:  # surfaced by the next step()
-            self._outputs.put(_Failed(request_id, e))
+            if st.registered:
+                await self._llm.abort(st.request_id)
+            self._outputs.put(_Failed(st.request_id, e))
+
+    async def _stop(self, stretches: list[Stretch]) -> None:
+        """Abort the stretches and wait until vLLM's last output of each is in self._outputs."""
+        for st in stretches:
+            st.stopping = True
+        registered = [st.request_id for st in stretches if st.registered]
+        if registered:
+            await self._llm.abort(registered)
+        tasks = [asyncio.wrap_future(st.task) for st in stretches if st.task is not None]
+        if tasks:
+            await asyncio.wait(tasks, timeout=STOP_TIMEOUT_S)
 
     def _pump(self, block: bool) -> None:
         """Move arrived outputs into events (buffered in self._pending)."""
@@ -177,16 +257,24 @@ class VLLMEngine(Engine):
         except queue.Empty:
             return
         while True:
-            if isinstance(item, _Failed):
-                raise RuntimeError(f"vLLM request {item.request_id} failed: {item.error!r}") from item.error
             st = self._by_request.get(item.request_id)
-            if st is not None:  # else: aborted or interrupted meanwhile
+            if isinstance(item, _Failed):
+                if self._llm.errored:  # the engine is dead: nothing more will come
+                    raise RuntimeError(f"vLLM request {item.request_id} failed: {item.error!r}") from item.error
+                # one request refused or failed (e.g. a validation error): it ends as "error",
+                # rather than stopping the worker, which would be handed the same sample again
+                log.warning("vLLM request %s failed: %r", item.request_id, item.error)
+                if st is not None and not st.stopping:
+                    st.done = True
+                    self._pending += [fin for fin in [st.finish("error")] if fin is not None]
+                    self._forget(st)
+            elif st is not None:  # else: interrupted or aborted meanwhile
                 events = st.absorb(item)
                 self._pending += events
                 self._recent.append(
                     (time.monotonic(), sum(len(e.tokens) for e in events if isinstance(e, TokensEvent)))
                 )
-                if st.finished:
+                if st.done:
                     self._forget(st)
             try:
                 item = self._outputs.get_nowait()
@@ -221,7 +309,7 @@ class VLLMEngine(Engine):
             self._pending.append(FinishedEvent(sample_id, [], [], "length", len(prefix_tokens)))
             return
         st = Stretch(sample_id, f"{sample_id}#{next(self._ids)}", len(context), len(prefix_tokens))
-        params = self._vllm.SamplingParams(
+        params = self._SamplingParams(
             n=1,
             temperature=self.temperature,
             max_tokens=min(max_new_tokens, self._max_len - len(context)),
@@ -231,7 +319,7 @@ class VLLMEngine(Engine):
             detokenize=False,
         )
         self._live[sample_id] = self._by_request[st.request_id] = st
-        asyncio.run_coroutine_threadsafe(self._generate(st.request_id, context, params), self._loop)
+        st.task = asyncio.run_coroutine_threadsafe(self._run(st, context, params), self._loop)
 
     def step(self) -> list[EngineEvent]:
         self._pump(block=not self._pending)
@@ -241,44 +329,68 @@ class VLLMEngine(Engine):
     def interrupt(self, sample_ids: Sequence[str]) -> list[Partial]:
         live = [self._live[s] for s in sample_ids if s in self._live]
         if live:
-            self._call(self._abort([st.request_id for st in live]))
-        self._pump(block=False)  # what arrived before the abort belongs to the stretch
+            self._call(self._stop(live))
+        self._pump(block=False)  # everything up to vLLM's final output belongs to the stretch
         out = []
         for st in live:
-            if not st.finished:  # a finish that raced the abort is reported as a finish
-                self._forget(st)
+            self._forget(st)
+            if not st.reported:  # a finish that raced the interrupt is reported as a finish
                 out.append(Partial(st.sample_id, list(st.tokens), list(st.logprobs), st.prefix_len))
+        # the partials hold every token: unread TokensEvents would otherwise reach the caller
+        # after the partial, or be taken for a new stretch of the same sample
+        stopped = {p.sample_id for p in out}
+        self._pending = [e for e in self._pending if e.sample_id not in stopped]
         return out
 
     def abort(self, sample_ids: Sequence[str]) -> None:
         live = [self._live[s] for s in sample_ids if s in self._live]
         if live:
-            self._call(self._abort([st.request_id for st in live]))
+            self._call(self._stop(live))
         for st in live:
             self._forget(st)
         dropped = set(sample_ids)
         self._pending = [e for e in self._pending if e.sample_id not in dropped]
 
-    def load_weights(self, state_dict: Mapping[str, Any], version: int) -> None:
-        # running requests keep their K/V (as the torch engine does); the worker
-        # interrupts everything before a pull, so clearing the prefix cache is safe
-        self._call(self._llm.collective_rpc("staleflow_load_weights", args=(list(state_dict.items()),)))
-        self._call(self._llm.reset_prefix_cache())
-        self._version = int(version)
+    def load_weights(self, state_dict: Mapping[str, Any] | None, version: int) -> None:
+        """Install `version` from the parameter server (the latest committed one if the PS
+        does not serve it). `state_dict` is not used: the workers pull the weights themselves,
+        so the caller need not hold them (the CLI's weight source for this engine passes None)."""
+        self.load_from_ps(version)
 
-    def load_from_ps(self, addr: str, version: int | None = None) -> int:
-        """Every vLLM worker pulls `version` (the latest committed one if None; a version only
-        once committed) from the PS at HOST:PORT."""
-        (got, *_rest) = self._call(self._llm.collective_rpc("staleflow_pull", args=(addr, version)))
-        self._call(self._llm.reset_prefix_cache())
-        self._version = int(got)
+    def load_from_ps(self, version: int | None = None, wait_s: float = 0.0) -> int:
+        """Every vLLM worker pulls `version` (the latest committed if None or not served) from
+        the PS at `ps_addr` and installs it; returns the version loaded. `wait_s`: how long to
+        wait for a PS that is not up or has nothing committed yet (the first load)."""
+        if self.ps_addr is None:
+            raise RuntimeError("the vllm engine loads weights from a parameter server: pass ps_addr")
+        self._version = int(self._call(self._reload(self.ps_addr, version, wait_s)))
         return self._version
+
+    async def _reload(self, addr: str, version: int | None, wait_s: float) -> int:
+        # "keep" freezes running requests; clear_cache preempts them (they are recomputed on
+        # the new weights when resumed) and empties the prefix cache, or vLLM raises
+        await self._llm.pause_generation(mode="keep", clear_cache=True)
+        try:
+            got = await self._llm.collective_rpc("staleflow_pull", args=(addr, version, wait_s))
+            if len(set(got)) > 1:  # tensor-parallel ranks raced a commit: all load the newest
+                got = await self._llm.collective_rpc("staleflow_pull", args=(addr, max(got), wait_s))
+            if not await self._llm.reset_prefix_cache():
+                raise RuntimeError("vLLM kept prefix-cache blocks of the old weights")
+        finally:
+            await self._llm.resume_generation()
+        return int(got[0])
+
+    def weight_source(self, target: int | None) -> tuple[None, int]:
+        """The rollout worker's weight source for this engine: no tensors cross into this
+        process, load_weights(None, target) has the workers pull `target`. Without a target
+        the workers pull the latest committed version here."""
+        return None, (self.load_from_ps(None) if target is None else int(target))
 
     def stats(self) -> EngineStats:
         cache = self._llm.vllm_config.cache_config
         capacity = int(cache.num_gpu_blocks or 0) * int(cache.block_size or 0)
         s = self._sched
-        usage = float(getattr(s, "kv_cache_usage", getattr(s, "gpu_cache_usage", 0.0)) or 0.0)
+        usage = float(getattr(s, "kv_cache_usage", 0.0) or 0.0)
         now = time.monotonic()
         recent = [(t, n) for t, n in self._recent if now - t <= 5.0]
         span = now - recent[0][0] if recent else 0.0
@@ -305,12 +417,29 @@ class VLLMEngine(Engine):
 class StaleFlowWorkerExtension:
     """Mixed into every vLLM worker (`worker_extension_cls`); called via collective_rpc."""
 
-    def staleflow_load_weights(self, named_tensors: list) -> None:
-        self.model_runner.model.load_weights(weights=named_tensors)  # type: ignore[attr-defined]
+    def staleflow_pull(self, addr: str, version: int | None, wait_s: float = 0.0) -> int:
+        """Pull `version` from the PS (the latest committed one if it does not serve it: not
+        committed yet, or dropped for a newer one) onto this worker's device and install it."""
+        from workers.trainer.param_server import ChecksumError, ParamClient, ParamServerError
 
-    def staleflow_pull(self, addr: str, version: int | None) -> int:
-        from workers.trainer.param_server import ParamClient
-
-        sd, got, _ = ParamClient(addr).pull(version, device=self.device)  # type: ignore[attr-defined]
-        self.model_runner.model.load_weights(weights=list(sd.items()))  # type: ignore[attr-defined]
-        return got
+        pc = ParamClient(addr, retry_for=wait_s)  # rides through a PS that is not up yet
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                sd, got, _ = pc.pull(version, device=self.device)  # type: ignore[attr-defined]
+                break
+            except ChecksumError:
+                raise
+            except ParamServerError:
+                if version is not None:
+                    version = None
+                elif time.monotonic() >= deadline:  # nothing committed yet: the trainer commits v0 at start
+                    raise
+                else:
+                    time.sleep(0.5)
+        weights = iter(sd.items())
+        if hasattr(self, "reload_weights"):  # the worker's own path: post-load processing runs
+            self.reload_weights(weights_iterator=weights)
+        else:
+            self.model_runner.model.load_weights(weights=weights)  # type: ignore[attr-defined]
+        return int(got)
