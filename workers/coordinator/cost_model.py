@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -38,9 +38,14 @@ class CostModel:
 
     # ---- evaluation ------------------------------------------------------------------------
 
+    def _latency(self, n: Any, kv: Any, maximum: Callable[[Any, Any], Any]) -> Any:
+        # the one latency formula: attention grows with the KV held, the rest with the batch
+        # once past a floor; `maximum` is max for scalars and np.maximum for arrays
+        return self.attn_b + self.attn_k * kv + maximum(self.other_threshold, self.other_b + self.other_k * n)
+
     def latency(self, n: float, kv: float) -> float:
         """Seconds per decode iteration with `n` running samples holding `kv` KV tokens."""
-        return self.attn_b + self.attn_k * kv + max(self.other_threshold, self.other_b + self.other_k * n)
+        return float(self._latency(n, kv, max))
 
     def throughput(self, n: float, kv: float) -> float:
         """Tokens per second, T(n, kv) = n / latency(n, kv); 0 for an empty instance."""
@@ -56,7 +61,7 @@ class CostModel:
 
     def latency_array(self, n: np.ndarray, kv: np.ndarray) -> np.ndarray:
         """`latency` over numpy arrays (broadcast), for routing's [sample x instance] gains."""
-        return self.attn_b + self.attn_k * kv + np.maximum(self.other_threshold, self.other_b + self.other_k * n)
+        return np.asarray(self._latency(n, kv, np.maximum))
 
     def throughput_array(self, n: np.ndarray, kv: np.ndarray) -> np.ndarray:
         n = np.asarray(n, dtype=float)
