@@ -32,6 +32,14 @@ class ApiSettings(StaleFlowSettings):
     idempotency_ttl: float = Field(3600.0, ge=0.0, le=365 * 86400.0)
     # libpq connect timeout: an unreachable database is a prompt 503, not a hung request.
     connect_timeout: int = Field(5, ge=1, le=600)
+    # While the database is down, it is probed this often until it answers again.
+    probe_interval: float = Field(0.5, ge=0.05, le=60.0)
+    # `staleflow serve`: where to listen, how many uvicorn worker processes (--host, --port,
+    # --workers and --access-log win).
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    workers: int = Field(1, ge=1, le=256)
+    access_log: bool = False
 
     @classmethod
     def from_env(cls) -> ApiSettings:

@@ -21,19 +21,27 @@ log = logging.getLogger(__name__)
 
 
 def serve(
-    host: str = typer.Option("127.0.0.1", "--host", help="address to listen on"),
-    port: int = typer.Option(8000, "--port", min=0, max=65535),
-    workers: int = typer.Option(1, "--workers", min=1, help="uvicorn worker processes (replicas)"),
+    host: str | None = typer.Option(None, "--host", help="address to listen on [STALEFLOW_API_HOST, 127.0.0.1]"),
+    port: int | None = typer.Option(None, "--port", min=0, max=65535, help="[STALEFLOW_API_PORT, 8000]"),
+    workers: int | None = typer.Option(
+        None, "--workers", min=1, help="uvicorn worker processes (replicas) [STALEFLOW_API_WORKERS, 1]"
+    ),
     upgrade: bool | None = typer.Option(
         None, "--upgrade/--no-upgrade", help="migrate the database first (default: only the embedded one)"
     ),
-    access_log: bool = typer.Option(False, "--access-log/--no-access-log"),
+    access_log: bool | None = typer.Option(None, "--access-log/--no-access-log", help="[STALEFLOW_API_ACCESS_LOG]"),
 ) -> None:
     """Serve the StaleFlow REST API (/v1/..., /healthz, /readyz, /metrics)."""
     import uvicorn
 
     from api.auth import ensure_local_token
+    from api.settings import ApiSettings
 
+    api = ApiSettings.from_env()  # validated here, so a bad variable fails before uvicorn starts
+    host = host if host is not None else api.host
+    port = port if port is not None else api.port
+    workers = workers if workers is not None else api.workers
+    access_log = access_log if access_log is not None else api.access_log
     settings = get_settings()
     embedded = settings.database_url is None
     url = database_url(settings)
