@@ -63,17 +63,27 @@ def rollout_worker(
     ps: str | None = typer.Option(None, "--ps", help="HOST:PORT of the PS to pull weights from"),
     name: str | None = typer.Option(None, "--name", help="instance label (default: host-pid)"),
     kv_capacity: int | None = typer.Option(
-        None, "--kv-capacity", min=16, help="KV-cache tokens (torch, hf: default 8192; sim: the engine's)"
+        None,
+        "--kv-capacity",
+        min=16,
+        help="KV-cache tokens (torch, hf: default 8192; sim: the engine's) [STALEFLOW_ENGINE_KV_CAPACITY]",
     ),
     phi_wait: int | None = typer.Option(
-        None, "--phi-wait", min=0, help="interrupt a preempted sample when more than this many wait"
+        None,
+        "--phi-wait",
+        min=0,
+        help="interrupt a preempted sample when more than this many wait [STALEFLOW_ENGINE_PHI_WAIT]",
     ),
-    max_running: int = typer.Option(256, "--max-running", min=1),
-    temperature: float = typer.Option(1.0, "--temperature", min=0.0),
+    max_running: int | None = typer.Option(None, "--max-running", min=1, help="[STALEFLOW_ENGINE_MAX_RUNNING, 256]"),
+    temperature: float | None = typer.Option(
+        None, "--temperature", min=0.0, help="[STALEFLOW_ENGINE_TEMPERATURE, 1.0]"
+    ),
     model_config_: str | None = MODEL_CONFIG,
     model_seed: int = MODEL_SEED,
     model: Path | None = HF_MODEL,
-    device: str = typer.Option("cpu", "--device", help="torch and hf engine device"),
+    device: str | None = typer.Option(
+        None, "--device", help="torch and hf engine device [STALEFLOW_ENGINE_DEVICE, cpu]"
+    ),
     vllm_model: str | None = typer.Option(None, "--vllm-model", help="vllm: model name or path"),
     sim_model: str | None = typer.Option(None, "--sim-model", help="sim: cost model (cost_models.json), e.g. qwen_7b"),
     sim_parallelism: str | None = typer.Option(None, "--sim-parallelism", help="sim: e.g. TP1_PP1"),
@@ -85,7 +95,14 @@ def rollout_worker(
 ) -> None:
     """Serve routed samples on one engine; report segments; pull weights when told."""
     from workers.rollout.worker import RolloutWorker
+    from workers.settings import engine_settings
 
+    es = engine_settings()  # options left out come from STALEFLOW_ENGINE_*
+    kv_capacity = kv_capacity if kv_capacity is not None else es.kv_capacity
+    phi_wait = phi_wait if phi_wait is not None else es.phi_wait
+    max_running = max_running if max_running is not None else es.max_running
+    temperature = temperature if temperature is not None else es.temperature
+    device = device if device is not None else es.device
     cfg = model_config(model_config_) if engine is Engine.torch else None
     if engine is Engine.vllm and not (vllm_model or model):
         raise typer.BadParameter("--engine vllm needs --vllm-model (or --model FOLDER)", param_hint="--vllm-model")

@@ -79,6 +79,27 @@ class SimEngineSettings(StaleFlowSettings):
     prefill_rate: float = Field(0.0, ge=0.0)
 
 
+class EngineSettings(StaleFlowSettings):
+    """The rollout worker's engine (`staleflow rollout-worker`); its options win."""
+
+    model_config = SettingsConfigDict(env_prefix=PREFIX + "ENGINE_")
+
+    # KV-cache tokens of the torch and hf engines (the sim engine: unset means its own).
+    kv_capacity: int | None = Field(None, ge=16)
+    # Most samples decoding at once.
+    max_running: int = Field(256, ge=1)
+    # Sampling temperature; log-probs are of the tempered distribution the trainer expects.
+    temperature: float = Field(1.0, ge=0.0)
+    # torch and hf engines: torch device, e.g. cpu or cuda:0.
+    device: str = "cpu"
+    # Interrupt a preempted sample back to the queue when more than this many wait (unset: never).
+    phi_wait: int | None = Field(None, ge=0)
+
+
+def engine_settings() -> EngineSettings:
+    return load(EngineSettings)
+
+
 def client_settings() -> ClientSettings:
     return load(ClientSettings)
 

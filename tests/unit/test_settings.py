@@ -17,7 +17,7 @@ from staleflow_db.settings import (
     to_sqlalchemy_url,
 )
 from workers.client import api_urls, default_token
-from workers.settings import ClientSettings, CoordinatorSettings, SimEngineSettings, client_settings
+from workers.settings import ClientSettings, CoordinatorSettings, EngineSettings, SimEngineSettings, client_settings
 
 ENV = (
     "STALEFLOW_DATABASE_URL",
@@ -87,7 +87,7 @@ def test_url_forms(url: str, sa: str, libpq: str) -> None:
 
 # ---- the other layers' settings, and the one table that documents them all ----------------
 
-CLASSES = (Settings, ApiSettings, ClientSettings, CoordinatorSettings, SimEngineSettings)
+CLASSES = (Settings, ApiSettings, ClientSettings, CoordinatorSettings, SimEngineSettings, EngineSettings)
 DOC = Path(__file__).resolve().parents[2] / "docs" / "settings.md"
 
 
