@@ -110,3 +110,18 @@ def test_a_prompt_longer_than_the_run_allows_is_refused(served_run, engine, tmp_
     msg = " ".join(out.stderr.split())
     assert out.returncode == 1 and "line 1: the prompt is 5000 tokens" in msg, msg
     assert _groups(engine, run) == []
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["reward-worker", "--run", "1", "--verifier", "math", "--model", "/nonexistent"],
+        ["enqueue", "1", "--jsonl", str(REPO / "pyproject.toml"), "--prompt-field", "p", "--answer-field", "a"],
+    ],
+)
+def test_bad_model_or_file_is_refused_before_the_api_is_asked(args):
+    """A wrong --model or a non-JSONL file fails at once, no API needed."""
+    out = staleflow(*args, STALEFLOW_API_URL="http://127.0.0.1:9")
+    msg = " ".join((out.stdout + out.stderr).split())
+    assert out.returncode in (1, 2), msg
+    assert ("not a Hugging Face model" in msg) or ("line 1: not valid JSON" in msg), msg
