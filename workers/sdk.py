@@ -39,7 +39,7 @@ import torch
 
 from api.models import BatchOut
 from workers.client import StaleFlowClient
-from workers.trainer.loop import TrainerError, consume_ready, publish_fenced
+from workers.trainer.loop import TrainerError, publish_fenced
 from workers.trainer.param_client import ParamClient
 
 __all__ = ["Batch", "TrainerClient", "TrainerError", "to_batch"]
@@ -123,7 +123,7 @@ class TrainerClient:
         *,
         ps: str | tuple[str, int] | ParamClient | None = None,
         pad_id: int = 0,
-        poll_s: float = 5.0,
+        poll_s: float = 10.0,
     ):
         self.client = StaleFlowClient(api_url, token)
         self.run_id, self.pad_id, self.poll_s = run_id, pad_id, poll_s
@@ -157,15 +157,15 @@ class TrainerClient:
         (None: for ever); None if it did not become ready in time. Consuming it again (e.g. after
         a crash) returns the same samples with a new lease, fencing the earlier consumer."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        out, _ = consume_ready(
-            self.client,
-            self.run_id,
-            self.version,
-            self.poll_s if timeout is None else min(self.poll_s, timeout),
-            lambda: deadline is not None and time.monotonic() >= deadline,
-        )
-        if out is None:
-            return None
+        while True:  # long-polls of at most poll_s: at least one, even with timeout 0
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            out = self.client.consume(
+                self.run_id, self.version, wait=self.poll_s if left is None else min(self.poll_s, left)
+            )
+            if out is not None:
+                break
+            if left is not None and left <= 0:
+                return None
         self._leases[out.version] = out.lease
         return to_batch(out, self.pad_id)
 
