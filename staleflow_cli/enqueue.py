@@ -160,5 +160,5 @@ def enqueue(
             bar.advance(task, len(chunk))
     new = sum(client.run_status(run_id).groups.values()) - before
     console.print(
-        f"enqueued {len(prompts)} prompts from {jsonl} into run {run_id} ({new} new groups; the others were enqueued before)"
+        f"enqueued {len(prompts)} prompts from {jsonl} into run {run_id} ({new} new, {max(0, len(prompts) - new)} enqueued before)"
     )

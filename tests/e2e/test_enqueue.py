@@ -56,7 +56,8 @@ def test_enqueue_is_idempotent_and_stores_the_answer(served_run, engine, tmp_pat
     for attempt in range(2):
         out = staleflow(*args, "--key-field", "id", "--overlong-buffer", "16", **env)
         assert out.returncode == 0, out.stdout + out.stderr
-        assert f"{N if attempt == 0 else 0} new groups" in " ".join(out.stderr.split())
+        new = N if attempt == 0 else 0
+        assert f"({new} new, {N - new} enqueued before)" in " ".join(out.stderr.split())
         groups = _groups(engine, run)
         assert len(groups) == N  # the second run enqueued nothing
     assert [k for k, _ in groups] == [x["id"] for x in lines]
