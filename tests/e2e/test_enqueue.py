@@ -126,3 +126,24 @@ def test_bad_model_or_file_is_refused_before_the_api_is_asked(args):
     msg = " ".join((out.stdout + out.stderr).split())
     assert out.returncode in (1, 2), msg
     assert ("not a Hugging Face model" in msg) or ("line 1: not valid JSON" in msg), msg
+
+
+def test_enqueue_tokenizes_with_a_model_folder(served_run, engine, tmp_path):
+    pytest.importorskip("transformers")
+    from hf_helpers import make_tiny_hf_model
+
+    from workers.models.hf import encode_prompt, load_tokenizer
+
+    run, env = served_run
+    folder = make_tiny_hf_model(tmp_path / "model")
+    data = tmp_path / "words.jsonl"
+    data.write_text(json.dumps({"q": "Write a exactly 3 times .", "a": 3}) + "\n")
+    args = ["enqueue", str(run), "--jsonl", str(data), "--prompt-field", "q", "--answer-field", "a"]
+    out = staleflow(*args, "--model", str(folder), **env)
+    assert out.returncode == 0, out.stdout + out.stderr
+    with engine.connect() as c:
+        tokens, meta = c.execute(
+            text("SELECT prompt_tokens, meta FROM prompt_groups WHERE run_id = :r"), {"r": run}
+        ).one()
+    assert list(tokens) == encode_prompt(load_tokenizer(folder), "Write a exactly 3 times .")  # its chat template
+    assert meta == {"answer": "3"}
