@@ -75,30 +75,30 @@ def test_enqueue_is_idempotent_and_stores_the_answer(served_run, engine, tmp_pat
     assert len(_groups(engine, run)) == 2 * N  # N id-keyed + N hash-keyed (the 5 re-formatted: known)
 
 
-@pytest.mark.parametrize(
-    "bad, needle",
-    [
-        ('{"prompt": "2+2", "answer": true}', "line 3: answer field 'answer' must be a string or a number, got bool"),
-        ('{"prompt": "2+2"}', "line 3: no answer field 'answer'"),
-        ('{"prompt": ["2+2"], "answer": "4"}', "line 3: prompt field 'prompt' must be a string or a number, got list"),
-        ('{"prompt": " ", "answer": "4"}', "line 3: prompt field 'prompt' is empty"),
-        ('{"prompt": "2+2", "answer": NaN}', "line 3: answer field 'answer' is nan"),
-        ('{"prompt": "2+2", "answer": 4', "line 3: not valid JSON"),
-        ("[1, 2]", "line 3: expected a JSON object, got list"),
-        ('{"prompt": "1+1", "answer": 2}', "line 3: key 'jsonl-"),  # a duplicate of line 1
-    ],
-)
-def test_a_bad_line_is_named_and_nothing_is_enqueued(served_run, engine, tmp_path, bad, needle):
+BAD_LINES = [
+    ('{"prompt": "2+2", "answer": true}', "line 3: answer field 'answer' must be a string or a number, got bool"),
+    ('{"prompt": "2+2"}', "line 3: no answer field 'answer'"),
+    ('{"prompt": ["2+2"], "answer": "4"}', "line 3: prompt field 'prompt' must be a string or a number, got list"),
+    ('{"prompt": " ", "answer": "4"}', "line 3: prompt field 'prompt' is empty"),
+    ('{"prompt": "2+2", "answer": NaN}', "line 3: answer field 'answer' is nan"),
+    ('{"prompt": "2+2", "answer": 4', "line 3: not valid JSON"),
+    ("[1, 2]", "line 3: expected a JSON object, got list"),
+    ('{"prompt": "1+1", "answer": 2}', "line 3: key 'jsonl-"),  # a duplicate of line 1
+]
+
+
+def test_a_bad_line_is_named_and_nothing_is_enqueued(served_run, engine, tmp_path):
     run, env = served_run
     data = tmp_path / "bad.jsonl"
-    data.write_text('{"prompt": "1+1", "answer": 2}\n{"prompt": "2+3", "answer": "5"}\n' + bad + "\n")
-    out = staleflow(
-        "enqueue", str(run), "--jsonl", str(data), "--prompt-field", "prompt", "--answer-field", "answer", **env
-    )
-    msg = " ".join(out.stderr.split())
-    assert out.returncode == 1, msg
-    assert needle in msg and "nothing was enqueued" in msg, msg
-    assert _groups(engine, run) == []
+    for bad, needle in BAD_LINES:  # one API server for every case (starting one is the slow part)
+        data.write_text('{"prompt": "1+1", "answer": 2}\n{"prompt": "2+3", "answer": "5"}\n' + bad + "\n")
+        out = staleflow(
+            "enqueue", str(run), "--jsonl", str(data), "--prompt-field", "prompt", "--answer-field", "answer", **env
+        )
+        msg = " ".join(out.stderr.split())
+        assert out.returncode == 1, msg
+        assert needle in msg and "nothing was enqueued" in msg, msg
+        assert _groups(engine, run) == []
 
 
 def test_a_prompt_longer_than_the_run_allows_is_refused(served_run, engine, tmp_path):
