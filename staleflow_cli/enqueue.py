@@ -23,7 +23,9 @@ from pathlib import Path
 from typing import Any
 
 import typer
+from pydantic import ValidationError
 
+from api.models import PromptIn
 from staleflow_cli.common import API, TOKEN, connect, console, fail, hf_folder, progress
 from workers.client import ApiError
 
@@ -135,14 +137,14 @@ def enqueue(
         raise fail(f"{jsonl}: {e}; nothing was enqueued") from None
     except (OSError, UnicodeDecodeError) as e:
         raise fail(f"cannot read {jsonl}: {e}") from None
+    encode = _tokenizer(model)
     client, run_id = connect(api, token, run, wait_s=0)
     status = client.run_status(run_id)
     config, before = status.config, sum(status.groups.values())
     extra: dict[str, Any] = (
         {"overlong": {"max": config.max_response_tokens, "buffer": overlong_buffer}} if overlong_buffer else {}
     )
-    encode = _tokenizer(model)
-    prompts: list[tuple[int, dict[str, Any]]] = []
+    prompts: list[tuple[int, PromptIn]] = []
     for line in lines:
         tokens = encode(line.prompt)
         if not 0 < len(tokens) <= config.max_prompt_tokens:
@@ -150,7 +152,12 @@ def enqueue(
                 f"{jsonl}: line {line.number}: the prompt is {len(tokens)} tokens, the run takes 1.."
                 f"{config.max_prompt_tokens} (max_prompt_tokens); nothing was enqueued"
             )
-        prompts.append((line.number, {"client_key": line.key, "prompt_tokens": tokens, "meta": {**line.meta, **extra}}))
+        try:  # the API's own schema (key length, metadata size): refused here, not halfway
+            prompt = PromptIn(client_key=line.key, prompt_tokens=tokens, meta={**line.meta, **extra})
+        except ValidationError as e:
+            problems = "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors())
+            raise fail(f"{jsonl}: line {line.number}: {problems}; nothing was enqueued") from None
+        prompts.append((line.number, prompt))
     with progress(len(prompts), f"enqueue {jsonl.name} into run {run_id}") as (bar, task):
         for chunk in _chunks(prompts, CHUNK):
             try:

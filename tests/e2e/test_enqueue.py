@@ -101,16 +101,21 @@ def test_a_bad_line_is_named_and_nothing_is_enqueued(served_run, engine, tmp_pat
         assert _groups(engine, run) == []
 
 
-def test_a_prompt_longer_than_the_run_allows_is_refused(served_run, engine, tmp_path):
+def test_what_the_run_or_the_api_would_refuse_is_refused_up_front(served_run, engine, tmp_path):
     run, env = served_run
-    data = tmp_path / "long.jsonl"
-    data.write_text(json.dumps({"prompt": "x" * 5000, "answer": "1"}) + "\n")
-    out = staleflow(
-        "enqueue", str(run), "--jsonl", str(data), "--prompt-field", "prompt", "--answer-field", "answer", **env
-    )
-    msg = " ".join(out.stderr.split())
-    assert out.returncode == 1 and "line 1: the prompt is 5000 tokens" in msg, msg
-    assert _groups(engine, run) == []
+    args = ["enqueue", str(run), "--prompt-field", "prompt", "--answer-field", "answer", "--key-field", "id"]
+    cases = [
+        ({"id": "a", "prompt": "x" * 5000, "answer": "1"}, "line 2: the prompt is 5000 tokens"),
+        ({"id": "k" * 600, "prompt": "1+1", "answer": "2"}, "line 2: client_key: String should have at most 500"),
+        ({"id": "b", "prompt": "1+1", "answer": "2" * 70_000}, "line 2: meta: Value error, over 65536 bytes"),
+    ]
+    for bad, needle in cases:
+        data = tmp_path / "refused.jsonl"
+        data.write_text(json.dumps({"id": "ok", "prompt": "2+2", "answer": 4}) + "\n" + json.dumps(bad) + "\n")
+        out = staleflow(*args, "--jsonl", str(data), **env)
+        msg = " ".join(out.stderr.split())
+        assert out.returncode == 1 and needle in msg and "nothing was enqueued" in msg, msg
+        assert _groups(engine, run) == []
 
 
 @pytest.mark.parametrize(
