@@ -13,8 +13,10 @@ import typer
 
 from staleflow_cli.audit import audit
 from staleflow_cli.coordinator import coordinator
+from staleflow_cli.dataset import app as dataset_app
 from staleflow_cli.db import app as db_app
 from staleflow_cli.demo import demo
+from staleflow_cli.enqueue import enqueue
 from staleflow_cli.launch_ray import app as launch_app
 from staleflow_cli.reward import reward_worker
 from staleflow_cli.rollout import rollout_worker
@@ -54,6 +56,8 @@ app.add_typer(token_app, name="token")
 app.command()(audit)
 app.command()(coordinator)
 app.command()(demo)
+app.command()(enqueue)
+app.add_typer(dataset_app, name="dataset")
 app.add_typer(launch_app, name="launch")
 app.add_typer(sim_app, name="sim")
 app.command("trainer")(trainer)

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import typer
 
-from staleflow_cli.common import API, API_WAIT, RUN, TOKEN, connect, console, fail, on_signals, progress
+from staleflow_cli.common import API, API_WAIT, RUN, TOKEN, connect, console, fail, hf_folder, on_signals, progress
 from workers.client import ApiError
 
 # ---- reward worker ----------------------------------------------------------------------------
@@ -18,17 +20,27 @@ def reward_worker(
     api_wait: float | None = API_WAIT,
     batch: int = typer.Option(256, "--batch", min=1, help="samples claimed per request"),
     lease: float = typer.Option(60.0, "--lease", min=1.0, help="seconds a claim is held"),
+    model: Path | None = typer.Option(
+        None, "--model", help="decode responses with this Hugging Face tokenizer (default: UTF-8 bytes)"
+    ),
 ) -> None:
     """Claim finished samples, score them with a rule-based verifier, post the rewards."""
     from workers.reward.worker import RewardWorker
-    from workers.tasks.verifiers import VERIFIERS
+    from workers.tasks.verifiers import VERIFIERS, bytes_detokenize
 
     if verifier not in VERIFIERS:
         raise typer.BadParameter(
             f"unknown verifier {verifier!r} (known: {', '.join(sorted(VERIFIERS))})", param_hint="--verifier"
         )
+    detokenize = bytes_detokenize
+    if model is not None:  # text verifiers (math) read the response as the model wrote it
+        hf_folder(model)
+        from workers.models.hf import load_tokenizer
+
+        tokenizer = load_tokenizer(model)
+        detokenize = lambda tokens: tokenizer.decode(list(tokens), skip_special_tokens=True)  # noqa: E731
     client, run_id = connect(api, token, run, api_wait)
-    worker = RewardWorker(client, run_id, verifier, batch=batch, lease_s=lease)
+    worker = RewardWorker(client, run_id, verifier, detokenize=detokenize, batch=batch, lease_s=lease)
     on_signals(worker.stop, "posting the rewards in hand")
     with progress(None, f"reward run {run_id}: waiting for samples") as (bar, task):
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Sequence
+from fractions import Fraction
 
 Detokenize = Callable[[Sequence[int]], str]
 Verifier = Callable[[Sequence[int], "str | None", dict, Detokenize], float]
@@ -52,20 +53,58 @@ def normalize_answer(ans: str) -> str:
     return ans
 
 
+# ASCII digits only: int() would also read other scripts' digits, a surprise in a reward
+_FRAC = re.compile(r"^(-?)\\frac\{(-?\d+)\}\{(-?\d+)\}$", re.ASCII)
+_RATIO = re.compile(r"^(-?\d+)/(-?\d+)$", re.ASCII)
+_NUMBER = re.compile(r"^[-+]?(\d+(\.\d*)?|\.\d+)([eE][-+]?\d{1,3})?$", re.ASCII)
+
+
+def as_number(ans: str) -> Fraction | None:
+    """An exact rational for a plain number, `a/b` or `\\frac{a}{b}` (after normalisation);
+    None otherwise. Exact (Fraction, not float) so huge integers compare without rounding;
+    the exponent is bounded so a hostile `1e999999999` cannot allocate a giant integer."""
+    ans = ans.replace(",", "") if re.fullmatch(r"-?\d{1,3}(,\d{3})+", ans, re.ASCII) else ans  # 1,000 -> 1000
+    try:
+        if m := _FRAC.match(ans):
+            value = Fraction(int(m[2]), int(m[3]))
+            return -value if m[1] else value
+        if m := _RATIO.match(ans):
+            return Fraction(int(m[1]), int(m[2]))
+        if _NUMBER.match(ans):
+            return Fraction(ans)
+    except (ValueError, ZeroDivisionError):
+        return None
+    return None
+
+
+def answers_match(given: str, expected: str) -> bool:
+    """Equal after normalisation, or equal as numbers (3.0 == 3, 1/2 == 0.5 == \\frac{1}{2})."""
+    a, b = normalize_answer(given), normalize_answer(expected)
+    if a == b:
+        return True
+    x, y = as_number(a), as_number(b)
+    return x is not None and x == y
+
+
+def overlong_penalty(n_tokens: int, max_tokens: int, cache: int) -> float:
+    """DAPO's soft overlong punishment: 0 up to `max_tokens - cache` tokens, then a penalty
+    growing linearly to 1 at `max_tokens` (and staying 1 beyond). It tells the policy that
+    running out of budget is bad without the cliff of a hard cut-off reward."""
+    excess = n_tokens - (max_tokens - cache)
+    return 0.0 if excess <= 0 else min(1.0, excess / max(cache, 1))
+
+
 @register("math")
 def math_verifier(tokens: Sequence[int], finish_reason: str | None, meta: dict, detokenize: Detokenize) -> float:
-    """DAPO-style: +1 if the last boxed answer equals `meta["answer"]` exactly (after
-    normalisation), else -1; with `meta["overlong"] = {"max": L, "buffer": Lb}`, responses in
-    the last Lb tokens before L lose up to 1 more, linearly (DAPO's soft overlong penalty)."""
+    """1 if the last `\\boxed{...}` answer matches `meta["answer"]` (see `answers_match`),
+    else 0. With `meta["overlong"] = {"max": L, "buffer": L_cache}`, minus DAPO's soft
+    overlong penalty (`overlong_penalty`): a response in the last L_cache tokens before L
+    loses up to 1, linearly."""
     answer = last_boxed(detokenize(tokens))
-    correct = answer is not None and normalize_answer(answer) == normalize_answer(str(meta.get("answer", "")))
-    reward = 1.0 if correct else -1.0
+    reward = 1.0 if answer is not None and answers_match(answer, str(meta.get("answer", ""))) else 0.0
     overlong = meta.get("overlong")
     if overlong:
-        limit, buffer = int(overlong["max"]), int(overlong["buffer"])
-        excess = len(tokens) - (limit - buffer)
-        if excess > 0:
-            reward -= min(1.0, excess / max(buffer, 1))
+        reward -= overlong_penalty(len(tokens), int(overlong["max"]), int(overlong["buffer"]))
     return reward
 
 

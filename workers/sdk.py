@@ -1,0 +1,200 @@
+"""The trainer SDK: bring your own trainer (FSDP, Megatron, veRL, TRL, a plain PyTorch loop).
+
+StaleFlow decides *which* samples train each step (the staleness bound, the group filter); your
+trainer decides *how*. Three calls connect them::
+
+    from workers.sdk import TrainerClient
+
+    sf = TrainerClient("http://api:8000", token, run_id, ps="ps-host:29600")
+    sf.start(model.state_dict())           # version 0 on the parameter server, if not there yet
+    while True:
+        batch = sf.next_batch(timeout=600)  # the next ready buffer, as tensors
+        loss = my_loss(model, batch)        # batch.input_ids, .response_mask, .logprobs, .rewards ...
+        loss.backward(); opt.step(); opt.zero_grad()
+        sf.publish(batch.version, model.state_dict())  # push the weights, publish version + 1
+
+`next_batch` consumes buffers in version order (buffer v trains model v into v + 1);
+`publish` pushes the weights to the parameter server as version v + 1 and publishes it with
+the consume's lease, so a second trainer that consumed the same buffer later fences this one
+out (`TrainerError`) instead of both publishing. Rollout workers pull the published weights
+from the parameter server. The SDK keeps no checkpoint: a trainer that restarts resumes from
+its own checkpoint of the model at the run's version (`TrainerClient.version`).
+
+Layout of a `Batch` (S samples, T = the longest prompt + response, right-padded):
+position t of a sample holds token `input_ids[t]`; `response_mask[t]` is 1 where that token was
+generated, and `logprobs[t]` is the generating model's log-probability of it (0 elsewhere).
+To compare with the trainer's own log-probs, take `log_softmax(logits[:, :-1])` gathered at
+`input_ids[:, 1:]` against `logprobs[:, 1:]` and `response_mask[:, 1:]` (see
+docs/examples/train_hf_sdk.py).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from api.models import BatchOut
+from workers.client import StaleFlowClient
+from workers.trainer.loop import TrainerError, publish_fenced
+from workers.trainer.param_client import ParamClient
+
+__all__ = ["Batch", "TrainerClient", "TrainerError", "to_batch"]
+
+
+@dataclass
+class Batch:
+    """One training step's samples as tensors; row i is sample i, `group_ids` say which rows
+    share a prompt (the GRPO group)."""
+
+    version: int  # the buffer: trains model `version` into `version + 1`
+    lease: int  # what `publish` fences with (kept for you by TrainerClient)
+    input_ids: torch.Tensor  # [S, T] long: prompt + response, right-padded with pad_id
+    attention_mask: torch.Tensor  # [S, T] long: 1 on real tokens
+    response_mask: torch.Tensor  # [S, T] float: 1 on generated tokens
+    logprobs: torch.Tensor  # [S, T] float: the generating model's log-prob of each generated token
+    rewards: torch.Tensor  # [S] float
+    versions: torch.Tensor  # [S] long: V_traj, the oldest model version that generated the sample
+    staleness: torch.Tensor  # [S] long: version - V_traj (within the run's eta)
+    group_ids: torch.Tensor  # [S] long
+    prompt_lengths: torch.Tensor  # [S] long
+    meta: list[dict[str, Any]]  # per sample: its prompt's metadata (e.g. the reference answer)
+    raw: BatchOut  # everything the API returned (sample ids, segments, finish reasons)
+
+    def __len__(self) -> int:
+        return int(self.input_ids.shape[0])
+
+
+def to_batch(out: BatchOut, pad_id: int = 0) -> Batch:
+    """The API's batch as right-padded tensors (see `Batch`)."""
+    rows: list[tuple[Sequence[int], Sequence[int], Sequence[float]]] = []
+    rewards, versions, groups, metas = [], [], [], []
+    for g in out.groups:
+        for s in g.samples:
+            if len(s.logprobs) != len(s.tokens):
+                raise TrainerError(f"sample {s.sample_id}: {len(s.tokens)} tokens but {len(s.logprobs)} log-probs")
+            rows.append((g.prompt_tokens, s.tokens, s.logprobs))
+            rewards.append(s.reward)
+            versions.append(s.v_traj)
+            groups.append(g.group_id)
+            metas.append(g.meta)
+    n, width = len(rows), max((len(p) + len(r) for p, r, _ in rows), default=0)
+    ids = torch.full((n, width), pad_id, dtype=torch.long)
+    attention = torch.zeros((n, width), dtype=torch.long)
+    response = torch.zeros((n, width))
+    logprobs = torch.zeros((n, width))
+    for i, (prompt, tokens, lps) in enumerate(rows):
+        p, r = len(prompt), len(tokens)
+        ids[i, : p + r] = torch.tensor([*prompt, *tokens], dtype=torch.long)
+        attention[i, : p + r] = 1
+        response[i, p : p + r] = 1.0
+        logprobs[i, p : p + r] = torch.tensor(lps, dtype=torch.float32)
+    v = torch.tensor(versions, dtype=torch.long)
+    return Batch(
+        version=out.version,
+        lease=out.lease,
+        input_ids=ids,
+        attention_mask=attention,
+        response_mask=response,
+        logprobs=logprobs,
+        rewards=torch.tensor(rewards, dtype=torch.float32),
+        versions=v,
+        staleness=out.version - v,
+        group_ids=torch.tensor(groups, dtype=torch.long),
+        prompt_lengths=torch.tensor([len(p) for p, _, _ in rows], dtype=torch.long),
+        meta=metas,
+        raw=out,
+    )
+
+
+class TrainerClient:
+    """A trainer's view of one run over the REST API (a token of role `trainer`) and of the
+    parameter server (`ps`: "HOST:PORT" of `staleflow ps`, or None when the rollout engines
+    get weights some other way; then `publish` only records the version)."""
+
+    def __init__(
+        self,
+        api_url: str | Sequence[str] | None,
+        token: str | None,
+        run_id: int,
+        *,
+        ps: str | tuple[str, int] | ParamClient | None = None,
+        pad_id: int = 0,
+        poll_s: float = 10.0,
+    ):
+        self.client = StaleFlowClient(api_url, token)
+        self.run_id, self.pad_id, self.poll_s = run_id, pad_id, poll_s
+        self.ps = ps if isinstance(ps, ParamClient) or ps is None else ParamClient(ps, retry_for=60.0)
+        self.version = self.client.run_status(run_id).version  # the next buffer to consume
+        self._leases: dict[int, int] = {}
+
+    def close(self) -> None:
+        self.client.close()
+
+    def __enter__(self) -> TrainerClient:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def start(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+        """Serve the initial weights as version 0 (rollout workers wait for them), unless the
+        parameter server already has the run's current version (a restarted trainer)."""
+        if self.ps is None:
+            return
+        latest = self.ps.latest()
+        if latest is not None and latest["version"] >= self.version:
+            return
+        if self.version != 0:
+            raise TrainerError(f"the run is at version {self.version} but the PS does not serve it")
+        self.ps.commit(0, self.ps.push(_detached(state_dict), 0))
+
+    def next_batch(self, timeout: float | None = None) -> Batch | None:
+        """Consume the ready buffer of the current version, waiting up to `timeout` seconds
+        (None: for ever); None if it did not become ready in time. Consuming it again (e.g. after
+        a crash) returns the same samples with a new lease, fencing the earlier consumer."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:  # long-polls of at most poll_s: at least one, even with timeout 0
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            out = self.client.consume(
+                self.run_id, self.version, wait=self.poll_s if left is None else min(self.poll_s, left)
+            )
+            if out is not None:
+                break
+            if left is not None and left <= 0:
+                return None
+        self._leases[out.version] = out.lease
+        return to_batch(out, self.pad_id)
+
+    def publish(self, version: int, state_dict: Mapping[str, torch.Tensor]) -> int:
+        """Publish `version + 1`, trained on buffer `version` (the batch's `version`): push the
+        weights to the PS, publish fenced by the consume's lease, then pin the PS's copy to the
+        published checksum. Returns the run's new version; TrainerError if fenced."""
+        if version not in self._leases:
+            raise TrainerError(f"buffer {version} was not consumed by this client (call next_batch first)")
+        sd = _detached(state_dict)
+        size = sum(t.numel() * t.element_size() for t in sd.values())
+        checksum, location = None, None
+        if self.ps is not None:
+            checksum = self.ps.push(sd, version + 1)
+            location = f"ps://{self.ps.addr[0]}:{self.ps.addr[1]}/v{version + 1}"
+        new = publish_fenced(
+            self.client,
+            self.run_id,
+            version,
+            self._leases.pop(version),
+            size_bytes=size,
+            checksum=checksum,
+            location=location,
+        )
+        if self.ps is not None and checksum is not None:
+            self.ps.commit(version + 1, checksum)
+        self.version = new
+        return new
+
+
+def _detached(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: v.detach() for k, v in state_dict.items()}
