@@ -41,12 +41,20 @@ class InstanceOwner(NamedTuple):
 @dataclass(frozen=True)
 class MetricsRows:
     """For the newest runs: rows of (run_id, v_traj, n) queued samples, (run_id, idx,
-    occupied, reserved, consumed) unconsumed buffers, (run_id, staleness, n) trained samples."""
+    occupied, reserved, consumed) unconsumed buffers, (run_id, staleness, n) trained samples,
+    (run_id, state, n) instances ('lapsed': active with its lease run out), (run_id, kind,
+    reason, n) dropped samples and groups, coordinator cycles per run (count, sums of the
+    phase times and commands, then the newest cycle's), and (locktype, n) lock waits in
+    this database now."""
 
     runs: list[RunRow]
     queued: Sequence[Row[Any]]
     buffers: Sequence[Row[Any]]
     staleness: Sequence[Row[Any]]
+    instances: Sequence[Row[Any]] = ()
+    dropped: Sequence[Row[Any]] = ()
+    cycles: Sequence[Row[Any]] = ()
+    lock_waits: Sequence[Row[Any]] = ()
 
 
 # name of each audit view and its order (after run_id)
@@ -160,4 +168,41 @@ class ReadOps(TxMixin):
                 ),
                 {"ids": ids},
             ).all()
-        return MetricsRows(runs, queued, buffers, staleness)
+            by_run = {"ids": ids}
+            instances = c.execute(
+                text(
+                    "SELECT run_id, CASE WHEN state = 'active' AND lease_expires_at < now() THEN 'lapsed'"
+                    " ELSE state::text END AS state, count(*) AS n FROM instances"
+                    " WHERE run_id = ANY(CAST(:ids AS bigint[])) GROUP BY 1, 2"
+                ),
+                by_run,
+            ).all()
+            dropped = c.execute(
+                text(
+                    "SELECT run_id, 'sample' AS kind, reason, count(*) AS n FROM samples"
+                    " WHERE state = 'aborted' AND run_id = ANY(CAST(:ids AS bigint[])) GROUP BY 1, 3"
+                    " UNION ALL SELECT run_id, 'group', reason, count(*) FROM prompt_groups"
+                    " WHERE state IN ('filtered', 'aborted') AND run_id = ANY(CAST(:ids AS bigint[])) GROUP BY 1, 3"
+                ),
+                by_run,
+            ).all()
+            cycles = c.execute(
+                text(
+                    "SELECT t.*, l.snapshot_ms AS last_snapshot_ms, l.decide_ms AS last_decide_ms,"
+                    " l.write_ms AS last_write_ms FROM (SELECT run_id, count(*) AS n, max(id) AS last_id,"
+                    " extract(epoch FROM max(at)) AS last_at, sum(snapshot_ms) AS snapshot_ms,"
+                    " sum(decide_ms) AS decide_ms, sum(write_ms) AS write_ms, sum(routed) AS routed,"
+                    " sum(interrupted) AS interrupted, sum(pulled) AS pulled, sum(migrated) AS migrated"
+                    " FROM coordinator_cycles WHERE run_id = ANY(CAST(:ids AS bigint[])) GROUP BY 1) t"
+                    " JOIN coordinator_cycles l ON l.id = t.last_id"
+                ),
+                by_run,
+            ).all()
+            lock_waits = c.execute(
+                text(
+                    "SELECT locktype, count(*) AS n FROM pg_locks WHERE NOT granted"
+                    " AND (database IS NULL OR database = (SELECT oid FROM pg_database"
+                    " WHERE datname = current_database())) GROUP BY 1"
+                )
+            ).all()
+        return MetricsRows(runs, queued, buffers, staleness, instances, dropped, cycles, lock_waits)
