@@ -21,7 +21,7 @@ T = TypeVar("T", bound=BaseModel)
 
 class ApiProtocol(Protocol):
     # Times every outermost protocol transaction by operation (see staleflow_db.idempotency.transactional).
-    observe: Callable[[str], AbstractContextManager[None]] | None = None
+    observe_transaction: Callable[[str], AbstractContextManager[None]] | None = None
 
     def once(
         self,
@@ -41,7 +41,8 @@ class ApiProtocol(Protocol):
         """
         digest = idempotency.digest(body.model_dump_json() if body is not None else b"")
         # the operation without the ids some carry (abort_group<id>): a bounded label
-        timer = self.observe(operation.rstrip("0123456789")) if self.observe is not None else nullcontext()
+        observe = self.observe_transaction
+        timer = observe(operation.rstrip("0123456789")) if observe is not None else nullcontext()
         with timer:
             return idempotency.once(
                 self.engine,

@@ -81,14 +81,14 @@ def transactional(fn: Callable[P, T]) -> Callable[P, T]:
     again whole after a deadlock or serialization failure. The method opens its transaction
     with `within(engine, conn)`.
 
-    An instance attribute `observe` (operation name -> context manager) times the outermost
+    An instance attribute `observe_transaction` (operation name -> context manager) times the outermost
     call, retries included: the API's /metrics hooks in here without this package knowing it."""
 
     @functools.wraps(fn)
     def method(*args: P.args, **kw: P.kwargs) -> T:
         if kw.get("conn") is not None:
             return fn(*args, **kw)
-        observe = getattr(args[0], "observe", None) if args else None
+        observe = getattr(args[0], "observe_transaction", None) if args else None
         if observe is None:
             return retried(lambda: fn(*args, **kw))
         with observe(fn.__name__):

@@ -96,7 +96,7 @@ def _scrape_after_activity(db_url: str) -> dict[str, Any]:
         run = admin.create_run("metrics", batch_size=2, group_size=2, eta=1, samples_per_group=2)
         roles = {r: server.client(token(db_url, r, run.id)) for r in ROLES}
         walk_lifecycle(admin, roles, run.id)
-        group = roles["trainer"].enqueue(run.id, [("dropped", [1, 2])])[0]
+        group = roles["trainer"].enqueue(run.id, [("dropped", [1, 2]), ("queued", [3, 4])])[0]
         assert roles["coordinator"].abort_group(run.id, group, reason="user")
         with pytest.raises(NotFound):
             admin.param_versions(10**9)  # a refusal: counted by staleflow_protocol_errors_total
@@ -157,6 +157,7 @@ def check_dashboard(families: dict[str, Any], run: str) -> None:
 
     assert value("staleflow_run_version", run=run) == 1
     assert value("staleflow_staleness_versions_count", run=run) == 4
+    assert value("staleflow_queued_samples", run=run, level="new") == 2
     assert value("staleflow_instances", run=run, state="active") == 1  # the idle one
     assert value("staleflow_instances", run=run, state="deregistered") == 1  # walk_lifecycle's
     assert value("staleflow_dropped_groups_total", run=run, reason="user") == 1
