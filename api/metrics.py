@@ -138,8 +138,7 @@ def _run_families(data: MetricsRows) -> list[Any]:
     instances = GaugeMetricFamily(
         "staleflow_instances", "rollout instances by state ('lapsed': active, lease run out)", labels=["run", "state"]
     )
-    dropped = CounterMetricFamily("staleflow_dropped_samples", "aborted samples by reason", labels=["run", "reason"])
-    dropped_groups = CounterMetricFamily(
+    dropped = CounterMetricFamily(
         "staleflow_dropped_groups", "filtered or aborted prompt groups by reason", labels=["run", "reason"]
     )
     runs = {r.id: r for r in data.runs}
@@ -171,13 +170,13 @@ def _run_families(data: MetricsRows) -> list[Any]:
     for run_id, by in counts.items():
         for state, n in by.items():
             instances.add_metric([str(run_id), state], n)
-    drops: dict[tuple[str, int, str], int] = {}
+    drops: dict[tuple[int, str], int] = {}
     for d in data.dropped:
-        drop = (d.kind, d.run_id, d.reason if d.reason in REASONS else "other")
+        drop = (d.run_id, d.reason if d.reason in REASONS else "other")
         drops[drop] = drops.get(drop, 0) + d.n
-    for (kind, run_id, reason), n in drops.items():
-        (dropped if kind == "sample" else dropped_groups).add_metric([str(run_id), reason], n)
-    return [version, eta, queued, states, entries, instances, dropped, dropped_groups, _staleness(data)]
+    for (run_id, reason), n in drops.items():
+        dropped.add_metric([str(run_id), reason], n)
+    return [version, eta, queued, states, entries, instances, dropped, _staleness(data)]
 
 
 def _staleness(data: MetricsRows) -> HistogramMetricFamily:
@@ -195,31 +194,42 @@ def _staleness(data: MetricsRows) -> HistogramMetricFamily:
 
 
 def _coordinator_families(data: MetricsRows) -> list[Any]:
-    cycles = CounterMetricFamily("staleflow_coordinator_cycles", "coordinator cycles recorded", labels=["run"])
-    phase_time = CounterMetricFamily(
-        "staleflow_coordinator_phase_seconds",
-        "time coordinator cycles spent by phase (snapshot read, decision, command write)",
-        labels=["run", "phase"],
+    """Over the newest cycles of each run (gauges: a sum over all history would grow with the run)."""
+    labels = ["run", "phase"]
+    mean = GaugeMetricFamily(
+        "staleflow_coordinator_cycle_seconds",
+        "mean time of recent coordinator cycles by phase (snapshot read, decision, command write)",
+        labels=labels,
     )
-    commands = CounterMetricFamily(
-        "staleflow_coordinator_commands", "decisions the coordinator wrote, by kind", labels=["run", "kind"]
+    worst = GaugeMetricFamily(
+        "staleflow_coordinator_cycle_max_seconds", "longest phase time of recent coordinator cycles", labels=labels
     )
     last = GaugeMetricFamily(
-        "staleflow_coordinator_last_cycle_seconds", "phase times of the newest cycle", labels=["run", "phase"]
+        "staleflow_coordinator_last_cycle_seconds", "phase times of the newest coordinator cycle", labels=labels
+    )
+    interval = GaugeMetricFamily(
+        "staleflow_coordinator_cycle_interval_seconds", "mean time between recent coordinator cycles", labels=["run"]
     )
     last_at = GaugeMetricFamily(
         "staleflow_coordinator_last_cycle_timestamp_seconds", "when the newest cycle was recorded", labels=["run"]
     )
+    commands = GaugeMetricFamily(
+        "staleflow_coordinator_cycle_commands",
+        "mean decisions per recent coordinator cycle, by kind",
+        labels=["run", "kind"],
+    )
     for c in data.cycles:
         run = str(c.run_id)
-        cycles.add_metric([run], c.n)
         last_at.add_metric([run], float(c.last_at))
+        if c.n > 1:
+            interval.add_metric([run], float(c.span_s) / (c.n - 1))
         for phase in PHASES:
-            phase_time.add_metric([run, phase], float(getattr(c, f"{phase}_ms")) / 1000)
+            mean.add_metric([run, phase], float(getattr(c, f"{phase}_ms")) / 1000)
+            worst.add_metric([run, phase], float(getattr(c, f"max_{phase}_ms")) / 1000)
             last.add_metric([run, phase], float(getattr(c, f"last_{phase}_ms")) / 1000)
         for kind in COMMANDS:
-            commands.add_metric([run, kind], int(getattr(c, kind)))
-    return [cycles, phase_time, commands, last, last_at]
+            commands.add_metric([run, kind], float(getattr(c, kind)))
+    return [mean, worst, last, interval, last_at, commands]
 
 
 def _lock_family(data: MetricsRows) -> GaugeMetricFamily:

@@ -108,7 +108,7 @@ def _scrape_after_activity(db_url: str) -> dict[str, Any]:
                         "INSERT INTO coordinator_cycles (run_id, epoch, snapshot_ms, decide_ms, write_ms, routed,"
                         " interrupted, pulled, migrated) VALUES (:r, 1, 2.0, 3.0, 4.0, 2, 1, 0, 0)"
                     ),
-                    {"r": run.id},
+                    [{"r": run.id}, {"r": run.id}],  # two cycles: an interval between them
                 )
         finally:
             engine.dispose()
@@ -148,12 +148,14 @@ def check_dashboard(families: dict[str, Any], run: str) -> None:
     # The activity shows up in the figures the panels plot.
 
     def value(name: str, **labels: str) -> float:
-        return sum(
+        found = [
             s.value
             for f in families.values()
             for s in f.samples
             if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
-        )
+        ]
+        assert found, f"no {name}{labels} in /metrics"
+        return sum(found)
 
     assert value("staleflow_run_version", run=run) == 1
     assert value("staleflow_staleness_versions_count", run=run) == 4
@@ -161,7 +163,8 @@ def check_dashboard(families: dict[str, Any], run: str) -> None:
     assert value("staleflow_instances", run=run, state="active") == 1  # the idle one
     assert value("staleflow_instances", run=run, state="deregistered") == 1  # walk_lifecycle's
     assert value("staleflow_dropped_groups_total", run=run, reason="user") == 1
-    assert value("staleflow_coordinator_cycles_total", run=run) == 1
+    assert value("staleflow_coordinator_cycle_commands", run=run, kind="routed") == 2
+    assert value("staleflow_coordinator_cycle_interval_seconds", run=run) == 0  # one transaction, one now()
     assert value("staleflow_coordinator_last_cycle_seconds", run=run, phase="decide") == pytest.approx(0.003)
     assert value("staleflow_protocol_transaction_seconds_count", operation="route") >= 1
     assert value("staleflow_protocol_errors_total", operation="param_versions", error="NotFound") == 1
