@@ -34,7 +34,7 @@ MAX_LEVEL = 10  # queue levels 0..min(eta + 1, MAX_LEVEL) versions behind; furth
 REASONS = frozenset(r.value for r in DropReason)
 PHASES = ("snapshot", "decide", "write")
 COMMANDS = ("routed", "interrupted", "pulled", "migrated")
-# always exported (zero when none wait): row locks of the run lock, advisory locks of idempotency keys
+# always exported (zero when none wait): row locks (the per-run lock among them) and advisory locks (idempotency keys)
 LOCK_TYPES = ("relation", "tuple", "transactionid", "advisory")
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
@@ -235,7 +235,7 @@ def _coordinator_families(data: MetricsRows) -> list[Any]:
 def _lock_family(data: MetricsRows) -> GaugeMetricFamily:
     waits = GaugeMetricFamily(
         "staleflow_database_lock_waiters",
-        "lock requests waiting in this database at scrape time, by lock type (the run lock is 'tuple'/'transactionid')",
+        "lock requests waiting in this database at scrape time, by lock type (row locks: 'transactionid', 'tuple')",
         labels=["locktype"],
     )
     counts = dict.fromkeys(LOCK_TYPES, 0) | {w.locktype: w.n for w in data.lock_waits}
