@@ -90,7 +90,7 @@ def test_metrics_against_dashboard_and_conventions(db_url) -> None:
 
 
 def _scrape_after_activity(db_url: str) -> dict[str, Any]:
-    """Families of /metrics after a full step, a refusal, a drop, a coordinator cycle and a long-poll."""
+    """Families of /metrics after a full step, a refusal, a drop, coordinator cycles and a long-poll."""
     with ApiServer(db_url) as server:
         admin = server.client(token(db_url, "admin"))
         run = admin.create_run("metrics", batch_size=2, group_size=2, eta=1, samples_per_group=2)
@@ -108,7 +108,7 @@ def _scrape_after_activity(db_url: str) -> dict[str, Any]:
                         "INSERT INTO coordinator_cycles (run_id, epoch, snapshot_ms, decide_ms, write_ms, routed,"
                         " interrupted, pulled, migrated) VALUES (:r, 1, 2.0, 3.0, 4.0, 2, 1, 0, 0)"
                     ),
-                    [{"r": run.id}, {"r": run.id}],  # two cycles: an interval between them
+                    [{"r": run.id}, {"r": run.id}],  # two cycles, so an interval is exported
                 )
         finally:
             engine.dispose()
