@@ -35,6 +35,7 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
     engine = make_engine(url, settings=settings.db, connect_args={"connect_timeout": settings.connect_timeout})
     protocol = ApiProtocol(engine)
     metrics = Metrics(protocol.metrics_rows)
+    protocol.observe_transaction = metrics.observe
     watch = DatabaseWatch(engine, metrics.registry, probe_s=settings.probe_interval)
     state = AppState(
         settings=settings,

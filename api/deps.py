@@ -154,4 +154,5 @@ async def long_poll(
         remaining = deadline - time.monotonic()
         if done(result) or remaining <= 0 or await request.is_disconnected():
             return result
-        await wait_for(event, min(remaining, state.settings.poll_interval))
+        with state.metrics.waiting(topic):
+            await wait_for(event, min(remaining, state.settings.poll_interval))

@@ -1,8 +1,14 @@
-"""Prometheus metrics: request latencies from a middleware, and protocol figures (queue depth by
-version, buffer states, staleness of trained samples) read from the database at scrape time.
+"""Prometheus metrics (every one is listed in docs/metrics.md).
 
-Database figures are the same on every replica (they come from the shared database); take
-`max` over replicas, not `sum`. They are cached briefly so concurrent scrapes cost one query.
+Per replica (take `sum` over replicas): request latencies from a middleware, protocol
+transaction latencies and errors by operation (the `observe` hook of
+staleflow_db.idempotency.transactional), long-poll waiters. From the database at scrape time
+(the same on every replica: take `max`, not `sum`): run versions, queue depth by level,
+buffer states, staleness of trained samples, instances by state, drops by reason, coordinator
+cycles, lock waits. Those are cached briefly so concurrent scrapes cost one query.
+
+Every label has few values: routes are templates, operations are method names, queue levels
+are capped, reasons outside DropReason are "other"; `run` covers the newest runs only.
 """
 
 from __future__ import annotations
@@ -10,17 +16,27 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Histogram
-from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from staleflow_db.enums import DropReason
 from staleflow_db.protocol import MetricsRows
 from staleflow_db.rules import BufferCounts, buffer_state
 
 STALENESS_BUCKETS = (0, 1, 2, 3, 4, 5, 10, 20)
 BUFFER_STATES = ("waiting", "stuck", "ready", "consumed")
+INSTANCE_STATES = ("active", "lapsed", "expired", "deregistered")
+MAX_LEVEL = 10  # queue levels 0..min(eta + 1, MAX_LEVEL) versions behind; further back is "older"
+REASONS = frozenset(r.value for r in DropReason)
+PHASES = ("snapshot", "decide", "write")
+COMMANDS = ("routed", "interrupted", "pulled", "migrated")
+# always exported (zero when none wait): row locks (the per-run lock among them) and advisory locks (idempotency keys)
+LOCK_TYPES = ("relation", "tuple", "transactionid", "advisory")
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 
 class Metrics:
@@ -31,9 +47,52 @@ class Metrics:
             "API request latency (long-polls include their wait)",
             ("method", "route", "status"),
             registry=self.registry,
-            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+            buckets=LATENCY_BUCKETS,
+        )
+        self.transactions = Histogram(
+            "staleflow_protocol_transaction_seconds",
+            "protocol transaction latency by operation, retries after deadlocks included",
+            ("operation",),
+            registry=self.registry,
+            buckets=LATENCY_BUCKETS[:-3],
+        )
+        self.errors = Counter(
+            "staleflow_protocol_errors",
+            "protocol transactions that raised (refusals and failures), by operation and exception class",
+            ("operation", "error"),
+            registry=self.registry,
+        )
+        self.waiters = Gauge(
+            "staleflow_long_poll_waiters",
+            "requests waiting in a long-poll now, by topic",
+            ("topic",),
+            registry=self.registry,
         )
         self.registry.register(_DatabaseCollector(read, cache_seconds))
+
+    @contextmanager
+    def observe(self, operation: str) -> Iterator[None]:
+        """Time one protocol transaction (the hook staleflow_db calls)."""
+        start = time.perf_counter()
+        try:
+            yield
+        except Exception as exc:
+            self.errors.labels(operation, type(exc).__name__).inc()
+            raise
+        finally:
+            self.transactions.labels(operation).observe(time.perf_counter() - start)
+
+    def waiting(self, topic: str) -> Any:
+        """Count a long-poll while it waits (`work:<instance>` counts as `work`)."""
+        return self.waiters.labels(topic.split(":")[0]).track_inprogress()
+
+
+def queue_level(version: int, eta: int, v_traj: int | None) -> str:
+    """How many versions behind the run a queued sample's trajectory is, capped."""
+    if v_traj is None:
+        return "new"
+    behind = max(version - v_traj, 0)
+    return str(behind) if behind <= min(eta + 1, MAX_LEVEL) else "older"
 
 
 class _DatabaseCollector:
@@ -61,42 +120,128 @@ class _DatabaseCollector:
             up.add_metric([], 0)
             return [up]
         up.add_metric([], 1)
-        version = GaugeMetricFamily("staleflow_run_version", "model version of the run", labels=["run"])
-        queued = GaugeMetricFamily(
-            "staleflow_queue_depth",
-            "queued samples by trajectory version ('new': never routed)",
-            labels=["run", "v_traj"],
-        )
-        states = GaugeMetricFamily("staleflow_buffers", "unconsumed buffers by state", labels=["run", "state"])
-        entries = GaugeMetricFamily(
-            "staleflow_buffer_entries", "entries of unconsumed buffers", labels=["run", "buffer", "kind"]
-        )
-        runs = {r.id: r for r in data.runs}
-        counts: dict[int, dict[str, int]] = {r: dict.fromkeys(BUFFER_STATES, 0) for r in runs}
-        for r in data.runs:
-            version.add_metric([str(r.id)], r.version)
-        for q in data.queued:
-            queued.add_metric([str(q.run_id), "new" if q.v_traj is None else str(q.v_traj)], q.n)
-        for b in data.buffers:
-            counts[b.run_id][
-                buffer_state(BufferCounts(b.idx, b.occupied, b.reserved, b.consumed), runs[b.run_id].limits)
-            ] += 1
-            entries.add_metric([str(b.run_id), str(b.idx), "occupied"], b.occupied)
-            entries.add_metric([str(b.run_id), str(b.idx), "reserved"], b.reserved)
-        for run, by_state in counts.items():
-            for state, n in by_state.items():
-                states.add_metric([str(run), state], n)
-        staleness = HistogramMetricFamily(
-            "staleflow_staleness", "staleness (step - V_traj) of trained samples", labels=["run"]
-        )
-        per_run: dict[int, dict[int, int]] = {}
-        for t in data.staleness:
-            per_run.setdefault(t.run_id, {})[int(t.staleness)] = t.n
-        for run, hist in per_run.items():
-            buckets = [(str(le), sum(n for s, n in hist.items() if s <= le)) for le in STALENESS_BUCKETS]
-            total = sum(hist.values())
-            staleness.add_metric([str(run)], buckets + [("+Inf", total)], sum(s * n for s, n in hist.items()))
-        return [up, version, queued, states, entries, staleness]
+        return [up, *_run_families(data), *_coordinator_families(data), _lock_family(data)]
+
+
+def _run_families(data: MetricsRows) -> list[Any]:
+    version = GaugeMetricFamily("staleflow_run_version", "model version of the run", labels=["run"])
+    eta = GaugeMetricFamily("staleflow_run_eta", "staleness bound η of the run, in versions", labels=["run"])
+    queued = GaugeMetricFamily(
+        "staleflow_queued_samples",
+        "queued samples by level: versions their trajectory is behind the run ('new': never routed)",
+        labels=["run", "level"],
+    )
+    states = GaugeMetricFamily("staleflow_buffers", "unconsumed buffers by state", labels=["run", "state"])
+    entries = GaugeMetricFamily(
+        "staleflow_buffer_samples", "samples held by unconsumed buffers, by kind", labels=["run", "kind"]
+    )
+    instances = GaugeMetricFamily(
+        "staleflow_instances", "rollout instances by state ('lapsed': active, lease run out)", labels=["run", "state"]
+    )
+    dropped = CounterMetricFamily(
+        "staleflow_dropped_groups", "filtered or aborted prompt groups by reason", labels=["run", "reason"]
+    )
+    runs = {r.id: r for r in data.runs}
+    by_state: dict[int, dict[str, int]] = {r: dict.fromkeys(BUFFER_STATES, 0) for r in runs}
+    held: dict[int, dict[str, int]] = {r: {"occupied": 0, "reserved": 0} for r in runs}
+    levels: dict[tuple[int, str], int] = {}
+    for r in data.runs:
+        version.add_metric([str(r.id)], r.version)
+        eta.add_metric([str(r.id)], r.eta)
+    for q in data.queued:
+        run = runs[q.run_id]
+        key = (q.run_id, queue_level(run.version, run.eta, q.v_traj))
+        levels[key] = levels.get(key, 0) + q.n
+    for (run_id, level), n in levels.items():
+        queued.add_metric([str(run_id), level], n)
+    for b in data.buffers:
+        limits = runs[b.run_id].limits
+        by_state[b.run_id][buffer_state(BufferCounts(b.idx, b.occupied, b.reserved, b.consumed), limits)] += 1
+        held[b.run_id]["occupied"] += b.occupied
+        held[b.run_id]["reserved"] += b.reserved
+    for run_id in runs:
+        for state, n in by_state[run_id].items():
+            states.add_metric([str(run_id), state], n)
+        for kind, n in held[run_id].items():
+            entries.add_metric([str(run_id), kind], n)
+    counts: dict[int, dict[str, int]] = {r: dict.fromkeys(INSTANCE_STATES, 0) for r in runs}
+    for i in data.instances:
+        counts[i.run_id][i.state] = i.n
+    for run_id, by in counts.items():
+        for state, n in by.items():
+            instances.add_metric([str(run_id), state], n)
+    drops: dict[tuple[int, str], int] = {}
+    for d in data.dropped:
+        drop = (d.run_id, d.reason if d.reason in REASONS else "other")
+        drops[drop] = drops.get(drop, 0) + d.n
+    for (run_id, reason), n in drops.items():
+        dropped.add_metric([str(run_id), reason], n)
+    return [version, eta, queued, states, entries, instances, dropped, _staleness(data)]
+
+
+def _staleness(data: MetricsRows) -> HistogramMetricFamily:
+    staleness = HistogramMetricFamily(
+        "staleflow_staleness_versions", "staleness (step - V_traj) of trained samples, in versions", labels=["run"]
+    )
+    per_run: dict[int, dict[int, int]] = {}
+    for t in data.staleness:
+        per_run.setdefault(t.run_id, {})[int(t.staleness)] = t.n
+    for run, hist in per_run.items():
+        buckets = [(str(le), sum(n for s, n in hist.items() if s <= le)) for le in STALENESS_BUCKETS]
+        total = sum(hist.values())
+        staleness.add_metric([str(run)], buckets + [("+Inf", total)], sum(s * n for s, n in hist.items()))
+    return staleness
+
+
+def _coordinator_families(data: MetricsRows) -> list[Any]:
+    """Over the newest cycles of each run (gauges: a sum over all history would grow with the run)."""
+    labels = ["run", "phase"]
+    mean = GaugeMetricFamily(
+        "staleflow_coordinator_cycle_seconds",
+        "mean time of recent coordinator cycles by phase (snapshot read, decision, command write)",
+        labels=labels,
+    )
+    worst = GaugeMetricFamily(
+        "staleflow_coordinator_cycle_max_seconds", "longest phase time of recent coordinator cycles", labels=labels
+    )
+    last = GaugeMetricFamily(
+        "staleflow_coordinator_last_cycle_seconds", "phase times of the newest coordinator cycle", labels=labels
+    )
+    interval = GaugeMetricFamily(
+        "staleflow_coordinator_cycle_interval_seconds", "mean time between recent coordinator cycles", labels=["run"]
+    )
+    last_at = GaugeMetricFamily(
+        "staleflow_coordinator_last_cycle_timestamp_seconds", "when the newest cycle was recorded", labels=["run"]
+    )
+    commands = GaugeMetricFamily(
+        "staleflow_coordinator_cycle_commands",
+        "mean decisions per recent coordinator cycle, by kind",
+        labels=["run", "kind"],
+    )
+    for c in data.cycles:
+        run = str(c.run_id)
+        last_at.add_metric([run], float(c.last_at))
+        if c.n > 1:
+            interval.add_metric([run], float(c.span_s) / (c.n - 1))
+        for phase in PHASES:
+            mean.add_metric([run, phase], float(getattr(c, f"{phase}_ms")) / 1000)
+            worst.add_metric([run, phase], float(getattr(c, f"max_{phase}_ms")) / 1000)
+            last.add_metric([run, phase], float(getattr(c, f"last_{phase}_ms")) / 1000)
+        for kind in COMMANDS:
+            commands.add_metric([run, kind], float(getattr(c, kind)))
+    return [mean, worst, last, interval, last_at, commands]
+
+
+def _lock_family(data: MetricsRows) -> GaugeMetricFamily:
+    waits = GaugeMetricFamily(
+        "staleflow_database_lock_waiters",
+        "lock requests waiting in this database at scrape time, by lock type (row locks: 'transactionid', 'tuple')",
+        labels=["locktype"],
+    )
+    counts = dict.fromkeys(LOCK_TYPES, 0) | {w.locktype: w.n for w in data.lock_waits}
+    for locktype, n in counts.items():
+        waits.add_metric([locktype], n)
+    return waits
 
 
 class LatencyMiddleware:

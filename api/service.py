@@ -6,6 +6,7 @@ pattern 5) -- the same implementation the protocol's own `request_id` uses."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any, TypeVar
 
 from pydantic import BaseModel
@@ -19,6 +20,9 @@ T = TypeVar("T", bound=BaseModel)
 
 
 class ApiProtocol(Protocol):
+    # Times every outermost protocol transaction by operation (see staleflow_db.idempotency.transactional).
+    observe_transaction: Callable[[str], AbstractContextManager[None]] | None = None
+
     def once(
         self,
         key: str | None,
@@ -36,16 +40,20 @@ class ApiProtocol(Protocol):
         long-poll) are not kept. Deadlocks and serialization failures rerun the transaction.
         """
         digest = idempotency.digest(body.model_dump_json() if body is not None else b"")
-        return idempotency.once(
-            self.engine,
-            key,
-            operation,
-            digest,
-            call,
-            lambda o: o.model_dump_json(),
-            model.model_validate,
-            store,
-        )
+        # the operation without the ids some carry (abort_group<id>): a bounded label
+        observe = self.observe_transaction
+        timer = observe(operation.rstrip("0123456789")) if observe is not None else nullcontext()
+        with timer:
+            return idempotency.once(
+                self.engine,
+                key,
+                operation,
+                digest,
+                call,
+                lambda o: o.model_dump_json(),
+                model.model_validate,
+                store,
+            )
 
 
 def scoped_key(key: str | None, scope: str) -> str | None:

@@ -79,13 +79,20 @@ def transactional(fn: Callable[P, T]) -> Callable[P, T]:
     """A protocol method that is one transaction: with `conn=` it runs in the caller's
     transaction (whose runner retries the whole); without, it is the outermost one and runs
     again whole after a deadlock or serialization failure. The method opens its transaction
-    with `within(engine, conn)`."""
+    with `within(engine, conn)`.
+
+    An instance attribute `observe_transaction` (operation name -> context manager) times the outermost
+    call, retries included: the API's /metrics hooks in here without this package knowing it."""
 
     @functools.wraps(fn)
     def method(*args: P.args, **kw: P.kwargs) -> T:
         if kw.get("conn") is not None:
             return fn(*args, **kw)
-        return retried(lambda: fn(*args, **kw))
+        observe = getattr(args[0], "observe_transaction", None) if args else None
+        if observe is None:
+            return retried(lambda: fn(*args, **kw))
+        with observe(fn.__name__):
+            return retried(lambda: fn(*args, **kw))
 
     return method
 

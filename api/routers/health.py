@@ -60,5 +60,6 @@ def readyz(state: State, request: Request) -> JSONResponse:
 
 @router.get("/metrics", response_class=Response, responses={200: {"content": {CONTENT_TYPE_LATEST: {}}}})
 def metrics(state: State) -> Response:
-    """Prometheus text format: request latencies, queue depth by version, buffer states, staleness."""
+    """Prometheus text format: request and protocol transaction latencies, queue depth by level,
+    buffers, staleness, instances, drops, coordinator cycles, lock waits (docs/metrics.md)."""
     return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)

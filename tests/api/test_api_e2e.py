@@ -56,7 +56,7 @@ def test_lifecycle_over_http_with_clean_audit(db_url):
         assert admin.param_versions(run.id)[0].location == "ps://0"
         metrics = admin.metrics()
         assert f'staleflow_run_version{{run="{run.id}"}} 1.0' in metrics
-        assert "staleflow_api_request_seconds_bucket" in metrics and "staleflow_staleness_bucket" in metrics
+        assert "staleflow_api_request_seconds_bucket" in metrics and "staleflow_staleness_versions_bucket" in metrics
 
 
 def test_long_poll_wakes_on_commit_through_another_replica(db_url):
