@@ -12,10 +12,11 @@
   const empty = (what) => `<p class="empty">${esc(what)}</p>`;
   const legend = (items) => `<div class="legend">${items.map(([n, c]) => `<span><i style="background:${c}"></i>${esc(n)}</span>`).join("")}</div>`;
 
-  function ticks(lo, hi, n) {
+  function ticks(lo, hi, n, integer) {
     if (hi <= lo) hi = lo + 1;
     const step = Math.pow(10, Math.floor(Math.log10((hi - lo) / n)));
-    const s = [1, 2, 5, 10].map((m) => m * step).find((m) => (hi - lo) / m <= n) || step * 10;
+    let s = [1, 2, 5, 10].map((m) => m * step).find((m) => (hi - lo) / m <= n) || step * 10;
+    if (integer) s = Math.max(1, Math.round(s));
     const out = [];
     for (let t = Math.ceil(lo / s) * s; t <= hi + 1e-9; t += s) out.push(+t.toFixed(10));
     return out;
@@ -23,7 +24,7 @@
 
   // series: [{name, color, points: [[x, y]], band: [[x, lo, hi]], step}]
   function lineChart(series, opts = {}) {
-    const W = 380, H = 170, L = 46, R = 8, T = 8, B = 24;
+    const W = 380, H = 180, L = 46, R = 8, T = 8, B = 34;
     const xs = [], ys = [];
     for (const s of series) {
       for (const [x, y] of s.points) if (y !== null) { xs.push(x); ys.push(y); }
@@ -38,7 +39,7 @@
     const Y = (y) => T + (1 - (y - y0) / (y1 - y0)) * (H - T - B);
     let g = "";
     for (const t of ticks(y0, y1, 4)) g += `<line class="axis" x1="${L}" x2="${W - R}" y1="${Y(t)}" y2="${Y(t)}"/><text x="${L - 4}" y="${Y(t) + 4}" text-anchor="end">${+t.toPrecision(4)}</text>`;
-    for (const t of ticks(x0, x1, 6)) g += `<text x="${X(t)}" y="${H - 8}" text-anchor="middle">${+t.toPrecision(4)}</text>`;
+    for (const t of ticks(x0, x1, 6, opts.integer)) g += `<text x="${X(t)}" y="${H - 20}" text-anchor="middle">${+t.toPrecision(4)}</text>`;
     for (const s of series) {
       if (s.band && s.band.length) {
         const up = s.band.map(([x, , hi]) => `${X(x)},${Y(hi)}`), down = s.band.slice().reverse().map(([x, lo]) => `${X(x)},${Y(lo)}`);
@@ -54,14 +55,14 @@
       g += `<path d="${d}" fill="none" stroke="${s.color}" stroke-width="2"/>`;
       if (pts.length <= 40) for (const [x, y] of pts) g += `<circle cx="${X(x)}" cy="${Y(y)}" r="2.5" fill="${s.color}"/>`;
     }
-    if (opts.xLabel) g += `<text x="${W - R}" y="${H - 8}" text-anchor="end">${esc(opts.xLabel)}</text>`;
+    if (opts.xLabel) g += `<text x="${(L + W - R) / 2}" y="${H - 4}" text-anchor="middle">${esc(opts.xLabel)}</text>`;
     return `<svg viewBox="0 0 ${W} ${H}" role="img">${g}</svg>`;
   }
 
   // bars: [{label, parts: [[value, color, title]]}]; vline: index of a dashed marker line
   function barChart(bars, opts = {}) {
     if (!bars.length) return empty(opts.none || "nothing yet");
-    const W = 380, H = opts.height || 150, L = 40, R = 8, T = 8, B = 26;
+    const W = 380, H = opts.height || 160, L = 40, R = 8, T = 8, B = 34;
     const top = Math.max(1, ...bars.map((b) => b.parts.reduce((a, p) => a + p[0], 0)));
     const bw = (W - L - R) / bars.length;
     const Y = (y) => T + (1 - y / top) * (H - T - B);
@@ -75,13 +76,13 @@
         if (v > 0) g += `<rect x="${x}" y="${Y(acc + v)}" width="${w}" height="${Y(acc) - Y(acc + v)}" fill="${color}"><title>${esc(title || "")} ${v}</title></rect>`;
         acc += v;
       }
-      if (i % every === 0) g += `<text x="${x + w / 2}" y="${H - 10}" text-anchor="middle">${esc(b.label)}</text>`;
+      if (i % every === 0) g += `<text x="${x + w / 2}" y="${H - 20}" text-anchor="middle">${esc(b.label)}</text>`;
     });
     if (opts.vline !== undefined) {
       const x = L + (opts.vline + 1) * bw;
       g += `<line class="eta" x1="${x}" x2="${x}" y1="${T}" y2="${H - B}"/><text x="${x - 3}" y="${T + 10}" text-anchor="end" style="fill:#dc2626">η = ${opts.eta}</text>`;
     }
-    if (opts.xLabel) g += `<text x="${W - R}" y="${H - 0}" text-anchor="end">${esc(opts.xLabel)}</text>`;
+    if (opts.xLabel) g += `<text x="${(L + W - R) / 2}" y="${H - 4}" text-anchor="middle">${esc(opts.xLabel)}</text>`;
     return `<svg viewBox="0 0 ${W} ${H}" role="img">${g}</svg>`;
   }
 
@@ -98,9 +99,9 @@
       ["step_s", s.length ? num(last.step_s, 2) : "–", "s step time"],
     ]);
     const reward = lineChart([{ name: "reward", color: COLORS[0], points: s.map((r) => [r.step, r.reward_mean]),
-      band: s.filter((r) => r.reward_mean !== null).map((r) => [r.step, r.reward_mean - r.reward_std, r.reward_mean + r.reward_std]) }], { xLabel: "step" });
-    const tps = lineChart([{ name: "tokens/s", color: COLORS[2], points: s.map((r) => [r.step, r.tokens_per_s]) }], { xLabel: "step", y0: 0 });
-    const st = lineChart([{ name: "step time", color: COLORS[3], points: s.map((r) => [r.step, r.step_s]) }], { xLabel: "step", y0: 0 });
+      band: s.filter((r) => r.reward_mean !== null).map((r) => [r.step, r.reward_mean - r.reward_std, r.reward_mean + r.reward_std]) }], { xLabel: "step", integer: true });
+    const tps = lineChart([{ name: "tokens/s", color: COLORS[2], points: s.map((r) => [r.step, r.tokens_per_s]) }], { xLabel: "step", y0: 0, integer: true });
+    const st = lineChart([{ name: "step time", color: COLORS[3], points: s.map((r) => [r.step, r.step_s]) }], { xLabel: "step", y0: 0, integer: true });
     // versions over time: the run's (each publish) and each instance's (registration, pulls)
     const t0 = Date.parse(run.created_at);
     const sec = (at) => (Date.parse(at) - t0) / 1000;
@@ -110,7 +111,7 @@
     let i = 0;
     for (const [id, pts] of byInst) series.push({ name: `instance ${id}`, color: COLORS[i++ % COLORS.length], step: true, points: pts });
     const xEnd = Math.max(0, ...series.flatMap((x) => x.points.map((q) => q[0])));
-    const versions = lineChart(series, { xLabel: "s", y0: 0, xEnd }) + legend(series.slice(0, 9).map((x) => [x.name, x.color]));
+    const versions = lineChart(series, { xLabel: "seconds since the run started", y0: 0, xEnd }) + legend(series.slice(0, 9).map((x) => [x.name, x.color]));
     return head + `<div class="charts">${chart("reward: mean ± std per step", reward)}${chart("trained tokens/s per step", tps)}`
       + `${chart("step time (s)", st)}${chart("version over time: run (black), each rollout instance", versions)}</div>`;
   }
@@ -155,7 +156,7 @@
         + `<td>${kvUse === null ? "–" : `<span class="meter"><span style="width:${Math.min(100, kvUse * 100)}%"></span></span> ${num(kvUse * 100, 0)}%`}</td>`
         + `<td class="num">${big(s.throughput)}</td><td class="num">${num(i.heartbeat_age_s, 1)}</td><td class="num">${num(i.lease_left_s, 1)}</td><td>${s.pulling ? "yes" : "no"}</td></tr>`;
     }).join("");
-    return kv([["active", inst.length, "active instances"], ["versions", [...new Set(inst.map((i) => i.version))].join(", "), "versions on"]])
+    return kv([["active", inst.length, "active instances"], ["versions", [...new Set(inst.map((i) => i.version))].join(", "), "version(s) in use"]])
       + `<table><thead><tr><th>id</th><th>name</th><th class="num">version</th><th>state</th><th class="num">running</th><th class="num">waiting</th><th>KV use</th><th class="num">tokens/s</th><th class="num">heartbeat age (s)</th><th class="num">lease left (s)</th><th>pulling</th></tr></thead><tbody>${rows}</tbody></table>`;
   }
 
@@ -177,7 +178,7 @@
       { name: "snapshot", color: COLORS[0], points: c.map((r, i) => [i - c.length + 1, r.snapshot_ms]) },
       { name: "decide", color: COLORS[1], points: c.map((r, i) => [i - c.length + 1, r.decide_ms]) },
       { name: "write", color: COLORS[3], points: c.map((r, i) => [i - c.length + 1, r.write_ms]) },
-    ], { y0: 0, xLabel: "cycle", none: "no coordinator cycle recorded" });
+    ], { y0: 0, integer: true, xLabel: "cycle (0: the latest)", none: "no coordinator cycle recorded" });
     const cmds = p.commands.slice(0, 8).map((k) => `<tr><td>${k.id}</td><td>${esc(k.kind)}</td><td>${k.instance_id}</td><td>${k.sample_id ?? (k.target_version !== null ? "→ v" + k.target_version : "")}</td><td>${esc(k.state)}</td></tr>`).join("");
     return head + chart("cycle time (ms)", times) + legend([["snapshot", COLORS[0]], ["decide", COLORS[1]], ["write", COLORS[3]]])
       + (cmds ? `<table><thead><tr><th>command</th><th>kind</th><th>instance</th><th>sample / target</th><th>state</th></tr></thead><tbody>${cmds}</tbody></table>` : empty("no command sent"));
