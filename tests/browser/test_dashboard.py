@@ -47,7 +47,9 @@ def live_run(db_url: str, tmp_path: Path) -> Iterator[dict[str, Any]]:
         "dashboard",
         RunConfig(
             batch_size=4,
+            buffer_capacity=6,  # redundancy: some groups and samples are dropped, with reasons
             group_size=2,
+            samples_per_group=3,
             eta=2,
             dapo_filter=False,
             max_response_tokens=task.max_response,
@@ -61,12 +63,12 @@ def live_run(db_url: str, tmp_path: Path) -> Iterator[dict[str, Any]]:
         url = cluster.start_api()
         common = ["--run", str(run)]
         for i in range(2):
-            sim = ["--engine", "sim", "--time-scale", "0.05", "--heartbeat", "0.3", "--name", f"sim-{i}"]
+            sim = ["--engine", "sim", "--time-scale", "0.2", "--heartbeat", "0.3", "--name", f"sim-{i}"]
             cluster.spawn(f"rollout-{i}", ["rollout-worker", *common, *sim])
         cluster.spawn("reward", ["reward-worker", *common, "--verifier", "repeat"])
         cluster.spawn("coordinator", ["coordinator", *common, "--lease", "3"])
         # paced steps, so the test sees the page follow each publish
-        cluster.spawn("trainer", ["trainer", *common, "--sim", "--time-scale", "0.5", "--wait", "1"])
+        cluster.spawn("trainer", ["trainer", *common, "--sim", "--time-scale", "0.2", "--wait", "1"])
         try:
             yield {
                 "url": url,
@@ -153,6 +155,10 @@ def test_dashboard_shows_the_database_and_follows_new_steps(live_run, browser):
         f"Number(document.querySelector('[data-k=run_version]').textContent) >= {newer}", timeout=WAIT_MS
     )
     assert int(page.locator("[data-k=steps] b").inner_text()) >= newer
+    try:  # for the picture: a moment with an instance generating
+        page.wait_for_selector(".tag.busy, .tag.overloaded", timeout=10_000)
+    except sync_api.TimeoutError:
+        pass
     _shot(page, "dashboard-live")
 
     # quiesce (nothing routes or trains any more; the rollout workers stay, idle), then every

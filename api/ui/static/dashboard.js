@@ -153,7 +153,7 @@
       const state = s.pulling ? "pulling" : running + waiting === 0 ? "idle" : waiting > 0 || (kvUse !== null && kvUse > 0.9) ? "overloaded" : "busy";
       return `<tr class="${state}" data-instance="${i.id}"><td>${i.id}</td><td>${esc(i.name)}</td><td class="num" data-k="version">${i.version}</td>`
         + `<td><span class="tag ${state}">${state}</span></td><td class="num" data-k="running">${running}</td><td class="num" data-k="waiting">${waiting}</td>`
-        + `<td>${kvUse === null ? "–" : `<span class="meter"><span style="width:${Math.min(100, kvUse * 100)}%"></span></span> ${num(kvUse * 100, 0)}%`}</td>`
+        + `<td>${kvUse === null ? "–" : `<span class="meter"><span style="width:${Math.min(100, kvUse * 100)}%"></span></span> ${num(kvUse * 100, kvUse < 0.1 ? 1 : 0)}%`}</td>`
         + `<td class="num">${big(s.throughput)}</td><td class="num">${num(i.heartbeat_age_s, 1)}</td><td class="num">${num(i.lease_left_s, 1)}</td><td>${s.pulling ? "yes" : "no"}</td></tr>`;
     }).join("");
     return kv([["active", inst.length, "active instances"], ["versions", [...new Set(inst.map((i) => i.version))].join(", "), "version(s) in use"]])
@@ -162,7 +162,7 @@
 
   function queue(run, p) {
     const q = p.levels, total = q.reduce((a, r) => a + r.n, 0);
-    const states = Object.entries(p.samples).map(([k, v]) => [`samples_${k}`, big(v), k]);
+    const states = Object.entries(p.samples).filter(([k]) => k !== "queued").map(([k, v]) => [`samples_${k}`, big(v), k]);
     return kv([["queued", total, "queued samples"]].concat(states))
       + barChart(q.map((r) => ({ label: r.level === null ? "fresh" : String(r.level), parts: [[r.n, "#2563eb", "queued"]] })), { none: "the queue is empty", xLabel: "V_traj" })
       + `<table><tbody>${q.map((r) => `<tr data-level="${r.level ?? "fresh"}"><td>${r.level === null ? "fresh" : "V_traj " + r.level}</td><td class="num">${r.n}</td></tr>`).join("")}</tbody></table>`;
