@@ -126,6 +126,7 @@ def test_refused_without_a_token(live_run, browser):
     assert response.status == 401
     assert page.locator("input[name=token]").is_visible()  # the sign-in form, no data
     assert page.locator("[data-panel]").count() == 0
+    _shot(page, "login")
     assert page.goto(f"{url}/ui/login?token=sf_bogus").status == 401
     # an observer reads everything of its run and writes nothing
     obs = {"Authorization": f"Bearer {live_run['observer']}"}
@@ -140,6 +141,7 @@ def test_dashboard_shows_the_database_and_follows_new_steps(live_run, browser):
     page = browser.new_page(viewport={"width": 1500, "height": 1000})
     page.goto(f"{url}/ui/login?token={live_run['observer']}")
     assert page.url.endswith("/ui")
+    _shot(page, "runs")
     link = page.locator(f"#runs a[href='/ui/runs/{run}']").first
     assert link.is_visible()
     link.click()
@@ -245,6 +247,11 @@ def test_static_report_shows_the_same_panels(live_run, browser, tmp_path):
     page = browser.new_page(viewport={"width": 1500, "height": 1000})
     page.route(re.compile(r"^https?://"), lambda route: route.abort())  # nothing from the network
     page.goto(path.as_uri())
+    # the link the demo prints: sign in and land on the run
+    live = browser.new_page()
+    live.goto(f"{live_run['url']}/ui/login?token={live_run['observer']}&next=/ui/runs/{run}")
+    assert live.url.endswith(f"/ui/runs/{run}")
+    live.close()
     assert page.locator("#live").inner_text() == "report"
     assert int(page.locator("[data-k=run_version]").inner_text()) == data["run"]["version"]
     assert int(page.locator("[data-k=steps] b").inner_text()) == data["run"]["version"]
