@@ -80,18 +80,18 @@ def _page_viewer(state: State, cookie: Annotated[str | None, Cookie(alias=COOKIE
 PageViewer = Annotated[Principal | None, Depends(_page_viewer)]
 
 
-def _refused() -> HTMLResponse:
-    return HTMLResponse(pages.login_page("Sign in with a token to see the dashboard."), status_code=401)
+def _refused(back: str) -> HTMLResponse:
+    return HTMLResponse(pages.login_page("Sign in with a token to see the dashboard.", back), status_code=401)
 
 
 @router.get("/ui/login", response_class=HTMLResponse, include_in_schema=False)
 def login(state: State, token: Annotated[str | None, Query(max_length=200)] = None, next: str = "/ui") -> Response:
-    if token is None:
-        return HTMLResponse(pages.login_page())
-    if _lookup(state, token) is None:
-        return HTMLResponse(pages.login_page("That token is invalid or revoked."), status_code=401)
     # Only local paths: an open redirect would let a link send the signed-in user anywhere.
-    target = next if next.startswith("/ui") else "/ui"
+    target = next if next.startswith("/ui") and not next.startswith("/ui//") else "/ui"
+    if token is None:
+        return HTMLResponse(pages.login_page(next=target))
+    if _lookup(state, token) is None:
+        return HTMLResponse(pages.login_page("That token is invalid or revoked.", target), status_code=401)
     out = RedirectResponse(target, status_code=303)
     out.set_cookie(COOKIE, token, httponly=True, samesite="strict", path="/")
     return out
@@ -107,7 +107,7 @@ def logout() -> Response:
 @router.get("/ui", response_class=HTMLResponse, include_in_schema=False)
 def runs_page(state: State, who: PageViewer) -> HTMLResponse:
     if who is None:
-        return _refused()
+        return _refused("/ui")
     runs = state.protocol.list_runs(run_filter(who, None), 500, 0)
     return HTMLResponse(pages.runs_page(jsonable_encoder(runs)))
 
@@ -115,7 +115,7 @@ def runs_page(state: State, who: PageViewer) -> HTMLResponse:
 @router.get("/ui/runs/{run_id}", response_class=HTMLResponse, include_in_schema=False)
 def run_page(run_id: RunId, state: State, who: PageViewer) -> HTMLResponse:
     if who is None:
-        return _refused()
+        return _refused(f"/ui/runs/{run_id}")
     if not who.may_use_run(run_id):
         raise HTTPException(403, f"this token is limited to run {who.run_id}")
     return HTMLResponse(pages.run_page(run_id, state.protocol.get_run(run_id).name))

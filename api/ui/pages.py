@@ -33,9 +33,11 @@ def _linked_assets() -> str:
     return '<link rel="stylesheet" href="/ui/static/dashboard.css">'
 
 
-def login_page(message: str = "") -> str:
+def login_page(message: str = "", next: str = "/ui") -> str:
+    """`next`: where to go once signed in."""
     note = f'<p class="error">{html.escape(message)}</p>' if message else ""
-    return _page("StaleFlow: sign in", _template("login.html").substitute(message=note), _linked_assets())
+    body = _template("login.html").substitute(message=note, next=html.escape(next))
+    return _page("StaleFlow: sign in", body, _linked_assets())
 
 
 def runs_page(runs: list[dict[str, Any]]) -> str:

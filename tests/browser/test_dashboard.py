@@ -127,6 +127,12 @@ def test_refused_without_a_token(live_run, browser):
     assert page.locator("input[name=token]").is_visible()  # the sign-in form, no data
     assert page.locator("[data-panel]").count() == 0
     _shot(page, "login")
+    # signing in with the form lands on the page that was refused
+    page.fill("input[name=token]", live_run["observer"])
+    page.click("button[type=submit]")
+    page.wait_for_url(f"**/ui/runs/{run}")
+    page.wait_for_selector("#live.on", timeout=WAIT_MS)
+    page.context.clear_cookies()
     assert page.goto(f"{url}/ui/login?token=sf_bogus").status == 401
     # an observer reads everything of its run and writes nothing
     obs = {"Authorization": f"Bearer {live_run['observer']}"}
