@@ -12,9 +12,9 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import AsyncIterator
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
-from fastapi import APIRouter, Cookie, Depends, HTTPException, Query, Request
+from fastapi import APIRouter, Cookie, Depends, HTTPException, Path, Query, Request
 from fastapi.encoders import jsonable_encoder
 from fastapi.responses import FileResponse, HTMLResponse, RedirectResponse, Response, StreamingResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
@@ -33,7 +33,8 @@ router = APIRouter(responses=errors(401, 403, 422, 503))
 COOKIE = "staleflow_token"
 REFRESH_S = 1.0  # the stream re-reads at most this often (sooner after a publish)
 AUDIT_EVERY_S = 15.0  # the complete audit scans every segment: at most this often per viewer
-Panel = Literal["steps", "staleness", "instances", "queue", "coordinator", "drops", "audit"]
+PANELS = (*DASHBOARD_PANELS, "audit")
+Panel = Annotated[str, Path(pattern=f"^({'|'.join(PANELS)})$", description=", ".join(PANELS))]
 
 _bearer = HTTPBearer(auto_error=False)
 

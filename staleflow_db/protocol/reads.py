@@ -185,6 +185,8 @@ class DashboardReads(TxMixin):
                 | run.config()
             }
             for panel in panels:
+                if panel not in (*DASHBOARD_PANELS, "audit"):
+                    raise ValueError(f"no dashboard panel {panel!r}")
                 out[panel] = getattr(self, f"_panel_{panel}")(c, run_id, steps)
         return out
 
