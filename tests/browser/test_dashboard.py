@@ -63,12 +63,12 @@ def live_run(db_url: str, tmp_path: Path) -> Iterator[dict[str, Any]]:
         url = cluster.start_api()
         common = ["--run", str(run)]
         for i in range(2):
-            sim = ["--engine", "sim", "--time-scale", "0.2", "--heartbeat", "0.3", "--name", f"sim-{i}"]
+            sim = ["--engine", "sim", "--time-scale", "0.5", "--heartbeat", "0.3", "--name", f"sim-{i}"]
             cluster.spawn(f"rollout-{i}", ["rollout-worker", *common, *sim])
         cluster.spawn("reward", ["reward-worker", *common, "--verifier", "repeat"])
         cluster.spawn("coordinator", ["coordinator", *common, "--lease", "3"])
         # paced steps, so the test sees the page follow each publish
-        cluster.spawn("trainer", ["trainer", *common, "--sim", "--time-scale", "0.2", "--wait", "1"])
+        cluster.spawn("trainer", ["trainer", *common, "--sim", "--time-scale", "0.1", "--wait", "1"])
         try:
             yield {
                 "url": url,

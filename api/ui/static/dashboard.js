@@ -80,7 +80,7 @@
     });
     if (opts.vline !== undefined) {
       const x = L + (opts.vline + 1) * bw;
-      g += `<line class="eta" x1="${x}" x2="${x}" y1="${T}" y2="${H - B}"/><text x="${x - 3}" y="${T + 10}" text-anchor="end" style="fill:#dc2626">η = ${opts.eta}</text>`;
+      g += `<line class="eta" x1="${x}" x2="${x}" y1="${T}" y2="${H - B}"/><text x="${x + 3}" y="${T + 10}" text-anchor="start" style="fill:#dc2626">η = ${opts.eta}</text>`;
     }
     if (opts.xLabel) g += `<text x="${(L + W - R) / 2}" y="${H - 4}" text-anchor="middle">${esc(opts.xLabel)}</text>`;
     return `<svg viewBox="0 0 ${W} ${H}" role="img">${g}</svg>`;
@@ -156,7 +156,7 @@
         + `<td>${kvUse === null ? "–" : `<span class="meter"><span style="width:${Math.min(100, kvUse * 100)}%"></span></span> ${num(kvUse * 100, kvUse < 0.1 ? 1 : 0)}%`}</td>`
         + `<td class="num">${big(s.throughput)}</td><td class="num">${num(i.heartbeat_age_s, 1)}</td><td class="num">${num(i.lease_left_s, 1)}</td><td>${s.pulling ? "yes" : "no"}</td></tr>`;
     }).join("");
-    return kv([["active", inst.length, "active instances"], ["versions", [...new Set(inst.map((i) => i.version))].join(", "), "version(s) in use"]])
+    return kv([["active", inst.length, "active instances"], ["versions", [...new Set(inst.map((i) => i.version))].sort((a, b) => a - b).map((v) => "v" + v).join(", "), "in use"]])
       + `<table><thead><tr><th>id</th><th>name</th><th class="num">version</th><th>state</th><th class="num">running</th><th class="num">waiting</th><th>KV use</th><th class="num">tokens/s</th><th class="num">heartbeat age (s)</th><th class="num">lease left (s)</th><th>pulling</th></tr></thead><tbody>${rows}</tbody></table>`;
   }
 
