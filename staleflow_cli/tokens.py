@@ -15,7 +15,9 @@ app = typer.Typer(help="API tokens: create, list, revoke.", no_args_is_help=True
 
 @app.command()
 def create(
-    role: str = typer.Option(..., "--role", help="admin, rollout, reward, trainer or coordinator"),
+    role: str = typer.Option(
+        ..., "--role", help="admin, rollout, reward, trainer, coordinator or observer (reads only: the dashboard)"
+    ),
     run: str | None = typer.Option(None, "--run", help="limit the token to this run (id or name)"),
     name: str | None = typer.Option(None, "--name", help="a label to recognise it by"),
 ) -> None:

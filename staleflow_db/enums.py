@@ -58,6 +58,7 @@ class Role(str, enum.Enum):
     REWARD = "reward"
     TRAINER = "trainer"
     COORDINATOR = "coordinator"
+    OBSERVER = "observer"  # reads everything of its run(s), writes nothing (the dashboard)
 
 
 class DropReason(str, enum.Enum):

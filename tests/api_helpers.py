@@ -29,7 +29,7 @@ with warnings.catch_warnings():  # starlette nags about httpx; it is what the cl
     from starlette.testclient import TestClient
 
 REPO = Path(__file__).resolve().parent.parent
-ROLES = ("admin", "rollout", "reward", "trainer", "coordinator")
+ROLES = ("admin", "rollout", "reward", "trainer", "coordinator", "observer")
 
 
 def free_port() -> int:

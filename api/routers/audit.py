@@ -14,7 +14,7 @@ from ..deps import Offset, Page, State, allow, run_filter
 from ..models import DroppedSamples, TrainedSamples, Violations, errors
 
 router = APIRouter(prefix="/v1/audit", tags=["audit"], responses=errors(401, 403, 422, 503))
-Auditor = Depends(allow(Role.COORDINATOR, Role.TRAINER))
+Auditor = Depends(allow(Role.COORDINATOR, Role.TRAINER, Role.OBSERVER))
 RunFilter = Annotated[int | None, Query(ge=1, le=2**63 - 1, description="only this run")]
 
 

@@ -45,7 +45,9 @@ Coordinator = Depends(allow_run(Role.COORDINATOR))
 
 
 @router.get("/snapshot", response_model=ClusterSnapshotOut)
-def snapshot(run_id: RunId, state: State, who: Principal = Coordinator) -> ClusterSnapshotOut:
+def snapshot(
+    run_id: RunId, state: State, who: Principal = Depends(allow_run(Role.COORDINATOR, Role.OBSERVER))
+) -> ClusterSnapshotOut:
     """Active instances with their latest snapshots and running samples, queued samples with
     lengths, unconsumed buffers, from one repeatable-read transaction."""
     snap = state.protocol.snapshot(run_id)

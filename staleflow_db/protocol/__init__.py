@@ -10,13 +10,13 @@ from __future__ import annotations
 from sqlalchemy import Engine
 
 from .coordination import BufferView, CoordinationOps, InstanceView, QueuedView, RunningSample, Snapshot
-from .reads import InstanceOwner, MetricsRows, ParamVersion, ReadOps, RunInfo
+from .reads import DashboardReads, InstanceOwner, MetricsRows, ParamVersion, ReadOps, RunInfo
 from .rollout import Command, Prompt, RolloutOps, Work
 from .scoring import RewardTask, ScoringOps
 from .training import Batch, SegmentInfo, TrainGroup, TrainingOps, TrainSample
 
 
-class Protocol(RolloutOps, ScoringOps, TrainingOps, CoordinationOps, ReadOps):
+class Protocol(RolloutOps, ScoringOps, TrainingOps, CoordinationOps, ReadOps, DashboardReads):
     def __init__(self, engine: Engine):
         self.engine = engine
 

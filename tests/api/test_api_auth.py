@@ -18,6 +18,7 @@ ALL = set(ROLES)
 ADMIN = {"admin"}
 TRAINER_COORD = {"admin", "trainer", "coordinator"}
 ROLLOUT, REWARD, TRAINER, COORD = ({"admin", r} for r in ("rollout", "reward", "trainer", "coordinator"))
+AUDITORS = TRAINER_COORD | {"observer"}
 
 # (method, path, json body, allowed roles, status for an allowed token of *another* run)
 # {A}: the run the tokens belong to. Bodies are valid, so allowed callers are not stopped at 422.
@@ -58,7 +59,7 @@ MATRIX: list[tuple[str, str, Any, set[str], int]] = [
     ("POST", "/v1/runs/{A}/rewards", {"rewards": [{"sample_id": 1, "reward_attempt": 1, "reward": 1.0}]}, REWARD, 403),
     ("POST", "/v1/runs/{A}/batches/0/consume?wait=0", None, TRAINER, 403),
     ("POST", "/v1/runs/{A}/batches/0/publish", {"lease": 1}, TRAINER, 403),
-    ("GET", "/v1/runs/{A}/snapshot", None, COORD, 403),
+    ("GET", "/v1/runs/{A}/snapshot", None, COORD | {"observer"}, 403),
     # gone (410) for those who may coordinate
     ("POST", "/v1/runs/{A}/coordinator/lease", None, COORD, 403),
     ("POST", "/v1/runs/{A}/coordinator/release", None, COORD, 403),
@@ -70,9 +71,11 @@ MATRIX: list[tuple[str, str, Any, set[str], int]] = [
     ("POST", "/v1/runs/{A}/groups/999999/abort", {}, COORD, 403),
     ("POST", "/v1/runs/{A}/abort-after-ready", None, COORD, 403),
     ("POST", "/v1/runs/{A}/instances/expire", None, COORD, 403),
-    ("GET", "/v1/audit/trained?run_id={A}", None, TRAINER_COORD, 403),
-    ("GET", "/v1/audit/dropped?run_id={A}", None, TRAINER_COORD, 403),
-    ("GET", "/v1/audit/violations?run_id={A}", None, TRAINER_COORD, 403),
+    ("GET", "/v1/audit/trained?run_id={A}", None, AUDITORS, 403),
+    ("GET", "/v1/audit/dropped?run_id={A}", None, AUDITORS, 403),
+    ("GET", "/v1/audit/violations?run_id={A}", None, AUDITORS, 403),
+    ("GET", "/v1/runs/{A}/dashboard", None, ALL, 403),
+    ("GET", "/v1/runs/{A}/dashboard/steps", None, ALL, 403),
 ]
 PUBLIC = [("GET", "/healthz"), ("GET", "/readyz"), ("GET", "/metrics")]
 
