@@ -75,7 +75,8 @@ class ApiServer:
             )
         return self
 
-    def start(self, timeout: float = 30.0) -> ApiServer:
+    def start(self, timeout: float = 90.0) -> ApiServer:
+        # Generous: on a busy 2-core machine a first start migrates the database before it listens.
         """Launch (unless launched) and wait until it answers."""
         if self.proc is None:
             self.launch()
