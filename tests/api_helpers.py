@@ -76,8 +76,8 @@ class ApiServer:
         return self
 
     def start(self, timeout: float = 90.0) -> ApiServer:
-        # Generous: on a busy 2-core machine a first start migrates the database before it listens.
-        """Launch (unless launched) and wait until it answers."""
+        """Launch (unless launched) and wait until it answers (generously: on a busy 2-core
+        machine a first start migrates the database before it listens)."""
         if self.proc is None:
             self.launch()
         assert self.proc is not None
