@@ -25,6 +25,11 @@ from workers.extras import require
 app = typer.Typer(help="Learning experiments on the demo task (real processes).", no_args_is_help=True)
 
 
+@app.callback()
+def _group() -> None:
+    """Keeps `staleness` a subcommand (typer collapses a one-command app into that command)."""
+
+
 def _ints(spec: str, what: str) -> list[int]:
     try:
         out = [int(x) for x in spec.split(",") if x.strip()]
