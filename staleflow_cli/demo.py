@@ -235,16 +235,28 @@ def _follow(cluster: Cluster, protocol: Protocol, engine, run: int, cfg: DemoCon
             cluster.check()
             status = protocol.status(run)
             info = f"running {status['samples'].get('running', 0)}, queued {status['samples'].get('queued', 0)}"
-            if status["version"]:
-                last = summary(engine, run)["steps"][-1:]
-                if last:
-                    info += f", reward {last[0]['mean_reward']:+.3f}"
+            reward = _last_reward(engine, run) if status["version"] else None
+            if reward is not None:
+                info += f", reward {reward:+.3f}"
             bar.update(t, completed=min(status["version"], cfg.steps), info=info)
             if status["version"] >= cfg.steps:
                 return
             if time.monotonic() > deadline:
                 raise ProcessDied(f"only {status['version']} of {cfg.steps} steps within {cfg.timeout_s:.0f}s")
             time.sleep(1.0)
+
+
+def _last_reward(engine: Engine, run: int) -> float | None:
+    """Mean reward of the last trained step: one indexed query, not the full audit (which,
+    once a second on a long run, slowed every process and hit the statement timeout)."""
+    with engine.connect() as c:
+        return c.execute(
+            text(
+                "SELECT avg(reward) FROM trained_samples WHERE run_id = :r"
+                " AND step = (SELECT max(step) FROM trained_samples WHERE run_id = :r)"
+            ),
+            {"r": run},
+        ).scalar()
 
 
 def reward_trend(steps: list[dict]) -> tuple[float, float]:
