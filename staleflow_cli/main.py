@@ -17,6 +17,7 @@ from staleflow_cli.dataset import app as dataset_app
 from staleflow_cli.db import app as db_app
 from staleflow_cli.demo import demo
 from staleflow_cli.enqueue import enqueue
+from staleflow_cli.experiment import app as experiment_app
 from staleflow_cli.launch_ray import app as launch_app
 from staleflow_cli.reward import reward_worker
 from staleflow_cli.rollout import rollout_worker
@@ -59,6 +60,7 @@ app.command()(demo)
 app.command()(enqueue)
 app.add_typer(dataset_app, name="dataset")
 app.add_typer(launch_app, name="launch")
+app.add_typer(experiment_app, name="experiment")
 app.add_typer(sim_app, name="sim")
 app.command("trainer")(trainer)
 app.command("ps")(ps)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -40,10 +41,42 @@ def test_small_demo_trains_publishes_and_reports(db_url, tmp_path):
     )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "staleness_violations: 0" in out.stdout
+    last = out.stdout.strip().splitlines()[-1]
+    assert re.fullmatch(r"demo steps=3 accuracy=[01]\.\d{3} reward=-?\d\.\d{3} max_reward=1\.200 violations=0", last), (
+        last
+    )
     (folder,) = tmp_path.iterdir()
     report = json.loads((folder / "report.json").read_text())
     assert [s["step"] for s in report["steps"]] == [0, 1, 2]
     assert all(s["samples"] == 8 for s in report["steps"])  # B * N per step
+    assert all(0.0 <= s["accuracy"] <= 1.0 for s in report["steps"])
     assert report["audit"]["violations"] == []
     assert (folder / "demo.png").stat().st_size > 10_000
     assert {p.name for p in (folder / "logs").iterdir()} >= {"api.log", "trainer.log", "coordinator.log", "ps.log"}
+
+
+def test_staleness_experiment_writes_table_json_and_plot(tmp_path):
+    """The experiment's outputs from run records (the runs themselves are demos, tested above)."""
+    from staleflow_cli.demo import DemoConfig
+    from staleflow_cli.experiment import write
+
+    runs = [
+        {
+            "eta": eta,
+            "tis": tis,
+            "seed": seed,
+            "final_accuracy": 0.5 + 0.1 * seed,
+            "final_reward": 1.0,
+            "samples_per_s": 20.0,
+            "reward": [0.0, 0.5, 1.0],
+            "accuracy": [0.0, 0.2, 0.5],
+        }
+        for eta in (0, 2)
+        for tis in (True, False)
+        for seed in (0, 1)
+    ]
+    write(runs, DemoConfig(steps=3), tmp_path)
+    md = (tmp_path / "staleness.md").read_text()
+    assert "| 0 | on | 2 | 0.550 ± 0.071 | 1.000 ± 0.000 | 20.000 ± 0.000 |" in md
+    assert len(json.loads((tmp_path / "staleness.json").read_text())["runs"]) == 8
+    assert (tmp_path / "staleness.png").stat().st_size > 10_000

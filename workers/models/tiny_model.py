@@ -45,6 +45,9 @@ class TinyConfig:
     max_seq: int = 512
     eos_token_id: int = 0
     mlp_ratio: int = 4
+    # lm_head init std times sqrt(d_model). 2.0 makes next-token distributions peaked, so
+    # tests see structured sampling; RL from scratch wants ~0.1 (near-uniform: it explores)
+    head_std: float = 2.0
 
     def __post_init__(self) -> None:
         if self.d_model % self.n_heads:
@@ -172,9 +175,7 @@ class TinyTransformer(nn.Module):
         self.pos_emb = nn.Parameter(torch.randn(cfg.max_seq, d, generator=gen) * 0.1)
         self.blocks = nn.ModuleList(_Block(cfg, gen) for _ in range(cfg.n_layers))
         self.ln_f = nn.LayerNorm(d)
-        # a larger head than usual makes next-token distributions peaked, so tests see
-        # structured (not near-uniform) sampling
-        self.lm_head = _Linear(d, cfg.vocab_size, gen, std=2.0 / math.sqrt(d))
+        self.lm_head = _Linear(d, cfg.vocab_size, gen, std=cfg.head_std / math.sqrt(d))
         self.requires_grad_(False)  # rollout use; a trainer re-enables grads explicitly
 
     @property
