@@ -3,7 +3,9 @@ word-level tokenizer trained with `tokenizers` on generated text, with a chat te
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from typing import Any
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<user> {{ m['content'] }} <end> {% endfor %}"
@@ -48,3 +50,38 @@ def make_tiny_hf_model(folder: Path, seed: int = 0, tie: bool = True) -> Path:
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
+
+
+def hf_run(engine: Any, folder: Path, name: str, steps: int, task: Any) -> tuple[int, dict[str, str]]:
+    """A run of the repeat task in words for the model folder (B=2, N=2, η=1), its prompts
+    enqueued (twice what `steps` consume), and a token per worker role."""
+    from api.auth import create_token
+    from staleflow_db.protocol import Prompt, Protocol
+    from staleflow_db.types import RunConfig
+    from workers.models.hf import load_tokenizer
+    from workers.tasks.text import repeat_prompts
+
+    prompts = repeat_prompts(load_tokenizer(folder), 4 * steps * 2, seed=0, prefix=name, task=task)
+    protocol = Protocol(engine)
+    run = protocol.create_run(
+        name,
+        RunConfig(
+            batch_size=2,
+            group_size=2,
+            eta=1,
+            max_response_tokens=task.max_response,
+            max_prompt_tokens=max(len(t) for _, t, _ in prompts),
+        ),
+    )
+    protocol.enqueue(run, [Prompt(k, t, m) for k, t, m in prompts])
+    tokens = {r: create_token(engine, r, run)["token"] for r in ("trainer", "rollout", "reward", "coordinator")}
+    return run, tokens
+
+
+def start_ps(cluster: Any, tmp_path: Path) -> str:
+    """A parameter server in `cluster`; its HOST:PORT once it is ready."""
+    ready = tmp_path / "ps.json"
+    cluster.spawn("ps", ["ps", "--data-dir", str(tmp_path / "ps"), "--port", "0", "--ready-file", str(ready)])
+    cluster.wait_file(ready, timeout=120)
+    ps = json.loads(ready.read_text())
+    return f"{ps['host']}:{ps['port']}"

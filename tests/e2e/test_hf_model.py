@@ -16,19 +16,16 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from hf_helpers import make_tiny_hf_model
+from hf_helpers import hf_run, make_tiny_hf_model, start_ps
 from sqlalchemy import text
 from typer.testing import CliRunner
 
-from api.auth import create_token
 from staleflow_cli.launch import Cluster, wait_until
 from staleflow_cli.main import app
 from staleflow_db.audit import summary
-from staleflow_db.protocol import Prompt, Protocol
-from staleflow_db.types import RunConfig
-from workers.models.hf import load_model, load_tokenizer
+from staleflow_db.protocol import Protocol
+from workers.models.hf import load_model
 from workers.tasks.repeat import RepeatTask
-from workers.tasks.text import repeat_prompts
 from workers.trainer.param_server import state_dict_checksum
 from workers.trainer.torch_trainer import read_steps_log
 
@@ -39,28 +36,12 @@ TASK = RepeatTask(max_count=8, max_response=12)
 @pytest.mark.slow
 def test_hf_model_folder_runs_the_whole_loop(db_url, engine, tmp_path):
     folder = make_tiny_hf_model(tmp_path / "model")
-    prompts = repeat_prompts(load_tokenizer(folder), 4 * STEPS * 2, seed=0, prefix="hf", task=TASK)
+    run, tokens = hf_run(engine, folder, "hf", STEPS, TASK)
     protocol = Protocol(engine)
-    run = protocol.create_run(
-        "hf",
-        RunConfig(
-            batch_size=2,
-            group_size=2,
-            eta=1,
-            max_response_tokens=TASK.max_response,
-            max_prompt_tokens=max(len(t) for _, t, _ in prompts),
-        ),
-    )
-    protocol.enqueue(run, [Prompt(k, t, m) for k, t, m in prompts])
-    tokens = {r: create_token(engine, r, run)["token"] for r in ("trainer", "rollout", "reward", "coordinator")}
     common = ["--run", str(run)]
     with Cluster(tmp_path, db_url) as cluster:
         cluster.start_api(timeout=120)
-        ready = tmp_path / "ps.json"
-        cluster.spawn("ps", ["ps", "--data-dir", str(tmp_path / "ps"), "--port", "0", "--ready-file", str(ready)])
-        cluster.wait_file(ready, timeout=120)
-        ps = json.loads(ready.read_text())
-        ps_addr = f"{ps['host']}:{ps['port']}"
+        ps_addr = start_ps(cluster, tmp_path)
         checkpoint = tmp_path / "checkpoint"
         cluster.spawn(
             "trainer",
