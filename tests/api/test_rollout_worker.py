@@ -93,7 +93,10 @@ def test_worker_generates_reports_and_continues_interrupted_samples(served):
     _wait(lambda: a.stats.tokens > 0)
     admin.interrupt(run, [victim])
     _wait(lambda: a.stats.interrupted == 1)
-    admin.route(run, [(victim, b.instance_id)] + [(s, a.instance_id) for s in queued if s != victim])
+    # The worker counts the interrupt when it queues the report; route only once the server has it.
+    _wait(lambda: victim in {q.sample_id for q in admin.snapshot(run).queued})
+    routed = admin.route(run, [(victim, b.instance_id)] + [(s, a.instance_id) for s in queued if s != victim])
+    assert {r.outcome for r in routed} == {"routed"}, routed
     _wait(lambda: a.stats.finished + b.stats.finished == 12)
     a.stop(), b.stop()
     ta.join(30), tb.join(30)
