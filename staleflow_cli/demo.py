@@ -23,6 +23,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from sqlalchemy import Engine, text
 
 from api.auth import create_token
+from api.ui.report import dashboard_data, write_report_html
 from staleflow_cli.common import need
 from staleflow_cli.launch import Cluster, ProcessDied
 from staleflow_db import migrate
@@ -123,7 +124,12 @@ def run_demo(cfg: DemoConfig, console: Console) -> dict[str, Any]:
     model = ["--model", str(cfg.model)] if cfg.model else ["--model-config", mc]
     started = time.monotonic()
     with Cluster(report, url) as cluster:
-        cluster.start_api()
+        api_url = cluster.start_api()
+        # An observer token reads everything of this run and writes nothing: safe to paste.
+        observer = create_token(engine, "observer", run, "dashboard")["token"]
+        console.print(
+            f"dashboard: {api_url}/ui/login?token={observer}&next=/ui/runs/{run}", highlight=False, soft_wrap=True
+        )
         ps_ready = report / "ps.json"
         cluster.spawn("ps", ["ps", "--data-dir", str(report / "ps"), "--port", "0", "--ready-file", str(ps_ready)])
         cluster.wait_file(ps_ready)
@@ -186,6 +192,8 @@ def run_demo(cfg: DemoConfig, console: Console) -> dict[str, Any]:
     for s in steps:
         s["accuracy"] = accuracy.get(s["step"], 0.0)
     audit = summary(engine, run)
+    # The dashboard's panels as a static page: the finished run can be looked at without the service.
+    write_report_html(report, dashboard_data(protocol, run))
     engine.dispose()
     result = {
         "run_id": run,

@@ -8,14 +8,29 @@ import re
 import subprocess
 import sys
 
+import httpx
 import pytest
 
 pytest.importorskip("torch")
 
 
+def _open_dashboard_while_running(proc: subprocess.Popen) -> tuple[list[str], httpx.Response]:
+    """Read the demo's output up to its dashboard link and open the link while the run goes on."""
+    lines: list[str] = []
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        lines.append(line)
+        found = re.search(r"dashboard: (http://\S+/ui/login\?token=\S+&next=/ui/runs/(\d+))", line)
+        if found:
+            with httpx.Client(timeout=30) as http:
+                page = http.get(found.group(1), follow_redirects=True)
+            return lines, page
+    raise AssertionError("no dashboard link in the output:\n" + "".join(lines)[-3000:])
+
+
 def test_small_demo_trains_publishes_and_reports(db_url, tmp_path):
     env = {**os.environ, "STALEFLOW_DATABASE_URL": db_url}
-    out = subprocess.run(
+    proc = subprocess.Popen(
         [
             sys.executable,
             "-m",
@@ -35,13 +50,22 @@ def test_small_demo_trains_publishes_and_reports(db_url, tmp_path):
             "240",
         ],
         env=env,
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
         text=True,
-        timeout=300,
     )
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    assert "staleness_violations: 0" in out.stdout
-    last = out.stdout.strip().splitlines()[-1]
+    try:
+        head, page = _open_dashboard_while_running(proc)
+        rest, _ = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    stdout = "".join(head) + rest
+    assert proc.returncode == 0, stdout[-5000:]
+    # The link signs the browser in with the demo's observer token and lands on the run's page.
+    assert page.status_code == 200, page.text[:500]
+    assert page.url.path.startswith("/ui/runs/") and "demo-" in page.text
+    assert "staleness_violations: 0" in stdout
+    last = stdout.strip().splitlines()[-1]
     assert re.fullmatch(r"demo steps=3 accuracy=[01]\.\d{3} reward=-?\d\.\d{3} max_reward=1\.200 violations=0", last), (
         last
     )
@@ -52,6 +76,9 @@ def test_small_demo_trains_publishes_and_reports(db_url, tmp_path):
     assert all(0.0 <= s["accuracy"] <= 1.0 for s in report["steps"])
     assert report["audit"]["violations"] == []
     assert (folder / "demo.png").stat().st_size > 10_000
+    # The static dashboard: the run's panels with their data inlined, no service needed.
+    index = (folder / "index.html").read_text()
+    assert report["name"] in index and "http://" not in index.split("</head>")[0]
     assert {p.name for p in (folder / "logs").iterdir()} >= {"api.log", "trainer.log", "coordinator.log", "ps.log"}
 
 
