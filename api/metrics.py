@@ -90,8 +90,12 @@ class Metrics:
             self.exposed = CollectorRegistry()
             multiprocess.MultiProcessCollector(self.exposed, path=self.multiproc_dir)
             self.exposed.register(database)
-            # A worker that stops (SIGTERM, uvicorn restarts) takes its live gauges with it.
-            atexit.register(multiprocess.mark_process_dead, os.getpid(), self.multiproc_dir)
+            atexit.register(self.close)  # outside uvicorn (whose workers die by the re-raised SIGTERM)
+
+    def close(self) -> None:
+        """This process stops serving (lifespan shutdown): its live gauges leave the sum."""
+        if self.multiproc_dir is not None:
+            multiprocess.mark_process_dead(os.getpid(), self.multiproc_dir)
 
     def exposition(self) -> bytes:
         """The Prometheus text of /metrics."""
@@ -117,8 +121,9 @@ class Metrics:
 
 
 def _forget_dead_processes(path: str) -> None:
-    """Drop the live gauges of processes that died without exiting (SIGKILL, OOM): atexit never
-    ran there. The directory is private to one `staleflow serve`, so its pids are its workers."""
+    """Drop the live gauges of processes that died without closing their metrics (SIGKILL, OOM,
+    a hung worker uvicorn killed). The directory belongs to one `staleflow serve` (private, or
+    the user's), so its pids are that server's workers."""
     pids = {f.rsplit("_", 1)[1].removesuffix(".db") for f in glob.glob(os.path.join(path, "gauge_live*_*.db"))}
     for pid in pids:
         try:
@@ -287,12 +292,22 @@ def _lock_family(data: MetricsRows) -> GaugeMetricFamily:
 
 
 class LatencyMiddleware:
-    """Times every request by its route template (not the raw path: ids would explode labels)."""
+    """Times every request by its route template (not the raw path: ids would explode labels),
+    and closes the metrics when the app's lifespan ends (a uvicorn worker stopping)."""
 
     def __init__(self, app: ASGIApp, metrics: Metrics):
         self.app, self.metrics = app, metrics
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+
+            async def send_lifespan(message: Message) -> None:
+                if message["type"] == "lifespan.shutdown.complete":
+                    self.metrics.close()
+                await send(message)
+
+            await self.app(scope, receive, send_lifespan)
+            return
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return

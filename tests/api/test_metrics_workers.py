@@ -155,3 +155,27 @@ def test_live_gauges_of_gone_processes_disappear(tmp_path):
         if holder.poll() is None:
             holder.kill()
             holder.wait()
+
+
+LIFESPAN = """
+import os, sys
+from tests.api_helpers import in_process
+
+gauge = os.path.join(os.environ["PROMETHEUS_MULTIPROC_DIR"], f"gauge_livesum_{os.getpid()}.db")
+with in_process(sys.argv[1]) as http:
+    with http.app.state.staleflow.metrics.waiting("work"):
+        pass
+    print(os.path.exists(gauge))
+print(os.path.exists(gauge), flush=True)
+"""
+
+
+def test_the_end_of_the_lifespan_drops_live_gauges(db_url, tmp_path):
+    # What a uvicorn worker does on SIGTERM: lifespan shutdown, then death by the re-raised
+    # signal (no atexit), so the lifespan is where its live gauges leave the sum.
+    env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path)}
+    out = subprocess.run(
+        [sys.executable, "-c", LIFESPAN, db_url], cwd=REPO, env=env, capture_output=True, text=True, timeout=WAIT_S * 4
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["True", "False"]
