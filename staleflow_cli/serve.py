@@ -74,10 +74,15 @@ def serve(
             access_log=access_log,
             log_level="info",
             timeout_graceful_shutdown=5,
+            timeout_worker_healthcheck=WORKER_HEALTHCHECK_S,
         )
 
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
+# uvicorn kills a worker that does not answer its ping in time (default 5 s), and a spawned
+# worker answers only once it has imported this CLI again (its __main__): 10 s on a busy
+# 2-core host, where the default killed and restarted every worker for ever.
+WORKER_HEALTHCHECK_S = 30
 
 
 @contextmanager
