@@ -2,7 +2,10 @@
 
 Per replica (take `sum` over replicas): request latencies from a middleware, protocol
 transaction latencies and errors by operation (the `observe` hook of
-staleflow_db.idempotency.transactional), long-poll waiters. From the database at scrape time
+staleflow_db.idempotency.transactional), long-poll waiters. Under `staleflow serve --workers N`
+(PROMETHEUS_MULTIPROC_DIR set) a replica is N processes: each writes these figures to its own
+files in that directory and a scrape of any of them sums them all (prometheus_client's
+multiprocess mode). From the database at scrape time
 (the same on every replica: take `max`, not `sum`): run versions, queue depth by level,
 buffer states, staleness of trained samples, instances by state, drops by reason, coordinator
 cycles, lock waits. Those are cached briefly so concurrent scrapes cost one query.
@@ -13,13 +16,16 @@ are capped, reasons outside DropReason are "other"; `run` covers the newest runs
 
 from __future__ import annotations
 
+import atexit
+import glob
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, multiprocess
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -39,9 +45,15 @@ LOCK_TYPES = ("relation", "tuple", "transactionid", "advisory")
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
+
+
 class Metrics:
     def __init__(self, read: Callable[[], MetricsRows], cache_seconds: float = 2.0):
-        self.registry = CollectorRegistry()
+        # prometheus_client chose its value store (memory or files) when it was imported: from
+        # the same variable, so both agree as long as nobody changes it in a running process.
+        self.multiproc_dir = os.environ.get(MULTIPROC_ENV) or None
+        self.registry = CollectorRegistry()  # this process's metrics (+ the database, single-process)
         self.latency = Histogram(
             "staleflow_api_request_seconds",
             "API request latency (long-polls include their wait)",
@@ -67,8 +79,29 @@ class Metrics:
             "requests waiting in a long-poll now, by topic",
             ("topic",),
             registry=self.registry,
+            multiprocess_mode="livesum",  # the processes alive now, not the ones that exited
         )
-        self.registry.register(_DatabaseCollector(read, cache_seconds))
+        database = _DatabaseCollector(read, cache_seconds)
+        if self.multiproc_dir is None:
+            self.registry.register(database)
+            self.exposed = self.registry
+        else:
+            # Every process's files, summed, plus the database read once (not once per process).
+            self.exposed = CollectorRegistry()
+            multiprocess.MultiProcessCollector(self.exposed, path=self.multiproc_dir)
+            self.exposed.register(database)
+            atexit.register(self.close)  # outside uvicorn (whose workers die by the re-raised SIGTERM)
+
+    def close(self) -> None:
+        """This process stops serving (lifespan shutdown): its live gauges leave the sum."""
+        if self.multiproc_dir is not None:
+            multiprocess.mark_process_dead(os.getpid(), self.multiproc_dir)
+
+    def exposition(self) -> bytes:
+        """The Prometheus text of /metrics."""
+        if self.multiproc_dir is not None:
+            _forget_dead_processes(self.multiproc_dir)
+        return generate_latest(self.exposed)
 
     @contextmanager
     def observe(self, operation: str) -> Iterator[None]:
@@ -85,6 +118,20 @@ class Metrics:
     def waiting(self, topic: str) -> Any:
         """Count a long-poll while it waits (`work:<instance>` counts as `work`)."""
         return self.waiters.labels(topic.split(":")[0]).track_inprogress()
+
+
+def _forget_dead_processes(path: str) -> None:
+    """Drop the live gauges of processes that died without closing their metrics (SIGKILL, OOM,
+    a hung worker uvicorn killed). The directory belongs to one `staleflow serve` (private, or
+    the user's), so its pids are that server's workers."""
+    pids = {f.rsplit("_", 1)[1].removesuffix(".db") for f in glob.glob(os.path.join(path, "gauge_live*_*.db"))}
+    for pid in pids:
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            multiprocess.mark_process_dead(int(pid), path)
+        except (ValueError, PermissionError):
+            continue  # not a pid / another user's process: leave it
 
 
 def queue_level(version: int, eta: int, v_traj: int | None) -> str:
@@ -245,12 +292,22 @@ def _lock_family(data: MetricsRows) -> GaugeMetricFamily:
 
 
 class LatencyMiddleware:
-    """Times every request by its route template (not the raw path: ids would explode labels)."""
+    """Times every request by its route template (not the raw path: ids would explode labels),
+    and closes the metrics when the app's lifespan ends (a uvicorn worker stopping)."""
 
     def __init__(self, app: ASGIApp, metrics: Metrics):
         self.app, self.metrics = app, metrics
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+
+            async def send_lifespan(message: Message) -> None:
+                if message["type"] == "lifespan.shutdown.complete":
+                    self.metrics.close()
+                await send(message)
+
+            await self.app(scope, receive, send_lifespan)
+            return
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return

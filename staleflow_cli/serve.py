@@ -4,12 +4,20 @@ With the embedded default (no STALEFLOW_DATABASE_URL) it starts the server if ne
 migrates it, and makes sure the local user has an admin token in ``$STALEFLOW_HOME/token``
 (mode 0600), which the client reads by itself. With an external database it migrates only
 when asked (``--upgrade``): schema changes there are an operator's decision.
+
+With ``--workers N`` (N > 1) the per-replica metrics of the N processes go through
+prometheus_client's multiprocess mode: a private ``PROMETHEUS_MULTIPROC_DIR`` (the user's, if
+set) that every worker writes and any worker's /metrics sums (api/metrics.py).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import typer
 
@@ -56,13 +64,45 @@ def serve(
     # Every worker process reads the same database from here, embedded or not.
     os.environ["STALEFLOW_DATABASE_URL"] = url
     log.info("serving on http://%s:%s (%d worker%s)", host, port, workers, "s" if workers > 1 else "")
-    uvicorn.run(
-        "api.app:app_from_env",
-        factory=True,
-        host=host,
-        port=port,
-        workers=workers,
-        access_log=access_log,
-        log_level="info",
-        timeout_graceful_shutdown=5,
-    )
+    with _metrics_dir(workers):
+        uvicorn.run(
+            "api.app:app_from_env",
+            factory=True,
+            host=host,
+            port=port,
+            workers=workers,
+            access_log=access_log,
+            log_level="info",
+            timeout_graceful_shutdown=5,
+            timeout_worker_healthcheck=WORKER_HEALTHCHECK_S,
+        )
+
+
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
+# uvicorn kills a worker that does not answer its ping in time (default 5 s), and a spawned
+# worker answers only once it has imported this CLI again (its __main__): 10 s on a busy
+# 2-core host, where the default killed and restarted every worker for ever.
+WORKER_HEALTHCHECK_S = 30
+
+
+@contextmanager
+def _metrics_dir(workers: int) -> Iterator[None]:
+    """Set PROMETHEUS_MULTIPROC_DIR for the workers when there are several. It must be in the
+    environment before uvicorn spawns them: prometheus_client picks its value store when it is
+    imported, and each spawned worker imports it afresh (with the app). A directory we create
+    is ours alone, fresh (no counts of an earlier server) and removed at exit."""
+    if os.environ.get(MULTIPROC_ENV):  # yours, also with one worker (prometheus_client reads it anyway)
+        os.makedirs(os.environ[MULTIPROC_ENV], exist_ok=True)
+        log.info("per-process metrics in %s (PROMETHEUS_MULTIPROC_DIR)", os.environ[MULTIPROC_ENV])
+        yield
+        return
+    if workers == 1:
+        yield
+        return
+    path = tempfile.mkdtemp(prefix="staleflow-metrics-")
+    os.environ[MULTIPROC_ENV] = path
+    try:
+        yield
+    finally:
+        del os.environ[MULTIPROC_ENV]
+        shutil.rmtree(path, ignore_errors=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 
 from ..deps import State
@@ -61,5 +61,6 @@ def readyz(state: State, request: Request) -> JSONResponse:
 @router.get("/metrics", response_class=Response, responses={200: {"content": {CONTENT_TYPE_LATEST: {}}}})
 def metrics(state: State) -> Response:
     """Prometheus text format: request and protocol transaction latencies, queue depth by level,
-    buffers, staleness, instances, drops, coordinator cycles, lock waits (docs/metrics.md)."""
-    return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+    buffers, staleness, instances, drops, coordinator cycles, lock waits (docs/metrics.md).
+    Under `serve --workers N`: the sum over all N worker processes, whichever answers."""
+    return Response(state.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
