@@ -72,7 +72,7 @@ class Simulator:
         prefetch_groups: int | None = None,
         snapshot_tolerance: float = 0.0,
         check_every_step: bool = False,
-        on_cycle: Callable[[CycleOutcome, float], None] | None = None,
+        on_cycle: Callable[[CycleOutcome, float, float], None] | None = None,
     ):
         self.setup = get_setup(setup)
         self.policy = get_policy(policy)
@@ -102,10 +102,10 @@ class Simulator:
         self.idle_cycle = max(idle_cycle, self.period)
         self.prefetch = prefetch_groups if prefetch_groups is not None else max(4, su.batch_size // 16)
         self.check_every_step = check_every_step
-        # called after each cycle with its outcome and the coordinator's own seconds in
-        # run_cycle (the simulator's side effects, `_apply`, excluded): bench/coordinator.py
+        # called after each cycle with its outcome and the coordinator's own wall and CPU
+        # seconds in run_cycle (the simulator's side, `_apply`, excluded): bench/coordinator.py
         self.on_cycle = on_cycle
-        self.apply_s = 0.0
+        self.apply_s = self.apply_cpu_s = 0.0
         self.detail = self.policy.migration
         rng = np.random.default_rng([seed, 7])
         self.engines: dict[int, SimInstance] = {}
@@ -343,8 +343,8 @@ class Simulator:
         p = self.p
         self.cycles += 1
         reserved = p.reserved
-        self.apply_s = 0.0
-        t0 = time.perf_counter()
+        self.apply_s = self.apply_cpu_s = 0.0
+        t0, c0 = time.perf_counter(), time.thread_time()
         out = run_cycle(
             self.policy,
             self.cost,
@@ -359,7 +359,8 @@ class Simulator:
             group_versions={gid: g.min_version or 0 for gid, g in reserved.items()},
         )
         if self.on_cycle is not None:
-            self.on_cycle(out, time.perf_counter() - t0 - self.apply_s)
+            wall, cpu = time.perf_counter() - t0 - self.apply_s, time.thread_time() - c0 - self.apply_cpu_s
+            self.on_cycle(out, wall, cpu)
         self.coord_wall += out.decide_s
         self.route_refusals += out.refused
         return not out.plan.empty(), self.requeued
@@ -367,11 +368,12 @@ class Simulator:
     def _apply(self, plan: CyclePlan) -> Applied:
         """The cycle's commands reach the protocol and the engines at once (`requeued`: some
         samples went back to the queue, or an engine has an outbox to drain next tick)."""
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         try:
             return self._apply_plan(plan)
         finally:
             self.apply_s += time.perf_counter() - t0
+            self.apply_cpu_s += time.thread_time() - c0
 
     def _apply_plan(self, plan: CyclePlan) -> Applied:
         p, now, tbl = self.p, self.now, self.table
