@@ -9,6 +9,11 @@
 from __future__ import annotations
 
 import hashlib
+import math
+import re
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -21,7 +26,8 @@ from workers.coordinator.admission import AdmissionView, AlwaysAdmit, CallbackAd
 from workers.coordinator.cost_model import CostModel, get_cost_model
 from workers.coordinator.cycle import CycleOutcome
 from workers.coordinator.routing import NEW_LEVEL, RouteDecision, queue_levels, route_waterfall
-from workers.coordinator.state import InstanceView, QueuedSample
+from workers.coordinator.state import InstanceView, QueuedSample, RunningSample
+from workers.coordinator.strategies import InterruptDecision, _best_move, migrate_throughput_ratio
 from workers.sim.simulator import Simulator
 
 # recorded before the incremental routing (commit e284257's route_waterfall)
@@ -205,3 +211,119 @@ def test_waterfall_equals_the_one_by_one_reference(instances, queued_gv, kind, s
         routing._BLOCK_ELEMENTS = saved
     want = reference_waterfall(instances, queued, COST, _admission(kind, seed, group_versions), **kw)
     assert got == want
+
+
+# ---- bounded work ------------------------------------------------------------------------------
+
+
+class CountingAdmission(AlwaysAdmit):
+    """Admits everything; counts how often the strategy asks (one question per sample per
+    route would make a fresh batch's cycle quadratic in the batch)."""
+
+    def __init__(self) -> None:
+        self.keys = self.asks = 0
+
+    def admits(self, sample: QueuedSample, instance_version: int) -> bool:
+        self.asks += 1
+        return True
+
+    def key(self, sample: QueuedSample):
+        self.keys += 1
+        return ()
+
+
+def test_a_fresh_batch_costs_a_few_questions_per_sample():
+    # 320 empty instances, a fresh batch of 125 groups of 16: every sample is routed
+    cost = get_cost_model("qwen_14b", "TP1_PP1")
+    instances = [InstanceView(k, 0, 0, 0, 0, 268_554, max_running=256) for k in range(320)]
+    queued = [QueuedSample(16 * g + k, g, 100 + g % 7 * 50) for g in range(125) for k in range(16)]
+    adm = CountingAdmission()
+    routes = route_waterfall(instances, queued, cost, adm)
+    assert len(routes) == len(queued)
+    assert adm.keys + adm.asks <= 4 * len(queued)
+
+
+def test_the_benchmark_quick_mode_prints_its_summary():
+    script = Path(__file__).resolve().parents[2] / "bench" / "coordinator.py"
+    out = subprocess.run([sys.executable, str(script), "--quick"], capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stderr[-3000:]
+    last = out.stdout.strip().splitlines()[-1]
+    m = re.fullmatch(
+        r"coordinator instances=(\d+) in_flight=(\d+) p50_ms=([\d.]+) p99_ms=([\d.]+) max_ms=([\d.]+)", last
+    )
+    assert m, out.stdout[-3000:]
+    assert int(m.group(1)) == 32 and int(m.group(2)) > 0
+    assert float(m.group(3)) <= float(m.group(4)) <= float(m.group(5))
+
+
+# ---- migration: the pair ranking -------------------------------------------------------------
+
+
+def reference_migrate(instances, routable, cost, *, psi, min_running=2, min_gain=0.05, max_tries=8):
+    """migrate_throughput_ratio as it was before its pairs became a numpy matrix."""
+    live = [i for i in instances if not i.pulling]
+    starved = [i for i in live if i.waiting == 0 and not routable.get(i.version, False)]
+    if not starved:
+        return []
+    thr = lambda i: cost.throughput(i.running, i.kv_used)  # noqa: E731
+    loaded = sorted(((thr(ld), ld) for ld in live if ld.running >= min_running), key=lambda x: -x[0])
+    if not loaded:
+        return []
+    starved_t = sorted(((thr(s), s) for s in starved), key=lambda x: x[0])
+    if loaded[0][0] <= psi * starved_t[0][0]:
+        return []
+    pairs = []
+    for ts, s in starved_t:
+        for tl, ld in loaded:
+            if tl <= psi * ts:
+                break
+            if ld.instance_id == s.instance_id or ld.version > s.version or ld.running - s.running < 2:
+                continue
+            pairs.append((math.inf if ts <= 0 else tl / ts, tl, s, ld))
+    pairs.sort(key=lambda x: (x[0], x[1]), reverse=True)
+    for _, _, s, ld in pairs[:max_tries]:
+        ids = _best_move(s, ld, cost, min_gain)
+        if ids:
+            return [InterruptDecision(ld.instance_id, ids, "migration")]
+    return []
+
+
+@st.composite
+def loaded_instances_st(draw):
+    out, sid = [], 1
+    for k in range(draw(st.integers(1, 24))):
+        running = draw(st.sampled_from([0, 0, 1, 2, 3, 6, 12, 12, 24]))  # repeats: tied throughputs
+        rs = []
+        for _ in range(running):
+            tokens = draw(st.sampled_from([10, 500, 3000]))
+            rs.append(RunningSample(sid, tokens, 100 + tokens, draw(st.integers(0, 1))))
+            sid += 1
+        out.append(
+            InstanceView(
+                k,
+                draw(st.integers(0, 1)),
+                running,
+                draw(st.sampled_from([0, 0, 0, 1])),
+                sum(r.length for r in rs),
+                40_000,
+                tuple(rs),
+                pulling=draw(st.booleans()) and draw(st.booleans()),
+                max_running=64,
+            )
+        )
+    return out
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    loaded_instances_st(),
+    st.sampled_from([{}, {0: True}, {1: True}]),
+    st.sampled_from([1.0, 2.0, 4.0]),
+    st.sampled_from([0.0, 0.05]),
+    st.sampled_from([1, 8]),
+)
+def test_migration_equals_the_pairwise_reference(instances, routable, psi, min_gain, max_tries):
+    kw = dict(psi=psi, min_gain=min_gain, max_tries=max_tries)
+    assert migrate_throughput_ratio(instances, routable, COST, **kw) == reference_migrate(
+        instances, routable, COST, **kw
+    )

@@ -188,7 +188,8 @@ def route_waterfall(
     next sample, when alike (same length, version floor and admission answers, as a group's
     members are), is scored by updating one entry of the previous sample's scores; any other
     sample is scored against all instances at once. While nothing routes nothing changes, so
-    samples are then scored in blocks [rows x instances] that double in size. A cycle costs
+    samples are scored in blocks [rows x instances] that double while nothing routes: from
+    32 rows at a level's start, from one row after a route. A cycle costs
     O(instances) numpy work per route and per unlike sample, plus O(samples x instances) for
     the ones that wait; never the [samples x instances] matrix per route.
     """
@@ -234,7 +235,7 @@ def route_waterfall(
         failed_need: int | None = None
         # (signature, scores) of the latest routed sample, brought up to date after its route
         cached: tuple[tuple, np.ndarray] | None = None
-        q0, size = 0, 1
+        q0, size = 0, min(32, max_block)
         while q0 < m:
             if size == 1:  # one sample: typically the one after a route
                 arow = adm.row(q0)
