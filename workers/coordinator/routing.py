@@ -232,6 +232,18 @@ def route_waterfall(
             gain = n1 / cost.latency_array(n1, c.kv[None, :] + Lb) - c.T[None, :]
             return np.where(feasible, gain, -np.inf)
 
+        def score_one(q: int, arow: tuple[bool, ...]) -> np.ndarray:
+            # `scores` for one row, on 1-d arrays and skipping the masks that pass everywhere:
+            # the same elementwise arithmetic, so the same values
+            kvl = c.kv + Ll[q]
+            feasible = base & (kvl <= c.cap)
+            if needl[q] > c.versions[0]:
+                feasible &= c.version >= needl[q]
+            if not all(arow):
+                feasible &= np.array(arow, dtype=bool)[c.vidx]
+            n1 = c.n + 1
+            return np.where(feasible, n1 / cost.latency_array(n1, kvl) - c.T, -np.inf)
+
         failed_need: int | None = None
         # (signature, scores) of the latest routed sample, brought up to date after its route
         cached: tuple[tuple, np.ndarray] | None = None
@@ -240,7 +252,7 @@ def route_waterfall(
             if size == 1:  # one sample: typically the one after a route
                 arow = adm.row(q0)
                 sig = (Ll[q0], needl[q0], arow)
-                row = cached[1] if cached is not None and cached[0] == sig else scores(q0, q0 + 1, np.array([arow]))[0]
+                row = cached[1] if cached is not None and cached[0] == sig else score_one(q0, arow)
                 j = int(row.argmax())
                 q = q0 if row[j] >= threshl[q0] else q0 + 1
                 q1 = q0 + 1
