@@ -48,6 +48,7 @@ def measure(setup: str, cycles: int, *, eta: int = 1, seed: int = 0, profile: bo
     times: list[float] = []  # CPU seconds
     walls: list[float] = []
     routes: list[int] = []
+    kinds: list[tuple[int, int, int, int]] = []  # per cycle: routes, pulls, interrupted, step
     in_flight = 0
     prof = cProfile.Profile() if profile else None
     t_start = time.perf_counter()
@@ -66,6 +67,10 @@ def measure(setup: str, cycles: int, *, eta: int = 1, seed: int = 0, profile: bo
         times.append(seconds)
         walls.append(wall)
         routes.append(len(out.plan.routes))
+        plan = out.plan
+        kinds.append(
+            (len(plan.routes), len(plan.pulls), sum(len(i.sample_ids) for i in plan.interrupts), sim.p.version)
+        )
         in_flight = max(in_flight, sum(e.n + len(e.waiting) for e in sim.engines.values()))
         k = len(times)
         if k % 50 == 0 or seconds > 0.1:
@@ -116,6 +121,7 @@ def measure(setup: str, cycles: int, *, eta: int = 1, seed: int = 0, profile: bo
         "wall_p50_ms": float(np.percentile(wall_ms, 50)),
         "wall_p99_ms": float(np.percentile(wall_ms, 99)),
         "wall_max_ms": float(wall_ms.max()),
+        "slowest": [(k + 1, float(ms[k]), *kinds[k]) for k in np.argsort(-ms, kind="stable")[:5]],
         "full_gc": len(full_gc),
         "full_gc_max_ms": max(full_gc, default=0.0) * 1e3,
         "big_route_cycles": len(fresh),
@@ -141,6 +147,10 @@ def main(argv: list[str] | None = None) -> None:
         f"wall time p50 {r['wall_p50_ms']:.2f} ms, p99 {r['wall_p99_ms']:.2f} ms, max {r['wall_max_ms']:.2f} ms",
         flush=True,
     )
+    for k, t, nr, npull, nint, step in r["slowest"]:
+        print(
+            f"slow: cycle {k} {t:.1f} ms CPU: {nr} routes, {npull} pulls, {nint} interrupted, step {step}", flush=True
+        )
     print(f"full GC collections: {r['full_gc']}, longest {r['full_gc_max_ms']:.1f} ms CPU", flush=True)
     print(
         f"coordinator instances={r['instances']} in_flight={r['in_flight']} "
