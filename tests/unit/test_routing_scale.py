@@ -314,7 +314,7 @@ def loaded_instances_st(draw):
     return out
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(
     loaded_instances_st(),
     st.sampled_from([{}, {0: True}, {1: True}]),
