@@ -72,7 +72,8 @@ Levels = list[tuple[float, list[QueuedSample]]]
 
 
 class _Cluster:
-    """Numpy arrays over the instances, updated as routes are decided."""
+    """The instances as numpy arrays (for scoring blocks of samples) and as Python lists (for
+    the per-route updates, which numpy scalars would slow down); both updated per route."""
 
     def __init__(self, instances: Sequence[InstanceView], cost: CostModel):
         self.ids = [i.instance_id for i in instances]
@@ -87,6 +88,21 @@ class _Cluster:
         self.T = cost.throughput_array(self.n, self.kv)
         self.versions = sorted(set(int(v) for v in self.version))
         self.vidx = np.searchsorted(np.array(self.versions), self.version)
+        self.lists = [
+            a.tolist() for a in (self.version, self.n, self.kv, self.cap, self.max_running, self.T, self.vidx)
+        ]
+
+    def add(self, j: int, length: float) -> None:
+        """One more running sample of `length` KV tokens on instance j."""
+        _, n, kv, _, _, T, _ = self.lists
+        n[j] += 1.0
+        kv[j] += length
+        T[j] = self.cost.throughput(n[j], kv[j])
+        self.n[j], self.kv[j], self.T[j] = n[j], kv[j], T[j]
+
+
+# rows x instances scored at most at once (the block grows to this while nothing routes)
+_BLOCK_ELEMENTS = 1 << 16
 
 
 def _admission_rows(samples: Sequence[QueuedSample], admission: Admission, versions: Sequence[int]) -> np.ndarray:
@@ -103,6 +119,43 @@ def _admission_rows(samples: Sequence[QueuedSample], admission: Admission, versi
                 memo[k] = row
         out[q] = row
     return out
+
+
+class _LevelAdmission:
+    """Admission answers (per version) for one level's samples, asked when a row is scored.
+
+    With a keyed oracle outside the newest level the answers are taken once, at the level's
+    start (its routes are joins of in-flight groups). Otherwise they are asked afresh after
+    every commit (a reservation changes the buffer counters), once per key class between
+    commits: what the full-matrix form recomputed for every remaining row after each route,
+    only for the rows actually scored."""
+
+    def __init__(self, samples: Sequence[QueuedSample], admission: Admission, versions: Sequence[int], fixed: bool):
+        self.samples, self.admission, self.versions = samples, admission, versions
+        self.keyf = getattr(admission, "key", None)
+        self.fixed = _admission_rows(samples, admission, versions) if fixed else None
+        self.memo: dict = {}
+
+    def row(self, q: int) -> tuple[bool, ...]:
+        if self.fixed is not None:
+            return tuple(self.fixed[q].tolist())
+        s = self.samples[q]
+        if self.keyf is None:
+            return tuple(self.admission.admits(s, v) for v in self.versions)
+        k = self.keyf(s)
+        row = self.memo.get(k)
+        if row is None:
+            row = self.memo[k] = tuple(self.admission.admits(s, v) for v in self.versions)
+        return row
+
+    def rows(self, q0: int, q1: int) -> np.ndarray:
+        if self.fixed is not None:
+            return self.fixed[q0:q1]
+        return np.array([self.row(q) for q in range(q0, q1)], dtype=bool).reshape(q1 - q0, len(self.versions))
+
+    def committed(self) -> None:
+        if self.fixed is None:
+            self.memo.clear()
 
 
 def route_waterfall(
@@ -130,8 +183,15 @@ def route_waterfall(
     or no instance at all (`block_scope="all"`: the level blocks everything newer). When every
     instance can run the old level, the two are the same.
 
-    The result equals routing samples one by one in that order; it is computed on a
-    [sample x instance] matrix per level, updating one column per decided route.
+    The result equals routing samples one by one in that order; the work stays bounded at
+    scale (docs/coordinator.md, "Scale"). After a route only one instance changed, so the
+    next sample, when alike (same length, version floor and admission answers, as a group's
+    members are), is scored by updating one entry of the previous sample's scores; any other
+    sample is scored against all instances at once. While nothing routes nothing changes, so
+    samples are scored in blocks [rows x instances] that double while nothing routes: from
+    32 rows at a level's start, from one row after a route. A cycle costs
+    O(instances) numpy work per route and per unlike sample, plus O(samples x instances) for
+    the ones that wait; never the [samples x instances] matrix per route.
     """
     admission = admission or AlwaysAdmit()
     if not instances:
@@ -139,7 +199,10 @@ def route_waterfall(
     if levels is None:
         levels = queue_levels(queued, group_versions)
     c = _Cluster(instances, cost)
+    version, _, kv, cap, _, T, vidx = c.lists
     blocked = np.zeros(len(c.ids), dtype=bool)
+    keyed = hasattr(admission, "key")
+    max_block = max(1, _BLOCK_ELEMENTS // len(c.ids))
     routes: list[RouteDecision] = []
     for level, samples in levels:
         base = c.open & ~blocked & (c.waiting == 0) & (c.n < c.max_running)
@@ -152,62 +215,76 @@ def route_waterfall(
         m = len(samples)
         L = np.array([s.length for s in samples], dtype=float)
         need = np.array([s.min_instance_version for s in samples], dtype=np.int64)
-        adm = _admission_rows(samples, admission, c.versions)
+        Ll, needl = L.tolist(), need.tolist()
+        adm = _LevelAdmission(samples, admission, c.versions, fixed=keyed and level != NEW_LEVEL)
         thresh = mu * cost.throughput_array(np.ones(m), L)  # μ·ΔT_ideal, ΔT_ideal = T(1, l)
+        threshl = thresh.tolist()
 
-        def feasible(rows: slice) -> np.ndarray:
-            return (
+        def scores(q0: int, q1: int, arows: np.ndarray) -> np.ndarray:
+            Lb = L[q0:q1, None]
+            feasible = (
                 base[None, :]
-                & (c.version[None, :] >= need[rows, None])
-                & (c.kv[None, :] + L[rows, None] <= c.cap[None, :])
-                & adm[rows][:, c.vidx]
+                & (c.version[None, :] >= need[q0:q1, None])
+                & (c.kv[None, :] + Lb <= c.cap[None, :])
+                & arows[:, c.vidx]
             )
+            n1 = c.n[None, :] + 1
+            gain = n1 / cost.latency_array(n1, c.kv[None, :] + Lb) - c.T[None, :]
+            return np.where(feasible, gain, -np.inf)
 
-        def gains(rows: slice, cols) -> np.ndarray:
-            n1 = c.n[cols][None, :] + 1
-            return n1 / cost.latency_array(n1, c.kv[cols][None, :] + L[rows, None]) - c.T[cols][None, :]
+        def score_one(q: int, arow: tuple[bool, ...]) -> np.ndarray:
+            # `scores` for one row, on 1-d arrays and skipping the masks that pass everywhere:
+            # the same elementwise arithmetic, so the same values
+            kvl = c.kv + Ll[q]
+            feasible = base & (kvl <= c.cap)
+            if needl[q] > c.versions[0]:
+                feasible &= c.version >= needl[q]
+            if not all(arow):
+                feasible &= np.array(arow, dtype=bool)[c.vidx]
+            n1 = c.n + 1
+            return np.where(feasible, n1 / cost.latency_array(n1, kvl) - c.T, -np.inf)
 
-        allc = slice(None)
-        F = feasible(slice(0, m))
-        G = gains(slice(0, m), allc)
-        score = np.where(F, G, -np.inf)
         failed_need: int | None = None
-        q0 = 0
+        # (signature, scores) of the latest routed sample, brought up to date after its route
+        cached: tuple[tuple, np.ndarray] | None = None
+        q0, size = 0, min(32, max_block)
         while q0 < m:
-            best = score[q0:].max(axis=1)
-            ok = best >= thresh[q0:]
-            hits = np.flatnonzero(ok)
-            stop = q0 + int(hits[0]) if len(hits) else m
-            if stop > q0:  # rows q0..stop-1 could not be routed (state unchanged since)
-                fneed = int(need[q0:stop].min())
+            if size == 1:  # one sample: typically the one after a route
+                arow = adm.row(q0)
+                sig = (Ll[q0], needl[q0], arow)
+                row = cached[1] if cached is not None and cached[0] == sig else score_one(q0, arow)
+                j = int(row.argmax())
+                q = q0 if row[j] >= threshl[q0] else q0 + 1
+                q1 = q0 + 1
+            else:  # nothing routed lately: a block, up to its first routable row
+                q1 = min(m, q0 + size)
+                score = scores(q0, q1, adm.rows(q0, q1))
+                hits = np.flatnonzero(score.max(axis=1) >= thresh[q0:q1])
+                q = q0 + int(hits[0]) if len(hits) else q1
+                if q < q1:
+                    row = score[q - q0]
+                    j = int(row.argmax())
+                    arow = adm.row(q)
+            if q > q0:  # rows q0..q-1 could not be routed (state unchanged since)
+                fneed = min(needl[q0:q])
                 failed_need = fneed if failed_need is None else min(failed_need, fneed)
-            if stop >= m:
-                break
-            q = stop
-            j = int(np.argmax(score[q]))
+            if q >= q1:
+                q0, size = q1, min(2 * size, max_block)
+                continue
             s = samples[q]
-            admission.commit(s, int(c.version[j]))
+            admission.commit(s, version[j])
+            adm.committed()
             routes.append(RouteDecision(s.sample_id, c.ids[j]))
-            c.n[j] += 1
-            c.kv[j] += L[q]
-            c.T[j] = cost.throughput(c.n[j], c.kv[j])
-            q0 = q + 1
-            if q0 >= m:
-                break
-            rest = slice(q0, m)
-            if level == NEW_LEVEL or not hasattr(admission, "key"):
-                # a new reservation: buffer counters and this group's status changed
-                adm[q0:] = _admission_rows(samples[q0:], admission, c.versions)
-                base = c.open & ~blocked & (c.waiting == 0) & (c.n < c.max_running)
-                F_rest = feasible(rest)
-                G[q0:, j] = gains(rest, [j])[:, 0]
-                score[q0:] = np.where(F_rest, G[q0:], -np.inf)
-            else:
-                if c.n[j] >= c.max_running[j]:
-                    base[j] = False
-                col = base[j] & (c.version[j] >= need[q0:]) & (c.kv[j] + L[q0:] <= c.cap[j]) & adm[q0:, c.vidx[j]]
-                G[q0:, j] = gains(rest, [j])[:, 0]
-                score[q0:, j] = np.where(col, G[q0:, j], -np.inf)
+            c.add(j, Ll[q])
+            if c.n[j] >= c.max_running[j]:
+                base[j] = False
+            # only column j changed: its entry again, with the same arithmetic (same rounding)
+            row = row.copy()
+            n1 = c.lists[1][j] + 1.0
+            ok = base[j] and version[j] >= needl[q] and kv[j] + Ll[q] <= cap[j] and arow[vidx[j]]
+            row[j] = n1 / cost.latency(n1, kv[j] + Ll[q]) - T[j] if ok else -np.inf
+            cached = ((Ll[q], needl[q], arow), row)
+            q0, size = q + 1, 1
         if failed_need is not None:
             if block_scope == "all":
                 break

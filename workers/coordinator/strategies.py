@@ -19,9 +19,10 @@ strategies update private copies of the views as they decide, never the caller's
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+
+import numpy as np
 
 from .admission import Admission, AdmissionView, AlwaysAdmit, CallbackAdmission
 from .cost_model import CostModel
@@ -184,20 +185,45 @@ def migrate_throughput_ratio(
     starved_t = sorted(((thr(s), s) for s in starved), key=lambda x: x[0])
     if loaded[0][0] <= psi * starved_t[0][0]:
         return []  # no pair passes the ψ trigger
-    pairs: list[tuple[float, float, InstanceView, InstanceView]] = []
-    for ts, s in starved_t:
-        for tl, ld in loaded:
-            if tl <= psi * ts:
-                break  # sorted: no later loaded instance passes either
-            if ld.instance_id == s.instance_id or ld.version > s.version or ld.running - s.running < 2:
-                continue
-            pairs.append((math.inf if ts <= 0 else tl / ts, tl, s, ld))
-    pairs.sort(key=lambda x: (x[0], x[1]), reverse=True)
-    for _, _, s, ld in pairs[:max_tries]:
+    for s, ld in _ranked_pairs(starved_t, loaded, psi, max_tries):
         ids = _best_move(s, ld, cost, min_gain)
         if ids:
             return [InterruptDecision(ld.instance_id, ids, "migration")]
     return []
+
+
+def _ranked_pairs(
+    starved_t: Sequence[tuple[float, InstanceView]],
+    loaded: Sequence[tuple[float, InstanceView]],
+    psi: float,
+    limit: int,
+) -> list[tuple[InstanceView, InstanceView]]:
+    """The `limit` best (starved, loaded) pairs that pass the ψ trigger: by T ratio, then the
+    loaded one's T, highest first; ties in the order (starved ascending by T, loaded descending).
+
+    The [starved x loaded] comparison is one numpy matrix: when a batch's tail leaves most of a
+    320-instance cluster starved, the pairs number tens of thousands, too many for a Python loop
+    and sort within a cycle (docs/coordinator.md, "Scale")."""
+    ts = np.array([t for t, _ in starved_t], dtype=float)[:, None]
+    tl = np.array([t for t, _ in loaded], dtype=float)[None, :]
+    sv, lv = [i for _, i in starved_t], [i for _, i in loaded]
+
+    def col(views: Sequence[InstanceView], attr: str) -> np.ndarray:
+        return np.array([getattr(i, attr) for i in views], dtype=np.int64)
+
+    ok = (
+        (tl > psi * ts)
+        & (col(lv, "instance_id")[None, :] != col(sv, "instance_id")[:, None])
+        & (col(lv, "version")[None, :] <= col(sv, "version")[:, None])
+        & (col(lv, "running")[None, :] - col(sv, "running")[:, None] >= 2)
+    )
+    si, li = np.nonzero(ok)  # row-major: the order of a loop over starved, then loaded
+    if not len(si):
+        return []
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratio = np.where(ts[si, 0] <= 0, np.inf, tl[0, li] / ts[si, 0])
+    order = np.lexsort((np.arange(len(si)), -tl[0, li], -ratio))[:limit]
+    return [(sv[si[k]], lv[li[k]]) for k in order]
 
 
 def _best_move(s: InstanceView, ld: InstanceView, cost: CostModel, min_gain: float) -> tuple[int, ...]:

@@ -203,6 +203,12 @@ SETUPS["small"] = SETUPS["qwen_14b"].scaled(
     train_gpus=48,
 )
 
+# 10x the paper's 14B set-up (bench/coordinator.py): 320 instances, B = 1280 prompts of 16
+# (~20k samples in flight), the trainer on 10x the paper's 96 GPUs.
+SETUPS["qwen_14b_10x"] = SETUPS["qwen_14b"].scaled(
+    name="qwen_14b_10x", batch_size=1280, instances=320, train_gpus=10 * (CLUSTER_GPUS - 32)
+)
+
 PAPER_SETUPS = ("qwen_14b", "qwen_32b", "qwen_moe_30b", "qwen_7b")
 
 

@@ -40,7 +40,7 @@ import numpy as np
 from staleflow_db.enums import GroupState, SampleState, SegmentKind
 from staleflow_db.types import Report, RouteOutcome, RunConfig
 from workers.coordinator.admission import AdmissionView
-from workers.coordinator.cycle import Applied, run_cycle
+from workers.coordinator.cycle import Applied, CycleOutcome, run_cycle
 from workers.coordinator.policies import CyclePlan, Policy, get_policy
 from workers.coordinator.state import QueuedSample, SpeculativeState
 
@@ -72,6 +72,7 @@ class Simulator:
         prefetch_groups: int | None = None,
         snapshot_tolerance: float = 0.0,
         check_every_step: bool = False,
+        on_cycle: Callable[[CycleOutcome, float, float], None] | None = None,
     ):
         self.setup = get_setup(setup)
         self.policy = get_policy(policy)
@@ -101,6 +102,10 @@ class Simulator:
         self.idle_cycle = max(idle_cycle, self.period)
         self.prefetch = prefetch_groups if prefetch_groups is not None else max(4, su.batch_size // 16)
         self.check_every_step = check_every_step
+        # called after each cycle with its outcome and the coordinator's own wall and CPU
+        # seconds in run_cycle (the simulator's side, `_apply`, excluded): bench/coordinator.py
+        self.on_cycle = on_cycle
+        self.apply_s = self.apply_cpu_s = 0.0
         self.detail = self.policy.migration
         rng = np.random.default_rng([seed, 7])
         self.engines: dict[int, SimInstance] = {}
@@ -338,6 +343,8 @@ class Simulator:
         p = self.p
         self.cycles += 1
         reserved = p.reserved
+        self.apply_s = self.apply_cpu_s = 0.0
+        t0, c0 = time.perf_counter(), time.thread_time()
         out = run_cycle(
             self.policy,
             self.cost,
@@ -351,6 +358,9 @@ class Simulator:
             ),
             group_versions={gid: g.min_version or 0 for gid, g in reserved.items()},
         )
+        if self.on_cycle is not None:
+            wall, cpu = time.perf_counter() - t0 - self.apply_s, time.thread_time() - c0 - self.apply_cpu_s
+            self.on_cycle(out, wall, cpu)
         self.coord_wall += out.decide_s
         self.route_refusals += out.refused
         return not out.plan.empty(), self.requeued
@@ -358,6 +368,14 @@ class Simulator:
     def _apply(self, plan: CyclePlan) -> Applied:
         """The cycle's commands reach the protocol and the engines at once (`requeued`: some
         samples went back to the queue, or an engine has an outbox to drain next tick)."""
+        t0, c0 = time.perf_counter(), time.thread_time()
+        try:
+            return self._apply_plan(plan)
+        finally:
+            self.apply_s += time.perf_counter() - t0
+            self.apply_cpu_s += time.thread_time() - c0
+
+    def _apply_plan(self, plan: CyclePlan) -> Applied:
         p, now, tbl = self.p, self.now, self.table
         self.requeued, touched = False, set()
         routed: list[bool] = []
