@@ -18,7 +18,7 @@ from .. import idempotency
 from ..enums import DropReason
 from ..errors import NotFound
 from ..rules import BufferCounts, Limits, Reservation, apply_moves, cascade_moves
-from .events import Event, log_events
+from .events import EVENTS_INSERT, Event, events_params
 
 
 def dumps(value: Any) -> str:
@@ -96,13 +96,19 @@ class RunTx:
         self._reservations: dict[int, Reservation] | None = None
         self.moved: dict[int, int] = {}  # group -> new reserved buffer, from cascades
         self.events: list[Event] = []
+        self._deferred: list[tuple[str, dict[str, Any], set[int]]] = []
 
     @classmethod
     def open(cls, conn: Connection, run_id: int) -> RunTx:
-        """Lock the run, then read its buffers in a second statement: under READ COMMITTED a
-        statement that waited for the lock still reads from the snapshot it started with, so
-        counters read in the locking statement itself could predate the previous holder's commit."""
-        return cls(conn, load_run(conn, run_id, lock=True))
+        """Lock the run and read it with its buffers in one round trip (`staleflow_lock_run`,
+        migration 0004): the function reads the buffers in a second statement of its own, so
+        under READ COMMITTED they include the commit of the lock's previous holder (a single
+        statement that waited for the lock would read them from the snapshot it started with)."""
+        got = conn.execute(text("SELECT staleflow_lock_run(:run)"), {"run": run_id}).scalar()
+        if got is None:
+            raise NotFound(f"run {run_id}")
+        run = RunRow(**{f.name: got["run"][f.name] for f in dataclasses.fields(RunRow)})
+        return cls(conn, run, [BufferCounts(i, o, r, c) for i, o, r, c in got["buffers"]])
 
     def buffer(self, idx: int) -> BufferCounts:
         return self.buffers.setdefault(idx, BufferCounts(idx))
@@ -169,39 +175,58 @@ class RunTx:
 
     # ---- writes ----------------------------------------------------------------------------
 
+    def defer_group_update(self, sql: str, params: dict[str, Any], group_ids: Sequence[int]) -> None:
+        """A data-modifying statement on prompt_groups (params prefixed "x<n>_" by the caller,
+        see `next_prefix`) sent with the flush instead of on its own round trip. Its groups must
+        not be moved reservations: one statement must not update a row twice."""
+        self._deferred.append((sql, params, set(group_ids)))
+
+    def next_prefix(self) -> str:
+        return f"x{len(self._deferred)}_"
+
     def flush(self) -> None:
-        """Persist counters and moved reservations, then the events, in a few statements."""
+        """Persist counters, moved reservations, deferred group updates and the events as the
+        parts of ONE statement (data-modifying CTEs): under the run lock every round trip is
+        time every other run-locked transaction waits. The parts touch disjoint rows, so their
+        sharing one snapshot changes nothing."""
+        parts: list[str] = []
+        params: dict[str, Any] = {"run": self.run.id}
         changed = [c for b, c in self.buffers.items() if self._original.get(b) != (c.occupied, c.reserved)]
         if changed:
-            self.conn.execute(
-                text(
-                    "INSERT INTO buffers (run_id, idx, batch_size, capacity, occupied, reserved)"
-                    " SELECT :run, u.idx, :bs, :cap, u.occ, u.res"
-                    " FROM unnest(CAST(:idx AS int[]), CAST(:occ AS int[]), CAST(:res AS int[])) AS u(idx, occ, res)"
-                    " ON CONFLICT (run_id, idx) DO UPDATE"
-                    " SET occupied = excluded.occupied, reserved = excluded.reserved"
-                ),
-                {
-                    "run": self.run.id,
-                    "bs": self.run.batch_size,
-                    "cap": self.run.buffer_capacity,
-                    "idx": [c.index for c in changed],
-                    "occ": [c.occupied for c in changed],
-                    "res": [c.reserved for c in changed],
-                },
+            parts.append(
+                "INSERT INTO buffers (run_id, idx, batch_size, capacity, occupied, reserved)"
+                " SELECT :run, u.idx, :bs, :cap, u.occ, u.res"
+                " FROM unnest(CAST(:idx AS int[]), CAST(:occ AS int[]), CAST(:res AS int[])) AS u(idx, occ, res)"
+                " ON CONFLICT (run_id, idx) DO UPDATE"
+                " SET occupied = excluded.occupied, reserved = excluded.reserved"
+            )
+            params.update(
+                bs=self.run.batch_size,
+                cap=self.run.buffer_capacity,
+                idx=[c.index for c in changed],
+                occ=[c.occupied for c in changed],
+                res=[c.reserved for c in changed],
             )
             self._original.update({c.index: (c.occupied, c.reserved) for c in changed})
         if self.moved:
-            self.conn.execute(
-                text(
-                    "UPDATE prompt_groups g SET reserved_buffer = u.b"
-                    " FROM unnest(CAST(:ids AS bigint[]), CAST(:bs AS int[])) AS u(id, b)"
-                    " WHERE g.id = u.id AND g.state = 'reserved'"
-                ),
-                {"ids": list(self.moved), "bs": list(self.moved.values())},
+            parts.append(
+                "UPDATE prompt_groups g SET reserved_buffer = u.b"
+                " FROM unnest(CAST(:mids AS bigint[]), CAST(:mbs AS int[])) AS u(id, b)"
+                " WHERE g.id = u.id AND g.state = 'reserved'"
             )
-            self.moved.clear()
-        log_events(self.conn, self.run.id, self.events)
+            params.update(mids=list(self.moved), mbs=list(self.moved.values()))
+        for sql, extra, gids in self._deferred:
+            assert not gids & self.moved.keys(), "a deferred group update overlaps a moved reservation"
+            parts.append(sql)
+            params.update(extra)
+        if self.events:
+            parts.append(EVENTS_INSERT.format(p="e_"))
+            params.update(events_params(self.run.id, self.events, "e_"))
+        if parts:
+            ctes = ", ".join(f"w{i} AS ({part})" for i, part in enumerate(parts))
+            self.conn.execute(text(f"WITH {ctes} SELECT 1"), params)
+        self.moved.clear()
+        self._deferred.clear()
         self.events.clear()
 
     def drop_groups(self, group_ids: Sequence[int], state: str, reason: DropReason | str) -> list[int]:
