@@ -183,31 +183,38 @@ def rewards_in(rtx: RunTx, rewards: Sequence[tuple[int, int, float]]) -> list[Gr
     for sid, _, reward in rewards:
         if not isinstance(reward, (int, float)) or not math.isfinite(reward):
             raise InvalidInput(f"sample {sid}: reward must be a finite number")
+    # Lock, check and update in one statement: the update applies only when every sample of the
+    # batch still holds its claim (all or nothing even if a caller's transaction went on after
+    # a Conflict); otherwise nothing changes and the locked rows say why.
     rows = {
         r.id: r
         for r in conn.execute(
             text(
-                "SELECT id, state, reward_attempt, group_id FROM samples"
-                " WHERE run_id = :run AND id = ANY(CAST(:ids AS bigint[])) ORDER BY id FOR UPDATE"
+                "WITH s AS MATERIALIZED (SELECT x.id, x.state, x.reward_attempt, x.group_id,"
+                "   x.state = 'scoring' AND x.reward_attempt = u.att AS holds, u.r FROM samples x"
+                "   JOIN unnest(CAST(:ids AS bigint[]), CAST(:atts AS int[]), CAST(:rs AS float8[])) AS u(id, att, r)"
+                "   ON x.id = u.id WHERE x.run_id = :run ORDER BY x.id FOR UPDATE OF x),"
+                " w AS (UPDATE samples x SET state = 'rewarded', reward = s.r, reward_deadline = NULL, updated_at = now()"
+                "   FROM s WHERE x.id = s.id AND (SELECT count(*) FILTER (WHERE holds) FROM s) = :n)"
+                " SELECT id, state, holds, group_id FROM s"
             ),
-            {"run": run.id, "ids": ids},
+            {
+                "run": run.id,
+                "ids": ids,
+                "atts": [r[1] for r in rewards],
+                "rs": [float(r[2]) for r in rewards],
+                "n": len(ids),
+            },
         ).all()
     }
     conflicts = []
-    for sid, attempt, _ in rewards:
+    for sid, _, _ in rewards:
         if sid not in rows:
             raise NotFound(f"sample {sid} in run {run.id}")
-        if rows[sid].state != "scoring" or rows[sid].reward_attempt != attempt:
+        if not rows[sid].holds:
             conflicts.append((sid, "reward claim lost (stale attempt or sample not scoring)"))
     if conflicts:
         raise Conflict(conflicts)
-    conn.execute(
-        text(
-            "UPDATE samples s SET state = 'rewarded', reward = u.r, reward_deadline = NULL, updated_at = now()"
-            " FROM unnest(CAST(:ids AS bigint[]), CAST(:rs AS float8[])) AS u(id, r) WHERE s.id = u.id"
-        ),
-        {"ids": ids, "rs": [float(r[2]) for r in rewards]},
-    )
     rtx.events.extend(Event("sample_rewarded", sample=sid, data={"reward": float(r)}) for sid, _, r in rewards)
     return occupy_ready_groups(rtx, sorted({rows[sid].group_id for sid in ids}))
 
@@ -215,30 +222,28 @@ def rewards_in(rtx: RunTx, rewards: Sequence[tuple[int, int, float]]) -> list[Gr
 def occupy_ready_groups(rtx: RunTx, group_ids: list[int]) -> list[GroupOutcome]:
     """Occupy (or filter) each reserved group that now has N rewarded members."""
     conn, run = rtx.conn, rtx.run
-    groups = {
-        r.id: r
-        for r in conn.execute(
-            text(
-                "SELECT id, state, client_key, prompt_tokens, meta FROM prompt_groups"
-                " WHERE id = ANY(CAST(:ids AS bigint[])) ORDER BY id FOR UPDATE"
-            ),
-            {"ids": group_ids},
-        ).all()
-    }
+    # The groups (locked) and their members in one statement. Its snapshot may predate a
+    # wait for a group lock, but every change to a member's reward state (the only states
+    # read here that decide anything) is made under the run lock this transaction holds.
+    groups: dict[int, Row[Any]] = {}
     members: defaultdict[int, list[Row[Any]]] = defaultdict(list)
     for m in conn.execute(
         text(
-            "SELECT group_id, id, state, v_traj, reward FROM samples"
-            " WHERE group_id = ANY(CAST(:ids AS bigint[])) ORDER BY group_id, idx"
+            "WITH g AS MATERIALIZED (SELECT id, state, client_key, prompt_tokens, meta FROM prompt_groups"
+            "   WHERE id = ANY(CAST(:ids AS bigint[])) ORDER BY id FOR UPDATE)"
+            " SELECT g.id AS gid, g.state AS gstate, g.client_key, g.prompt_tokens, g.meta,"
+            "  m.group_id, m.id, m.state, m.v_traj, m.reward"
+            " FROM g JOIN samples m ON m.group_id = g.id ORDER BY g.id, m.idx"
         ),
         {"ids": group_ids},
     ).all():
-        members[m.group_id].append(m)
+        groups.setdefault(m.gid, m)
+        members[m.gid].append(m)
     outcomes, occupied = [], []
     for gid in group_ids:
         g = groups[gid]
         rewarded = [m for m in members[gid] if m.state == "rewarded"]
-        if g.state != "reserved" or len(rewarded) < run.group_size:
+        if g.gstate != "reserved" or len(rewarded) < run.group_size:
             continue
         chosen = rewarded[: run.group_size]
         # Release, place this group, and only then let other reservations move into the slot
@@ -269,13 +274,17 @@ def occupy_ready_groups(rtx: RunTx, group_ids: list[int]) -> list[GroupOutcome]:
         if not moves and b != freed:  # it landed earlier on its own: the slot it held is free now
             rtx.cascade(freed)
         outcomes.append(GroupOutcome(gid, GroupState.OCCUPIED, buffer=b))
-    if occupied:  # one statement, not one per group: this runs under the run lock
-        conn.execute(
-            text(
-                "UPDATE prompt_groups g SET state = 'occupied', buffer = u.b, group_version = u.v, reserved_buffer = NULL"
-                " FROM unnest(CAST(:ids AS bigint[]), CAST(:bs AS int[]), CAST(:vs AS int[])) AS u(id, b, v)"
-                " WHERE g.id = u.id"
-            ),
-            {"ids": [o[0] for o in occupied], "bs": [o[1] for o in occupied], "vs": [o[2] for o in occupied]},
+    if occupied:  # sent with the flush, not on a round trip of its own: this runs under the run lock
+        p = rtx.next_prefix()
+        rtx.defer_group_update(
+            "UPDATE prompt_groups g SET state = 'occupied', buffer = u.b, group_version = u.v, reserved_buffer = NULL"
+            f" FROM unnest(CAST(:{p}ids AS bigint[]), CAST(:{p}bs AS int[]), CAST(:{p}vs AS int[])) AS u(id, b, v)"
+            " WHERE g.id = u.id",
+            {
+                f"{p}ids": [o[0] for o in occupied],
+                f"{p}bs": [o[1] for o in occupied],
+                f"{p}vs": [o[2] for o in occupied],
+            },
+            [o[0] for o in occupied],
         )
     return outcomes
