@@ -57,28 +57,25 @@ def route_in(rtx: RunTx, pairs: Sequence[tuple[int, int]]) -> list[RouteResult]:
             raise NotFound(f"sample {sid} in run {run.id}")
         if iid not in instances:
             raise NotFound(f"instance {iid} in run {run.id}")
-    groups = {
-        r.id: RoutedGroup(r.state, r.reserved_buffer, r.min_version)
-        for r in conn.execute(
-            text(
-                "SELECT id, state::text, reserved_buffer, min_version FROM prompt_groups"
-                " WHERE id = ANY(CAST(:ids AS bigint[])) ORDER BY id FOR UPDATE"
-            ),
-            {"ids": list({s.group_id for s in samples.values()})},
-        ).all()
-    }
-    # live members of the reserved groups: the group version after the route (min_version)
+    # The groups (locked) with their live members in one statement: the group version after
+    # the route (min_version). The members' snapshot may predate a wait for a group lock;
+    # what they say is as current as before, when they were read in a statement of their own
+    # right after it (reports change members without any group or run lock either way).
+    groups: dict[int, RoutedGroup] = {}
     members: dict[int, dict[int, tuple[str, int | None, int]]] = {}
-    reserved = [gid for gid, g in groups.items() if g.state == "reserved"]
-    if reserved:
-        for m, gid, st, v, n in conn.execute(
-            text(
-                "SELECT id, group_id, state::text, v_traj, n_tokens FROM samples"
-                " WHERE group_id = ANY(CAST(:g AS bigint[])) AND state <> 'aborted' AND v_traj IS NOT NULL"
-            ),
-            {"g": reserved},
-        ).all():
-            members.setdefault(gid, {})[m] = (st, v, n)
+    for gr in conn.execute(
+        text(
+            "WITH g AS MATERIALIZED (SELECT id, state::text AS state, reserved_buffer, min_version FROM prompt_groups"
+            "   WHERE id = ANY(CAST(:ids AS bigint[])) ORDER BY id FOR UPDATE)"
+            " SELECT g.id, g.state, g.reserved_buffer, g.min_version, m.id AS mid, m.state::text AS mstate,"
+            "  m.v_traj, m.n_tokens FROM g LEFT JOIN samples m ON g.state = 'reserved' AND m.group_id = g.id"
+            "   AND m.state <> 'aborted' AND m.v_traj IS NOT NULL"
+        ),
+        {"ids": list({s.group_id for s in samples.values()})},
+    ).all():
+        groups.setdefault(gr.id, RoutedGroup(gr.state, gr.reserved_buffer, gr.min_version))
+        if gr.mid is not None:
+            members.setdefault(gr.id, {})[gr.mid] = (gr.mstate, gr.v_traj, gr.n_tokens)
     results, routed, touched = [], [], set()
     for sid, iid in pairs:
         sample, inst = samples[sid], instances[iid]
@@ -123,29 +120,33 @@ def route_in(rtx: RunTx, pairs: Sequence[tuple[int, int]]) -> list[RouteResult]:
         results.append(RouteResult(sid, RouteOutcome.ROUTED, None, v, g.buffer))
     if routed:
         # every route draws a fresh secret lease token (gen_random_uuid: a strong random source)
+        # samples and their groups in one statement (distinct tables: the two updates share
+        # a snapshot and touch disjoint rows)
+        tg = sorted(touched)
         leases = {
             sid: (att, lease)
             for sid, att, lease in conn.execute(
                 text(
-                    "UPDATE samples s SET state = 'running', v_traj = u.v, instance_id = u.i, attempt = s.attempt + 1,"
+                    "WITH w AS (UPDATE prompt_groups g SET state = 'reserved', reserved_buffer = u.b, min_version = u.mv"
+                    "   FROM unnest(CAST(:gids AS bigint[]), CAST(:bs AS int[]), CAST(:mvs AS int[])) AS u(id, b, mv)"
+                    "   WHERE g.id = u.id)"
+                    " UPDATE samples s SET state = 'running', v_traj = u.v, instance_id = u.i, attempt = s.attempt + 1,"
                     " lease = gen_random_uuid(), delivered = false, updated_at = now()"
                     " FROM unnest(CAST(:ids AS bigint[]), CAST(:vs AS int[]), CAST(:is AS bigint[])) AS u(id, v, i)"
                     " WHERE s.id = u.id RETURNING s.id, s.attempt, s.lease::text"
                 ),
-                {"ids": [r[0] for r in routed], "vs": [r[1] for r in routed], "is": [r[2] for r in routed]},
+                {
+                    "ids": [r[0] for r in routed],
+                    "vs": [r[1] for r in routed],
+                    "is": [r[2] for r in routed],
+                    "gids": tg,
+                    "bs": [groups[g].buffer for g in tg],
+                    "mvs": [groups[g].version for g in tg],
+                },
             ).all()
         }
         for r in results:
             if r.outcome == RouteOutcome.ROUTED:
                 r.attempt, r.lease = leases[r.sample_id]
-        tg = sorted(touched)
-        conn.execute(
-            text(
-                "UPDATE prompt_groups g SET state = 'reserved', reserved_buffer = u.b, min_version = u.mv"
-                " FROM unnest(CAST(:ids AS bigint[]), CAST(:bs AS int[]), CAST(:mvs AS int[])) AS u(id, b, mv)"
-                " WHERE g.id = u.id"
-            ),
-            {"ids": tg, "bs": [groups[g].buffer for g in tg], "mvs": [groups[g].version for g in tg]},
-        )
         rtx.events.extend(Event("sample_routed", sample=sid, instance=iid, data={"v": v}) for sid, v, iid in routed)
     return results
