@@ -175,11 +175,12 @@ class RunTx:
 
     # ---- writes ----------------------------------------------------------------------------
 
-    def defer_group_update(self, sql: str, params: dict[str, Any], group_ids: Sequence[int]) -> None:
-        """A data-modifying statement on prompt_groups (params prefixed "x<n>_" by the caller,
-        see `next_prefix`) sent with the flush instead of on its own round trip. Its groups must
-        not be moved reservations: one statement must not update a row twice."""
-        self._deferred.append((sql, params, set(group_ids)))
+    def defer(self, sql: str, params: dict[str, Any], groups: Sequence[int] = ()) -> None:
+        """A data-modifying statement (params prefixed by `next_prefix()`) sent as a part of the
+        flush instead of on its own round trip; its effect is not visible before the flush.
+        `groups`: the prompt_groups rows it writes, which must not be moved reservations (one
+        statement must not update a row twice). Deferred parts write disjoint rows."""
+        self._deferred.append((sql, params, set(groups)))
 
     def next_prefix(self) -> str:
         return f"x{len(self._deferred)}_"
@@ -358,5 +359,6 @@ class TxMixin:
     ) -> Any:
         """`run` in one transaction with the stored outcome of `request_id` (see
         staleflow_db.idempotency.once): a repeat replays it, another `body` is refused."""
-        digest = idempotency.digest(body)
+        # the digest only matters with a key; serialising a batch of reports costs real CPU
+        digest = idempotency.digest(body) if request_id is not None else ""
         return idempotency.once(self.engine, request_id, operation, digest, run, dumps, decode, conn=conn)[0]

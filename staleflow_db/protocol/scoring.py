@@ -7,9 +7,10 @@ import math
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
-from sqlalchemy import Connection, Row, text
+from sqlalchemy import Connection, text
 
 from ..enums import DropReason, GroupState
 from ..errors import Conflict, InvalidInput, NotFound
@@ -183,67 +184,69 @@ def rewards_in(rtx: RunTx, rewards: Sequence[tuple[int, int, float]]) -> list[Gr
     for sid, _, reward in rewards:
         if not isinstance(reward, (int, float)) or not math.isfinite(reward):
             raise InvalidInput(f"sample {sid}: reward must be a finite number")
-    # Lock, check and update in one statement: the update applies only when every sample of the
-    # batch still holds its claim (all or nothing even if a caller's transaction went on after
-    # a Conflict); otherwise nothing changes and the locked rows say why.
-    rows = {
-        r.id: r
-        for r in conn.execute(
-            text(
-                "WITH s AS MATERIALIZED (SELECT x.id, x.state, x.reward_attempt, x.group_id,"
-                "   x.state = 'scoring' AND x.reward_attempt = u.att AS holds, u.r FROM samples x"
-                "   JOIN unnest(CAST(:ids AS bigint[]), CAST(:atts AS int[]), CAST(:rs AS float8[])) AS u(id, att, r)"
-                "   ON x.id = u.id WHERE x.run_id = :run ORDER BY x.id FOR UPDATE OF x),"
-                " w AS (UPDATE samples x SET state = 'rewarded', reward = s.r, reward_deadline = NULL, updated_at = now()"
-                "   FROM s WHERE x.id = s.id AND (SELECT count(*) FILTER (WHERE holds) FROM s) = :n)"
-                " SELECT id, state, holds, group_id FROM s"
-            ),
-            {
-                "run": run.id,
-                "ids": ids,
-                "atts": [r[1] for r in rewards],
-                "rs": [float(r[2]) for r in rewards],
-                "n": len(ids),
-            },
-        ).all()
-    }
+    # ONE statement (under the run lock every round trip counts): lock the batch's samples,
+    # check every claim and store the rewards only if all hold (all or nothing, even if a
+    # caller's transaction went on after the Conflict), then lock their groups and read the
+    # members. Lock order samples -> groups, each in id order: UNION ALL branches run one after
+    # the other. The members come from the statement's snapshot, so the batch's own rows are
+    # seen as before this update and patched below; any other reward was committed before we
+    # took the run lock (rewards are only recorded under it), so the snapshot has it.
+    got: dict[str, list[dict[str, Any]]] = {"s": [], "g": [], "m": []}
+    for kind, row in conn.execute(
+        text(
+            "WITH s AS MATERIALIZED (SELECT x.id, x.state::text AS state, x.group_id,"
+            "   x.state = 'scoring' AND x.reward_attempt = u.att AS holds, u.r FROM samples x"
+            "   JOIN unnest(CAST(:ids AS bigint[]), CAST(:atts AS int[]), CAST(:rs AS float8[])) AS u(id, att, r)"
+            "   ON x.id = u.id WHERE x.run_id = :run ORDER BY x.id FOR UPDATE OF x),"
+            " w AS (UPDATE samples x SET state = 'rewarded', reward = s.r, reward_deadline = NULL, updated_at = now()"
+            "   FROM s WHERE x.id = s.id AND (SELECT count(*) FILTER (WHERE holds) FROM s) = :n),"
+            " g AS MATERIALIZED (SELECT id, state::text AS state, client_key, prompt_tokens, meta FROM prompt_groups"
+            "   WHERE id IN (SELECT group_id FROM s) ORDER BY id FOR UPDATE)"
+            " SELECT 's', to_jsonb(s) FROM s"
+            " UNION ALL SELECT 'g', to_jsonb(g) FROM g"
+            " UNION ALL SELECT 'm', jsonb_build_object('group_id', m.group_id, 'id', m.id, 'idx', m.idx,"
+            "   'state', m.state::text, 'v_traj', m.v_traj, 'reward', m.reward) FROM g JOIN samples m ON m.group_id = g.id"
+        ),
+        {
+            "run": run.id,
+            "ids": ids,
+            "atts": [r[1] for r in rewards],
+            "rs": [float(r[2]) for r in rewards],
+            "n": len(ids),
+        },
+    ).all():
+        got[kind].append(row)
+    rows = {r["id"]: r for r in got["s"]}
     conflicts = []
     for sid, _, _ in rewards:
         if sid not in rows:
             raise NotFound(f"sample {sid} in run {run.id}")
-        if not rows[sid].holds:
+        if not rows[sid]["holds"]:
             conflicts.append((sid, "reward claim lost (stale attempt or sample not scoring)"))
     if conflicts:
         raise Conflict(conflicts)
     rtx.events.extend(Event("sample_rewarded", sample=sid, data={"reward": float(r)}) for sid, _, r in rewards)
-    return occupy_ready_groups(rtx, sorted({rows[sid].group_id for sid in ids}))
+    mine = {sid: float(r) for sid, _, r in rewards}
+    members: defaultdict[int, list[SimpleNamespace]] = defaultdict(list)
+    for m in sorted(got["m"], key=lambda m: (m["group_id"], m["idx"])):
+        if m["id"] in mine:  # as this statement's update left it
+            m = {**m, "state": "rewarded", "reward": mine[m["id"]]}
+        members[m["group_id"]].append(SimpleNamespace(**m))
+    groups = {g["id"]: SimpleNamespace(**g) for g in got["g"]}
+    return occupy_ready_groups(rtx, sorted(groups), groups, members)
 
 
-def occupy_ready_groups(rtx: RunTx, group_ids: list[int]) -> list[GroupOutcome]:
-    """Occupy (or filter) each reserved group that now has N rewarded members."""
+def occupy_ready_groups(
+    rtx: RunTx, group_ids: list[int], groups: dict[int, Any], members: dict[int, list[Any]]
+) -> list[GroupOutcome]:
+    """Occupy (or filter) each reserved group that now has N rewarded members; `groups` are
+    locked, `members` in idx order."""
     conn, run = rtx.conn, rtx.run
-    # The groups (locked) and their members in one statement. Its snapshot may predate a
-    # wait for a group lock, but every change to a member's reward state (the only states
-    # read here that decide anything) is made under the run lock this transaction holds.
-    groups: dict[int, Row[Any]] = {}
-    members: defaultdict[int, list[Row[Any]]] = defaultdict(list)
-    for m in conn.execute(
-        text(
-            "WITH g AS MATERIALIZED (SELECT id, state, client_key, prompt_tokens, meta FROM prompt_groups"
-            "   WHERE id = ANY(CAST(:ids AS bigint[])) ORDER BY id FOR UPDATE)"
-            " SELECT g.id AS gid, g.state AS gstate, g.client_key, g.prompt_tokens, g.meta,"
-            "  m.group_id, m.id, m.state, m.v_traj, m.reward"
-            " FROM g JOIN samples m ON m.group_id = g.id ORDER BY g.id, m.idx"
-        ),
-        {"ids": group_ids},
-    ).all():
-        groups.setdefault(m.gid, m)
-        members[m.gid].append(m)
     outcomes, occupied = [], []
     for gid in group_ids:
         g = groups[gid]
         rewarded = [m for m in members[gid] if m.state == "rewarded"]
-        if g.gstate != "reserved" or len(rewarded) < run.group_size:
+        if g.state != "reserved" or len(rewarded) < run.group_size:
             continue
         chosen = rewarded[: run.group_size]
         # Release, place this group, and only then let other reservations move into the slot
@@ -276,7 +279,7 @@ def occupy_ready_groups(rtx: RunTx, group_ids: list[int]) -> list[GroupOutcome]:
         outcomes.append(GroupOutcome(gid, GroupState.OCCUPIED, buffer=b))
     if occupied:  # sent with the flush, not on a round trip of its own: this runs under the run lock
         p = rtx.next_prefix()
-        rtx.defer_group_update(
+        rtx.defer(
             "UPDATE prompt_groups g SET state = 'occupied', buffer = u.b, group_version = u.v, reserved_buffer = NULL"
             f" FROM unnest(CAST(:{p}ids AS bigint[]), CAST(:{p}bs AS int[]), CAST(:{p}vs AS int[])) AS u(id, b, v)"
             " WHERE g.id = u.id",
@@ -285,6 +288,6 @@ def occupy_ready_groups(rtx: RunTx, group_ids: list[int]) -> list[GroupOutcome]:
                 f"{p}bs": [o[1] for o in occupied],
                 f"{p}vs": [o[2] for o in occupied],
             },
-            [o[0] for o in occupied],
+            groups=[o[0] for o in occupied],
         )
     return outcomes
