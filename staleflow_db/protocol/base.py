@@ -83,6 +83,16 @@ def read_buffers(conn: Connection, run_id: int, first: int) -> list[BufferCounts
     return [BufferCounts(r.idx, r.occupied, r.reserved, r.consumed) for r in rows]
 
 
+# The run's reservations (id, buffer, live version): reservations move only under the run
+# lock, and a group's version is that of its members now (`rules.group_version`).
+RESERVATIONS = (
+    "SELECT g.id, g.reserved_buffer AS b, min(s.v_traj) FILTER (WHERE s.state <> 'queued' OR s.n_tokens > 0) AS v"
+    " FROM prompt_groups g LEFT JOIN samples s"
+    "   ON s.group_id = g.id AND s.state <> 'aborted' AND s.v_traj IS NOT NULL"
+    " WHERE g.run_id = :run AND g.state = 'reserved' GROUP BY g.id, g.reserved_buffer"
+)
+
+
 class RunTx:
     """One transaction holding the run's lock: every change to buffer accounting of a run is
     serialized here (a global budget, so no SKIP LOCKED), and flushed in batched statements."""
@@ -119,18 +129,15 @@ class RunTx:
         """The run's reservations with each group's live version, computed from its members now
         (`rules.group_version`: aborted members and queued ones with no tokens do not count)."""
         if self._reservations is None:
-            rows = self.conn.execute(
-                text(
-                    "SELECT g.id, g.reserved_buffer,"
-                    "  min(s.v_traj) FILTER (WHERE s.state <> 'queued' OR s.n_tokens > 0)"
-                    " FROM prompt_groups g LEFT JOIN samples s"
-                    "   ON s.group_id = g.id AND s.state <> 'aborted' AND s.v_traj IS NOT NULL"
-                    " WHERE g.run_id = :run AND g.state = 'reserved' GROUP BY g.id, g.reserved_buffer"
-                ),
-                {"run": self.run.id},
-            ).all()
-            self._reservations = {g: Reservation(g, b, v) for g, b, v in rows}
+            rows = self.conn.execute(text(RESERVATIONS), {"run": self.run.id}).all()
+            self.set_reservations(rows)
+        assert self._reservations is not None
         return self._reservations
+
+    def set_reservations(self, rows: Sequence[Sequence[Any]]) -> None:
+        """The reservations as read by a caller's statement with `RESERVATIONS` in it (one
+        round trip less), from a snapshot taken while this transaction holds the run lock."""
+        self._reservations = {g: Reservation(g, b, v) for g, b, v in rows}
 
     def add_reservation(self, group_id: int, buffer: int, version: int | None) -> None:
         self.buffer(buffer).reserved += 1

@@ -17,7 +17,7 @@ from ..errors import Conflict, InvalidInput, NotFound
 from ..idempotency import transactional
 from ..rules import occupy_plan, replacement_key, window_has_room
 from ..types import GroupOutcome
-from .base import RunTx, TxMixin, abort_samples_where, load_run, response_so_far, under_run_lock
+from .base import RESERVATIONS, RunTx, TxMixin, abort_samples_where, load_run, response_so_far, under_run_lock
 from .events import Event
 from .rollout import Prompt, check_batch, enqueue_prompts
 
@@ -191,7 +191,7 @@ def rewards_in(rtx: RunTx, rewards: Sequence[tuple[int, int, float]]) -> list[Gr
     # the other. The members come from the statement's snapshot, so the batch's own rows are
     # seen as before this update and patched below; any other reward was committed before we
     # took the run lock (rewards are only recorded under it), so the snapshot has it.
-    got: dict[str, list[dict[str, Any]]] = {"s": [], "g": [], "m": []}
+    got: dict[str, list[dict[str, Any]]] = {"s": [], "g": [], "m": [], "r": []}
     for kind, row in conn.execute(
         text(
             "WITH s AS MATERIALIZED (SELECT x.id, x.state::text AS state, x.group_id,"
@@ -206,6 +206,7 @@ def rewards_in(rtx: RunTx, rewards: Sequence[tuple[int, int, float]]) -> list[Gr
             " UNION ALL SELECT 'g', to_jsonb(g) FROM g"
             " UNION ALL SELECT 'm', jsonb_build_object('group_id', m.group_id, 'id', m.id, 'idx', m.idx,"
             "   'state', m.state::text, 'v_traj', m.v_traj, 'reward', m.reward) FROM g JOIN samples m ON m.group_id = g.id"
+            f" UNION ALL SELECT 'r', to_jsonb(r) FROM ({RESERVATIONS}) r"
         ),
         {
             "run": run.id,
@@ -217,6 +218,9 @@ def rewards_in(rtx: RunTx, rewards: Sequence[tuple[int, int, float]]) -> list[Gr
     ).all():
         got[kind].append(row)
     rows = {r["id"]: r for r in got["s"]}
+    # the run's reservations, for Occupy's plan: the batch's own update changes no member's
+    # state to or from queued or aborted, so the pre-update snapshot gives the same versions
+    rtx.set_reservations([(r["id"], r["b"], r["v"]) for r in got["r"]])
     conflicts = []
     for sid, _, _ in rewards:
         if sid not in rows:
