@@ -116,10 +116,9 @@ def route_in(rtx: RunTx, pairs: Sequence[tuple[int, int]]) -> list[RouteResult]:
         routed.append((sid, v, iid))
         results.append(RouteResult(sid, RouteOutcome.ROUTED, None, v, g.buffer))
     if routed:
-        # every route draws a fresh secret lease token (gen_random_uuid: a strong random source)
-        # Written with the flush, not on round trips of their own. The lease token is drawn
-        # here (uuid4: os.urandom, a strong random source) and the attempt counted from the
-        # row locked above, so the results need no RETURNING.
+        # Written with the flush, not on round trips of their own. Every route draws a fresh
+        # secret lease token, here (uuid4: os.urandom, a strong random source), and counts the
+        # attempt from the row locked above, so the results need no RETURNING.
         leases = {sid: (samples[sid].attempt + 1, str(uuid.uuid4())) for sid, _, _ in routed}
         p = rtx.next_prefix()
         rtx.defer(
