@@ -18,7 +18,7 @@ from .. import idempotency
 from ..enums import DropReason
 from ..errors import NotFound
 from ..rules import BufferCounts, Limits, Reservation, apply_moves, cascade_moves
-from .events import Event, log_events
+from .events import EVENTS_INSERT, Event, events_params
 
 
 def dumps(value: Any) -> str:
@@ -83,6 +83,16 @@ def read_buffers(conn: Connection, run_id: int, first: int) -> list[BufferCounts
     return [BufferCounts(r.idx, r.occupied, r.reserved, r.consumed) for r in rows]
 
 
+# The run's reservations (id, buffer, live version): reservations move only under the run
+# lock, and a group's version is that of its members now (`rules.group_version`).
+RESERVATIONS = (
+    "SELECT g.id, g.reserved_buffer AS b, min(s.v_traj) FILTER (WHERE s.state <> 'queued' OR s.n_tokens > 0) AS v"
+    " FROM prompt_groups g LEFT JOIN samples s"
+    "   ON s.group_id = g.id AND s.state <> 'aborted' AND s.v_traj IS NOT NULL"
+    " WHERE g.run_id = :run AND g.state = 'reserved' GROUP BY g.id, g.reserved_buffer"
+)
+
+
 class RunTx:
     """One transaction holding the run's lock: every change to buffer accounting of a run is
     serialized here (a global budget, so no SKIP LOCKED), and flushed in batched statements."""
@@ -96,13 +106,19 @@ class RunTx:
         self._reservations: dict[int, Reservation] | None = None
         self.moved: dict[int, int] = {}  # group -> new reserved buffer, from cascades
         self.events: list[Event] = []
+        self._deferred: list[tuple[str, dict[str, Any], set[int]]] = []
 
     @classmethod
     def open(cls, conn: Connection, run_id: int) -> RunTx:
-        """Lock the run, then read its buffers in a second statement: under READ COMMITTED a
-        statement that waited for the lock still reads from the snapshot it started with, so
-        counters read in the locking statement itself could predate the previous holder's commit."""
-        return cls(conn, load_run(conn, run_id, lock=True))
+        """Lock the run and read it with its buffers in one round trip (`staleflow_lock_run`,
+        migration 0004): the function reads the buffers in a second statement of its own, so
+        under READ COMMITTED they include the commit of the lock's previous holder (a single
+        statement that waited for the lock would read them from the snapshot it started with)."""
+        got = conn.execute(text("SELECT staleflow_lock_run(:run)"), {"run": run_id}).scalar()
+        if got is None:
+            raise NotFound(f"run {run_id}")
+        run = RunRow(**{f.name: got["run"][f.name] for f in dataclasses.fields(RunRow)})
+        return cls(conn, run, [BufferCounts(i, o, r, c) for i, o, r, c in got["buffers"]])
 
     def buffer(self, idx: int) -> BufferCounts:
         return self.buffers.setdefault(idx, BufferCounts(idx))
@@ -113,18 +129,15 @@ class RunTx:
         """The run's reservations with each group's live version, computed from its members now
         (`rules.group_version`: aborted members and queued ones with no tokens do not count)."""
         if self._reservations is None:
-            rows = self.conn.execute(
-                text(
-                    "SELECT g.id, g.reserved_buffer,"
-                    "  min(s.v_traj) FILTER (WHERE s.state <> 'queued' OR s.n_tokens > 0)"
-                    " FROM prompt_groups g LEFT JOIN samples s"
-                    "   ON s.group_id = g.id AND s.state <> 'aborted' AND s.v_traj IS NOT NULL"
-                    " WHERE g.run_id = :run AND g.state = 'reserved' GROUP BY g.id, g.reserved_buffer"
-                ),
-                {"run": self.run.id},
-            ).all()
-            self._reservations = {g: Reservation(g, b, v) for g, b, v in rows}
+            rows = self.conn.execute(text(RESERVATIONS), {"run": self.run.id}).all()
+            self.set_reservations(rows)
+        assert self._reservations is not None
         return self._reservations
+
+    def set_reservations(self, rows: Sequence[Sequence[Any]]) -> None:
+        """The reservations as read by a caller's statement with `RESERVATIONS` in it (one
+        round trip less), from a snapshot taken while this transaction holds the run lock."""
+        self._reservations = {g: Reservation(g, b, v) for g, b, v in rows}
 
     def add_reservation(self, group_id: int, buffer: int, version: int | None) -> None:
         self.buffer(buffer).reserved += 1
@@ -169,39 +182,59 @@ class RunTx:
 
     # ---- writes ----------------------------------------------------------------------------
 
+    def defer(self, sql: str, params: dict[str, Any], groups: Sequence[int] = ()) -> None:
+        """A data-modifying statement (params prefixed by `next_prefix()`) sent as a part of the
+        flush instead of on its own round trip; its effect is not visible before the flush.
+        `groups`: the prompt_groups rows it writes, which must not be moved reservations (one
+        statement must not update a row twice). Deferred parts write disjoint rows."""
+        self._deferred.append((sql, params, set(groups)))
+
+    def next_prefix(self) -> str:
+        return f"x{len(self._deferred)}_"
+
     def flush(self) -> None:
-        """Persist counters and moved reservations, then the events, in a few statements."""
+        """Persist counters, moved reservations, deferred group updates and the events as the
+        parts of ONE statement (data-modifying CTEs): under the run lock every round trip is
+        time every other run-locked transaction waits. The parts touch disjoint rows, so their
+        sharing one snapshot changes nothing."""
+        parts: list[str] = []
+        params: dict[str, Any] = {"run": self.run.id}
         changed = [c for b, c in self.buffers.items() if self._original.get(b) != (c.occupied, c.reserved)]
         if changed:
-            self.conn.execute(
-                text(
-                    "INSERT INTO buffers (run_id, idx, batch_size, capacity, occupied, reserved)"
-                    " SELECT :run, u.idx, :bs, :cap, u.occ, u.res"
-                    " FROM unnest(CAST(:idx AS int[]), CAST(:occ AS int[]), CAST(:res AS int[])) AS u(idx, occ, res)"
-                    " ON CONFLICT (run_id, idx) DO UPDATE"
-                    " SET occupied = excluded.occupied, reserved = excluded.reserved"
-                ),
-                {
-                    "run": self.run.id,
-                    "bs": self.run.batch_size,
-                    "cap": self.run.buffer_capacity,
-                    "idx": [c.index for c in changed],
-                    "occ": [c.occupied for c in changed],
-                    "res": [c.reserved for c in changed],
-                },
+            parts.append(
+                "INSERT INTO buffers (run_id, idx, batch_size, capacity, occupied, reserved)"
+                " SELECT :run, u.idx, :bs, :cap, u.occ, u.res"
+                " FROM unnest(CAST(:idx AS int[]), CAST(:occ AS int[]), CAST(:res AS int[])) AS u(idx, occ, res)"
+                " ON CONFLICT (run_id, idx) DO UPDATE"
+                " SET occupied = excluded.occupied, reserved = excluded.reserved"
+            )
+            params.update(
+                bs=self.run.batch_size,
+                cap=self.run.buffer_capacity,
+                idx=[c.index for c in changed],
+                occ=[c.occupied for c in changed],
+                res=[c.reserved for c in changed],
             )
             self._original.update({c.index: (c.occupied, c.reserved) for c in changed})
         if self.moved:
-            self.conn.execute(
-                text(
-                    "UPDATE prompt_groups g SET reserved_buffer = u.b"
-                    " FROM unnest(CAST(:ids AS bigint[]), CAST(:bs AS int[])) AS u(id, b)"
-                    " WHERE g.id = u.id AND g.state = 'reserved'"
-                ),
-                {"ids": list(self.moved), "bs": list(self.moved.values())},
+            parts.append(
+                "UPDATE prompt_groups g SET reserved_buffer = u.b"
+                " FROM unnest(CAST(:mids AS bigint[]), CAST(:mbs AS int[])) AS u(id, b)"
+                " WHERE g.id = u.id AND g.state = 'reserved'"
             )
-            self.moved.clear()
-        log_events(self.conn, self.run.id, self.events)
+            params.update(mids=list(self.moved), mbs=list(self.moved.values()))
+        for sql, extra, gids in self._deferred:
+            assert not gids & self.moved.keys(), "a deferred group update overlaps a moved reservation"
+            parts.append(sql)
+            params.update(extra)
+        if self.events:
+            parts.append(EVENTS_INSERT.format(p="e_"))
+            params.update(events_params(self.run.id, self.events, "e_"))
+        if parts:
+            ctes = ", ".join(f"w{i} AS ({part})" for i, part in enumerate(parts))
+            self.conn.execute(text(f"WITH {ctes} SELECT 1"), params)
+        self.moved.clear()
+        self._deferred.clear()
         self.events.clear()
 
     def drop_groups(self, group_ids: Sequence[int], state: str, reason: DropReason | str) -> list[int]:
@@ -333,5 +366,6 @@ class TxMixin:
     ) -> Any:
         """`run` in one transaction with the stored outcome of `request_id` (see
         staleflow_db.idempotency.once): a repeat replays it, another `body` is refused."""
-        digest = idempotency.digest(body)
+        # the digest only matters with a key; serialising a batch of reports costs real CPU
+        digest = idempotency.digest(body) if request_id is not None else ""
         return idempotency.once(self.engine, request_id, operation, digest, run, dumps, decode, conn=conn)[0]

@@ -222,11 +222,11 @@ class CoordinationOps(TxMixin):
             rtx = RunTx.open(conn, run_id)
             check_epoch(conn, run_id, epoch, holder)
             results = route_in(rtx, routes) if routes else []
+            rtx.flush()  # route's writes are deferred to the flush: interrupts must see them
             if interrupts:
                 interrupt_running(conn, run_id, interrupts, epoch)
             if pulls:
                 queue_pulls(conn, run_id, pulls, epoch)
-            rtx.flush()
             if cycle is not None:
                 # the cycle's write time: every statement of this transaction but the commit
                 conn.execute(

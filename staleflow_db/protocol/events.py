@@ -22,15 +22,24 @@ class Event:
 
 def log_events(conn: Connection, run_id: int, events: Sequence[Event]) -> None:
     """Append the events to the run's log in one statement."""
-    if not events:
-        return
-    conn.execute(
-        text(
-            "INSERT INTO events (run_id, kind, sample_id, group_id, buffer, instance_id, data)"
-            " SELECT :run, u.k, u.s, u.g, u.b, u.i, u.d FROM unnest(CAST(:k AS text[]), CAST(:s AS bigint[]),"
-            " CAST(:g AS bigint[]), CAST(:b AS int[]), CAST(:i AS bigint[]), CAST(:d AS jsonb[])) AS u(k, s, g, b, i, d)"
-        ),
-        {
+    if events:
+        conn.execute(text(EVENTS_INSERT.format(p="")), events_params(run_id, events))
+
+
+# one multi-row INSERT for any number of events; {p} prefixes the parameter names, so that
+# RunTx.flush can send it as one part of a larger statement
+EVENTS_INSERT = (
+    "INSERT INTO events (run_id, kind, sample_id, group_id, buffer, instance_id, data)"
+    " SELECT :{p}run, u.k, u.s, u.g, u.b, u.i, u.d FROM unnest(CAST(:{p}k AS text[]), CAST(:{p}s AS bigint[]),"
+    " CAST(:{p}g AS bigint[]), CAST(:{p}b AS int[]), CAST(:{p}i AS bigint[]), CAST(:{p}d AS jsonb[]))"
+    " AS u(k, s, g, b, i, d)"
+)
+
+
+def events_params(run_id: int, events: Sequence[Event], prefix: str = "") -> dict[str, Any]:
+    return {
+        f"{prefix}{k}": v
+        for k, v in {
             "run": run_id,
             "k": [e.kind for e in events],
             "s": [e.sample for e in events],
@@ -38,5 +47,5 @@ def log_events(conn: Connection, run_id: int, events: Sequence[Event]) -> None:
             "b": [e.buffer for e in events],
             "i": [e.instance for e in events],
             "d": [None if e.data is None else json.dumps(e.data) for e in events],
-        },
-    )
+        }.items()
+    }

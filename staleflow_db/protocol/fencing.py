@@ -13,7 +13,7 @@ from ..enums import SegmentKind
 from ..errors import Conflict, InvalidInput, NotFound, TooLarge
 from ..types import Report
 from .base import load_run
-from .events import Event, log_events
+from .events import EVENTS_INSERT, Event, events_params
 
 
 def check_live(instance_id: int, state: str, live: bool) -> None:
@@ -96,9 +96,36 @@ def report_in(conn: Connection, run_id: int, reports: Sequence[Report]) -> int:
             raise TooLarge(f"sample {r.sample_id}: response over {run.max_response_tokens} tokens")
     if conflicts:
         raise Conflict(conflicts)
+    # Segments, sample counters and events in ONE statement (three tables, disjoint rows):
+    # one round trip instead of three.
+    state_of = {SegmentKind.FINISHED: "finished", SegmentKind.INTERRUPTED: "queued", SegmentKind.PARTIAL: "running"}
+    events = [
+        Event(
+            f"sample_{SegmentKind(r.kind).value}",
+            sample=r.sample_id,
+            instance=r.instance_id,
+            data={"n": len(r.tokens), "v": r.version},
+        )
+        for r in reports
+        if r.kind != SegmentKind.PARTIAL
+    ]
+    ctes = []
+    params: dict[str, object] = {
+        "run": run_id,
+        "ids": ids,
+        "ns": [len(r.tokens) for r in reports],
+        "vs": [r.version for r in reports],
+        "sts": [state_of[SegmentKind(r.kind)] for r in reports],
+        "fs": [r.finish_reason for r in reports],
+    }
     segs = [r for r in reports if r.tokens]
     if segs:
-        payload = json.dumps(
+        ctes.append(
+            "INSERT INTO segments (sample_id, seq, run_id, version, instance_id, attempt, token_ids, logprobs,"
+            " finish_reason) SELECT x.s, x.q, :run, x.v, x.i, x.a, x.t, x.l, x.f FROM jsonb_to_recordset(CAST(:p AS jsonb))"
+            " AS x(s bigint, q int, v int, i bigint, a int, t int[], l real[], f text)"
+        )
+        params["p"] = json.dumps(
             [
                 {
                     "s": r.sample_id,
@@ -113,18 +140,13 @@ def report_in(conn: Connection, run_id: int, reports: Sequence[Report]) -> int:
                 for r in segs
             ]
         )
-        conn.execute(
-            text(
-                "INSERT INTO segments (sample_id, seq, run_id, version, instance_id, attempt, token_ids, logprobs, finish_reason)"
-                " SELECT x.s, x.q, :run, x.v, x.i, x.a, x.t, x.l, x.f"
-                " FROM jsonb_to_recordset(CAST(:p AS jsonb)) AS x(s bigint, q int, v int, i bigint, a int, t int[], l real[], f text)"
-            ),
-            {"run": run_id, "p": payload},
-        )
-    state_of = {SegmentKind.FINISHED: "finished", SegmentKind.INTERRUPTED: "queued", SegmentKind.PARTIAL: "running"}
+    if events:
+        ctes.append(EVENTS_INSERT.format(p="e_"))
+        params.update(events_params(run_id, events, "e_"))
+    with_ctes = ("WITH " + ", ".join(f"w{i} AS ({c})" for i, c in enumerate(ctes)) + " ") if ctes else ""
     conn.execute(
         text(
-            "UPDATE samples s SET n_tokens = s.n_tokens + u.n, n_segments = s.n_segments + (u.n > 0)::int,"
+            with_ctes + "UPDATE samples s SET n_tokens = s.n_tokens + u.n, n_segments = s.n_segments + (u.n > 0)::int,"
             " last_version = CASE WHEN u.n > 0 THEN u.v ELSE s.last_version END,"
             " state = CAST(u.st AS sample_state), instance_id = CASE WHEN u.st = 'running' THEN s.instance_id END,"
             " finish_reason = coalesce(u.f, s.finish_reason), updated_at = now()"
@@ -132,27 +154,7 @@ def report_in(conn: Connection, run_id: int, reports: Sequence[Report]) -> int:
             "   CAST(:fs AS text[])) AS u(id, n, v, st, f)"
             " WHERE s.id = u.id"
         ),
-        {
-            "ids": ids,
-            "ns": [len(r.tokens) for r in reports],
-            "vs": [r.version for r in reports],
-            "sts": [state_of[SegmentKind(r.kind)] for r in reports],
-            "fs": [r.finish_reason for r in reports],
-        },
-    )
-    log_events(
-        conn,
-        run_id,
-        [
-            Event(
-                f"sample_{SegmentKind(r.kind).value}",
-                sample=r.sample_id,
-                instance=r.instance_id,
-                data={"n": len(r.tokens), "v": r.version},
-            )
-            for r in reports
-            if r.kind != SegmentKind.PARTIAL
-        ],
+        params,
     )
     return len(reports)
 

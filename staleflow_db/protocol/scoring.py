@@ -7,16 +7,17 @@ import math
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
-from sqlalchemy import Connection, Row, text
+from sqlalchemy import Connection, text
 
 from ..enums import DropReason, GroupState
 from ..errors import Conflict, InvalidInput, NotFound
 from ..idempotency import transactional
 from ..rules import occupy_plan, replacement_key, window_has_room
 from ..types import GroupOutcome
-from .base import RunTx, TxMixin, abort_samples_where, load_run, response_so_far, under_run_lock
+from .base import RESERVATIONS, RunTx, TxMixin, abort_samples_where, load_run, response_so_far, under_run_lock
 from .events import Event
 from .rollout import Prompt, check_batch, enqueue_prompts
 
@@ -183,57 +184,68 @@ def rewards_in(rtx: RunTx, rewards: Sequence[tuple[int, int, float]]) -> list[Gr
     for sid, _, reward in rewards:
         if not isinstance(reward, (int, float)) or not math.isfinite(reward):
             raise InvalidInput(f"sample {sid}: reward must be a finite number")
-    rows = {
-        r.id: r
-        for r in conn.execute(
-            text(
-                "SELECT id, state, reward_attempt, group_id FROM samples"
-                " WHERE run_id = :run AND id = ANY(CAST(:ids AS bigint[])) ORDER BY id FOR UPDATE"
-            ),
-            {"run": run.id, "ids": ids},
-        ).all()
-    }
+    # ONE statement (under the run lock every round trip counts): lock the batch's samples,
+    # check every claim and store the rewards only if all hold (all or nothing, even if a
+    # caller's transaction went on after the Conflict), then lock their groups and read the
+    # members. Lock order samples -> groups, each in id order: UNION ALL branches run one after
+    # the other. The members come from the statement's snapshot, so the batch's own rows are
+    # seen as before this update and patched below; any other reward was committed before we
+    # took the run lock (rewards are only recorded under it), so the snapshot has it.
+    got: dict[str, list[dict[str, Any]]] = {"s": [], "g": [], "m": [], "r": []}
+    for kind, row in conn.execute(
+        text(
+            "WITH s AS MATERIALIZED (SELECT x.id, x.state::text AS state, x.group_id,"
+            "   x.state = 'scoring' AND x.reward_attempt = u.att AS holds, u.r FROM samples x"
+            "   JOIN unnest(CAST(:ids AS bigint[]), CAST(:atts AS int[]), CAST(:rs AS float8[])) AS u(id, att, r)"
+            "   ON x.id = u.id WHERE x.run_id = :run ORDER BY x.id FOR UPDATE OF x),"
+            " w AS (UPDATE samples x SET state = 'rewarded', reward = s.r, reward_deadline = NULL, updated_at = now()"
+            "   FROM s WHERE x.id = s.id AND (SELECT count(*) FILTER (WHERE holds) FROM s) = :n),"
+            " g AS MATERIALIZED (SELECT id, state::text AS state, client_key, prompt_tokens, meta FROM prompt_groups"
+            "   WHERE id IN (SELECT group_id FROM s) ORDER BY id FOR UPDATE)"
+            " SELECT 's', to_jsonb(s) FROM s"
+            " UNION ALL SELECT 'g', to_jsonb(g) FROM g"
+            " UNION ALL SELECT 'm', jsonb_build_object('group_id', m.group_id, 'id', m.id, 'idx', m.idx,"
+            "   'state', m.state::text, 'v_traj', m.v_traj, 'reward', m.reward) FROM g JOIN samples m ON m.group_id = g.id"
+            f" UNION ALL SELECT 'r', to_jsonb(r) FROM ({RESERVATIONS}) r"
+        ),
+        {
+            "run": run.id,
+            "ids": ids,
+            "atts": [r[1] for r in rewards],
+            "rs": [float(r[2]) for r in rewards],
+            "n": len(ids),
+        },
+    ).all():
+        got[kind].append(row)
+    rows = {r["id"]: r for r in got["s"]}
+    # the run's reservations, for Occupy's plan: the batch's own update changes no member's
+    # state to or from queued or aborted, so the pre-update snapshot gives the same versions
+    rtx.set_reservations([(r["id"], r["b"], r["v"]) for r in got["r"]])
     conflicts = []
-    for sid, attempt, _ in rewards:
+    for sid, _, _ in rewards:
         if sid not in rows:
             raise NotFound(f"sample {sid} in run {run.id}")
-        if rows[sid].state != "scoring" or rows[sid].reward_attempt != attempt:
+        if not rows[sid]["holds"]:
             conflicts.append((sid, "reward claim lost (stale attempt or sample not scoring)"))
     if conflicts:
         raise Conflict(conflicts)
-    conn.execute(
-        text(
-            "UPDATE samples s SET state = 'rewarded', reward = u.r, reward_deadline = NULL, updated_at = now()"
-            " FROM unnest(CAST(:ids AS bigint[]), CAST(:rs AS float8[])) AS u(id, r) WHERE s.id = u.id"
-        ),
-        {"ids": ids, "rs": [float(r[2]) for r in rewards]},
-    )
     rtx.events.extend(Event("sample_rewarded", sample=sid, data={"reward": float(r)}) for sid, _, r in rewards)
-    return occupy_ready_groups(rtx, sorted({rows[sid].group_id for sid in ids}))
+    mine = {sid: float(r) for sid, _, r in rewards}
+    members: defaultdict[int, list[SimpleNamespace]] = defaultdict(list)
+    for m in sorted(got["m"], key=lambda m: (m["group_id"], m["idx"])):
+        if m["id"] in mine:  # as this statement's update left it
+            m = {**m, "state": "rewarded", "reward": mine[m["id"]]}
+        members[m["group_id"]].append(SimpleNamespace(**m))
+    groups = {g["id"]: SimpleNamespace(**g) for g in got["g"]}
+    return occupy_ready_groups(rtx, sorted(groups), groups, members)
 
 
-def occupy_ready_groups(rtx: RunTx, group_ids: list[int]) -> list[GroupOutcome]:
-    """Occupy (or filter) each reserved group that now has N rewarded members."""
+def occupy_ready_groups(
+    rtx: RunTx, group_ids: list[int], groups: dict[int, Any], members: dict[int, list[Any]]
+) -> list[GroupOutcome]:
+    """Occupy (or filter) each reserved group that now has N rewarded members; `groups` are
+    locked, `members` in idx order."""
     conn, run = rtx.conn, rtx.run
-    groups = {
-        r.id: r
-        for r in conn.execute(
-            text(
-                "SELECT id, state, client_key, prompt_tokens, meta FROM prompt_groups"
-                " WHERE id = ANY(CAST(:ids AS bigint[])) ORDER BY id FOR UPDATE"
-            ),
-            {"ids": group_ids},
-        ).all()
-    }
-    members: defaultdict[int, list[Row[Any]]] = defaultdict(list)
-    for m in conn.execute(
-        text(
-            "SELECT group_id, id, state, v_traj, reward FROM samples"
-            " WHERE group_id = ANY(CAST(:ids AS bigint[])) ORDER BY group_id, idx"
-        ),
-        {"ids": group_ids},
-    ).all():
-        members[m.group_id].append(m)
     outcomes, occupied = [], []
     for gid in group_ids:
         g = groups[gid]
@@ -269,13 +281,17 @@ def occupy_ready_groups(rtx: RunTx, group_ids: list[int]) -> list[GroupOutcome]:
         if not moves and b != freed:  # it landed earlier on its own: the slot it held is free now
             rtx.cascade(freed)
         outcomes.append(GroupOutcome(gid, GroupState.OCCUPIED, buffer=b))
-    if occupied:  # one statement, not one per group: this runs under the run lock
-        conn.execute(
-            text(
-                "UPDATE prompt_groups g SET state = 'occupied', buffer = u.b, group_version = u.v, reserved_buffer = NULL"
-                " FROM unnest(CAST(:ids AS bigint[]), CAST(:bs AS int[]), CAST(:vs AS int[])) AS u(id, b, v)"
-                " WHERE g.id = u.id"
-            ),
-            {"ids": [o[0] for o in occupied], "bs": [o[1] for o in occupied], "vs": [o[2] for o in occupied]},
+    if occupied:  # sent with the flush, not on a round trip of its own: this runs under the run lock
+        p = rtx.next_prefix()
+        rtx.defer(
+            "UPDATE prompt_groups g SET state = 'occupied', buffer = u.b, group_version = u.v, reserved_buffer = NULL"
+            f" FROM unnest(CAST(:{p}ids AS bigint[]), CAST(:{p}bs AS int[]), CAST(:{p}vs AS int[])) AS u(id, b, v)"
+            " WHERE g.id = u.id",
+            {
+                f"{p}ids": [o[0] for o in occupied],
+                f"{p}bs": [o[1] for o in occupied],
+                f"{p}vs": [o[2] for o in occupied],
+            },
+            groups=[o[0] for o in occupied],
         )
     return outcomes
