@@ -39,7 +39,8 @@ class ApiProtocol(Protocol):
         waits for the first and replays its outcome. Outcomes `store` rejects (an empty
         long-poll) are not kept. Deadlocks and serialization failures rerun the transaction.
         """
-        digest = idempotency.digest(body.model_dump_json() if body is not None else b"")
+        # Without a key nothing is stored or compared: skip serialising the body (token arrays).
+        digest = "" if key is None else idempotency.digest(body.model_dump_json() if body is not None else b"")
         # the operation without the ids some carry (abort_group<id>): a bounded label
         observe = self.observe_transaction
         timer = observe(operation.rstrip("0123456789")) if observe is not None else nullcontext()
@@ -61,12 +62,8 @@ def scoped_key(key: str | None, scope: str) -> str | None:
     return None if key is None else f"{scope}:{key}"
 
 
-def dump(value: Any) -> Any:
-    """Data-layer dataclasses to plain data for the response models."""
-    import dataclasses
-
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return dataclasses.asdict(value)
-    if isinstance(value, list):
-        return [dump(v) for v in value]
-    return value
+def from_data(model: type[T], value: Any) -> T:
+    """A response model from data-layer dataclasses (nested in dicts and lists too), read by
+    attribute: dataclasses.asdict deep-copied every token list first, which cost ~80x more
+    (a 128-sample batch: 124 ms against 1.5 ms)."""
+    return model.model_validate(value, from_attributes=True)

@@ -305,13 +305,14 @@ def start_server(url: str, workers: int) -> tuple[subprocess.Popen, str]:
         stderr=subprocess.DEVNULL,
     )
     base = f"http://127.0.0.1:{port}"
-    for _ in range(300):
-        try:
-            if httpx.get(base + "/readyz", timeout=1).status_code == 200:
-                return proc, base
-        except httpx.TransportError:
-            pass
-        time.sleep(0.1)
+    with httpx.Client(timeout=1) as http:  # one client: each httpx.get builds an SSL context
+        for _ in range(300):
+            try:
+                if http.get(base + "/readyz").status_code == 200:
+                    return proc, base
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
     proc.kill()
     raise RuntimeError("the API server did not start")
 

@@ -38,7 +38,7 @@ from ..models import (
     errors,
 )
 from ..notify import BATCH, WORK, instance_topic
-from ..service import dump, scoped_key
+from ..service import from_data, scoped_key
 
 router = APIRouter(prefix="/v1/runs/{run_id}", tags=["coordinator"], responses=errors(401, 403, 404, 422, 503))
 Coordinator = Depends(allow_run(Role.COORDINATOR))
@@ -71,7 +71,7 @@ def snapshot(
             )
             for i in snap.instances
         ],
-        queued=[QueuedSampleOut.model_validate(dump(q)) for q in snap.queued],
+        queued=[from_data(QueuedSampleOut, q) for q in snap.queued],
     )
 
 
@@ -103,7 +103,7 @@ def route(
 
     def call(conn: Connection) -> RouteOut:
         state.protocol.check_epoch(run_id, body.epoch, conn=conn)
-        return RouteOut.model_validate({"results": dump(state.protocol.route(run_id, pairs, conn=conn))})
+        return from_data(RouteOut, {"results": state.protocol.route(run_id, pairs, conn=conn)})
 
     out, replayed = state.protocol.once(scoped_key(key, f"run{run_id}"), "route", body, call, RouteOut)
     if not replayed:

@@ -27,7 +27,7 @@ from ..models import (
 )
 from ..models.common import Limit
 from ..notify import REWARDS, instance_topic
-from ..service import dump, scoped_key
+from ..service import from_data, scoped_key
 
 router = APIRouter(prefix="/v1/runs/{run_id}", tags=["rollout"], responses=errors(401, 403, 404, 422, 503))
 Rollout = Depends(allow_run(Role.ROLLOUT))
@@ -96,7 +96,7 @@ async def poll(
 
     def call(conn: Connection) -> PollOut:
         work, commands = state.protocol.poll_work(instance_id, limit, conn=conn)
-        return PollOut.model_validate({"work": dump(work), "commands": dump(commands)})
+        return from_data(PollOut, {"work": work, "commands": commands})
 
     def fetch() -> PollOut:
         return state.protocol.once(skey, "poll", None, call, PollOut, store=_nonempty)[0]

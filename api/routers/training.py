@@ -24,7 +24,7 @@ from ..models import (
     errors,
 )
 from ..notify import BATCH, REWARDS, WORK
-from ..service import dump, scoped_key
+from ..service import from_data, scoped_key
 
 router = APIRouter(prefix="/v1/runs/{run_id}", responses=errors(401, 403, 404, 422, 503))
 Reward = Depends(allow_run(Role.REWARD))
@@ -48,7 +48,7 @@ async def claim(
 
     def call(conn: Connection) -> ClaimOut:
         tasks = state.protocol.claim_rewards(run_id, body.limit, body.lease_seconds, conn=conn)
-        return ClaimOut.model_validate({"tasks": dump(tasks)})
+        return from_data(ClaimOut, {"tasks": tasks})
 
     def fetch() -> ClaimOut:
         return state.protocol.once(skey, "claim", body, call, ClaimOut, store=lambda o: bool(o.tasks))[0]
@@ -70,7 +70,7 @@ def record_rewards(
 
     def call(conn: Connection) -> RewardsOut:
         groups = state.protocol.record_rewards(run_id, rewards, conn=conn)
-        return RewardsOut.model_validate({"groups": dump(groups)})
+        return from_data(RewardsOut, {"groups": groups})
 
     out, replayed = state.protocol.once(scoped_key(key, f"run{run_id}"), "reward", body, call, RewardsOut)
     if not replayed and out.groups:
@@ -101,7 +101,7 @@ async def consume(
         batch = state.protocol.consume(run_id, version)
         if batch is None:
             return ConsumeOut(ready=False, version=version, batch=None)
-        return ConsumeOut(ready=True, version=version, batch=BatchOut.model_validate(dump(batch)))
+        return ConsumeOut(ready=True, version=version, batch=from_data(BatchOut, batch))
 
     return await long_poll(request, state, run_id, BATCH, wait, fetch, lambda o: o.ready)
 
