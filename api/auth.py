@@ -107,6 +107,13 @@ class TokenCache:
         self._entries: dict[str, tuple[float, Principal | None]] = {}
         self._lock = threading.Lock()
 
+    def cached(self, token: str) -> tuple[bool, Principal | None]:
+        """(True, principal or None) from the cache without I/O; (False, None) on a miss."""
+        hit = self._entries.get(hash_token(token))
+        if hit is not None and hit[0] > time.monotonic():
+            return True, hit[1]
+        return False, None
+
     def lookup(self, token: str) -> Principal | None:
         h = hash_token(token)
         now = time.monotonic()

@@ -4,7 +4,7 @@ and the long-poll loop."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Annotated, TypeVar
 
@@ -57,7 +57,9 @@ class AppState:
             raise HTTPException(403, f"instance {instance_id} belongs to another token")
 
 
-def get_state(request: Request) -> AppState:
+# Dependencies are `async def` where they do no I/O: FastAPI runs a plain `def` dependency in
+# the thread pool, one hand-off (and GIL round trip) each, three or four per request before.
+async def get_state(request: Request) -> AppState:
     return request.app.state.staleflow
 
 
@@ -84,12 +86,14 @@ Page = Annotated[int, Query(ge=1, le=10_000)]
 Offset = Annotated[int, Query(ge=0, le=2**31 - 1)]
 
 
-def principal(state: State, creds: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]) -> Principal:
+async def principal(state: State, creds: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]) -> Principal:
     if creds is None or not creds.credentials:
         raise HTTPException(401, "missing bearer token (Authorization: Bearer <token>)", {"WWW-Authenticate": "Bearer"})
     if len(creds.credentials) > 200:
         raise HTTPException(401, "invalid token", {"WWW-Authenticate": "Bearer"})
-    found = state.tokens.lookup(creds.credentials)
+    hit, found = state.tokens.cached(creds.credentials)
+    if not hit:  # the database lookup blocks: in the thread pool
+        found = await run_in_threadpool(state.tokens.lookup, creds.credentials)
     if found is None:
         raise HTTPException(401, "invalid or revoked token", {"WWW-Authenticate": "Bearer"})
     return found
@@ -101,10 +105,10 @@ def _check_role(who: Principal, roles: tuple[Role, ...]) -> None:
         raise HTTPException(403, f"role {who.role.value} may not do this (needs {allowed})")
 
 
-def allow(*roles: Role, global_only: bool = False) -> Callable[..., Principal]:
+def allow(*roles: Role, global_only: bool = False) -> Callable[..., Awaitable[Principal]]:
     """Any run (or none): the role must match; `global_only` also refuses run-scoped tokens."""
 
-    def dep(who: Annotated[Principal, Depends(principal)]) -> Principal:
+    async def dep(who: Annotated[Principal, Depends(principal)]) -> Principal:
         _check_role(who, roles)
         if global_only and who.run_id is not None:
             raise HTTPException(403, f"this token is limited to run {who.run_id}")
@@ -113,10 +117,10 @@ def allow(*roles: Role, global_only: bool = False) -> Callable[..., Principal]:
     return dep
 
 
-def allow_run(*roles: Role) -> Callable[..., Principal]:
+def allow_run(*roles: Role) -> Callable[..., Awaitable[Principal]]:
     """Endpoints under /v1/runs/{run_id}: the role must match and the token must cover the run."""
 
-    def dep(run_id: RunId, who: Annotated[Principal, Depends(principal)]) -> Principal:
+    async def dep(run_id: RunId, who: Annotated[Principal, Depends(principal)]) -> Principal:
         _check_role(who, roles)
         if not who.may_use_run(run_id):
             raise HTTPException(403, f"this token is limited to run {who.run_id}")

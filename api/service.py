@@ -11,6 +11,7 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel
 from sqlalchemy import Connection
+from starlette.responses import Response
 
 from staleflow_db import idempotency
 from staleflow_db.idempotency import KeyReused  # noqa: F401 (re-exported: 409 idempotency_key_reused)
@@ -39,7 +40,8 @@ class ApiProtocol(Protocol):
         waits for the first and replays its outcome. Outcomes `store` rejects (an empty
         long-poll) are not kept. Deadlocks and serialization failures rerun the transaction.
         """
-        digest = idempotency.digest(body.model_dump_json() if body is not None else b"")
+        # Without a key nothing is stored or compared: skip serialising the body (token arrays).
+        digest = "" if key is None else idempotency.digest(body.model_dump_json() if body is not None else b"")
         # the operation without the ids some carry (abort_group<id>): a bounded label
         observe = self.observe_transaction
         timer = observe(operation.rstrip("0123456789")) if observe is not None else nullcontext()
@@ -61,12 +63,15 @@ def scoped_key(key: str | None, scope: str) -> str | None:
     return None if key is None else f"{scope}:{key}"
 
 
-def dump(value: Any) -> Any:
-    """Data-layer dataclasses to plain data for the response models."""
-    import dataclasses
+def from_data(model: type[T], value: Any) -> T:
+    """A response model from data-layer dataclasses (nested in dicts and lists too), read by
+    attribute: dataclasses.asdict deep-copied every token list first, which cost ~80x more
+    (a 128-sample batch: 124 ms against 1.5 ms)."""
+    return model.model_validate(value, from_attributes=True)
 
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return dataclasses.asdict(value)
-    if isinstance(value, list):
-        return [dump(v) for v in value]
-    return value
+
+def respond(out: BaseModel, status_code: int = 200) -> Response:
+    """`out` as the JSON body FastAPI would send for it (no aliases here), bypassing its
+    response validation, which for a plain `def` endpoint is one more thread-pool hand-off
+    per request. The route's `response_model` still documents the body."""
+    return Response(out.model_dump_json(), status_code, media_type="application/json")

@@ -305,20 +305,43 @@ def start_server(url: str, workers: int) -> tuple[subprocess.Popen, str]:
         stderr=subprocess.DEVNULL,
     )
     base = f"http://127.0.0.1:{port}"
-    for _ in range(300):
-        try:
-            if httpx.get(base + "/readyz", timeout=1).status_code == 200:
-                return proc, base
-        except httpx.TransportError:
-            pass
-        time.sleep(0.1)
+    with httpx.Client(timeout=1) as http:  # one client: each httpx.get builds an SSL context
+        for _ in range(300):
+            try:
+                if http.get(base + "/readyz").status_code == 200:
+                    return proc, base
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
     proc.kill()
     raise RuntimeError("the API server did not start")
 
 
-def report_figures(label: str, seconds: float, rec: Recorder) -> float:
+def cpu_seconds(pid: int | None = None) -> float:
+    """CPU time (user + system) of this process, or of process `pid` and its children."""
+    if pid is None:
+        return time.process_time()
+    import psutil
+
+    procs = [psutil.Process(pid)]
+    procs += procs[0].children(recursive=True)
+    total = 0.0
+    for p in procs:
+        try:
+            t = p.cpu_times()
+            total += t.user + t.system
+        except psutil.NoSuchProcess:
+            pass
+    return total
+
+
+def report_figures(label: str, seconds: float, rec: Recorder, cpu: dict[str, float]) -> float:
     rate = rec.transitions / seconds
     print(f"\n{label}: {rec.transitions} transitions in {seconds:.2f}s = {rate:,.0f}/s")
+    # CPU per transition: on a shared machine, less noisy than the wall-clock rate
+    # (PostgreSQL's own CPU is not counted).
+    per = ", ".join(f"{k} {v * 1e3 / max(rec.transitions, 1):.2f}" for k, v in cpu.items())
+    print(f"  CPU ms per transition: {per} (total {sum(cpu.values()) * 1e3 / max(rec.transitions, 1):.2f})")
     print(f"  {'endpoint':<22}{'calls':>7}{'p50 ms':>10}{'p99 ms':>10}")
     for name, xs in sorted(rec.lat.items()):
         xs = sorted(xs)
@@ -355,8 +378,10 @@ def main() -> None:
         engine.dispose()
         rest = Rest(url, base, token)
         rest.setup = lambda cfg, prompts: _rest_setup(rest, cfg, prompts)  # type: ignore[method-assign]
+        c0, s0 = cpu_seconds(), cpu_seconds(proc.pid)
         seconds, rec = workload(rest, args)
-        rest_rate = report_figures("REST API", seconds, rec)
+        cpu = {"clients": cpu_seconds() - c0, "API server": cpu_seconds(proc.pid) - s0}
+        rest_rate = report_figures("REST API", seconds, rec, cpu)
     finally:
         proc.terminate()
         proc.wait(10)
@@ -365,8 +390,9 @@ def main() -> None:
     url = fresh_database(admin_url, "inproc")
     try:
         local = InProcess(url)
+        c0 = cpu_seconds()
         seconds, rec = workload(local, args)
-        local_rate = report_figures("in-process data layer", seconds, rec)
+        local_rate = report_figures("in-process data layer", seconds, rec, {"in-process": cpu_seconds() - c0})
         local.close()
     finally:
         drop_database(admin_url, url)

@@ -21,7 +21,9 @@ serve` writes locally; STALEFLOW_CLIENT_* timeouts, retries and the long-poll wa
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
+import ssl
 import uuid
 from collections.abc import Iterable, Sequence
 from typing import Any, TypeVar
@@ -121,6 +123,14 @@ def _as(model: type[T], item: Any) -> T:
     return model.model_validate(item)
 
 
+@functools.cache
+def _ssl_context() -> ssl.SSLContext:
+    """httpx's default context (certifi or SSL_CERT_FILE/DIR), built once per process and shared
+    by every client: building it loads the CA bundle, ~20-180 ms of CPU per client, even for
+    plain http:// URLs (paid by each worker thread's client in bench/load.py)."""
+    return httpx.create_ssl_context()
+
+
 class StaleFlowClient:
     def __init__(
         self,
@@ -148,7 +158,10 @@ class StaleFlowClient:
             http.headers.update(headers)
             self.replicas = [http]
         else:
-            self.replicas = [httpx.Client(base_url=u, headers=headers, timeout=timeout) for u in api_urls(base_url)]
+            self.replicas = [
+                httpx.Client(base_url=u, headers=headers, timeout=timeout, verify=_ssl_context())
+                for u in api_urls(base_url)
+            ]
         self.urls = [str(h.base_url).rstrip("/") for h in self.replicas]
         self._current = 0  # the replica that answered last
         self.api = Outage(f"the StaleFlow API ({', '.join(self.urls)})", log)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Path
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from sqlalchemy import Connection
 
 from staleflow_db.enums import Role
@@ -38,7 +38,7 @@ from ..models import (
     errors,
 )
 from ..notify import BATCH, WORK, instance_topic
-from ..service import dump, scoped_key
+from ..service import from_data, respond, scoped_key
 
 router = APIRouter(prefix="/v1/runs/{run_id}", tags=["coordinator"], responses=errors(401, 403, 404, 422, 503))
 Coordinator = Depends(allow_run(Role.COORDINATOR))
@@ -47,11 +47,11 @@ Coordinator = Depends(allow_run(Role.COORDINATOR))
 @router.get("/snapshot", response_model=ClusterSnapshotOut)
 def snapshot(
     run_id: RunId, state: State, who: Principal = Depends(allow_run(Role.COORDINATOR, Role.OBSERVER))
-) -> ClusterSnapshotOut:
+) -> Response:
     """Active instances with their latest snapshots and running samples, queued samples with
     lengths, unconsumed buffers, from one repeatable-read transaction."""
     snap = state.protocol.snapshot(run_id)
-    return ClusterSnapshotOut(
+    out = ClusterSnapshotOut(
         run_id=snap.run_id,
         version=snap.version,
         config=snap.config,
@@ -71,8 +71,9 @@ def snapshot(
             )
             for i in snap.instances
         ],
-        queued=[QueuedSampleOut.model_validate(dump(q)) for q in snap.queued],
+        queued=[from_data(QueuedSampleOut, q) for q in snap.queued],
     )
+    return respond(out)
 
 
 @router.post("/coordinator/lease", status_code=410, response_model=None, deprecated=True, responses=errors(410))
@@ -96,14 +97,14 @@ def coordinator_gone(run_id: RunId, who: Principal = Coordinator) -> JSONRespons
 @router.post("/routes", response_model=RouteOut, responses=errors(409, 413))
 def route(
     run_id: RunId, body: RouteIn, state: State, key: IdempotencyKey = None, who: Principal = Coordinator
-) -> RouteOut:
+) -> Response:
     """Route queued samples to instances in one transaction; a group's first routed member
     reserves a buffer entry. Each result says routed (with the attempt) or why not."""
     pairs = [(r.sample_id, r.instance_id) for r in body.routes]
 
     def call(conn: Connection) -> RouteOut:
         state.protocol.check_epoch(run_id, body.epoch, conn=conn)
-        return RouteOut.model_validate({"results": dump(state.protocol.route(run_id, pairs, conn=conn))})
+        return from_data(RouteOut, {"results": state.protocol.route(run_id, pairs, conn=conn)})
 
     out, replayed = state.protocol.once(scoped_key(key, f"run{run_id}"), "route", body, call, RouteOut)
     if not replayed:
@@ -111,7 +112,7 @@ def route(
         targets = {instance_topic(i) for s, i in pairs if s in routed}
         if targets:
             state.notifier.publish(run_id, *targets)
-    return out
+    return respond(out)
 
 
 @router.post("/commands/interrupt", response_model=CommandsOut, responses=errors(409, 413))

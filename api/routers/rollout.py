@@ -4,7 +4,7 @@ report segments, deregister."""
 from __future__ import annotations
 
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from sqlalchemy import Connection
 from starlette.concurrency import run_in_threadpool
 
@@ -27,7 +27,7 @@ from ..models import (
 )
 from ..models.common import Limit
 from ..notify import REWARDS, instance_topic
-from ..service import dump, scoped_key
+from ..service import from_data, respond, scoped_key
 
 router = APIRouter(prefix="/v1/runs/{run_id}", tags=["rollout"], responses=errors(401, 403, 404, 422, 503))
 Rollout = Depends(allow_run(Role.ROLLOUT))
@@ -62,11 +62,11 @@ def heartbeat(
     body: HeartbeatIn,
     state: State,
     who: Principal = Rollout,
-) -> HeartbeatOut:
+) -> Response:
     """Extend the lease and store the snapshot. 409: the lease expired (register again)."""
     state.instance_in_run(run_id, instance_id, who)
     state.protocol.heartbeat(instance_id, body.version, body.snapshot.model_dump(), body.lease_seconds)
-    return HeartbeatOut(instance_id=instance_id, lease_seconds=body.lease_seconds)
+    return respond(HeartbeatOut(instance_id=instance_id, lease_seconds=body.lease_seconds))
 
 
 @router.delete("/instances/{instance_id}", response_model=DeregisterOut)
@@ -91,12 +91,15 @@ async def poll(
     commands (interrupt, abort, pull). Returns as soon as there is something, or empty after
     `wait` seconds. Delivery is once: send an Idempotency-Key so a retry after a lost response
     gets the same delivery back."""
-    await run_in_threadpool(state.instance_in_run, run_id, instance_id, who)
+    if instance_id in state.instance_owners:  # cached: a check without I/O, no thread hand-off
+        state.instance_in_run(run_id, instance_id, who)
+    else:
+        await run_in_threadpool(state.instance_in_run, run_id, instance_id, who)
     skey = scoped_key(key, f"inst{instance_id}")
 
     def call(conn: Connection) -> PollOut:
         work, commands = state.protocol.poll_work(instance_id, limit, conn=conn)
-        return PollOut.model_validate({"work": dump(work), "commands": dump(commands)})
+        return from_data(PollOut, {"work": work, "commands": commands})
 
     def fetch() -> PollOut:
         return state.protocol.once(skey, "poll", None, call, PollOut, store=_nonempty)[0]
@@ -116,7 +119,7 @@ def report(
     state: State,
     key: IdempotencyKey = None,
     who: Principal = Rollout,
-) -> ReportsOut:
+) -> Response:
     """Report segments (finished, interrupted or partial) of samples routed to this instance,
     each quoting the attempt and lease token it was delivered with. All or nothing: 409 naming
     the samples whose lease this instance does not hold (another instance's sample, a stale
@@ -144,7 +147,7 @@ def report(
     out, replayed = state.protocol.once(scoped_key(key, f"inst{instance_id}"), "report", body, call, ReportsOut)
     if not replayed and any(r.kind == SegmentKind.FINISHED for r in reports):
         state.notifier.publish(run_id, REWARDS)
-    return out
+    return respond(out)
 
 
 @router.post("/segments", status_code=410, response_model=None, deprecated=True, responses=errors(410))

@@ -28,7 +28,7 @@ from ..models import (
     TokenList,
     errors,
 )
-from ..service import dump, scoped_key
+from ..service import from_data, scoped_key
 
 router = APIRouter(prefix="/v1", responses=errors(401, 403, 422, 503))
 RUN_ROLES = tuple(Role)
@@ -46,7 +46,7 @@ def create_run(
 
     def call(conn: Connection) -> RunOut:
         run_id = state.protocol.create_run(body.name, cfg, conn=conn)
-        return RunOut.model_validate(dump(state.protocol.get_run(run_id, conn=conn)))
+        return from_data(RunOut, state.protocol.get_run(run_id, conn=conn))
 
     out, _ = state.protocol.once(scoped_key(key, "runs"), "create_run", body, call, RunOut)
     return out
@@ -61,7 +61,7 @@ def list_runs(
 ) -> RunList:
     """Runs by id; a run-scoped token sees only its own."""
     runs = state.protocol.list_runs(run_filter(who, None), limit, offset)
-    return RunList.model_validate({"runs": dump(runs)})
+    return from_data(RunList, {"runs": runs})
 
 
 @router.get("/runs/{run_id}", response_model=RunStatus, responses=errors(404), tags=["runs"])
@@ -78,7 +78,7 @@ def param_versions(
     who: Principal = Depends(allow_run(*RUN_ROLES)),
 ) -> ParamVersionList:
     """Published parameter versions, newest first (size, checksum, where to pull them)."""
-    return ParamVersionList.model_validate({"versions": dump(state.protocol.param_versions(run_id, limit))})
+    return from_data(ParamVersionList, {"versions": state.protocol.param_versions(run_id, limit)})
 
 
 @router.post(

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, Path, Request
+from fastapi import APIRouter, Depends, Path, Request, Response
 from sqlalchemy import Connection
 
 from staleflow_db.enums import Role
@@ -24,7 +24,7 @@ from ..models import (
     errors,
 )
 from ..notify import BATCH, REWARDS, WORK
-from ..service import dump, scoped_key
+from ..service import from_data, respond, scoped_key
 
 router = APIRouter(prefix="/v1/runs/{run_id}", responses=errors(401, 403, 404, 422, 503))
 Reward = Depends(allow_run(Role.REWARD))
@@ -48,7 +48,7 @@ async def claim(
 
     def call(conn: Connection) -> ClaimOut:
         tasks = state.protocol.claim_rewards(run_id, body.limit, body.lease_seconds, conn=conn)
-        return ClaimOut.model_validate({"tasks": dump(tasks)})
+        return from_data(ClaimOut, {"tasks": tasks})
 
     def fetch() -> ClaimOut:
         return state.protocol.once(skey, "claim", body, call, ClaimOut, store=lambda o: bool(o.tasks))[0]
@@ -63,20 +63,20 @@ def record_rewards(
     state: State,
     key: IdempotencyKey = None,
     who: Principal = Reward,
-) -> RewardsOut:
+) -> Response:
     """Post rewards, each fenced by its claim's `reward_attempt`. Groups that reach N rewarded
     members are placed in a buffer (or filtered, or dropped) in the same transaction."""
     rewards = [(r.sample_id, r.reward_attempt, r.reward) for r in body.rewards]
 
     def call(conn: Connection) -> RewardsOut:
         groups = state.protocol.record_rewards(run_id, rewards, conn=conn)
-        return RewardsOut.model_validate({"groups": dump(groups)})
+        return from_data(RewardsOut, {"groups": groups})
 
     out, replayed = state.protocol.once(scoped_key(key, f"run{run_id}"), "reward", body, call, RewardsOut)
     if not replayed and out.groups:
         # Occupied groups may make a buffer ready; surplus members get abort commands.
         state.notifier.publish(run_id, BATCH, WORK)
-    return out
+    return respond(out)
 
 
 @router.post(
@@ -101,7 +101,7 @@ async def consume(
         batch = state.protocol.consume(run_id, version)
         if batch is None:
             return ConsumeOut(ready=False, version=version, batch=None)
-        return ConsumeOut(ready=True, version=version, batch=BatchOut.model_validate(dump(batch)))
+        return ConsumeOut(ready=True, version=version, batch=from_data(BatchOut, batch))
 
     return await long_poll(request, state, run_id, BATCH, wait, fetch, lambda o: o.ready)
 
@@ -118,10 +118,10 @@ def publish(
     body: PublishIn,
     state: State,
     who: Principal = Trainer,
-) -> PublishOut:
+) -> Response:
     """Buffer `version` is trained: mark it consumed and make `version + 1` the run's version,
     with the new parameters' size, checksum and location. Only with the latest consume lease
     and in version order (409 otherwise); publishing the same version again is a no-op."""
     new = state.protocol.publish(run_id, version, body.lease, body.size_bytes, body.checksum, body.location)
     state.notifier.publish(run_id, BATCH, WORK)
-    return PublishOut(version=new)
+    return respond(PublishOut(version=new))
