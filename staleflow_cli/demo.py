@@ -59,6 +59,10 @@ class DemoConfig:
     warm_start_steps: int = 200  # supervised steps on imperfect demonstrations (0: from scratch)
     warm_start_noise: int = 3  # their lengths: COUNT +- 3, so only 1 in 7 is exact
     tis: bool = True  # truncated importance sampling in the trainer (off: --tis-cap 0)
+    # DAPO's filter drops groups whose samples all scored the same. Off here: as the model
+    # learns, most groups are all-exact, so a step needed 5-10x the rollouts (60 s waits),
+    # and the step figures (trained samples only) would leave out exactly the solved groups
+    dapo_filter: bool = False
     model: Path | None = None  # a Hugging Face model folder instead of the tiny model
 
 
@@ -116,7 +120,7 @@ def run_demo(cfg: DemoConfig, console: Console) -> dict[str, Any]:
             batch_size=cfg.batch_size,
             group_size=cfg.group_size,
             eta=cfg.eta,
-            dapo_filter=True,
+            dapo_filter=cfg.dapo_filter,
             max_response_tokens=task.max_response,
             max_prompt_tokens=max(8, *(len(t) for _, t, _ in prompts)),
         ),
