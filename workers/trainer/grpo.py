@@ -197,11 +197,12 @@ def grpo_update(
     k = max(1, min(minibatches, len(gids)))
     reuse = epochs * k > 1
     # prepared micro-batches per minibatch, with π_old's log-probs when the batch is reused
-    mbs: list[list[tuple[torch.Tensor, ...]]] = []
+    Prepared = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None"]
+    mbs: list[list[Prepared]] = []
     for part in range(k):
         chosen = set(gids[part::k])
         rows = [i for i, g in enumerate(groups) if g in chosen]
-        prepared = []
+        prepared: list[Prepared] = []
         for sub in micro_batches([len(seqs[i]) for i in rows], micro_batch_tokens):
             idx = [rows[j] for j in sub]
             inp, tgt, mask, rlp = (t.to(dev) for t in _pad(seqs, starts, rollout, idx))
