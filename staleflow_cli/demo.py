@@ -35,10 +35,12 @@ from workers.coordinator.policies import POLICY_NAMES
 from workers.extras import require
 from workers.tasks.repeat import RepeatTask
 
+QUEUE_STEPS = 6  # steps' worth of prompts kept queued (covers eta, filtered groups, in-flight work)
+
 
 @dataclass
 class DemoConfig:
-    steps: int = 100  # a few minutes on 2 cores; the reward keeps climbing to ~300 steps (README)
+    steps: int = 150  # a few minutes on 2 cores; enough to pass 90% of the maximum reward (README)
     instances: int = 3
     policy: str = "staleflow"
     eta: int = 1
@@ -52,7 +54,16 @@ class DemoConfig:
     d_model: int = 64
     n_layers: int = 2
     head_std: float = 0.1  # a near-uniform initial policy explores; a peaked one gets stuck
+    pos_std: float = 0.5  # distinct positions from the start: stopping after COUNT is learned sooner
+    ppo_epochs: int = 4  # passes over each batch: more learning per rollout (the clip keeps it stable)
+    lr_end: float = 0.1  # lr decays linearly to lr x lr_end at the last step: the policy settles
+    warm_start_steps: int = 200  # supervised steps on imperfect demonstrations (0: from scratch)
+    warm_start_noise: int = 3  # their lengths: COUNT +- 3, so only 1 in 7 is exact
     tis: bool = True  # truncated importance sampling in the trainer (off: --tis-cap 0)
+    # DAPO's filter drops groups whose samples all scored the same. Off here: as the model
+    # learns, most groups are all-exact, so a step needed 5-10x the rollouts (60 s waits),
+    # and the step figures (trained samples only) would leave out exactly the solved groups
+    dapo_filter: bool = False
     model: Path | None = None  # a Hugging Face model folder instead of the tiny model
 
 
@@ -65,6 +76,7 @@ def model_config(task: RepeatTask, cfg: DemoConfig) -> dict[str, Any]:
         "max_seq": 8 + task.max_response,
         "eos_token_id": 0,
         "head_std": cfg.head_std,
+        "pos_std": cfg.pos_std,
     }
 
 
@@ -100,7 +112,8 @@ def run_demo(cfg: DemoConfig, console: Console) -> dict[str, Any]:
     protocol = Protocol(engine)
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
     name = f"demo-{stamp}"
-    # twice what the steps consume: filtered groups are replaced, in-flight work spills over
+    # twice what the steps consume (filtered groups are replaced, in-flight work spills over),
+    # enqueued a few steps ahead of the trainer (_top_up)
     prompts = _prompts(task, cfg, 2 * cfg.steps * cfg.batch_size, name)
     run = protocol.create_run(
         name,
@@ -108,12 +121,13 @@ def run_demo(cfg: DemoConfig, console: Console) -> dict[str, Any]:
             batch_size=cfg.batch_size,
             group_size=cfg.group_size,
             eta=cfg.eta,
-            dapo_filter=True,
+            dapo_filter=cfg.dapo_filter,
             max_response_tokens=task.max_response,
             max_prompt_tokens=max(8, *(len(t) for _, t, _ in prompts)),
         ),
     )
-    protocol.enqueue(run, [Prompt(k, t, m) for k, t, m in prompts])
+    pending = [Prompt(k, t, m) for k, t, m in prompts]
+    _top_up(protocol, run, pending, cfg)
     report = (cfg.report_dir / name).resolve()
     console.print(
         f"[bold]run {name}[/bold] (id {run}): B={cfg.batch_size} N={cfg.group_size} eta={cfg.eta} "
@@ -150,6 +164,7 @@ def run_demo(cfg: DemoConfig, console: Console) -> dict[str, Any]:
                 "--lr",
                 str(cfg.lr),
                 *([] if cfg.tis else ["--tis-cap", "0"]),
+                *_learning_options(task, cfg, report),
                 "--model-seed",
                 str(cfg.seed),
                 *model,
@@ -183,8 +198,8 @@ def run_demo(cfg: DemoConfig, console: Console) -> dict[str, Any]:
                 ],
                 env={"STALEFLOW_TOKEN": tokens["rollout"]},
             )
-        cluster.spawn("coordinator", ["coordinator", *common, "--policy", cfg.policy, "--lease", "3"])
-        _follow(cluster, protocol, engine, run, cfg, console)
+        cluster.spawn("coordinator", ["coordinator", *common, "--policy", cfg.policy, "--lease", "10"])
+        _follow(cluster, protocol, engine, run, cfg, console, pending)
     elapsed = time.monotonic() - started
     steps = step_metrics(engine, run)
     best = max_reward(task)
@@ -218,6 +233,25 @@ def run_demo(cfg: DemoConfig, console: Console) -> dict[str, Any]:
     return result
 
 
+def _learning_options(task: RepeatTask, cfg: DemoConfig, report: Path) -> list[str]:
+    """The trainer's options that make the demo learn: PPO epochs, lr decay, one thread (the
+    CPU is shared with the rollout workers), and (tiny model) the warm-start weights for
+    version 0, computed here in seconds."""
+    out = ["--ppo-epochs", str(cfg.ppo_epochs), "--lr-end", str(cfg.lr_end), "--threads", "1"]
+    if cfg.model is not None or cfg.warm_start_steps <= 0:
+        return out
+    import torch
+
+    from workers.models.tiny_model import TinyConfig, TinyTransformer
+    from workers.tasks.warm_start import warm_start
+
+    model = TinyTransformer(TinyConfig(**model_config(task, cfg)), seed=cfg.seed)
+    warm_start(model, task, cfg.warm_start_steps, seed=cfg.seed, noise=cfg.warm_start_noise)
+    report.mkdir(parents=True, exist_ok=True)
+    torch.save(model.state_dict(), report / "warm_start.pt")
+    return [*out, "--init-weights", str(report / "warm_start.pt")]
+
+
 def _prompts(task: RepeatTask, cfg: DemoConfig, n: int, name: str) -> list[tuple[str, list[int], dict]]:
     if cfg.model is None:
         return task.prompts(n, seed=cfg.seed, prefix=name)
@@ -227,7 +261,27 @@ def _prompts(task: RepeatTask, cfg: DemoConfig, n: int, name: str) -> list[tuple
     return repeat_prompts(load_tokenizer(cfg.model), n, seed=cfg.seed, prefix=name, task=task)
 
 
-def _follow(cluster: Cluster, protocol: Protocol, engine, run: int, cfg: DemoConfig, console: Console) -> None:
+def _top_up(protocol: Protocol, run: int, pending: list[Prompt], cfg: DemoConfig, queued: int = 0) -> None:
+    """Keep about QUEUE_STEPS steps' worth of prompts queued, enqueueing from `pending`.
+    All at once, 2 x steps x B prompts made each coordinator cycle read thousands of queued
+    samples: seconds per cycle on a loaded 2-core machine, the rollout workers idle."""
+    want = QUEUE_STEPS * cfg.batch_size * cfg.group_size - queued
+    if want <= 0 or not pending:
+        return
+    n = -(-want // cfg.group_size)
+    protocol.enqueue(run, pending[:n])
+    del pending[:n]
+
+
+def _follow(
+    cluster: Cluster,
+    protocol: Protocol,
+    engine,
+    run: int,
+    cfg: DemoConfig,
+    console: Console,
+    pending: list[Prompt] | None = None,
+) -> None:
     """Progress until the trainer has published `steps` versions (or something dies)."""
     deadline = time.monotonic() + cfg.timeout_s
     columns = [
@@ -249,6 +303,8 @@ def _follow(cluster: Cluster, protocol: Protocol, engine, run: int, cfg: DemoCon
             bar.update(t, completed=min(status["version"], cfg.steps), info=info)
             if status["version"] >= cfg.steps:
                 return
+            if pending:
+                _top_up(protocol, run, pending, cfg, status["samples"].get("queued", 0))
             if time.monotonic() > deadline:
                 raise ProcessDied(f"only {status['version']} of {cfg.steps} steps within {cfg.timeout_s:.0f}s")
             time.sleep(1.0)

@@ -123,6 +123,7 @@ def staleness(
     out: Path = typer.Option(Path("bench/results"), help="Where staleness.{md,json,png} go."),
     report_dir: Path = typer.Option(Path("reports"), help="Where each run's report folder goes."),
     timeout: float = typer.Option(DemoConfig.timeout_s, min=1.0, help="Per run: give up after this many seconds."),
+    append: bool = typer.Option(False, help="Add to the runs already in OUT/staleness.json (e.g. TIS off at one η)."),
 ) -> None:
     """The demo at each η, TIS on and off, over seeds: reward and accuracy curves, final accuracy."""
     if tis not in ("on", "off", "both"):
@@ -132,6 +133,8 @@ def staleness(
     base = DemoConfig(steps=steps, instances=instances, report_dir=report_dir, timeout_s=timeout)
     modes = {"on": [True], "off": [False], "both": [True, False]}[tis]
     runs: list[dict[str, Any]] = []
+    if append and (out / "staleness.json").is_file():
+        runs = json.loads((out / "staleness.json").read_text())["runs"]
     for eta in _ints(etas, "--etas"):
         for mode in modes:
             for seed in range(seeds):

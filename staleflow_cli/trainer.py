@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -65,10 +66,17 @@ def trainer(
     temperature: float = typer.Option(1.0, "--temperature", min=1e-6, help="the rollout's sampling temperature"),
     max_grad_norm: float = typer.Option(1.0, "--max-grad-norm", min=0.0, help="0 disables clipping"),
     micro_batch_tokens: int = typer.Option(16384, "--micro-batch-tokens", min=1),
+    ppo_epochs: int = typer.Option(1, "--ppo-epochs", min=1, help="passes over each batch (PPO epochs)"),
+    minibatches: int = typer.Option(1, "--minibatches", min=1, help="optimizer steps per pass (split by group)"),
     model_config_: str | None = MODEL_CONFIG,
     model_seed: int = MODEL_SEED,
     model: Path | None = HF_MODEL,
+    init_weights: Path | None = typer.Option(
+        None, "--init-weights", help="a torch state dict for the tiny model's version 0 (e.g. a warm start)"
+    ),
+    lr_end: float = typer.Option(1.0, "--lr-end", min=0.0, help="lr multiplier reached linearly at --steps"),
     device: str = typer.Option("cpu", "--device"),
+    threads: int = typer.Option(0, "--threads", min=0, help="torch CPU threads (0: torch's default)"),
     wait: float = typer.Option(5.0, "--wait", min=0.1, help="long-poll seconds per consume"),
     metrics_file: Path | None = typer.Option(None, "--metrics-file", help="append each step's metrics (JSONL)"),
     sim: bool = typer.Option(False, "--sim", help="no weights, no torch: sleep (a + b·tokens)·scale per step"),
@@ -86,6 +94,12 @@ def trainer(
     cfg = None if sim or model is not None else model_config(model_config_)
     if model is not None:
         hf_folder(model)
+    if threads and not sim:
+        import torch
+
+        # on a CPU shared with rollout workers, extra threads spin against them: measured
+        # 4-8x slower GRPO updates with 2 threads than with 1 on a loaded 2-core machine
+        torch.set_num_threads(threads)
     ps_addr = ps_client(ps) if not sim else None
     client, run_id = connect(api, token, run, api_wait)
     if sim:
@@ -101,7 +115,7 @@ def trainer(
         worker = _torch_trainer(
             client,
             run_id,
-            _build_model(cfg, model, model_seed, device),
+            _build_model(cfg, model, model_seed, device, init_weights),
             ps_addr,
             checkpoint_dir,
             lr,
@@ -113,6 +127,9 @@ def trainer(
             max_grad_norm,
             micro_batch_tokens,
             wait,
+            ppo_epochs,
+            minibatches,
+            _linear_decay(steps, lr_end),
         )
     on_signals(worker.stop, "finishing the current step")
     with progress(steps, f"trainer run {run_id}: waiting for a batch") as (bar, task):
@@ -133,10 +150,11 @@ def trainer(
 
 
 def _build_model(
-    cfg: TinyConfig | None, folder: Path | None, model_seed: int, device: str
+    cfg: TinyConfig | None, folder: Path | None, model_seed: int, device: str, init: Path | None = None
 ) -> tuple[torch.nn.Module, dict[str, Any]]:
     """The model to train and what its checkpoint records about it: a Hugging Face folder
-    (`--model`, its weights are version 0) or the tiny model (`--model-config`, seeded)."""
+    (`--model`, its weights are version 0) or the tiny model (`--model-config`, seeded, or
+    `--init-weights` for version 0; a resumed run's checkpoint replaces either)."""
     if folder is not None:
         from workers.models.hf import load_model
 
@@ -144,7 +162,22 @@ def _build_model(
     from workers.models.tiny_model import TinyTransformer
 
     assert cfg is not None  # trainer() builds one unless --model or --sim
-    return TinyTransformer(cfg, seed=model_seed).to(device), {"model_config": cfg.to_dict(), "model_seed": model_seed}
+    tiny = TinyTransformer(cfg, seed=model_seed)
+    if init is not None:
+        import torch
+
+        tiny.load_state_dict(torch.load(init, map_location="cpu", weights_only=True))
+    return tiny.to(device), {"model_config": cfg.to_dict(), "model_seed": model_seed}
+
+
+def _linear_decay(steps: int | None, lr_end: float) -> Callable[[int], float] | None:
+    """lr x 1 at version 0 down to lr x lr_end at version steps - 1 (then flat): a decaying
+    lr lets the policy settle by the end of a fixed budget. None when there is no decay."""
+    if lr_end == 1.0:
+        return None
+    if steps is None:
+        raise typer.BadParameter("--lr-end decays over --steps: give --steps", param_hint="--lr-end")
+    return lambda v: 1.0 + (lr_end - 1.0) * min(v, steps - 1) / max(1, steps - 1)
 
 
 def _torch_trainer(
@@ -162,6 +195,9 @@ def _torch_trainer(
     max_grad_norm: float,
     micro_batch_tokens: int,
     wait: float,
+    ppo_epochs: int = 1,
+    minibatches: int = 1,
+    lr_scale: Callable[[int], float] | None = None,
 ) -> Trainer:
     import torch
 
@@ -186,6 +222,9 @@ def _torch_trainer(
         micro_batch_tokens=micro_batch_tokens,
         max_grad_norm=max_grad_norm or None,
         extra_state=extra_state,
+        ppo_epochs=ppo_epochs,
+        minibatches=minibatches,
+        lr_scale=lr_scale,
     )
 
 

@@ -10,7 +10,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from workers.models.tiny_model import TinyConfig, TinyTransformer
-from workers.trainer.grpo import GRPOConfig, group_advantages, policy_loss, summarize, token_logprobs
+from workers.trainer.grpo import GRPOConfig, group_advantages, grpo_update, policy_loss, summarize, token_logprobs
 
 
 def test_advantages_are_zero_mean_unit_std_per_group():
@@ -132,3 +132,36 @@ def test_one_step_raises_the_probability_of_the_better_response():
     after = seq_logp()
     assert after[0] > before[0]  # the positively-advantaged response became more likely
     assert after[1] < before[1]
+
+
+def _update(epochs: int, minibatches: int):
+    cfg = TinyConfig(vocab_size=16, d_model=32, n_layers=1, n_heads=2, max_seq=16)
+    model = TinyTransformer(cfg, seed=1).requires_grad_(True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)  # small steps: the clip stays out of reach
+    seqs = [[3, 4, 5, 6, 7], [3, 4, 8, 9, 10], [3, 11, 5, 5], [3, 11, 12]]
+    rollout = [[-2.7] * 3, [-2.7] * 3, [-2.7] * 2, [-2.7]]
+    args = (seqs, [2, 2, 2, 2], rollout, [0, 0, 1, 1], [1.0, 0.0, 1.0, 0.0])
+
+    def logp(i: int) -> float:
+        with torch.no_grad():
+            x = torch.tensor([seqs[i]])
+            lp, _ = token_logprobs(model(x[:, :-1]), x[:, 1:])
+        return float(lp[0, 1:].sum())
+
+    before = [logp(i) for i in range(4)]
+    loss, metrics = grpo_update(model, opt, *args, GRPOConfig(tis_cap=None), epochs=epochs, minibatches=minibatches)
+    return before, [logp(i) for i in range(4)], metrics, model
+
+
+def test_update_takes_epochs_times_minibatches_steps_and_moves_further():
+    before, one, m1, _ = _update(1, 1)
+    _, four, m4, model = _update(4, 2)
+    assert m1["optimizer_steps"] == 1 and m4["optimizer_steps"] == 8
+    assert model.training is False
+    for i in (0, 2):  # the better response of each group: more likely, more so with reuse
+        assert four[i] - before[i] > one[i] - before[i] > 0
+    for i in (1, 3):
+        assert four[i] - before[i] < one[i] - before[i] < 0
+    # later passes see a policy that moved: π/π_old differs from 1, and the clip engages
+    assert m1["ratio_mean"] == pytest.approx(1.0) and m1["clip_frac"] == 0.0
+    assert m4["ratio_mean"] != pytest.approx(1.0, abs=1e-4)

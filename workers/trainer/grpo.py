@@ -13,9 +13,10 @@
   batches pass the token count of the whole batch.
 * The overlong penalty is a reward shaping and lives in the verifier (tasks/verifiers.py).
 
-Our trainer takes one optimizer step per batch, so π_old is the model before that step:
+`grpo_update` trains on one batch: with one optimizer step π_old is the model before it,
 `old_logp = logp.detach()` of the same forward pass (ratio 1 in value, gradient of the
-clipped objective intact).
+clipped objective intact); with several (PPO epochs x minibatches) π_old's log-probs are
+computed once up front and the clip keeps the reuse stable.
 """
 
 from __future__ import annotations
@@ -133,3 +134,116 @@ def summarize(sums: dict[str, float]) -> dict[str, float]:
     if "entropy" in sums:
         out["entropy"] = sums["entropy"] / n
     return out
+
+
+def _pad(
+    seqs: list[list[int]], starts: list[int], rollout: list[list[float]], idx: list[int]
+) -> tuple[torch.Tensor, ...]:
+    """Inputs, targets, response mask and rollout log-probs of the rows `idx`, right-padded
+    (causal attention never looks ahead, so padding needs no attention mask)."""
+    width = max(len(seqs[i]) for i in idx) - 1  # inputs are seq[:-1], targets seq[1:]
+    inp = torch.zeros(len(idx), width, dtype=torch.long)
+    tgt = torch.zeros(len(idx), width, dtype=torch.long)
+    mask = torch.zeros(len(idx), width)
+    rlp = torch.zeros(len(idx), width)
+    for row, i in enumerate(idx):
+        toks, p, n = seqs[i], starts[i], len(rollout[i])
+        inp[row, : len(toks) - 1] = torch.tensor(toks[:-1])
+        tgt[row, : len(toks) - 1] = torch.tensor(toks[1:])
+        # response token t sits at sequence position p + t, predicted from p + t - 1
+        mask[row, p - 1 : p - 1 + n] = 1.0
+        rlp[row, p - 1 : p - 1 + n] = torch.tensor(rollout[i])
+    return inp, tgt, mask, rlp
+
+
+def micro_batches(lengths: list[int], budget: int) -> list[list[int]]:
+    """Indices grouped by similar length, each group's padded size within `budget` tokens."""
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    out: list[list[int]] = []
+    for i in order:
+        if out and (len(out[-1]) + 1) * lengths[i] <= budget:
+            out[-1].append(i)
+        else:
+            out.append([i])
+    return out
+
+
+def grpo_update(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    seqs: list[list[int]],
+    starts: list[int],
+    rollout: list[list[float]],
+    groups: list[int],
+    rewards: list[float],
+    cfg: GRPOConfig = GRPOConfig(),
+    *,
+    epochs: int = 1,
+    minibatches: int = 1,
+    micro_batch_tokens: int = 16384,
+    max_grad_norm: float | None = 1.0,
+) -> tuple[float, dict[str, float]]:
+    """GRPO/DAPO on one batch: `epochs` passes, each split into `minibatches` optimizer steps
+    (by prompt group). Sequence i is prompt + response, the response starting at `starts[i]`
+    with rollout log-probs `rollout[i]`; `groups[i]` names its prompt group.
+
+    One step (1 x 1) is the plain on-policy update. More steps reuse each rollout several
+    times (PPO epochs and minibatches): π_old is the model as it entered this call, its
+    log-probs computed once before the first step, and the clip bounds how far the policy
+    moves from it. Returns (mean loss per optimizer step, per-token metrics)."""
+    adv = group_advantages(torch.tensor(rewards, dtype=torch.float64), torch.tensor(groups), cfg.adv_eps)
+    dev = next(model.parameters()).device
+    gids = sorted(set(groups))
+    k = max(1, min(minibatches, len(gids)))
+    reuse = epochs * k > 1
+    # prepared micro-batches per minibatch, with π_old's log-probs when the batch is reused
+    Prepared = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None"]
+    mbs: list[list[Prepared]] = []
+    for part in range(k):
+        chosen = set(gids[part::k])
+        rows = [i for i, g in enumerate(groups) if g in chosen]
+        prepared: list[Prepared] = []
+        for sub in micro_batches([len(seqs[i]) for i in rows], micro_batch_tokens):
+            idx = [rows[j] for j in sub]
+            inp, tgt, mask, rlp = (t.to(dev) for t in _pad(seqs, starts, rollout, idx))
+            old = None
+            if reuse:
+                with torch.no_grad():
+                    old = token_logprobs(_logits(model(inp)), tgt, cfg.temperature)[0]
+            prepared.append((inp, tgt, mask, rlp, adv[idx].to(dev), old))
+        mbs.append(prepared)
+    model.train()
+    losses: list[float] = []
+    sums: dict[str, float] = {"entropy": 0.0}
+    grad_norms: list[float] = []
+    for _ in range(epochs):
+        for prepared in mbs:
+            n_tokens = max(sum(float(p[2].sum()) for p in prepared), 1.0)
+            optimizer.zero_grad(set_to_none=True)
+            step_loss = 0.0
+            for inp, tgt, mask, rlp, a, old in prepared:
+                logp, entropy = token_logprobs(_logits(model(inp)), tgt, cfg.temperature)
+                loss, part_sums = policy_loss(
+                    logp, logp.detach() if old is None else old, rlp, a, mask, cfg, num_tokens=n_tokens
+                )
+                loss.backward()
+                step_loss += float(loss.detach())
+                for key, val in part_sums.items():
+                    sums[key] = sums.get(key, 0.0) + val
+                sums["entropy"] += float((entropy * mask).sum())
+            if max_grad_norm is not None:
+                grad_norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)))
+            optimizer.step()
+            losses.append(step_loss)
+    model.eval()
+    metrics = summarize(sums)
+    if grad_norms:
+        metrics["grad_norm"] = grad_norms[0]  # the first step's: the on-policy gradient
+    metrics["adv_abs_mean"] = float(adv.abs().mean()) if len(adv) else 0.0
+    metrics["optimizer_steps"] = float(len(losses))
+    return sum(losses) / max(len(losses), 1), metrics
+
+
+def _logits(out: object) -> torch.Tensor:
+    """The tiny model returns logits; a Hugging Face model an output object holding them."""
+    return out if isinstance(out, torch.Tensor) else out.logits  # type: ignore[attr-defined]

@@ -48,7 +48,7 @@ from torch import nn
 
 from api.models import BatchOut
 from workers.client import StaleFlowClient
-from workers.trainer.grpo import GRPOConfig, group_advantages, policy_loss, summarize, token_logprobs
+from workers.trainer.grpo import GRPOConfig, grpo_update
 from workers.trainer.loop import (
     StepMetrics,
     TrainerError,
@@ -118,11 +118,19 @@ class Trainer:
         micro_batch_tokens: int = 16384,
         max_grad_norm: float | None = 1.0,
         extra_state: dict[str, Any] | None = None,
+        ppo_epochs: int = 1,
+        minibatches: int = 1,
+        lr_scale: Callable[[int], float] | None = None,
     ):
         self.client, self.run_id, self.model, self.optimizer = client, run_id, model, optimizer
         self.ps, self.dir = ps, Path(checkpoint_dir)
         self.grpo, self.wait_s = grpo, wait_s
         self.micro_batch_tokens, self.max_grad_norm = micro_batch_tokens, max_grad_norm
+        self.ppo_epochs, self.minibatches = ppo_epochs, minibatches
+        # lr of version v = base lr x lr_scale(v); the base is read before a resume can
+        # load an optimizer state that holds a scaled lr
+        self.lr_scale = lr_scale
+        self._base_lrs = [float(g["lr"]) for g in optimizer.param_groups]
         self.extra_state = extra_state or {}  # e.g. the model config, kept in the checkpoint
         self.model.requires_grad_(True)
         self.version: int | None = None  # the run version we train next (after resume())
@@ -246,6 +254,9 @@ class Trainer:
         m = batch_metrics(batch)
         m.wait_s = waited
         t0 = time.monotonic()
+        if self.lr_scale is not None:
+            for group, base in zip(self.optimizer.param_groups, self._base_lrs):
+                group["lr"] = base * self.lr_scale(v)
         m.loss, m.extra = self.train_batch(batch)
         m.train_s = time.monotonic() - t0
         self._checkpoint(v + 1)
@@ -287,7 +298,7 @@ class Trainer:
     # ---- training --------------------------------------------------------------------------
 
     def train_batch(self, batch: BatchOut) -> tuple[float, dict[str, float]]:
-        """One optimizer step on the batch; returns (loss, metrics)."""
+        """GRPO on the batch (`ppo_epochs` x `minibatches` optimizer steps); returns (loss, metrics)."""
         seqs, starts, rollout, groups, rewards = [], [], [], [], []
         max_seq = _max_seq(self.model)
         for gi, g in enumerate(batch.groups):
@@ -302,57 +313,20 @@ class Trainer:
                 rollout.append(list(s.logprobs))
                 groups.append(gi)
                 rewards.append(s.reward)
-        adv = group_advantages(torch.tensor(rewards, dtype=torch.float64), torch.tensor(groups), self.grpo.adv_eps)
-        total = sum(len(r) for r in rollout)
-        dev = next(self.model.parameters()).device
-        self.model.train()
-        self.optimizer.zero_grad(set_to_none=True)
-        loss_sum, sums = 0.0, {"entropy": 0.0}
-        for idx in self._micro_batches([len(s) for s in seqs]):
-            width = max(len(seqs[i]) for i in idx) - 1  # inputs are seq[:-1], targets seq[1:]
-            inp = torch.zeros(len(idx), width, dtype=torch.long)
-            tgt = torch.zeros(len(idx), width, dtype=torch.long)
-            mask = torch.zeros(len(idx), width)
-            rlp = torch.zeros(len(idx), width)
-            for row, i in enumerate(idx):
-                toks, p, n = seqs[i], starts[i], len(rollout[i])
-                inp[row, : len(toks) - 1] = torch.tensor(toks[:-1])
-                tgt[row, : len(toks) - 1] = torch.tensor(toks[1:])
-                # response token t sits at sequence position p + t, predicted from p + t - 1
-                mask[row, p - 1 : p - 1 + n] = 1.0
-                rlp[row, p - 1 : p - 1 + n] = torch.tensor(rollout[i])
-            inp, tgt, mask, rlp = inp.to(dev), tgt.to(dev), mask.to(dev), rlp.to(dev)
-            # right padding needs no attention mask: causal attention never looks ahead
-            logp, entropy = token_logprobs(_logits(self.model(inp)), tgt, self.grpo.temperature)
-            loss, part = policy_loss(
-                logp, logp.detach(), rlp, adv[idx].to(dev), mask, self.grpo, num_tokens=max(total, 1)
-            )
-            loss.backward()
-            loss_sum += float(loss.detach())
-            for key, val in part.items():
-                sums[key] = sums.get(key, 0.0) + val
-            sums["entropy"] += float((entropy * mask).sum())
-        grad_norm = None
-        if self.max_grad_norm is not None:
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm))
-        self.optimizer.step()
-        self.model.eval()
-        metrics = summarize(sums)
-        if grad_norm is not None:
-            metrics["grad_norm"] = grad_norm
-        metrics["adv_abs_mean"] = float(adv.abs().mean()) if len(adv) else 0.0
-        return loss_sum, metrics
-
-    def _micro_batches(self, lengths: list[int]) -> list[list[int]]:
-        """Indices grouped by similar length, each group's padded size within the budget."""
-        order = sorted(range(len(lengths)), key=lambda i: lengths[i])
-        out: list[list[int]] = []
-        for i in order:
-            if out and (len(out[-1]) + 1) * lengths[i] <= self.micro_batch_tokens:
-                out[-1].append(i)
-            else:
-                out.append([i])
-        return out
+        return grpo_update(
+            self.model,
+            self.optimizer,
+            seqs,
+            starts,
+            rollout,
+            groups,
+            rewards,
+            self.grpo,
+            epochs=self.ppo_epochs,
+            minibatches=self.minibatches,
+            micro_batch_tokens=self.micro_batch_tokens,
+            max_grad_norm=self.max_grad_norm,
+        )
 
     # ---- weights, checkpoint, log ------------------------------------------------------------
 
@@ -393,11 +367,6 @@ class Trainer:
             f.write(json.dumps({**entry, "pid": os.getpid(), "at": time.time()}) + "\n")
             f.flush()
             os.fsync(f.fileno())
-
-
-def _logits(out: Any) -> torch.Tensor:
-    """The tiny model returns logits; a Hugging Face model an output object holding them."""
-    return out if isinstance(out, torch.Tensor) else out.logits
 
 
 def _max_seq(model: nn.Module) -> int | None:
