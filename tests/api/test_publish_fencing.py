@@ -245,10 +245,11 @@ def test_a_rollout_workers_pull_lands_on_the_committed_checksum(db_url, engine, 
         answered.append(version)
         return sd, version
 
-    def pull_and_wait(n: int) -> None:
+    def pull_and_wait(n: int, loaded: int) -> None:
+        # the weight source answers before the engine loads: wait for both
         admin.pull(d.run, [worker.instance_id], target_version=1)
         deadline = time.monotonic() + 60
-        while len(answered) < n:
+        while len(answered) < n or eng.version != loaded:
             assert time.monotonic() < deadline, "the worker did not pull"
             time.sleep(0.05)
 
@@ -263,12 +264,12 @@ def test_a_rollout_workers_pull_lands_on_the_committed_checksum(db_url, engine, 
         try:
             while worker.instance_id is None:
                 time.sleep(0.05)
-            pull_and_wait(1)
+            pull_and_wait(1, loaded=0)
             assert answered == [0] and eng.version == 0  # not the zombie's v1
             assert state_dict_checksum(eng.model.state_dict()) == state_dict_checksum(v0)
             c.push(winner, 1)  # the winner's _commit_pushed: push again, commit
             c.commit(1, winner_sum)
-            pull_and_wait(2)
+            pull_and_wait(2, loaded=1)
             assert answered == [0, 1] and eng.version == 1
             assert state_dict_checksum(eng.model.state_dict()) == winner_sum
         finally:
