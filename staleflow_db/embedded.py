@@ -148,7 +148,10 @@ def _system_user() -> tuple[int, int] | None:
     if os.name != "posix" or os.geteuid() != 0:
         return None
     utils = _wheel_utils()
-    entry = utils.ensure_user_exists(SYSTEM_USER)
+    # Test workers start servers at once on a fresh machine: two concurrent `useradd`s of
+    # one name fail ("already exists") or race on /etc/passwd, so create it under a lock.
+    with _thread_lock, fasteners.InterProcessLock(os.path.join(tempfile.gettempdir(), "staleflow-useradd.lock")):
+        entry = utils.ensure_user_exists(SYSTEM_USER)
     if not _root_prepared:
         # The wheel may sit under root-only folders: the server user must reach and
         # read its binaries, libraries and share/ files.
