@@ -212,8 +212,10 @@ def test_edge_requests():
     with pytest.raises(ValueError):
         e.add_request("bad", [CFG.vocab_size])
     e.add_request("dup", [1])
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="already in the engine"):
         e.add_request("dup", [1])
+    with pytest.raises(ValueError, match="empty prompt"):
+        e.add_request("empty", [])
 
 
 def test_sample_outgrowing_the_whole_cache_finishes_with_capacity():

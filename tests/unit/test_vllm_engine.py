@@ -283,6 +283,16 @@ def test_engine_side_stops_surface_as_finishes(frontend, reason):
 
 
 @pytest.mark.parametrize("frontend", FRONTENDS)
+def test_a_held_sample_and_an_empty_prompt_are_refused(frontend):
+    eng, _ = engine(frontend)
+    eng.add_request("1", [1, 2], max_new_tokens=3)
+    with pytest.raises(ValueError, match="already in the engine"):
+        eng.add_request("1", [1, 2], max_new_tokens=3)
+    with pytest.raises(ValueError, match="empty prompt"):
+        eng.add_request("2", [], max_new_tokens=3)
+
+
+@pytest.mark.parametrize("frontend", FRONTENDS)
 def test_length_eos_and_a_prompt_that_never_fits(frontend):
     eng, fake = engine(frontend)
     eng.add_request("1", [1, 2], max_new_tokens=3)
