@@ -2,15 +2,13 @@
 PostgreSQL backends at random moments (idle, mid-transaction, at commit), then a check that
 the database agrees with what every caller was told.
 
-Each worker journals every call: `acked` (it returned), `refused` (a ProtocolError: nothing
-changed) or `unknown` (the connection died: the commit may or may not have happened). Writes
-that can be retried carry a request id and are retried with the same id until the outcome is
-known; an instance whose reports stay unknown is abandoned, as a crashed process would be
-(its lease expires and its samples go back to the queue).
+The worker and killer processes, and the journal each call leaves (`acked`, `refused` or
+`unknown`), live in bench/backend_kills_workers.py; this file sets up the run, drives the
+processes and checks their journals against the database.
 
     python bench/backend_kills.py [--seconds 120] [--ops 0] [--workers 3]
 
-The test `tests/test_backend_kills.py` runs the CI-sized configuration. Last line:
+The test `tests/db/test_backend_kills.py` runs the CI-sized configuration. Last line:
 `backend_kills kills=K ops=N unknown=U problems=P violations=V`.
 """
 
@@ -19,13 +17,10 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
-import random
 import sys
 import time
-import traceback
 import uuid
 from collections import defaultdict
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -33,18 +28,14 @@ from typing import Any
 _HERE = Path(__file__).resolve().parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE] + [str(_HERE.parent)]
 
-import psycopg
 from sqlalchemy import text
-from sqlalchemy.exc import DBAPIError
 
+from bench.backend_kills_workers import expected, killer_main, worker_main
 from staleflow_db.db import make_engine
-from staleflow_db.enums import SegmentKind
-from staleflow_db.errors import Conflict, ProtocolError
 from staleflow_db.protocol import Prompt, Protocol
-from staleflow_db.types import Report, RouteOutcome, RunConfig
+from staleflow_db.types import RunConfig
 
 SPAWN = mp.get_context("spawn")
-APP = "sf-chaos"  # application_name prefix of the workers' connections: the killer's target
 CONFIG = dict(
     batch_size=4,
     buffer_capacity=5,
@@ -55,305 +46,6 @@ CONFIG = dict(
     max_response_tokens=40,
     max_prompt_tokens=8,
 )
-INSTANCE_LEASE_S = 2.0
-RETRIES = 6  # same request id; beyond that the outcome stays unknown
-
-
-class Unknown(Exception):
-    """The connection died under the call: it may or may not have committed."""
-
-
-def tok(sid: int, pos: int) -> int:
-    return (sid * 7919 + pos * 31) % 50_000
-
-
-def logprob(pos: int) -> float:
-    return -(pos % 8) / 8
-
-
-def expected(sid: int, n: int) -> list[int]:
-    return [tok(sid, p) for p in range(n)]
-
-
-def _disconnect(e: DBAPIError) -> bool:
-    return bool(e.connection_invalidated) or isinstance(
-        e.orig, (psycopg.errors.AdminShutdown, psycopg.OperationalError)
-    )
-
-
-class Journal:
-    def __init__(self, name: str):
-        self.name, self.calls, self.seq = name, [], 0
-
-    def call(self, op: str, fn: Callable[[], Any], **meta: Any) -> Any:
-        """Run one protocol call and journal its outcome; raises ProtocolError or Unknown."""
-        self.seq += 1
-        entry = {"op": op, "worker": self.name, "n": self.seq, **meta}
-        self.calls.append(entry)
-        try:
-            out = fn()
-        except ProtocolError as e:
-            entry.update(outcome="refused", error=str(e), lost=[k for k, _ in getattr(e, "items", [])])
-            raise
-        except DBAPIError as e:
-            entry.update(outcome="unknown" if _disconnect(e) else "failed", error=f"{type(e.orig).__name__}: {e.orig}")
-            if entry["outcome"] == "failed":  # a definite rollback, but not one a kill explains
-                entry["traceback"] = traceback.format_exc()
-            raise Unknown(str(e.orig)) from None
-        entry["outcome"] = "acked"
-        return out
-
-    def retried(self, op: str, fn: Callable[[str], Any], **meta: Any) -> Any:
-        """A retryable write: the same request id until acked or refused; Unknown if never known."""
-        rid = uuid.uuid4().hex
-        for _ in range(RETRIES):
-            try:
-                return self.call(op, lambda: fn(rid), request_id=rid, **meta)
-            except Unknown:
-                time.sleep(0.05)
-        raise Unknown(f"{op} {rid}: outcome still unknown after {RETRIES} tries")
-
-
-def _scalar(engine, sql: str, **params):
-    with engine.connect() as c:
-        return c.execute(text(sql), params).scalar()
-
-
-def worker_main(kind: str, url: str, run: int, name: str, out_dir: str, seconds: float, ops: int, seed: int) -> None:
-    """Process entry point: run one role until the deadline (or `ops` calls), then write the journal."""
-    j = Journal(name)
-    engine = make_engine(url, pool_size=2, max_overflow=2, connect_args={"application_name": f"{APP}-{name}"})
-    # The checker's own reads go through an untargeted connection: they must not be killed.
-    reader = make_engine(url, pool_size=1, max_overflow=1, connect_args={"application_name": f"sf-read-{name}"})
-    body = {"rollout": _rollout, "reward": _reward, "trainer": _trainer, "meddler": _meddler}[kind]
-    deadline = time.monotonic() + seconds
-    done = lambda: time.monotonic() > deadline or (ops and j.seq >= ops)  # noqa: E731
-    extra: dict[str, Any] = {}
-    try:
-        body(Protocol(engine), reader, run, name, done, random.Random(seed), j, extra)
-    except BaseException:
-        extra["crash"] = traceback.format_exc()
-    finally:
-        engine.dispose()
-        reader.dispose()
-        Path(out_dir, f"{name}.json").write_text(json.dumps({"calls": j.calls, **extra}))
-
-
-def _attempt(j: Journal, op: str, fn: Callable[[], Any], **meta: Any) -> Any:
-    """A call whose failure is not fatal: None when refused or unknown."""
-    try:
-        return j.call(op, fn, **meta)
-    except (ProtocolError, Unknown):
-        return None
-
-
-def _rollout(p: Protocol, reader, run: int, name: str, done, rng: random.Random, j: Journal, extra) -> None:
-    inst = None
-    while not done():
-        version = _scalar(reader, "SELECT version FROM runs WHERE id = :r", r=run)
-        if inst is None:
-            inst = _attempt(j, "register", lambda: p.register_instance(run, name, version, INSTANCE_LEASE_S))
-            if inst is None:
-                continue
-        try:
-            j.call("heartbeat", lambda: p.heartbeat(inst, version, {"w": name}, INSTANCE_LEASE_S), instance=inst)
-        except Conflict:
-            inst = None  # fenced (expired): a fresh instance, as a restarted process would
-            continue
-        except (ProtocolError, Unknown):
-            continue
-        with reader.connect() as c:
-            queued = (
-                c.execute(
-                    text(
-                        "SELECT s.id FROM samples s JOIN prompt_groups g ON g.id = s.group_id WHERE s.run_id = :r"
-                        " AND s.state = 'queued' AND coalesce(s.last_version, 0) <= :v AND coalesce(s.v_traj, 0) <= :v"
-                        " ORDER BY g.state = 'reserved' DESC, random() LIMIT 4"
-                    ),
-                    {"r": run, "v": version},
-                )
-                .scalars()
-                .all()
-            )
-        if not queued:
-            time.sleep(0.02)
-            continue
-        try:
-            results = j.retried(
-                "route",
-                lambda rid: p.route(run, [(s, inst) for s in queued], request_id=rid),
-                pairs=[[s, inst] for s in queued],
-            )
-        except (ProtocolError, Unknown):
-            continue
-        j.calls[-1]["routed"] = [[r.sample_id, r.attempt] for r in results if r.outcome == RouteOutcome.ROUTED]
-        try:
-            work, _ = j.call("poll", lambda: p.poll_work(inst), instance=inst)
-        except (ProtocolError, Unknown):
-            continue  # delivered-or-not: the samples stay ours until the lease expires
-        for w in work:
-            if not _generate(p, run, inst, version, w, rng, j):
-                extra.setdefault("abandoned", []).append(inst)
-                inst = None  # reports stayed unknown: behave as a crashed process
-                break
-    if inst is not None:
-        _attempt(j, "deregister", lambda: p.deregister_instance(inst), instance=inst)
-
-
-def _generate(p: Protocol, run: int, inst: int, version: int, w, rng: random.Random, j: Journal) -> bool:
-    """Report a partial checkpoint and a final segment; False if an outcome stayed unknown."""
-    pos, left = len(w.prefix_tokens), w.max_new_tokens
-    if w.prefix_tokens != expected(w.sample_id, pos):
-        j.calls.append({"op": "prefix", "outcome": "mismatch", "sample": w.sample_id, "worker": j.name})
-    plan = []
-    if rng.random() < 0.3 and left > 4:
-        plan.append((SegmentKind.PARTIAL, rng.randint(1, 3)))
-    plan.append(
-        (SegmentKind.INTERRUPTED, rng.randint(0, 4))
-        if w.attempt < 3 and rng.random() < 0.3
-        else (SegmentKind.FINISHED, rng.randint(1, 6))
-    )
-    for kind, n in plan:
-        n = min(n, left)
-        toks, lps = expected(w.sample_id, pos + n)[pos:], [logprob(i) for i in range(pos, pos + n)]
-        r = Report(
-            w.sample_id,
-            w.attempt,
-            version,
-            toks,
-            lps,
-            kind,
-            "stop" if kind == SegmentKind.FINISHED else None,
-            instance_id=inst,
-            lease=w.lease,
-        )
-        try:
-            j.retried(
-                "report",
-                lambda rid: p.report(run, [r], request_id=rid),
-                items=[[w.sample_id, w.attempt, toks]],
-                kind=kind.value,
-            )
-        except ProtocolError:
-            return True  # the lease is gone (aborted, interrupted, expired): drop the sample
-        except Unknown:
-            return False
-        pos, left = pos + n, left - n
-    return True
-
-
-def _reward(p: Protocol, reader, run: int, name: str, done, rng: random.Random, j: Journal, extra) -> None:
-    while not done():
-        tasks = _attempt(j, "claim", lambda: p.claim_rewards(run, limit=8, lease_seconds=3.0))
-        if not tasks:
-            time.sleep(0.03)
-            continue
-        j.calls[-1]["claimed"] = [[t.sample_id, t.reward_attempt] for t in tasks]
-        pending = [(t.sample_id, t.reward_attempt, float(rng.choice([0, 1])) + t.reward_attempt / 1000) for t in tasks]
-        while pending:
-            try:
-                j.retried(
-                    "reward",
-                    lambda rid: p.record_rewards(run, pending, request_id=rid),
-                    items=[list(x) for x in pending],
-                )
-                break
-            except Conflict as e:  # aborted meanwhile: drop those, retry the rest
-                lost = {sid for sid, _ in e.items}
-                pending = [x for x in pending if x[0] not in lost]
-            except (ProtocolError, Unknown):
-                break  # the claim lease runs out and another claim scores them
-
-
-def _trainer(p: Protocol, reader, run: int, name: str, done, rng: random.Random, j: Journal, extra) -> None:
-    v = _scalar(reader, "SELECT version FROM runs WHERE id = :r", r=run)
-    while not done():
-        _attempt(j, "expire", lambda: p.expire_instances(run))
-        _attempt(j, "abort_after_ready", lambda: p.abort_after_ready(run))
-        batch = _attempt(j, "consume", lambda: p.consume(run, v), version=v)
-        if batch is None:
-            time.sleep(0.03)
-            continue
-        j.calls[-1]["lease"] = batch.lease
-        for _try in range(RETRIES):
-            checksum = f"{name}-v{v}-{uuid.uuid4().hex[:8]}"  # unique per call: tells whose publish landed
-            try:
-                new = j.call(
-                    "publish",
-                    lambda: p.publish(run, v, batch.lease, 1, checksum, "bench"),
-                    version=v,
-                    checksum=checksum,
-                    lease=batch.lease,
-                )
-            except Unknown:
-                continue
-            except ProtocolError:
-                break
-            v = new
-            break
-        v = _scalar(reader, "SELECT version FROM runs WHERE id = :r", r=run)
-
-
-def _meddler(p: Protocol, reader, run: int, name: str, done, rng: random.Random, j: Journal, extra) -> None:
-    """Interrupts running samples, aborts a few queued samples and groups (user aborts)."""
-    while not done():
-        time.sleep(rng.uniform(0.05, 0.2))
-        with reader.connect() as c:
-            running = (
-                c.execute(
-                    text("SELECT id FROM samples WHERE run_id = :r AND state = 'running' ORDER BY random() LIMIT 3"),
-                    {"r": run},
-                )
-                .scalars()
-                .all()
-            )
-            queued = (
-                c.execute(
-                    text("SELECT id FROM samples WHERE run_id = :r AND state = 'queued' ORDER BY random() LIMIT 1"),
-                    {"r": run},
-                )
-                .scalars()
-                .all()
-            )
-        if running:
-            _attempt(j, "interrupt", lambda: p.interrupt(run, running), samples=running)
-        if queued and rng.random() < 0.15:
-            aborted = _attempt(j, "abort", lambda: p.abort_samples(run, queued), samples=queued)
-            if aborted is not None:
-                j.calls[-1]["aborted"] = aborted
-        if rng.random() < 0.05:
-            with reader.connect() as c:
-                gid = c.execute(
-                    text(
-                        "SELECT id FROM prompt_groups WHERE run_id = :r AND state = 'queued' ORDER BY random() LIMIT 1"
-                    ),
-                    {"r": run},
-                ).scalar()
-            if gid is not None and _attempt(j, "abort_group", lambda: p.abort_group(run, gid), group=gid):
-                j.calls[-1]["aborted_group"] = gid
-
-
-def killer_main(url: str, out_dir: str, seconds: float, seed: int) -> None:
-    """Terminate the workers' backends at random moments; journal what was hit in which state."""
-    rng, kills = random.Random(seed), defaultdict(int)
-    deadline = time.monotonic() + seconds
-    with psycopg.connect(url, autocommit=True, application_name="sf-killer") as c:
-        while time.monotonic() < deadline:
-            time.sleep(rng.uniform(0.02, 0.35))
-            rows = c.execute(
-                "SELECT pid, state FROM pg_stat_activity WHERE datname = current_database()"
-                " AND pid <> pg_backend_pid() AND application_name LIKE %s",
-                (APP + "%",),
-            ).fetchall()
-            busy = [r for r in rows if r[1] in ("active", "idle in transaction")]
-            targets = busy if busy and rng.random() < 0.7 else rows  # prefer mid-transaction / commit
-            for pid, state in rng.sample(targets, k=min(len(targets), rng.randint(1, 3))):
-                if c.execute("SELECT pg_terminate_backend(%s)", (pid,)).fetchone()[0]:
-                    kills[state or "unknown"] += 1
-    Path(out_dir, "killer.json").write_text(json.dumps({"kills": kills}))
-
-
-# ---- the whole drive and its check ------------------------------------------------------------
 
 
 def setup_run(engine, prompts: int) -> int:

@@ -166,3 +166,15 @@ def start_ps(tmp_path):
     for ps in started:
         if ps.proc.is_alive():
             ps.stop()
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread() -> Iterator[None]:
+    """Tiny ops: intra-op threads only add contention on a shared CPU (see TorchEngine).
+    A module of tiny-model tests asks for it with `pytest.mark.usefixtures`."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

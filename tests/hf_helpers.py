@@ -85,3 +85,44 @@ def start_ps(cluster: Any, tmp_path: Path) -> str:
     cluster.wait_file(ready, timeout=120)
     ps = json.loads(ready.read_text())
     return f"{ps['host']}:{ps['port']}"
+
+
+def spawn_hf_workers(cluster: Any, run: int, folder: Path, ps_addr: str, tokens: dict[str, str]) -> None:
+    """Everything but the trainer in `cluster`: a reward worker (repeat verifier), an `hf`
+    rollout worker on the model folder pulling from the PS, and the coordinator."""
+    common = ["--run", str(run)]
+    cluster.spawn(
+        "reward", ["reward-worker", *common, "--verifier", "repeat"], env={"STALEFLOW_TOKEN": tokens["reward"]}
+    )
+    cluster.spawn(
+        "rollout",
+        ["rollout-worker", *common, "--engine", "hf", "--model", str(folder), "--ps", ps_addr]
+        + ["--kv-capacity", "1024", "--heartbeat", "0.5"],
+        env={"STALEFLOW_TOKEN": tokens["rollout"]},
+    )
+    cluster.spawn(
+        "coordinator", ["coordinator", *common, "--lease", "3"], env={"STALEFLOW_TOKEN": tokens["coordinator"]}
+    )
+
+
+def assert_trained_hf_run(engine: Any, run: int, folder: Path, steps: int) -> None:
+    """Versions 1..steps published, each with new weights; the engine generated with a
+    published version; the audit is clean and counts `steps` steps."""
+    from sqlalchemy import text
+
+    from staleflow_db.audit import summary
+    from workers.models.hf import load_model
+    from workers.trainer.param_server import state_dict_checksum
+
+    with engine.connect() as c:
+        checksums = dict(
+            c.execute(text("SELECT version, checksum FROM param_versions WHERE run_id = :r"), {"r": run}).all()
+        )
+        generated = c.execute(text("SELECT max(version) FROM segments WHERE run_id = :r"), {"r": run}).scalar()
+    initial = state_dict_checksum(load_model(folder).state_dict())
+    assert set(checksums) == set(range(1, steps + 1))
+    assert len({initial, *checksums.values()}) == steps + 1  # every step changed the weights
+    assert generated is not None and generated >= 1  # the engine pulled published versions
+    audit = summary(engine, run)
+    assert audit["violations"] == []
+    assert len(audit["steps"]) == steps

@@ -3,7 +3,7 @@ why, and every invariant violation (an empty list is the healthy answer)."""
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Query
 
@@ -18,43 +18,29 @@ Auditor = Depends(allow(Role.COORDINATOR, Role.TRAINER, Role.OBSERVER))
 RunFilter = Annotated[int | None, Query(ge=1, le=2**63 - 1, description="only this run")]
 
 
-@router.get("/trained", response_model=TrainedSamples)
-def trained(
-    state: State,
-    run_id: RunFilter = None,
-    limit: Page = 1000,
-    offset: Offset = 0,
-    who: Principal = Auditor,
-) -> TrainedSamples:
-    """`trained_samples`: per trained sample its step, V_traj, staleness and segment versions."""
-    return TrainedSamples.model_validate(
-        {"rows": state.protocol.audit("trained", run_filter(who, run_id), limit, offset)}
-    )
+def _audit_view(view: str, model: type[TrainedSamples | DroppedSamples | Violations], doc: str) -> None:
+    """GET /v1/audit/{view}: the same run filter, paging and roles for every view; only the
+    view and its row model differ."""
+
+    def read(
+        state: State,
+        run_id: RunFilter = None,
+        limit: Page = 1000,
+        offset: Offset = 0,
+        who: Principal = Auditor,
+    ) -> Any:
+        return model.model_validate({"rows": state.protocol.audit(view, run_filter(who, run_id), limit, offset)})
+
+    read.__doc__ = doc  # the endpoint's description in the OpenAPI schema
+    router.get(f"/{view}", response_model=model, name=view)(read)
 
 
-@router.get("/dropped", response_model=DroppedSamples)
-def dropped(
-    state: State,
-    run_id: RunFilter = None,
-    limit: Page = 1000,
-    offset: Offset = 0,
-    who: Principal = Auditor,
-) -> DroppedSamples:
-    """`dropped_samples`: every aborted sample with its reason."""
-    return DroppedSamples.model_validate(
-        {"rows": state.protocol.audit("dropped", run_filter(who, run_id), limit, offset)}
-    )
-
-
-@router.get("/violations", response_model=Violations)
-def violations(
-    state: State,
-    run_id: RunFilter = None,
-    limit: Page = 1000,
-    offset: Offset = 0,
-    who: Principal = Auditor,
-) -> Violations:
-    """`staleness_violations`: broken invariants (bound, capacity, versions, contiguity, loss)."""
-    return Violations.model_validate(
-        {"rows": state.protocol.audit("violations", run_filter(who, run_id), limit, offset)}
-    )
+_audit_view(
+    "trained", TrainedSamples, "`trained_samples`: per trained sample its step, V_traj, staleness and segment versions."
+)
+_audit_view("dropped", DroppedSamples, "`dropped_samples`: every aborted sample with its reason.")
+_audit_view(
+    "violations",
+    Violations,
+    "`staleness_violations`: broken invariants (bound, capacity, versions, contiguity, loss).",
+)

@@ -3,7 +3,7 @@ audit views and the figures for /metrics, as named rows. Each is one short trans
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, NamedTuple
@@ -218,6 +218,73 @@ class ReadOps(TxMixin):
 
 DASHBOARD_PANELS = ("steps", "staleness", "instances", "queue", "coordinator", "drops")
 
+# A panel is named queries, bound to :run and :n (the steps asked for); it returns their rows
+# by those names, reshaped where `_PANEL_SHAPES` says.
+_PANEL_QUERIES: dict[str, dict[str, str]] = {
+    "steps": {
+        # A step is a consumed buffer: its trained samples' rewards and response tokens, and the
+        # time since the step before (the first step counts from the run's creation).
+        "steps": "WITH t AS (SELECT g.buffer AS step, avg(s.reward) AS reward_mean,"
+        " coalesce(stddev_pop(s.reward), 0) AS reward_std, min(s.reward) AS reward_min,"
+        " max(s.reward) AS reward_max, sum(s.n_tokens) AS tokens, count(*) AS samples"
+        " FROM samples s JOIN prompt_groups g ON g.id = s.group_id"
+        " WHERE s.run_id = :run AND g.state = 'consumed' AND s.state = 'rewarded' GROUP BY 1),"
+        " b AS (SELECT b.idx AS step, b.consumed_at, CAST(extract(epoch FROM b.consumed_at - coalesce("
+        "  lag(b.consumed_at) OVER (ORDER BY b.idx), r.created_at)) AS float8) AS step_s"
+        "  FROM buffers b JOIN runs r ON r.id = b.run_id WHERE b.run_id = :run AND b.consumed_at IS NOT NULL)"
+        " SELECT b.step, b.consumed_at, b.step_s, t.reward_mean, t.reward_std, t.reward_min, t.reward_max,"
+        " t.tokens, t.samples, t.tokens / nullif(b.step_s, 0) AS tokens_per_s"
+        " FROM b LEFT JOIN t USING (step) ORDER BY b.step DESC LIMIT :n",
+        # Which version each instance was on: its registration and the pulls it was told to do.
+        "instance_versions": "SELECT instance_id, at,"
+        " CAST(coalesce(data->>'version', data->>'target') AS integer) AS version"
+        " FROM events WHERE run_id = :run AND kind IN ('instance_registered', 'pull') ORDER BY id",
+    },
+    "staleness": {
+        "histogram": "SELECT g.buffer AS step, g.buffer - s.v_traj AS staleness, count(*) AS n"
+        " FROM samples s JOIN prompt_groups g ON g.id = s.group_id"
+        " WHERE s.run_id = :run AND g.state = 'consumed' AND s.state = 'rewarded'"
+        " AND g.buffer > (SELECT version FROM runs WHERE id = :run) - 1 - :n GROUP BY 1, 2 ORDER BY 1, 2",
+        "buffers": "SELECT b.idx, b.batch_size, b.capacity, b.occupied, b.reserved"
+        " FROM buffers b JOIN runs r ON r.id = b.run_id"
+        " WHERE b.run_id = :run AND b.consumed_at IS NULL ORDER BY b.idx",
+    },
+    "instances": {
+        "instances": "SELECT i.id, i.name, i.version, i.snapshot,"
+        " CAST(extract(epoch FROM now() - coalesce(i.snapshot_at, i.created_at)) AS float8) AS heartbeat_age_s,"
+        " CAST(extract(epoch FROM i.lease_expires_at - now()) AS float8) AS lease_left_s,"
+        " (SELECT count(*) FROM samples s WHERE s.instance_id = i.id AND s.state = 'running') AS routed"
+        " FROM instances i WHERE i.run_id = :run AND i.state = 'active' ORDER BY i.id",
+    },
+    "queue": {
+        # The level of a queued sample is its V_traj (None: fresh, not generated yet).
+        "levels": "SELECT v_traj AS level, count(*) AS n FROM samples WHERE run_id = :run AND state = 'queued'"
+        " GROUP BY 1 ORDER BY 1 NULLS FIRST",
+        "samples": "SELECT state::text AS state, count(*) AS n FROM samples WHERE run_id = :run GROUP BY 1",
+    },
+    "coordinator": {
+        "cycles": "SELECT id, epoch, at, snapshot_ms, decide_ms, write_ms, routed, interrupted, pulled, migrated"
+        " FROM coordinator_cycles WHERE run_id = :run ORDER BY id DESC LIMIT :n",
+        "commands": "SELECT id, instance_id, kind::text AS kind, sample_id, target_version, state::text AS state,"
+        " created_at FROM commands WHERE run_id = :run ORDER BY id DESC LIMIT 20",
+    },
+    "drops": {
+        "reasons": "SELECT reason, count(*) AS n FROM samples WHERE run_id = :run AND state = 'aborted'"
+        " GROUP BY 1 ORDER BY 2 DESC",
+    },
+    "audit": {
+        "violations": "SELECT invariant, subject, detail FROM staleness_violations WHERE run_id = :run"
+        " ORDER BY invariant, subject LIMIT 50",
+    },
+}
+_PanelRows = dict[str, list[dict[str, Any]]]
+_PANEL_SHAPES: dict[str, Callable[[_PanelRows], dict[str, Any]]] = {
+    "steps": lambda rows: rows | {"steps": rows["steps"][::-1]},  # queried newest first, for LIMIT
+    "queue": lambda rows: rows | {"samples": {r["state"]: r["n"] for r in rows["samples"]}},
+    "coordinator": lambda rows: rows | {"cycles": rows["cycles"][::-1]},
+    "audit": lambda rows: rows | {"ok": not rows["violations"]},
+}
+
 
 def _rows(conn: Connection, sql: str, **params: Any) -> list[dict[str, Any]]:
     return [dict(r._mapping) for r in conn.execute(text(sql), params).all()]
@@ -236,120 +303,9 @@ class DashboardReads(TxMixin):
                 | run.config()
             }
             for panel in panels:
-                if panel not in (*DASHBOARD_PANELS, "audit"):
+                if panel not in _PANEL_QUERIES:
                     raise ValueError(f"no dashboard panel {panel!r}")
-                out[panel] = getattr(self, f"_panel_{panel}")(c, run_id, steps)
+                rows = {name: _rows(c, sql, run=run_id, n=steps) for name, sql in _PANEL_QUERIES[panel].items()}
+                shape = _PANEL_SHAPES.get(panel)
+                out[panel] = shape(rows) if shape else rows
         return out
-
-    @staticmethod
-    def _panel_steps(c: Connection, run: int, n: int) -> dict[str, Any]:
-        # A step is a consumed buffer: its trained samples' rewards and response tokens, and the
-        # time since the step before (the first step counts from the run's creation).
-        rows = _rows(
-            c,
-            "WITH t AS (SELECT g.buffer AS step, avg(s.reward) AS reward_mean,"
-            " coalesce(stddev_pop(s.reward), 0) AS reward_std, min(s.reward) AS reward_min,"
-            " max(s.reward) AS reward_max, sum(s.n_tokens) AS tokens, count(*) AS samples"
-            " FROM samples s JOIN prompt_groups g ON g.id = s.group_id"
-            " WHERE s.run_id = :run AND g.state = 'consumed' AND s.state = 'rewarded' GROUP BY 1),"
-            " b AS (SELECT b.idx AS step, b.consumed_at, CAST(extract(epoch FROM b.consumed_at - coalesce("
-            "  lag(b.consumed_at) OVER (ORDER BY b.idx), r.created_at)) AS float8) AS step_s"
-            "  FROM buffers b JOIN runs r ON r.id = b.run_id WHERE b.run_id = :run AND b.consumed_at IS NOT NULL)"
-            " SELECT b.step, b.consumed_at, b.step_s, t.reward_mean, t.reward_std, t.reward_min, t.reward_max,"
-            " t.tokens, t.samples, t.tokens / nullif(b.step_s, 0) AS tokens_per_s"
-            " FROM b LEFT JOIN t USING (step) ORDER BY b.step DESC LIMIT :n",
-            run=run,
-            n=n,
-        )
-        rows.reverse()
-        # Which version each instance was on: its registration and the pulls it was told to do.
-        versions = _rows(
-            c,
-            "SELECT instance_id, at, CAST(coalesce(data->>'version', data->>'target') AS integer) AS version"
-            " FROM events WHERE run_id = :run AND kind IN ('instance_registered', 'pull') ORDER BY id",
-            run=run,
-        )
-        return {"steps": rows, "instance_versions": versions}
-
-    @staticmethod
-    def _panel_staleness(c: Connection, run: int, n: int) -> dict[str, Any]:
-        hist = _rows(
-            c,
-            "SELECT g.buffer AS step, g.buffer - s.v_traj AS staleness, count(*) AS n"
-            " FROM samples s JOIN prompt_groups g ON g.id = s.group_id"
-            " WHERE s.run_id = :run AND g.state = 'consumed' AND s.state = 'rewarded'"
-            " AND g.buffer > (SELECT version FROM runs WHERE id = :run) - 1 - :n GROUP BY 1, 2 ORDER BY 1, 2",
-            run=run,
-            n=n,
-        )
-        buffers = _rows(
-            c,
-            "SELECT b.idx, b.batch_size, b.capacity, b.occupied, b.reserved FROM buffers b JOIN runs r ON r.id = b.run_id"
-            " WHERE b.run_id = :run AND b.consumed_at IS NULL ORDER BY b.idx",
-            run=run,
-        )
-        return {"histogram": hist, "buffers": buffers}
-
-    @staticmethod
-    def _panel_instances(c: Connection, run: int, n: int) -> dict[str, Any]:
-        rows = _rows(
-            c,
-            "SELECT i.id, i.name, i.version, i.snapshot,"
-            " CAST(extract(epoch FROM now() - coalesce(i.snapshot_at, i.created_at)) AS float8) AS heartbeat_age_s,"
-            " CAST(extract(epoch FROM i.lease_expires_at - now()) AS float8) AS lease_left_s,"
-            " (SELECT count(*) FROM samples s WHERE s.instance_id = i.id AND s.state = 'running') AS routed"
-            " FROM instances i WHERE i.run_id = :run AND i.state = 'active' ORDER BY i.id",
-            run=run,
-        )
-        return {"instances": rows}
-
-    @staticmethod
-    def _panel_queue(c: Connection, run: int, n: int) -> dict[str, Any]:
-        # The level of a queued sample is its V_traj (None: fresh, not generated yet).
-        levels = _rows(
-            c,
-            "SELECT v_traj AS level, count(*) AS n FROM samples WHERE run_id = :run AND state = 'queued'"
-            " GROUP BY 1 ORDER BY 1 NULLS FIRST",
-            run=run,
-        )
-        states = _rows(
-            c, "SELECT state::text AS state, count(*) AS n FROM samples WHERE run_id = :run GROUP BY 1", run=run
-        )
-        return {"levels": levels, "samples": {r["state"]: r["n"] for r in states}}
-
-    @staticmethod
-    def _panel_coordinator(c: Connection, run: int, n: int) -> dict[str, Any]:
-        cycles = _rows(
-            c,
-            "SELECT id, epoch, at, snapshot_ms, decide_ms, write_ms, routed, interrupted, pulled, migrated"
-            " FROM coordinator_cycles WHERE run_id = :run ORDER BY id DESC LIMIT :n",
-            run=run,
-            n=n,
-        )
-        commands = _rows(
-            c,
-            "SELECT id, instance_id, kind::text AS kind, sample_id, target_version, state::text AS state, created_at"
-            " FROM commands WHERE run_id = :run ORDER BY id DESC LIMIT 20",
-            run=run,
-        )
-        return {"cycles": cycles[::-1], "commands": commands}
-
-    @staticmethod
-    def _panel_drops(c: Connection, run: int, n: int) -> dict[str, Any]:
-        reasons = _rows(
-            c,
-            "SELECT reason, count(*) AS n FROM samples WHERE run_id = :run AND state = 'aborted'"
-            " GROUP BY 1 ORDER BY 2 DESC",
-            run=run,
-        )
-        return {"reasons": reasons}
-
-    @staticmethod
-    def _panel_audit(c: Connection, run: int, n: int) -> dict[str, Any]:
-        rows = _rows(
-            c,
-            "SELECT invariant, subject, detail FROM staleness_violations WHERE run_id = :run"
-            " ORDER BY invariant, subject LIMIT 50",
-            run=run,
-        )
-        return {"violations": rows, "ok": not rows}

@@ -4,8 +4,8 @@ terminates their PostgreSQL backends at random moments (idle, mid-transaction, a
 Every call is journaled as acked, refused or unknown (the connection died under it). At the
 end the database must hold every acked outcome, none of the refused ones, each unknown one
 whole or not at all, no duplicated segment, contiguous versions, and an empty
-`staleness_violations`. The workers and the check live in bench/backend_kills.py, whose
-`--seconds` runs the same thing for longer.
+`staleness_violations`. The check lives in bench/backend_kills.py (whose `--seconds` runs the
+same thing for longer), the workers and the killer in bench/backend_kills_workers.py.
 """
 
 from __future__ import annotations

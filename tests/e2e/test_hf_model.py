@@ -16,17 +16,13 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from hf_helpers import hf_run, make_tiny_hf_model, start_ps
-from sqlalchemy import text
+from hf_helpers import assert_trained_hf_run, hf_run, make_tiny_hf_model, spawn_hf_workers, start_ps
 from typer.testing import CliRunner
 
 from staleflow_cli.launch import Cluster, wait_until
 from staleflow_cli.main import app
-from staleflow_db.audit import summary
 from staleflow_db.protocol import Protocol
-from workers.models.hf import load_model
 from workers.tasks.repeat import RepeatTask
-from workers.trainer.param_server import state_dict_checksum
 from workers.trainer.torch_trainer import read_steps_log
 
 STEPS = 3
@@ -49,18 +45,7 @@ def test_hf_model_folder_runs_the_whole_loop(db_url, engine, tmp_path):
             + ["--steps", str(STEPS), "--lr", "1e-3"],
             env={"STALEFLOW_TOKEN": tokens["trainer"]},
         )
-        cluster.spawn(
-            "reward", ["reward-worker", *common, "--verifier", "repeat"], env={"STALEFLOW_TOKEN": tokens["reward"]}
-        )
-        cluster.spawn(
-            "rollout",
-            ["rollout-worker", *common, "--engine", "hf", "--model", str(folder), "--ps", ps_addr]
-            + ["--kv-capacity", "1024", "--heartbeat", "0.5"],
-            env={"STALEFLOW_TOKEN": tokens["rollout"]},
-        )
-        cluster.spawn(
-            "coordinator", ["coordinator", *common, "--lease", "3"], env={"STALEFLOW_TOKEN": tokens["coordinator"]}
-        )
+        spawn_hf_workers(cluster, run, folder, ps_addr, tokens)
 
         def trained() -> bool:
             cluster.check()
@@ -69,18 +54,7 @@ def test_hf_model_folder_runs_the_whole_loop(db_url, engine, tmp_path):
         wait_until(trained, 400, 1.0, lambda: f"run at version {protocol.status(run)['version']} of {STEPS}")
     log = read_steps_log(checkpoint)
     assert [e["version"] for e in log if e["event"] == "trained"] == [1, 2, 3]
-    with engine.connect() as c:
-        checksums = dict(
-            c.execute(text("SELECT version, checksum FROM param_versions WHERE run_id = :r"), {"r": run}).all()
-        )
-        generated = c.execute(text("SELECT max(version) FROM segments WHERE run_id = :r"), {"r": run}).scalar()
-    initial = state_dict_checksum(load_model(folder).state_dict())
-    assert set(checksums) == {1, 2, 3}
-    assert len({initial, *checksums.values()}) == 4  # every step changed the weights
-    assert generated is not None and generated >= 1  # the engine loaded published versions
-    audit = summary(engine, run)
-    assert audit["violations"] == []
-    assert len(audit["steps"]) == STEPS
+    assert_trained_hf_run(engine, run, folder, STEPS)
 
 
 @pytest.mark.parametrize(

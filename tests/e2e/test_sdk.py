@@ -15,15 +15,11 @@ pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from api_helpers import REPO
-from hf_helpers import hf_run, make_tiny_hf_model, start_ps
-from sqlalchemy import text
+from hf_helpers import assert_trained_hf_run, hf_run, make_tiny_hf_model, spawn_hf_workers, start_ps
 
 from staleflow_cli.launch import Cluster, wait_until
-from staleflow_db.audit import summary
 from staleflow_db.protocol import Protocol
-from workers.models.hf import load_model
 from workers.tasks.repeat import RepeatTask
-from workers.trainer.param_server import state_dict_checksum
 
 STEPS = 3
 TASK = RepeatTask(max_count=8, max_response=12)
@@ -34,7 +30,6 @@ def test_sdk_example_trains_an_hf_model(db_url, engine, tmp_path):
     folder = make_tiny_hf_model(tmp_path / "model")
     run, tokens = hf_run(engine, folder, "sdk", STEPS, TASK)
     protocol = Protocol(engine)
-    common = ["--run", str(run)]
     with Cluster(tmp_path, db_url) as cluster:
         api = cluster.start_api(timeout=120)
         ps_addr = start_ps(cluster, tmp_path)
@@ -49,18 +44,7 @@ def test_sdk_example_trains_an_hf_model(db_url, engine, tmp_path):
                 stderr=subprocess.STDOUT,
             )
         try:
-            cluster.spawn(
-                "reward", ["reward-worker", *common, "--verifier", "repeat"], env={"STALEFLOW_TOKEN": tokens["reward"]}
-            )
-            cluster.spawn(
-                "rollout",
-                ["rollout-worker", *common, "--engine", "hf", "--model", str(folder), "--ps", ps_addr]
-                + ["--kv-capacity", "1024", "--heartbeat", "0.5"],
-                env={"STALEFLOW_TOKEN": tokens["rollout"]},
-            )
-            cluster.spawn(
-                "coordinator", ["coordinator", *common, "--lease", "3"], env={"STALEFLOW_TOKEN": tokens["coordinator"]}
-            )
+            spawn_hf_workers(cluster, run, folder, ps_addr, tokens)
 
             def finished() -> bool:
                 cluster.check()
@@ -78,15 +62,4 @@ def test_sdk_example_trains_an_hf_model(db_url, engine, tmp_path):
         "v1->v2",
         "v2->v3",
     ]
-    with engine.connect() as c:
-        checksums = dict(
-            c.execute(text("SELECT version, checksum FROM param_versions WHERE run_id = :r"), {"r": run}).all()
-        )
-        generated = c.execute(text("SELECT max(version) FROM segments WHERE run_id = :r"), {"r": run}).scalar()
-    initial = state_dict_checksum(load_model(folder).state_dict())
-    assert set(checksums) == {1, 2, 3}
-    assert len({initial, *checksums.values()}) == 4  # every step changed the weights
-    assert generated is not None and generated >= 1  # the engine pulled versions the SDK published
-    audit = summary(engine, run)
-    assert audit["violations"] == []
-    assert len(audit["steps"]) == STEPS
+    assert_trained_hf_run(engine, run, folder, STEPS)

@@ -26,13 +26,7 @@ def model() -> TinyTransformer:
     return TinyTransformer(CFG, seed=7)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny ops: intra-op threads only add contention on a shared CPU (see TorchEngine)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _prompt(n: int, salt: int = 0) -> list[int]:

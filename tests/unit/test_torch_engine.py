@@ -4,7 +4,6 @@ instance), batch-independence, real KV accounting, preemption and weight loading
 from __future__ import annotations
 
 import pytest
-import torch
 
 from workers.models.tiny_model import TinyConfig, TinyTransformer, generate
 from workers.rollout.engines.base import FinishedEvent, PreemptedEvent, TokensEvent
@@ -14,13 +13,7 @@ CFG = TinyConfig(vocab_size=48, d_model=32, n_layers=2, n_heads=4, max_seq=128, 
 MAX_NEW = 40
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny ops: intra-op threads only add contention on a shared CPU (see TorchEngine)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _prompt(i: int) -> list[int]:
@@ -219,8 +212,10 @@ def test_edge_requests():
     with pytest.raises(ValueError):
         e.add_request("bad", [CFG.vocab_size])
     e.add_request("dup", [1])
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="already in the engine"):
         e.add_request("dup", [1])
+    with pytest.raises(ValueError, match="empty prompt"):
+        e.add_request("empty", [])
 
 
 def test_sample_outgrowing_the_whole_cache_finishes_with_capacity():

@@ -2,9 +2,9 @@
 replaced: `FakeLLM` stands in for AsyncLLM's engine core (one token per `produce` tick per
 request). Its front end -- the output collector that merges DELTA outputs and the abort that
 queues a final `finished=True, "abort"` output -- is vLLM's REAL OutputProcessor and
-RequestOutputCollector where vLLM imports (a test-only environment with `pip install
-vllm==0.33.0`, or the pinned 0.32.0: these classes run on CPU), and a minimal copy of their
-semantics otherwise; every engine test runs on each front end available. Nothing here needs a GPU; bench/gpu_check.py covers the rest.
+RequestOutputCollector where vLLM imports (the pinned 0.32.0, `pip install -e '.[vllm]'`, or
+0.33 in an environment of its own, since it needs torch 2.14: these classes run on CPU), and a
+minimal copy of their semantics otherwise; every engine test runs on each front end available. Nothing here needs a GPU; bench/gpu_check.py covers the rest.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from workers.rollout.engines.base import FINISH_REASONS, FinishedEvent, Partial,
 from workers.rollout.engines.vllm_engine import VLLM_FINISH_REASONS, StaleFlowWorkerExtension, VLLMEngine
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
-needs_vllm = pytest.mark.skipif(not HAVE_VLLM, reason="vLLM is not installed (test-only env: pip install vllm==0.33.0)")
+needs_vllm = pytest.mark.skipif(not HAVE_VLLM, reason="vLLM is not installed (pinned 0.32.0: pip install -e '.[vllm]')")
 
 
 def token(rid: str, k: int) -> tuple[int, float]:
@@ -148,7 +148,7 @@ class FakeLLM:
         self.errored = False  # AsyncLLM.errored: the engine is dead
 
     async def add_request(self, rid: str, prompt: dict, params: object) -> object:
-        assert prompt["type"] == "token"  # the 0.33 input API, not a raw TokensPrompt
+        assert prompt["type"] == "token"  # `vllm.inputs.tokens_input` (0.32 and 0.33), not a raw TokensPrompt
         await self.registration.wait()
         if 999 in prompt["prompt_token_ids"]:
             raise ValueError("refused by the input processor")
@@ -280,6 +280,16 @@ def test_engine_side_stops_surface_as_finishes(frontend, reason):
     assert fin.finish_reason == reason and fin.tokens == toks(events, "1") and len(fin.tokens) == 2
     assert fin.prefix_len == 1 and not eng.has_work()
     assert eng.interrupt(["1"]) == []
+
+
+@pytest.mark.parametrize("frontend", FRONTENDS)
+def test_a_held_sample_and_an_empty_prompt_are_refused(frontend):
+    eng, _ = engine(frontend)
+    eng.add_request("1", [1, 2], max_new_tokens=3)
+    with pytest.raises(ValueError, match="already in the engine"):
+        eng.add_request("1", [1, 2], max_new_tokens=3)
+    with pytest.raises(ValueError, match="empty prompt"):
+        eng.add_request("2", [], max_new_tokens=3)
 
 
 @pytest.mark.parametrize("frontend", FRONTENDS)

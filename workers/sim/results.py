@@ -89,18 +89,18 @@ def ideal_tokens_per_s(setup: Setup, seed: int = 0) -> float:
 
 def build_result(sim: Simulator, steps: int, wall0: float) -> SimResult:
     """Summarise `sim` after `Simulator.run` asked for `steps` steps (started at `wall0`)."""
-    p, su = sim.p, sim.setup
+    p, su, tr = sim.p, sim.setup, sim.trainer
     done = p.version
-    T = sim.publish_times[-1] if sim.publish_times else sim.now
+    T = tr.publish_times[-1] if tr.publish_times else sim.now
     for e in sim.engines.values():  # bring lazily advanced engines to the end time
         e.advance(sim.now)
-    tokens = sum(sim.step_tokens[:done])
-    samples = sum(sim.step_samples[:done])
+    tokens = sum(tr.step_tokens[:done])
+    samples = sum(tr.step_samples[:done])
     warm = min(max(1, done // 5), max(done - 1, 0))
     if done > warm and warm > 0:
-        span = sim.publish_times[done - 1] - sim.publish_times[warm - 1]
-        st_tokens = sum(sim.step_tokens[warm:done])
-        st_samples = sum(sim.step_samples[warm:done])
+        span = tr.publish_times[done - 1] - tr.publish_times[warm - 1]
+        st_tokens = sum(tr.step_tokens[warm:done])
+        st_samples = sum(tr.step_samples[warm:done])
         steady_tps = st_tokens / span if span > 0 else 0.0
         steady_sps = st_samples / span if span > 0 else 0.0
     else:
@@ -111,7 +111,7 @@ def build_result(sim: Simulator, steps: int, wall0: float) -> SimResult:
     pull = sum(e.pull_total for e in sim.engines.values())
     ideal = ideal_tokens_per_s(su, sim.seed)
     violations = list(dict.fromkeys(sim.violations + p.check_invariants()))
-    step_times = [b - a for a, b in zip([0.0] + sim.publish_times[:-1], sim.publish_times)]
+    step_times = [b - a for a, b in zip([0.0] + tr.publish_times[:-1], tr.publish_times)]
     return SimResult(
         setup=su.name,
         policy=sim.policy.name,
@@ -122,9 +122,9 @@ def build_result(sim: Simulator, steps: int, wall0: float) -> SimResult:
         virtual_time=T,
         wall_time=time.perf_counter() - wall0,
         trained_tokens=tokens,
-        trained_prompt_tokens=sim.trained_prompt_tokens,
+        trained_prompt_tokens=tr.trained_prompt_tokens,
         trained_samples=samples,
-        trained_groups=sum(sim.staleness.values()),
+        trained_groups=sum(tr.staleness.values()),
         tokens_per_s=tokens / T if T > 0 else 0.0,
         samples_per_s=samples / T if T > 0 else 0.0,
         steady_tokens_per_s=steady_tps,
@@ -134,11 +134,11 @@ def build_result(sim: Simulator, steps: int, wall0: float) -> SimResult:
         ratio_to_ideal=steady_tps / ideal if ideal else 0.0,
         rollout_idle_fraction=idle / inst_time,
         rollout_pull_fraction=pull / inst_time,
-        trainer_idle_fraction=max(0.0, 1.0 - sim.train_busy / T) if T > 0 else 1.0,
-        staleness_hist=dict(sorted(sim.staleness.items())),
-        sample_staleness_hist=dict(sorted(sim.sample_staleness.items())),
+        trainer_idle_fraction=max(0.0, 1.0 - tr.busy / T) if T > 0 else 1.0,
+        staleness_hist=dict(sorted(tr.staleness.items())),
+        sample_staleness_hist=dict(sorted(tr.sample_staleness.items())),
         step_times=step_times,
-        train_times=list(sim.train_times[:done]),
+        train_times=list(tr.train_times[:done]),
         generated_tokens=sum(e.tokens for e in sim.engines.values()),
         prefill_tokens=sum(e.prefill_tokens for e in sim.engines.values()),
         commands=dict(sim.commands) | {"preemptions": sum(e.preemptions for e in sim.engines.values())},

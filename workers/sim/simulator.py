@@ -6,8 +6,8 @@ Pieces (none sleeps, none touches a database):
   (Reserve), segment report, reward (Occupy), consume and publish goes through it, so the
   simulated runs obey exactly the rules the real system does;
 * rollout instances — `SimInstance`, continuous batching on the cost-model clock;
-* a trainer — consumes the ready buffer of its version, trains for a tokens-proportional
-  time, publishes (the PS then holds the new version);
+* a trainer — `SimTrainer`: consumes the ready buffer of its version, trains for a
+  tokens-proportional time, publishes (the PS then holds the new version);
 * the coordinator — every `policy.cycle_period` (100 ms) of virtual time: instance
   heartbeats feed the `SpeculativeState`, and `run_cycle` — the very cycle the real
   coordinator runs — plans routes, pulls and interrupts, applies them here (`_apply`: the
@@ -48,6 +48,7 @@ from .engine import SampleTable, SimInstance
 from .protocol import SimProtocol
 from .results import SimResult, build_result, ideal_tokens_per_s
 from .setups import Setup, get_setup
+from .trainer import SimTrainer
 from .workload import Workload
 
 __all__ = ["SimResult", "Simulator", "ideal_tokens_per_s", "simulate"]
@@ -129,17 +130,7 @@ class Simulator:
         self.leases: dict[int, str] = {}  # sample -> lease token of its latest route (reports quote it)
         self.fresh_groups: set[int] = set()
         self.group_index = 0
-        # trainer
-        self.train_until: float | None = None
-        self.train_batch: tuple[int, int, list[int]] | None = None  # (version, lease, groups)
-        self.train_busy = 0.0
-        self.publish_times: list[float] = []
-        self.train_times: list[float] = []
-        self.step_tokens: list[int] = []
-        self.step_samples: list[int] = []
-        self.staleness: Counter[int] = Counter()
-        self.sample_staleness: Counter[int] = Counter()
-        self.trained_prompt_tokens = 0
+        self.trainer = SimTrainer(self.p, self.table, su)
         self.commands: Counter[str] = Counter()
         self.cycles = 0
         self.coord_wall = 0.0
@@ -231,54 +222,14 @@ class Simulator:
     # ---- trainer ---------------------------------------------------------------------------
 
     def _trainer(self) -> bool:
-        changed = False
-        p = self.p
-        if self.train_until is not None and self.now >= self.train_until - 1e-9:
-            assert self.train_batch is not None  # set with train_until
-            v, lease, _ = self.train_batch
-            in_flight = list(p.reserved)
-            p.publish(v, lease)
-            self.publish_times.append(self.now)
-            self.train_until = self.train_batch = None
-            doomed = p.abort_after_ready()
-            if doomed:
-                self._drop_aborted(doomed)
-            # consumed buffers can strand reservations (B' > B): publish may abort those groups
-            stranded = [gid for gid in in_flight if p.groups[gid].state == GroupState.ABORTED]
-            if stranded:
-                self._drop_aborted(stranded)
+        """Publish a finished step, start the next; True if either happened."""
+        aborted = self.trainer.publish_due(self.now)
+        if aborted is not None:
+            self._drop_aborted(aborted)
             if self.check_every_step:
-                self.violations.extend(p.check_invariants())
-            changed = True
-        if self.train_until is None:
-            res = p.consume(p.version)
-            if res is not None:
-                lease, gids = res
-                b = p.version
-                tokens = prompt_tokens = samples = 0
-                tbl = self.table
-                for gid in gids:
-                    g = p.groups[gid]
-                    assert g.group_version is not None  # a consumed group has its version
-                    self.staleness[b - g.group_version] += 1
-                    for sid in g.sample_ids:
-                        s = p.samples[sid]
-                        if s.state == SampleState.REWARDED:
-                            assert s.v_traj is not None  # it was routed
-                            tokens += tbl.gen[sid]
-                            prompt_tokens += tbl.prompt[sid]
-                            samples += 1
-                            self.sample_staleness[b - s.v_traj] += 1
-                self.step_tokens.append(tokens)
-                self.step_samples.append(samples)
-                self.trained_prompt_tokens += prompt_tokens
-                dt = self.setup.train_step_time(tokens + prompt_tokens)
-                self.train_times.append(dt)
-                self.train_busy += dt
-                self.train_until = self.now + dt
-                self.train_batch = (b, lease, gids)
-                changed = True
-        return changed
+                self.violations.extend(self.p.check_invariants())
+        started = self.trainer.start_step(self.now)
+        return aborted is not None or started
 
     # ---- coordinator -----------------------------------------------------------------------
 
@@ -437,8 +388,8 @@ class Simulator:
         for te in self.next_ev.values():
             if te < t:
                 t = te
-        if self.train_until is not None and self.train_until < t:
-            t = self.train_until
+        if self.trainer.until is not None and self.trainer.until < t:
+            t = self.trainer.until
         for iid, hb in self.next_hb.items():
             if hb < t:
                 est = self.spec.estimates[iid]

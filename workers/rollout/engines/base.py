@@ -91,6 +91,18 @@ class EngineStats:
     preemptions: int = 0  # total since start
 
 
+def request_context(
+    held: bool, sample_id: str, prompt_tokens: Sequence[int], prefix_tokens: Sequence[int]
+) -> list[int]:
+    """The argument checks an engine's `add_request` makes before queueing (`held`: the engine
+    already holds `sample_id`); returns the context, prompt then prefix, as ints."""
+    if held:
+        raise ValueError(f"sample {sample_id!r} already in the engine")
+    if not prompt_tokens:
+        raise ValueError("empty prompt")
+    return [int(t) for t in prompt_tokens] + [int(t) for t in prefix_tokens]
+
+
 class Engine(abc.ABC):
     """One rollout instance's inference engine, driven by a single caller thread.
 

@@ -32,6 +32,7 @@ from workers.rollout.engines.base import (
     Partial,
     PreemptedEvent,
     TokensEvent,
+    request_context,
 )
 
 C = TypeVar("C")  # an engine's per-sample KV handle
@@ -140,13 +141,9 @@ class BatchingEngine(Engine, Generic[C]):
         max_new_tokens: int = 256,
         seed: int = 0,
     ) -> None:
-        if self._find(sample_id) is not None:
-            raise ValueError(f"sample {sample_id!r} already in the engine")
-        if not prompt_tokens:
-            raise ValueError("empty prompt")
+        context = request_context(self._find(sample_id) is not None, sample_id, prompt_tokens, prefix_tokens)
         if prefix_logprobs and len(prefix_logprobs) != len(prefix_tokens):
             raise ValueError("prefix_logprobs and prefix_tokens differ in length")
-        context = [int(t) for t in prompt_tokens] + [int(t) for t in prefix_tokens]
         if not all(0 <= t < self.vocab_size for t in context):
             raise ValueError("token id out of vocabulary")
         if (self.max_seq is not None and len(context) >= self.max_seq) or max_new_tokens <= 0:

@@ -44,7 +44,15 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from workers.rollout.engines.base import Engine, EngineEvent, EngineStats, FinishedEvent, Partial, TokensEvent
+from workers.rollout.engines.base import (
+    Engine,
+    EngineEvent,
+    EngineStats,
+    FinishedEvent,
+    Partial,
+    TokensEvent,
+    request_context,
+)
 
 INSTALL_HINT = "the vllm engine needs vLLM on a GPU host: pip install 'staleflow[vllm]'"
 # vLLM's finish reason -> ours; "abort" of a stretch we stopped ourselves is no finish at all
@@ -300,11 +308,7 @@ class VLLMEngine(Engine):
         max_new_tokens: int = 256,
         seed: int = 0,
     ) -> None:
-        if sample_id in self._live:
-            raise ValueError(f"sample {sample_id!r} already in the engine")
-        if not prompt_tokens:
-            raise ValueError("empty prompt")
-        context = [int(t) for t in prompt_tokens] + [int(t) for t in prefix_tokens]
+        context = request_context(sample_id in self._live, sample_id, prompt_tokens, prefix_tokens)
         if len(context) >= self._max_len or max_new_tokens <= 0:
             self._pending.append(FinishedEvent(sample_id, [], [], "length", len(prefix_tokens)))
             return
