@@ -5,6 +5,7 @@
 #
 #   make demo [DEMO_ARGS="--steps 50"]
 #   make test [PYTEST_ARGS="tests/unit -q"]      # default: the whole suite, as .ci/run runs it
+#   make test-vllm                              # the vLLM adapter against vLLM's real classes (CPU)
 #   make install TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu   # the CPU build of torch
 #
 # torch: pip resolves TORCH_SPEC first, on its own, so nothing later can pull another build.
@@ -22,7 +23,7 @@ STAMP := $(VENV)/.staleflow-installed
 # Runs a command inside the virtualenv (its bin/ first on PATH), as `source activate` would.
 IN_VENV := PATH="$(abspath $(VENV))/bin:$$PATH" VIRTUAL_ENV="$(abspath $(VENV))"
 
-.PHONY: install demo test clean-venv
+.PHONY: install demo test install-vllm test-vllm clean-venv
 
 install: $(STAMP)
 
@@ -39,5 +40,27 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(IN_VENV) .ci/pytest $(PYTEST_ARGS)
 
+# The vLLM adapter's tests against vLLM's real classes (its output processor, serialisation,
+# engine arguments), which import on the CPU: a test-only environment, since vLLM's wheel is
+# large (~6 GB with its CUDA libraries) and nothing else needs it. vLLM pulls PyPI's CUDA builds
+# of torchvision, torchaudio and torchcodec, which cannot load beside the CPU torch; vLLM
+# imports them only for multimodal input, so they are removed.
+VLLM_VENV ?= .venv-vllm
+VLLM_SPEC ?= vllm==0.32.0
+VLLM_STAMP := $(VLLM_VENV)/.staleflow-installed
+
+$(VLLM_STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install --progress-bar off $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL)) '$(TORCH_SPEC)'
+	$(VLLM_VENV)/bin/python -m pip install --progress-bar off '$(VLLM_SPEC)'
+	$(VLLM_VENV)/bin/python -m pip uninstall -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -m pip install --progress-bar off -e . pytest pytest-timeout hypothesis
+	touch $@
+
+install-vllm: $(VLLM_STAMP)
+
+test-vllm: $(VLLM_STAMP)
+	$(VLLM_VENV)/bin/python -m pytest -p no:cacheprovider tests/unit/test_vllm_engine.py tests/unit/test_vllm_adapter.py
+
 clean-venv:
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(VLLM_VENV)
