@@ -214,6 +214,8 @@ def test_expired_instance_is_fenced_and_its_samples_requeued_with_their_tokens(e
         d.p.heartbeat(inst, 0)
     with pytest.raises(Conflict, match="expired"):
         d.p.poll_work(inst)
+    with pytest.raises(NotFound, match="instance 424242"):  # the check shares the delivery's statement
+        d.p.poll_work(424242)
     fresh = d.p.register_instance(d.run, "restarted", 0)
     assert fresh != inst
     d.routed([s], fresh)
