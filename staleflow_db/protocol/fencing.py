@@ -4,6 +4,7 @@ route (its attempt and secret lease token)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Sequence
 
@@ -12,7 +13,7 @@ from sqlalchemy import Connection, text
 from ..enums import SegmentKind
 from ..errors import Conflict, InvalidInput, NotFound, TooLarge
 from ..types import Report
-from .base import load_run
+from .base import RUN_COLUMNS, RunRow
 from .events import EVENTS_INSERT, Event, events_params
 
 
@@ -25,7 +26,22 @@ def check_live(instance_id: int, state: str, live: bool) -> None:
 
 
 def report_in(conn: Connection, run_id: int, reports: Sequence[Report]) -> int:
-    run = load_run(conn, run_id, lock=False)
+    # The run and the reporting instances in one round trip. The instances FOR SHARE in id order
+    # (lock order instances -> samples, as route and expiry): each must stay active with a live
+    # lease until this report commits. A run with no such instance still gives its one row.
+    run_and_instances = conn.execute(
+        text(
+            f"SELECT {RUN_COLUMNS}, i.iid, i.istate, i.live FROM runs LEFT JOIN LATERAL ("
+            " SELECT x.id AS iid, x.state::text AS istate, x.lease_expires_at > now() AS live FROM instances x"
+            "   WHERE x.run_id = runs.id AND x.id = ANY(CAST(:ids AS bigint[])) ORDER BY x.id FOR SHARE) i ON true"
+            " WHERE runs.id = :run"
+        ),
+        {"run": run_id, "ids": sorted({r.instance_id for r in reports})},
+    ).all()
+    if not run_and_instances:
+        raise NotFound(f"run {run_id}")
+    first = run_and_instances[0]._mapping
+    run = RunRow(**{f.name: first[f.name] for f in dataclasses.fields(RunRow)})
     ids = [r.sample_id for r in reports]
     if len(set(ids)) != len(ids):
         raise InvalidInput("a sample appears twice in one report batch")
@@ -35,23 +51,14 @@ def report_in(conn: Connection, run_id: int, reports: Sequence[Report]) -> int:
         if r.kind not in tuple(SegmentKind):
             raise InvalidInput(f"sample {r.sample_id}: unknown kind {r.kind!r}")
         leases[r.sample_id] = r.lease_uuid()
-    # The reporting instances first, FOR SHARE in id order (lock order instances -> samples, as
-    # route and expiry): each must be active with a live lease until this report commits.
     fenced = {}
-    inst_ids = sorted({r.instance_id for r in reports})
-    found = conn.execute(
-        text(
-            "SELECT id, state, lease_expires_at > now() AS live FROM instances"
-            " WHERE run_id = :run AND id = ANY(CAST(:ids AS bigint[])) ORDER BY id FOR SHARE"
-        ),
-        {"run": run_id, "ids": inst_ids},
-    ).all()
+    found = [r for r in run_and_instances if r.iid is not None]
     for inst in found:
         try:
-            check_live(inst.id, inst.state, inst.live)
+            check_live(inst.iid, inst.istate, inst.live)
         except Conflict as e:
-            fenced[inst.id] = e.items[0][1]
-    unknown = sorted(set(inst_ids) - {r.id for r in found})
+            fenced[inst.iid] = e.items[0][1]
+    unknown = sorted({r.instance_id for r in reports} - {r.iid for r in found})
     if unknown:
         raise NotFound(f"instance {unknown[0]} in run {run_id}")
     cols = "SELECT id, state, attempt, v_traj, last_version, n_tokens, n_segments, instance_id, lease FROM samples"

@@ -254,30 +254,32 @@ class RolloutOps(TxMixin):
     ) -> tuple[list[Work], list[Command]]:
         """Deliver newly routed samples (with any prefix to continue from) and pending commands."""
         with self.tx(conn) as conn:
-            # FOR SHARE: the instance stays active and live until this delivery commits (an
-            # expiry waits for it, then requeues what was delivered).
-            row = conn.execute(
-                text(
-                    "SELECT i.state, i.lease_expires_at > now() AS live, r.max_response_tokens FROM instances i"
-                    " JOIN runs r ON r.id = i.run_id WHERE i.id = :i FOR SHARE OF i"
-                ),
-                {"i": instance_id},
-            ).first()
-            if row is None:
-                raise NotFound(f"instance {instance_id}")
-            check_live(instance_id, row.state, row.live)
+            # One statement checks the instance and delivers. FOR SHARE: the instance stays
+            # active and live until this delivery commits (an expiry waits for it, then requeues
+            # what was delivered). Its check is a one-time filter on the samples' scan, so it is
+            # locked before any sample (lock order instances -> samples) and a fenced instance
+            # gets nothing. One row per delivered sample, or one with no sample at all; none
+            # when there is no such instance.
             rows = conn.execute(
                 text(
-                    "WITH d AS MATERIALIZED (SELECT id FROM samples WHERE instance_id = :i AND state = 'running'"
-                    "   AND NOT delivered ORDER BY id LIMIT :n FOR UPDATE),"
+                    "WITH inst AS MATERIALIZED (SELECT i.state::text AS state, i.lease_expires_at > now() AS live,"
+                    "   r.max_response_tokens FROM instances i JOIN runs r ON r.id = i.run_id WHERE i.id = :i"
+                    "   FOR SHARE OF i),"
+                    " d AS MATERIALIZED (SELECT id FROM samples WHERE instance_id = :i AND state = 'running'"
+                    "   AND NOT delivered AND (SELECT state = 'active' AND live FROM inst) ORDER BY id LIMIT :n FOR UPDATE),"
                     " u AS (UPDATE samples s SET delivered = true FROM d WHERE s.id = d.id"
                     "   RETURNING s.id, s.attempt, s.lease, s.group_id, s.v_traj, s.n_tokens)"
-                    " SELECT u.id, u.attempt, u.lease::text AS lease, u.group_id, u.v_traj, u.n_tokens, g.prompt_tokens,"
+                    " SELECT inst.state, inst.live, inst.max_response_tokens, w.* FROM inst LEFT JOIN ("
+                    "  SELECT u.id, u.attempt, u.lease::text AS lease, u.group_id, u.v_traj, u.n_tokens, g.prompt_tokens,"
                     f"  {response_so_far('token_ids', 'u.id')} AS tokens, {response_so_far('logprobs', 'u.id')} AS logprobs"
-                    " FROM u JOIN prompt_groups g ON g.id = u.group_id ORDER BY u.id"
+                    "  FROM u JOIN prompt_groups g ON g.id = u.group_id) w ON true ORDER BY w.id"
                 ),
                 {"i": instance_id, "n": limit},
             ).all()
+            if not rows:
+                raise NotFound(f"instance {instance_id}")
+            row = rows[0]
+            check_live(instance_id, row.state, row.live)
             work = [
                 Work(
                     w.id,
@@ -291,6 +293,7 @@ class RolloutOps(TxMixin):
                     row.max_response_tokens - w.n_tokens,
                 )
                 for w in rows
+                if w.id is not None
             ]
             cmds = conn.execute(
                 text(

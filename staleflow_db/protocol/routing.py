@@ -40,6 +40,8 @@ def route_in(rtx: RunTx, pairs: Sequence[tuple[int, int]]) -> list[RouteResult]:
     # first is seen as fenced. Locked rows are read at their latest version; the members of
     # reserved groups (unlocked, read from the statement's snapshot) are as current as they
     # were when read in a statement of their own: reports change them without any lock we hold.
+    # The groups by `= ANY(ARRAY(...))`: an index lookup each, in id order; `IN (SELECT ...)`
+    # was planned as a hash join over a scan of every group of every run.
     instances: dict[int, Any] = {}
     samples: dict[int, Any] = {}
     groups: dict[int, RoutedGroup] = {}
@@ -51,7 +53,7 @@ def route_in(rtx: RunTx, pairs: Sequence[tuple[int, int]]) -> list[RouteResult]:
             " s AS MATERIALIZED (SELECT id, group_id, state::text AS state, v_traj, n_tokens, last_version, attempt"
             "   FROM samples WHERE run_id = :run AND id = ANY(CAST(:ids AS bigint[])) ORDER BY id FOR UPDATE),"
             " g AS MATERIALIZED (SELECT id, state::text AS state, reserved_buffer, min_version FROM prompt_groups"
-            "   WHERE id IN (SELECT group_id FROM s) ORDER BY id FOR UPDATE)"
+            "   WHERE id = ANY(ARRAY(SELECT group_id FROM s)) ORDER BY id FOR UPDATE)"
             " SELECT 'i', to_jsonb(i) FROM i"
             " UNION ALL SELECT 's', to_jsonb(s) FROM s"
             " UNION ALL SELECT 'g', to_jsonb(g) || jsonb_build_object('mid', m.id, 'mstate', m.state::text,"

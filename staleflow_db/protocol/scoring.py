@@ -42,7 +42,6 @@ class ScoringOps(TxMixin):
         if not 1 <= limit <= 10_000:
             raise InvalidInput("limit must be in 1..10000")
         with self.tx(conn) as conn:
-            load_run(conn, run_id, lock=False)
             # Lock expired claims in id order and skip rows another transaction holds (a
             # record_rewards posting late, under the run lock): scan-order locking here
             # deadlocked with it. A skipped row is reset by a later claim if still expired.
@@ -67,6 +66,8 @@ class ScoringOps(TxMixin):
                 ),
                 {"run": run_id, "n": limit, "ttl": lease_seconds},
             ).all()
+            if not rows:  # only then ask whether the run exists: one round trip less per claim
+                load_run(conn, run_id, lock=False)
             return [
                 RewardTask(
                     r.id, r.reward_attempt, r.group_id, list(r.prompt_tokens), list(r.response), r.finish_reason, r.meta
@@ -190,7 +191,8 @@ def rewards_in(rtx: RunTx, rewards: Sequence[tuple[int, int, float]]) -> list[Gr
     # members. Lock order samples -> groups, each in id order: UNION ALL branches run one after
     # the other. The members come from the statement's snapshot, so the batch's own rows are
     # seen as before this update and patched below; any other reward was committed before we
-    # took the run lock (rewards are only recorded under it), so the snapshot has it.
+    # took the run lock (rewards are only recorded under it), so the snapshot has it. The groups
+    # by `= ANY(ARRAY(...))`: index lookups, not the scan of all groups `IN (SELECT ...)` got.
     got: dict[str, list[dict[str, Any]]] = {"s": [], "g": [], "m": [], "r": []}
     for kind, row in conn.execute(
         text(
@@ -201,7 +203,7 @@ def rewards_in(rtx: RunTx, rewards: Sequence[tuple[int, int, float]]) -> list[Gr
             " w AS (UPDATE samples x SET state = 'rewarded', reward = s.r, reward_deadline = NULL, updated_at = now()"
             "   FROM s WHERE x.id = s.id AND (SELECT count(*) FILTER (WHERE holds) FROM s) = :n),"
             " g AS MATERIALIZED (SELECT id, state::text AS state, client_key, prompt_tokens, meta FROM prompt_groups"
-            "   WHERE id IN (SELECT group_id FROM s) ORDER BY id FOR UPDATE)"
+            "   WHERE id = ANY(ARRAY(SELECT group_id FROM s)) ORDER BY id FOR UPDATE)"
             " SELECT 's', to_jsonb(s) FROM s"
             " UNION ALL SELECT 'g', to_jsonb(g) FROM g"
             " UNION ALL SELECT 'm', jsonb_build_object('group_id', m.group_id, 'id', m.id, 'idx', m.idx,"

@@ -188,6 +188,10 @@ def test_fencing_refuses_stale_attempts_and_changes_nothing(engine):
     ]:
         with pytest.raises(err):
             d.p.report(d.run, [bad])
+    with pytest.raises(NotFound, match="run 424242"):  # the run is read with the instances
+        d.p.report(424242, [Report(s, att2[s], 0, [1], [-1.0], **now)])
+    with pytest.raises(NotFound, match="run 424242"):  # asked for only when nothing was claimed
+        d.p.claim_rewards(424242, 10)
     assert d.rows("SELECT * FROM segments ORDER BY sample_id, seq") == before
 
 
@@ -210,6 +214,8 @@ def test_expired_instance_is_fenced_and_its_samples_requeued_with_their_tokens(e
         d.p.heartbeat(inst, 0)
     with pytest.raises(Conflict, match="expired"):
         d.p.poll_work(inst)
+    with pytest.raises(NotFound, match="instance 424242"):  # the check shares the delivery's statement
+        d.p.poll_work(424242)
     fresh = d.p.register_instance(d.run, "restarted", 0)
     assert fresh != inst
     d.routed([s], fresh)
