@@ -1,14 +1,21 @@
 """Coordinator policies compared in the discrete-event simulator (docs/coordinator.md, docs/policies.md).
 
-    python bench/policies.py            # the four reference set-ups, η = 1, 2, 3, 20 steps
+    python bench/policies.py            # reference set-ups + workload shapes, η = 1, 2, 3, 20 steps
     python bench/policies.py --quick    # CI-sized: the small set-up, 10 steps
+    python bench/policies.py --setups short_many,heavy_tail --out /tmp/pol   # some shapes
 
+Set-ups: the four reference ones (qwen_14b, qwen_32b, qwen_moe_30b, qwen_7b) and the workload
+shapes short_many, heavy_tail, correlated, few_instances, many_instances (workers/sim/setups.py).
 For each set-up and η: tokens/s and samples/s of every policy, the ratios staleflow/sync,
 staleflow/one_step and staleflow/strict, the ratio to ideal, rollout idle fraction and the
-staleness histogram; an ablation table (η = 2). Writes bench/results/policies.md,
-policies.json and PNG plots. Progress goes to stdout; the LAST line printed is
+staleness histogram; a per-shape staleflow/strict table; an ablation table (η = 2, reference
+set-ups). Writes bench/results/policies.md, policies.json and PNG plots. Progress goes to
+stdout; the LAST line printed is
 
-    staleflow/sync=<avg> staleflow/strict=<avg>
+    staleflow/sync=<avg> staleflow/strict=<avg> min_strict=<lowest>
+
+(averages over the reference set-ups of the run, or over all of them when it has none; the
+lowest staleflow/strict over every set-up and η).
 """
 
 from __future__ import annotations
@@ -28,7 +35,7 @@ from workers.sim.bench import BenchConfig, run_bench
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="CI-sized run: the small set-up, 10 steps")
-    ap.add_argument("--setups", help="comma-separated set-ups (default: qwen_14b,qwen_32b,qwen_moe_30b,qwen_7b)")
+    ap.add_argument("--setups", help="comma-separated set-ups (default: the reference four and the workload shapes)")
     ap.add_argument("--steps", type=int, help="training steps per run")
     ap.add_argument("--etas", help="comma-separated staleness bounds (default 1,2,3)")
     ap.add_argument("--jobs", type=int, help="parallel processes (default: min(2, CPUs))")

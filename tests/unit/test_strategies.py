@@ -279,6 +279,40 @@ def test_status_based_pull_with_a_callable_and_threshold():
     assert sync_status_based(views, 0, lambda v: False, kv_threshold=1.0) == []
 
 
+def test_status_based_pull_keeps_running_samples_when_no_work_waits_for_the_new_version():
+    views = [inst(1, version=0, running=3, kv=30_000), inst(2, version=0)]
+    never = lambda v: False  # noqa: E731
+    # nothing can run at the PS version: the busy instance keeps draining, the empty one pulls
+    assert sync_status_based(views, 1, never, kv_threshold=0.3, new_work=False) == [PullDecision(2, 1)]
+    both = [PullDecision(1, 1), PullDecision(2, 1)]
+    assert sync_status_based(views, 1, never, kv_threshold=0.3, new_work=True) == both
+    assert sync_status_based(views, 1, never, kv_threshold=0.3) == both  # unknown: the rule is off
+
+
+def test_plan_asks_whether_work_waits_at_the_ps_version():
+    # one instance behind with 3 running samples and an empty queue (the staleness budget is
+    # full): nothing waits for v1, so it keeps its samples; without the rule it pulls
+    views = [inst(1, version=0, running=3, kv=30_000), inst(2, version=1, running=60, kv=240_000)]
+    queued: list[QueuedSample] = []
+    gate = get_policy("staleflow", migration=False).plan(views, queued, COST, ps_version=1)
+    assert gate.pulls == []
+    off = get_policy("staleflow", migration=False, pull_for_new_work=False).plan(views, queued, COST, ps_version=1)
+    assert off.pulls == [PullDecision(1, 1)]
+
+
+def test_waterfall_kv_fill_fills_to_the_steady_state_kv_target():
+    # two instances at 20 samples of 5K context: this μ stops short of what the cache holds
+    views = [inst(1, running=20, kv=100_000), inst(2, running=20, kv=100_000)]
+    q = [fresh(i, gid=i // 8) for i in range(200)]
+    plain = route_waterfall(views, q, COST, mu=0.5)
+    filled = route_waterfall(views, q, COST, mu=0.5, kv_fill=0.9)
+    target = int(0.9 * CAP / 5_000)  # 45 per instance at the mean running context
+    assert len(plain) < len(filled) == 2 * (target - 20)
+    # where the slot limit binds before the KV cache, filling is off and μ alone decides
+    capped = [inst(1, running=20, kv=100_000, max_running=40), inst(2, running=20, kv=100_000, max_running=40)]
+    assert route_waterfall(capped, q, COST, mu=0.5, kv_fill=0.9) == route_waterfall(capped, q, COST, mu=0.5)
+
+
 def test_greedy_pull_is_naive_and_all_idle_waits_for_everyone():
     views = [
         inst(1, version=0, running=50, kv=200_000, waiting=3),

@@ -65,9 +65,12 @@ class Policy:
     engine_migration: bool = True  # engine-side φ_wait rule
     eta: int | None = None  # a forced staleness bound (sync: 0, one_step: 1); None: the run's
     mu: float = 0.25  # waterfall: route only if ΔT >= μ·T(1, l)   (0.2-0.3 in the reference runs)
+    kv_fill: float | None = None  # waterfall: fill instances to this share of KV at mean context (None: off)
+    kv_cap: bool = False  # waterfall: and route nothing beyond that target
     psi: float = 2.0  # migration: loaded throughput > ψ · starved throughput
     phi_wait: int = 1  # engine: interrupt a preempted sample when the waiting queue exceeds this
     kv_threshold: float = 0.3  # status-based pull only at or below this KV usage
+    pull_for_new_work: bool = True  # status-based: a busy instance pulls only when new-version work waits
     cycle_period: float = 0.1  # seconds between coordinator cycles
     block_scope: str = "instance"  # see strategies.route_waterfall
     max_requests: int | None = None  # request-count routing: cap per instance (None: its max_running)
@@ -125,6 +128,8 @@ class Policy:
                 group_versions=group_versions,
                 block_scope=self.block_scope,
                 levels=levels,
+                kv_fill=self.kv_fill,
+                kv_cap=self.kv_cap,
             )
         else:
             routes = route_request_count(
@@ -147,15 +152,19 @@ class Policy:
         need_routable = (self.sync != "greedy" and behind) or self.migration
         routable: Mapping[int, bool] = {}
         if need_routable:
-            routable = routable_versions(
-                (i.version for i in after), None, admission, group_versions, levels=levels, exclude=routed
-            )
+            versions = [i.version for i in after]
+            if self.sync == "status" and self.pull_for_new_work and behind:
+                versions.append(ps_version)
+            routable = routable_versions(versions, None, admission, group_versions, levels=levels, exclude=routed)
         if self.sync != "greedy" and behind:
             # an instance that just received work at its current version keeps it this cycle
             got_work = {r.instance_id for r in routes}
             candidates = [i for i in after if i.instance_id not in got_work]
             if self.sync == "status":
-                pulls = sync_status_based(candidates, ps_version, routable, kv_threshold=self.kv_threshold)
+                new_work = routable.get(ps_version, False) if self.pull_for_new_work else None
+                pulls = sync_status_based(
+                    candidates, ps_version, routable, kv_threshold=self.kv_threshold, new_work=new_work
+                )
             elif not got_work:
                 pulls = sync_all_idle(after, ps_version, routable)
         interrupts: list[InterruptDecision] = []

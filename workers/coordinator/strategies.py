@@ -89,10 +89,17 @@ def sync_status_based(
     routable: Mapping[int, bool] | Callable[[int], bool],
     *,
     kv_threshold: float = 0.3,
+    new_work: bool | None = None,
 ) -> list[PullDecision]:
     """Pull instance i only when it is behind the PS, its waiting queue is empty, no queued
     sample can still be routed to it at its current version, and its KV usage is at or below
-    `kv_threshold` (docs/coordinator.md). Staying on an old version while old work remains is safe."""
+    `kv_threshold` (docs/coordinator.md). Staying on an old version while old work remains is safe.
+
+    `new_work`: whether some queued sample could be routed at `ps_version`. When it is False
+    an instance that still runs samples keeps them: a pull would interrupt them (their
+    re-prefill and the pull are lost) and gain nothing, as no work waits for the new version
+    (the staleness budget is full); it pulls once empty, or once new work appears. None: not
+    known (the rule is off)."""
     is_routable = routable if callable(routable) else (lambda v: routable.get(v, False))
     pulls = []
     for i in instances:
@@ -101,6 +108,8 @@ def sync_status_based(
         if is_routable(i.version):
             continue
         if i.kv_usage > kv_threshold:
+            continue
+        if new_work is False and i.running > 0:
             continue
         pulls.append(PullDecision(i.instance_id, ps_version))
     return pulls

@@ -22,7 +22,7 @@ from pathlib import Path
 from workers.coordinator.policies import ABLATIONS
 from workers.extras import require
 
-from .setups import PAPER_SETUPS, get_setup
+from .setups import PAPER_SETUPS, SHAPE_SETUPS, get_setup
 from .simulator import SimResult, simulate
 
 
@@ -37,7 +37,7 @@ class Job:
 
 @dataclass
 class BenchConfig:
-    setups: tuple[str, ...] = PAPER_SETUPS
+    setups: tuple[str, ...] = PAPER_SETUPS + SHAPE_SETUPS
     etas: tuple[int, ...] = (1, 2, 3)
     steps: int = 20
     seeds: tuple[int, ...] = (0,)
@@ -54,6 +54,13 @@ class BenchConfig:
     def seed(self) -> int:
         return self.seeds[0]
 
+    @property
+    def reference_setups(self) -> tuple[str, ...]:
+        """The set-ups the headline averages (and the ablations) cover: the reference four
+        when the run includes any of them, otherwise every set-up of the run."""
+        ref = tuple(s for s in self.setups if s in PAPER_SETUPS)
+        return ref or self.setups
+
 
 def plan_jobs(cfg: BenchConfig) -> list[Job]:
     jobs = []
@@ -64,7 +71,7 @@ def plan_jobs(cfg: BenchConfig) -> list[Job]:
             for eta in cfg.etas:
                 jobs.append(Job(s, "strict", eta, cfg.steps, seed))
                 jobs.append(Job(s, "staleflow", eta, cfg.steps, seed))
-            if cfg.ablations:
+            if cfg.ablations and s in cfg.reference_setups:
                 for a in ABLATIONS:
                     jobs.append(Job(s, a, cfg.ablation_eta, cfg.steps, seed))
     # longest first, so the pool's last job is a short one
@@ -192,10 +199,26 @@ def cells(results: dict[Job, Averaged], cfg: BenchConfig) -> list[Cell]:
     return out
 
 
-def summary_line(cs: list[Cell]) -> str:
-    sync = statistics.mean(c.ratio(c.sync) for c in cs)
-    strict = statistics.mean(c.ratio(c.strict) for c in cs)
-    return f"staleflow/sync={sync:.2f} staleflow/strict={strict:.2f}"
+def summary_line(cs: list[Cell], reference: tuple[str, ...]) -> str:
+    """Averages over the reference set-ups' cells; min_strict over every cell of the run."""
+    ref = [c for c in cs if c.setup in reference] or cs
+    sync = statistics.mean(c.ratio(c.sync) for c in ref)
+    strict = statistics.mean(c.ratio(c.strict) for c in ref)
+    lowest = min(c.ratio(c.strict) for c in cs)
+    return f"staleflow/sync={sync:.2f} staleflow/strict={strict:.2f} min_strict={lowest:.2f}"
+
+
+def shape_table(cs: list[Cell], cfg: BenchConfig) -> list[str]:
+    """One row per set-up: staleflow/strict at each η, the lowest, and whether it is a reference."""
+    lines = [
+        "| set-up | reference | " + " | ".join(f"staleflow/strict η={e}" for e in cfg.etas) + " | lowest |",
+        "|---|---|" + "---|" * (len(cfg.etas) + 1),
+    ]
+    for s in cfg.setups:
+        rs = [c.ratio(c.strict) for c in cs if c.setup == s]
+        ref = "yes" if s in PAPER_SETUPS else "no"
+        lines.append(f"| {s} | {ref} | " + " | ".join(f"{r:.2f}x" for r in rs) + f" | {min(rs):.2f}x |")
+    return lines
 
 
 def _hist(h: dict[int, int]) -> str:
@@ -229,15 +252,25 @@ def markdown(results: dict[Job, Averaged], cfg: BenchConfig, wall: float, runs: 
             f"{c.staleflow.rollout_idle_fraction:.0%} | {_hist(c.staleflow.staleness_hist)} |"
         )
     best_strict = [
-        c.staleflow.steady_tokens_per_s / max(c.strict.steady_tokens_per_s, c.one_step.steady_tokens_per_s) for c in cs
+        c.staleflow.steady_tokens_per_s / max(c.strict.steady_tokens_per_s, c.one_step.steady_tokens_per_s)
+        for c in cs
+        if c.setup in cfg.reference_setups
     ]
-    rs = [c.ratio(c.sync) for c in cs]
-    rt = [c.ratio(c.strict) for c in cs]
+    ref = [c for c in cs if c.setup in cfg.reference_setups]
+    rs = [c.ratio(c.sync) for c in ref]
+    rt = [c.ratio(c.strict) for c in ref]
     lines += [
+        "",
+        f"Averages over {', '.join(cfg.reference_setups)}:",
         "",
         f"- staleflow/sync: **{statistics.mean(rs):.2f}x average, {max(rs):.2f}x max** (reference: 1.91x average, up to 2.68x)",
         f"- staleflow/strict: **{statistics.mean(rt):.2f}x average, {max(rt):.2f}x max**; against the better of strict and "
         f"one_step per cell: {statistics.mean(best_strict):.2f}x average, {max(best_strict):.2f}x max (reference: 1.18x average, up to 1.42x)",
+        f"- lowest staleflow/strict over every set-up and η: **{min(c.ratio(c.strict) for c in cs):.2f}x**",
+        "",
+        "## Per workload shape: staleflow/strict",
+        "",
+        *shape_table(cs, cfg),
         "",
         "## Samples/s, whole-run tokens/s and step times",
         "",
@@ -262,7 +295,7 @@ def markdown(results: dict[Job, Averaged], cfg: BenchConfig, wall: float, runs: 
             "|---|---|---|---|---|",
         ]
         by = {(j.setup, j.policy, j.eta): r for j, r in results.items()}
-        for s in cfg.setups:
+        for s in cfg.reference_setups:
             base = by.get((s, "staleflow", cfg.ablation_eta))
             if base is None:
                 continue
@@ -276,7 +309,7 @@ def markdown(results: dict[Job, Averaged], cfg: BenchConfig, wall: float, runs: 
         for c in cs:
             per = [a / b for a, b in zip(c.staleflow.per_seed_tokens_per_s, c.strict.per_seed_tokens_per_s)]
             lines.append(f"| {c.setup} | {c.eta} | " + " ".join(f"{x:.2f}" for x in per) + " |")
-    lines += ["", summary_line(cs), ""]
+    lines += ["", summary_line(cs, cfg.reference_setups), ""]
     return "\n".join(lines)
 
 
@@ -325,17 +358,17 @@ def plots(results: dict[Job, Averaged], cfg: BenchConfig, out_dir: Path) -> list
     # 3. ablations
     if cfg.ablations:
         by = {(j.setup, j.policy, j.eta): r for j, r in results.items()}
-        fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(cfg.setups)), 3.5))
+        fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(cfg.reference_setups)), 3.5))
         pols = ("staleflow",) + ABLATIONS
         for k, pol in enumerate(pols):
             ys = []
-            for s in cfg.setups:
+            for s in cfg.reference_setups:
                 base = by[(s, "staleflow", cfg.ablation_eta)].steady_tokens_per_s
                 ys.append(by[(s, pol, cfg.ablation_eta)].steady_tokens_per_s / base)
-            ax.bar([i + (k - 1.5) * 0.2 for i in range(len(cfg.setups))], ys, 0.2, label=pol)
+            ax.bar([i + (k - 1.5) * 0.2 for i in range(len(cfg.reference_setups))], ys, 0.2, label=pol)
         ax.axhline(1.0, color="grey", lw=0.8)
-        ax.set_xticks(range(len(cfg.setups)))
-        ax.set_xticklabels(cfg.setups, fontsize=8)
+        ax.set_xticks(range(len(cfg.reference_setups)))
+        ax.set_xticklabels(cfg.reference_setups, fontsize=8)
         ax.set_ylabel("tokens/s relative to staleflow")
         ax.set_title(f"Ablations (η={cfg.ablation_eta})")
         ax.legend(fontsize=7)
@@ -368,4 +401,4 @@ def run_bench(
     paths = plots(avg, cfg, out_dir)
     if progress:
         progress(f"wrote {out_dir / 'policies.md'}, {out_dir / 'policies.json'}, " + ", ".join(str(p) for p in paths))
-    return results, summary_line(cells(avg, cfg))
+    return results, summary_line(cells(avg, cfg), cfg.reference_setups)

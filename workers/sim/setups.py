@@ -211,6 +211,25 @@ SETUPS["qwen_14b_10x"] = SETUPS["qwen_14b"].scaled(
 
 PAPER_SETUPS = ("qwen_14b", "qwen_32b", "qwen_moe_30b", "qwen_7b")
 
+# Workload shapes beyond the reference four, chosen to break the coordinator's strategies
+# (docs/policies.md, "Workload shapes"): each changes one thing of a reference set-up.
+SETUPS["short_many"] = SETUPS["qwen_14b"].scaled(  # short answers, many prompts
+    name="short_many", batch_size=512, group_size=8, max_response=2_000
+)
+SETUPS["heavy_tail"] = SETUPS["qwen_14b"].scaled(  # median 1K of 20K, 15% truncated at 20K
+    name="heavy_tail", workload=WorkloadShape(max_response=20_000, median_fraction=0.05, truncated_fraction=0.15)
+)
+SETUPS["correlated"] = SETUPS["qwen_32b"].scaled(  # a group's samples are long or short together
+    name="correlated", workload=WorkloadShape(max_response=20_000, group_correlation=0.95)
+)
+SETUPS["few_instances"] = SETUPS["qwen_moe_30b"].scaled(  # 128 samples per instance per batch
+    name="few_instances", instances=8, train_gpus=96
+)
+SETUPS["many_instances"] = SETUPS["qwen_14b"].scaled(  # 8 samples per instance per batch
+    name="many_instances", batch_size=32, group_size=8
+)
+SHAPE_SETUPS = ("short_many", "heavy_tail", "correlated", "few_instances", "many_instances")
+
 
 def get_setup(name: str | Setup, **changes) -> Setup:
     if isinstance(name, Setup):
