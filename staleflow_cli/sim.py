@@ -69,7 +69,9 @@ def run(
 @app.command()
 def bench(
     quick: bool = typer.Option(False, help="CI-sized: the small set-up, 10 steps."),
-    setups: str = typer.Option(None, help="Comma-separated set-ups (default: the four reference set-ups)."),
+    setups: str = typer.Option(
+        None, help="Comma-separated set-ups (default: the four reference set-ups and the workload shapes)."
+    ),
     steps: int = typer.Option(None, help="Training steps per run."),
     jobs: int = typer.Option(None, help="Parallel processes."),
     seeds: str = typer.Option("0", help="Comma-separated workload seeds (means over them)."),
