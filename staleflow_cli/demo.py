@@ -294,7 +294,15 @@ def _follow(
     with Progress(*columns, console=console, transient=False) as bar:
         t = bar.add_task("steps", total=cfg.steps, info="starting processes")
         while True:
-            cluster.check()
+            try:
+                cluster.check()
+            except ProcessDied:
+                # The trainer exits 0 right after its last publish, often before this
+                # loop sees that version: a finished run is not a failure.
+                if protocol.status(run)["version"] >= cfg.steps:
+                    bar.update(t, completed=cfg.steps)
+                    return
+                raise
             status = protocol.status(run)
             info = f"running {status['samples'].get('running', 0)}, queued {status['samples'].get('queued', 0)}"
             reward = _last_reward(engine, run) if status["version"] else None
