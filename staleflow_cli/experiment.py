@@ -135,16 +135,29 @@ def staleness(
     runs: list[dict[str, Any]] = []
     if append and (out / "staleness.json").is_file():
         runs = json.loads((out / "staleness.json").read_text())["runs"]
+    # With --append a configuration already measured is not run again: re-running the same
+    # command completes an interrupted experiment or retries the runs that failed.
+    done = {(r["eta"], r["tis"], r["seed"]) for r in runs}
+    failed: list[str] = []
     for eta in _ints(etas, "--etas"):
         for mode in modes:
             for seed in range(seeds):
+                if (eta, mode, seed) in done:
+                    console.print(f"eta={eta} tis={mode} seed={seed}: already in {out / 'staleness.json'}")
+                    continue
                 try:
                     runs.append(run_one(base, eta, mode, seed, console))
                 except ProcessDied as e:
                     console.print(f"[red]eta={eta} tis={mode} seed={seed} failed:[/red] {e}")
+                    failed.append(f"eta={eta} tis={mode} seed={seed}")
                     continue
                 write(runs, base, out)  # after every run: a long experiment keeps what it has
     if not runs:
         raise typer.Exit(1)
     console.print(table(runs))
     console.print(f"results: {out / 'staleness.md'}")
+    if failed:
+        console.print(
+            f"[red]{len(failed)} run(s) failed[/red] ({', '.join(failed)}): re-run with --append to retry them"
+        )
+        raise typer.Exit(1)
