@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import json
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -51,6 +51,11 @@ class RunRow:
 
     def config(self) -> dict[str, int | bool]:
         return {k: getattr(self, k) for k in RUN_COLUMNS.split(", ")[2:]}
+
+    @classmethod
+    def of(cls, row: Mapping[Any, Any]) -> RunRow:
+        """From a row or JSON object that holds the run's columns among others."""
+        return cls(**{f.name: row[f.name] for f in dataclasses.fields(cls)})
 
 
 RUN_COLUMNS = (
@@ -117,7 +122,7 @@ class RunTx:
         got = conn.execute(text("SELECT staleflow_lock_run(:run)"), {"run": run_id}).scalar()
         if got is None:
             raise NotFound(f"run {run_id}")
-        run = RunRow(**{f.name: got["run"][f.name] for f in dataclasses.fields(RunRow)})
+        run = RunRow.of(got["run"])
         return cls(conn, run, [BufferCounts(i, o, r, c) for i, o, r, c in got["buffers"]])
 
     def buffer(self, idx: int) -> BufferCounts:

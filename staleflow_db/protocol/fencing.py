@@ -4,7 +4,6 @@ route (its attempt and secret lease token)."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from collections.abc import Sequence
 
@@ -40,8 +39,7 @@ def report_in(conn: Connection, run_id: int, reports: Sequence[Report]) -> int:
     ).all()
     if not run_and_instances:
         raise NotFound(f"run {run_id}")
-    first = run_and_instances[0]._mapping
-    run = RunRow(**{f.name: first[f.name] for f in dataclasses.fields(RunRow)})
+    run = RunRow.of(run_and_instances[0]._mapping)
     ids = [r.sample_id for r in reports]
     if len(set(ids)) != len(ids):
         raise InvalidInput("a sample appears twice in one report batch")

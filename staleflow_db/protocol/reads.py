@@ -66,7 +66,7 @@ AUDIT_VIEWS = {
 
 
 def _run_info(row: Row[Any]) -> RunInfo:
-    run = RunRow(**{c: row._mapping[c] for c in RUN_COLUMNS.split(", ")})
+    run = RunRow.of(row._mapping)
     return RunInfo(run.id, row.name, run.version, row.created_at, run.config())
 
 

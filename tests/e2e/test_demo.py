@@ -107,3 +107,25 @@ def test_staleness_experiment_writes_table_json_and_plot(tmp_path):
     assert "| 0 | on | 2 | 0.550 ± 0.071 | 1.000 ± 0.000 | 20.000 ± 0.000 |" in md
     assert len(json.loads((tmp_path / "staleness.json").read_text())["runs"]) == 8
     assert (tmp_path / "staleness.png").stat().st_size > 10_000
+
+
+def test_staleness_append_runs_only_what_is_missing(tmp_path):
+    """`--append` over a result that already holds every asked configuration runs no demo (it
+    would start processes) and keeps the runs as they were: re-running completes, never repeats."""
+    from typer.testing import CliRunner
+
+    from staleflow_cli.demo import DemoConfig
+    from staleflow_cli.experiment import app, write
+
+    runs = [
+        {"eta": 2, "tis": True, "seed": seed, "final_accuracy": 0.5, "final_reward": 1.0, "samples_per_s": 20.0}
+        | {"reward": [0.0, 1.0], "accuracy": [0.0, 0.5]}
+        for seed in (0, 1)
+    ]
+    write(runs, DemoConfig(steps=2), tmp_path)
+    before = (tmp_path / "staleness.json").read_text()
+    args = ["staleness", "--etas", "2", "--seeds", "2", "--tis", "on", "--append", "--out", str(tmp_path)]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert result.output.count("already in") == 2 and "failed" not in result.output
+    assert (tmp_path / "staleness.json").read_text() == before
