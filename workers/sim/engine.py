@@ -100,10 +100,11 @@ class SimInstance:
         table: SampleTable,
         version: int = 0,
         phi_wait: int | None = None,
+        attn_coef: float = 0.0,
     ):
         self.id = iid
         self.cost = cost
-        self.batch = BatchModel(cost, kv_capacity, max_running, table)
+        self.batch = BatchModel(cost, kv_capacity, max_running, table, attn_coef)
         self.cap, self.max_running = self.batch.cap, self.batch.max_running
         self.prefill_rate = float(prefill_rate)
         self.table = table
@@ -123,7 +124,7 @@ class SimInstance:
         self.idle = 0.0
         self.pull_total = 0.0
         self.tokens = 0  # decoded tokens
-        self.prefill_tokens = 0
+        self.prefill_tokens = 0.0  # token-equivalents (attention included)
         self._hb_tokens = 0
         self._hb_t = 0.0
 

@@ -140,7 +140,7 @@ def build_result(sim: Simulator, steps: int, wall0: float) -> SimResult:
         step_times=step_times,
         train_times=list(tr.train_times[:done]),
         generated_tokens=sum(e.tokens for e in sim.engines.values()),
-        prefill_tokens=sum(e.prefill_tokens for e in sim.engines.values()),
+        prefill_tokens=int(sum(e.prefill_tokens for e in sim.engines.values())),
         commands=dict(sim.commands) | {"preemptions": sum(e.preemptions for e in sim.engines.values())},
         cycles=sim.cycles,
         coordinator_wall_s=sim.coord_wall,

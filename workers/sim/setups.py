@@ -8,8 +8,18 @@ cluster. Derived numbers (all documented here, none tuned per policy):
   KV bytes per token (layers · KV heads · head dim · 2 (K and V) · 2 bytes).
 * Prefill rate (tokens/s per instance) = tp·148 TFLOP/s·MFU / (2·active params); MFU 0.5
   dense, 0.3 MoE. Charged for every admission (fresh prompts and re-admitted partials alike:
-  new weights invalidate the KV cache, preempted samples are recomputed).
-* Pull time = weight bytes / (tp · 20 GB/s) + 1 s (reload, cache reset).
+  new weights invalidate the KV cache, preempted samples are recomputed), with causal attention
+  on top: a context of c tokens costs c + attn_coef·c² (`BatchModel`), attn_coef =
+  layers·q_heads·head_dim / (2·active params), the dimensions from each model's config.json.
+* Weight transfer (docs/policies.md, "Physical fidelity", for the sources): one NIC moves
+  8.25 GB/s of weights — verl's checkpoint-engine benchmark measured that for NCCL over
+  ConnectX-7 400 Gb/s InfiniBand (Qwen3-30B-A3B to 30 rollout instances in ~7 s).
+  * Pull = weight bytes / (tp · 8.25 GB/s) on the wire + 1 s (reload, cache reset). The PS is
+    one node with 8 such NICs (an HGX H20 / DGX H100 node's 8 ConnectX-7 ports): it streams at
+    most `ps_streams` pulls at full rate and queues the rest, first come first served, so
+    instances that pull at the same moment wait for each other (`ps_egress=None`: no limit).
+  * The trainer waits while it sends a new version to the PS: weight bytes / 8.25 GB/s (one
+    NIC, as verl's measurement), after its step and before the publish.
 * Trainer step = 10 s + tokens · 6·active params / (train GPUs · 148 TFLOP/s · MFU), MFU 0.35
   dense, 0.2 MoE, train GPUs = 128 − rollout GPUs.
 """
@@ -26,7 +36,8 @@ GPU_MEMORY = 96e9
 GPU_FLOPS = 148e12
 MEM_UTIL = 0.9
 ACTIVATION_RESERVE = 4e9
-PULL_BANDWIDTH = 20e9  # bytes/s per GPU
+NIC_BANDWIDTH = 8.25e9  # bytes/s of weights per NIC (verl checkpoint-engine, NCCL, CX-7 400 Gb/s IB)
+PS_NICS = 8  # the PS node's NICs (HGX H20 / DGX H100: 8 ConnectX-7 compute ports)
 PULL_OVERHEAD = 1.0
 TRAIN_OVERHEAD = 10.0
 CLUSTER_GPUS = 128
@@ -47,6 +58,7 @@ class Setup:
     active_params: float
     layers: int
     kv_heads: int
+    q_heads: int  # attention heads (config.json num_attention_heads): d_attn = q_heads·head_dim
     head_dim: int = 128
     moe: bool = False
     max_running: int = 256  # engine's max concurrent sequences (vLLM max_num_seqs)
@@ -55,6 +67,9 @@ class Setup:
     kv_capacity_override: int | None = None
     prefill_rate_override: float | None = None
     step_time_scale: float = 1.0
+    nic_bandwidth: float = NIC_BANDWIDTH  # bytes/s of weights per GPU's NIC
+    ps_egress: float | None = PS_NICS * NIC_BANDWIDTH  # bytes/s the PS sends in all; None: no limit
+    push_bandwidth: float | None = NIC_BANDWIDTH  # trainer -> PS bytes/s; None: publish at once
 
     @property
     def cost(self) -> CostModel:
@@ -83,8 +98,31 @@ class Setup:
         return self.tp * GPU_FLOPS * mfu / (2.0 * self.active_params)
 
     @property
+    def attn_coef(self) -> float:
+        """Prefill attention cost per context token squared, in weight-FLOP token-equivalents."""
+        return self.layers * self.q_heads * self.head_dim / (2.0 * self.active_params)
+
+    @property
+    def pull_transfer_time(self) -> float:
+        """Seconds on the wire for one uncontended pull (the instance's tp NICs at full rate)."""
+        return self.weight_bytes / (self.tp * self.nic_bandwidth)
+
+    @property
     def pull_time(self) -> float:
-        return self.weight_bytes / (self.tp * PULL_BANDWIDTH) + PULL_OVERHEAD
+        """An uncontended pull: transfer, then reload."""
+        return self.pull_transfer_time + PULL_OVERHEAD
+
+    @property
+    def ps_streams(self) -> int | None:
+        """Pulls the PS serves at once at full rate (None: unlimited)."""
+        if self.ps_egress is None:
+            return None
+        return max(1, int(self.ps_egress // (self.tp * self.nic_bandwidth)))
+
+    @property
+    def push_time(self) -> float:
+        """The trainer's wait while it sends a version to the PS."""
+        return 0.0 if self.push_bandwidth is None else self.weight_bytes / self.push_bandwidth
 
     @property
     def rollout_gpus(self) -> int:
@@ -128,6 +166,7 @@ SETUPS: dict[str, Setup] = {
         active_params=14.8e9,
         layers=48,
         kv_heads=8,
+        q_heads=40,
         workload=_shape(20_000),
     ),
     "qwen_32b": Setup(
@@ -144,6 +183,7 @@ SETUPS: dict[str, Setup] = {
         active_params=32.8e9,
         layers=64,
         kv_heads=8,
+        q_heads=40,
         workload=_shape(20_000),
     ),
     "qwen_moe_30b": Setup(
@@ -160,6 +200,7 @@ SETUPS: dict[str, Setup] = {
         active_params=3.3e9,
         layers=48,
         kv_heads=4,
+        q_heads=32,
         moe=True,
         workload=_shape(20_000),
     ),
@@ -177,6 +218,7 @@ SETUPS: dict[str, Setup] = {
         active_params=7.6e9,
         layers=28,
         kv_heads=4,
+        q_heads=28,
         workload=_shape(28_000),
     ),
 }
@@ -208,6 +250,10 @@ SETUPS["small"] = SETUPS["qwen_14b"].scaled(
 SETUPS["qwen_14b_10x"] = SETUPS["qwen_14b"].scaled(
     name="qwen_14b_10x", batch_size=1280, instances=320, train_gpus=10 * (CLUSTER_GPUS - 32)
 )
+
+# The simulator's physics before issue 11's fidelity changes (20 GB/s per GPU pulls with no PS
+# limit, instant publish, prefill linear in the context): `get_setup(name, **LEGACY_PHYSICS)`.
+LEGACY_PHYSICS: dict = dict(nic_bandwidth=20e9, ps_egress=None, push_bandwidth=None, q_heads=0)
 
 PAPER_SETUPS = ("qwen_14b", "qwen_32b", "qwen_moe_30b", "qwen_7b")
 

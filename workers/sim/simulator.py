@@ -46,6 +46,7 @@ from workers.coordinator.state import QueuedSample, SpeculativeState
 
 from .engine import SampleTable, SimInstance
 from .protocol import SimProtocol
+from .ps import PSEgress
 from .results import SimResult, build_result, ideal_tokens_per_s
 from .setups import Setup, get_setup
 from .trainer import SimTrainer
@@ -122,6 +123,7 @@ class Simulator:
                 self.table,
                 version=0,
                 phi_wait=self.policy.phi,
+                attn_coef=su.attn_coef,
             )
             self.engines[iid] = e
             self.spec.observe(e.snapshot(0.0, self.detail))
@@ -131,6 +133,7 @@ class Simulator:
         self.fresh_groups: set[int] = set()
         self.group_index = 0
         self.trainer = SimTrainer(self.p, self.table, su)
+        self.ps = PSEgress(su.ps_streams, su.pull_transfer_time, su.pull_time - su.pull_transfer_time)
         self.commands: Counter[str] = Counter()
         self.cycles = 0
         self.coord_wall = 0.0
@@ -354,11 +357,12 @@ class Simulator:
                 tbl.ran_on[sid] = iid
                 e.add(sid, now)
             self.commands["route"] += len(plan.routes)
+        pull_s = self.ps.pull_durations(now, len(plan.pulls)) if plan.pulls else 0.0
         for pull in plan.pulls:
             e = self.engines[pull.instance_id]
             e.advance(now)
             touched.add(e.id)
-            self._requeue(e.start_pull(now, pull.version, self.setup.pull_time))
+            self._requeue(e.start_pull(now, pull.version, pull_s))
             self.commands["pull"] += 1
             self.requeued = True
         for it in plan.interrupts:

@@ -73,7 +73,8 @@ class SimTrainer:
         self.trained_prompt_tokens += prompt_tokens
         dt = self.setup.train_step_time(tokens + prompt_tokens)
         self.train_times.append(dt)
-        self.busy += dt
-        self.until = now + dt
+        # then the trainer waits while the new weights go to the PS; the version exists after that
+        self.busy += dt + self.setup.push_time
+        self.until = now + dt + self.setup.push_time
         self.batch = (b, lease, gids)
         return True

@@ -16,6 +16,11 @@ batch — and the next finish is the top of a heap (entries of samples that left
 Admission: first come first served from the waiting queue, while a running slot is free and
 the context (prompt + tokens so far) fits below capacity minus a watermark (vLLM's: the
 batch can still decode afterwards, so admission and preemption never chase each other).
+Prefill work: an admitted context of `ctx` tokens costs `ctx + attn_coef·ctx²` token-equivalents
+of the caller's prefill rate: the weights' 2·N FLOPs per token, plus causal attention over the
+context (Kaplan et al. 2020, C_forward = 2N + 2·n_layer·n_ctx·d_attn per token; summed over a
+causal prefill of ctx tokens, n_layer·d_attn·ctx²), so `attn_coef = n_layer·d_attn / (2·N)`.
+Resuming a long interrupted sample costs more per token than a fresh prompt.
 Preemption: when not one more iteration fits, the most recently admitted sample leaves the
 batch with the tokens it has — back to the front of the waiting queue (recomputed when
 readmitted, as vLLM does) or, by the φ_wait rule, off the engine.
@@ -41,8 +46,9 @@ class Lengths(Protocol):
 
 
 class BatchModel:
-    def __init__(self, cost: CostModel, kv_capacity: int, max_running: int, lengths: Lengths):
+    def __init__(self, cost: CostModel, kv_capacity: int, max_running: int, lengths: Lengths, attn_coef: float = 0.0):
         self.cost = cost
+        self.attn_coef = attn_coef
         self.cap = int(kv_capacity)
         self.max_running = int(max_running)
         self.lengths = lengths
@@ -90,13 +96,15 @@ class BatchModel:
             self.heap.clear()
         return out
 
-    def admit(self) -> int:
-        """Admit waiting samples that fit; returns their context tokens (the prefill to do)."""
+    def admit(self) -> float:
+        """Admit waiting samples that fit; returns the prefill to do, in token-equivalents
+        (their context tokens plus the attention term, module docstring)."""
         lens, run, heap, waiting = self.lengths, self.run, self.heap, self.waiting
         n = len(run)
         kv = self.S + n * self.it
         limit = self.cap - self.watermark
-        prefill = 0
+        prefill = 0.0
+        attn = self.attn_coef
         while waiting and n < self.max_running:
             sid = waiting[0]
             g = lens.gen[sid]
@@ -111,7 +119,7 @@ class BatchModel:
             heapq.heappush(heap, (fi, sid))
             n += 1
             kv += ctx
-            prefill += ctx
+            prefill += ctx + attn * ctx * ctx
         return prefill
 
     def preempt(self, phi_wait: int | None = None) -> tuple[Any, bool]:
