@@ -20,6 +20,7 @@ from workers.coordinator.strategies import (
     engine_should_interrupt_preempted,
     level_of,
     migrate_throughput_ratio,
+    oldest_running_version,
     queue_levels,
     routable_versions,
     route_request_count,
@@ -287,6 +288,24 @@ def test_status_based_pull_keeps_running_samples_when_no_work_waits_for_the_new_
     both = [PullDecision(1, 1), PullDecision(2, 1)]
     assert sync_status_based(views, 1, never, kv_threshold=0.3, new_work=True) == both
     assert sync_status_based(views, 1, never, kv_threshold=0.3) == both  # unknown: the rule is off
+
+
+def test_status_based_pull_keeps_the_oldest_running_samples():
+    rs = lambda sid, v: RunningSample(sid, 100, 400, v)  # noqa: E731
+    # after publishing v3 at η = 1: instance 1 runs stragglers routed at v1 (the buffer the trainer
+    # waits for), instance 2 a sample of v2, instance 3 nothing; new work waits for v3
+    views = [
+        inst(1, version=2, running=1, kv=400, samples=[rs(10, 1)]),
+        inst(2, version=2, running=1, kv=400, samples=[rs(11, 2)]),
+        inst(3, version=2),
+    ]
+    never = lambda v: False  # noqa: E731
+    assert oldest_running_version(views) == 1
+    kept = sync_status_based(views, 3, never, kv_threshold=0.3, new_work=True, keep_version=1)
+    assert kept == [PullDecision(2, 3), PullDecision(3, 3)]
+    # the rule off: every instance under the KV threshold pulls, interrupting the stragglers
+    assert len(sync_status_based(views, 3, never, kv_threshold=0.3, new_work=True)) == 3
+    assert oldest_running_version([inst(4)]) is None
 
 
 def test_plan_asks_whether_work_waits_at_the_ps_version():

@@ -33,6 +33,7 @@ from .strategies import (
     apply_pulls,
     apply_routes,
     migrate_throughput_ratio,
+    oldest_running_version,
     queue_levels,
     routable_versions,
     route_request_count,
@@ -71,6 +72,7 @@ class Policy:
     phi_wait: int = 1  # engine: interrupt a preempted sample when the waiting queue exceeds this
     kv_threshold: float = 0.3  # status-based pull only at or below this KV usage
     pull_for_new_work: bool = True  # status-based: a busy instance pulls only when new-version work waits
+    keep_oldest: bool = True  # status-based: a busy instance running the oldest in-flight samples does not pull
     cycle_period: float = 0.1  # seconds between coordinator cycles
     block_scope: str = "instance"  # see strategies.route_waterfall
     max_requests: int | None = None  # request-count routing: cap per instance (None: its max_running)
@@ -163,7 +165,12 @@ class Policy:
             if self.sync == "status":
                 new_work = routable.get(ps_version, False) if self.pull_for_new_work else None
                 pulls = sync_status_based(
-                    candidates, ps_version, routable, kv_threshold=self.kv_threshold, new_work=new_work
+                    candidates,
+                    ps_version,
+                    routable,
+                    kv_threshold=self.kv_threshold,
+                    new_work=new_work,
+                    keep_version=oldest_running_version(after) if self.keep_oldest else None,
                 )
             elif not got_work:
                 pulls = sync_all_idle(after, ps_version, routable)

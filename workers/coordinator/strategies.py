@@ -61,6 +61,7 @@ __all__ = [
     "sync_all_idle",
     "sync_greedy",
     "sync_status_based",
+    "oldest_running_version",
 ]
 
 
@@ -90,6 +91,7 @@ def sync_status_based(
     *,
     kv_threshold: float = 0.3,
     new_work: bool | None = None,
+    keep_version: int | None = None,
 ) -> list[PullDecision]:
     """Pull instance i only when it is behind the PS, its waiting queue is empty, no queued
     sample can still be routed to it at its current version, and its KV usage is at or below
@@ -99,7 +101,12 @@ def sync_status_based(
     an instance that still runs samples keeps them: a pull would interrupt them (their
     re-prefill and the pull are lost) and gain nothing, as no work waits for the new version
     (the staleness budget is full); it pulls once empty, or once new work appears. None: not
-    known (the rule is off)."""
+    known (the rule is off).
+
+    `keep_version`: the oldest V_traj running anywhere (`oldest_running_version`). An instance
+    running a sample that old keeps it: the oldest samples are the ones the next buffer, and so
+    the trainer, waits for; interrupting one costs the pull, its re-prefill and the trainer's
+    wait. Without per-sample detail (running_samples empty) the rule has nothing to go by."""
     is_routable = routable if callable(routable) else (lambda v: routable.get(v, False))
     pulls = []
     for i in instances:
@@ -111,8 +118,15 @@ def sync_status_based(
             continue
         if new_work is False and i.running > 0:
             continue
+        if keep_version is not None and any(r.v_traj <= keep_version for r in i.running_samples):
+            continue
         pulls.append(PullDecision(i.instance_id, ps_version))
     return pulls
+
+
+def oldest_running_version(instances: Sequence[InstanceView]) -> int | None:
+    """The smallest V_traj among the running samples the views list (None: none listed)."""
+    return min((r.v_traj for i in instances for r in i.running_samples), default=None)
 
 
 def sync_greedy(instances: Sequence[InstanceView], ps_version: int) -> list[PullDecision]:
