@@ -18,6 +18,7 @@ from workers.coordinator.strategies import (
     PullDecision,
     RouteDecision,
     engine_should_interrupt_preempted,
+    finishing_oldest,
     level_of,
     migrate_throughput_ratio,
     oldest_running_version,
@@ -290,22 +291,26 @@ def test_status_based_pull_keeps_running_samples_when_no_work_waits_for_the_new_
     assert sync_status_based(views, 1, never, kv_threshold=0.3) == both  # unknown: the rule is off
 
 
-def test_status_based_pull_keeps_the_oldest_running_samples():
-    rs = lambda sid, v: RunningSample(sid, 100, 400, v)  # noqa: E731
-    # after publishing v3 at η = 1: instance 1 runs stragglers routed at v1 (the buffer the trainer
-    # waits for), instance 2 a sample of v2, instance 3 nothing; new work waits for v3
+def test_an_instance_about_to_finish_the_oldest_samples_does_not_pull():
+    rs = lambda sid, v, tokens: RunningSample(sid, tokens, 300 + tokens, v)  # noqa: E731
+    # after publishing v3 at η = 1: instance 1 runs a straggler routed at v1 (the buffer the
+    # trainer waits for) 100 tokens short of the 2,000 maximum; instance 2 one of v1 that may
+    # run 1,900 more; instance 3 a sample of v2; instance 4 nothing
     views = [
-        inst(1, version=2, running=1, kv=400, samples=[rs(10, 1)]),
-        inst(2, version=2, running=1, kv=400, samples=[rs(11, 2)]),
-        inst(3, version=2),
+        inst(1, version=2, running=1, kv=2_200, samples=[rs(10, 1, 1_900)]),
+        inst(2, version=2, running=1, kv=400, samples=[rs(11, 1, 100)]),
+        inst(3, version=2, running=1, kv=400, samples=[rs(12, 2, 100)]),
+        inst(4, version=2),
     ]
+    assert oldest_running_version(views) == 1 and oldest_running_version([inst(5)]) is None
+    step = COST.latency(1, 2_200)
+    # at most 100 iterations left on instance 1: kept within a horizon of 100 iterations
+    assert finishing_oldest(views, COST, 2_000, horizon=100 * step * 1.01) == {1}
+    assert finishing_oldest(views, COST, 2_000, horizon=99 * step) == set()
+    assert finishing_oldest(views, COST, None, horizon=1e9) == set()  # no bound, nothing kept
     never = lambda v: False  # noqa: E731
-    assert oldest_running_version(views) == 1
-    kept = sync_status_based(views, 3, never, kv_threshold=0.3, new_work=True, keep_version=1)
-    assert kept == [PullDecision(2, 3), PullDecision(3, 3)]
-    # the rule off: every instance under the KV threshold pulls, interrupting the stragglers
-    assert len(sync_status_based(views, 3, never, kv_threshold=0.3, new_work=True)) == 3
-    assert oldest_running_version([inst(4)]) is None
+    pulls = sync_status_based(views, 3, never, kv_threshold=0.3, new_work=True, keep={1})
+    assert pulls == [PullDecision(2, 3), PullDecision(3, 3), PullDecision(4, 3)]
 
 
 def test_plan_asks_whether_work_waits_at_the_ps_version():

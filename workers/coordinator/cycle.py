@@ -55,6 +55,7 @@ def run_cycle(
     ps_version: int,
     admission: Admission,
     group_versions: Mapping[int, int],
+    max_response: int | None = None,
 ) -> CycleOutcome:
     """Decide one cycle's routes, pulls and interrupts, `apply` them, and record in `spec` what
     was applied (routes the protocol accepted, the samples actually interrupted) at `Applied.at`."""
@@ -68,6 +69,7 @@ def run_cycle(
         ps_version=ps_version,
         admission=admission,
         group_versions=group_versions,
+        max_response=max_response,
     )
     decide_s = time.perf_counter() - t0
     applied = apply(plan)

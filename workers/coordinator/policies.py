@@ -32,8 +32,8 @@ from .strategies import (
     RouteDecision,
     apply_pulls,
     apply_routes,
+    finishing_oldest,
     migrate_throughput_ratio,
-    oldest_running_version,
     queue_levels,
     routable_versions,
     route_request_count,
@@ -72,7 +72,8 @@ class Policy:
     phi_wait: int = 1  # engine: interrupt a preempted sample when the waiting queue exceeds this
     kv_threshold: float = 0.3  # status-based pull only at or below this KV usage
     pull_for_new_work: bool = True  # status-based: a busy instance pulls only when new-version work waits
-    keep_oldest: bool = True  # status-based: a busy instance running the oldest in-flight samples does not pull
+    keep_oldest: bool = True  # status-based: an instance finishing the oldest in-flight samples does not pull
+    keep_horizon: float = 30.0  # keep_oldest: ... if they end within this many seconds at the most
     cycle_period: float = 0.1  # seconds between coordinator cycles
     block_scope: str = "instance"  # see strategies.route_waterfall
     max_requests: int | None = None  # request-count routing: cap per instance (None: its max_running)
@@ -108,6 +109,7 @@ class Policy:
         ps_version: int,
         admission: Admission | None = None,
         group_versions: Mapping[int, int] | None = None,
+        max_response: int | None = None,
     ) -> CyclePlan:
         admission = admission or AlwaysAdmit()
         queued = list(queued)
@@ -170,7 +172,7 @@ class Policy:
                     routable,
                     kv_threshold=self.kv_threshold,
                     new_work=new_work,
-                    keep_version=oldest_running_version(after) if self.keep_oldest else None,
+                    keep=finishing_oldest(after, cost, max_response, self.keep_horizon) if self.keep_oldest else (),
                 )
             elif not got_work:
                 pulls = sync_all_idle(after, ps_version, routable)

@@ -199,6 +199,7 @@ class Coordinator:
                 for q in snap.queued
                 if q.group_state == "reserved" and q.group_min_version is not None
             },
+            max_response=cfg.get("max_response_tokens"),
         )
         if out.applied is None:
             return  # deposed

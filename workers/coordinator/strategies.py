@@ -19,7 +19,7 @@ strategies update private copies of the views as they decide, never the caller's
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Container, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -62,6 +62,7 @@ __all__ = [
     "sync_greedy",
     "sync_status_based",
     "oldest_running_version",
+    "finishing_oldest",
 ]
 
 
@@ -91,7 +92,7 @@ def sync_status_based(
     *,
     kv_threshold: float = 0.3,
     new_work: bool | None = None,
-    keep_version: int | None = None,
+    keep: Container[int] = (),
 ) -> list[PullDecision]:
     """Pull instance i only when it is behind the PS, its waiting queue is empty, no queued
     sample can still be routed to it at its current version, and its KV usage is at or below
@@ -103,10 +104,8 @@ def sync_status_based(
     (the staleness budget is full); it pulls once empty, or once new work appears. None: not
     known (the rule is off).
 
-    `keep_version`: the oldest V_traj running anywhere (`oldest_running_version`). An instance
-    running a sample that old keeps it: the oldest samples are the ones the next buffer, and so
-    the trainer, waits for; interrupting one costs the pull, its re-prefill and the trainer's
-    wait. Without per-sample detail (running_samples empty) the rule has nothing to go by."""
+    `keep`: instances that do not pull now (`finishing_oldest`: they are about to finish the
+    samples the next buffer waits for)."""
     is_routable = routable if callable(routable) else (lambda v: routable.get(v, False))
     pulls = []
     for i in instances:
@@ -118,7 +117,7 @@ def sync_status_based(
             continue
         if new_work is False and i.running > 0:
             continue
-        if keep_version is not None and any(r.v_traj <= keep_version for r in i.running_samples):
+        if i.instance_id in keep:
             continue
         pulls.append(PullDecision(i.instance_id, ps_version))
     return pulls
@@ -127,6 +126,31 @@ def sync_status_based(
 def oldest_running_version(instances: Sequence[InstanceView]) -> int | None:
     """The smallest V_traj among the running samples the views list (None: none listed)."""
     return min((r.v_traj for i in instances for r in i.running_samples), default=None)
+
+
+def finishing_oldest(
+    instances: Sequence[InstanceView], cost: CostModel, max_response: int | None, horizon: float
+) -> set[int]:
+    """Instances whose samples of the oldest running V_traj all end within `horizon` seconds
+    at the most: (max_response - tokens) iterations at the instance's current iteration time.
+
+    Those samples hold back the next buffer, so the trainer. A pull would interrupt them: their
+    re-prefill, the pull and, under a shared PS, the other pulls' queue would all be added to
+    the trainer's wait, to save at most `horizon` seconds of a lightly loaded instance. A
+    sample that may still run long (a long-tailed workload) is interrupted as before: keeping
+    an instance on it would idle most of the instance for minutes. No bound without
+    `max_response` (None): nothing is kept."""
+    oldest = oldest_running_version(instances)
+    if oldest is None or max_response is None:
+        return set()
+    keep = set()
+    for i in instances:
+        old = [r for r in i.running_samples if r.v_traj <= oldest]
+        if old and i.running:
+            step = cost.latency(i.running, i.kv_used)
+            if all((max_response - r.tokens) * step <= horizon for r in old):
+                keep.add(i.instance_id)
+    return keep
 
 
 def sync_greedy(instances: Sequence[InstanceView], ps_version: int) -> list[PullDecision]:

@@ -311,6 +311,7 @@ class Simulator:
                 p.buffers, p.version, p.limits, {gid: g.reserved_buffer or 0 for gid, g in reserved.items()}
             ),
             group_versions={gid: g.min_version or 0 for gid, g in reserved.items()},
+            max_response=self.setup.max_response,
         )
         if self.on_cycle is not None:
             wall, cpu = time.perf_counter() - t0 - self.apply_s, time.thread_time() - c0 - self.apply_cpu_s
