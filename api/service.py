@@ -31,7 +31,7 @@ class ApiProtocol(Protocol):
         body: BaseModel | None,
         call: Callable[[Connection], T],
         model: type[T],
-        store: Callable[[T], bool] = lambda _: True,
+        store: Callable[[T], bool] | None = None,
     ) -> tuple[T, bool]:
         """Run `call` in one transaction with the stored outcome of `key`; (outcome, replayed).
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import statistics
 import sys
 import time
@@ -163,6 +164,7 @@ def service_run(policy: str, eta: int, steps: int, scale: float, workdir: Path, 
             ),
             {"r": run},
         ).scalar()
+    inbox = inbox_wait_ms(workdir / name / "logs")
     violations = len(summary(engine, run)["violations"])
     engine.dispose()
     step_s = wall / max(len(rows), 1)
@@ -175,11 +177,24 @@ def service_run(policy: str, eta: int, steps: int, scale: float, workdir: Path, 
         "step_s_wall": step_s,
         "cycle_ms": float(cyc[0] or 0.0),
         "command_latency_ms": float(lat or 0.0) * 1000,
+        # delivered -> applied: a command waits in the worker's inbox for the engine step in progress
+        "command_inbox_ms": inbox,
         # the delay a decision adds on the critical path (decide + deliver), per step of training
         "coordination_fraction": (float(cyc[0] or 0.0) + float(lat or 0.0) * 1000) / 1000 / step_s if step_s else 0.0,
         "coordinator_busy": float(cyc[0] or 0.0) * cycles_per_step / 1000 / step_s if step_s else 0.0,
         "violations": violations,
     }
+
+
+def inbox_wait_ms(logs: Path) -> float | None:
+    """Mean time delivered commands waited for the engine step in progress, from the rollout
+    workers' exit lines; None when no worker logged one."""
+    n = total = 0.0
+    for log in logs.glob("rollout-*.log"):
+        for m in re.finditer(r"(\d+) commands applied, ([\d.]+) ms after delivery", log.read_text(errors="replace")):
+            n += int(m[1])
+            total += int(m[1]) * float(m[2])
+    return total / n if n else None
 
 
 def main() -> None:
@@ -206,12 +221,13 @@ def main() -> None:
     sim = {r["policy"]: r["tokens_per_s"] for r in results["simulator"]}
     print(
         f"{'policy':<12} {'service tok/s':>14} {'simulator tok/s':>16} {'cycle ms':>9} {'cmd latency ms':>15} "
-        f"{'coord/step':>11} {'violations':>10}"
+        f"{'coord/step':>11} {'violations':>10} {'cmd inbox ms':>13}"
     )
     for r in results["service"]:
         print(
             f"{r['policy']:<12} {r['tokens_per_s']:>14.0f} {sim[r['policy']]:>16.0f} {r['cycle_ms']:>9.1f} "
-            f"{r['command_latency_ms']:>15.1f} {r['coordination_fraction']:>10.2%} {r['violations']:>10}"
+            f"{r['command_latency_ms']:>15.1f} {r['coordination_fraction']:>10.2%} {r['violations']:>10} "
+            f"{'-' if r['command_inbox_ms'] is None else format(r['command_inbox_ms'], '.1f'):>13}"
         )
     order = lambda d: " > ".join(sorted(d, key=d.get, reverse=True))  # noqa: E731
     print(f"service: {order({r['policy']: r['tokens_per_s'] for r in results['service']})}  simulator: {order(sim)}")

@@ -7,9 +7,9 @@ pattern 5), used alike by the protocol methods that take a `request_id` and by t
 Idempotency semantics: the outcome of a keyed request is stored in the same transaction as
 its write, under the operation and a digest of the request body. The same key again returns
 the stored outcome without running anything; the same key with another body (or for another
-operation) is refused with `KeyReused` (409 `idempotency_key_reused`). A concurrent duplicate
-waits on a transaction-scoped advisory lock of the key, taken first in the transaction, and
-then replays the first one's outcome: one application, equal answers.
+operation) is refused with `KeyReused` (409 `idempotency_key_reused`). The key is claimed first
+in the transaction: a concurrent duplicate waits for the first to commit, then replays its
+outcome: one application, equal answers.
 """
 
 from __future__ import annotations
@@ -129,35 +129,71 @@ def once(
     call: Callable[[Connection], T],
     encode: Callable[[T], str],
     decode: Callable[[Any], T],
-    store: Callable[[T], bool] = lambda _: True,
+    store: Callable[[T], bool] | None = None,
     conn: Connection | None = None,
 ) -> tuple[T, bool]:
     """Run `call` in one transaction (the caller's `conn`, else a new one) together with the
-    stored outcome of `key`; returns (outcome, replayed). Outcomes `store` rejects (an empty long-poll) are not kept:
-    repeating them is harmless and they would only fill the table."""
+    stored outcome of `key`; returns (outcome, replayed). Outcomes `store` rejects (an empty
+    long-poll) are not kept: repeating them is harmless and they would only fill the table.
+    Without `store` every outcome is kept."""
     op = f"{operation}#{body_digest}"
+
+    def stored(conn: Connection) -> Any:
+        return conn.execute(
+            text("SELECT operation, response FROM idempotency WHERE request_id = :r"), {"r": key}
+        ).first()
+
+    def replay(row: Any) -> tuple[T, bool]:
+        if row.operation != op:
+            used = row.operation.split("#")[0]
+            raise KeyReused([(0, f"request id {key!r} was already used for another request ({used})")])
+        return decode(row.response), True
 
     def body(conn: Connection) -> tuple[T, bool]:
         if key is None:
             return call(conn), False
-        # Serialize requests with this key before anything else is locked (so this lock
-        # never waits inside another lock order): a concurrent duplicate waits here and
-        # then, under READ COMMITTED, sees the first one's stored outcome.
+        # Requests with this key are serialized before anything else is locked (so this wait
+        # never happens inside another lock order): a concurrent duplicate waits for the first
+        # to commit and then, under READ COMMITTED, reads its stored outcome.
+        if store is None:
+            # Every outcome is kept: claim the key with its row at once (a duplicate's insert
+            # waits on the unique index), one statement where a lock and a lookup were two.
+            # Nobody sees the placeholder: the outcome replaces it before the commit.
+            while True:
+                claimed = conn.execute(
+                    text(
+                        "INSERT INTO idempotency (request_id, operation, response) VALUES (:r, :o, 'null')"
+                        " ON CONFLICT (request_id) DO NOTHING"
+                    ),
+                    {"r": key, "o": op},
+                ).rowcount
+                if claimed:
+                    outcome = call(conn)
+                    conn.execute(
+                        text("UPDATE idempotency SET response = CAST(:resp AS jsonb) WHERE request_id = :r"),
+                        {"r": key, "resp": encode(outcome)},
+                    )
+                    return outcome, False
+                row = stored(conn)
+                if row is not None:  # else it was pruned in between: claim it again
+                    return replay(row)
+        # An outcome that may not be kept (a long-poll's) claims no row, so an empty poll writes
+        # nothing and its commit waits for no WAL flush: an advisory lock on the key instead.
         conn.execute(text("SELECT pg_advisory_xact_lock(hashtextextended(:k, 7))"), {"k": key})
-        row = conn.execute(
-            text("SELECT operation, response FROM idempotency WHERE request_id = :r"), {"r": key}
-        ).first()
+        row = stored(conn)
         if row is not None:
-            if row.operation != op:
-                used = row.operation.split("#")[0]
-                raise KeyReused([(0, f"request id {key!r} was already used for another request ({used})")])
-            return decode(row.response), True
+            return replay(row)
         outcome = call(conn)
         if store(outcome):
-            conn.execute(
-                text("INSERT INTO idempotency (request_id, operation, response) VALUES (:r, :o, CAST(:resp AS jsonb))"),
+            kept = conn.execute(
+                text(
+                    "INSERT INTO idempotency (request_id, operation, response) VALUES (:r, :o, CAST(:resp AS jsonb))"
+                    " ON CONFLICT (request_id) DO NOTHING"
+                ),
                 {"r": key, "o": op, "resp": encode(outcome)},
-            )
+            ).rowcount
+            if not kept:  # claimed meanwhile by a request of another kind (it takes no advisory lock)
+                raise KeyReused([(0, f"request id {key!r} was used concurrently for another request")])
         return outcome, False
 
     return transaction(engine, body, conn)

@@ -1,6 +1,7 @@
 """The rollout worker: wraps one engine and speaks to StaleFlow only through the REST client.
 
-Loop: long-poll for routed samples and commands, step the engine, report finished and
+Loop: take routed samples and commands from the inbox (a thread long-polling for them, so
+a command arrives while the engine steps), step the engine, report finished and
 interrupted stretches as segments (batched, fenced by instance, attempt and lease token),
 checkpoint long stretches as partial segments so a crash loses little, heartbeat a snapshot, and pull new weights
 when the coordinator says so. A lost lease (409) drops the sample locally: its late result
@@ -18,6 +19,7 @@ from typing import Any
 from workers.client import Conflict, StaleFlowClient
 from workers.coordinator.strategies import engine_should_interrupt_preempted
 from workers.rollout.engines.base import Engine, FinishedEvent, PreemptedEvent, TokensEvent
+from workers.rollout.worker_inbox import Delivery, Inbox
 
 log = logging.getLogger("staleflow.rollout")
 
@@ -47,6 +49,9 @@ class WorkerStats:
     pulls: int = 0
     lost: int = 0  # reports refused with 409: lease lost
     tokens: int = 0
+    commands: int = 0
+    # seconds commands waited in the inbox for the engine's step to end, summed
+    command_wait_s: float = 0.0
     extra: dict[str, float] = field(default_factory=dict)
 
 
@@ -65,19 +70,18 @@ class RolloutWorker:
         report_every_s: float = 0.05,
         checkpoint_every_s: float = 5.0,
         idle_wait_s: float = 1.0,
-        busy_poll_s: float = 0.05,
     ):
         self.client, self.run_id, self.engine, self.name = client, run_id, engine, name
         self.weights, self.phi_wait = weights, phi_wait
         self.heartbeat_s, self.lease_s = heartbeat_s, lease_s
         self.report_every_s, self.checkpoint_every_s = report_every_s, checkpoint_every_s
-        self.idle_wait_s, self.busy_poll_s = idle_wait_s, busy_poll_s
+        self.idle_wait_s = idle_wait_s  # also the inbox's long-poll wait
         self.instance_id: int | None = None
         self.held: dict[int, _Held] = {}
         self.pending: list[dict] = []  # reports not sent yet
         self.stats = WorkerStats()
         self._stop = False
-        self._last = {"heartbeat": 0.0, "report": 0.0, "checkpoint": time.monotonic(), "poll": 0.0}
+        self._last = {"heartbeat": 0.0, "report": 0.0, "checkpoint": time.monotonic()}
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -95,10 +99,19 @@ class RolloutWorker:
         """Serve until stopped (or `until()` is true); deregisters on the way out."""
         self.instance_id = self.client.register(self.run_id, self.name, self.engine.version, self.lease_s).instance_id
         log.info("instance %s registered at version %s", self.instance_id, self.engine.version)
+        inbox = Inbox(self.client, self.run_id, lambda: self.instance_id, self.idle_wait_s)
+        inbox.start()
         try:
             while not self._stop and not (until and until()):
-                self.tick()
+                self.tick(inbox)
         finally:
+            inbox.close()
+            if self.stats.commands:
+                log.info(
+                    "%s commands applied, %.1f ms after delivery on average (the engine step in progress)",
+                    self.stats.commands,
+                    self.stats.command_wait_s / self.stats.commands * 1000,
+                )
             self._flush(force=True)
             try:
                 self.client.deregister(self.run_id, self.instance_id)
@@ -106,14 +119,19 @@ class RolloutWorker:
                 log.warning("deregister failed: %s", e)
         return self.stats
 
-    def tick(self) -> None:
-        now = time.monotonic()
-        busy = self.engine.has_work()
-        if not busy or now - self._last["poll"] >= self.busy_poll_s:
-            self._poll(0.0 if busy or self.pending else self.idle_wait_s)
-            self._last["poll"] = time.monotonic()
+    def tick(self, inbox: Inbox) -> None:
+        wait = 0.0
+        if not self.engine.has_work():  # idle: until work arrives or a heartbeat or report is due
+            due = self._last["heartbeat"] + self.heartbeat_s
+            if self.pending:
+                due = min(due, self._last["report"] + self.report_every_s)
+            wait = min(self.idle_wait_s, max(0.0, due - time.monotonic()))
+        for delivery in inbox.get(wait):
+            self._deliver(delivery)
         if self.engine.has_work():
             self._handle(self.engine.step())
+            for delivery in inbox.get(0.0):  # what arrived during the step: before its reports go out
+                self._deliver(delivery)
         if time.monotonic() - self._last["checkpoint"] >= self.checkpoint_every_s > 0:
             self._checkpoint()
         self._flush()
@@ -122,12 +140,16 @@ class RolloutWorker:
 
     # ---- work and commands -----------------------------------------------------------------
 
-    def _poll(self, wait: float) -> None:
-        try:
-            out = self.client.poll(self.run_id, self._instance, wait=wait)
-        except Conflict:  # the lease lapsed: poll is refused by time, before any sweep
+    def _deliver(self, d: Delivery) -> None:
+        if d.instance_id != self.instance_id:
+            return  # polled for an instance we have since given up (registered again)
+        if isinstance(d.error, Conflict):  # the lease lapsed: poll is refused by time, before any sweep
             self._register_again()
             return
+        if d.error is not None:
+            raise d.error
+        assert d.out is not None
+        out = d.out
         for w in out.work:
             self.engine.add_request(
                 str(w.sample_id),
@@ -139,7 +161,10 @@ class RolloutWorker:
             )
             self.held[w.sample_id] = _Held(w.attempt, w.lease, len(w.prefix_tokens), len(w.prompt_tokens))
             self.stats.routed += 1
+        now = time.monotonic()
         for c in out.commands:
+            self.stats.commands += 1
+            self.stats.command_wait_s += now - d.received_at
             if c.kind == "interrupt" and c.sample_id in self.held and self.held[c.sample_id].attempt == c.attempt:
                 self._interrupt([c.sample_id])
             elif c.kind == "abort" and c.sample_id in self.held and self.held[c.sample_id].attempt == c.attempt:
