@@ -23,8 +23,9 @@ class SimTrainer:
         self.train_times: list[float] = []
         self.step_tokens: list[int] = []
         self.step_samples: list[int] = []
-        self.staleness: Counter[int] = Counter()  # trained groups by b - V_group
+        self.staleness: Counter[int] = Counter()  # trained groups by b - V_group (published steps)
         self.sample_staleness: Counter[int] = Counter()  # trained samples by b - V_traj
+        self._step_staleness: tuple[Counter[int], Counter[int]] = (Counter(), Counter())  # the step in progress
         self.trained_prompt_tokens = 0
 
     def publish_due(self, now: float) -> list[int] | None:
@@ -38,6 +39,8 @@ class SimTrainer:
         in_flight = list(p.reserved)
         p.publish(v, lease)
         self.publish_times.append(now)
+        self.staleness.update(self._step_staleness[0])
+        self.sample_staleness.update(self._step_staleness[1])
         self.until = self.batch = None
         doomed = p.abort_after_ready()
         # consumed buffers can strand reservations (B' > B): publish may abort those groups
@@ -56,10 +59,11 @@ class SimTrainer:
         b = p.version
         tokens = prompt_tokens = samples = 0
         tbl = self.table
+        groups_by, samples_by = self._step_staleness = (Counter(), Counter())
         for gid in gids:
             g = p.groups[gid]
             assert g.group_version is not None  # a consumed group has its version
-            self.staleness[b - g.group_version] += 1
+            groups_by[b - g.group_version] += 1
             for sid in g.sample_ids:
                 s = p.samples[sid]
                 if s.state == SampleState.REWARDED:
@@ -67,7 +71,7 @@ class SimTrainer:
                     tokens += tbl.gen[sid]
                     prompt_tokens += tbl.prompt[sid]
                     samples += 1
-                    self.sample_staleness[b - s.v_traj] += 1
+                    samples_by[b - s.v_traj] += 1
         self.step_tokens.append(tokens)
         self.step_samples.append(samples)
         self.trained_prompt_tokens += prompt_tokens
