@@ -89,12 +89,13 @@ def read_buffers(conn: Connection, run_id: int, first: int) -> list[BufferCounts
 
 
 # The run's reservations (id, buffer, live version): reservations move only under the run
-# lock, and a group's version is that of its members now (`rules.group_version`).
+# lock, and a group's version is that of its members now (`rules.group_version`). The members
+# per group by a correlated subquery: an index lookup each (ix_samples_group); as a join it
+# was planned as a hash join over a scan of every sample of every run.
 RESERVATIONS = (
-    "SELECT g.id, g.reserved_buffer AS b, min(s.v_traj) FILTER (WHERE s.state <> 'queued' OR s.n_tokens > 0) AS v"
-    " FROM prompt_groups g LEFT JOIN samples s"
-    "   ON s.group_id = g.id AND s.state <> 'aborted' AND s.v_traj IS NOT NULL"
-    " WHERE g.run_id = :run AND g.state = 'reserved' GROUP BY g.id, g.reserved_buffer"
+    "SELECT g.id, g.reserved_buffer AS b, (SELECT min(s.v_traj) FROM samples s WHERE s.group_id = g.id"
+    "   AND s.state <> 'aborted' AND s.v_traj IS NOT NULL AND (s.state <> 'queued' OR s.n_tokens > 0)) AS v"
+    " FROM prompt_groups g WHERE g.run_id = :run AND g.state = 'reserved'"
 )
 
 
@@ -263,7 +264,7 @@ class RunTx:
             parts.append(
                 "UPDATE prompt_groups g SET reserved_buffer = u.b"
                 " FROM unnest(CAST(:mids AS bigint[]), CAST(:mbs AS int[])) AS u(id, b)"
-                " WHERE g.id = u.id AND g.state = 'reserved'"
+                " WHERE g.id = u.id AND g.id = ANY(CAST(:mids AS bigint[])) AND g.state = 'reserved'"
             )
             params.update(mids=list(self.moved), mbs=list(self.moved.values()))
         for sql, extra, gids in self._deferred:

@@ -35,7 +35,8 @@ class RoutedGroup:
 # after the run lock was granted) are as current as they were when read in a statement of
 # their own: reports change them without any lock we hold. The groups by `= ANY(ARRAY(...))`:
 # an index lookup each, in id order; `IN (SELECT ...)` was planned as a hash join over a scan
-# of every group of every run. $1 run, $2 instance ids, $3 sample ids.
+# of every group of every run; likewise the members (ix_samples_group), which by the join
+# condition alone were read by a scan of every sample. $1 run, $2 instance ids, $3 sample ids.
 ROUTE_READ = (
     "WITH i AS MATERIALIZED (SELECT id, state::text AS state, version, lease_expires_at > now() AS live"
     "   FROM instances WHERE run_id = $1 AND id = ANY($2) ORDER BY id FOR SHARE),"
@@ -46,8 +47,9 @@ ROUTE_READ = (
     " q(k, j) AS (SELECT 'i', to_jsonb(i) FROM i"
     "   UNION ALL SELECT 's', to_jsonb(s) FROM s"
     "   UNION ALL SELECT 'g', to_jsonb(g) || jsonb_build_object('mid', m.id, 'mstate', m.state::text,"
-    "     'mv', m.v_traj, 'mn', m.n_tokens) FROM g LEFT JOIN samples m ON g.state = 'reserved'"
-    "     AND m.group_id = g.id AND m.state <> 'aborted' AND m.v_traj IS NOT NULL)"
+    "     'mv', m.v_traj, 'mn', m.n_tokens) FROM g LEFT JOIN samples m ON m.group_id = g.id"
+    "     AND m.group_id = ANY(ARRAY(SELECT id FROM g WHERE state = 'reserved'))"
+    "     AND m.state <> 'aborted' AND m.v_traj IS NOT NULL)"
     " SELECT coalesce(jsonb_agg(jsonb_build_array(k, j)), '[]') FROM q"
 )
 
@@ -131,7 +133,8 @@ def route_in(rtx: RunTx, pairs: Sequence[tuple[int, int]]) -> list[RouteResult]:
             "UPDATE samples s SET state = 'running', v_traj = u.v, instance_id = u.i, attempt = u.a,"
             " lease = u.l, delivered = false, updated_at = now()"
             f" FROM unnest(CAST(:{p}ids AS bigint[]), CAST(:{p}vs AS int[]), CAST(:{p}is AS bigint[]),"
-            f" CAST(:{p}as AS int[]), CAST(:{p}ls AS uuid[])) AS u(id, v, i, a, l) WHERE s.id = u.id",
+            f" CAST(:{p}as AS int[]), CAST(:{p}ls AS uuid[])) AS u(id, v, i, a, l)"
+            f" WHERE s.id = u.id AND s.id = ANY(CAST(:{p}ids AS bigint[]))",
             {
                 f"{p}ids": [r[0] for r in routed],
                 f"{p}vs": [r[1] for r in routed],
@@ -145,7 +148,7 @@ def route_in(rtx: RunTx, pairs: Sequence[tuple[int, int]]) -> list[RouteResult]:
         rtx.defer(
             "UPDATE prompt_groups g SET state = 'reserved', reserved_buffer = u.b, min_version = u.mv"
             f" FROM unnest(CAST(:{p}ids AS bigint[]), CAST(:{p}bs AS int[]), CAST(:{p}mvs AS int[])) AS u(id, b, mv)"
-            " WHERE g.id = u.id",
+            f" WHERE g.id = u.id AND g.id = ANY(CAST(:{p}ids AS bigint[]))",
             {f"{p}ids": tg, f"{p}bs": [groups[g].buffer for g in tg], f"{p}mvs": [groups[g].version for g in tg]},
             groups=tg,
         )

@@ -194,13 +194,15 @@ class ScoringOps(TxMixin):
 # after the run lock was granted), so the batch's own rows are seen as before this update and
 # patched below; any other reward was committed before we took the run lock (rewards are only
 # recorded under it), so the snapshot has it. The groups by `= ANY(ARRAY(...))`: index lookups,
-# not the scan of all groups `IN (SELECT ...)` got. $1 run, $2 sample ids, $4 claim attempts,
-# $5 rewards.
+# not the scan of all groups `IN (SELECT ...)` got; so are the samples (`x.id = ANY($2)`, each
+# one's attempt and reward by its position: joined to unnest() they were planned as a scan of
+# every sample, or a nested loop over the batch per sample) and the groups' members. $1 run,
+# $2 sample ids (no duplicates: checked before), $4 claim attempts, $5 rewards.
 REWARDS_READ = (
     "WITH s AS MATERIALIZED (SELECT x.id, x.state::text AS state, x.group_id,"
-    "   x.state = 'scoring' AND x.reward_attempt = u.att AS holds, u.r FROM samples x"
-    "   JOIN unnest($2, $4, $5) AS u(id, att, r)"
-    "   ON x.id = u.id WHERE x.run_id = $1 ORDER BY x.id FOR UPDATE OF x),"
+    "   x.state = 'scoring' AND x.reward_attempt = ($4)[array_position($2, x.id)] AS holds,"
+    "   ($5)[array_position($2, x.id)] AS r FROM samples x"
+    "   WHERE x.run_id = $1 AND x.id = ANY($2) ORDER BY x.id FOR UPDATE),"
     " w AS (UPDATE samples x SET state = 'rewarded', reward = s.r, reward_deadline = NULL, updated_at = now()"
     "   FROM s WHERE x.id = s.id AND (SELECT count(*) FILTER (WHERE holds) FROM s) = cardinality($2)),"
     " g AS MATERIALIZED (SELECT id, state::text AS state, client_key, prompt_tokens, meta FROM prompt_groups"
@@ -208,7 +210,8 @@ REWARDS_READ = (
     " q(k, j) AS (SELECT 's', to_jsonb(s) FROM s"
     "   UNION ALL SELECT 'g', to_jsonb(g) FROM g"
     "   UNION ALL SELECT 'm', jsonb_build_object('group_id', m.group_id, 'id', m.id, 'idx', m.idx,"
-    "     'state', m.state::text, 'v_traj', m.v_traj, 'reward', m.reward) FROM g JOIN samples m ON m.group_id = g.id"
+    "     'state', m.state::text, 'v_traj', m.v_traj, 'reward', m.reward) FROM samples m"
+    "     WHERE m.group_id = ANY(ARRAY(SELECT id FROM g))"
     f"   UNION ALL SELECT 'r', to_jsonb(r) FROM ({RESERVATIONS.replace(':run', '$1')}) r)"
     " SELECT coalesce(jsonb_agg(jsonb_build_array(k, j)), '[]') FROM q"
 )
@@ -301,7 +304,7 @@ def occupy_ready_groups(
         rtx.defer(
             "UPDATE prompt_groups g SET state = 'occupied', buffer = u.b, group_version = u.v, reserved_buffer = NULL"
             f" FROM unnest(CAST(:{p}ids AS bigint[]), CAST(:{p}bs AS int[]), CAST(:{p}vs AS int[])) AS u(id, b, v)"
-            " WHERE g.id = u.id",
+            f" WHERE g.id = u.id AND g.id = ANY(CAST(:{p}ids AS bigint[]))",
             {
                 f"{p}ids": [o[0] for o in occupied],
                 f"{p}bs": [o[1] for o in occupied],
