@@ -111,7 +111,7 @@ def client(
     toks, lps = list(range(1, tokens + 1)), [-0.5] * tokens
     todo = deque(samples)
     counts = dict.fromkeys(KINDS, 0)
-    calls, version, next_pull, dry, not_admitted = 0, 0, 0.0, False, 0
+    calls, version, next_pull, dry, not_admitted, no_group = 0, 0, 0.0, False, 0, 0
     spent: dict[str, float] = {}  # seconds inside each operation
     B, N = RUN["batch_size"], RUN["group_size"]
 
@@ -170,12 +170,13 @@ def client(
         calls += 1
         if tasks:
             bump("claimed", len(tasks))
-            timed(
+            outcomes = timed(
                 "record_rewards",
                 p.record_rewards,
                 run,
                 [(t.sample_id, t.reward_attempt, float(t.sample_id % 2)) for t in tasks],
             )
+            no_group += not outcomes  # completed no group: no Occupy, no buffer accounting
             bump("rewarded", len(tasks))
             calls += 1
         while k == 0:  # client 0 is the trainer: every ready buffer, in version order
@@ -194,6 +195,7 @@ def client(
             "dry": dry,
             "spent": spent,
             "not_admitted": not_admitted,
+            "rewards_no_group": no_group,
             "statements": statements,
             **counts,
         }
@@ -278,6 +280,8 @@ def run_protocol(
         "samples_trained_per_s": counts["trained"] / elapsed,
         "calls_per_s": sum(r["calls"] for r in reports) / elapsed,
         "not_admitted": sum(r["not_admitted"] for r in reports),  # routes refused by admission control
+        # record_rewards calls that completed no group (all others Occupy or filter one)
+        "rewards_no_group": sum(r["rewards_no_group"] for r in reports),
         # share of the clients' wall time spent inside each operation (waits on the run lock included)
         "time_share": {op: round(s / (elapsed * clients), 3) for op, s in sorted(spent.items(), key=lambda x: -x[1])},
         # --profile: the statements taking most of the clients' time (share, calls, ms per call)
@@ -372,7 +376,9 @@ def main() -> None:
         progress(f"pgbench -N: {tps[0]:.0f} TPS")
         rows = []
         for b in batches:
-            groups = args.groups or 300 + 40 * b  # more than the clients can route in --seconds here
+            # more than the clients can route in --seconds here: 300 + 40 b alone (940 groups at
+            # batch 16) ran dry after ~7 s of 10, which understated batch 16 by a third
+            groups = args.groups or max(2500, 300 + 40 * b)
             rows.append(run_protocol(url, b, args.clients, args.seconds, args.tokens, groups, args.profile))
             progress(f"[b={b}] {rows[-1]['transitions_per_s']:.0f} transitions/s")
         progress(f"pgbench -N: {args.clients} clients, {args.pgbench_seconds:.0f}s (after) ...")
@@ -393,7 +399,9 @@ def main() -> None:
     )
     print(f"{'batch':>6} {'transitions/s':>14} {'samples trained/s':>18} {'calls/s':>9} {'ratio':>7}   counts")
     for r in rows:
-        counts = " ".join(f"{k}={v}" for k, v in r["counts"].items()) + f" (not admitted {r['not_admitted']})"
+        counts = " ".join(f"{k}={v}" for k, v in r["counts"].items()) + (
+            f" (not admitted {r['not_admitted']}; reward calls completing no group {r['rewards_no_group']})"
+        )
         print(
             f"{r['batch']:>6} {r['transitions_per_s']:>14.0f} {r['samples_trained_per_s']:>18.0f}"
             f" {r['calls_per_s']:>9.0f} {r['ratio']:>7.2f}   {counts}"

@@ -89,12 +89,34 @@ def read_buffers(conn: Connection, run_id: int, first: int) -> list[BufferCounts
 
 
 # The run's reservations (id, buffer, live version): reservations move only under the run
-# lock, and a group's version is that of its members now (`rules.group_version`).
+# lock, and a group's version is that of its members now (`rules.group_version`). The members
+# per group by a correlated subquery: an index lookup each (ix_samples_group); as a join it
+# was planned as a hash join over a scan of every sample of every run.
 RESERVATIONS = (
-    "SELECT g.id, g.reserved_buffer AS b, min(s.v_traj) FILTER (WHERE s.state <> 'queued' OR s.n_tokens > 0) AS v"
-    " FROM prompt_groups g LEFT JOIN samples s"
-    "   ON s.group_id = g.id AND s.state <> 'aborted' AND s.v_traj IS NOT NULL"
-    " WHERE g.run_id = :run AND g.state = 'reserved' GROUP BY g.id, g.reserved_buffer"
+    "SELECT g.id, g.reserved_buffer AS b, (SELECT min(s.v_traj) FROM samples s WHERE s.group_id = g.id"
+    "   AND s.state <> 'aborted' AND s.v_traj IS NOT NULL AND (s.state <> 'queued' OR s.n_tokens > 0)) AS v"
+    " FROM prompt_groups g WHERE g.run_id = :run AND g.state = 'reserved'"
+)
+
+
+@dataclass(frozen=True)
+class LockedRead:
+    """A read that runs right after the run lock is granted, in the same round trip
+    (`RunTx.open`): `sql` gets the run as $1 and these arrays as $2..$5, returns one jsonb."""
+
+    sql: str
+    a: Sequence[int] = ()
+    b: Sequence[int] = ()
+    c: Sequence[int] = ()
+    d: Sequence[float] = ()
+
+    def params(self) -> dict[str, Any]:
+        return {"q": self.sql, "a": list(self.a), "b": list(self.b), "c": list(self.c), "d": list(self.d)}
+
+
+LOCK_RUN_READ = (
+    "SELECT staleflow_lock_run_read(:run, :q, CAST(:a AS bigint[]), CAST(:b AS bigint[]),"
+    " CAST(:c AS int[]), CAST(:d AS float8[]))"
 )
 
 
@@ -112,18 +134,35 @@ class RunTx:
         self.moved: dict[int, int] = {}  # group -> new reserved buffer, from cascades
         self.events: list[Event] = []
         self._deferred: list[tuple[str, dict[str, Any], set[int]]] = []
+        self._read: tuple[str, Any] | None = None
 
     @classmethod
-    def open(cls, conn: Connection, run_id: int) -> RunTx:
-        """Lock the run and read it with its buffers in one round trip (`staleflow_lock_run`,
-        migration 0004): the function reads the buffers in a second statement of its own, so
-        under READ COMMITTED they include the commit of the lock's previous holder (a single
-        statement that waited for the lock would read them from the snapshot it started with)."""
-        got = conn.execute(text("SELECT staleflow_lock_run(:run)"), {"run": run_id}).scalar()
+    def open(cls, conn: Connection, run_id: int, read: LockedRead | None = None) -> RunTx:
+        """Lock the run and read it with its buffers in one round trip: the function reads the
+        buffers in a statement of its own, so under READ COMMITTED they include the commit of
+        the lock's previous holder (a single statement that waited for the lock would read them
+        from the snapshot it started with). `read`: the caller's locking read, run in that same
+        round trip after the lock is granted (`staleflow_lock_run_read`, migration 0005); its
+        result is taken with `locked_read`."""
+        if read is None:  # migration 0004's function: no dynamic SQL to plan
+            got = conn.execute(text("SELECT staleflow_lock_run(:run)"), {"run": run_id}).scalar()
+        else:
+            got = conn.execute(text(LOCK_RUN_READ), {"run": run_id, **read.params()}).scalar()
         if got is None:
             raise NotFound(f"run {run_id}")
-        run = RunRow.of(got["run"])
-        return cls(conn, run, [BufferCounts(i, o, r, c) for i, o, r, c in got["buffers"]])
+        rtx = cls(conn, RunRow.of(got["run"]), [BufferCounts(i, o, r, c) for i, o, r, c in got["buffers"]])
+        if read is not None:
+            rtx._read = (read.sql, got["read"])
+        return rtx
+
+    def locked_read(self, read: LockedRead) -> Any:
+        """The result of `read`: sent with the lock by `open` if it was given there, else now
+        (a caller that locked the run first, e.g. a coordinator cycle checking its epoch)."""
+        if self._read is not None and self._read[0] == read.sql:
+            got, self._read = self._read[1], None
+            return got
+        got = self.conn.execute(text(LOCK_RUN_READ), {"run": self.run.id, **read.params()}).scalar_one()
+        return got["read"]
 
     def buffer(self, idx: int) -> BufferCounts:
         return self.buffers.setdefault(idx, BufferCounts(idx))
@@ -225,7 +264,7 @@ class RunTx:
             parts.append(
                 "UPDATE prompt_groups g SET reserved_buffer = u.b"
                 " FROM unnest(CAST(:mids AS bigint[]), CAST(:mbs AS int[])) AS u(id, b)"
-                " WHERE g.id = u.id AND g.state = 'reserved'"
+                " WHERE g.id = u.id AND g.id = ANY(CAST(:mids AS bigint[])) AND g.state = 'reserved'"
             )
             params.update(mids=list(self.moved), mbs=list(self.moved.values()))
         for sql, extra, gids in self._deferred:
@@ -330,11 +369,14 @@ def response_so_far(column: str, sample: str) -> str:
     )
 
 
-def under_run_lock(run_id: int, body: Callable[[RunTx], Any]) -> Callable[[Connection], Any]:
-    """A transaction body that holds the run's lock and flushes buffer accounting at the end."""
+def under_run_lock(
+    run_id: int, body: Callable[[RunTx], Any], read: LockedRead | None = None
+) -> Callable[[Connection], Any]:
+    """A transaction body that holds the run's lock and flushes buffer accounting at the end;
+    `read` is sent with the lock (`RunTx.open`)."""
 
     def run(conn: Connection) -> Any:
-        rtx = RunTx.open(conn, run_id)
+        rtx = RunTx.open(conn, run_id, read)
         outcome = body(rtx)
         rtx.flush()
         return outcome

@@ -27,12 +27,13 @@ def log_events(conn: Connection, run_id: int, events: Sequence[Event]) -> None:
 
 
 # one multi-row INSERT for any number of events; {p} prefixes the parameter names, so that
-# RunTx.flush can send it as one part of a larger statement
+# RunTx.flush can send it as one part of a larger statement. The data come as one JSON array
+# (parsed once: the scalar subquery is an InitPlan) and JSON null is stored as NULL.
 EVENTS_INSERT = (
     "INSERT INTO events (run_id, kind, sample_id, group_id, buffer, instance_id, data)"
-    " SELECT :{p}run, u.k, u.s, u.g, u.b, u.i, u.d FROM unnest(CAST(:{p}k AS text[]), CAST(:{p}s AS bigint[]),"
-    " CAST(:{p}g AS bigint[]), CAST(:{p}b AS int[]), CAST(:{p}i AS bigint[]), CAST(:{p}d AS jsonb[]))"
-    " AS u(k, s, g, b, i, d)"
+    " SELECT :{p}run, u.k, u.s, u.g, u.b, u.i, nullif((SELECT CAST(:{p}d AS jsonb)) -> (u.o::int - 1), 'null')"
+    " FROM unnest(CAST(:{p}k AS text[]), CAST(:{p}s AS bigint[]), CAST(:{p}g AS bigint[]), CAST(:{p}b AS int[]),"
+    " CAST(:{p}i AS bigint[])) WITH ORDINALITY AS u(k, s, g, b, i, o)"
 )
 
 
@@ -46,6 +47,7 @@ def events_params(run_id: int, events: Sequence[Event], prefix: str = "") -> dic
             "g": [e.group for e in events],
             "b": [e.buffer for e in events],
             "i": [e.instance for e in events],
-            "d": [None if e.data is None else json.dumps(e.data) for e in events],
+            # one JSON array for all the events' data (a json.dumps per event cost ~3x more)
+            "d": json.dumps([e.data for e in events]),
         }.items()
     }

@@ -157,7 +157,7 @@ def report_in(conn: Connection, run_id: int, reports: Sequence[Report]) -> int:
             " finish_reason = coalesce(u.f, s.finish_reason), updated_at = now()"
             " FROM unnest(CAST(:ids AS bigint[]), CAST(:ns AS int[]), CAST(:vs AS int[]), CAST(:sts AS text[]),"
             "   CAST(:fs AS text[])) AS u(id, n, v, st, f)"
-            " WHERE s.id = u.id"
+            " WHERE s.id = u.id AND s.id = ANY(CAST(:ids AS bigint[]))"
         ),
         params,
     )

@@ -17,7 +17,7 @@ from ..types import Report, RouteOutcome, RouteResult, RunConfig
 from .base import CommandTarget, TxMixin, load_run, response_so_far, send_commands, under_run_lock
 from .events import Event, log_events
 from .fencing import check_live, report_in
-from .routing import route_in
+from .routing import lease_tokens, route_in, route_read
 
 MAX_BATCH = 10_000  # items per call: larger batches hold the run lock too long
 
@@ -226,10 +226,11 @@ class RolloutOps(TxMixin):
     ) -> list[RouteResult]:
         """Route queued samples to instances; the group's first member reserves a buffer entry."""
         check_batch(pairs, "routes")
+        tokens = lease_tokens(len(pairs))
         return self.idempotent(
             request_id,
             "route",
-            under_run_lock(run_id, lambda rtx: route_in(rtx, pairs)),
+            under_run_lock(run_id, lambda rtx: route_in(rtx, pairs, tokens), route_read(pairs)),
             lambda stored: [RouteResult(**{**r, "outcome": RouteOutcome(r["outcome"])}) for r in stored],
             body=[run_id, pairs],
             conn=conn,

@@ -17,7 +17,16 @@ from ..errors import Conflict, InvalidInput, NotFound
 from ..idempotency import transactional
 from ..rules import occupy_plan, replacement_key, window_has_room
 from ..types import GroupOutcome
-from .base import RESERVATIONS, RunTx, TxMixin, abort_samples_where, load_run, response_so_far, under_run_lock
+from .base import (
+    RESERVATIONS,
+    LockedRead,
+    RunTx,
+    TxMixin,
+    abort_samples_where,
+    load_run,
+    response_so_far,
+    under_run_lock,
+)
 from .events import Event
 from .rollout import Prompt, check_batch, enqueue_prompts
 
@@ -90,7 +99,7 @@ class ScoringOps(TxMixin):
         return self.idempotent(
             request_id,
             "reward",
-            under_run_lock(run_id, lambda rtx: rewards_in(rtx, rewards)),
+            under_run_lock(run_id, lambda rtx: rewards_in(rtx, rewards), rewards_read(rewards)),
             lambda stored: [GroupOutcome(**{**o, "state": GroupState(o["state"])}) for o in stored],
             body=[run_id, rewards],
             conn=conn,
@@ -177,47 +186,54 @@ class ScoringOps(TxMixin):
             return doomed
 
 
-def rewards_in(rtx: RunTx, rewards: Sequence[tuple[int, int, float]]) -> list[GroupOutcome]:
-    conn, run = rtx.conn, rtx.run
+# ONE statement, sent with the run lock (`RunTx.open`; under it every round trip counts): lock
+# the batch's samples, check every claim and store the rewards only if all hold (all or
+# nothing, even if a caller's transaction went on after the Conflict), then lock their groups
+# and read the members. Lock order run -> samples -> groups, each in id order: UNION ALL
+# branches run one after the other. The members come from the statement's snapshot (taken
+# after the run lock was granted), so the batch's own rows are seen as before this update and
+# patched below; any other reward was committed before we took the run lock (rewards are only
+# recorded under it), so the snapshot has it. The groups by `= ANY(ARRAY(...))`: index lookups,
+# not the scan of all groups `IN (SELECT ...)` got; so are the samples (`x.id = ANY($2)`, each
+# one's attempt and reward by its position: joined to unnest() they were planned as a scan of
+# every sample, or a nested loop over the batch per sample) and the groups' members. $1 run,
+# $2 sample ids (no duplicates: checked before), $4 claim attempts, $5 rewards.
+REWARDS_READ = (
+    "WITH s AS MATERIALIZED (SELECT x.id, x.state::text AS state, x.group_id,"
+    "   x.state = 'scoring' AND x.reward_attempt = ($4)[array_position($2, x.id)] AS holds,"
+    "   ($5)[array_position($2, x.id)] AS r FROM samples x"
+    "   WHERE x.run_id = $1 AND x.id = ANY($2) ORDER BY x.id FOR UPDATE),"
+    " w AS (UPDATE samples x SET state = 'rewarded', reward = s.r, reward_deadline = NULL, updated_at = now()"
+    "   FROM s WHERE x.id = s.id AND (SELECT count(*) FILTER (WHERE holds) FROM s) = cardinality($2)),"
+    " g AS MATERIALIZED (SELECT id, state::text AS state, client_key, prompt_tokens, meta FROM prompt_groups"
+    "   WHERE id = ANY(ARRAY(SELECT group_id FROM s)) ORDER BY id FOR UPDATE),"
+    " q(k, j) AS (SELECT 's', to_jsonb(s) FROM s"
+    "   UNION ALL SELECT 'g', to_jsonb(g) FROM g"
+    "   UNION ALL SELECT 'm', jsonb_build_object('group_id', m.group_id, 'id', m.id, 'idx', m.idx,"
+    "     'state', m.state::text, 'v_traj', m.v_traj, 'reward', m.reward) FROM samples m"
+    "     WHERE m.group_id = ANY(ARRAY(SELECT id FROM g))"
+    f"   UNION ALL SELECT 'r', to_jsonb(r) FROM ({RESERVATIONS.replace(':run', '$1')}) r)"
+    " SELECT coalesce(jsonb_agg(jsonb_build_array(k, j)), '[]') FROM q"
+)
+
+
+def rewards_read(rewards: Sequence[tuple[int, int, float]]) -> LockedRead:
+    """The read of `rewards_in`, which stores the rewards: so the batch is checked first,
+    before the lock (a caller's transaction may go on after the refusal)."""
     ids = [r[0] for r in rewards]
     if len(set(ids)) != len(ids):
         raise InvalidInput("a sample appears twice in one reward batch")
     for sid, _, reward in rewards:
         if not isinstance(reward, (int, float)) or not math.isfinite(reward):
             raise InvalidInput(f"sample {sid}: reward must be a finite number")
-    # ONE statement (under the run lock every round trip counts): lock the batch's samples,
-    # check every claim and store the rewards only if all hold (all or nothing, even if a
-    # caller's transaction went on after the Conflict), then lock their groups and read the
-    # members. Lock order samples -> groups, each in id order: UNION ALL branches run one after
-    # the other. The members come from the statement's snapshot, so the batch's own rows are
-    # seen as before this update and patched below; any other reward was committed before we
-    # took the run lock (rewards are only recorded under it), so the snapshot has it. The groups
-    # by `= ANY(ARRAY(...))`: index lookups, not the scan of all groups `IN (SELECT ...)` got.
+    return LockedRead(REWARDS_READ, a=ids, c=[r[1] for r in rewards], d=[float(r[2]) for r in rewards])
+
+
+def rewards_in(rtx: RunTx, rewards: Sequence[tuple[int, int, float]]) -> list[GroupOutcome]:
+    """Record a batch checked by `rewards_read`, whose result `RunTx.open` sent with the lock."""
+    run = rtx.run
     got: dict[str, list[dict[str, Any]]] = {"s": [], "g": [], "m": [], "r": []}
-    for kind, row in conn.execute(
-        text(
-            "WITH s AS MATERIALIZED (SELECT x.id, x.state::text AS state, x.group_id,"
-            "   x.state = 'scoring' AND x.reward_attempt = u.att AS holds, u.r FROM samples x"
-            "   JOIN unnest(CAST(:ids AS bigint[]), CAST(:atts AS int[]), CAST(:rs AS float8[])) AS u(id, att, r)"
-            "   ON x.id = u.id WHERE x.run_id = :run ORDER BY x.id FOR UPDATE OF x),"
-            " w AS (UPDATE samples x SET state = 'rewarded', reward = s.r, reward_deadline = NULL, updated_at = now()"
-            "   FROM s WHERE x.id = s.id AND (SELECT count(*) FILTER (WHERE holds) FROM s) = :n),"
-            " g AS MATERIALIZED (SELECT id, state::text AS state, client_key, prompt_tokens, meta FROM prompt_groups"
-            "   WHERE id = ANY(ARRAY(SELECT group_id FROM s)) ORDER BY id FOR UPDATE)"
-            " SELECT 's', to_jsonb(s) FROM s"
-            " UNION ALL SELECT 'g', to_jsonb(g) FROM g"
-            " UNION ALL SELECT 'm', jsonb_build_object('group_id', m.group_id, 'id', m.id, 'idx', m.idx,"
-            "   'state', m.state::text, 'v_traj', m.v_traj, 'reward', m.reward) FROM g JOIN samples m ON m.group_id = g.id"
-            f" UNION ALL SELECT 'r', to_jsonb(r) FROM ({RESERVATIONS}) r"
-        ),
-        {
-            "run": run.id,
-            "ids": ids,
-            "atts": [r[1] for r in rewards],
-            "rs": [float(r[2]) for r in rewards],
-            "n": len(ids),
-        },
-    ).all():
+    for kind, row in rtx.locked_read(rewards_read(rewards)):
         got[kind].append(row)
     rows = {r["id"]: r for r in got["s"]}
     # the run's reservations, for Occupy's plan: the batch's own update changes no member's
@@ -288,7 +304,7 @@ def occupy_ready_groups(
         rtx.defer(
             "UPDATE prompt_groups g SET state = 'occupied', buffer = u.b, group_version = u.v, reserved_buffer = NULL"
             f" FROM unnest(CAST(:{p}ids AS bigint[]), CAST(:{p}bs AS int[]), CAST(:{p}vs AS int[])) AS u(id, b, v)"
-            " WHERE g.id = u.id",
+            f" WHERE g.id = u.id AND g.id = ANY(CAST(:{p}ids AS bigint[]))",
             {
                 f"{p}ids": [o[0] for o in occupied],
                 f"{p}bs": [o[1] for o in occupied],

@@ -1,0 +1,110 @@
+"""The reads route and record_rewards send with the run lock: what they see, and their plans.
+
+`staleflow_lock_run_read` runs them with EXECUTE ... USING, planned for the actual values; a
+prepared statement's first (custom) plan is the same, and EXPLAIN shows it. On a large
+backlog (test_plans' database: 4 runs x 18k samples) no part of them may scan every sample or
+every group: they run while every other run-locked call waits, and such scans grew with the
+table (the members' joins were planned as hash joins over all samples).
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from protocol_helpers import Driver
+from sqlalchemy import text
+
+from staleflow_db.enums import GroupState
+from staleflow_db.protocol.base import RESERVATIONS
+from staleflow_db.protocol.routing import ROUTE_READ
+from staleflow_db.protocol.scoring import REWARDS_READ
+from tests.db.test_plans import backlog, describe, nodes  # noqa: F401 (backlog: the fixture)
+
+ARGS = "bigint, bigint[], bigint[], int[], float8[]"
+
+
+def explain(engine, sql: str, run: int, a: list, b: list = (), c: list = (), d: list = ()) -> dict:
+    def arr(xs) -> str:  # numbers only: inlined as array literals
+        return "'{" + ",".join(str(x) for x in xs) + "}'"
+
+    with engine.connect() as conn:
+        conn.execute(text(f"PREPARE locked_read({ARGS}) AS {sql}"))
+        try:
+            args = ", ".join([str(int(run)), *(arr(x) for x in (a, b, c, d))])
+            return conn.exec_driver_sql(f"EXPLAIN (FORMAT JSON) EXECUTE locked_read({args})").scalar()[0]["Plan"]
+        finally:
+            conn.execute(text("DEALLOCATE locked_read"))
+
+
+def ids_in(engine, run: int, state: str, n: int = 64) -> list[tuple[int, int]]:
+    with engine.connect() as conn:
+        return [
+            tuple(r)
+            for r in conn.execute(
+                text(
+                    "SELECT id, attempt FROM samples WHERE run_id = :r AND state = CAST(:s AS sample_state)"
+                    " ORDER BY id DESC LIMIT :n"
+                ),
+                {"r": run, "s": state, "n": n},
+            ).all()
+        ]
+
+
+def assert_no_full_scans(plan: dict) -> None:
+    scanned = {n.get("Relation Name") for n in nodes(plan) if n["Node Type"] == "Seq Scan"}
+    assert not scanned & {"samples", "prompt_groups"}, describe(plan)
+
+
+def test_route_read_reaches_rows_by_index(backlog):  # noqa: F811
+    engine, run, inst = backlog
+    queued = [s for s, _ in ids_in(engine, run, "queued")]
+    assert len(queued) == 64
+    assert_no_full_scans(explain(engine, ROUTE_READ, run, [inst], queued))
+
+
+def test_rewards_read_reaches_rows_by_index(backlog):  # noqa: F811
+    engine, run, _ = backlog
+    scoring = ids_in(engine, run, "scoring")
+    assert len(scoring) == 64
+    plan = explain(engine, REWARDS_READ, run, [s for s, _ in scoring], c=[a for _, a in scoring], d=[1.0] * 64)
+    assert_no_full_scans(plan)
+
+
+def test_reservations_read_members_by_index(backlog):  # noqa: F811
+    """Every group of the backlog is reserved: still one index lookup per group."""
+    engine, run, _ = backlog
+    assert_no_full_scans(explain(engine, RESERVATIONS.replace(":run", "$1"), run, []))
+
+
+WAIT_S = 60  # guards against a hang, never a timing assertion
+
+
+def test_a_reward_waiting_for_the_run_lock_reads_what_its_holder_committed(engine):
+    """Two transactions each reward half of one group; the second waits for the run lock the
+    first holds. Its read, sent with the lock, runs after the lock is granted and must see the
+    first one's reward (a read in the lock's own statement would not): else neither places
+    the group, which stays reserved for good."""
+    d = Driver(engine, batch_size=1, group_size=2, eta=1)
+    inst = d.p.register_instance(d.run, "i", 0)
+    (g,) = d.enqueue(1)
+    s1, s2 = d.members(g)
+    d.finish(d.routed([s1, s2], inst))
+    attempt = {t.sample_id: t.reward_attempt for t in d.p.claim_rewards(d.run, 10)}
+    with engine.connect() as holder, ThreadPoolExecutor(1) as pool:
+        tx = holder.begin()
+        assert d.p.record_rewards(d.run, [(s1, attempt[s1], 1.0)], conn=holder) == []
+        second = pool.submit(d.p.record_rewards, d.run, [(s2, attempt[s2], 0.0)])
+        deadline = time.monotonic() + WAIT_S
+        while not d.scalars(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
+            " AND wait_event_type = 'Lock' AND query LIKE '%staleflow_lock_run_read%'"
+        )[0]:
+            assert time.monotonic() < deadline, "the second reward never waited for the run lock"
+            assert not second.done(), second.result()
+            time.sleep(0.01)
+        tx.commit()
+        outcomes = second.result(timeout=WAIT_S)
+    assert [(o.group_id, o.state) for o in outcomes] == [(g, GroupState.OCCUPIED)]
+    assert d.group(g)[0] == "occupied"
+    assert d.violations() == []
