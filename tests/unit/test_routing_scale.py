@@ -36,8 +36,8 @@ from workers.sim.simulator import Simulator
 # re-recorded when status-based pulls began to keep busy instances while no work waits for the
 # new version (`pull_for_new_work`): with the rule off it still gives the old digest (eac91486...).
 # The physics is the one they were recorded with (LEGACY_PHYSICS: issue 11 changed pull and
-# prefill times, which changes what a correct coordinator decides), and `keep_oldest` (a later
-# pull rule) is off.
+# prefill times, which changes what a correct coordinator decides), `keep_oldest` (a later pull
+# rule) is off and migrations need the 5% gain they needed then.
 GOLDEN = {
     ("small", "staleflow", 2): "bf057f8c46e7bb45f9128278706ac2e18fbc8f36da35dabca9d577ee1ffb1dcd",
     ("small", "staleflow-greedy-pull", 1): "23d1e937cb6493210a75185c63bde5ee4683efb95f740ec53f319688c683e19c",
@@ -58,11 +58,14 @@ def _digest(setup: str, policy: str | Policy, eta: int, steps: int = 3) -> str:
 
 @pytest.mark.parametrize("setup,policy,eta", sorted(GOLDEN))
 def test_simulated_decisions_are_unchanged(setup, policy, eta):
-    assert _digest(setup, get_policy(policy, keep_oldest=False), eta) == GOLDEN[(setup, policy, eta)]
+    assert (
+        _digest(setup, get_policy(policy, keep_oldest=False, migrate_min_gain=0.05), eta)
+        == GOLDEN[(setup, policy, eta)]
+    )
 
 
 def test_decisions_with_the_pull_rule_off_are_the_ones_recorded_before_it():
-    policy = get_policy("staleflow", pull_for_new_work=False, keep_oldest=False)
+    policy = get_policy("staleflow", pull_for_new_work=False, keep_oldest=False, migrate_min_gain=0.05)
     assert _digest("small", policy, 2) == "eac91486f0ecd65e86bb6a3405e92c15d4f43fca048051880ec2ddc922d16057"
 
 
