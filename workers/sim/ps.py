@@ -18,12 +18,9 @@ class PSEgress:
     def __init__(self, streams: int | None, transfer_s: float, reload_s: float):
         self.transfer_s, self.reload_s = transfer_s, reload_s
         self._stream_free: list[float] | None = [0.0] * streams if streams else None
-        self.waited = 0.0  # instance-seconds pulls spent beyond an uncontended transfer
-        self.pulls = 0
 
     def pull_durations(self, now: float, count: int) -> float:
         """Seconds from `now` until `count` pulls starting now have their weights loaded."""
-        self.pulls += count
         if self._stream_free is None or count == 0:
             return self.transfer_s + self.reload_s
         end = now
@@ -31,5 +28,4 @@ class PSEgress:
             start = max(now, heapq.heappop(self._stream_free))
             heapq.heappush(self._stream_free, start + self.transfer_s)
             end = max(end, start + self.transfer_s)
-        self.waited += count * (end - now - self.transfer_s)
         return end - now + self.reload_s

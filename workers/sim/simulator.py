@@ -48,7 +48,7 @@ from .engine import SampleTable, SimInstance
 from .protocol import SimProtocol
 from .ps import PSEgress
 from .results import SimResult, build_result, ideal_tokens_per_s
-from .setups import Setup, get_setup
+from .setups import PULL_OVERHEAD, Setup, get_setup
 from .trainer import SimTrainer
 from .workload import Workload
 
@@ -133,7 +133,7 @@ class Simulator:
         self.fresh_groups: set[int] = set()
         self.group_index = 0
         self.trainer = SimTrainer(self.p, self.table, su)
-        self.ps = PSEgress(su.ps_streams, su.pull_transfer_time, su.pull_time - su.pull_transfer_time)
+        self.ps = PSEgress(su.ps_streams, su.pull_transfer_time, PULL_OVERHEAD)
         self.commands: Counter[str] = Counter()
         self.cycles = 0
         self.coord_wall = 0.0
