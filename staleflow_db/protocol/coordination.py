@@ -18,7 +18,7 @@ from ..types import RouteResult
 from .base import RUN_COLUMNS, RunRow, RunTx, TxMixin, load_run
 from .events import Event, log_events
 from .rollout import check_batch, interrupt_running
-from .routing import route_in
+from .routing import route_in, route_read
 
 
 class RunningSample(NamedTuple):
@@ -215,28 +215,41 @@ class CoordinationOps(TxMixin):
         *,
         conn: Connection | None = None,
     ) -> list[RouteResult]:
-        """One cycle's routes, interrupts and pulls in one transaction, only from the leader."""
+        """One cycle's routes, interrupts and pulls in one transaction, only from the leader.
+
+        Round trips are decision delay (every command waits for this commit): the run lock is
+        taken only for routes (interrupts and pulls move no buffer, as in `interrupt` and
+        `pull`), with the routes' locking read in its round trip, and with `cycle` the fence
+        goes with the cycle's row as the last statement. A fence checked last is as good as
+        first: the lease row is then held FOR SHARE until the commit, and a takeover that
+        committed before it fails the check, so the whole transaction rolls back."""
         check_batch(routes, "routes")
 
         with self.tx(conn) as conn:
             started = time.monotonic()
-            rtx = RunTx.open(conn, run_id)
-            check_epoch(conn, run_id, epoch, holder)
-            results = route_in(rtx, routes) if routes else []
-            rtx.flush()  # route's writes are deferred to the flush: interrupts must see them
+            if cycle is None:
+                check_epoch(conn, run_id, epoch, holder)
+            results: list[RouteResult] = []
+            if routes:
+                rtx = RunTx.open(conn, run_id, route_read(routes))
+                results = route_in(rtx, routes)
+                rtx.flush()  # route's writes are deferred to the flush: interrupts must see them
             if interrupts:
                 interrupt_running(conn, run_id, interrupts, epoch)
             if pulls:
                 queue_pulls(conn, run_id, pulls, epoch)
             if cycle is not None:
-                # the cycle's write time: every statement of this transaction but the commit
-                conn.execute(
+                # the cycle's write time: every statement of this transaction but this one and the commit
+                fenced = conn.execute(
                     text(
                         "INSERT INTO coordinator_cycles (run_id, epoch, snapshot_ms, decide_ms, write_ms, routed,"
-                        " interrupted, pulled, migrated) VALUES (:run, :e, :s, :d, :w, :r, :i, :p, :m)"
+                        " interrupted, pulled, migrated) SELECT l.run_id, l.epoch, :s, :d, :w, :r, :i, :p, :m"
+                        " FROM coordinator_leases l WHERE l.run_id = :run AND l.holder = :h AND l.epoch = :e"
+                        " AND l.expires_at > now() FOR SHARE"
                     ),
                     {
                         "run": run_id,
+                        "h": holder,
                         "e": epoch,
                         "s": cycle.get("snapshot_ms", 0.0),
                         "d": cycle.get("decide_ms", 0.0),
@@ -246,7 +259,10 @@ class CoordinationOps(TxMixin):
                         "p": len(pulls),
                         "m": int(cycle.get("migrated", 0)),
                     },
-                )
+                ).rowcount
+                if not fenced:
+                    check_epoch(conn, run_id, epoch, holder)  # raises Conflict with the reason
+                    raise Conflict([(epoch, "not the coordinator of this run (leadership lost or expired)")])
             return results
 
 
