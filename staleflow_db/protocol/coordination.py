@@ -16,7 +16,6 @@ from ..errors import Conflict, InvalidInput, NotFound
 from ..idempotency import transactional
 from ..types import RouteResult
 from .base import RUN_COLUMNS, RunRow, RunTx, TxMixin, load_run
-from .events import Event, log_events
 from .rollout import check_batch, interrupt_running
 from .routing import route_in, route_read
 
@@ -283,14 +282,18 @@ def check_epoch(conn: Connection, run_id: int, epoch: int, holder: str | None = 
 def queue_pulls(conn: Connection, run_id: int, pulls: Sequence[tuple[int, int]], epoch: int | None) -> list[int]:
     """Queue a pull command per (instance, target version) for those instances that are active
     in the run; returns them."""
+    # the commands and their events in one statement (one round trip of decision delay)
     told = conn.execute(
         text(
-            "INSERT INTO commands (run_id, instance_id, kind, target_version, epoch)"
-            " SELECT :run, u.i, 'pull', u.v, :e FROM unnest(CAST(:is AS bigint[]), CAST(:vs AS int[])) AS u(i, v)"
-            " JOIN instances x ON x.id = u.i AND x.run_id = :run AND x.state = 'active'"
-            " RETURNING instance_id, target_version"
+            "WITH t AS (INSERT INTO commands (run_id, instance_id, kind, target_version, epoch)"
+            "   SELECT :run, u.i, 'pull', u.v, :e FROM unnest(CAST(:is AS bigint[]), CAST(:vs AS int[]))"
+            "   WITH ORDINALITY AS u(i, v, o)"
+            "   JOIN instances x ON x.id = u.i AND x.run_id = :run AND x.state = 'active' ORDER BY u.o"
+            "   RETURNING id, instance_id, target_version),"
+            " e AS (INSERT INTO events (run_id, kind, instance_id, data)"
+            "   SELECT :run, 'pull', t.instance_id, jsonb_build_object('target', t.target_version) FROM t ORDER BY t.id)"
+            " SELECT instance_id FROM t ORDER BY id"
         ),
         {"run": run_id, "e": epoch, "is": [p[0] for p in pulls], "vs": [p[1] for p in pulls]},
-    ).all()
-    log_events(conn, run_id, [Event("pull", instance=t.instance_id, data={"target": t.target_version}) for t in told])
-    return [t.instance_id for t in told]
+    ).scalars()
+    return list(told)
