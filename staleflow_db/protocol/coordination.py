@@ -71,7 +71,8 @@ class Snapshot:
 # The cycle's snapshot (`CoordinationOps.snapshot`): the run, its unconsumed buffers, its live
 # instances, their running samples, the queued samples (oldest first, up to :n) and the latest
 # published version, as one JSON array. Rows are arrays in the field order of the views they
-# become. The instances' filter is read once (CTE i) for them and their running samples.
+# become. The instances' filter is read once (CTE i) for them and their running samples. A
+# queued sample never routed (no V_traj: most of a queue) has no segments to look up.
 SNAPSHOT = (
     f"WITH r AS MATERIALIZED (SELECT {RUN_COLUMNS} FROM runs WHERE id = :run),"
     " i AS MATERIALIZED (SELECT id, name, version, snapshot, extract(epoch FROM now() - snapshot_at)::float8 AS age"
@@ -87,7 +88,9 @@ SNAPSHOT = (
     "    JOIN prompt_groups g ON g.id = s.group_id),"
     "  (SELECT json_agg(json_build_array(q.id, q.group_id, q.v_traj, q.last_version, q.length, q.n_tokens, q.gstate,"
     "     q.reserved_buffer, q.min_version,"
-    "     (SELECT x.instance_id FROM segments x WHERE x.sample_id = q.id ORDER BY x.seq DESC LIMIT 1)) ORDER BY q.id)"
+    "     CASE WHEN q.v_traj IS NOT NULL THEN"
+    "      (SELECT x.instance_id FROM segments x WHERE x.sample_id = q.id ORDER BY x.seq DESC LIMIT 1) END)"
+    "     ORDER BY q.id)"
     "    FROM (SELECT s.id, s.group_id, s.v_traj, s.last_version, cardinality(g.prompt_tokens) + s.n_tokens AS length,"
     "      s.n_tokens, g.state::text AS gstate, g.reserved_buffer, g.min_version"
     "      FROM samples s JOIN prompt_groups g ON g.id = s.group_id"
