@@ -63,7 +63,11 @@ def coordinator(
     except KeyError as e:
         raise typer.BadParameter(str(e), param_hint="--model") from None
     chosen = get_policy(policy, **_overrides(set_))
-    engine = make_engine()
+    # No pre-ping: it cost a round trip per checkout, six a cycle, three of them (snapshot, write,
+    # wake-up) between the snapshot and the commands' delivery. A pooled connection that died
+    # (a database restart) fails its first statement instead; SQLAlchemy then invalidates the
+    # whole pool, and the cycle is retried as through any outage (`Coordinator._lead_and_cycle`).
+    engine = make_engine(pool_pre_ping=False)
     stopping: list[int] = []
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(1))
     # Started while the database is down: wait for it (one line now, one when it is back).

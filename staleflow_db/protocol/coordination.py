@@ -15,10 +15,9 @@ from .. import notify
 from ..errors import Conflict, InvalidInput, NotFound
 from ..idempotency import transactional
 from ..types import RouteResult
-from .base import RunTx, TxMixin, load_run
-from .events import Event, log_events
+from .base import RUN_COLUMNS, RunRow, RunTx, TxMixin, load_run
 from .rollout import check_batch, interrupt_running
-from .routing import route_in
+from .routing import route_in, route_read
 
 
 class RunningSample(NamedTuple):
@@ -67,6 +66,37 @@ class Snapshot:
     queued: list[QueuedView]
     latest_params: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+
+
+# The cycle's snapshot (`CoordinationOps.snapshot`): the run, its unconsumed buffers, its live
+# instances, their running samples, the queued samples (oldest first, up to :n) and the latest
+# published version, as one JSON array. Rows are arrays in the field order of the views they
+# become. The instances' filter is read once (CTE i) for them and their running samples. A
+# queued sample never routed (no V_traj: most of a queue) has no segments to look up.
+SNAPSHOT = (
+    f"WITH r AS MATERIALIZED (SELECT {RUN_COLUMNS} FROM runs WHERE id = :run),"
+    " i AS MATERIALIZED (SELECT id, name, version, snapshot, extract(epoch FROM now() - snapshot_at)::float8 AS age"
+    "   FROM instances WHERE run_id = :run AND state = 'active' AND lease_expires_at > now())"
+    " SELECT json_build_array("
+    "  (SELECT to_json(r) FROM r),"
+    "  (SELECT json_agg(json_build_array(b.idx, b.occupied, b.reserved) ORDER BY b.idx)"
+    "    FROM buffers b JOIN r ON b.run_id = r.id AND b.idx >= r.version),"
+    "  (SELECT json_agg(json_build_array(i.id, i.name, i.version, i.snapshot, i.age) ORDER BY i.id) FROM i),"
+    "  (SELECT json_agg(json_build_array(s.instance_id, s.id, s.n_tokens, cardinality(g.prompt_tokens), s.v_traj)"
+    "     ORDER BY s.id)"
+    "    FROM i JOIN samples s ON s.instance_id = i.id AND s.state = 'running'"
+    "    JOIN prompt_groups g ON g.id = s.group_id),"
+    "  (SELECT json_agg(json_build_array(q.id, q.group_id, q.v_traj, q.last_version, q.length, q.n_tokens, q.gstate,"
+    "     q.reserved_buffer, q.min_version,"
+    "     CASE WHEN q.v_traj IS NOT NULL THEN"
+    "      (SELECT x.instance_id FROM segments x WHERE x.sample_id = q.id ORDER BY x.seq DESC LIMIT 1) END)"
+    "     ORDER BY q.id)"
+    "    FROM (SELECT s.id, s.group_id, s.v_traj, s.last_version, cardinality(g.prompt_tokens) + s.n_tokens AS length,"
+    "      s.n_tokens, g.state::text AS gstate, g.reserved_buffer, g.min_version"
+    "      FROM samples s JOIN prompt_groups g ON g.id = s.group_id"
+    "      WHERE s.run_id = :run AND s.state = 'queued' ORDER BY s.id LIMIT :n) q),"
+    "  (SELECT max(version) FROM param_versions WHERE run_id = :run))"
+)
 
 
 class CoordinationOps(TxMixin):
@@ -140,66 +170,39 @@ class CoordinationOps(TxMixin):
     def notify_work(self, run_id: int, instance_ids: Sequence[int]) -> None:
         """Wake the API's long-polls of these instances (on every replica) after a commit made
         outside the API: one NOTIFY, in its own statement, never inside a protocol transaction
-        (NOTIFY takes a global lock at commit). Without it they notice on their polling timer."""
+        (NOTIFY takes a global lock at commit). Without it they notice on their polling timer.
+        Autocommit: the statement is its own transaction, one round trip (BEGIN, SELECT,
+        COMMIT were three, between the commands' commit and their delivery)."""
         wakeup = notify.Wakeup.of(notify.OUTSIDE, run_id, map(notify.instance_topic, instance_ids))
-        with self.engine.begin() as conn:
-            notify.send(conn, [wakeup])
+        with self.engine.connect() as conn:
+            notify.send(conn.execution_options(isolation_level="AUTOCOMMIT"), [wakeup])
 
     def snapshot(self, run_id: int, max_queued: int = 20_000) -> Snapshot:
-        """Everything a coordinator cycle decides on, from one consistent read-only view."""
-        with self.engine.connect() as conn, conn.begin():
-            conn.execute(text("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ READ ONLY"))
-            run = load_run(conn, run_id, lock=False)
-            buffers = {
-                b.idx: BufferView(b.occupied, b.reserved)
-                for b in conn.execute(
-                    text("SELECT idx, occupied, reserved FROM buffers WHERE run_id = :run AND idx >= :v ORDER BY idx"),
-                    {"run": run_id, "v": run.version},
-                ).all()
-            }
-            running: dict[int, list[RunningSample]] = {}
-            for r in conn.execute(
-                text(
-                    "SELECT s.instance_id, s.id, s.n_tokens, cardinality(g.prompt_tokens) AS prompt, s.v_traj"
-                    " FROM samples s"
-                    " JOIN instances i ON i.id = s.instance_id JOIN prompt_groups g ON g.id = s.group_id"
-                    " WHERE i.run_id = :run AND i.state = 'active' AND i.lease_expires_at > now()"
-                    "   AND s.state = 'running' ORDER BY s.id"
-                ),
-                {"run": run_id},
-            ).all():
-                running.setdefault(r.instance_id, []).append(RunningSample(r.id, r.n_tokens, r.prompt, r.v_traj))
-            instances = [
-                InstanceView(i.id, i.name, i.version, i.snapshot or {}, i.age, running.get(i.id, []))
-                for i in conn.execute(
-                    text(
-                        "SELECT id, name, version, snapshot, extract(epoch FROM now() - snapshot_at)::float8 AS age"
-                        " FROM instances"
-                        " WHERE run_id = :run AND state = 'active' AND lease_expires_at > now() ORDER BY id"
-                    ),
-                    {"run": run_id},
-                ).all()
-            ]
-            queued = [
-                QueuedView(**r._mapping)
-                for r in conn.execute(
-                    text(
-                        "SELECT s.id AS sample_id, s.group_id, s.v_traj, s.last_version,"
-                        "  cardinality(g.prompt_tokens) + s.n_tokens AS length, s.n_tokens AS tokens,"
-                        "  g.state::text AS group_state, g.reserved_buffer AS group_buffer,"
-                        "  g.min_version AS group_min_version,"
-                        "  (SELECT x.instance_id FROM segments x WHERE x.sample_id = s.id ORDER BY x.seq DESC LIMIT 1)"
-                        "   AS last_instance"
-                        " FROM samples s JOIN prompt_groups g ON g.id = s.group_id"
-                        " WHERE s.run_id = :run AND s.state = 'queued' ORDER BY s.id LIMIT :n"
-                    ),
-                    {"run": run_id, "n": max_queued},
-                ).all()
-            ]
-            latest = conn.execute(
-                text("SELECT max(version) FROM param_versions WHERE run_id = :run"), {"run": run_id}
-            ).scalar()
-        return Snapshot(run_id, run.version, run.config(), buffers, instances, queued, latest)
+        """Everything a coordinator cycle decides on, from one consistent view: ONE statement
+        (one snapshot of the database, as a REPEATABLE READ transaction gave) sent in
+        autocommit, so a cycle reads the cluster in one round trip (it took nine: BEGIN, SET,
+        six reads, COMMIT), with the rows as one JSON document (decoded in C, not per row)."""
+        with self.engine.connect() as conn:
+            got = (
+                conn.execution_options(isolation_level="AUTOCOMMIT")
+                .execute(text(SNAPSHOT), {"run": run_id, "n": max_queued})
+                .scalar_one()
+            )
+        if got[0] is None:
+            raise NotFound(f"run {run_id}")
+        run = RunRow.of(got[0])
+        running: dict[int, list[RunningSample]] = {}
+        for iid, *r in got[3] or ():
+            running.setdefault(iid, []).append(RunningSample(*r))
+        return Snapshot(
+            run_id,
+            run.version,
+            run.config(),
+            {idx: BufferView(o, r) for idx, o, r in got[1] or ()},
+            [InstanceView(i, n, v, snap or {}, age, running.get(i, [])) for i, n, v, snap, age in got[2] or ()],
+            [QueuedView(*q) for q in got[4] or ()],
+            got[5],
+        )
 
     @transactional
     def apply_commands(
@@ -214,28 +217,41 @@ class CoordinationOps(TxMixin):
         *,
         conn: Connection | None = None,
     ) -> list[RouteResult]:
-        """One cycle's routes, interrupts and pulls in one transaction, only from the leader."""
+        """One cycle's routes, interrupts and pulls in one transaction, only from the leader.
+
+        Round trips are decision delay (every command waits for this commit): the run lock is
+        taken only for routes (interrupts and pulls move no buffer, as in `interrupt` and
+        `pull`), with the routes' locking read in its round trip, and with `cycle` the fence
+        goes with the cycle's row as the last statement. A fence checked last is as good as
+        first: the lease row is then held FOR SHARE until the commit, and a takeover that
+        committed before it fails the check, so the whole transaction rolls back."""
         check_batch(routes, "routes")
 
         with self.tx(conn) as conn:
             started = time.monotonic()
-            rtx = RunTx.open(conn, run_id)
-            check_epoch(conn, run_id, epoch, holder)
-            results = route_in(rtx, routes) if routes else []
-            rtx.flush()  # route's writes are deferred to the flush: interrupts must see them
+            if cycle is None:
+                check_epoch(conn, run_id, epoch, holder)
+            results: list[RouteResult] = []
+            if routes:
+                rtx = RunTx.open(conn, run_id, route_read(routes))
+                results = route_in(rtx, routes)
+                rtx.flush()  # route's writes are deferred to the flush: interrupts must see them
             if interrupts:
                 interrupt_running(conn, run_id, interrupts, epoch)
             if pulls:
                 queue_pulls(conn, run_id, pulls, epoch)
             if cycle is not None:
-                # the cycle's write time: every statement of this transaction but the commit
-                conn.execute(
+                # the cycle's write time: every statement of this transaction but this one and the commit
+                fenced = conn.execute(
                     text(
                         "INSERT INTO coordinator_cycles (run_id, epoch, snapshot_ms, decide_ms, write_ms, routed,"
-                        " interrupted, pulled, migrated) VALUES (:run, :e, :s, :d, :w, :r, :i, :p, :m)"
+                        " interrupted, pulled, migrated) SELECT l.run_id, l.epoch, :s, :d, :w, :r, :i, :p, :m"
+                        " FROM coordinator_leases l WHERE l.run_id = :run AND l.holder = :h AND l.epoch = :e"
+                        " AND l.expires_at > now() FOR SHARE"
                     ),
                     {
                         "run": run_id,
+                        "h": holder,
                         "e": epoch,
                         "s": cycle.get("snapshot_ms", 0.0),
                         "d": cycle.get("decide_ms", 0.0),
@@ -245,7 +261,10 @@ class CoordinationOps(TxMixin):
                         "p": len(pulls),
                         "m": int(cycle.get("migrated", 0)),
                     },
-                )
+                ).rowcount
+                if not fenced:
+                    check_epoch(conn, run_id, epoch, holder)  # raises Conflict with the reason
+                    raise Conflict([(epoch, "not the coordinator of this run (leadership lost or expired)")])
             return results
 
 
@@ -266,14 +285,18 @@ def check_epoch(conn: Connection, run_id: int, epoch: int, holder: str | None = 
 def queue_pulls(conn: Connection, run_id: int, pulls: Sequence[tuple[int, int]], epoch: int | None) -> list[int]:
     """Queue a pull command per (instance, target version) for those instances that are active
     in the run; returns them."""
+    # the commands and their events in one statement (one round trip of decision delay)
     told = conn.execute(
         text(
-            "INSERT INTO commands (run_id, instance_id, kind, target_version, epoch)"
-            " SELECT :run, u.i, 'pull', u.v, :e FROM unnest(CAST(:is AS bigint[]), CAST(:vs AS int[])) AS u(i, v)"
-            " JOIN instances x ON x.id = u.i AND x.run_id = :run AND x.state = 'active'"
-            " RETURNING instance_id, target_version"
+            "WITH t AS (INSERT INTO commands (run_id, instance_id, kind, target_version, epoch)"
+            "   SELECT :run, u.i, 'pull', u.v, :e FROM unnest(CAST(:is AS bigint[]), CAST(:vs AS int[]))"
+            "   WITH ORDINALITY AS u(i, v, o)"
+            "   JOIN instances x ON x.id = u.i AND x.run_id = :run AND x.state = 'active' ORDER BY u.o"
+            "   RETURNING id, instance_id, target_version),"
+            " e AS (INSERT INTO events (run_id, kind, instance_id, data)"
+            "   SELECT :run, 'pull', t.instance_id, jsonb_build_object('target', t.target_version) FROM t ORDER BY t.id)"
+            " SELECT instance_id FROM t ORDER BY id"
         ),
         {"run": run_id, "e": epoch, "is": [p[0] for p in pulls], "vs": [p[1] for p in pulls]},
-    ).all()
-    log_events(conn, run_id, [Event("pull", instance=t.instance_id, data={"target": t.target_version}) for t in told])
-    return [t.instance_id for t in told]
+    ).scalars()
+    return list(told)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 from protocol_helpers import Driver
 from sqlalchemy import text
@@ -60,3 +62,58 @@ def test_notify_work_reaches_a_listener(engine, db_url):
         d.p.notify_work(d.run, [3, 1])
         (n,) = list(listener.notifies(timeout=5, stop_after=1))
     assert n.payload == f"-|{d.run}|work:1,work:3"
+
+
+def test_a_deposed_leaders_cycle_is_refused_whole(engine):
+    """The fence goes last with the cycle's row: a cycle written after a takeover is a 409
+    and leaves nothing behind (no route, no command, no cycle row)."""
+    d = Driver(engine, batch_size=1, group_size=2, eta=1)
+    inst = d.p.register_instance(d.run, "i", 0)
+    g1, g2 = d.enqueue(2)
+    running = d.members(g1)[0]
+    d.routed([running], inst)
+    assert d.p.acquire_leadership(d.run, "a", ttl_seconds=30) == 1
+    with engine.begin() as c:
+        c.execute(text("UPDATE coordinator_leases SET expires_at = now() - interval '1 s'"))
+    assert d.p.acquire_leadership(d.run, "b", ttl_seconds=30) == 2
+    queued = d.members(g2)[0]
+    with pytest.raises(Conflict, match="not the coordinator"):
+        d.p.apply_commands(
+            d.run, "a", 1, routes=[(queued, inst)], interrupts=[running], pulls=[(inst, 0)], cycle={"snapshot_ms": 1.0}
+        )
+    assert d.sample(queued)[0] == "queued"
+    assert d.rows("SELECT count(*) FROM commands WHERE run_id = :r") == [(0,)]
+    assert d.rows("SELECT count(*) FROM coordinator_cycles WHERE run_id = :r") == [(0,)]
+    d.p.apply_commands(d.run, "b", 2, interrupts=[running], cycle={"snapshot_ms": 1.0})
+    assert d.rows("SELECT epoch, interrupted FROM coordinator_cycles WHERE run_id = :r") == [(2, 1)]
+
+
+def test_commands_without_routes_do_not_wait_for_the_run_lock(engine):
+    """Interrupts and pulls move no buffer: a cycle of only those is not held up by a
+    run-locked transaction (a report, a consume) in progress; routes still wait for it."""
+    d = Driver(engine, batch_size=1, group_size=2, eta=1)
+    inst = d.p.register_instance(d.run, "i", 0)
+    (g,) = d.enqueue(1)
+    running, queued = d.members(g)
+    d.routed([running], inst)
+    epoch = d.p.acquire_leadership(d.run, "a", ttl_seconds=30)
+    with engine.connect() as holder:
+        holder.execute(text("SELECT id FROM runs WHERE id = :r FOR NO KEY UPDATE"), {"r": d.run})
+        done = threading.Event()
+        worker = threading.Thread(
+            target=lambda: (
+                d.p.apply_commands(d.run, "a", epoch, interrupts=[running], pulls=[(inst, 0)], cycle={}),
+                done.set(),
+            )
+        )
+        worker.start()
+        assert done.wait(10), "a cycle without routes waited for the run lock"
+        routing = threading.Thread(target=lambda: d.p.apply_commands(d.run, "a", epoch, routes=[(queued, inst)]))
+        routing.start()
+        routing.join(0.5)
+        assert routing.is_alive(), "a route did not wait for the run lock"
+        holder.rollback()
+    routing.join(10)
+    assert d.sample(queued)[0] == "running"
+    _, cmds = d.p.poll_work(inst)
+    assert [(c.kind, c.sample_id) for c in cmds] == [("interrupt", running), ("pull", None)]

@@ -1,6 +1,6 @@
 """The coordinator service (`staleflow coordinator --run RUN`).
 
-Each cycle: one short read-only transaction for the snapshot, the pure strategy functions on
+Each cycle: one read-only statement for the snapshot, the pure strategy functions on
 the speculative state, one write transaction for the commands (fenced by the leadership
 epoch). One active coordinator per run by an expiring lease row; a standby polls the lease
 and takes over when the leader stops renewing it. The speculative state is rebuilt from the
