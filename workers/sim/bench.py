@@ -4,8 +4,8 @@
 For each set-up: `sync` (η = 0) and `one_step` (η = 1) once, `strict` and `staleflow` for
 each η, and the ablations at one η. Every run of a set-up uses the same seed, so every policy
 sees the same prompts and response lengths. Throughput is the steady-state trained tokens/s
-(after the first fifth of the steps, and at least η + 1: the pipeline-fill of the first steps
-would otherwise flatter or penalize policies depending on the run length), the whole-run figure is kept too.
+(after the first fifth of the steps; the pipeline-fill of the first steps would otherwise
+flatter or penalize policies depending on the run length), the whole-run figure is kept too.
 """
 
 from __future__ import annotations
@@ -235,7 +235,7 @@ def markdown(results: dict[Job, Averaged], cfg: BenchConfig, wall: float, runs: 
         f"seeds {', '.join(map(str, cfg.seeds))} (figures are means over seeds; every policy of a seed sees the same "
         f"workload), set-ups {', '.join(cfg.setups)}; {runs} runs in {wall:,.0f} s on this machine.",
         "Throughput = trained response tokens per second of simulated time, steady state (after the first fifth",
-        "of the steps, at least η + 1: the first η + 1 batches carry the pipeline's fill). Ideal = every rollout instance always at its peak T (KV cache full of average-context",
+        "of the steps). Ideal = every rollout instance always at its peak T (KV cache full of average-context",
         "samples). Idle = rollout instance-time with nothing to decode. Staleness = share of trained groups by b − V_group.",
         "",
         "## StaleFlow against the baselines",

@@ -29,7 +29,7 @@ class SimResult:
     trained_groups: int
     tokens_per_s: float  # trained response tokens / virtual time (whole run)
     samples_per_s: float
-    steady_tokens_per_s: float  # after `warmup_steps` steps: a fifth of the run, at least η + 1
+    steady_tokens_per_s: float  # after `warmup_steps` steps (pipeline filled)
     steady_samples_per_s: float
     warmup_steps: int
     ideal_tokens_per_s: float  # every instance always at its peak T
@@ -96,10 +96,7 @@ def build_result(sim: Simulator, steps: int, wall0: float) -> SimResult:
         e.advance(sim.now)
     tokens = sum(tr.step_tokens[:done])
     samples = sum(tr.step_samples[:done])
-    # The pipeline fills for the first η + 1 steps: a group reserved in the first batches may be
-    # trained up to η steps late, so step η can be a catch-up batch of early stragglers (strict
-    # η = 3 on short_many trains 1.8x the mean length there). Steady state starts after it.
-    warm = min(max(1, done // 5, sim.eta + 1), max(done - 1, 0))
+    warm = min(max(1, done // 5), max(done - 1, 0))
     if done > warm and warm > 0:
         span = tr.publish_times[done - 1] - tr.publish_times[warm - 1]
         st_tokens = sum(tr.step_tokens[warm:done])
