@@ -18,6 +18,7 @@ from staleflow_db.protocol.coordination import QueuedView
 from staleflow_db.types import RouteOutcome, RouteResult
 
 from ..auth import Principal
+from ..body import ModelBodyRoute
 from ..deps import IdempotencyKey, RunId, State, allow_run
 from ..errors import error_body
 from ..models import (
@@ -42,7 +43,12 @@ from ..models import (
 from ..notify import BATCH, WORK, instance_topic
 from ..service import dump, respond_json, scoped_key, unpublished
 
-router = APIRouter(prefix="/v1/runs/{run_id}", tags=["coordinator"], responses=errors(401, 403, 404, 422, 503))
+router = APIRouter(
+    route_class=ModelBodyRoute,
+    prefix="/v1/runs/{run_id}",
+    tags=["coordinator"],
+    responses=errors(401, 403, 404, 422, 503),
+)
 Coordinator = Depends(allow_run(Role.COORDINATOR))
 
 

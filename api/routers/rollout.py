@@ -12,6 +12,7 @@ from staleflow_db.enums import Role, SegmentKind
 from staleflow_db.types import Report
 
 from ..auth import Principal
+from ..body import ModelBodyRoute
 from ..deps import IdempotencyKey, InstanceId, RunId, State, Wait, allow_run, long_poll
 from ..errors import error_body
 from ..models import (
@@ -29,7 +30,9 @@ from ..models.common import Limit
 from ..notify import REWARDS, instance_topic
 from ..service import from_data, respond, scoped_key
 
-router = APIRouter(prefix="/v1/runs/{run_id}", tags=["rollout"], responses=errors(401, 403, 404, 422, 503))
+router = APIRouter(
+    route_class=ModelBodyRoute, prefix="/v1/runs/{run_id}", tags=["rollout"], responses=errors(401, 403, 404, 422, 503)
+)
 Rollout = Depends(allow_run(Role.ROLLOUT))
 
 

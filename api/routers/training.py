@@ -11,6 +11,7 @@ from sqlalchemy import Connection
 from staleflow_db.enums import Role
 
 from ..auth import Principal
+from ..body import ModelBodyRoute
 from ..deps import IdempotencyKey, RunId, State, Wait, allow_run, long_poll
 from ..models import (
     BatchOut,
@@ -26,7 +27,7 @@ from ..models import (
 from ..notify import BATCH, REWARDS, WORK
 from ..service import from_data, respond, scoped_key
 
-router = APIRouter(prefix="/v1/runs/{run_id}", responses=errors(401, 403, 404, 422, 503))
+router = APIRouter(route_class=ModelBodyRoute, prefix="/v1/runs/{run_id}", responses=errors(401, 403, 404, 422, 503))
 Reward = Depends(allow_run(Role.REWARD))
 Trainer = Depends(allow_run(Role.TRAINER))
 VersionPath = Annotated[int, Path(ge=0, le=2**31 - 1, description="the buffer: model version it trains")]
