@@ -61,6 +61,7 @@ class ApiProtocol(Protocol):
         body: BaseModel | None,
         call: Callable[[Connection], bytes],
         model: type[BaseModel],
+        store: Callable[[bytes], bool] | None = None,
     ) -> tuple[bytes, bool]:
         """`once` for a `call` that returns the response body already serialised (see `dump`):
         large outcomes skip building a model per item. A replay re-reads the stored outcome
@@ -74,6 +75,7 @@ class ApiProtocol(Protocol):
                 call,
                 bytes.decode,
                 lambda stored: model.model_validate(stored).model_dump_json().encode(),
+                store,
             )
 
     @contextmanager

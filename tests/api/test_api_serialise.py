@@ -1,6 +1,7 @@
 """Responses serialised straight from the data layer's dataclasses (api.service.dump, no model
-per item) are exactly the JSON their response model gives: same fields in the same order, no
-field the model lacks (a route's secret lease token), and the same bytes on an idempotent replay."""
+per item: snapshot, route, poll, claim, consume) are exactly the JSON their response model
+gives: same fields in the same order, no field the model lacks (a route's secret lease token),
+and the same bytes on an idempotent replay."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import uuid
 
 import pytest
 
-from api.models import ClusterSnapshotOut, RouteOut
+from api.models import ClaimOut, ClusterSnapshotOut, ConsumeOut, PollOut, RouteOut
 from tests.api_helpers import in_process, token
 from workers.client import StaleFlowClient
 
@@ -60,3 +61,50 @@ def test_snapshot_and_route_bodies_are_the_models_json(db_url):
         assert live.instance_id == inst and live.snapshot["kv_used"] == 3
         assert {r.sample_id for r in live.running} == set(queued[:3]) - {work.sample_id}
         assert len(snap.queued) == 6 - 2 and snap.buffers and snap.latest_params is None
+
+
+@pytest.mark.filterwarnings("error:Pydantic serializer:UserWarning")
+def test_poll_claim_and_consume_bodies_are_the_models_json(db_url):
+    with in_process(db_url) as http:
+        admin = StaleFlowClient(http=http, token=token(db_url, "admin"), retry_for=None)
+        run = admin.create_run("ser", batch_size=1, group_size=2, eta=0).id
+        admin.enqueue(run, [("p", [5, 6, 7])])
+        inst = admin.register(run, "gpu0", 0).instance_id
+        base = f"/v1/runs/{run}"
+
+        def post(path: str, model, **kw):
+            r = admin.http.post(base + path, **kw)
+            assert r.status_code == 200, r.text
+            _canonical(model, r.content)
+            return r
+
+        assert post(f"/instances/{inst}/poll?wait=0", PollOut).json() == {"work": [], "commands": []}
+        assert post("/batches/0/consume?wait=0", ConsumeOut).json() == {"ready": False, "version": 0, "batch": None}
+        assert post("/rewards/claim?wait=0", ClaimOut, json={}).json() == {"tasks": []}
+
+        samples = [q.sample_id for q in admin.snapshot(run).queued]
+        admin.route(run, [(s, inst) for s in samples])
+        key = {"Idempotency-Key": uuid.uuid4().hex}
+        polled = post(f"/instances/{inst}/poll?wait=0", PollOut, headers=key)
+        assert post(f"/instances/{inst}/poll?wait=0", PollOut, headers=key).content == polled.content  # replay
+        work = polled.json()["work"]
+        assert sorted(w["sample_id"] for w in work) == sorted(samples) and work[0]["prompt_tokens"] == [5, 6, 7]
+        admin.interrupt(run, [samples[0]])
+        (command,) = post(f"/instances/{inst}/poll?wait=0", PollOut).json()["commands"]
+        assert command["kind"] == "interrupt" and command["sample_id"] == samples[0]
+
+        reports = [
+            {"sample_id": w["sample_id"], "attempt": w["attempt"], "lease": w["lease"], "version": 0}
+            | {"tokens": [9, 10], "logprobs": [-0.5, -0.25], "finish_reason": "stop"}
+            for w in work
+        ]
+        admin.report(run, inst, reports)
+        claimed = post("/rewards/claim?wait=0", ClaimOut, json={"limit": 10}, headers=key)
+        assert post("/rewards/claim?wait=0", ClaimOut, json={"limit": 10}, headers=key).content == claimed.content
+        tasks = claimed.json()["tasks"]
+        assert [t["response_tokens"] for t in tasks] == [[9, 10]] * 2 and tasks[0]["finish_reason"] == "stop"
+        admin.record_rewards(run, [(t["sample_id"], t["reward_attempt"], 1.0) for t in tasks])
+        batch = post("/batches/0/consume?wait=0", ConsumeOut).json()["batch"]
+        (group,) = batch["groups"]
+        assert group["prompt_tokens"] == [5, 6, 7] and [s["logprobs"] for s in group["samples"]] == [[-0.5, -0.25]] * 2
+        assert group["samples"][0]["segments"][0]["instance_id"] == inst
