@@ -5,11 +5,13 @@ pattern 5) -- the same implementation the protocol's own `request_id` uses."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
+import dataclasses
+import functools
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any, TypeVar
 
-from pydantic import BaseModel
+from pydantic import BaseModel, TypeAdapter
 from sqlalchemy import Connection
 from starlette.responses import Response
 
@@ -40,22 +42,53 @@ class ApiProtocol(Protocol):
         waits for the first and replays its outcome. Outcomes `store` rejects (an empty
         long-poll) are not kept. Deadlocks and serialization failures rerun the transaction.
         """
-        # Without a key nothing is stored or compared: skip serialising the body (token arrays).
-        digest = "" if key is None else idempotency.digest(body.model_dump_json() if body is not None else b"")
-        # the operation without the ids some carry (abort_group<id>): a bounded label
-        observe = self.observe_transaction
-        timer = observe(operation.rstrip("0123456789")) if observe is not None else nullcontext()
-        with timer:
+        with self._timed(operation):
             return idempotency.once(
                 self.engine,
                 key,
                 operation,
-                digest,
+                _digest(key, body),
                 call,
                 lambda o: o.model_dump_json(),
                 model.model_validate,
                 store,
             )
+
+    def once_json(
+        self,
+        key: str | None,
+        operation: str,
+        body: BaseModel | None,
+        call: Callable[[Connection], bytes],
+        model: type[BaseModel],
+        store: Callable[[bytes], bool] | None = None,
+    ) -> tuple[bytes, bool]:
+        """`once` for a `call` that returns the response body already serialised (see `dump`):
+        large outcomes skip building a model per item. A replay re-reads the stored outcome
+        through `model`, so it is the same JSON a fresh call gives."""
+        with self._timed(operation):
+            return idempotency.once(
+                self.engine,
+                key,
+                operation,
+                _digest(key, body),
+                call,
+                bytes.decode,
+                lambda stored: model.model_validate(stored).model_dump_json().encode(),
+                store,
+            )
+
+    @contextmanager
+    def _timed(self, operation: str) -> Iterator[None]:
+        # the operation without the ids some carry (abort_group<id>): a bounded label
+        observe = self.observe_transaction
+        with observe(operation.rstrip("0123456789")) if observe is not None else nullcontext():
+            yield
+
+
+def _digest(key: str | None, body: BaseModel | None) -> str:
+    # Without a key nothing is stored or compared: skip serialising the body (token arrays).
+    return "" if key is None else idempotency.digest(body.model_dump_json() if body is not None else b"")
 
 
 def scoped_key(key: str | None, scope: str) -> str | None:
@@ -75,3 +108,27 @@ def respond(out: BaseModel, status_code: int = 200) -> Response:
     response validation, which for a plain `def` endpoint is one more thread-pool hand-off
     per request. The route's `response_model` still documents the body."""
     return Response(out.model_dump_json(), status_code, media_type="application/json")
+
+
+@functools.cache
+def _adapter(tp: Any) -> TypeAdapter[Any]:
+    return TypeAdapter(tp)
+
+
+def dump(tp: Any, value: Any, exclude: Any = None) -> bytes:
+    """`value` as JSON by the type `tp` (a TypedDict or dataclass mirroring a response model),
+    serialised without validation: for large lists of data-layer dataclasses, whose fields are
+    the model's, building a model per item first cost ~6x the serialising (2,000 routes: ~30 ms
+    against ~5 ms). Dataclass fields the model lacks (`RouteResult.lease`) are left out by
+    `exclude` (see `unpublished`). tests/api/test_api_serialise.py checks each use gives the
+    model's own JSON."""
+    return _adapter(tp).dump_json(value, exclude=exclude)
+
+
+def unpublished(dc: type, model: type[BaseModel]) -> set[str]:
+    """Fields of dataclass `dc` that `model` does not publish: the `exclude` for `dump`."""
+    return {f.name for f in dataclasses.fields(dc)} - set(model.model_fields)
+
+
+def respond_json(body: bytes, status_code: int = 200) -> Response:
+    return Response(body, status_code, media_type="application/json")

@@ -10,10 +10,11 @@ from fastapi import APIRouter, Depends, Query
 from staleflow_db.enums import Role
 
 from ..auth import Principal
+from ..body import ModelBodyRoute
 from ..deps import Offset, Page, State, allow, run_filter
 from ..models import DroppedSamples, TrainedSamples, Violations, errors
 
-router = APIRouter(prefix="/v1/audit", tags=["audit"], responses=errors(401, 403, 422, 503))
+router = APIRouter(route_class=ModelBodyRoute, prefix="/v1/audit", tags=["audit"], responses=errors(401, 403, 422, 503))
 Auditor = Depends(allow(Role.COORDINATOR, Role.TRAINER, Role.OBSERVER))
 RunFilter = Annotated[int | None, Query(ge=1, le=2**63 - 1, description="only this run")]
 

@@ -7,9 +7,10 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 
+from ..body import ModelBodyRoute
 from ..deps import State
 
-router = APIRouter(tags=["health"])
+router = APIRouter(route_class=ModelBodyRoute, tags=["health"])
 
 
 class Health(BaseModel):

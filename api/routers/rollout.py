@@ -7,11 +7,14 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 from sqlalchemy import Connection
 from starlette.concurrency import run_in_threadpool
+from typing_extensions import TypedDict
 
 from staleflow_db.enums import Role, SegmentKind
+from staleflow_db.protocol.rollout import Command, Work
 from staleflow_db.types import Report
 
 from ..auth import Principal
+from ..body import ModelBodyRoute
 from ..deps import IdempotencyKey, InstanceId, RunId, State, Wait, allow_run, long_poll
 from ..errors import error_body
 from ..models import (
@@ -27,9 +30,11 @@ from ..models import (
 )
 from ..models.common import Limit
 from ..notify import REWARDS, instance_topic
-from ..service import from_data, respond, scoped_key
+from ..service import dump, respond, respond_json, scoped_key
 
-router = APIRouter(prefix="/v1/runs/{run_id}", tags=["rollout"], responses=errors(401, 403, 404, 422, 503))
+router = APIRouter(
+    route_class=ModelBodyRoute, prefix="/v1/runs/{run_id}", tags=["rollout"], responses=errors(401, 403, 404, 422, 503)
+)
 Rollout = Depends(allow_run(Role.ROLLOUT))
 
 
@@ -86,7 +91,7 @@ async def poll(
     wait: Wait = 0.0,
     limit: Limit = 1000,
     who: Principal = Rollout,
-) -> PollOut:
+) -> Response:
     """Long-poll: newly routed samples (with the tokens and log-probs to continue from) and
     commands (interrupt, abort, pull). Returns as soon as there is something, or empty after
     `wait` seconds. Delivery is once: send an Idempotency-Key so a retry after a lost response
@@ -97,18 +102,28 @@ async def poll(
         await run_in_threadpool(state.instance_in_run, run_id, instance_id, who)
     skey = scoped_key(key, f"inst{instance_id}")
 
-    def call(conn: Connection) -> PollOut:
+    def call(conn: Connection) -> bytes:
         work, commands = state.protocol.poll_work(instance_id, limit, conn=conn)
-        return from_data(PollOut, {"work": work, "commands": commands})
+        return dump(_PollJson, {"work": work, "commands": commands})
 
-    def fetch() -> PollOut:
-        return state.protocol.once(skey, "poll", None, call, PollOut, store=_nonempty)[0]
+    def fetch() -> bytes:
+        return state.protocol.once_json(skey, "poll", None, call, PollOut, store=_nonempty)[0]
 
-    return await long_poll(request, state, run_id, instance_topic(instance_id), wait, fetch, _nonempty)
+    return respond_json(await long_poll(request, state, run_id, instance_topic(instance_id), wait, fetch, _nonempty))
 
 
-def _nonempty(out: PollOut) -> bool:
-    return bool(out.work or out.commands)
+class _PollJson(TypedDict):
+    """PollOut, as the data layer's Work and Command (their fields are the models')."""
+
+    work: list[Work]
+    commands: list[Command]
+
+
+_EMPTY_POLL = dump(_PollJson, {"work": [], "commands": []})
+
+
+def _nonempty(out: bytes) -> bool:
+    return out != _EMPTY_POLL
 
 
 @router.post("/instances/{instance_id}/segments", response_model=ReportsOut, responses=errors(409, 413))

@@ -13,6 +13,7 @@ from staleflow_db.types import RunConfig
 
 from .. import auth
 from ..auth import Principal
+from ..body import ModelBodyRoute
 from ..deps import IdempotencyKey, Offset, Page, RunId, State, allow, allow_run, principal, run_filter
 from ..models import (
     EnqueueIn,
@@ -30,7 +31,7 @@ from ..models import (
 )
 from ..service import from_data, scoped_key
 
-router = APIRouter(prefix="/v1", responses=errors(401, 403, 422, 503))
+router = APIRouter(route_class=ModelBodyRoute, prefix="/v1", responses=errors(401, 403, 422, 503))
 RUN_ROLES = tuple(Role)
 
 

@@ -7,13 +7,16 @@ from typing import Annotated
 
 from fastapi import APIRouter, Depends, Path, Request, Response
 from sqlalchemy import Connection
+from typing_extensions import TypedDict
 
 from staleflow_db.enums import Role
+from staleflow_db.protocol.scoring import RewardTask
+from staleflow_db.protocol.training import Batch
 
 from ..auth import Principal
+from ..body import ModelBodyRoute
 from ..deps import IdempotencyKey, RunId, State, Wait, allow_run, long_poll
 from ..models import (
-    BatchOut,
     ClaimIn,
     ClaimOut,
     ConsumeOut,
@@ -24,9 +27,9 @@ from ..models import (
     errors,
 )
 from ..notify import BATCH, REWARDS, WORK
-from ..service import from_data, respond, scoped_key
+from ..service import dump, from_data, respond, respond_json, scoped_key
 
-router = APIRouter(prefix="/v1/runs/{run_id}", responses=errors(401, 403, 404, 422, 503))
+router = APIRouter(route_class=ModelBodyRoute, prefix="/v1/runs/{run_id}", responses=errors(401, 403, 404, 422, 503))
 Reward = Depends(allow_run(Role.REWARD))
 Trainer = Depends(allow_run(Role.TRAINER))
 VersionPath = Annotated[int, Path(ge=0, le=2**31 - 1, description="the buffer: model version it trains")]
@@ -41,19 +44,32 @@ async def claim(
     key: IdempotencyKey = None,
     wait: Wait = 0.0,
     who: Principal = Reward,
-) -> ClaimOut:
+) -> Response:
     """Long-poll: lease up to `limit` finished samples for scoring. Claims not scored within
     `lease_seconds` become claimable again; with an Idempotency-Key a retry gets the same claim."""
     skey = scoped_key(key, f"run{run_id}")
 
-    def call(conn: Connection) -> ClaimOut:
+    def call(conn: Connection) -> bytes:
         tasks = state.protocol.claim_rewards(run_id, body.limit, body.lease_seconds, conn=conn)
-        return from_data(ClaimOut, {"tasks": tasks})
+        return dump(_ClaimJson, {"tasks": tasks})
 
-    def fetch() -> ClaimOut:
-        return state.protocol.once(skey, "claim", body, call, ClaimOut, store=lambda o: bool(o.tasks))[0]
+    def fetch() -> bytes:
+        return state.protocol.once_json(skey, "claim", body, call, ClaimOut, store=_claimed)[0]
 
-    return await long_poll(request, state, run_id, REWARDS, wait, fetch, lambda o: bool(o.tasks))
+    return respond_json(await long_poll(request, state, run_id, REWARDS, wait, fetch, _claimed))
+
+
+class _ClaimJson(TypedDict):
+    """ClaimOut, the tasks as the data layer's RewardTask (its fields are the model's)."""
+
+    tasks: list[RewardTask]
+
+
+_NO_TASKS = dump(_ClaimJson, {"tasks": []})
+
+
+def _claimed(out: bytes) -> bool:
+    return out != _NO_TASKS
 
 
 @router.post("/rewards", response_model=RewardsOut, responses=errors(409, 413), tags=["reward"])
@@ -92,18 +108,26 @@ async def consume(
     state: State,
     wait: Wait = 0.0,
     who: Principal = Trainer,
-) -> ConsumeOut:
+) -> Response:
     """Long-poll until buffer `version` is ready, then lease it and return the whole batch.
     409 when the run is not at `version`. A repeated consume takes a new lease (fencing the
     earlier one), so a retry after a lost response is safe without a request id."""
 
-    def fetch() -> ConsumeOut:
+    def fetch() -> bytes | None:
+        # The batch (every token and log-prob of B x N samples) serialised from the dataclasses.
         batch = state.protocol.consume(run_id, version)
-        if batch is None:
-            return ConsumeOut(ready=False, version=version, batch=None)
-        return ConsumeOut(ready=True, version=version, batch=from_data(BatchOut, batch))
+        return None if batch is None else dump(_ConsumeJson, {"ready": True, "version": version, "batch": batch})
 
-    return await long_poll(request, state, run_id, BATCH, wait, fetch, lambda o: o.ready)
+    out = await long_poll(request, state, run_id, BATCH, wait, fetch, lambda o: o is not None)
+    return respond_json(out or dump(_ConsumeJson, {"ready": False, "version": version, "batch": None}))
+
+
+class _ConsumeJson(TypedDict):
+    """ConsumeOut, the batch as the data layer's Batch (its fields, nested, are the models')."""
+
+    ready: bool
+    version: int
+    batch: Batch | None
 
 
 @router.post(

@@ -24,12 +24,13 @@ from staleflow_db.notify import BATCH
 from staleflow_db.protocol.reads import DASHBOARD_PANELS
 
 from ..auth import Principal
+from ..body import ModelBodyRoute
 from ..deps import AppState, RunId, State, run_filter
 from ..models import errors
 from ..notify import wait_for
 from ..ui import pages
 
-router = APIRouter(responses=errors(401, 403, 422, 503))
+router = APIRouter(route_class=ModelBodyRoute, responses=errors(401, 403, 422, 503))
 COOKIE = "staleflow_token"
 REFRESH_S = 1.0  # the stream re-reads at most this often (sooner after a publish)
 AUDIT_EVERY_S = 15.0  # the complete audit scans every segment: at most this often per viewer

@@ -5,11 +5,12 @@ own endpoints (/instances/{I}/...) also refuse a rollout token other than the re
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
 
-from api.auth import create_token
+from api.auth import create_token, revoke_token
 from staleflow_db.protocol import Protocol
 from staleflow_db.types import RunConfig
 from tests.api_helpers import ROLES, in_process
@@ -175,3 +176,26 @@ def test_revoked_token_is_refused(db_url, engine):
         assert r.json() == {"id": victim["id"], "revoked": True}
         r = http.get("/v1/runs", headers=auth)
         assert r.status_code == 401 and r.headers["WWW-Authenticate"] == "Bearer"
+
+
+def test_cached_tokens_honour_revocation(db_url, engine):
+    """Lookups are cached (STALEFLOW_API_TOKEN_CACHE_SECONDS): a revocation through this
+    replica applies at once however long the cache; one made elsewhere (another replica, the
+    CLI) within the cache time."""
+    admin = create_token(engine, "admin")
+    here, elsewhere = create_token(engine, "trainer"), create_token(engine, "trainer")
+    with in_process(db_url, token_cache_seconds=1.0) as http:
+        for t in (here, elsewhere):
+            assert http.get("/v1/runs", headers={"Authorization": f"Bearer {t['token']}"}).status_code == 200
+        r = http.delete(f"/v1/tokens/{here['id']}", headers={"Authorization": f"Bearer {admin['token']}"})
+        assert r.json() == {"id": here["id"], "revoked": True}
+        assert http.get("/v1/runs", headers={"Authorization": f"Bearer {here['token']}"}).status_code == 401
+
+        assert revoke_token(engine, elsewhere["id"])
+        revoked_at = time.monotonic()
+        while True:
+            sent = time.monotonic()  # a request sent after the cache time must be refused
+            if http.get("/v1/runs", headers={"Authorization": f"Bearer {elsewhere['token']}"}).status_code == 401:
+                break
+            assert sent - revoked_at < 1.0, "accepted after the cache time"
+            time.sleep(0.05)
