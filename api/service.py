@@ -42,17 +42,7 @@ class ApiProtocol(Protocol):
         waits for the first and replays its outcome. Outcomes `store` rejects (an empty
         long-poll) are not kept. Deadlocks and serialization failures rerun the transaction.
         """
-        with self._timed(operation):
-            return idempotency.once(
-                self.engine,
-                key,
-                operation,
-                _digest(key, body),
-                call,
-                lambda o: o.model_dump_json(),
-                model.model_validate,
-                store,
-            )
+        return self._once(key, operation, body, call, lambda o: o.model_dump_json(), model.model_validate, store)
 
     def once_json(
         self,
@@ -66,17 +56,21 @@ class ApiProtocol(Protocol):
         """`once` for a `call` that returns the response body already serialised (see `dump`):
         large outcomes skip building a model per item. A replay re-reads the stored outcome
         through `model`, so it is the same JSON a fresh call gives."""
+        replay = lambda stored: model.model_validate(stored).model_dump_json().encode()  # noqa: E731
+        return self._once(key, operation, body, call, bytes.decode, replay, store)
+
+    def _once(
+        self,
+        key: str | None,
+        operation: str,
+        body: BaseModel | None,
+        call: Callable[[Connection], Any],
+        encode: Callable[[Any], str],
+        decode: Callable[[Any], Any],
+        store: Callable[[Any], bool] | None,
+    ) -> tuple[Any, bool]:
         with self._timed(operation):
-            return idempotency.once(
-                self.engine,
-                key,
-                operation,
-                _digest(key, body),
-                call,
-                bytes.decode,
-                lambda stored: model.model_validate(stored).model_dump_json().encode(),
-                store,
-            )
+            return idempotency.once(self.engine, key, operation, _digest(key, body), call, encode, decode, store)
 
     @contextmanager
     def _timed(self, operation: str) -> Iterator[None]:
