@@ -83,3 +83,19 @@ def test_an_outcome_not_kept_leaves_the_key_free(engine):
     assert _once(engine, "poll", lambda conn: 5, store=lambda out: out > 0) == (5, False)
     assert _once(engine, "poll", lambda conn: 7, store=lambda out: out > 0) == (5, True)
 
+
+def test_a_serialised_outcome_replays_the_same_json_kept_as_text_or_as_a_document(engine):
+    """`once_json` keeps an outcome as its JSON text; one kept as a jsonb document (by a replica
+    from before) replays the same bytes."""
+    from api.models import RouteOut
+    from api.service import ApiProtocol
+
+    body = b'{"results":[{"sample_id":1,"outcome":"routed","attempt":1,"v_traj":0,"buffer":0}]}'
+    p = ApiProtocol(engine)
+    assert p.once_json("k", "route", None, lambda conn: body, RouteOut) == (body, False)
+    assert p.once_json("k", "route", None, lambda conn: b"{}", RouteOut) == (body, True)
+    with engine.begin() as c:
+        assert c.execute(text("SELECT jsonb_typeof(response) FROM idempotency")).scalar() == "string"
+        c.execute(text("UPDATE idempotency SET response = CAST(response #>> '{}' AS jsonb)"))
+        assert c.execute(text("SELECT jsonb_typeof(response) FROM idempotency")).scalar() == "object"
+    assert p.once_json("k", "route", None, lambda conn: b"{}", RouteOut) == (body, True)
