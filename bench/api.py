@@ -2,11 +2,12 @@
 making batched calls, p50/p99 latency per endpoint, and the ratio to the same workload run on
 the in-process data layer in the same invocation (last line: ``api/inprocess=<x>``).
 
-    python bench/api.py [--batch 32 --group 4 --eta 2 --steps 12 --instances 4 --api-workers 1]
+    python bench/api.py [--batch 32 --group 4 --eta 2 --steps 12 --instances 4 --api-workers 1 --pairs 3]
 
 The database is STALEFLOW_DATABASE_URL's server (else the embedded default); each half of
 the run gets a fresh database there, dropped afterwards. Benchmarks are not tests: compare
-the ratio, not the absolute figures (the machine is shared and noisy).
+the ratio, not the absolute figures (the machine is shared and noisy). The halves run
+`--pairs` times, alternating which goes first; the last line is the median pair's ratio.
 
 Transitions counted: a sample routed, reported finished, claimed, rewarded; a group occupied;
 a batch consumed; a version published.
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import subprocess
 import sys
 import threading
@@ -335,11 +337,29 @@ def cpu_seconds(pid: int | None = None) -> float:
     return total
 
 
+def database_cpu_seconds(url: str) -> float:
+    """CPU time of the PostgreSQL backends serving `url`'s database (their process titles name
+    it), when the server runs on this machine and its processes are readable; else 0. A
+    backend that exits during the run takes its time with it: the pools here live throughout."""
+    import psutil
+
+    name = url.rsplit("/", 1)[1].split("?")[0]
+    total = 0.0
+    for p in psutil.process_iter(["name", "cmdline"]):
+        try:
+            if p.info["name"] == "postgres" and name in " ".join(p.info["cmdline"] or ()):
+                t = p.cpu_times()
+                total += t.user + t.system
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            pass
+    return total
+
+
 def report_figures(label: str, seconds: float, rec: Recorder, cpu: dict[str, float]) -> float:
     rate = rec.transitions / seconds
     print(f"\n{label}: {rec.transitions} transitions in {seconds:.2f}s = {rate:,.0f}/s")
     # CPU per transition: on a shared machine, less noisy than the wall-clock rate
-    # (PostgreSQL's own CPU is not counted).
+    # ("database": this run's PostgreSQL backends, 0 where they cannot be read).
     per = ", ".join(f"{k} {v * 1e3 / max(rec.transitions, 1):.2f}" for k, v in cpu.items())
     print(f"  CPU ms per transition: {per} (total {sum(cpu.values()) * 1e3 / max(rec.transitions, 1):.2f})")
     print(f"  {'endpoint':<22}{'calls':>7}{'p50 ms':>10}{'p99 ms':>10}")
@@ -360,6 +380,7 @@ def main() -> None:
     ap.add_argument("--reward-workers", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=64, help="response tokens per sample")
     ap.add_argument("--api-workers", type=int, default=1, help="uvicorn worker processes")
+    ap.add_argument("--pairs", type=int, default=3, help="REST / in-process runs, alternated; the median ratio")
     args = ap.parse_args()
 
     admin_url = with_database(database_url(), "postgres")
@@ -367,7 +388,22 @@ def main() -> None:
         f"workload: B={args.batch} N={args.group} eta={args.eta} steps={args.steps} instances={args.instances} "
         f"reward workers={args.reward_workers} tokens/sample={args.tokens} api workers={args.api_workers}"
     )
+    # One pair is two ~2-s runs: on a shared 2-core machine either may lose a third of its
+    # rate to a neighbour. Pairs alternate their order (REST first, then in-process first), so
+    # a load that rises or falls through the run weighs on both sides alike; the median pair
+    # ratio is the answer, every pair printed.
+    ratios = []
+    for i in range(args.pairs):
+        halves = (rest_half, local_half) if i % 2 == 0 else (local_half, rest_half)
+        rates = {half.__name__: half(admin_url, args) for half in halves}
+        ratios.append(rates["rest_half"] / rates["local_half"])
+        print(f"\npair {i + 1}: api/inprocess={ratios[-1]:.3f}")
+    if len(ratios) > 1:
+        print(f"\npairs: {' '.join(f'{r:.3f}' for r in ratios)} (median of {len(ratios)})")
+    print(f"api/inprocess={statistics.median(ratios):.3f}")
 
+
+def rest_half(admin_url: str, args: argparse.Namespace) -> float:
     url = fresh_database(admin_url, "rest")
     proc, base = start_server(url, args.api_workers)
     try:
@@ -378,25 +414,31 @@ def main() -> None:
         engine.dispose()
         rest = Rest(url, base, token)
         rest.setup = lambda cfg, prompts: _rest_setup(rest, cfg, prompts)  # type: ignore[method-assign]
-        c0, s0 = cpu_seconds(), cpu_seconds(proc.pid)
+        c0, s0, d0 = cpu_seconds(), cpu_seconds(proc.pid), database_cpu_seconds(url)
         seconds, rec = workload(rest, args)
-        cpu = {"clients": cpu_seconds() - c0, "API server": cpu_seconds(proc.pid) - s0}
-        rest_rate = report_figures("REST API", seconds, rec, cpu)
+        cpu = {
+            "clients": cpu_seconds() - c0,
+            "API server": cpu_seconds(proc.pid) - s0,
+            "database": database_cpu_seconds(url) - d0,
+        }
+        return report_figures("REST API", seconds, rec, cpu)
     finally:
         proc.terminate()
         proc.wait(10)
         drop_database(admin_url, url)
 
+
+def local_half(admin_url: str, args: argparse.Namespace) -> float:
     url = fresh_database(admin_url, "inproc")
     try:
         local = InProcess(url)
-        c0 = cpu_seconds()
+        c0, d0 = cpu_seconds(), database_cpu_seconds(url)
         seconds, rec = workload(local, args)
-        local_rate = report_figures("in-process data layer", seconds, rec, {"in-process": cpu_seconds() - c0})
+        cpu = {"in-process": cpu_seconds() - c0, "database": database_cpu_seconds(url) - d0}
         local.close()
+        return report_figures("in-process data layer", seconds, rec, cpu)
     finally:
         drop_database(admin_url, url)
-    print(f"api/inprocess={rest_rate / local_rate:.3f}")
 
 
 def _rest_setup(rest: Rest, cfg: dict[str, Any], prompts: list[tuple[str, list[int]]]) -> int:

@@ -7,7 +7,7 @@ pattern 5), used alike by the protocol methods that take a `request_id` and by t
 Idempotency semantics: the outcome of a keyed request is stored in the same transaction as
 its write, under the operation and a digest of the request body. The same key again returns
 the stored outcome without running anything; the same key with another body (or for another
-operation) is refused with `KeyReused` (409 `idempotency_key_reused`). The key is claimed first
+operation) is refused with `KeyReused` (409 `idempotency_key_reused`). The key is locked first
 in the transaction: a concurrent duplicate waits for the first to commit, then replays its
 outcome: one application, equal answers.
 """
@@ -138,53 +138,23 @@ def once(
     Without `store` every outcome is kept."""
     op = f"{operation}#{body_digest}"
 
-    def stored(conn: Connection) -> Any:
-        return conn.execute(
-            text("SELECT operation, response FROM idempotency WHERE request_id = :r"), {"r": key}
-        ).first()
-
-    def replay(row: Any) -> tuple[T, bool]:
-        if row.operation != op:
-            used = row.operation.split("#")[0]
-            raise KeyReused([(0, f"request id {key!r} was already used for another request ({used})")])
-        return decode(row.response), True
-
     def body(conn: Connection) -> tuple[T, bool]:
         if key is None:
             return call(conn), False
         # Requests with this key are serialized before anything else is locked (so this wait
         # never happens inside another lock order): a concurrent duplicate waits for the first
-        # to commit and then, under READ COMMITTED, reads its stored outcome.
-        if store is None:
-            # Every outcome is kept: claim the key with its row at once (a duplicate's insert
-            # waits on the unique index), one statement where a lock and a lookup were two.
-            # Nobody sees the placeholder: the outcome replaces it before the commit.
-            while True:
-                claimed = conn.execute(
-                    text(
-                        "INSERT INTO idempotency (request_id, operation, response) VALUES (:r, :o, 'null')"
-                        " ON CONFLICT (request_id) DO NOTHING"
-                    ),
-                    {"r": key, "o": op},
-                ).rowcount
-                if claimed:
-                    outcome = call(conn)
-                    conn.execute(
-                        text("UPDATE idempotency SET response = CAST(:resp AS jsonb) WHERE request_id = :r"),
-                        {"r": key, "resp": encode(outcome)},
-                    )
-                    return outcome, False
-                row = stored(conn)
-                if row is not None:  # else it was pruned in between: claim it again
-                    return replay(row)
-        # An outcome that may not be kept (a long-poll's) claims no row, so an empty poll writes
-        # nothing and its commit waits for no WAL flush: an advisory lock on the key instead.
-        conn.execute(text("SELECT pg_advisory_xact_lock(hashtextextended(:k, 7))"), {"k": key})
-        row = stored(conn)
+        # to commit and then reads its stored outcome. Lock and lookup are one round trip
+        # (migration 0006), on every re-check of a long-poll too.
+        row = conn.execute(text("SELECT operation, response FROM staleflow_idempotency_lookup(:k)"), {"k": key}).first()
         if row is not None:
-            return replay(row)
+            if row.operation != op:
+                used = row.operation.split("#")[0]
+                raise KeyReused([(0, f"request id {key!r} was already used for another request ({used})")])
+            return decode(row.response), True
         outcome = call(conn)
-        if store(outcome):
+        # The outcome is written once, when known: no placeholder row to update, and an outcome
+        # `store` rejects (an empty long-poll) writes nothing, so its commit waits for no WAL flush.
+        if store is None or store(outcome):
             kept = conn.execute(
                 text(
                     "INSERT INTO idempotency (request_id, operation, response) VALUES (:r, :o, CAST(:resp AS jsonb))"
@@ -192,7 +162,7 @@ def once(
                 ),
                 {"r": key, "o": op, "resp": encode(outcome)},
             ).rowcount
-            if not kept:  # claimed meanwhile by a request of another kind (it takes no advisory lock)
+            if not kept:  # only a writer that skips the lock could get here (code before 0006)
                 raise KeyReused([(0, f"request id {key!r} was used concurrently for another request")])
         return outcome, False
 

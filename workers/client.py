@@ -402,7 +402,10 @@ class StaleFlowClient:
 
     def route(self, run_id: int, pairs: Sequence[tuple[int, int]], epoch: int | None = None) -> list[m.RouteResultOut]:
         """`pairs`: (sample_id, instance_id) each."""
-        body = m.RouteIn(routes=[m.RouteItem(sample_id=s, instance_id=i) for s, i in pairs], epoch=epoch)
+        # One validation of the whole body (in Rust), not a model built per pair in Python: 2,000
+        # pairs 2.4 -> 1.95 ms of the coordinator thread's CPU.
+        routes = [{"sample_id": s, "instance_id": i} for s, i in pairs]
+        body = m.RouteIn.model_validate({"routes": routes, "epoch": epoch})
         return self._call(m.RouteOut, "POST", f"/v1/runs/{run_id}/routes", body=body, key=True).results
 
     def interrupt(self, run_id: int, sample_ids: Sequence[int], epoch: int | None = None) -> int:

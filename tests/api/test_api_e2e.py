@@ -173,3 +173,38 @@ def test_local_default_and_postgres_restart(embedded_pg, monkeypatch):
                 break
             time.sleep(0.1)
         assert httpx.get(f"{server.url}/readyz", timeout=10).status_code == 200
+
+
+def test_connections_the_database_dropped_cost_a_retried_503_not_a_500(db_url):
+    """The API pools without pre-ping: a pooled connection the database dropped (a restart, here
+    its backends terminated) fails its request's first statement. That request answers 503 with
+    Retry-After (never 500), the client retries it, and the pool is fresh afterwards."""
+    from sqlalchemy import text
+
+    from staleflow_db.db import make_engine
+
+    with ApiServer(db_url) as server:
+        admin = server.client(token(db_url, "admin"))
+        run = admin.create_run("dropped", batch_size=1, group_size=1, eta=0)
+        for _ in range(3):
+            admin.run_status(run.id)  # pooled connections now exist
+        engine = make_engine(db_url)
+        try:
+            with engine.begin() as conn:
+                killed = conn.execute(
+                    text(
+                        "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity"
+                        " WHERE datname = current_database() AND pid <> pg_backend_pid()"
+                        " AND application_name = 'staleflow'"
+                    )
+                ).scalar()
+        finally:
+            engine.dispose()
+        assert killed >= 1
+        url, auth = f"{server.url}/v1/runs/{run.id}", {"Authorization": f"Bearer {admin.token}"}
+        raw = httpx.get(url, headers=auth, timeout=10)
+        assert raw.status_code in (200, 503), raw.text
+        if raw.status_code == 503:
+            assert raw.headers["Retry-After"] and raw.json()["error"]["code"] == "database_unavailable"
+        assert admin.run_status(run.id).run_id == run.id  # retried through a 503 if it meets one
+        assert httpx.get(url, headers=auth, timeout=10).status_code == 200

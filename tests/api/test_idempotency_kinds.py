@@ -1,11 +1,11 @@
-"""The two ways a keyed request holds its key (staleflow_db.idempotency.once): writes that always
-keep their outcome claim the key's row first; long-polls, which keep only non-empty outcomes,
-take an advisory lock. One key used concurrently by one of each is refused (409), never a
-unique-violation 500, and only the first is applied."""
+"""A keyed request holds its key by one lock and lookup (staleflow_db.idempotency.once), whether
+it keeps every outcome (writes) or only non-empty ones (long-polls). One key used concurrently
+by one of each is refused (409), never a unique-violation 500, and only the first is applied."""
 
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 from sqlalchemy import text
@@ -20,19 +20,20 @@ def _once(engine, operation: str, call, store=None):
     return idempotency.once(engine, "k", operation, "", call, str, int, store=store)
 
 
-def test_a_key_claimed_by_a_write_refuses_a_concurrent_long_poll(engine):
-    """The write claims the key and holds its transaction open until the poll has looked the
-    key up (nothing committed yet) and run; the poll's outcome then meets the claimed row."""
-    claimed, polled = threading.Event(), threading.Event()
+def test_a_long_poll_waits_for_a_write_holding_its_key_and_is_refused(engine):
+    """The write holds the key while its call runs; the long-poll started meanwhile waits on the
+    key's lock (it runs nothing) until the write commits, then finds the key used: 409."""
+    holding, release = threading.Event(), threading.Event()
     outcomes: dict[str, object] = {}
+    polled: list[int] = []
 
     def write(conn):
-        claimed.set()  # the key's row is claimed before the call runs
-        assert polled.wait(WAIT_S)
+        holding.set()  # the key is locked before the call runs
+        assert release.wait(WAIT_S)
         return 1
 
     def poll_call(conn):
-        polled.set()  # its lookup found nothing: the write has not committed
+        polled.append(2)
         return 2
 
     def poll() -> None:
@@ -43,12 +44,29 @@ def test_a_key_claimed_by_a_write_refuses_a_concurrent_long_poll(engine):
 
     first = threading.Thread(target=lambda: outcomes.update(write=_once(engine, "report", write)))
     first.start()
-    assert claimed.wait(WAIT_S)
+    assert holding.wait(WAIT_S)
     second = threading.Thread(target=poll)
     second.start()
+    waiting = False
+    for _ in range(600):  # until the poll's lookup waits on the key's advisory lock
+        with engine.connect() as c:
+            waiting = bool(
+                c.execute(
+                    text(
+                        "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted"
+                        " AND database = (SELECT oid FROM pg_database WHERE datname = current_database())"
+                    )
+                ).scalar()
+            )
+        if waiting:
+            break
+        time.sleep(0.05)
+    assert waiting
+    release.set()
     first.join(WAIT_S), second.join(WAIT_S)
     assert outcomes["write"] == (1, False)
     assert isinstance(outcomes["poll"], KeyReused), outcomes["poll"]
+    assert polled == []  # refused before running anything
     with engine.connect() as c:
         assert c.execute(text("SELECT operation, response FROM idempotency")).all() == [("report#", 1)]
 
@@ -64,3 +82,20 @@ def test_an_outcome_not_kept_leaves_the_key_free(engine):
     assert _once(engine, "poll", lambda conn: 0, store=lambda out: out > 0) == (0, False)
     assert _once(engine, "poll", lambda conn: 5, store=lambda out: out > 0) == (5, False)
     assert _once(engine, "poll", lambda conn: 7, store=lambda out: out > 0) == (5, True)
+
+
+def test_a_serialised_outcome_replays_the_same_json_kept_as_text_or_as_a_document(engine):
+    """`once_json` keeps an outcome as its JSON text; one kept as a jsonb document (by a replica
+    from before) replays the same bytes."""
+    from api.models import RouteOut
+    from api.service import ApiProtocol
+
+    body = b'{"results":[{"sample_id":1,"outcome":"routed","attempt":1,"v_traj":0,"buffer":0}]}'
+    p = ApiProtocol(engine)
+    assert p.once_json("k", "route", None, lambda conn: body, RouteOut) == (body, False)
+    assert p.once_json("k", "route", None, lambda conn: b"{}", RouteOut) == (body, True)
+    with engine.begin() as c:
+        assert c.execute(text("SELECT jsonb_typeof(response) FROM idempotency")).scalar() == "string"
+        c.execute(text("UPDATE idempotency SET response = CAST(response #>> '{}' AS jsonb)"))
+        assert c.execute(text("SELECT jsonb_typeof(response) FROM idempotency")).scalar() == "object"
+    assert p.once_json("k", "route", None, lambda conn: b"{}", RouteOut) == (body, True)
