@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, NamedTuple
 
 from sqlalchemy import Connection, text
@@ -63,9 +64,15 @@ class Snapshot:
     config: dict[str, int | bool]
     buffers: dict[int, BufferView]  # by index, unconsumed only
     instances: list[InstanceView]
-    queued: list[QueuedView]
+    # the queued samples as decoded: arrays in QueuedView's field order (the coordinator builds
+    # its own objects from them, and reuses those of rows unchanged since its last cycle)
+    queued_rows: list[list[Any]]
     latest_params: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+
+    @cached_property
+    def queued(self) -> list[QueuedView]:
+        return [QueuedView(*q) for q in self.queued_rows]
 
 
 # The cycle's snapshot (`CoordinationOps.snapshot`): the run, its unconsumed buffers, its live
@@ -200,7 +207,7 @@ class CoordinationOps(TxMixin):
             run.config(),
             {idx: BufferView(o, r) for idx, o, r in got[1] or ()},
             [InstanceView(i, n, v, snap or {}, age, running.get(i, [])) for i, n, v, snap, age in got[2] or ()],
-            [QueuedView(*q) for q in got[4] or ()],
+            got[4] or [],
             got[5],
         )
 
