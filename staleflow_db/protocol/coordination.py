@@ -17,7 +17,7 @@ from ..errors import Conflict, InvalidInput, NotFound
 from ..idempotency import transactional
 from ..types import RouteResult
 from .base import RUN_COLUMNS, RunRow, RunTx, TxMixin, load_run
-from .rollout import check_batch, interrupt_running
+from .rollout import INTERRUPT_COMMANDS, INTERRUPT_TARGETS, check_batch, check_found, interrupt_running
 from .routing import route_in, route_read
 
 
@@ -103,6 +103,42 @@ SNAPSHOT = (
     "      FROM samples s JOIN prompt_groups g ON g.id = s.group_id"
     "      WHERE s.run_id = :run AND s.state = 'queued' ORDER BY s.id LIMIT :n) q),"
     "  (SELECT max(version) FROM param_versions WHERE run_id = :run))"
+)
+
+
+# Pulls as WITH-clause parts, here and in CYCLE_WITHOUT_ROUTES: a command `t` per (instance
+# :is, target version :vs) for the run's active instances, and its event `e`, written only
+# where `{gate}` holds.
+PULL_COMMANDS = (
+    "t AS (INSERT INTO commands (run_id, instance_id, kind, target_version, epoch)"
+    "   SELECT :run, u.i, 'pull', u.v, :epoch FROM unnest(CAST(:is AS bigint[]), CAST(:vs AS int[]))"
+    "   WITH ORDINALITY AS u(i, v, o)"
+    "   JOIN instances x ON x.id = u.i AND x.run_id = :run AND x.state = 'active' WHERE {gate} ORDER BY u.o"
+    "   RETURNING id, instance_id, target_version),"
+    " e AS (INSERT INTO events (run_id, kind, instance_id, data)"
+    "   SELECT :run, 'pull', t.instance_id, jsonb_build_object('target', t.target_version) FROM t ORDER BY t.id"
+    "   RETURNING id)"
+)
+# A cycle without routes (most cycles; every one whose commands are only interrupts and pulls)
+# is ONE statement, sent in autocommit: one round trip from the decision to the commit, where
+# BEGIN, the interrupts, the pulls, the fenced cycle row and COMMIT were four to five. Nothing
+# is written unless `ok`: the lease `l` is ours and live (held FOR SHARE to the statement's
+# end, so no takeover commits in between) and every sample to interrupt is in the run; the
+# caller then raises what the transaction raised. write_ms is the server's time from the
+# statement's start to the cycle row, taken after the commands and events are written (the
+# CASE reads their counts first).
+CYCLE_WITHOUT_ROUTES = (
+    "WITH l AS MATERIALIZED (SELECT run_id, epoch FROM coordinator_leases WHERE run_id = :run AND holder = :h"
+    "   AND epoch = :epoch AND expires_at > now() FOR SHARE),"
+    f" {INTERRUPT_TARGETS},"
+    " ok AS MATERIALIZED (SELECT FROM l WHERE (SELECT count(*) FROM f) = :n_ids),"
+    f" {INTERRUPT_COMMANDS.format(gate='EXISTS (SELECT FROM ok)')},"
+    f" {PULL_COMMANDS.format(gate='EXISTS (SELECT FROM ok)')},"
+    " y AS (INSERT INTO coordinator_cycles (run_id, epoch, snapshot_ms, decide_ms, write_ms, routed, interrupted,"
+    "   pulled, migrated) SELECT l.run_id, l.epoch, :s, :d,"
+    "   CASE WHEN (SELECT count(*) FROM c) + (SELECT count(*) FROM e) >= 0"
+    "   THEN extract(epoch FROM clock_timestamp() - statement_timestamp()) * 1000 END, 0, :i, :p, :m FROM l, ok)"
+    " SELECT EXISTS (SELECT FROM l) AS fenced, ARRAY(SELECT id FROM f) AS found"
 )
 
 
@@ -231,8 +267,12 @@ class CoordinationOps(TxMixin):
         `pull`), with the routes' locking read in its round trip, and with `cycle` the fence
         goes with the cycle's row as the last statement. A fence checked last is as good as
         first: the lease row is then held FOR SHARE until the commit, and a takeover that
-        committed before it fails the check, so the whole transaction rolls back."""
+        committed before it fails the check, so the whole transaction rolls back. A cycle
+        without routes is one statement (CYCLE_WITHOUT_ROUTES), fenced the same way."""
         check_batch(routes, "routes")
+        if cycle is not None and not routes and conn is None:
+            self._cycle_without_routes(run_id, holder, epoch, interrupts, pulls, cycle)
+            return []
 
         with self.tx(conn) as conn:
             started = time.monotonic()
@@ -274,6 +314,41 @@ class CoordinationOps(TxMixin):
                     raise Conflict([(epoch, "not the coordinator of this run (leadership lost or expired)")])
             return results
 
+    def _cycle_without_routes(
+        self,
+        run_id: int,
+        holder: str,
+        epoch: int,
+        interrupts: Sequence[int],
+        pulls: Sequence[tuple[int, int]],
+        cycle: dict[str, float],
+    ) -> None:
+        with self.engine.connect() as conn:
+            got = (
+                conn.execution_options(isolation_level="AUTOCOMMIT")
+                .execute(
+                    text(CYCLE_WITHOUT_ROUTES),
+                    {
+                        "run": run_id,
+                        "h": holder,
+                        "epoch": epoch,
+                        "ids": list(interrupts),
+                        "n_ids": len(set(interrupts)),
+                        **pull_params(pulls),
+                        "s": cycle.get("snapshot_ms", 0.0),
+                        "d": cycle.get("decide_ms", 0.0),
+                        "i": len(interrupts),
+                        "p": len(pulls),
+                        "m": int(cycle.get("migrated", 0)),
+                    },
+                )
+                .one()
+            )
+            check_found(run_id, interrupts, set(got.found))
+            if not got.fenced:
+                check_epoch(conn, run_id, epoch, holder)  # raises Conflict with the reason
+                raise Conflict([(epoch, "not the coordinator of this run (leadership lost or expired)")])
+
 
 def check_epoch(conn: Connection, run_id: int, epoch: int, holder: str | None = None) -> None:
     """The coordinator fence (ENGINEERING pattern 9): `epoch` (and `holder`, when given) must be
@@ -294,16 +369,11 @@ def queue_pulls(conn: Connection, run_id: int, pulls: Sequence[tuple[int, int]],
     in the run; returns them."""
     # the commands and their events in one statement (one round trip of decision delay)
     told = conn.execute(
-        text(
-            "WITH t AS (INSERT INTO commands (run_id, instance_id, kind, target_version, epoch)"
-            "   SELECT :run, u.i, 'pull', u.v, :e FROM unnest(CAST(:is AS bigint[]), CAST(:vs AS int[]))"
-            "   WITH ORDINALITY AS u(i, v, o)"
-            "   JOIN instances x ON x.id = u.i AND x.run_id = :run AND x.state = 'active' ORDER BY u.o"
-            "   RETURNING id, instance_id, target_version),"
-            " e AS (INSERT INTO events (run_id, kind, instance_id, data)"
-            "   SELECT :run, 'pull', t.instance_id, jsonb_build_object('target', t.target_version) FROM t ORDER BY t.id)"
-            " SELECT instance_id FROM t ORDER BY id"
-        ),
-        {"run": run_id, "e": epoch, "is": [p[0] for p in pulls], "vs": [p[1] for p in pulls]},
+        text(f"WITH {PULL_COMMANDS.format(gate='true')} SELECT instance_id FROM t ORDER BY id"),
+        {"run": run_id, "epoch": epoch, **pull_params(pulls)},
     ).scalars()
     return list(told)
+
+
+def pull_params(pulls: Sequence[tuple[int, int]]) -> dict[str, list[int]]:
+    return {"is": [p[0] for p in pulls], "vs": [p[1] for p in pulls]}
