@@ -4,6 +4,7 @@ leader's epoch so a deposed leader cannot clobber state)."""
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -106,7 +107,7 @@ SNAPSHOT = (
 )
 
 
-# Pulls as WITH-clause parts, here and in CYCLE_WITHOUT_ROUTES: a command `t` per (instance
+# Pulls as WITH-clause parts, here and in `cycle_without_routes`: a command `t` per (instance
 # :is, target version :vs) for the run's active instances, and its event `e`, written only
 # where `{gate}` holds.
 PULL_COMMANDS = (
@@ -119,27 +120,40 @@ PULL_COMMANDS = (
     "   SELECT :run, 'pull', t.instance_id, jsonb_build_object('target', t.target_version) FROM t ORDER BY t.id"
     "   RETURNING id)"
 )
+
+
 # A cycle without routes (most cycles; every one whose commands are only interrupts and pulls)
 # is ONE statement, sent in autocommit: one round trip from the decision to the commit, where
-# BEGIN, the interrupts, the pulls, the fenced cycle row and COMMIT were four to five. Nothing
-# is written unless `ok`: the lease `l` is ours and live (held FOR SHARE to the statement's
-# end, so no takeover commits in between) and every sample to interrupt is in the run; the
-# caller then raises what the transaction raised. write_ms is the server's time from the
-# statement's start to the cycle row, taken after the commands and events are written (the
-# CASE reads their counts first).
-CYCLE_WITHOUT_ROUTES = (
-    "WITH l AS MATERIALIZED (SELECT run_id, epoch FROM coordinator_leases WHERE run_id = :run AND holder = :h"
-    "   AND epoch = :epoch AND expires_at > now() FOR SHARE),"
-    f" {INTERRUPT_TARGETS},"
-    " ok AS MATERIALIZED (SELECT FROM l WHERE (SELECT count(*) FROM f) = :n_ids),"
-    f" {INTERRUPT_COMMANDS.format(gate='EXISTS (SELECT FROM ok)')},"
-    f" {PULL_COMMANDS.format(gate='EXISTS (SELECT FROM ok)')},"
-    " y AS (INSERT INTO coordinator_cycles (run_id, epoch, snapshot_ms, decide_ms, write_ms, routed, interrupted,"
-    "   pulled, migrated) SELECT l.run_id, l.epoch, :s, :d,"
-    "   CASE WHEN (SELECT count(*) FROM c) + (SELECT count(*) FROM e) >= 0"
-    "   THEN extract(epoch FROM clock_timestamp() - statement_timestamp()) * 1000 END, 0, :i, :p, :m FROM l, ok)"
-    " SELECT EXISTS (SELECT FROM l) AS fenced, ARRAY(SELECT id FROM f) AS found"
-)
+# BEGIN, the interrupts, the pulls, the fenced cycle row and COMMIT were three to five. It has
+# only the parts the cycle needs (an empty cycle: the fence and its row). Nothing is written
+# unless `ok`: the lease `l` is ours and live (held FOR SHARE to the statement's end, so no
+# takeover commits in between) and every sample to interrupt is in the run; the caller then
+# raises what the transaction raised. write_ms is the server's time from the statement's start
+# to the cycle row, taken after the commands and events are written (the CASE counts them first).
+@functools.cache
+def cycle_without_routes(interrupts: bool, pulls: bool) -> str:
+    gate = "EXISTS (SELECT FROM ok)"
+    parts = [
+        "l AS MATERIALIZED (SELECT run_id, epoch FROM coordinator_leases WHERE run_id = :run AND holder = :h"
+        " AND epoch = :epoch AND expires_at > now() FOR SHARE)"
+    ]
+    written = ["0"]
+    if interrupts:
+        parts += [INTERRUPT_TARGETS, "ok AS MATERIALIZED (SELECT FROM l WHERE (SELECT count(*) FROM f) = :n_ids)"]
+        parts.append(INTERRUPT_COMMANDS.format(gate=gate))
+        written.append("(SELECT count(*) FROM c)")
+    else:
+        parts.append("ok AS MATERIALIZED (SELECT FROM l)")
+    if pulls:
+        parts.append(PULL_COMMANDS.format(gate=gate))
+        written.append("(SELECT count(*) FROM e)")
+    parts.append(
+        "y AS (INSERT INTO coordinator_cycles (run_id, epoch, snapshot_ms, decide_ms, write_ms, routed, interrupted,"
+        f" pulled, migrated) SELECT l.run_id, l.epoch, :s, :d, CASE WHEN {' + '.join(written)} >= 0"
+        " THEN extract(epoch FROM clock_timestamp() - statement_timestamp()) * 1000 END, 0, :i, :p, :m FROM l, ok)"
+    )
+    found = "ARRAY(SELECT id FROM f)" if interrupts else "CAST(ARRAY[] AS bigint[])"
+    return f"WITH {', '.join(parts)} SELECT EXISTS (SELECT FROM l) AS fenced, {found} AS found"
 
 
 class CoordinationOps(TxMixin):
@@ -268,7 +282,7 @@ class CoordinationOps(TxMixin):
         goes with the cycle's row as the last statement. A fence checked last is as good as
         first: the lease row is then held FOR SHARE until the commit, and a takeover that
         committed before it fails the check, so the whole transaction rolls back. A cycle
-        without routes is one statement (CYCLE_WITHOUT_ROUTES), fenced the same way."""
+        without routes is one statement (`cycle_without_routes`), fenced the same way."""
         check_batch(routes, "routes")
         if cycle is not None and not routes and conn is None:
             self._cycle_without_routes(run_id, holder, epoch, interrupts, pulls, cycle)
@@ -327,7 +341,7 @@ class CoordinationOps(TxMixin):
             got = (
                 conn.execution_options(isolation_level="AUTOCOMMIT")
                 .execute(
-                    text(CYCLE_WITHOUT_ROUTES),
+                    text(cycle_without_routes(bool(interrupts), bool(pulls))),
                     {
                         "run": run_id,
                         "h": holder,

@@ -318,7 +318,7 @@ class RolloutOps(TxMixin):
 
 
 # Interrupts as WITH-clause parts, here and in the coordinator's one-statement cycle
-# (`coordination.CYCLE_WITHOUT_ROUTES`): the samples `f` (:run, :ids) and, for those running,
+# (`coordination.cycle_without_routes`): the samples `f` (:run, :ids) and, for those running,
 # their commands `c` (:epoch), written only where `{gate}` holds.
 INTERRUPT_TARGETS = (
     "f AS MATERIALIZED (SELECT id, instance_id, attempt, state = 'running' AS running FROM samples"

@@ -153,6 +153,8 @@ def test_a_cycle_without_routes_is_fenced_and_all_or_nothing(engine):
     assert row == "(2,2,3,0,2,1,1)" and write_ms > 0
     _, cmds = d.p.poll_work(inst)
     assert [(c.kind, c.sample_id, c.target_version) for c in cmds] == [("interrupt", running, None), ("pull", None, 0)]
-    # nothing to do is a cycle too: its row, fenced
+    # nothing to do is a cycle too: its row, fenced; so are pulls alone
     d.p.apply_commands(d.run, "b", 2, cycle={})
     assert d.rows(written) == [(2, 2, 1)]
+    d.p.apply_commands(d.run, "b", 2, pulls=[(inst, 0)], cycle={})
+    assert d.rows(written) == [(3, 3, 2)]
