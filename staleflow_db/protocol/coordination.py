@@ -4,11 +4,10 @@ leader's epoch so a deposed leader cannot clobber state)."""
 
 from __future__ import annotations
 
-import functools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from functools import cached_property
+from functools import cache, cached_property
 from typing import Any, NamedTuple
 
 from sqlalchemy import Connection, text
@@ -130,7 +129,7 @@ PULL_COMMANDS = (
 # takeover commits in between) and every sample to interrupt is in the run; the caller then
 # raises what the transaction raised. write_ms is the server's time from the statement's start
 # to the cycle row, taken after the commands and events are written (the CASE counts them first).
-@functools.cache
+@cache
 def cycle_without_routes(interrupts: bool, pulls: bool) -> str:
     gate = "EXISTS (SELECT FROM ok)"
     parts = [

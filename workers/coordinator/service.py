@@ -96,8 +96,9 @@ class Queue:
 class QueueReader:
     """Snapshot rows (QueuedView's field order) to the cycle's queue, in one pass. Between two
     cycles most of a queue is unchanged: a row seen last cycle gets last cycle's QueuedSample
-    back (frozen, so shared safely) instead of a new one — the build was a third of a cycle's
-    Python. Holds only the latest queue's objects."""
+    back (frozen, so shared safely) instead of a new one: building a view and a sample per row
+    was 0.6 of the 1.4 ms of Python from the statement's result to the plan, on the service
+    bench's queue (~600 samples). Holds only the latest queue's objects."""
 
     def __init__(self) -> None:
         self._seen: dict[tuple[Any, ...], QueuedSample] = {}
