@@ -193,7 +193,7 @@ def service_run(policy: str, eta: int, steps: int, scale: float, workdir: Path, 
         "cycle_ms": float(cyc[0] or 0.0),
         "snapshot_ms": float(cyc[2] or 0.0),
         "decide_ms": float(cyc[3] or 0.0),
-        "write_ms": float(cyc[4] or 0.0),  # the write transaction's statements, not its commit
+        "write_ms": float(cyc[4] or 0.0),  # the commands before the cycle's row, not the commit (docs/coordinator.md)
         "command_latency_ms": float(lat or 0.0) * 1000,
         # delivered -> applied: a command waits in the worker's inbox for the engine step in progress
         "command_inbox_ms": inbox,

@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import cache, cached_property
 from typing import Any, NamedTuple
 
 from sqlalchemy import Connection, text
@@ -16,7 +17,7 @@ from ..errors import Conflict, InvalidInput, NotFound
 from ..idempotency import transactional
 from ..types import RouteResult
 from .base import RUN_COLUMNS, RunRow, RunTx, TxMixin, load_run
-from .rollout import check_batch, interrupt_running
+from .rollout import INTERRUPT_COMMANDS, INTERRUPT_TARGETS, check_batch, check_found, interrupt_running
 from .routing import route_in, route_read
 
 
@@ -63,9 +64,15 @@ class Snapshot:
     config: dict[str, int | bool]
     buffers: dict[int, BufferView]  # by index, unconsumed only
     instances: list[InstanceView]
-    queued: list[QueuedView]
+    # the queued samples as decoded: arrays in QueuedView's field order (the coordinator builds
+    # its own objects from them, and reuses those of rows unchanged since its last cycle)
+    queued_rows: list[list[Any]]
     latest_params: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+
+    @cached_property
+    def queued(self) -> list[QueuedView]:
+        return [QueuedView(*q) for q in self.queued_rows]
 
 
 # The cycle's snapshot (`CoordinationOps.snapshot`): the run, its unconsumed buffers, its live
@@ -97,6 +104,55 @@ SNAPSHOT = (
     "      WHERE s.run_id = :run AND s.state = 'queued' ORDER BY s.id LIMIT :n) q),"
     "  (SELECT max(version) FROM param_versions WHERE run_id = :run))"
 )
+
+
+# Pulls as WITH-clause parts, here and in `cycle_without_routes`: a command `t` per (instance
+# :is, target version :vs) for the run's active instances, and its event `e`, written only
+# where `{gate}` holds.
+PULL_COMMANDS = (
+    "t AS (INSERT INTO commands (run_id, instance_id, kind, target_version, epoch)"
+    "   SELECT :run, u.i, 'pull', u.v, :epoch FROM unnest(CAST(:is AS bigint[]), CAST(:vs AS int[]))"
+    "   WITH ORDINALITY AS u(i, v, o)"
+    "   JOIN instances x ON x.id = u.i AND x.run_id = :run AND x.state = 'active' WHERE {gate} ORDER BY u.o"
+    "   RETURNING id, instance_id, target_version),"
+    " e AS (INSERT INTO events (run_id, kind, instance_id, data)"
+    "   SELECT :run, 'pull', t.instance_id, jsonb_build_object('target', t.target_version) FROM t ORDER BY t.id"
+    "   RETURNING id)"
+)
+
+
+# A cycle without routes (most cycles; every one whose commands are only interrupts and pulls)
+# is ONE statement, sent in autocommit: one round trip from the decision to the commit, where
+# BEGIN, the interrupts, the pulls, the fenced cycle row and COMMIT were three to five. It has
+# only the parts the cycle needs (an empty cycle: the fence and its row). Nothing is written
+# unless `ok`: the lease `l` is ours and live (held FOR SHARE to the statement's end, so no
+# takeover commits in between) and every sample to interrupt is in the run; the caller then
+# raises what the transaction raised. write_ms is the server's time from the statement's start
+# to the cycle row, taken after the commands and events are written (the CASE counts them first).
+@cache
+def cycle_without_routes(interrupts: bool, pulls: bool) -> str:
+    gate = "EXISTS (SELECT FROM ok)"
+    parts = [
+        "l AS MATERIALIZED (SELECT run_id, epoch FROM coordinator_leases WHERE run_id = :run AND holder = :h"
+        " AND epoch = :epoch AND expires_at > now() FOR SHARE)"
+    ]
+    written = ["0"]
+    if interrupts:
+        parts += [INTERRUPT_TARGETS, "ok AS MATERIALIZED (SELECT FROM l WHERE (SELECT count(*) FROM f) = :n_ids)"]
+        parts.append(INTERRUPT_COMMANDS.format(gate=gate))
+        written.append("(SELECT count(*) FROM c)")
+    else:
+        parts.append("ok AS MATERIALIZED (SELECT FROM l)")
+    if pulls:
+        parts.append(PULL_COMMANDS.format(gate=gate))
+        written.append("(SELECT count(*) FROM e)")
+    parts.append(
+        "y AS (INSERT INTO coordinator_cycles (run_id, epoch, snapshot_ms, decide_ms, write_ms, routed, interrupted,"
+        f" pulled, migrated) SELECT l.run_id, l.epoch, :s, :d, CASE WHEN {' + '.join(written)} >= 0"
+        " THEN extract(epoch FROM clock_timestamp() - statement_timestamp()) * 1000 END, 0, :i, :p, :m FROM l, ok)"
+    )
+    found = "ARRAY(SELECT id FROM f)" if interrupts else "CAST(ARRAY[] AS bigint[])"
+    return f"WITH {', '.join(parts)} SELECT EXISTS (SELECT FROM l) AS fenced, {found} AS found"
 
 
 class CoordinationOps(TxMixin):
@@ -200,7 +256,7 @@ class CoordinationOps(TxMixin):
             run.config(),
             {idx: BufferView(o, r) for idx, o, r in got[1] or ()},
             [InstanceView(i, n, v, snap or {}, age, running.get(i, [])) for i, n, v, snap, age in got[2] or ()],
-            [QueuedView(*q) for q in got[4] or ()],
+            got[4] or [],
             got[5],
         )
 
@@ -224,8 +280,12 @@ class CoordinationOps(TxMixin):
         `pull`), with the routes' locking read in its round trip, and with `cycle` the fence
         goes with the cycle's row as the last statement. A fence checked last is as good as
         first: the lease row is then held FOR SHARE until the commit, and a takeover that
-        committed before it fails the check, so the whole transaction rolls back."""
+        committed before it fails the check, so the whole transaction rolls back. A cycle
+        without routes is one statement (`cycle_without_routes`), fenced the same way."""
         check_batch(routes, "routes")
+        if cycle is not None and not routes and conn is None:
+            self._cycle_without_routes(run_id, holder, epoch, interrupts, pulls, cycle)
+            return []
 
         with self.tx(conn) as conn:
             started = time.monotonic()
@@ -267,6 +327,41 @@ class CoordinationOps(TxMixin):
                     raise Conflict([(epoch, "not the coordinator of this run (leadership lost or expired)")])
             return results
 
+    def _cycle_without_routes(
+        self,
+        run_id: int,
+        holder: str,
+        epoch: int,
+        interrupts: Sequence[int],
+        pulls: Sequence[tuple[int, int]],
+        cycle: dict[str, float],
+    ) -> None:
+        with self.engine.connect() as conn:
+            got = (
+                conn.execution_options(isolation_level="AUTOCOMMIT")
+                .execute(
+                    text(cycle_without_routes(bool(interrupts), bool(pulls))),
+                    {
+                        "run": run_id,
+                        "h": holder,
+                        "epoch": epoch,
+                        "ids": list(interrupts),
+                        "n_ids": len(set(interrupts)),
+                        **pull_params(pulls),
+                        "s": cycle.get("snapshot_ms", 0.0),
+                        "d": cycle.get("decide_ms", 0.0),
+                        "i": len(interrupts),
+                        "p": len(pulls),
+                        "m": int(cycle.get("migrated", 0)),
+                    },
+                )
+                .one()
+            )
+            check_found(run_id, interrupts, set(got.found))
+            if not got.fenced:
+                check_epoch(conn, run_id, epoch, holder)  # raises Conflict with the reason
+                raise Conflict([(epoch, "not the coordinator of this run (leadership lost or expired)")])
+
 
 def check_epoch(conn: Connection, run_id: int, epoch: int, holder: str | None = None) -> None:
     """The coordinator fence (ENGINEERING pattern 9): `epoch` (and `holder`, when given) must be
@@ -287,16 +382,11 @@ def queue_pulls(conn: Connection, run_id: int, pulls: Sequence[tuple[int, int]],
     in the run; returns them."""
     # the commands and their events in one statement (one round trip of decision delay)
     told = conn.execute(
-        text(
-            "WITH t AS (INSERT INTO commands (run_id, instance_id, kind, target_version, epoch)"
-            "   SELECT :run, u.i, 'pull', u.v, :e FROM unnest(CAST(:is AS bigint[]), CAST(:vs AS int[]))"
-            "   WITH ORDINALITY AS u(i, v, o)"
-            "   JOIN instances x ON x.id = u.i AND x.run_id = :run AND x.state = 'active' ORDER BY u.o"
-            "   RETURNING id, instance_id, target_version),"
-            " e AS (INSERT INTO events (run_id, kind, instance_id, data)"
-            "   SELECT :run, 'pull', t.instance_id, jsonb_build_object('target', t.target_version) FROM t ORDER BY t.id)"
-            " SELECT instance_id FROM t ORDER BY id"
-        ),
-        {"run": run_id, "e": epoch, "is": [p[0] for p in pulls], "vs": [p[1] for p in pulls]},
+        text(f"WITH {PULL_COMMANDS.format(gate='true')} SELECT instance_id FROM t ORDER BY id"),
+        {"run": run_id, "epoch": epoch, **pull_params(pulls)},
     ).scalars()
     return list(told)
+
+
+def pull_params(pulls: Sequence[tuple[int, int]]) -> dict[str, list[int]]:
+    return {"is": [p[0] for p in pulls], "vs": [p[1] for p in pulls]}

@@ -317,26 +317,37 @@ class RolloutOps(TxMixin):
             return interrupt_running(conn, run_id, sample_ids, epoch)
 
 
+# Interrupts as WITH-clause parts, here and in the coordinator's one-statement cycle
+# (`coordination.cycle_without_routes`): the samples `f` (:run, :ids) and, for those running,
+# their commands `c` (:epoch), written only where `{gate}` holds.
+INTERRUPT_TARGETS = (
+    "f AS MATERIALIZED (SELECT id, instance_id, attempt, state = 'running' AS running FROM samples"
+    "   WHERE run_id = :run AND id = ANY(CAST(:ids AS bigint[])))"
+)
+INTERRUPT_COMMANDS = (
+    "c AS (INSERT INTO commands (run_id, instance_id, kind, sample_id, attempt, epoch)"
+    "   SELECT :run, f.instance_id, 'interrupt', f.id, f.attempt, :epoch FROM f WHERE f.running AND {gate}"
+    "   ORDER BY f.id RETURNING id)"
+)
+
+
 def interrupt_running(conn: Connection, run_id: int, sample_ids: Sequence[int], epoch: int | None) -> int:
     """Queue interrupt commands for those of the samples that are running; returns how many.
     A sample that is not in the run (unknown, or another run's) is NotFound, as everywhere."""
     # One statement reads the samples and queues the commands (a decision-delay round trip
     # less for the coordinator); one not found rolls the whole transaction back.
     rows = conn.execute(
-        text(
-            "WITH f AS MATERIALIZED (SELECT id, instance_id, attempt, state = 'running' AS running FROM samples"
-            "   WHERE run_id = :run AND id = ANY(CAST(:ids AS bigint[]))),"
-            " c AS (INSERT INTO commands (run_id, instance_id, kind, sample_id, attempt, epoch)"
-            "   SELECT :run, f.instance_id, 'interrupt', f.id, f.attempt, :epoch FROM f WHERE f.running ORDER BY f.id)"
-            " SELECT id, running FROM f"
-        ),
+        text(f"WITH {INTERRUPT_TARGETS}, {INTERRUPT_COMMANDS.format(gate='true')} SELECT id, running FROM f"),
         {"run": run_id, "ids": list(sample_ids), "epoch": epoch},
     ).all()
-    found = {r.id for r in rows}
+    check_found(run_id, sample_ids, {r.id for r in rows})
+    return sum(r.running for r in rows)
+
+
+def check_found(run_id: int, sample_ids: Sequence[int], found: set[int]) -> None:
     missing = [sid for sid in sample_ids if sid not in found]
     if missing:
         raise NotFound(f"sample {missing[0]} in run {run_id}")
-    return sum(r.running for r in rows)
 
 
 def enqueue_prompts(

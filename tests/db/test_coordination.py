@@ -9,7 +9,7 @@ from protocol_helpers import Driver
 from sqlalchemy import text
 
 from staleflow_db.enums import SegmentKind
-from staleflow_db.errors import Conflict
+from staleflow_db.errors import Conflict, NotFound
 from staleflow_db.types import Report, RouteOutcome
 
 
@@ -117,3 +117,44 @@ def test_commands_without_routes_do_not_wait_for_the_run_lock(engine):
     assert d.sample(queued)[0] == "running"
     _, cmds = d.p.poll_work(inst)
     assert [(c.kind, c.sample_id) for c in cmds] == [("interrupt", running), ("pull", None)]
+
+
+def test_a_cycle_without_routes_is_fenced_and_all_or_nothing(engine):
+    """A cycle of only interrupts and pulls (one statement): from a deposed leader it is a 409,
+    with a sample not in the run a 404, and either way nothing is written; from the leader its
+    commands, their events and its row (with the write time measured) are."""
+    d = Driver(engine, batch_size=1, group_size=2, eta=1)
+    inst = d.p.register_instance(d.run, "i", 0)
+    (g,) = d.enqueue(1)
+    running, queued = d.members(g)
+    d.routed([running], inst)
+    assert d.p.acquire_leadership(d.run, "a", ttl_seconds=30) == 1
+    cycle = {"snapshot_ms": 2.0, "decide_ms": 3.0, "migrated": 1}
+    written = (
+        "SELECT (SELECT count(*) FROM commands WHERE run_id = :r), (SELECT count(*) FROM coordinator_cycles"
+        " WHERE run_id = :r), (SELECT count(*) FROM events WHERE run_id = :r AND kind = 'pull')"
+    )
+    with pytest.raises(NotFound, match=f"sample {queued + 1000}"):
+        d.p.apply_commands(d.run, "a", 1, interrupts=[running, queued + 1000], pulls=[(inst, 0)], cycle=cycle)
+    assert d.rows(written) == [(0, 0, 0)]
+    with engine.begin() as c:
+        c.execute(text("UPDATE coordinator_leases SET expires_at = now() - interval '1 s'"))
+    with pytest.raises(Conflict, match="not the coordinator"):
+        d.p.apply_commands(d.run, "a", 1, interrupts=[running], pulls=[(inst, 0)], cycle=cycle)
+    assert d.rows(written) == [(0, 0, 0)]
+    assert d.p.acquire_leadership(d.run, "b", ttl_seconds=30) == 2
+    # a queued sample is not running: no command for it, as with `interrupt`
+    assert d.p.apply_commands(d.run, "b", 2, interrupts=[running, queued], pulls=[(inst, 0)], cycle=cycle) == []
+    assert d.rows(written) == [(2, 1, 1)]
+    ((row, write_ms),) = d.rows(
+        "SELECT (epoch, snapshot_ms, decide_ms, routed, interrupted, pulled, migrated)::text, write_ms"
+        " FROM coordinator_cycles WHERE run_id = :r"
+    )
+    assert row == "(2,2,3,0,2,1,1)" and write_ms > 0
+    _, cmds = d.p.poll_work(inst)
+    assert [(c.kind, c.sample_id, c.target_version) for c in cmds] == [("interrupt", running, None), ("pull", None, 0)]
+    # nothing to do is a cycle too: its row, fenced; so are pulls alone
+    d.p.apply_commands(d.run, "b", 2, cycle={})
+    assert d.rows(written) == [(2, 2, 1)]
+    d.p.apply_commands(d.run, "b", 2, pulls=[(inst, 0)], cycle={})
+    assert d.rows(written) == [(3, 3, 2)]

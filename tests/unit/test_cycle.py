@@ -54,3 +54,33 @@ def test_the_services_cycle_history_is_bounded():
     s = CycleStats()
     s.cycle_ms.extend(float(k) for k in range(3 * CYCLE_HISTORY))
     assert len(s.cycle_ms) == CYCLE_HISTORY and s.cycle_ms[-1] == 3 * CYCLE_HISTORY - 1
+
+
+def test_the_services_queue_reader():
+    """Snapshot rows (QueuedView's field order) to the cycle's queue: the samples in order, the
+    groups' reservations, closed groups and queue levels; a row unchanged since the last read
+    gets the same sample back, a changed one a new sample with its new values."""
+    from workers.coordinator.service import QueueReader
+
+    rows = [
+        # id, group, v_traj, last_version, length, tokens, group state, reserved buffer, min version, last instance
+        [1, 10, None, None, 5, 0, "queued", None, None, None],
+        [2, 11, 3, 3, 9, 4, "reserved", 4, 3, 7],
+        [3, 11, None, None, 5, 0, "reserved", 4, 3, None],
+        [4, 12, 2, 2, 8, 3, "occupied", None, None, 6],
+    ]
+    reader = QueueReader()
+    q = reader.read(rows)
+    assert q.samples == [
+        QueuedSample(1, 10, 5),
+        QueuedSample(2, 11, 9, 3, 4, 3, 7),
+        QueuedSample(3, 11, 5),
+        QueuedSample(4, 12, 8, 2, 3, 2, 6),
+    ]
+    assert (q.reserved, q.closed, q.group_versions) == ({11: 4}, {12}, {11: 3})
+    changed = [list(r) for r in rows[:3]]
+    changed[1][4:6] = [12, 7]  # sample 2 generated 3 more tokens
+    again = reader.read(changed)
+    assert again.samples[0] is q.samples[0] and again.samples[2] is q.samples[2]
+    assert again.samples[1] == QueuedSample(2, 11, 12, 3, 7, 3, 7)
+    assert (again.reserved, again.closed, again.group_versions) == ({11: 4}, set(), {11: 3})
