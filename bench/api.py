@@ -2,7 +2,7 @@
 making batched calls, p50/p99 latency per endpoint, and the ratio to the same workload run on
 the in-process data layer in the same invocation (last line: ``api/inprocess=<x>``).
 
-    python bench/api.py [--batch 32 --group 4 --eta 2 --steps 12 --instances 4 --api-workers 1 --pairs 3]
+    python bench/api.py [--batch 32 --group 4 --eta 2 --steps 36 --instances 4 --api-workers 1 --pairs 3]
 
 The database is STALEFLOW_DATABASE_URL's server (else the embedded default); each half of
 the run gets a fresh database there, dropped afterwards. Benchmarks are not tests: compare
@@ -375,7 +375,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=32, help="B: groups per batch")
     ap.add_argument("--group", type=int, default=4, help="N: samples per group")
     ap.add_argument("--eta", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=12, help="batches trained (versions published)")
+    ap.add_argument("--steps", type=int, default=36, help="batches trained (versions published); 36 keeps each half ~6 s, long enough that pairs agree")
     ap.add_argument("--instances", type=int, default=4, help="simulated rollout instances")
     ap.add_argument("--reward-workers", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=64, help="response tokens per sample")
