@@ -375,7 +375,12 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=32, help="B: groups per batch")
     ap.add_argument("--group", type=int, default=4, help="N: samples per group")
     ap.add_argument("--eta", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=36, help="batches trained (versions published); 36 keeps each half ~6 s, long enough that pairs agree")
+    ap.add_argument(
+        "--steps",
+        type=int,
+        default=36,
+        help="batches trained (versions published); 36 keeps each half ~6 s, long enough that pairs agree",
+    )
     ap.add_argument("--instances", type=int, default=4, help="simulated rollout instances")
     ap.add_argument("--reward-workers", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=64, help="response tokens per sample")
