@@ -377,8 +377,9 @@ def main() -> None:
         rows = []
         for b in batches:
             # more than the clients can route in --seconds here: 300 + 40 b alone (940 groups at
-            # batch 16) ran dry after ~7 s of 10, which understated batch 16 by a third
-            groups = args.groups or max(2500, 300 + 40 * b)
+            # batch 16) ran dry after ~7 s of 10, which understated batch 16 by a third; batch 128
+            # routed 5,300 groups in 10 s on a faster day, so the queue is twice that
+            groups = args.groups or max(4000, 300 + 80 * b)
             rows.append(run_protocol(url, b, args.clients, args.seconds, args.tokens, groups, args.profile))
             progress(f"[b={b}] {rows[-1]['transitions_per_s']:.0f} transitions/s")
         progress(f"pgbench -N: {args.clients} clients, {args.pgbench_seconds:.0f}s (after) ...")
