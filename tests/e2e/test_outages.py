@@ -168,11 +168,14 @@ def test_rollout_worker_fails_over_between_api_replicas(db_url, tmp_path):
             STALEFLOW_TOKEN=admin_token,
             STALEFLOW_SIM_TIME_SCALE="0.01",
         )
-        second.start()
-        admin = second.client(admin_token)
 
         def alive() -> None:
             assert worker.poll() is None, f"the rollout worker exited:\n{_log(log)[-3000:]}"
+
+        # a replica started before the worker's first call would make this a plain start
+        _until(lambda: "waiting for the StaleFlow API" in _log(log), "the worker to wait for the API", alive)
+        second.start()
+        admin = second.client(admin_token)
 
         def serve_one(client, key: str) -> None:
             """Route one new sample to the worker and wait until it is finished."""
