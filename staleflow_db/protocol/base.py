@@ -18,6 +18,7 @@ from .. import idempotency
 from ..enums import DropReason
 from ..errors import NotFound
 from ..rules import BufferCounts, Limits, Reservation, apply_moves, cascade_moves
+from . import driver
 from .events import EVENTS_INSERT, Event, events_params
 
 
@@ -110,14 +111,14 @@ class LockedRead:
     c: Sequence[int] = ()
     d: Sequence[float] = ()
 
-    def params(self) -> dict[str, Any]:
-        return {"q": self.sql, "a": list(self.a), "b": list(self.b), "c": list(self.c), "d": list(self.d)}
+    def statement(self, run_id: int) -> tuple[str, dict[str, Any]]:
+        """The read as a statement of its own (`driver.scalars`)."""
+        params = {"run": run_id, "a": list(self.a), "b": list(self.b), "c": list(self.c), "d": list(self.d)}
+        return driver.read_sql(self.sql), params
 
 
-LOCK_RUN_READ = (
-    "SELECT staleflow_lock_run_read(:run, :q, CAST(:a AS bigint[]), CAST(:b AS bigint[]),"
-    " CAST(:c AS int[]), CAST(:d AS float8[]))"
-)
+# migration 0004's function: the lock, the run row and its live buffers (no dynamic SQL)
+LOCK_RUN = "SELECT staleflow_lock_run(CAST(%(run)s AS bigint))"
 
 
 class RunTx:
@@ -141,18 +142,19 @@ class RunTx:
         """Lock the run and read it with its buffers in one round trip: the function reads the
         buffers in a statement of its own, so under READ COMMITTED they include the commit of
         the lock's previous holder (a single statement that waited for the lock would read them
-        from the snapshot it started with). `read`: the caller's locking read, run in that same
-        round trip after the lock is granted (`staleflow_lock_run_read`, migration 0005); its
-        result is taken with `locked_read`."""
-        if read is None:  # migration 0004's function: no dynamic SQL to plan
+        from the snapshot it started with). `read`: the caller's locking read, sent in that same
+        round trip as the next statement (`driver.scalars`: it runs once the lock is granted,
+        from a snapshot of its own, and is planned once per connection); its result is taken
+        with `locked_read`."""
+        if read is None:
             got = conn.execute(text("SELECT staleflow_lock_run(:run)"), {"run": run_id}).scalar()
         else:
-            got = conn.execute(text(LOCK_RUN_READ), {"run": run_id, **read.params()}).scalar()
+            got, result = driver.scalars(conn, [(LOCK_RUN, {"run": run_id}), read.statement(run_id)])
         if got is None:
             raise NotFound(f"run {run_id}")
         rtx = cls(conn, RunRow.of(got["run"]), [BufferCounts(i, o, r, c) for i, o, r, c in got["buffers"]])
         if read is not None:
-            rtx._read = (read.sql, got["read"])
+            rtx._read = (read.sql, result)
         return rtx
 
     def locked_read(self, read: LockedRead) -> Any:
@@ -161,8 +163,7 @@ class RunTx:
         if self._read is not None and self._read[0] == read.sql:
             got, self._read = self._read[1], None
             return got
-        got = self.conn.execute(text(LOCK_RUN_READ), {"run": self.run.id, **read.params()}).scalar_one()
-        return got["read"]
+        return driver.scalars(self.conn, [read.statement(self.run.id)])[0]
 
     def buffer(self, idx: int) -> BufferCounts:
         return self.buffers.setdefault(idx, BufferCounts(idx))

@@ -1,7 +1,8 @@
 """The reads route and record_rewards send with the run lock: what they see, and their plans.
 
-`staleflow_lock_run_read` runs them with EXECUTE ... USING, planned for the actual values; a
-prepared statement's first (custom) plan is the same, and EXPLAIN shows it. On a large
+They are prepared statements (`staleflow_db.protocol.driver`): the first executions get a
+custom plan (for the actual values), later ones the generic plan once PostgreSQL finds it no
+costlier, so each guard checks both (`plan_cache_mode`). On a large
 backlog (test_plans' database: 4 runs x 18k samples) no part of them may scan every sample or
 every group: they run while every other run-locked call waits, and such scans grew with the
 table (the members' joins were planned as hash joins over all samples).
@@ -12,6 +13,7 @@ from __future__ import annotations
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import pytest
 from protocol_helpers import Driver
 from sqlalchemy import text
 
@@ -24,11 +26,17 @@ from tests.db.test_plans import backlog, describe, nodes  # noqa: F401 (backlog:
 ARGS = "bigint, bigint[], bigint[], int[], float8[]"
 
 
-def explain(engine, sql: str, run: int, a: list, b: list = (), c: list = (), d: list = ()) -> dict:
+PLANS = pytest.mark.parametrize("plan_mode", ["force_custom_plan", "force_generic_plan"])
+
+
+def explain(
+    engine, sql: str, run: int, a: list, b: list = (), c: list = (), d: list = (), plan_mode: str = "auto"
+) -> dict:
     def arr(xs) -> str:  # numbers only: inlined as array literals
         return "'{" + ",".join(str(x) for x in xs) + "}'"
 
     with engine.connect() as conn:
+        conn.execute(text(f"SET plan_cache_mode = {plan_mode}"))
         conn.execute(text(f"PREPARE locked_read({ARGS}) AS {sql}"))
         try:
             args = ", ".join([str(int(run)), *(arr(x) for x in (a, b, c, d))])
@@ -56,25 +64,29 @@ def assert_no_full_scans(plan: dict) -> None:
     assert not scanned & {"samples", "prompt_groups"}, describe(plan)
 
 
-def test_route_read_reaches_rows_by_index(backlog):  # noqa: F811
+@PLANS
+def test_route_read_reaches_rows_by_index(backlog, plan_mode):  # noqa: F811
     engine, run, inst = backlog
     queued = [s for s, _ in ids_in(engine, run, "queued")]
     assert len(queued) == 64
-    assert_no_full_scans(explain(engine, ROUTE_READ, run, [inst], queued))
+    assert_no_full_scans(explain(engine, ROUTE_READ, run, [inst], queued, plan_mode=plan_mode))
 
 
-def test_rewards_read_reaches_rows_by_index(backlog):  # noqa: F811
+@PLANS
+def test_rewards_read_reaches_rows_by_index(backlog, plan_mode):  # noqa: F811
     engine, run, _ = backlog
     scoring = ids_in(engine, run, "scoring")
     assert len(scoring) == 64
-    plan = explain(engine, REWARDS_READ, run, [s for s, _ in scoring], c=[a for _, a in scoring], d=[1.0] * 64)
+    ids, attempts = [s for s, _ in scoring], [a for _, a in scoring]
+    plan = explain(engine, REWARDS_READ, run, ids, c=attempts, d=[1.0] * 64, plan_mode=plan_mode)
     assert_no_full_scans(plan)
 
 
-def test_reservations_read_members_by_index(backlog):  # noqa: F811
+@PLANS
+def test_reservations_read_members_by_index(backlog, plan_mode):  # noqa: F811
     """Every group of the backlog is reserved: still one index lookup per group."""
     engine, run, _ = backlog
-    assert_no_full_scans(explain(engine, RESERVATIONS.replace(":run", "$1"), run, []))
+    assert_no_full_scans(explain(engine, RESERVATIONS.replace(":run", "$1"), run, [], plan_mode=plan_mode))
 
 
 WAIT_S = 60  # guards against a hang, never a timing assertion
@@ -98,7 +110,7 @@ def test_a_reward_waiting_for_the_run_lock_reads_what_its_holder_committed(engin
         deadline = time.monotonic() + WAIT_S
         while not d.scalars(
             "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
-            " AND wait_event_type = 'Lock' AND query LIKE '%staleflow_lock_run_read%'"
+            " AND wait_event_type = 'Lock' AND query LIKE '%staleflow_lock_run%'"
         )[0]:
             assert time.monotonic() < deadline, "the second reward never waited for the run lock"
             assert not second.done(), second.result()

@@ -1,0 +1,109 @@
+"""The run lock and the locked read go to psycopg in one pipeline (`staleflow_db.protocol.driver`),
+outside SQLAlchemy's execute: their errors must still arrive as SQLAlchemy's (the deadlock retry
+and the outage handling look for those), a connection that broke must leave the pool, and the
+read is prepared once per connection."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from protocol_helpers import Driver
+from sqlalchemy import exc as sa_exc
+from sqlalchemy import text
+
+from staleflow_db.protocol import driver
+from staleflow_db.protocol.routing import ROUTE_READ
+from staleflow_db.retry import is_db_unavailable
+
+
+def test_read_sql_types_the_parameters_and_escapes_percent_signs():
+    got = driver.read_sql("SELECT $1, $2, $3, $4, $5, '10%' LIKE 'x%'")
+    assert got == (
+        "SELECT CAST(%(run)s AS bigint), CAST(%(a)s AS bigint[]), CAST(%(b)s AS bigint[]),"
+        " CAST(%(c)s AS int[]), CAST(%(d)s AS float8[]), '10%%' LIKE 'x%%'"
+    )
+
+
+def test_a_lock_timeout_under_the_pipeline_is_sqlalchemys_error_and_changes_nothing(engine):
+    d = Driver(engine, batch_size=1, group_size=1, eta=0)
+    (g,) = d.enqueue(1)
+    (s,) = d.members(g)
+    inst = d.p.register_instance(d.run, "i", 0)
+    with engine.connect() as holder, engine.connect() as waiter:
+        holder.begin()
+        holder.execute(text("SELECT 1 FROM runs WHERE id = :r FOR NO KEY UPDATE"), {"r": d.run})
+        waiter.begin()
+        waiter.execute(text("SET LOCAL lock_timeout = '100ms'"))
+        with pytest.raises(sa_exc.OperationalError) as refused:
+            d.p.route(d.run, [(s, inst)], conn=waiter)
+        assert refused.value.orig.sqlstate == "55P03"  # lock_not_available, with `orig` as always
+        assert is_db_unavailable(refused.value)
+        waiter.rollback()
+        holder.rollback()
+    assert d.sample(s)[0] == "queued"
+    assert [r.outcome for r in d.route([s], inst)] == ["routed"]
+
+
+def test_a_backend_killed_under_the_pipeline_invalidates_its_connection(engine):
+    """The route's backend is terminated while it waits for the run lock: the caller gets
+    SQLAlchemy's error marked as a lost connection, the pool drops that connection, and the
+    next route works on a new one."""
+    d = Driver(engine, batch_size=1, group_size=1, eta=0)
+    (g,) = d.enqueue(1)
+    (s,) = d.members(g)
+    inst = d.p.register_instance(d.run, "i", 0)
+    errors: list[BaseException] = []
+    invalidated: list[bool] = []
+    pids: list[int] = []
+    with engine.connect() as holder, engine.connect() as watch:
+        holder.begin()
+        holder.execute(text("SELECT 1 FROM runs WHERE id = :r FOR NO KEY UPDATE"), {"r": d.run})
+
+        def route() -> None:
+            with engine.connect() as conn:
+                pids.append(conn.execute(text("SELECT pg_backend_pid()")).scalar_one())
+                conn.commit()
+                try:
+                    d.p.route(d.run, [(s, inst)], conn=conn)
+                except BaseException as e:  # the error is the result
+                    errors.append(e)
+                    invalidated.append(conn.invalidated)
+
+        t = threading.Thread(target=route)
+        t.start()
+        for _ in range(2000):
+            waiting = watch.execute(
+                text("SELECT count(*) FROM pg_stat_activity WHERE pid = ANY(:p) AND wait_event_type = 'Lock'"),
+                {"p": pids},
+            ).scalar_one()
+            watch.rollback()  # the statistics views are read once per transaction
+            if waiting:
+                break
+            t.join(0.01)
+        assert waiting, "the route never waited for the run lock"
+        holder.execute(text("SELECT pg_terminate_backend(:p)"), {"p": pids[0]})
+        t.join(60)
+        holder.rollback()
+    (err,) = errors
+    assert isinstance(err, sa_exc.DBAPIError) and err.connection_invalidated, repr(err)
+    assert invalidated == [True]  # so it is discarded, not handed back to the pool
+    assert is_db_unavailable(err)
+    assert d.sample(s)[0] == "queued"
+    assert [r.outcome for r in d.route([s], inst)] == ["routed"]
+
+
+def test_the_locked_read_is_prepared_once_per_connection(engine):
+    d = Driver(engine, batch_size=4, group_size=1, eta=0)
+    groups = d.enqueue(4)
+    inst = d.p.register_instance(d.run, "i", 0)
+    with engine.connect() as conn:
+        for g in groups:
+            (s,) = d.members(g)
+            d.p.route(d.run, [(s, inst)], conn=conn)
+            conn.commit()
+        prepared = conn.execute(
+            text("SELECT count(*) FROM pg_prepared_statements WHERE statement LIKE :q"),
+            {"q": "%" + ROUTE_READ[:40].replace("%", r"\%") + "%"},
+        ).scalar_one()
+    assert prepared == 1
