@@ -26,6 +26,9 @@ So a sample that goes all the way counts 5. Rate = sum over clients / longest cl
 pgbench: `pgbench -N -M prepared -c C -j C -T S` (TPC-B-like without the teller/branch
 updates: one UPDATE, one SELECT, one INSERT per transaction), scale --pgbench-scale, run before
 and after the protocol workloads; their mean is the denominator of every ratio.
+Also printed: what the server wrote per transition and per pgbench transaction (WAL records
+and bytes from pg_stat_wal, commits, rows inserted and updated per table), which unlike the
+rates does not move with the machine's load (`db_work`).
 The last line printed is `protocol/pgbench=<x>` for the best batch size.
 """
 
@@ -36,6 +39,7 @@ import json
 import multiprocessing as mp
 import os
 import re
+import resource
 import shutil
 import subprocess
 import sys
@@ -62,13 +66,92 @@ def progress(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
+# ---- write work, from the server's statistics ------------------------------------------------
+
+# What a workload writes, read from the server's counters before and after it: WAL (cluster-wide
+# pg_stat_wal: run the bench on a server nothing else writes to) and rows per table of the
+# scratch database. Unlike transitions/s, these do not move with the machine's load, so they show
+# what a change to the data path saves even on a noisy machine.
+WORK_SQL = (
+    "SELECT w.wal_records, w.wal_bytes, w.wal_fpi, d.xact_commit,"
+    " (SELECT coalesce(json_object_agg(relname, json_build_array(n_tup_ins, n_tup_upd, n_tup_hot_upd)), '{}')"
+    "  FROM pg_stat_user_tables) FROM pg_stat_wal w, pg_stat_database d WHERE d.datname = current_database()"
+)
+
+
+def db_work(url: str) -> dict:
+    with psycopg.connect(url, autocommit=True) as c:
+        records, nbytes, fpi, commits, tables = c.execute(WORK_SQL).fetchone()
+    return {"wal_records": records, "wal_bytes": int(nbytes), "wal_fpi": fpi, "commits": commits, "tables": tables}
+
+
+def work_per(before: dict, after: dict, n: int) -> dict:
+    """Per unit of work (a transition, a pgbench transaction): WAL records, bytes and full-page
+    images, commits, and rows inserted / updated (of which HOT) per table."""
+    out = {k: round((after[k] - before[k]) / n, 3) for k in ("wal_records", "wal_bytes", "wal_fpi", "commits")}
+    rows = {}
+    for table, (ins, upd, hot) in after["tables"].items():
+        i0, u0, h0 = before["tables"].get(table, (0, 0, 0))
+        if ins - i0 or upd - u0:
+            rows[table] = {"ins": round((ins - i0) / n, 3), "upd": round((upd - u0) / n, 3), "hot": hot - h0}
+    out["rows"] = rows
+    return out
+
+
+class BackendCPU:
+    """CPU seconds of the PostgreSQL backends serving one database (their process titles name
+    it), sampled every 0.2 s while a workload runs, so that backends which exit before the end
+    keep what they used; 0 when the server is not on this machine or its processes are not
+    readable. With the clients' own CPU it gives the CPU per transition: on a shared machine far
+    less noisy than the rate."""
+
+    def __init__(self, url: str):
+        import threading
+
+        self.name = url.rsplit("/", 1)[1].split("?")[0]
+        self.first: dict[int, float] = {}
+        self.last: dict[int, float] = {}
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._loop, daemon=True)
+
+    def _sample(self) -> None:
+        import psutil
+
+        for proc in psutil.process_iter(["name", "cmdline"]):
+            try:
+                if proc.info["name"] == "postgres" and self.name in " ".join(proc.info["cmdline"] or ()):
+                    t = proc.cpu_times()
+                    self.first.setdefault(proc.pid, t.user + t.system)
+                    self.last[proc.pid] = t.user + t.system
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                pass
+
+    def _loop(self) -> None:
+        while not self.stop.wait(0.2):
+            self._sample()
+
+    def __enter__(self) -> BackendCPU:
+        self._sample()
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        self.thread.join()
+        self._sample()
+
+    @property
+    def seconds(self) -> float:
+        return sum(self.last[p] - self.first[p] for p in self.last)
+
+
 # ---- protocol clients -----------------------------------------------------------------------
 
 
 def statement_timer(engine, stats: dict) -> None:
     """--profile: wall time per SQL statement (keyed by its first words) as the client sees it:
     server work, round trip and lock waits. The run lock's wait shows up in the statement
-    that takes it (`SELECT ... FROM runs WHERE id = ... FOR NO KEY UPDATE`)."""
+    that takes it (`pipeline: SELECT staleflow_lock_run(...) | <the read>`)."""
     from sqlalchemy import event
 
     def before(conn, cursor, statement, params, context, many):
@@ -81,6 +164,23 @@ def statement_timer(engine, stats: dict) -> None:
 
     event.listen(engine, "before_cursor_execute", before)
     event.listen(engine, "after_cursor_execute", after)
+
+    # the run lock and its read go to psycopg in one pipeline, past SQLAlchemy's events
+    from staleflow_db.protocol import driver
+
+    scalars = driver.scalars
+
+    def timed_scalars(conn, statements):
+        t0 = time.perf_counter()
+        try:
+            return scalars(conn, statements)
+        finally:
+            key = "pipeline: " + " | ".join(" ".join(q.split())[:50] for q, _ in statements)
+            entry = stats.setdefault(key[:110], [0, 0.0])
+            entry[0] += 1
+            entry[1] += time.perf_counter() - t0
+
+    driver.scalars = timed_scalars
 
 
 def client(
@@ -127,7 +227,7 @@ def client(
         counters[k * len(KINDS) + KINDS.index(kind)] += n
 
     barrier.wait()
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     while time.perf_counter() - t0 < seconds:
         if time.perf_counter() >= next_pull:  # the instance pulls the latest weights
             with engine.connect() as c:
@@ -191,6 +291,7 @@ def client(
         {
             "client": k,
             "elapsed": time.perf_counter() - t0,
+            "cpu": time.process_time() - cpu0,
             "calls": calls,
             "dry": dry,
             "spent": spent,
@@ -244,23 +345,31 @@ def run_protocol(
     ]
     for proc in procs:
         proc.start()
-    barrier.wait()
-    t0 = time.perf_counter()
-    while any(proc.is_alive() for proc in procs) and out.qsize() < clients:
-        time.sleep(1.0)
-        done = sum(counters[:])
-        progress(
-            f"[b={batch}] {time.perf_counter() - t0:5.1f}s  {done:8d} transitions"
-            f"  ({done / (time.perf_counter() - t0):8.0f}/s)"
-        )
-    reports = [out.get(timeout=120) for _ in procs]
-    for proc in procs:
-        proc.join(30)
+    work0 = db_work(url)
+    with BackendCPU(url) as backends:
+        barrier.wait()
+        t0 = time.perf_counter()
+        while any(proc.is_alive() for proc in procs) and out.qsize() < clients:
+            time.sleep(1.0)
+            done = sum(counters[:])
+            progress(
+                f"[b={batch}] {time.perf_counter() - t0:5.1f}s  {done:8d} transitions"
+                f"  ({done / (time.perf_counter() - t0):8.0f}/s)"
+            )
+        reports = [out.get(timeout=120) for _ in procs]
+        for proc in procs:
+            proc.join(30)
     if any(proc.exitcode for proc in procs):
         raise SystemExit(f"[b={batch}] a client failed: exit codes {[proc.exitcode for proc in procs]}")
     elapsed = max(r["elapsed"] for r in reports)
     counts = {kind: sum(r[kind] for r in reports) for kind in KINDS}
     total = sum(counts.values())
+    work = work_per(work0, db_work(url), max(total, 1))
+    # CPU per transition (µs): the clients' Python, and the database backends serving them
+    work["cpu_us"] = {
+        "clients": round(1e6 * sum(r["cpu"] for r in reports) / max(total, 1), 1),
+        "database": round(1e6 * backends.seconds / max(total, 1), 1),
+    }
     spent: dict[str, float] = {}
     statements: dict[str, list] = {}
     for r in reports:
@@ -280,6 +389,8 @@ def run_protocol(
         "samples_trained_per_s": counts["trained"] / elapsed,
         "calls_per_s": sum(r["calls"] for r in reports) / elapsed,
         "not_admitted": sum(r["not_admitted"] for r in reports),  # routes refused by admission control
+        # what the server wrote per transition (`work_per`): load-independent, unlike the rate
+        "work_per_transition": work,
         # record_rewards calls that completed no group (all others Occupy or filter one)
         "rewards_no_group": sum(r["rewards_no_group"] for r in reports),
         # share of the clients' wall time spent inside each operation (waits on the run lock included)
@@ -314,13 +425,25 @@ def pgbench(url: str, args: list[str]) -> str:
     return done.stdout + done.stderr
 
 
-def pgbench_tps(url: str, clients: int, seconds: float) -> float:
-    text = pgbench(url, ["-N", "-M", "prepared", "-c", str(clients), "-j", str(clients), "-T", str(int(seconds))])
+def pgbench_tps(url: str, clients: int, seconds: float, work: list | None = None) -> float:
+    """pgbench -N's TPS; `work`, if given, gets what the server wrote per transaction (`work_per`)."""
+    before = db_work(url) if work is not None else None
+    client0 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    with BackendCPU(url) as backends:
+        text = pgbench(url, ["-N", "-M", "prepared", "-c", str(clients), "-j", str(clients), "-T", str(int(seconds))])
+    client1 = resource.getrusage(resource.RUSAGE_CHILDREN)
     match = re.search(
         r"tps = ([0-9.]+) \((?:without initial connection time|excluding connections establishing)\)", text
     )
-    if not match:
+    done = re.search(r"number of transactions actually processed: (\d+)", text)
+    if not match or not done:
         raise SystemExit(f"cannot read pgbench's TPS from:\n{text}")
+    if work is not None and before is not None:
+        n = max(int(done.group(1)), 1)
+        w = work_per(before, db_work(url), n)
+        pgbench_cpu = client1.ru_utime + client1.ru_stime - client0.ru_utime - client0.ru_stime
+        w["cpu_us"] = {"clients": round(1e6 * pgbench_cpu / n, 1), "database": round(1e6 * backends.seconds / n, 1)}
+        work.append(w)
     return float(match.group(1))
 
 
@@ -372,7 +495,8 @@ def main() -> None:
         progress(f"pgbench: initialising at scale {args.pgbench_scale} ...")
         pgbench(url, ["-i", "-q", "-s", str(args.pgbench_scale)])
         progress(f"pgbench -N: {args.clients} clients, {args.pgbench_seconds:.0f}s (before) ...")
-        tps = [pgbench_tps(url, args.clients, args.pgbench_seconds)]
+        pgbench_work: list[dict] = []
+        tps = [pgbench_tps(url, args.clients, args.pgbench_seconds, pgbench_work)]
         progress(f"pgbench -N: {tps[0]:.0f} TPS")
         rows = []
         for b in batches:
@@ -407,6 +531,27 @@ def main() -> None:
             f"{r['batch']:>6} {r['transitions_per_s']:>14.0f} {r['samples_trained_per_s']:>18.0f}"
             f" {r['calls_per_s']:>9.0f} {r['ratio']:>7.2f}   {counts}"
         )
+    pw = pgbench_work[0]
+    print(
+        f"per pgbench -N transaction: CPU {pw['cpu_us']['clients']:.0f} µs pgbench + {pw['cpu_us']['database']:.0f} µs"
+        f" database; written {pw['wal_records']:.1f} WAL records, {pw['wal_bytes']:.0f} WAL bytes,"
+        f" {pw['commits']:.2f} commits"
+    )
+    for r in rows:
+        w = r["work_per_transition"]
+        written = ", ".join(
+            f"{t} {v['ins']:.2f} ins / {v['upd']:.2f} upd"
+            for t, v in sorted(w["rows"].items())
+            if v["ins"] + v["upd"] >= 0.005
+        )
+        cpu = w["cpu_us"]
+        print(
+            f"  b={r['batch']}: per transition: CPU {cpu['clients']:.0f} µs clients + {cpu['database']:.0f} µs database"
+            f" ({(cpu['clients'] + cpu['database']) / max(sum(pw['cpu_us'].values()), 1e-9):.2f}x a pgbench transaction's);"
+            f" written {w['wal_records']:.1f} WAL records"
+            f" ({w['wal_records'] / max(pw['wal_records'], 1e-9):.1f}x a pgbench transaction's),"
+            f" {w['wal_bytes']:.0f} WAL bytes, {w['commits']:.3f} commits; rows: {written}"
+        )
     for r in rows:
         print(
             f"  b={r['batch']}: share of client time per call: "
@@ -429,6 +574,7 @@ def main() -> None:
                     "seconds": args.pgbench_seconds,
                     "tps": tps,
                     "mean_tps": base,
+                    "work_per_transaction": pgbench_work[0],
                 },
                 "protocol": rows,
                 "best_batch": best["batch"],
