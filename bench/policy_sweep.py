@@ -1,0 +1,144 @@
+"""How far the staleflow strategy's parameters can move staleflow/strict on the reference set-ups.
+
+    python bench/policy_sweep.py [--seed 0] [--steps 16] [--jobs 2]
+
+Runs `staleflow` under each of a set of one-parameter changes (routing μ, KV-aware filling,
+migration ψ and gain, pull threshold and horizons, φ_wait, and the naive routing and pull
+rules) on every reference set-up and η = 1, 2, 3, and divides each run's steady tokens/s by
+strict's in `bench/results/policies.json` (same seed and steps; run `bench/policies.py` first
+if those differ). Prints each cell's ratio under every variant, each variant's mean, and the
+mean of the best variant chosen per cell: an upper bound for parameter tuning that is
+optimistic, since it picks per cell on the very runs it reports. Then, for the default staleflow
+and strict runs, what bounds them (`diagnose`: KV fill, samples decoding against the staleness
+budget, time with budget left unreserved). 204 simulations, about 25 minutes on 2 cores. The
+last line is
+
+    sweep default=<mean> best_variant=<mean> per_cell_best=<mean>
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
+
+from workers.coordinator.policies import get_policy
+from workers.sim.setups import PAPER_SETUPS
+from workers.sim.simulator import Simulator, simulate
+
+STORED = Path(__file__).resolve().parent / "results" / "policies.json"
+VARIANTS: list[dict] = [
+    {},
+    {"mu": 0.1},
+    {"mu": 0.4},
+    {"kv_fill": 0.6},
+    {"kv_fill": 0.8},
+    {"kv_fill": 0.9, "kv_cap": True},
+    {"psi": 1.5},
+    {"psi": 4.0},
+    {"kv_threshold": 0.1},
+    {"kv_threshold": 0.6},
+    {"migrate_min_gain": 0.05},
+    {"keep_horizon": 120.0},
+    {"phi_wait": 4},
+    {"routing": "request_count"},
+    {"sync": "greedy"},
+]
+ETAS = (1, 2, 3)
+
+
+def label(variant: dict) -> str:
+    return ", ".join(f"{k}={v}" for k, v in variant.items()) or "default"
+
+
+def one(job: tuple[str, int, int, int, int]) -> tuple[str, int, int, float]:
+    setup, eta, k, seed, steps = job
+    policy = get_policy("staleflow", **VARIANTS[k]) if VARIANTS[k] else "staleflow"
+    return setup, eta, k, simulate(setup, policy, eta=eta, steps=steps, seed=seed).steady_tokens_per_s
+
+
+def diagnose(job: tuple[str, str, int, int, int]) -> tuple[str, str, int, dict]:
+    """What bounds a run, time-weighted over its steady part (after the first fifth of the
+    virtual time): the rollout's KV fill, samples decoding against the samples the staleness
+    budget lets into flight ((η+1)·B·N), and the share of time that some group could still
+    reserve a buffer at the PS's version (budget left unused)."""
+    setup, policy, eta, seed, steps = job
+    sim = Simulator(setup, policy, eta, seed)
+    rec: list[tuple[float, float, float, float]] = []
+
+    def sample(*_: object) -> None:
+        p, engines = sim.p, sim.engines.values()
+        free = 0
+        for b in range(p.version, p.version + sim.eta + 1):
+            buf = p.buffers.get(b)
+            if buf is None:
+                free += p.limits.capacity
+            elif not buf.consumed:
+                free += max(0, p.limits.capacity - buf.occupied - buf.reserved)
+        kv = sum(e.kv for e in engines) / sum(e.cap for e in engines)
+        rec.append((sim.now, kv, sum(e.n for e in engines), float(free > 0)))
+
+    sim.on_cycle = sample
+    result = sim.run(steps)
+    start = result.virtual_time * 0.2
+    spans = [(t1 - t0, row) for (t0, *row), (t1, *_) in zip(rec, rec[1:], strict=False) if t0 >= start]
+    total = sum(w for w, _ in spans) or 1.0
+    kv, decoding, free = (sum(w * row[i] for w, row in spans) / total for i in range(3))
+    budget = (sim.eta + 1) * sim.setup.batch_size * sim.setup.group_size
+    return setup, policy, eta, {"kv_fill": kv, "decoding_share": decoding / budget, "budget_free": free}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--jobs", type=int, default=2)
+    args = ap.parse_args()
+    strict = {
+        (e["job"]["setup"], e["job"]["eta"]): e["result"]["steady_tokens_per_s"]
+        for e in json.loads(STORED.read_text())
+        if e["job"]["policy"] == "strict" and e["job"]["seed"] == args.seed and e["job"]["steps"] == args.steps
+    }
+    cells = [(s, e) for s in PAPER_SETUPS for e in ETAS]
+    missing = [c for c in cells if c not in strict]
+    if missing:
+        raise SystemExit(f"no stored strict run for {missing} at seed {args.seed}, {args.steps} steps")
+    jobs = [(s, e, k, args.seed, args.steps) for s, e in cells for k in range(len(VARIANTS))]
+    ratio: dict[tuple[str, int, int], float] = {}
+    with ProcessPoolExecutor(args.jobs) as pool:
+        for n, (s, e, k, tok) in enumerate(pool.map(one, jobs), 1):
+            ratio[(s, e, k)] = tok / strict[(s, e)]
+            print(f"[{n}/{len(jobs)}] {s} η={e} {label(VARIANTS[k])}: {ratio[(s, e, k)]:.3f}", flush=True)
+
+    print("\n| set-up | η | default | best variant of the cell | its ratio |")
+    print("|---|---|---|---|---|")
+    best = []
+    for s, e in cells:
+        k = max(range(len(VARIANTS)), key=lambda i: ratio[(s, e, i)])
+        best.append(ratio[(s, e, k)])
+        print(f"| {s} | {e} | {ratio[(s, e, 0)]:.3f} | {label(VARIANTS[k])} | {ratio[(s, e, k)]:.3f} |")
+    means = {k: sum(ratio[(s, e, k)] for s, e in cells) / len(cells) for k in range(len(VARIANTS))}
+    print("\n| variant | mean staleflow/strict (reference set-ups, η = 1-3) |\n|---|---|")
+    for k, m in sorted(means.items(), key=lambda x: -x[1]):
+        print(f"| {label(VARIANTS[k])} | {m:.3f} |")
+    print("\n| set-up | η | KV fill staleflow / strict | decoding / budgeted samples | time with budget free |")
+    print("|---|---|---|---|---|")
+    diag_jobs = [(s, pol, e, args.seed, args.steps) for s, e in cells for pol in ("staleflow", "strict")]
+    with ProcessPoolExecutor(args.jobs) as pool:
+        diag = {(s, pol, e): d for s, pol, e, d in pool.map(diagnose, diag_jobs)}
+    for s, e in cells:
+        a, b = diag[(s, "staleflow", e)], diag[(s, "strict", e)]
+        print(
+            f"| {s} | {e} | {a['kv_fill']:.0%} / {b['kv_fill']:.0%} | {a['decoding_share']:.0%} / "
+            f"{b['decoding_share']:.0%} | {a['budget_free']:.0%} / {b['budget_free']:.0%} |"
+        )
+    top = max(means.values())
+    print(f"sweep default={means[0]:.3f} best_variant={top:.3f} per_cell_best={sum(best) / len(best):.3f}")
+
+
+if __name__ == "__main__":
+    main()
