@@ -33,6 +33,8 @@ import psycopg
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from server_stats import backend_cpu
+
 from staleflow_db import migrate
 from staleflow_db.db import database_url, make_engine, with_database
 from staleflow_db.enums import SegmentKind
@@ -338,21 +340,9 @@ def cpu_seconds(pid: int | None = None) -> float:
 
 
 def database_cpu_seconds(url: str) -> float:
-    """CPU time of the PostgreSQL backends serving `url`'s database (their process titles name
-    it), when the server runs on this machine and its processes are readable; else 0. A
-    backend that exits during the run takes its time with it: the pools here live throughout."""
-    import psutil
-
-    name = url.rsplit("/", 1)[1].split("?")[0]
-    total = 0.0
-    for p in psutil.process_iter(["name", "cmdline"]):
-        try:
-            if p.info["name"] == "postgres" and name in " ".join(p.info["cmdline"] or ()):
-                t = p.cpu_times()
-                total += t.user + t.system
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            pass
-    return total
+    """CPU time of the PostgreSQL backends serving `url`'s database (`server_stats.backend_cpu`).
+    A backend that exits during the run takes its time with it: the pools here live throughout."""
+    return sum(backend_cpu(url).values())
 
 
 def report_figures(label: str, seconds: float, rec: Recorder, cpu: dict[str, float]) -> float:

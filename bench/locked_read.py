@@ -22,18 +22,14 @@ import argparse
 import statistics
 import sys
 import time
-import uuid
 from pathlib import Path
-
-import psycopg
-from psycopg import sql
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
+from server_stats import scratch_database
 from sqlalchemy import text
 
-from staleflow_db import migrate
-from staleflow_db.db import database_url, make_engine, with_database
+from staleflow_db.db import database_url, make_engine
 from staleflow_db.protocol import Prompt, Protocol, driver
 from staleflow_db.protocol.base import LOCK_RUN, LockedRead
 from staleflow_db.protocol.routing import ROUTE_READ
@@ -69,13 +65,8 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=40, help="transactions per block")
     args = ap.parse_args()
     server = to_libpq_url(args.url or database_url())
-    scratch = f"sf_bench_{uuid.uuid4().hex[:10]}"
-    with psycopg.connect(server, autocommit=True) as admin:
-        admin.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(scratch)))
-    url = with_database(server, scratch)
     figures: dict[tuple[str, int], tuple[float, float]] = {}
-    try:
-        migrate.upgrade(url)
+    with scratch_database(server) as url:
         engine = make_engine(url, pool_pre_ping=False)
         p = Protocol(engine)
         config = RunConfig(batch_size=128, group_size=8, eta=2, max_response_tokens=4096, max_prompt_tokens=512)
@@ -106,9 +97,6 @@ def main() -> None:
                     figures[(name, n)] = (f, pl)
                     print(f"{name:>15} n={n:<4} function {f:6.3f} ms   pipeline {pl:6.3f} ms   ratio {f / pl:5.2f}")
         engine.dispose()
-    finally:
-        with psycopg.connect(server, autocommit=True) as admin:
-            admin.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(scratch)))
     f, pl = figures[("route", 16)]
     print(f"locked_read function_ms={f:.3f} pipeline_ms={pl:.3f} ratio={f / pl:.2f}")
 

@@ -26,9 +26,10 @@ So a sample that goes all the way counts 5. Rate = sum over clients / longest cl
 pgbench: `pgbench -N -M prepared -c C -j C -T S` (TPC-B-like without the teller/branch
 updates: one UPDATE, one SELECT, one INSERT per transaction), scale --pgbench-scale, run before
 and after the protocol workloads; their mean is the denominator of every ratio.
-Also printed: what the server wrote per transition and per pgbench transaction (WAL records
-and bytes from pg_stat_wal, commits, rows inserted and updated per table), which unlike the
-rates does not move with the machine's load (`db_work`).
+Also printed, per transition and per pgbench transaction: the CPU of the clients and of the
+database backends, and what the server wrote (WAL records and bytes, commits, rows inserted
+and updated per table; `server_stats`). Unlike the rates, these barely move with the machine's
+load.
 The last line printed is `protocol/pgbench=<x>` for the best batch size.
 """
 
@@ -49,12 +50,12 @@ from collections import deque
 from pathlib import Path
 
 import psycopg
-from psycopg import sql
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
-from staleflow_db import migrate
-from staleflow_db.db import database_url, make_engine, with_database
+from server_stats import BackendCPU, db_work, scratch_database, work_per
+
+from staleflow_db.db import database_url, make_engine
 from staleflow_db.settings import to_libpq_url
 
 KINDS = ("routed", "reported", "claimed", "rewarded", "trained")
@@ -64,85 +65,6 @@ RESULTS = Path(__file__).resolve().parent / "results" / "protocol.json"
 
 def progress(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
-
-
-# ---- write work, from the server's statistics ------------------------------------------------
-
-# What a workload writes, read from the server's counters before and after it: WAL (cluster-wide
-# pg_stat_wal: run the bench on a server nothing else writes to) and rows per table of the
-# scratch database. Unlike transitions/s, these do not move with the machine's load, so they show
-# what a change to the data path saves even on a noisy machine.
-WORK_SQL = (
-    "SELECT w.wal_records, w.wal_bytes, w.wal_fpi, d.xact_commit,"
-    " (SELECT coalesce(json_object_agg(relname, json_build_array(n_tup_ins, n_tup_upd, n_tup_hot_upd)), '{}')"
-    "  FROM pg_stat_user_tables) FROM pg_stat_wal w, pg_stat_database d WHERE d.datname = current_database()"
-)
-
-
-def db_work(url: str) -> dict:
-    with psycopg.connect(url, autocommit=True) as c:
-        records, nbytes, fpi, commits, tables = c.execute(WORK_SQL).fetchone()
-    return {"wal_records": records, "wal_bytes": int(nbytes), "wal_fpi": fpi, "commits": commits, "tables": tables}
-
-
-def work_per(before: dict, after: dict, n: int) -> dict:
-    """Per unit of work (a transition, a pgbench transaction): WAL records, bytes and full-page
-    images, commits, and rows inserted / updated (of which HOT) per table."""
-    out = {k: round((after[k] - before[k]) / n, 3) for k in ("wal_records", "wal_bytes", "wal_fpi", "commits")}
-    rows = {}
-    for table, (ins, upd, hot) in after["tables"].items():
-        i0, u0, h0 = before["tables"].get(table, (0, 0, 0))
-        if ins - i0 or upd - u0:
-            rows[table] = {"ins": round((ins - i0) / n, 3), "upd": round((upd - u0) / n, 3), "hot": hot - h0}
-    out["rows"] = rows
-    return out
-
-
-class BackendCPU:
-    """CPU seconds of the PostgreSQL backends serving one database (their process titles name
-    it), sampled every 0.2 s while a workload runs, so that backends which exit before the end
-    keep what they used; 0 when the server is not on this machine or its processes are not
-    readable. With the clients' own CPU it gives the CPU per transition: on a shared machine far
-    less noisy than the rate."""
-
-    def __init__(self, url: str):
-        import threading
-
-        self.name = url.rsplit("/", 1)[1].split("?")[0]
-        self.first: dict[int, float] = {}
-        self.last: dict[int, float] = {}
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._loop, daemon=True)
-
-    def _sample(self) -> None:
-        import psutil
-
-        for proc in psutil.process_iter(["name", "cmdline"]):
-            try:
-                if proc.info["name"] == "postgres" and self.name in " ".join(proc.info["cmdline"] or ()):
-                    t = proc.cpu_times()
-                    self.first.setdefault(proc.pid, t.user + t.system)
-                    self.last[proc.pid] = t.user + t.system
-            except (psutil.NoSuchProcess, psutil.AccessDenied):
-                pass
-
-    def _loop(self) -> None:
-        while not self.stop.wait(0.2):
-            self._sample()
-
-    def __enter__(self) -> BackendCPU:
-        self._sample()
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop.set()
-        self.thread.join()
-        self._sample()
-
-    @property
-    def seconds(self) -> float:
-        return sum(self.last[p] - self.first[p] for p in self.last)
 
 
 # ---- protocol clients -----------------------------------------------------------------------
@@ -425,9 +347,9 @@ def pgbench(url: str, args: list[str]) -> str:
     return done.stdout + done.stderr
 
 
-def pgbench_tps(url: str, clients: int, seconds: float, work: list | None = None) -> float:
-    """pgbench -N's TPS; `work`, if given, gets what the server wrote per transaction (`work_per`)."""
-    before = db_work(url) if work is not None else None
+def pgbench_tps(url: str, clients: int, seconds: float) -> tuple[float, dict]:
+    """pgbench -N's TPS, and its CPU and what the server wrote per transaction (`work_per`)."""
+    before = db_work(url)
     client0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     with BackendCPU(url) as backends:
         text = pgbench(url, ["-N", "-M", "prepared", "-c", str(clients), "-j", str(clients), "-T", str(int(seconds))])
@@ -438,13 +360,11 @@ def pgbench_tps(url: str, clients: int, seconds: float, work: list | None = None
     done = re.search(r"number of transactions actually processed: (\d+)", text)
     if not match or not done:
         raise SystemExit(f"cannot read pgbench's TPS from:\n{text}")
-    if work is not None and before is not None:
-        n = max(int(done.group(1)), 1)
-        w = work_per(before, db_work(url), n)
-        pgbench_cpu = client1.ru_utime + client1.ru_stime - client0.ru_utime - client0.ru_stime
-        w["cpu_us"] = {"clients": round(1e6 * pgbench_cpu / n, 1), "database": round(1e6 * backends.seconds / n, 1)}
-        work.append(w)
-    return float(match.group(1))
+    n = max(int(done.group(1)), 1)
+    work = work_per(before, db_work(url), n)
+    pgbench_cpu = client1.ru_utime + client1.ru_stime - client0.ru_utime - client0.ru_stime
+    work["cpu_us"] = {"clients": round(1e6 * pgbench_cpu / n, 1), "database": round(1e6 * backends.seconds / n, 1)}
+    return float(match.group(1)), work
 
 
 # ---- main -----------------------------------------------------------------------------------
@@ -478,7 +398,6 @@ def main() -> None:
     batches = [int(b) for b in args.batches.split(",")]
 
     server_url = args.url or database_url()
-    scratch = f"sf_bench_{uuid.uuid4().hex[:10]}"
     with psycopg.connect(server_url, autocommit=True) as admin:
         server = admin.execute("SELECT version()").fetchone()[0]
         settings = dict(
@@ -487,17 +406,14 @@ def main() -> None:
                 " ('fsync', 'synchronous_commit', 'shared_buffers', 'max_connections')"
             ).fetchall()
         )
-        admin.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(scratch)))
-    url = with_database(server_url, scratch)
-    progress(f"server: {server}\nsettings: {settings}\nscratch database: {scratch}")
-    try:
-        migrate.upgrade(url)
+    progress(f"server: {server}\nsettings: {settings}")
+    with scratch_database(server_url) as url:
+        progress(f"scratch database: {url.rsplit('/', 1)[1]}")
         progress(f"pgbench: initialising at scale {args.pgbench_scale} ...")
         pgbench(url, ["-i", "-q", "-s", str(args.pgbench_scale)])
         progress(f"pgbench -N: {args.clients} clients, {args.pgbench_seconds:.0f}s (before) ...")
-        pgbench_work: list[dict] = []
-        tps = [pgbench_tps(url, args.clients, args.pgbench_seconds, pgbench_work)]
-        progress(f"pgbench -N: {tps[0]:.0f} TPS")
+        tps0, pw = pgbench_tps(url, args.clients, args.pgbench_seconds)
+        progress(f"pgbench -N: {tps0:.0f} TPS")
         rows = []
         for b in batches:
             # more than the clients can route in --seconds here: 300 + 40 b alone (940 groups at
@@ -507,11 +423,9 @@ def main() -> None:
             rows.append(run_protocol(url, b, args.clients, args.seconds, args.tokens, groups, args.profile))
             progress(f"[b={b}] {rows[-1]['transitions_per_s']:.0f} transitions/s")
         progress(f"pgbench -N: {args.clients} clients, {args.pgbench_seconds:.0f}s (after) ...")
-        tps.append(pgbench_tps(url, args.clients, args.pgbench_seconds))
-        progress(f"pgbench -N: {tps[1]:.0f} TPS")
-    finally:
-        with psycopg.connect(server_url, autocommit=True) as admin:
-            admin.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(scratch)))
+        tps1, _ = pgbench_tps(url, args.clients, args.pgbench_seconds)
+        progress(f"pgbench -N: {tps1:.0f} TPS")
+        tps = [tps0, tps1]
 
     base = sum(tps) / len(tps)
     for r in rows:
@@ -531,7 +445,6 @@ def main() -> None:
             f"{r['batch']:>6} {r['transitions_per_s']:>14.0f} {r['samples_trained_per_s']:>18.0f}"
             f" {r['calls_per_s']:>9.0f} {r['ratio']:>7.2f}   {counts}"
         )
-    pw = pgbench_work[0]
     print(
         f"per pgbench -N transaction: CPU {pw['cpu_us']['clients']:.0f} µs pgbench + {pw['cpu_us']['database']:.0f} µs"
         f" database; written {pw['wal_records']:.1f} WAL records, {pw['wal_bytes']:.0f} WAL bytes,"
@@ -574,7 +487,7 @@ def main() -> None:
                     "seconds": args.pgbench_seconds,
                     "tps": tps,
                     "mean_tps": base,
-                    "work_per_transaction": pgbench_work[0],
+                    "work_per_transaction": pw,  # of the run before the protocol workloads
                 },
                 "protocol": rows,
                 "best_batch": best["batch"],

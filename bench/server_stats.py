@@ -1,0 +1,114 @@
+"""What a benchmark's workload costs the database server, from the server's own counters and
+processes: a scratch database to run it in, the CPU of the backends serving that database, and
+what the workload wrote (WAL, commits, rows per table). Unlike rates, these barely move with the
+load of a shared machine, so they show what a change to the data path saves."""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import psycopg
+from psycopg import sql
+
+from staleflow_db import migrate
+from staleflow_db.db import with_database
+
+
+@contextmanager
+def scratch_database(server_url: str, prefix: str = "sf_bench") -> Iterator[str]:
+    """A new database on the server (libpq URL of any database there), migrated; dropped after."""
+    name = f"{prefix}_{uuid.uuid4().hex[:10]}"
+    with psycopg.connect(server_url, autocommit=True) as admin:
+        admin.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+    try:
+        url = with_database(server_url, name)
+        migrate.upgrade(url)
+        yield url
+    finally:
+        with psycopg.connect(server_url, autocommit=True) as admin:
+            admin.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
+
+
+def backend_cpu(url: str) -> dict[int, float]:
+    """CPU seconds (user + system) so far of each PostgreSQL backend serving `url`'s database
+    (their process titles name it), when the server runs on this machine and its processes are
+    readable; else empty."""
+    import psutil
+
+    name = url.rsplit("/", 1)[1].split("?")[0]
+    got = {}
+    for proc in psutil.process_iter(["name", "cmdline"]):
+        try:
+            if proc.info["name"] == "postgres" and name in " ".join(proc.info["cmdline"] or ()):
+                t = proc.cpu_times()
+                got[proc.pid] = t.user + t.system
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            pass
+    return got
+
+
+class BackendCPU:
+    """`backend_cpu` sampled every 0.2 s while a workload runs (a `with` block), so backends
+    that exit before the end keep what they used. `seconds`: their CPU over the block."""
+
+    def __init__(self, url: str):
+        self.url = url
+        self.first: dict[int, float] = {}
+        self.last: dict[int, float] = {}
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._loop, daemon=True)
+
+    def _sample(self) -> None:
+        for pid, seconds in backend_cpu(self.url).items():
+            self.first.setdefault(pid, seconds)
+            self.last[pid] = seconds
+
+    def _loop(self) -> None:
+        while not self.stop.wait(0.2):
+            self._sample()
+
+    def __enter__(self) -> BackendCPU:
+        self._sample()
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        self.thread.join()
+        self._sample()
+
+    @property
+    def seconds(self) -> float:
+        return sum(self.last[p] - self.first[p] for p in self.last)
+
+
+# WAL is cluster-wide (pg_stat_wal): run on a server nothing else writes to; rows and commits
+# are the scratch database's.
+WORK_SQL = (
+    "SELECT w.wal_records, w.wal_bytes, w.wal_fpi, d.xact_commit,"
+    " (SELECT coalesce(json_object_agg(relname, json_build_array(n_tup_ins, n_tup_upd, n_tup_hot_upd)), '{}')"
+    "  FROM pg_stat_user_tables) FROM pg_stat_wal w, pg_stat_database d WHERE d.datname = current_database()"
+)
+
+
+def db_work(url: str) -> dict:
+    """The server's write counters now (subtract two with `work_per`)."""
+    with psycopg.connect(url, autocommit=True) as c:
+        records, nbytes, fpi, commits, tables = c.execute(WORK_SQL).fetchone()
+    return {"wal_records": records, "wal_bytes": int(nbytes), "wal_fpi": fpi, "commits": commits, "tables": tables}
+
+
+def work_per(before: dict, after: dict, n: int) -> dict:
+    """Per unit of work (a transition, a pgbench transaction): WAL records, bytes and full-page
+    images, commits, and rows inserted / updated (of which HOT) per table."""
+    out = {k: round((after[k] - before[k]) / n, 3) for k in ("wal_records", "wal_bytes", "wal_fpi", "commits")}
+    rows = {}
+    for table, (ins, upd, hot) in after["tables"].items():
+        i0, u0, h0 = before["tables"].get(table, (0, 0, 0))
+        if ins - i0 or upd - u0:
+            rows[table] = {"ins": round((ins - i0) / n, 3), "upd": round((upd - u0) / n, 3), "hot": hot - h0}
+    out["rows"] = rows
+    return out
