@@ -88,7 +88,7 @@ class Metrics:
         else:
             # Every process's files, summed, plus the database read once (not once per process).
             self.exposed = CollectorRegistry()
-            multiprocess.MultiProcessCollector(self.exposed, path=self.multiproc_dir)
+            _SettledFilesCollector(self.exposed, path=self.multiproc_dir)
             self.exposed.register(database)
             atexit.register(self.close)  # outside uvicorn (whose workers die by the re-raised SIGTERM)
 
@@ -118,6 +118,23 @@ class Metrics:
     def waiting(self, topic: str) -> Any:
         """Count a long-poll while it waits (`work:<instance>` counts as `work`)."""
         return self.waiters.labels(topic.split(":")[0]).track_inprogress()
+
+
+class _SettledFilesCollector(multiprocess.MultiProcessCollector):
+    """Every process's files less those being created this instant. prometheus_client creates a
+    file empty and sizes it just after; a scrape reading it in between raised struct.error (a
+    500). An empty file holds no values yet, so leaving it out loses nothing."""
+
+    def collect(self) -> Any:
+        files = [f for f in glob.glob(os.path.join(self._path, "*.db")) if _sized(f)]
+        return self.merge(files, accumulate=True)
+
+
+def _sized(path: str) -> bool:
+    try:
+        return os.path.getsize(path) > 0  # sized in one truncate: never a partial header
+    except FileNotFoundError:
+        return False  # a dead process's live gauges, removed since the glob
 
 
 def _forget_dead_processes(path: str) -> None:
