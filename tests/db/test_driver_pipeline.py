@@ -93,6 +93,28 @@ def test_a_backend_killed_under_the_pipeline_invalidates_its_connection(engine):
     assert [r.outcome for r in d.route([s], inst)] == ["routed"]
 
 
+def test_a_connection_killed_while_idle_is_invalidated_and_reported_once(engine, caplog):
+    """A pooled connection whose backend died while idle (a server restart; the service's pool
+    does not ping): the route's first send fails inside the pipeline. The caller gets
+    SQLAlchemy's error, the connection leaves the pool, and nothing else is logged for it
+    (psycopg would add a warning that the pipeline, too, could not close)."""
+    d = Driver(engine, batch_size=1, group_size=1, eta=0)
+    (g,) = d.enqueue(1)
+    (s,) = d.members(g)
+    inst = d.p.register_instance(d.run, "i", 0)
+    with engine.connect() as conn, engine.connect() as killer:
+        pid = conn.execute(text("SELECT pg_backend_pid()")).scalar_one()
+        conn.commit()
+        assert killer.execute(text("SELECT pg_terminate_backend(:p, 10000)"), {"p": pid}).scalar_one()
+        killer.commit()
+        with pytest.raises(sa_exc.DBAPIError) as lost:
+            d.p.route(d.run, [(s, inst)], conn=conn)
+        assert lost.value.connection_invalidated and conn.invalidated, repr(lost.value)
+    assert is_db_unavailable(lost.value)
+    assert [r.getMessage() for r in caplog.records if r.name.startswith("psycopg")] == []
+    assert [r.outcome for r in d.route([s], inst)] == ["routed"]
+
+
 def test_the_locked_read_is_prepared_once_per_connection(engine):
     d = Driver(engine, batch_size=4, group_size=1, eta=0)
     groups = d.enqueue(4)
