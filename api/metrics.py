@@ -17,6 +17,7 @@ are capped, reasons outside DropReason are "other"; `run` covers the newest runs
 from __future__ import annotations
 
 import atexit
+import contextlib
 import glob
 import os
 import threading
@@ -95,7 +96,7 @@ class Metrics:
     def close(self) -> None:
         """This process stops serving (lifespan shutdown): its live gauges leave the sum."""
         if self.multiproc_dir is not None:
-            multiprocess.mark_process_dead(os.getpid(), self.multiproc_dir)
+            _drop_live_gauges(os.getpid(), self.multiproc_dir)
 
     def exposition(self) -> bytes:
         """The Prometheus text of /metrics."""
@@ -146,9 +147,18 @@ def _forget_dead_processes(path: str) -> None:
         try:
             os.kill(int(pid), 0)
         except ProcessLookupError:
-            multiprocess.mark_process_dead(int(pid), path)
+            _drop_live_gauges(int(pid), path)
         except (ValueError, PermissionError):
             continue  # not a pid / another user's process: leave it
+
+
+def _drop_live_gauges(pid: int, path: str) -> None:
+    """prometheus_client's mark_process_dead, less its failure when the file went between its
+    listing and its removal: every worker that answers a scrape forgets the dead, so two scrapes
+    at once (two Prometheus servers) both list a dead worker's files, and one removes them first."""
+    for f in glob.glob(os.path.join(path, f"gauge_live*_{pid}.db")):
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(f)
 
 
 def queue_level(version: int, eta: int, v_traj: int | None) -> str:

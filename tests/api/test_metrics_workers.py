@@ -5,6 +5,8 @@ processes that are gone (exited, or killed without a chance to say so)."""
 
 from __future__ import annotations
 
+import fnmatch
+import glob
 import os
 import subprocess
 import sys
@@ -17,6 +19,7 @@ import pytest
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.parser import text_string_to_metric_families
 
+from api import metrics
 from tests.api_helpers import REPO, ApiServer, token
 
 ROUTE = "/readyz"  # not /healthz: ApiServer.start polls that an unknown number of times
@@ -163,6 +166,25 @@ def test_live_gauges_of_gone_processes_disappear(tmp_path):
         if holder.poll() is None:
             holder.kill()
             holder.wait()
+
+
+def test_a_dead_processs_gauges_removed_by_another_scrape_meanwhile(tmp_path, monkeypatch):
+    """Two scrapes at once (two Prometheus servers) each forget a dead worker: both list its live
+    gauge files, one removes them, and the other must not fail on the files it listed (a 500).
+    The listing is made stale here, as the other scrape would make it."""
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait(60)
+    gone = tmp_path / f"gauge_livesum_{dead.pid}.db"
+    kept = tmp_path / f"gauge_livemax_{dead.pid}.db"
+    kept.touch()
+    listing = glob.glob
+
+    def stale(pattern: str, **kw) -> list[str]:
+        return sorted({*listing(pattern, **kw), *fnmatch.filter([str(gone)], pattern)})
+
+    monkeypatch.setattr(glob, "glob", stale)
+    metrics._forget_dead_processes(str(tmp_path))
+    assert not kept.exists()
 
 
 LIFESPAN = """
