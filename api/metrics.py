@@ -96,7 +96,7 @@ class Metrics:
     def close(self) -> None:
         """This process stops serving (lifespan shutdown): its live gauges leave the sum."""
         if self.multiproc_dir is not None:
-            _drop_live_gauges(os.getpid(), self.multiproc_dir)
+            _remove_listed(glob.glob(os.path.join(self.multiproc_dir, f"gauge_live*_{os.getpid()}.db")))
 
     def exposition(self) -> bytes:
         """The Prometheus text of /metrics."""
@@ -142,21 +142,23 @@ def _forget_dead_processes(path: str) -> None:
     """Drop the live gauges of processes that died without closing their metrics (SIGKILL, OOM,
     a hung worker uvicorn killed). The directory belongs to one `staleflow serve` (private, or
     the user's), so its pids are that server's workers."""
-    pids = {f.rsplit("_", 1)[1].removesuffix(".db") for f in glob.glob(os.path.join(path, "gauge_live*_*.db"))}
-    for pid in pids:
+    files_of: dict[str, list[str]] = {}
+    for f in glob.glob(os.path.join(path, "gauge_live*_*.db")):
+        files_of.setdefault(f.rsplit("_", 1)[1].removesuffix(".db"), []).append(f)
+    for pid, files in files_of.items():
         try:
             os.kill(int(pid), 0)
         except ProcessLookupError:
-            _drop_live_gauges(int(pid), path)
+            _remove_listed(files)
         except (ValueError, PermissionError):
             continue  # not a pid / another user's process: leave it
 
 
-def _drop_live_gauges(pid: int, path: str) -> None:
-    """prometheus_client's mark_process_dead, less its failure when the file went between its
+def _remove_listed(files: list[str]) -> None:
+    """prometheus_client's mark_process_dead, less its failure when a file went between the
     listing and its removal: every worker that answers a scrape forgets the dead, so two scrapes
     at once (two Prometheus servers) both list a dead worker's files, and one removes them first."""
-    for f in glob.glob(os.path.join(path, f"gauge_live*_{pid}.db")):
+    for f in files:
         with contextlib.suppress(FileNotFoundError):
             os.remove(f)
 
