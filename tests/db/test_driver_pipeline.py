@@ -17,6 +17,14 @@ from staleflow_db.protocol.routing import ROUTE_READ
 from staleflow_db.retry import is_db_unavailable
 
 
+def one_queued(engine) -> tuple[Driver, int, int]:
+    """A run with one queued sample and one instance to route it to."""
+    d = Driver(engine, batch_size=1, group_size=1, eta=0)
+    (g,) = d.enqueue(1)
+    (s,) = d.members(g)
+    return d, s, d.p.register_instance(d.run, "i", 0)
+
+
 def test_read_sql_types_the_parameters_and_escapes_percent_signs():
     got = driver.read_sql("SELECT $1, $2, $3, $4, $5, '10%' LIKE 'x%'")
     assert got == (
@@ -26,10 +34,7 @@ def test_read_sql_types_the_parameters_and_escapes_percent_signs():
 
 
 def test_a_lock_timeout_under_the_pipeline_is_sqlalchemys_error_and_changes_nothing(engine):
-    d = Driver(engine, batch_size=1, group_size=1, eta=0)
-    (g,) = d.enqueue(1)
-    (s,) = d.members(g)
-    inst = d.p.register_instance(d.run, "i", 0)
+    d, s, inst = one_queued(engine)
     with engine.connect() as holder, engine.connect() as waiter:
         holder.begin()
         holder.execute(text("SELECT 1 FROM runs WHERE id = :r FOR NO KEY UPDATE"), {"r": d.run})
@@ -49,10 +54,7 @@ def test_a_backend_killed_under_the_pipeline_invalidates_its_connection(engine):
     """The route's backend is terminated while it waits for the run lock: the caller gets
     SQLAlchemy's error marked as a lost connection, the pool drops that connection, and the
     next route works on a new one."""
-    d = Driver(engine, batch_size=1, group_size=1, eta=0)
-    (g,) = d.enqueue(1)
-    (s,) = d.members(g)
-    inst = d.p.register_instance(d.run, "i", 0)
+    d, s, inst = one_queued(engine)
     errors: list[BaseException] = []
     invalidated: list[bool] = []
     pids: list[int] = []
@@ -98,10 +100,7 @@ def test_a_connection_killed_while_idle_is_invalidated_and_reported_once(engine,
     does not ping): the route's first send fails inside the pipeline. The caller gets
     SQLAlchemy's error, the connection leaves the pool, and nothing else is logged for it
     (psycopg would add a warning that the pipeline, too, could not close)."""
-    d = Driver(engine, batch_size=1, group_size=1, eta=0)
-    (g,) = d.enqueue(1)
-    (s,) = d.members(g)
-    inst = d.p.register_instance(d.run, "i", 0)
+    d, s, inst = one_queued(engine)
     with engine.connect() as conn, engine.connect() as killer:
         pid = conn.execute(text("SELECT pg_backend_pid()")).scalar_one()
         conn.commit()
