@@ -17,8 +17,8 @@ from typing import Any
 
 from sqlalchemy import Engine, text
 
-from staleflow_db.enums import Role
 from staleflow_db.errors import InvalidInput, NotFound
+from workers.wire.enums import Role
 
 PREFIX = "sf_"
 

@@ -13,9 +13,9 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy import Engine
 from starlette.concurrency import run_in_threadpool
 
-from staleflow_db.enums import Role
 from staleflow_db.errors import NotFound
 from staleflow_db.protocol import InstanceOwner
+from workers.wire.enums import Role
 
 from .auth import Principal, TokenCache
 from .metrics import Metrics

@@ -30,9 +30,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from staleflow_db.enums import DropReason
 from staleflow_db.protocol import MetricsRows
 from staleflow_db.rules import BufferCounts, buffer_state
+from workers.wire.enums import DropReason
 
 STALENESS_BUCKETS = (0, 1, 2, 3, 4, 5, 10, 20)
 BUFFER_STATES = ("waiting", "stuck", "ready", "consumed")

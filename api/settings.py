@@ -5,7 +5,8 @@ from __future__ import annotations
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
-from staleflow_db.settings import PREFIX, Settings, StaleFlowSettings, get_settings, load
+from staleflow_db.settings import Settings, get_settings
+from workers.settings import PREFIX, StaleFlowSettings, load
 
 
 class ApiSettings(StaleFlowSettings):

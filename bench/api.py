@@ -37,9 +37,9 @@ from server_stats import backend_cpu
 
 from staleflow_db import migrate
 from staleflow_db.db import database_url, make_engine, with_database
-from staleflow_db.enums import SegmentKind
 from staleflow_db.protocol import Prompt, Protocol
 from staleflow_db.types import Report, RunConfig
+from workers.wire.enums import SegmentKind
 
 
 class Recorder:

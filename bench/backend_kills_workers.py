@@ -26,10 +26,11 @@ from sqlalchemy import text
 from sqlalchemy.exc import DBAPIError
 
 from staleflow_db.db import make_engine
-from staleflow_db.enums import SegmentKind
 from staleflow_db.errors import Conflict, ProtocolError
 from staleflow_db.protocol import Protocol
-from staleflow_db.types import Report, RouteOutcome
+from staleflow_db.types import Report
+from workers.wire.enums import SegmentKind
+from workers.wire.types import RouteOutcome
 
 APP = "sf-chaos"  # application_name prefix of the workers' connections: the killer's target
 INSTANCE_LEASE_S = 2.0

@@ -117,9 +117,10 @@ def client(
 ) -> None:
     from sqlalchemy import text
 
-    from staleflow_db.enums import SegmentKind
     from staleflow_db.protocol import Protocol
-    from staleflow_db.types import Report, RouteOutcome
+    from staleflow_db.types import Report
+    from workers.wire.enums import SegmentKind
+    from workers.wire.types import RouteOutcome
 
     engine = make_engine(url, pool_size=2, max_overflow=0)
     p = Protocol(engine)

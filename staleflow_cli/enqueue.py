@@ -25,9 +25,9 @@ from typing import Any
 import typer
 from pydantic import ValidationError
 
-from api.models import PromptIn
 from staleflow_cli.common import API, TOKEN, connect, console, fail, hf_folder, progress
 from workers.client import ApiError
+from workers.wire.models import PromptIn
 
 CHUNK = 500  # prompts per request: well under the API's body limit for typical prompts
 

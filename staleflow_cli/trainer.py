@@ -29,8 +29,8 @@ from staleflow_cli.common import (
     progress,
     ps_client,
 )
-from staleflow_db.settings import get_settings
 from workers.client import ApiError, StaleFlowClient
+from workers.settings import home_dir
 
 if TYPE_CHECKING:  # torch-backed: imported where used (the --sim trainer runs without torch)
     import torch
@@ -204,7 +204,7 @@ def _torch_trainer(
     from workers.trainer.grpo import GRPOConfig
     from workers.trainer.torch_trainer import Trainer
 
-    directory = checkpoint_dir or get_settings().home / "trainer" / f"run-{run_id}"
+    directory = checkpoint_dir or home_dir() / "trainer" / f"run-{run_id}"
     model, extra_state = built
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
     grpo = GRPOConfig(clip_low=clip_low, clip_high=clip_high, tis_cap=tis_cap or None, temperature=temperature)

@@ -20,8 +20,8 @@ from protocol_helpers import Driver
 from sqlalchemy import text
 
 from staleflow_db.audit import violations
-from staleflow_db.enums import SegmentKind
 from staleflow_db.types import Report
+from workers.wire.enums import SegmentKind
 
 
 @dataclass

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from sqlalchemy import text
 
-from staleflow_db.enums import SegmentKind
 from staleflow_db.protocol import Prompt, Protocol
-from staleflow_db.types import Report, RouteOutcome, RunConfig
+from staleflow_db.types import Report, RunConfig
+from workers.wire.enums import SegmentKind
+from workers.wire.types import RouteOutcome
 
 
 class Driver:

@@ -31,10 +31,9 @@ from typing import Any, TypeVar
 import httpx
 from pydantic import BaseModel
 
-from api import models as m
 from staleflow_db.retry import Outage, retrying
-from staleflow_db.settings import get_settings
-from workers.settings import DEFAULT_URL, client_settings
+from workers.settings import DEFAULT_URL, client_settings, home_dir
+from workers.wire import models as m
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +79,7 @@ def default_token() -> str | None:
     token = client_settings().token
     if token:
         return token
-    path = get_settings().home / "token"
+    path = home_dir() / "token"
     return path.read_text().strip() if path.is_file() else None
 
 

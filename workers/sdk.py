@@ -37,10 +37,10 @@ from typing import Any
 
 import torch
 
-from api.models import BatchOut
 from workers.client import StaleFlowClient
 from workers.trainer.loop import TrainerError, publish_fenced
 from workers.trainer.param_client import ParamClient
+from workers.wire.models import BatchOut
 
 __all__ = ["Batch", "TrainerClient", "TrainerError", "to_batch"]
 

@@ -1,15 +1,103 @@
-"""Settings of the workers: the REST client, the coordinator and the simulated engine.
+"""Settings of every StaleFlow process, and those of the workers: the REST client, the
+coordinator and the simulated engine.
 
-Each class reads its own ``STALEFLOW_*`` variables (docs/settings.md); command-line options,
-where a command has them, take precedence over these.
+Every setting is an environment variable with the ``STALEFLOW_`` prefix, validated by
+pydantic-settings; docs/settings.md lists them all in one table (a unit test keeps it exact).
+Empty variables count as unset. A bad value raises :class:`SettingsError` (a ``ValueError``)
+naming the variable. Each class is loaded through :func:`load`, cached per content of the
+``STALEFLOW_*`` environment, so it is cheap to call anywhere and a test that changes the
+environment (``monkeypatch.setenv``) sees its change without clearing anything; tests may also
+build a class directly with keyword overrides, which win over the environment. Command-line
+options, where a command has them, take precedence over these.
+
+The base here needs no database: the database settings (staleflow_db/settings.py) and the
+API's (api/settings.py) extend it.
 """
 
 from __future__ import annotations
 
-from pydantic import Field, field_validator
-from pydantic_settings import SettingsConfigDict
+import os
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, TypeVar
 
-from staleflow_db.settings import PREFIX, StaleFlowSettings, load
+from pydantic import Field, ValidationError, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+PREFIX = "STALEFLOW_"
+
+
+def env_name(cls: type[BaseSettings], field: str) -> str:
+    """The environment variable that sets `field` of `cls`."""
+    alias = cls.model_fields[field].validation_alias
+    if isinstance(alias, str):
+        return alias
+    return str(cls.model_config.get("env_prefix", "")).upper() + field.upper()
+
+
+class SettingsError(ValueError):
+    """Invalid settings: one line per bad variable, naming it and what it expects."""
+
+    def __init__(self, cls: type[BaseSettings], exc: ValidationError):
+        lines = []
+        for err in exc.errors():
+            loc = str(err["loc"][0]) if err["loc"] else ""
+            name = env_name(cls, loc) if loc in cls.model_fields else loc  # else: an alias already
+            raw = os.environ.get(name, err.get("input"))
+            lines.append(f"{name}={raw!r}: {err['msg'].removeprefix('Value error, ')}")
+        super().__init__("invalid settings:\n  " + "\n  ".join(lines))
+
+
+class StaleFlowSettings(BaseSettings):
+    """Base: ``STALEFLOW_`` variables, blanks ignored, immutable, errors that name the variable."""
+
+    model_config = SettingsConfigDict(
+        env_prefix=PREFIX,
+        env_ignore_empty=True,
+        frozen=True,
+        extra="ignore",
+        populate_by_name=True,
+        validate_default=True,
+    )
+
+    def __init__(self, **values: Any) -> None:
+        try:
+            super().__init__(**values)
+        except ValidationError as exc:
+            raise SettingsError(type(self), exc) from None
+
+
+S = TypeVar("S", bound=StaleFlowSettings)
+
+
+@lru_cache(maxsize=64)
+def _cached(cls: type[S], env: tuple[tuple[str, str], ...]) -> S:
+    return cls()
+
+
+def load(cls: type[S]) -> S:
+    """`cls` as the current environment sets it, parsed once per distinct environment."""
+    env = tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith(PREFIX)))
+    return _cached(cls, env)
+
+
+class HomeSettings(StaleFlowSettings):
+    """Where a process keeps local state (``STALEFLOW_HOME``): the database settings extend it,
+    the REST client finds the local token there and the trainer its checkpoints."""
+
+    # Embedded server data (`pgdata/`), the local token file and trainer checkpoints.
+    home: Path = Path("~/.staleflow")
+
+    @field_validator("home")
+    @classmethod
+    def _absolute(cls, home: Path) -> Path:
+        return home.expanduser().absolute()
+
+
+def home_dir() -> Path:
+    """``STALEFLOW_HOME``, absolute."""
+    return load(HomeSettings).home
+
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 

@@ -7,12 +7,12 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Query
 
-from staleflow_db.enums import Role
+from workers.wire.enums import Role
+from workers.wire.models import DroppedSamples, TrainedSamples, Violations, errors
 
 from ..auth import Principal
 from ..body import ModelBodyRoute
 from ..deps import Offset, Page, State, allow, run_filter
-from ..models import DroppedSamples, TrainedSamples, Violations, errors
 
 router = APIRouter(route_class=ModelBodyRoute, prefix="/v1/audit", tags=["audit"], responses=errors(401, 403, 422, 503))
 Auditor = Depends(allow(Role.COORDINATOR, Role.TRAINER, Role.OBSERVER))

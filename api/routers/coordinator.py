@@ -13,15 +13,10 @@ from fastapi.responses import JSONResponse, Response
 from sqlalchemy import Connection
 from typing_extensions import TypedDict
 
-from staleflow_db.enums import Role
 from staleflow_db.protocol.coordination import QueuedView
-from staleflow_db.types import RouteOutcome, RouteResult
-
-from ..auth import Principal
-from ..body import ModelBodyRoute
-from ..deps import IdempotencyKey, RunId, State, allow_run
-from ..errors import error_body
-from ..models import (
+from staleflow_db.types import RouteResult
+from workers.wire.enums import Role
+from workers.wire.models import (
     AbortedOut,
     AbortGroupIn,
     AbortGroupOut,
@@ -40,6 +35,12 @@ from ..models import (
     SnapshotBufferOut,
     errors,
 )
+from workers.wire.types import RouteOutcome
+
+from ..auth import Principal
+from ..body import ModelBodyRoute
+from ..deps import IdempotencyKey, RunId, State, allow_run
+from ..errors import error_body
 from ..notify import BATCH, WORK, instance_topic
 from ..service import dump, respond_json, scoped_key, unpublished
 

@@ -9,15 +9,10 @@ from sqlalchemy import Connection
 from starlette.concurrency import run_in_threadpool
 from typing_extensions import TypedDict
 
-from staleflow_db.enums import Role, SegmentKind
 from staleflow_db.protocol.rollout import Command, Work
 from staleflow_db.types import Report
-
-from ..auth import Principal
-from ..body import ModelBodyRoute
-from ..deps import IdempotencyKey, InstanceId, RunId, State, Wait, allow_run, long_poll
-from ..errors import error_body
-from ..models import (
+from workers.wire.enums import Role, SegmentKind
+from workers.wire.models import (
     DeregisterOut,
     HeartbeatIn,
     HeartbeatOut,
@@ -28,7 +23,12 @@ from ..models import (
     ReportsOut,
     errors,
 )
-from ..models.common import Limit
+from workers.wire.models.common import Limit
+
+from ..auth import Principal
+from ..body import ModelBodyRoute
+from ..deps import IdempotencyKey, InstanceId, RunId, State, Wait, allow_run, long_poll
+from ..errors import error_body
 from ..notify import REWARDS, instance_topic
 from ..service import dump, respond, respond_json, scoped_key
 

@@ -7,15 +7,10 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, HTTPException, Path
 from sqlalchemy import Connection
 
-from staleflow_db.enums import Role
 from staleflow_db.protocol import Prompt
 from staleflow_db.types import RunConfig
-
-from .. import auth
-from ..auth import Principal
-from ..body import ModelBodyRoute
-from ..deps import IdempotencyKey, Offset, Page, RunId, State, allow, allow_run, principal, run_filter
-from ..models import (
+from workers.wire.enums import Role
+from workers.wire.models import (
     EnqueueIn,
     EnqueueOut,
     ParamVersionList,
@@ -29,6 +24,11 @@ from ..models import (
     TokenList,
     errors,
 )
+
+from .. import auth
+from ..auth import Principal
+from ..body import ModelBodyRoute
+from ..deps import IdempotencyKey, Offset, Page, RunId, State, allow, allow_run, principal, run_filter
 from ..service import from_data, scoped_key
 
 router = APIRouter(route_class=ModelBodyRoute, prefix="/v1", responses=errors(401, 403, 422, 503))

@@ -9,14 +9,10 @@ from fastapi import APIRouter, Depends, Path, Request, Response
 from sqlalchemy import Connection
 from typing_extensions import TypedDict
 
-from staleflow_db.enums import Role
 from staleflow_db.protocol.scoring import RewardTask
 from staleflow_db.protocol.training import Batch
-
-from ..auth import Principal
-from ..body import ModelBodyRoute
-from ..deps import IdempotencyKey, RunId, State, Wait, allow_run, long_poll
-from ..models import (
+from workers.wire.enums import Role
+from workers.wire.models import (
     ClaimIn,
     ClaimOut,
     ConsumeOut,
@@ -26,6 +22,10 @@ from ..models import (
     RewardsOut,
     errors,
 )
+
+from ..auth import Principal
+from ..body import ModelBodyRoute
+from ..deps import IdempotencyKey, RunId, State, Wait, allow_run, long_poll
 from ..notify import BATCH, REWARDS, WORK
 from ..service import dump, from_data, respond, respond_json, scoped_key
 

@@ -22,11 +22,11 @@ from starlette.concurrency import run_in_threadpool
 
 from staleflow_db.notify import BATCH
 from staleflow_db.protocol.reads import DASHBOARD_PANELS
+from workers.wire.models import errors
 
 from ..auth import Principal
 from ..body import ModelBodyRoute
 from ..deps import AppState, RunId, State, run_filter
-from ..models import errors
 from ..notify import wait_for
 from ..ui import pages
 

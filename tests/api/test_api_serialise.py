@@ -9,9 +9,9 @@ import uuid
 
 import pytest
 
-from api.models import ClaimOut, ClusterSnapshotOut, ConsumeOut, PollOut, RouteOut
 from tests.api_helpers import in_process, token
 from workers.client import StaleFlowClient
+from workers.wire.models import ClaimOut, ClusterSnapshotOut, ConsumeOut, PollOut, RouteOut
 
 pytestmark = pytest.mark.db
 

@@ -20,9 +20,9 @@ from sqlalchemy import text
 from test_api_errors import fingerprint
 
 from api.auth import create_token
-from api.models.common import In
 from staleflow_db.protocol import Prompt, Protocol
 from staleflow_db.types import RunConfig
+from workers.wire.models.common import In
 
 INT, FLOAT, BOOL = "int", "float", "bool"
 COERCED = {

@@ -87,8 +87,8 @@ def test_an_outcome_not_kept_leaves_the_key_free(engine):
 def test_a_serialised_outcome_replays_the_same_json_kept_as_text_or_as_a_document(engine):
     """`once_json` keeps an outcome as its JSON text; one kept as a jsonb document (by a replica
     from before) replays the same bytes."""
-    from api.models import RouteOut
     from api.service import ApiProtocol
+    from workers.wire.models import RouteOut
 
     body = b'{"results":[{"sample_id":1,"outcome":"routed","attempt":1,"v_traj":0,"buffer":0}]}'
     p = ApiProtocol(engine)

@@ -11,7 +11,7 @@ import pytest
 from audit_helpers import forge, found, healthy_run, state
 
 from staleflow_db.audit import summary, violations
-from staleflow_db.enums import DropReason
+from workers.wire.enums import DropReason
 
 
 @pytest.fixture

@@ -12,8 +12,7 @@ from sqlalchemy import text
 
 from staleflow_db import migrate
 from staleflow_db.audit import summary, violations
-from staleflow_db.enums import DropReason
-from staleflow_db.types import GroupState
+from workers.wire.enums import DropReason, GroupState
 
 
 def test_a_healthy_run_audits_empty_after_every_operation(engine):

@@ -24,10 +24,11 @@ from pathlib import Path
 from sqlalchemy import text
 
 from staleflow_db.db import make_engine
-from staleflow_db.enums import SegmentKind
 from staleflow_db.errors import Conflict
 from staleflow_db.protocol import Prompt, Protocol
-from staleflow_db.types import Report, RouteOutcome, RunConfig
+from staleflow_db.types import Report, RunConfig
+from workers.wire.enums import SegmentKind
+from workers.wire.types import RouteOutcome
 
 SPAWN = mp.get_context("spawn")
 CONFIG = dict(

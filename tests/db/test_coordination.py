@@ -8,9 +8,10 @@ import pytest
 from protocol_helpers import Driver
 from sqlalchemy import text
 
-from staleflow_db.enums import SegmentKind
 from staleflow_db.errors import Conflict, NotFound
-from staleflow_db.types import Report, RouteOutcome
+from staleflow_db.types import Report
+from workers.wire.enums import SegmentKind
+from workers.wire.types import RouteOutcome
 
 
 def test_one_leader_at_a_time_and_takeover_fences_the_old_one(engine):

@@ -15,13 +15,14 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from sqlalchemy import text
 
-from staleflow_db.enums import SegmentKind
 from staleflow_db.errors import Conflict, InvalidInput
-from staleflow_db.types import Report, RouteOutcome
+from staleflow_db.types import Report
 from tests.api_helpers import ApiServer, token
 from tests.protocol_helpers import Driver
 from workers.client import Conflict as ApiConflict
 from workers.client import Forbidden as ApiForbidden
+from workers.wire.enums import SegmentKind
+from workers.wire.types import RouteOutcome
 
 
 def wait_for(condition, what: str, timeout: float = 30.0) -> None:

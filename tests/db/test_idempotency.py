@@ -18,7 +18,8 @@ from sqlalchemy.exc import DBAPIError
 from staleflow_db import idempotency
 from staleflow_db.errors import Conflict
 from staleflow_db.idempotency import KeyReused
-from staleflow_db.types import Report, RouteOutcome
+from staleflow_db.types import Report
+from workers.wire.types import RouteOutcome
 
 WAIT_S = 60  # guards against a hang, never a timing assertion
 

@@ -17,11 +17,11 @@ import pytest
 from protocol_helpers import Driver
 from sqlalchemy import text
 
-from staleflow_db.enums import GroupState
 from staleflow_db.protocol.base import RESERVATIONS
 from staleflow_db.protocol.routing import ROUTE_READ
 from staleflow_db.protocol.scoring import REWARDS_READ
 from tests.db.test_plans import backlog, describe, nodes  # noqa: F401 (backlog: the fixture)
+from workers.wire.enums import GroupState
 
 ARGS = "bigint, bigint[], bigint[], int[], float8[]"
 

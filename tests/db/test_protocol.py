@@ -9,11 +9,12 @@ from protocol_helpers import Driver
 from sqlalchemy import text
 from sqlalchemy.exc import DBAPIError
 
-from staleflow_db.enums import SegmentKind
 from staleflow_db.errors import Conflict, InvalidInput, NotFound, TooLarge
 from staleflow_db.protocol import Prompt
 from staleflow_db.schema import ENUM_TYPES
-from staleflow_db.types import GroupState, Report, RouteOutcome, RunConfig
+from staleflow_db.types import Report, RunConfig
+from workers.wire.enums import GroupState, SegmentKind
+from workers.wire.types import RouteOutcome
 
 
 def test_database_enums_mirror_python(engine):

@@ -16,11 +16,11 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 from sqlalchemy import text
 
-from staleflow_db.enums import SampleState, SegmentKind
 from staleflow_db.errors import ProtocolError
 from staleflow_db.protocol import Prompt, Protocol
 from staleflow_db.reference import ReferenceProtocol
 from staleflow_db.types import Report, RunConfig
+from workers.wire.enums import SampleState, SegmentKind
 
 _runs = itertools.count()
 REWARDS = st.sampled_from([0.0, 0.0, 0.5, 1.0, 1.0])

@@ -11,12 +11,13 @@ import pytest
 from protocol_helpers import Driver
 from sqlalchemy import text
 
-from staleflow_db.enums import SegmentKind
 from staleflow_db.errors import InvalidInput
 from staleflow_db.reference import ReferenceProtocol
-from staleflow_db.types import GroupState, Report, RouteOutcome, RunConfig
+from staleflow_db.types import Report, RunConfig
 from workers.coordinator.admission import AdmissionView
 from workers.coordinator.state import QueuedSample
+from workers.wire.enums import GroupState, SegmentKind
+from workers.wire.types import RouteOutcome
 
 ROUTED, WINDOW_READY = RouteOutcome.ROUTED, RouteOutcome.WINDOW_READY
 

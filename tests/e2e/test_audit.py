@@ -88,8 +88,8 @@ def test_step_metrics_count_what_happened_between_publishes(engine):
     d.train(0)
     (s,) = d.members(g2)
     att = d.routed([s], inst)
-    from staleflow_db.enums import SegmentKind
     from staleflow_db.types import Report
+    from workers.wire.enums import SegmentKind
 
     d.p.report(d.run, [Report(s, att[s], 0, [1], [-1.0], SegmentKind.INTERRUPTED, **d.lease(s))])
     d.complete([s], inst)

@@ -21,13 +21,13 @@ torch = pytest.importorskip("torch")
 from api_helpers import REPO, ApiServer, token
 from sqlalchemy import text
 
-from api.models import BatchOut
 from staleflow_db.db import make_engine
 from workers.models.tiny_model import TinyConfig, TinyTransformer
 from workers.rollout.engines.base import FinishedEvent
 from workers.rollout.engines.torch_engine import TorchEngine
 from workers.trainer.param_server import ParamClient
 from workers.trainer.torch_trainer import PAUSE_ENV, Trainer, load_checkpoint, read_steps_log
+from workers.wire.models import BatchOut
 
 CFG = TinyConfig(vocab_size=32, d_model=32, n_layers=1, n_heads=2, max_seq=64)
 B, N, ETA = 2, 2, 1

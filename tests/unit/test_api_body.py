@@ -14,7 +14,7 @@ from fastapi.routing import APIRoute
 from api import body as body_module
 from api.body import ModelBodyRoute
 from api.errors import install
-from api.models import ReportsIn
+from workers.wire.models import ReportsIn
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")

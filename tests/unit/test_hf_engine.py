@@ -139,9 +139,9 @@ def test_eos_ends_a_sample(folder, prompts):
 def test_the_trainer_sees_the_engines_logprobs(folder, prompts, tmp_path):
     """The GRPO trainer on the same folder: π_old equals π_rollout token by token (no TIS
     mismatch), micro batches of different widths included."""
-    from api.models import BatchOut
     from workers.trainer.grpo import GRPOConfig
     from workers.trainer.torch_trainer import Trainer
+    from workers.wire.models import BatchOut
 
     temperature = 0.7
     # two samples per prompt (seeds differ), one group per prompt

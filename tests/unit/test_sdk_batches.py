@@ -6,8 +6,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from api.models import BatchOut
 from workers.sdk import TrainerError, to_batch
+from workers.wire.models import BatchOut
 
 
 def _sample(sid, tokens, v_traj, reward):

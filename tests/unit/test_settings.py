@@ -7,17 +7,18 @@ from pathlib import Path
 import pytest
 
 from api.settings import ApiSettings
-from staleflow_db.settings import (
-    Settings,
-    SettingsError,
-    StaleFlowSettings,
-    env_name,
-    get_settings,
-    to_libpq_url,
-    to_sqlalchemy_url,
-)
+from staleflow_db.settings import Settings, get_settings, to_libpq_url, to_sqlalchemy_url
 from workers.client import api_urls, default_token
-from workers.settings import ClientSettings, CoordinatorSettings, EngineSettings, SimEngineSettings, client_settings
+from workers.settings import (
+    ClientSettings,
+    CoordinatorSettings,
+    EngineSettings,
+    SettingsError,
+    SimEngineSettings,
+    StaleFlowSettings,
+    client_settings,
+    env_name,
+)
 
 ENV = (
     "STALEFLOW_DATABASE_URL",

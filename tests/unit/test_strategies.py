@@ -7,7 +7,7 @@ import random
 import pytest
 
 from staleflow_db.reference import ReferenceProtocol
-from staleflow_db.types import RouteOutcome, RunConfig
+from staleflow_db.types import RunConfig
 from workers.coordinator.cost_model import get_cost_model
 from workers.coordinator.policies import ABLATIONS, BASELINES, Policy, get_policy
 from workers.coordinator.state import InstanceView, QueuedSample, RunningSample
@@ -30,6 +30,7 @@ from workers.coordinator.strategies import (
     sync_greedy,
     sync_status_based,
 )
+from workers.wire.types import RouteOutcome
 
 COST = get_cost_model("qwen_14b")
 CAP = 250_000

@@ -16,8 +16,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from api import models as m
 from workers.client import Conflict, StaleFlowClient
+from workers.wire import models as m
 
 log = logging.getLogger("staleflow.rollout")
 

@@ -37,12 +37,13 @@ from typing import Any
 
 import numpy as np
 
-from staleflow_db.enums import GroupState, SampleState, SegmentKind
-from staleflow_db.types import Report, RouteOutcome, RunConfig
+from staleflow_db.types import Report, RunConfig
 from workers.coordinator.admission import AdmissionView
 from workers.coordinator.cycle import Applied, CycleOutcome, run_cycle
 from workers.coordinator.policies import CyclePlan, Policy, get_policy
 from workers.coordinator.state import QueuedSample, SpeculativeState
+from workers.wire.enums import GroupState, SampleState, SegmentKind
+from workers.wire.types import RouteOutcome
 
 from .engine import SampleTable, SimInstance
 from .protocol import SimProtocol

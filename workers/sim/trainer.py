@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from staleflow_db.enums import GroupState, SampleState
+from workers.wire.enums import GroupState, SampleState
 
 from .engine import SampleTable
 from .protocol import SimProtocol

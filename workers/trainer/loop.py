@@ -14,8 +14,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from api.models import BatchOut
 from workers.client import StaleFlowClient
+from workers.wire.models import BatchOut
 
 log = logging.getLogger("staleflow.trainer")
 

@@ -46,7 +46,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from api.models import BatchOut
 from workers.client import StaleFlowClient
 from workers.trainer.grpo import GRPOConfig, grpo_update
 from workers.trainer.loop import (
@@ -59,6 +58,7 @@ from workers.trainer.loop import (
     run_steps,
 )
 from workers.trainer.param_server import ParamClient, ParamServerError, state_dict_checksum
+from workers.wire.models import BatchOut
 
 log = logging.getLogger("staleflow.trainer")
 

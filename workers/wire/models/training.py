@@ -6,8 +6,7 @@ from typing import Any
 
 from pydantic import Field
 
-from staleflow_db.enums import GroupState
-
+from ..enums import GroupState
 from .common import INT64_MAX, Attempt, Finite, Id, In, Int, LeaseSeconds, Location, Name, Out
 
 

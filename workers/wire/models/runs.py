@@ -6,8 +6,7 @@ from datetime import datetime
 
 from pydantic import Field
 
-from staleflow_db.enums import Role
-
+from ..enums import Role
 from .common import INT32_MAX, Bool, Count, Id, In, Int, Key, Location, Meta, Name, Out, TokenId, Version
 
 

@@ -7,9 +7,8 @@ from typing import Any
 
 from pydantic import Field
 
-from staleflow_db.enums import DropReason
-from staleflow_db.types import RouteOutcome
-
+from ..enums import DropReason
+from ..types import RouteOutcome
 from .common import INT64_MAX, Id, In, Int, Out, Version
 
 

@@ -6,8 +6,7 @@ from uuid import UUID
 
 from pydantic import Field
 
-from staleflow_db.enums import SegmentKind
-
+from ..enums import SegmentKind
 from .common import (
     INT64_MAX,
     Attempt,
