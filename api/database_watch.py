@@ -13,9 +13,8 @@ import logging
 
 from prometheus_client import CollectorRegistry, Counter
 from sqlalchemy import Engine, text
-from tenacity import AsyncRetrying, retry_if_exception_type, wait_fixed
 
-from staleflow_db.retry import Outage
+from workers.retry import DATABASE_PROBE, Outage
 
 log = logging.getLogger("staleflow.api")
 
@@ -50,11 +49,7 @@ class DatabaseWatch:
     async def _watch(self) -> None:
         assert self._down is not None
         # Probe every probe_s until the database answers (or a request saw it answer).
-        until_back = AsyncRetrying(
-            retry=retry_if_exception_type(Exception),
-            wait=wait_fixed(self.probe_s),
-            before_sleep=self.outage.before_sleep,
-        )
+        until_back = DATABASE_PROBE.but(initial=self.probe_s, cap=self.probe_s).async_retrying(self.outage)
         while True:
             await self._down.wait()
             await asyncio.sleep(self.probe_s)

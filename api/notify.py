@@ -16,12 +16,10 @@ from collections import defaultdict
 
 import psycopg
 from sqlalchemy import Engine
-from tenacity import AsyncRetrying, retry_if_exception_type
-from tenacity.wait import wait_exponential_jitter
 
 from staleflow_db import notify
 from staleflow_db.notify import BATCH, CHANNEL, REWARDS, TOPICS, WORK, Wakeup, instance_topic
-from staleflow_db.retry import MAX_BACKOFF_S, Outage
+from workers.retry import LISTEN_RECONNECT, Outage
 
 log = logging.getLogger(__name__)
 
@@ -122,11 +120,7 @@ class Notifier:
         while True:
             conn: psycopg.AsyncConnection | None = None
             try:
-                async for attempt in AsyncRetrying(
-                    retry=retry_if_exception_type(Exception),
-                    wait=wait_exponential_jitter(multiplier=0.1, max=MAX_BACKOFF_S, jitter=0.1),
-                    before_sleep=self.connection.before_sleep,
-                ):
+                async for attempt in LISTEN_RECONNECT.async_retrying(self.connection):
                     with attempt:
                         conn = await psycopg.AsyncConnection.connect(
                             url,

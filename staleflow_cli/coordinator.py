@@ -13,10 +13,11 @@ from staleflow_db.audit import find_run
 from staleflow_db.db import make_engine
 from staleflow_db.errors import NotFound
 from staleflow_db.protocol import Protocol
-from staleflow_db.retry import Outage, is_db_unavailable, retrying
+from staleflow_db.retry import DATABASE_OUTAGE, is_db_unavailable
 from workers.coordinator.cost_model import get_cost_model
 from workers.coordinator.policies import POLICY_NAMES, TUNABLE, get_policy
 from workers.coordinator.service import Coordinator
+from workers.retry import Outage
 from workers.settings import coordinator_settings
 
 log = logging.getLogger("staleflow.coordinator")
@@ -74,7 +75,7 @@ def coordinator(
     # Started while the database is down: wait for it (one line now, one when it is back).
     waiting = Outage("the database", log)
     try:
-        for attempt in retrying(waiting, stopping=lambda: bool(stopping)):
+        for attempt in DATABASE_OUTAGE.retrying(waiting, stopping=lambda: bool(stopping)):
             with attempt:
                 run_id = find_run(engine, run)
         waiting.ok()

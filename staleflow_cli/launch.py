@@ -15,7 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
-from tenacity import RetryCallState, Retrying, retry_if_result, stop_after_delay, wait_fixed
+from tenacity import RetryCallState
+
+from workers.retry import READY
 
 
 def free_port() -> int:
@@ -49,12 +51,7 @@ def wait_until(ready: Callable[[], bool], timeout: float, interval: float, failu
     def give_up(state: RetryCallState) -> None:
         raise ProcessDied(failure())
 
-    Retrying(
-        retry=retry_if_result(lambda ok: not ok),
-        stop=stop_after_delay(timeout),
-        wait=wait_fixed(interval),
-        retry_error_callback=give_up,
-    )(ready)
+    READY.but(initial=interval, cap=interval, retry_for=timeout).retrying(until=bool, give_up=give_up)(ready)
 
 
 class Cluster:

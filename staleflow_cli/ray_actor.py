@@ -32,8 +32,9 @@ from typing import Any, cast
 import httpx
 import ray
 
+from workers.retry import RESTART
+
 WATCH_S = 3.0  # how often dependencies' addresses are looked up again
-MAX_BACKOFF_S = 30.0
 STABLE_S = 60.0  # a process that ran this long restarts without back-off
 ALL_API_S = 60.0  # how long a starting process waits for every API replica, not just one
 PR_SET_PDEATHSIG = 1
@@ -132,7 +133,7 @@ class RoleProcess:
             f.write(f"[staleflow launch ray] {what}\n")
 
     def _supervise(self) -> None:
-        backoff = 1.0
+        failures = 0  # in a row, each waited out by the RESTART policy
         while not self.stopping.is_set():
             deps = self._resolve(wait=True)
             if deps is None:  # stopping
@@ -158,10 +159,11 @@ class RoleProcess:
                 self._note("exited cleanly; not restarted")
                 return
             if time.monotonic() - started > STABLE_S:
-                backoff = 1.0
-            self._note(f"exited with code {rc}; restarting in {backoff:.0f}s")
-            self.stopping.wait(backoff)
-            backoff = min(2 * backoff, MAX_BACKOFF_S)
+                failures = 0
+            failures += 1
+            delay = RESTART.delay(failures)
+            self._note(f"exited with code {rc}; restarting in {delay:.0f}s")
+            self.stopping.wait(delay)
 
     def _spawn(self, argv: list[str]) -> subprocess.Popen:
         self.addr = None

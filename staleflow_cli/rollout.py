@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import typer
-from tenacity import RetryCallState, Retrying, retry_if_exception, stop_after_delay, wait_fixed
+from tenacity import RetryCallState
 
 from staleflow_cli.common import (
     API,
@@ -31,6 +31,7 @@ from staleflow_cli.common import (
     ps_client,
 )
 from workers.client import StaleFlowClient
+from workers.retry import PS_FIRST_VERSION
 
 if TYPE_CHECKING:  # torch-backed or heavy: imported where used
     import torch
@@ -268,13 +269,14 @@ def _first_weights(pc: ParamClient, wait_s: float) -> tuple[dict[str, torch.Tens
             f"{wait_s:.0f}s (the trainer pushes and commits version 0 when it starts)"
         )
 
-    # A ParamServerError other than a checksum mismatch means nothing is committed yet.
-    nothing_yet = retry_if_exception(lambda e: isinstance(e, ParamServerError) and not isinstance(e, ChecksumError))
+    def nothing_yet(e: BaseException) -> bool:
+        # A ParamServerError other than a checksum mismatch means nothing is committed yet.
+        return isinstance(e, ParamServerError) and not isinstance(e, ChecksumError)
+
     with console.status(f"waiting for the PS at {pc.addr[0]}:{pc.addr[1]} to serve a committed version"):
         # pc.pull() itself waits while the PS is not listening yet.
-        sd, version, _ = Retrying(
-            retry=nothing_yet, stop=stop_after_delay(wait_s), wait=wait_fixed(0.5), retry_error_callback=give_up
-        )(pc.pull)
+        policy = PS_FIRST_VERSION.but(retry_for=wait_s)
+        sd, version, _ = policy.retrying(retryable=nothing_yet, give_up=give_up)(pc.pull)
         return sd, version
 
 

@@ -31,7 +31,7 @@ from typing import Any, TypeVar
 import httpx
 from pydantic import BaseModel
 
-from staleflow_db.retry import Outage, retrying
+from workers.retry import API_OUTAGE, Outage
 from workers.settings import DEFAULT_URL, client_settings, home_dir
 from workers.wire import models as m
 
@@ -208,13 +208,13 @@ class StaleFlowClient:
             headers["Content-Type"] = "application/json"
         kw = dict(content=content, params=params, headers=headers, timeout=timeout)
         try:
-            for attempt in retrying(
-                self.api,
-                _retryable,
-                retry_for=self.retry_for if retry_for is True else retry_for,
+            policy = API_OUTAGE.but(
                 initial=self.backoff,
                 cap=self.max_backoff,
-            ):
+                jitter=self.backoff,
+                retry_for=self.retry_for if retry_for is True else retry_for,
+            )
+            for attempt in policy.retrying(self.api, _retryable):
                 with attempt:
                     r = self._attempt(method, path, kw)
         except httpx.TransportError as exc:

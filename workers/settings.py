@@ -24,6 +24,8 @@ from typing import Any, TypeVar
 from pydantic import Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from workers.retry import API_OUTAGE
+
 PREFIX = "STALEFLOW_"
 
 
@@ -114,10 +116,11 @@ class ClientSettings(StaleFlowSettings):
     # Seconds per request on top of a long-poll's wait; connecting gets at most 10 of them.
     timeout: float = Field(30.0, gt=0.0)
     # Seconds to retry an unavailable API per call; `forever` (or `none`) never gives up.
-    retry_for: float | None = Field(60.0, ge=0.0)
-    # First retry delay, doubling (with jitter) up to max_backoff.
-    backoff: float = Field(0.05, gt=0.0)
-    max_backoff: float = Field(1.0, gt=0.0)
+    # Defaults: the API_OUTAGE retry policy (workers/retry.py).
+    retry_for: float | None = Field(API_OUTAGE.retry_for, ge=0.0)
+    # First retry delay, doubling (with as much jitter) up to max_backoff.
+    backoff: float = Field(API_OUTAGE.initial, gt=0.0)
+    max_backoff: float = Field(API_OUTAGE.cap, gt=0.0)
     # Default long-poll wait of poll, claim and consume, in seconds.
     wait: float = Field(10.0, ge=0.0, le=600.0)
 

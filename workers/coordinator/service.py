@@ -24,8 +24,9 @@ from typing import Any
 
 from staleflow_db.errors import Conflict
 from staleflow_db.protocol import Protocol, Snapshot
-from staleflow_db.retry import Outage, is_db_unavailable, retrying
+from staleflow_db.retry import DATABASE_OUTAGE, is_db_unavailable
 from staleflow_db.rules import BufferCounts, Limits
+from workers.retry import Outage
 
 from .admission import AdmissionView
 from .cost_model import CostModel
@@ -176,7 +177,9 @@ class Coordinator:
         """One leader cycle (or a standby's lease check), retried through database outages.
         Returns whether we led."""
         try:
-            for attempt in retrying(self.database, stopping=lambda: self._stop, before_sleep=self._on_outage):
+            for attempt in DATABASE_OUTAGE.retrying(
+                self.database, stopping=lambda: self._stop, before_sleep=self._on_outage
+            ):
                 with attempt:
                     led = self.lead()
                     if led:

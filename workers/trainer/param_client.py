@@ -19,7 +19,7 @@ from typing import TypeVar
 import torch
 from torch.distributed import PrefixStore, ProcessGroupGloo, TCPStore
 
-from staleflow_db.retry import Outage, retrying
+from workers.retry import PARAM_SERVER, Outage
 from workers.trainer.param_store import (
     _CHUNK,
     ChecksumError,
@@ -122,7 +122,7 @@ class ParamClient:
         (a re-push of the same weights, a re-commit of the same checksum are no-ops)."""
         if self.retry_for == 0:
             return fn()
-        for attempt in retrying(self.outage, _ps_unavailable, retry_for=self.retry_for):
+        for attempt in PARAM_SERVER.but(retry_for=self.retry_for).retrying(self.outage, _ps_unavailable):
             with attempt:
                 out = fn()
         self.outage.ok()
