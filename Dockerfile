@@ -20,10 +20,11 @@ RUN python -m build --wheel --outdir /dist
 
 FROM ${PYTHON_IMAGE}
 # torch first, on its own index: PyPI's Linux torch is a CUDA build of several GB; the CPU
-# index keeps the image small. EXTRAS: `torch` (CPU engines, trainer, PS), `torch,vllm` on GPUs.
+# index keeps the image small. EXTRAS: `server` (database, API: every role runs from one image),
+# `torch` (CPU engines, trainer, PS), `vllm` on GPUs; a worker-only image: `worker,torch[,vllm]`.
 ARG TORCH_SPEC=torch==2.13.0
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
-ARG EXTRAS=torch
+ARG EXTRAS=server,torch
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     STALEFLOW_HOME=/var/lib/staleflow

@@ -54,7 +54,7 @@ $(VLLM_STAMP): pyproject.toml
 	$(VLLM_VENV)/bin/python -m pip install --progress-bar off $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL)) '$(TORCH_SPEC)'
 	$(VLLM_VENV)/bin/python -m pip install --progress-bar off '$(VLLM_SPEC)'
 	$(VLLM_VENV)/bin/python -m pip uninstall -y torchvision torchaudio torchcodec
-	$(VLLM_VENV)/bin/python -m pip install --progress-bar off -e . pytest pytest-timeout hypothesis
+	$(VLLM_VENV)/bin/python -m pip install --progress-bar off -e '.[server]' pytest pytest-timeout hypothesis
 	touch $@
 
 install-vllm: $(VLLM_STAMP)

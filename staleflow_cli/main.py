@@ -1,36 +1,101 @@
 """The ``staleflow`` command.
 
-Each command group lives in its own module exporting a ``typer.Typer`` and is
-registered below with one ``add_typer`` line; keep this root small.
+Each command group lives in its own module exporting a ``typer.Typer`` (or one command
+function) and is registered below with one line of COMMANDS; keep this root small.
+
+Commands are imported when run (or listed by ``--help``), not all up front: a worker node's
+install (``staleflow[worker]``, without the database and API stack) runs ``rollout-worker``,
+``reward-worker``, ``trainer`` ... and the server's commands say which extra they need.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib
 import logging
 import sys
+from typing import Any
 
 import typer
+from rich.markup import escape
+from typer.core import TyperGroup
 
-from staleflow_cli.audit import audit
-from staleflow_cli.coordinator import coordinator
-from staleflow_cli.dataset import app as dataset_app
-from staleflow_cli.db import app as db_app
-from staleflow_cli.demo import demo
-from staleflow_cli.enqueue import enqueue
-from staleflow_cli.experiment import app as experiment_app
-from staleflow_cli.launch_ray import app as launch_app
-from staleflow_cli.reward import reward_worker
-from staleflow_cli.rollout import rollout_worker
-from staleflow_cli.serve import serve
-from staleflow_cli.sim import app as sim_app
-from staleflow_cli.tokens import app as token_app
-from staleflow_cli.trainer import ps, trainer
+from workers.extras import missing_extra
+
+# name -> "module:attribute", a typer.Typer (a command group) or a command function, in the
+# order `staleflow --help` lists them.
+COMMANDS = {
+    "serve": "staleflow_cli.serve:serve",
+    "audit": "staleflow_cli.audit:audit",
+    "coordinator": "staleflow_cli.coordinator:coordinator",
+    "demo": "staleflow_cli.demo:demo",
+    "enqueue": "staleflow_cli.enqueue:enqueue",
+    "trainer": "staleflow_cli.trainer:trainer",
+    "ps": "staleflow_cli.trainer:ps",
+    "rollout-worker": "staleflow_cli.rollout:rollout_worker",
+    "reward-worker": "staleflow_cli.reward:reward_worker",
+    "db": "staleflow_cli.db:app",
+    "token": "staleflow_cli.tokens:app",
+    "dataset": "staleflow_cli.dataset:app",
+    "launch": "staleflow_cli.launch_ray:app",
+    "experiment": "staleflow_cli.experiment:app",
+    "sim": "staleflow_cli.sim:app",
+}
+
+
+@functools.cache
+def _load(name: str) -> Any:
+    """The click command of `name`, importing its module; a stand-in that names the extra to
+    install when the module needs one that is missing."""
+    module, _, attr = COMMANDS[name].partition(":")
+    try:
+        target = getattr(importlib.import_module(module), attr)
+    except ModuleNotFoundError as exc:
+        missing = missing_extra(exc)
+        if missing is None:
+            raise
+        return _not_installed(name, str(missing))
+    # Registered on a group as the root would have (no completion options of their own).
+    holder = typer.Typer(add_completion=False)
+    holder.callback()(lambda: None)
+    if isinstance(target, typer.Typer):
+        holder.add_typer(target, name=name)
+    else:
+        holder.command(name)(target)
+    return typer.main.get_command(holder).commands[name]  # type: ignore[attr-defined]
+
+
+def _not_installed(name: str, why: str) -> Any:
+    stand_in = typer.Typer()
+
+    @stand_in.command(
+        name,
+        help=f"(not installed here: {escape(why)})",  # `[server]` is not rich markup
+        context_settings={"ignore_unknown_options": True, "allow_extra_args": True, "help_option_names": []},
+    )
+    def refuse() -> None:
+        print(f"error: staleflow {name}: {why}", file=sys.stderr)
+        raise typer.Exit(1)
+
+    return typer.main.get_command(stand_in)
+
+
+class LazyGroup(TyperGroup):
+    def list_commands(self, ctx: Any) -> list[str]:
+        return [*super().list_commands(ctx), *COMMANDS]
+
+    def get_command(self, ctx: Any, cmd_name: str) -> Any:
+        if cmd_name in COMMANDS:
+            return _load(cmd_name)
+        return super().get_command(ctx, cmd_name)
+
 
 app = typer.Typer(
     name="staleflow",
     help="StaleFlow: PostgreSQL-backed data layer for asynchronous RL post-training.",
     no_args_is_help=True,
     add_completion=False,
+    cls=LazyGroup,
 )
 
 
@@ -49,23 +114,6 @@ def _root(verbose: bool = typer.Option(False, "--verbose", "-v", help="Debug log
     logging.getLogger("alembic.runtime.migration").addFilter(
         lambda r: not r.getMessage().startswith(("Context impl", "Will assume"))
     )
-
-
-app.add_typer(db_app, name="db")
-app.command()(serve)
-app.add_typer(token_app, name="token")
-app.command()(audit)
-app.command()(coordinator)
-app.command()(demo)
-app.command()(enqueue)
-app.add_typer(dataset_app, name="dataset")
-app.add_typer(launch_app, name="launch")
-app.add_typer(experiment_app, name="experiment")
-app.add_typer(sim_app, name="sim")
-app.command("trainer")(trainer)
-app.command("ps")(ps)
-app.command("rollout-worker")(rollout_worker)
-app.command("reward-worker")(reward_worker)
 
 
 if __name__ == "__main__":

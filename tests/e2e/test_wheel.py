@@ -8,12 +8,7 @@ second pass of .ci/run (`-m "db and not wheel"`) does not run it again.
 
 from __future__ import annotations
 
-import os
-import shutil
-import subprocess
-import sys
 import uuid
-import venv
 import zipfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,41 +16,12 @@ from pathlib import Path
 import psycopg
 import pytest
 from psycopg import sql
+from wheel_helpers import CHECKOUT, PACKAGES, TORCH, build_wheel, clean_venv, pip_install, run
 
 from staleflow_db.db import with_database
 
 # Past pytest-timeout's default: two pip installs (torch) and a demo.
 pytestmark = [pytest.mark.slow, pytest.mark.wheel, pytest.mark.timeout(1800)]
-
-CHECKOUT = Path(__file__).resolve().parents[2]
-PACKAGES = ("api", "staleflow_cli", "staleflow_db", "workers")
-# What the build reads; copied so that setuptools' build/ and *.egg-info stay out of the checkout.
-BUILD_INPUTS = ("pyproject.toml", "README.md", "migrations", *PACKAGES)
-
-
-def _run(cmd: list[str], timeout: float, **kw) -> subprocess.CompletedProcess[str]:
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, **kw)
-    assert out.returncode == 0, f"{cmd}\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
-    return out
-
-
-def _build_wheel(tmp: Path) -> Path:
-    src = tmp / "src"
-    src.mkdir()
-    ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
-    for name in BUILD_INPUTS:
-        path = CHECKOUT / name
-        if path.is_dir():
-            shutil.copytree(path, src / name, ignore=ignore)
-        else:
-            shutil.copy2(path, src / name)
-    # The dev environment's setuptools: no isolated build environment to download.
-    _run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w", str(tmp / "dist"), str(src)],
-        timeout=300,
-    )
-    (wheel,) = (tmp / "dist").glob("staleflow-*.whl")
-    return wheel
 
 
 def _expected_files() -> set[str]:
@@ -81,30 +47,20 @@ def empty_db(admin_url: str) -> Iterator[str]:
 
 
 def test_wheel_installs_migrates_and_runs_the_demo(tmp_path: Path, empty_db: str) -> None:
-    wheel = _build_wheel(tmp_path)
+    wheel = build_wheel(tmp_path)
     with zipfile.ZipFile(wheel) as z:
         missing = _expected_files() - set(z.namelist())
     assert not missing, f"not in the wheel (a package missing from pyproject's list?): {sorted(missing)}"
 
     env_dir = tmp_path / "venv"
-    venv.create(env_dir, with_pip=True)  # clean: no system site-packages
-    bin_dir = env_dir / "bin"
+    bin_dir, env = clean_venv(env_dir, STALEFLOW_HOME=str(tmp_path / "home"), STALEFLOW_DATABASE_URL=empty_db)
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
-    # Nothing of the checkout or the dev environment on sys.path, for pip too: a PYTHONPATH
-    # with the checkout (and a stray staleflow.egg-info there) makes pip skip the wheel.
-    env = {k: v for k, v in os.environ.items() if k not in {"PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME"}}
-    env |= {
-        "PATH": f"{bin_dir}{os.pathsep}{env['PATH']}",
-        "STALEFLOW_HOME": str(tmp_path / "home"),
-        "STALEFLOW_DATABASE_URL": empty_db,
-    }
-    pip = [str(bin_dir / "python"), "-m", "pip", "install", "--progress-bar", "off"]
-    _run([*pip, "torch==2.13.0"], timeout=900, cwd=elsewhere, env=env)  # first, as the README says
-    _run([*pip, f"{wheel}[demo]"], timeout=900, cwd=elsewhere, env=env)
+    pip_install(bin_dir, TORCH, cwd=elsewhere, env=env)  # first, as the README says
+    pip_install(bin_dir, f"{wheel}[demo]", cwd=elsewhere, env=env)
     staleflow = str(bin_dir / "staleflow")
 
-    where = _run(
+    where = run(
         [str(bin_dir / "python"), "-c", "import staleflow_db; print(staleflow_db.__file__)"],
         timeout=60,
         cwd=elsewhere,
@@ -112,10 +68,10 @@ def test_wheel_installs_migrates_and_runs_the_demo(tmp_path: Path, empty_db: str
     )
     assert str(env_dir) in where.stdout, f"staleflow_db imported from {where.stdout}, not the installed wheel"
 
-    up = _run([staleflow, "db", "upgrade"], timeout=300, cwd=elsewhere, env=env)
+    up = run([staleflow, "db", "upgrade"], timeout=300, cwd=elsewhere, env=env)
     assert "upgraded (empty) ->" in up.stdout, up.stdout + up.stderr
 
-    demo = _run(
+    demo = run(
         [
             staleflow,
             "demo",

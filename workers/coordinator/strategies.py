@@ -14,7 +14,8 @@ strategies update private copies of the views as they decide, never the caller's
   rollout: everyone pulls together once all are idle).
 * Migration — `migrate_throughput_ratio` (coordinator side, ψ, one per cycle) and
   `engine_should_interrupt_preempted` (engine side, φ_wait: called by the simulator's batch
-  model and by the rollout worker on a `PreemptedEvent`).
+  model and by the rollout worker on a `PreemptedEvent`; defined beside the engine interface,
+  workers/rollout/engines/base.py, and re-exported here).
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from collections.abc import Callable, Container, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+
+from workers.rollout.engines.base import engine_should_interrupt_preempted
 
 from .admission import Admission, AdmissionView, AlwaysAdmit, CallbackAdmission
 from .cost_model import CostModel
@@ -299,11 +302,3 @@ def _best_move(s: InstanceView, ld: InstanceView, cost: CostModel, min_gain: flo
     if best_k == 0 or best_total < before * (1.0 + min_gain):
         return ()
     return tuple(chosen[:best_k])
-
-
-def engine_should_interrupt_preempted(waiting_after_preemption: int, phi_wait: int | None) -> bool:
-    """Engine-side migration rule (φ_wait): a sample the engine just preempted is interrupted
-    back to the central queue (to be re-routed anywhere) instead of waiting on this engine
-    when the engine's waiting queue — counting the preempted sample — exceeds φ_wait.
-    `None` disables the rule (the sample waits, as in plain vLLM)."""
-    return phi_wait is not None and waiting_after_preemption > phi_wait

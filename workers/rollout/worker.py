@@ -17,8 +17,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from workers.client import Conflict, StaleFlowClient
-from workers.coordinator.strategies import engine_should_interrupt_preempted
-from workers.rollout.engines.base import Engine, FinishedEvent, PreemptedEvent, TokensEvent
+from workers.rollout.engines.base import (
+    Engine,
+    FinishedEvent,
+    PreemptedEvent,
+    TokensEvent,
+    engine_should_interrupt_preempted,
+)
 from workers.rollout.worker_inbox import Delivery, Inbox
 
 log = logging.getLogger("staleflow.rollout")

