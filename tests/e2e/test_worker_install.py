@@ -78,6 +78,10 @@ def test_worker_extra_runs_workers_and_the_sdk_without_server_code(tmp_path: Pat
         env=env,
     )
     assert absent.stdout.strip() == "[]", f"the worker extra installed {absent.stdout}"
+    staleflow = str(bin_dir / "staleflow")
+    assert "reward-worker" in run([staleflow, "--help"], timeout=60, cwd=elsewhere, env=env).stdout
+    serve = subprocess.run([staleflow, "serve"], cwd=elsewhere, env=env, capture_output=True, text=True, timeout=60)
+    assert serve.returncode == 1 and "pip install 'staleflow[server]'" in serve.stderr, serve.stdout + serve.stderr
     (elsewhere / "probe.py").write_text(PROBE)
     (elsewhere / "trainer.py").write_text(TRAINER)
 

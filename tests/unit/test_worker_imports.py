@@ -85,3 +85,23 @@ def test_worker_commands_load_no_server_code(command: str) -> None:
 def test_the_probe_sees_server_code() -> None:
     # The check above can fail: the server's modules show up where they are loaded.
     assert {"staleflow_db", "sqlalchemy", "api", "fastapi"} <= _loaded("import api.app")
+
+
+def test_server_commands_name_the_missing_extra() -> None:
+    # As on a worker node: the server stack cannot be imported. `--help` still lists every
+    # command; a server command refuses, naming the extra, and the worker commands run.
+    code = (
+        "import sys\n"
+        "for m in ('sqlalchemy', 'psycopg', 'alembic', 'fastapi', 'uvicorn', 'prometheus_client'):\n"
+        "    sys.modules[m] = None\n"
+        "from typer.testing import CliRunner\n"
+        "from staleflow_cli.main import app\n"
+        "runner = CliRunner()\n"
+        "help = runner.invoke(app, ['--help'], env={'COLUMNS': '200'})\n"
+        "assert help.exit_code == 0 and 'rollout-worker' in help.output and 'serve' in help.output, help.output\n"
+        "for args in (['serve', '--port', '0'], ['db', 'upgrade'], ['coordinator', '--run', '1']):\n"
+        "    res = runner.invoke(app, args)\n"
+        "    assert res.exit_code == 1 and \"pip install 'staleflow[server]'\" in res.output, (args, res.output)\n"
+        "assert runner.invoke(app, ['reward-worker', '--help']).exit_code == 0\n"
+    )
+    _loaded(code)  # its asserts hold
