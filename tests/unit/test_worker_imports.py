@@ -105,3 +105,18 @@ def test_server_commands_name_the_missing_extra() -> None:
         "assert runner.invoke(app, ['reward-worker', '--help']).exit_code == 0\n"
     )
     _loaded(code)  # its asserts hold
+
+
+def test_the_wire_is_a_leaf_package() -> None:
+    # workers.wire imports the standard library and pydantic only (pydantic's own dependencies
+    # come with it): the service and every worker can depend on it.
+    code = "import sys\nbefore = set(sys.modules)\nimport workers.wire.models, workers.wire.types, workers.wire.enums\n"
+    code += "new = set(sys.modules) - before\nimport json\nprint(json.dumps(sorted(new)))"
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    new = set(json.loads(out.stdout))
+    ours = {m for m in new if m.partition(".")[0] == "workers"}
+    assert all(m in ("workers", "workers.wire") or m.startswith("workers.wire.") for m in ours), ours
+    third_party = {m.partition(".")[0] for m in new} - set(sys.stdlib_module_names) - {"workers"}
+    pydantics = {"pydantic", "pydantic_core", "typing_extensions", "typing_inspection", "annotated_types"}
+    assert {m for m in third_party if not m.startswith("_")} <= pydantics, third_party
