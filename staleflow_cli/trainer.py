@@ -36,7 +36,7 @@ if TYPE_CHECKING:  # torch-backed: imported where used (the --sim trainer runs w
     import torch
 
     from workers.models.tiny_model import TinyConfig
-    from workers.trainer.param_server import ParamClient
+    from workers.trainer.param_client import ParamClient
     from workers.trainer.torch_trainer import Trainer
 
 

@@ -15,7 +15,7 @@ from ps_helpers import same, state_dict
 
 from staleflow_db.errors import Conflict
 from workers.trainer.loop import TrainerError, publish_fenced
-from workers.trainer.param_server import ChecksumError, ParamServerError, state_dict_checksum
+from workers.trainer.param_store import ChecksumError, ParamServerError, state_dict_checksum
 
 
 def _ready_buffer(d: Driver) -> None:

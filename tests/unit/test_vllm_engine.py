@@ -350,7 +350,8 @@ def test_workers_pull_from_the_parameter_server_themselves(tmp_path):
     """The worker extension against a real PS: the target if committed, else the latest
     committed one; installed through the worker's reload_weights."""
     torch = pytest.importorskip("torch")
-    from workers.trainer.param_server import ParamClient, ParamServer
+    from workers.trainer.param_client import ParamClient
+    from workers.trainer.param_server import ParamServer
 
     ps = ParamServer(tmp_path)
     host, port = ps.start()
