@@ -304,3 +304,20 @@ def test_the_schema_states_bounds_and_reserved_keys_in_json_schema_terms(world):
     assert fingerprint(world["engine"]) == before
     body = {"prompts": [{"client_key": "a~b", "prompt_tokens": [1]}]}  # "~" elsewhere is the caller's
     assert http.post(f"/v1/runs/{run}/prompts", json=body).status_code == 200
+
+
+def test_an_oversized_body_is_refused_before_any_endpoint_runs(world):
+    """The limit (64 KiB here) is a JSON 413 naming it, for a declared length and a chunked
+    body alike, and comes before the endpoint: one that reads no body (deregistering an
+    instance) does not run either."""
+    http, run, inst = world["http"], world["run"], world["inst"]
+    before = fingerprint(world["engine"])
+    big = b" " * 70_000
+    gone = f"/v1/runs/{run}/instances/{inst}"
+    for body in (lambda: big, lambda: iter([big[:40_000], big[40_000:]])):  # declared length, chunked
+        err = expect(http.request("DELETE", gone, content=body()), 413, "too_large")
+        assert err["message"] == f"request body over {64 * 1024} bytes"
+        expect(http.post(f"{gone}/segments", content=body()), 413, "too_large")
+    assert fingerprint(world["engine"]) == before
+    assert http.delete(gone).status_code == 200  # without the body it is taken
+    assert fingerprint(world["engine"]) != before
