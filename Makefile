@@ -3,10 +3,14 @@
 # skip straight to the command. The stamp depends on pyproject.toml, so a changed dependency
 # list reinstalls.
 #
-#   make demo [DEMO_ARGS="--steps 50"]
-#   make test [PYTEST_ARGS="tests/unit -q"]      # default: the whole suite, as .ci/run runs it
+#   make demo [DEMO_ARGS="--steps 50"]          # the main job on the embedded default (~4 min)
+#   make test [PYTEST_ARGS="tests/unit"]        # the suite less its `slow` tests (~5 min on 2 cores)
+#   make test-all                               # the whole suite, slow tests included (~8 min)
 #   make test-vllm                              # the vLLM adapter against vLLM's real classes (CPU)
 #   make install TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu   # the CPU build of torch
+#
+# The tests run through .ci/pytest (pytest on 2 workers, `-m "not slow"` unless PYTEST_ARGS
+# brings its own -m); pytest shows its progress and names every skipped test with its reason.
 #
 # torch: pip resolves TORCH_SPEC first, on its own, so nothing later can pull another build.
 # From PyPI on Linux x86-64 that is a CUDA build (several GB of nvidia-* wheels), GPU or not;
@@ -23,7 +27,7 @@ STAMP := $(VENV)/.staleflow-installed
 # Runs a command inside the virtualenv (its bin/ first on PATH), as `source activate` would.
 IN_VENV := PATH="$(abspath $(VENV))/bin:$$PATH" VIRTUAL_ENV="$(abspath $(VENV))"
 
-.PHONY: install demo test install-vllm test-vllm clean-venv
+.PHONY: install demo test test-all install-vllm test-vllm clean-venv
 
 install: $(STAMP)
 
@@ -39,6 +43,10 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(IN_VENV) .ci/pytest $(PYTEST_ARGS)
+
+# `-m ""` selects every test: it overrides .ci/pytest's default `-m "not slow"`.
+test-all: $(STAMP)
+	$(IN_VENV) .ci/pytest -m "" $(PYTEST_ARGS)
 
 # The vLLM adapter's tests against vLLM's real classes (its output processor, serialisation,
 # engine arguments), which import on the CPU: a test-only environment, since vLLM's wheel is

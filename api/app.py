@@ -116,7 +116,12 @@ def app_from_env() -> FastAPI:
 class BodyLimit:
     """Refuse bodies over the limit with 413 before the app sees them. A declared length is
     checked up front; a chunked body is read here (counting) and handed on from memory,
-    because an error raised while FastAPI reads the body would become a 400."""
+    because an error raised while FastAPI reads the body would become a 400.
+
+    Not FastAPI's `max_body_size` (Starlette's RequestBodyLimitMiddleware): it answers a
+    declared length over the limit with a plain-text "Content Too Large" that names no limit,
+    and only once the response starts, so an endpoint that reads no body (DELETE of an
+    instance, consume) has already run and changed the database (tests/api/test_api_errors.py)."""
 
     def __init__(self, app: ASGIApp, max_bytes: int):
         self.app, self.max_bytes = app, max_bytes

@@ -76,7 +76,8 @@ IdempotencyKey = Annotated[
         min_length=1,
         max_length=200,
         pattern=r"^[\x21-\x7e]+$",
-        description="request id: a retry with the same key returns the stored outcome",
+        description="request id, 1-200 visible ASCII characters (no spaces): a retry with the same key"
+        " returns the stored outcome",
     ),
 ]
 Wait = Annotated[

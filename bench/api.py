@@ -283,13 +283,11 @@ def drop_database(admin_url: str, url: str) -> None:
 
 
 def start_server(url: str, workers: int) -> tuple[subprocess.Popen, str]:
-    import socket
-
     import httpx
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from staleflow_cli.launch import free_port
+
+    port = free_port()
     env = {**os.environ, "STALEFLOW_DATABASE_URL": url}
     proc = subprocess.Popen(
         [

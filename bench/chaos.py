@@ -323,7 +323,8 @@ def check(engine, run: int, where: dict[str, Any]) -> dict[str, Any]:
     problems += [f"v{x}: published checksum {published[x][:12]} != trained {trained_sum[x][:12]}" for x in wrong]
     ps_version = ps_sum = None
     if where["ps"]:  # read the weights back and hash them as the trainer does
-        from workers.trainer.param_server import ParamClient, state_dict_checksum
+        from workers.trainer.param_client import ParamClient
+        from workers.trainer.param_store import state_dict_checksum
 
         sd, ps_version, _ = ParamClient(where["ps"], timeout_s=60).pull()
         ps_sum = state_dict_checksum(sd)

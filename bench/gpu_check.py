@@ -256,7 +256,8 @@ class PS:
     """Our parameter server in-process, with the versions this script pushed."""
 
     def __init__(self, data_dir: Path, folder_weights: dict[str, Any]):
-        from workers.trainer.param_server import ParamClient, ParamServer
+        from workers.trainer.param_client import ParamClient
+        from workers.trainer.param_server import ParamServer
 
         self.server = ParamServer(data_dir)
         host, port = self.server.start()

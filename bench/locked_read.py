@@ -3,8 +3,7 @@
     python bench/locked_read.py [--url URL] [--blocks 10] [--calls 40]
 
 `function`: migration 0005's `staleflow_lock_run_read`, which runs the read with EXECUTE and
-so plans it on every call (how route and record_rewards sent it before issue 11's fourth
-pass); `pipeline`: what they send now (`staleflow_db/protocol/driver.py`): the lock function,
+so plans it on every call (installed, unused); `pipeline`: what route and record_rewards send (`staleflow_db/protocol/driver.py`): the lock function,
 then the read as a prepared statement, in one round trip. Each timed call is one transaction
 (BEGIN, lock + read, ROLLBACK) on a run with 4,000 queued groups; blocks alternate which way
 goes first, the first two blocks are warm-up. Route's read (instances, samples, groups,

@@ -30,7 +30,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
-from workers.trainer.param_server import ParamClient, flat_checksum, flatten, main
+from workers.trainer.param_client import ParamClient
+from workers.trainer.param_server import main
+from workers.trainer.param_store import flat_checksum, flatten
 
 _TENSOR_BYTES = 16_000_000  # 4M float32 per tensor, roughly a 7B model's smaller matrices
 

@@ -344,7 +344,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--json", type=Path, default=RESULTS)
     ap.add_argument("--profile", action="store_true", help="time every SQL statement; print the top ones")
     args = ap.parse_args(argv)
-    # psycopg.connect and pgbench take libpq URLs only; the README accepts SQLAlchemy's too.
+    # psycopg.connect and pgbench take libpq URLs only; STALEFLOW_DATABASE_URL accepts SQLAlchemy's too (docs/settings.md).
     args.url = to_libpq_url(args.url) if args.url else None
     return args
 

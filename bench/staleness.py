@@ -1,4 +1,4 @@
-"""The staleness experiment (docs: README, "The staleness experiment"): a thin wrapper over
+"""The staleness experiment (docs/benchmarks.md, "Staleness experiment"): a thin wrapper over
 `staleflow experiment staleness`, writing bench/results/staleness.{md,json,png}.
 
     python bench/staleness.py                                   # η 0,1,2,4,8, TIS on and off, 3 seeds

@@ -36,7 +36,7 @@ from workers.extras import MissingExtra, require
 
 if TYPE_CHECKING:
     from workers.models.tiny_model import TinyConfig
-    from workers.trainer.param_server import ParamClient
+    from workers.trainer.param_client import ParamClient
 
 console = Console(stderr=True)
 
@@ -158,7 +158,7 @@ def ps_client(addr: str | None) -> ParamClient | None:
     host, _, port = addr.rpartition(":")
     if not host or not port.isdigit():
         raise typer.BadParameter(f"{addr!r} is not HOST:PORT", param_hint="--ps")
-    from workers.trainer.param_server import ParamClient
+    from workers.trainer.param_client import ParamClient
 
     # Long-running workers ride through a PS restart (it reloads its versions from disk).
     return ParamClient((host, int(port)), retry_for=None)

@@ -40,7 +40,7 @@ QUEUE_STEPS = 6  # steps' worth of prompts kept queued (covers eta, filtered gro
 
 @dataclass
 class DemoConfig:
-    steps: int = 150  # a few minutes on 2 cores; enough to pass 90% of the maximum reward (README)
+    steps: int = 150  # a few minutes on 2 cores; enough to pass 90% of the maximum reward (docs/benchmarks.md)
     instances: int = 3
     policy: str = "staleflow"
     eta: int = 1

@@ -20,10 +20,13 @@ from tenacity import RetryCallState
 from workers.retry import READY
 
 
-def free_port() -> int:
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port nobody listens on now (the kernel's pick; another process may take it before the
+    caller binds it). The one such helper: the launchers, the tests and the benchmarks use it
+    (the embedded PostgreSQL keeps its own, which picks below the ephemeral range)."""
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
 
 
 @dataclass

@@ -20,7 +20,6 @@ import ctypes
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -32,6 +31,7 @@ from typing import Any, cast
 import httpx
 import ray
 
+from staleflow_cli.launch import free_port
 from workers.retry import RESTART
 
 WATCH_S = 3.0  # how often dependencies' addresses are looked up again
@@ -50,12 +50,6 @@ def _die_with_parent() -> None:
     # live on, orphaned, beside the restarted ones.
     if _libc is not None and sys.platform.startswith("linux"):
         _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-
-
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 class RoleProcess:
@@ -184,7 +178,7 @@ class RoleProcess:
         argv = list(self.spec["argv"])
         kind = self.spec["kind"]
         if kind == "api":
-            self.port = _free_port(self.host)
+            self.port = free_port(self.host)
             argv += ["--host", self.host, "--port", str(self.port)]
         elif kind == "ps":
             self.ready_file = self.logdir / f"{self.name}.ready.json"

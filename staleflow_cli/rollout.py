@@ -40,7 +40,7 @@ if TYPE_CHECKING:  # torch-backed or heavy: imported where used
     from workers.models.tiny_model import TinyConfig
     from workers.rollout.engines.base import Engine as BaseEngine
     from workers.rollout.worker import WeightSource
-    from workers.trainer.param_server import ParamClient
+    from workers.trainer.param_client import ParamClient
 
 
 class Engine(str, enum.Enum):
@@ -261,7 +261,7 @@ def _engine(
 
 def _first_weights(pc: ParamClient, wait_s: float) -> tuple[dict[str, torch.Tensor], int]:
     """The latest COMMITTED version: the PS serves plain pulls only from committed weights."""
-    from workers.trainer.param_server import ChecksumError, ParamServerError
+    from workers.trainer.param_store import ChecksumError, ParamServerError
 
     def give_up(state: RetryCallState) -> None:
         raise fail(
@@ -285,7 +285,7 @@ def _pull(pc: ParamClient, target: int | None) -> tuple[dict[str, torch.Tensor],
     checksum is the published one); before that -- or once the PS dropped it for a newer
     one -- the latest committed version, so an instance never loads unpublished weights
     (e.g. a fenced trainer's push under a published number, before the winner's commit)."""
-    from workers.trainer.param_server import ChecksumError, ParamServerError
+    from workers.trainer.param_store import ChecksumError, ParamServerError
 
     try:
         sd, version, _ = pc.pull(target)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import enum
 import json
-from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -31,12 +30,13 @@ from staleflow_cli.common import (
 )
 from workers.client import ApiError, StaleFlowClient
 from workers.settings import home_dir
+from workers.trainer.options import SimOptions, TrainerOptions
 
 if TYPE_CHECKING:  # torch-backed: imported where used (the --sim trainer runs without torch)
     import torch
 
     from workers.models.tiny_model import TinyConfig
-    from workers.trainer.param_server import ParamClient
+    from workers.trainer.param_client import ParamClient
     from workers.trainer.torch_trainer import Trainer
 
 
@@ -85,67 +85,84 @@ def trainer(
     sim_s_per_token: float | None = typer.Option(None, "--sim-s-per-token", min=0.0, help="--sim: b"),
 ) -> None:
     """Consume ready batches in version order, train (GRPO/DAPO + TIS), push, publish."""
-    from workers.trainer import loop, sim_trainer
-
     if model is not None and (sim or model_config_):
         raise typer.BadParameter(
             "--model trains a Hugging Face model: no --sim, no --model-config", param_hint="--model"
         )
+    try:
+        opts = TrainerOptions(
+            steps=steps,
+            wait_s=wait,
+            checkpoint_dir=checkpoint_dir,
+            metrics_file=metrics_file,
+            lr=lr,
+            lr_end=lr_end,
+            weight_decay=weight_decay,
+            max_grad_norm=max_grad_norm,
+            clip_low=clip_low,
+            clip_high=clip_high,
+            tis_cap=tis_cap,
+            temperature=temperature,
+            micro_batch_tokens=micro_batch_tokens,
+            ppo_epochs=ppo_epochs,
+            minibatches=minibatches,
+            device=device,
+            threads=threads,
+            sim=SimOptions(time_scale, sim_overhead, sim_s_per_token) if sim else None,
+        )
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from None
     cfg = None if sim or model is not None else model_config(model_config_)
     if model is not None:
         hf_folder(model)
-    if threads and not sim:
+    if opts.threads and opts.sim is None:
         import torch
 
         # on a CPU shared with rollout workers, extra threads spin against them: measured
         # 4-8x slower GRPO updates with 2 threads than with 1 on a loaded 2-core machine
-        torch.set_num_threads(threads)
-    ps_addr = ps_client(ps) if not sim else None
+        torch.set_num_threads(opts.threads)
+    ps_addr = ps_client(ps) if opts.sim is None else None
     client, run_id = connect(api, token, run, api_wait)
-    if sim:
-        worker: Any = sim_trainer.SimTrainer(
-            client,
-            run_id,
-            time_scale=time_scale,
-            wait_s=wait,
-            overhead_s=sim_trainer.SIM_OVERHEAD_S if sim_overhead is None else sim_overhead,
-            s_per_token=sim_trainer.SIM_S_PER_TOKEN if sim_s_per_token is None else sim_s_per_token,
-        )
+    if opts.sim is not None:
+        worker: Any = _sim_trainer(client, run_id, opts, opts.sim)
     else:
-        worker = _torch_trainer(
-            client,
-            run_id,
-            _build_model(cfg, model, model_seed, device, init_weights),
-            ps_addr,
-            checkpoint_dir,
-            lr,
-            weight_decay,
-            clip_low,
-            clip_high,
-            tis_cap,
-            temperature,
-            max_grad_norm,
-            micro_batch_tokens,
-            wait,
-            ppo_epochs,
-            minibatches,
-            _linear_decay(steps, lr_end),
-        )
+        built = _build_model(cfg, model, model_seed, opts.device, init_weights)
+        worker = _torch_trainer(client, run_id, built, ps_addr, opts)
+    _run_trainer(worker, client, run_id, opts)
+
+
+def _run_trainer(worker: Any, client: StaleFlowClient, run_id: int, opts: TrainerOptions) -> None:
+    """Steps until `opts.steps` versions are published (or a signal), with progress."""
+    from workers.trainer import loop
+
     on_signals(worker.stop, "finishing the current step")
-    with progress(steps, f"trainer run {run_id}: waiting for a batch") as (bar, task):
+    with progress(opts.steps, f"trainer run {run_id}: waiting for a batch") as (bar, task):
 
         def on_step(m: Any) -> None:
             bar.update(task, advance=1, description=escape(f"trainer run {run_id}: {m.line()}"))
-            if metrics_file is not None:
-                with open(metrics_file, "a") as f:
+            if opts.metrics_file is not None:
+                with open(opts.metrics_file, "a") as f:
                     f.write(json.dumps(m.to_json()) + "\n")
 
         try:
-            done = worker.run(steps=steps, on_step=on_step)
+            done = worker.run(steps=opts.steps, on_step=on_step)
         except (loop.TrainerError, ApiError) as e:
             raise fail(str(e)) from None
     console.print(
         f"trainer: {len(done)} step(s) published; run {run_id} at version {client.run_status(run_id).version}"
+    )
+
+
+def _sim_trainer(client: StaleFlowClient, run_id: int, opts: TrainerOptions, sim: SimOptions) -> Any:
+    from workers.trainer import sim_trainer
+
+    return sim_trainer.SimTrainer(
+        client,
+        run_id,
+        time_scale=sim.time_scale,
+        wait_s=opts.wait_s,
+        overhead_s=sim_trainer.SIM_OVERHEAD_S if sim.overhead_s is None else sim.overhead_s,
+        s_per_token=sim_trainer.SIM_S_PER_TOKEN if sim.s_per_token is None else sim.s_per_token,
     )
 
 
@@ -170,44 +187,20 @@ def _build_model(
     return tiny.to(device), {"model_config": cfg.to_dict(), "model_seed": model_seed}
 
 
-def _linear_decay(steps: int | None, lr_end: float) -> Callable[[int], float] | None:
-    """lr x 1 at version 0 down to lr x lr_end at version steps - 1 (then flat): a decaying
-    lr lets the policy settle by the end of a fixed budget. None when there is no decay."""
-    if lr_end == 1.0:
-        return None
-    if steps is None:
-        raise typer.BadParameter("--lr-end decays over --steps: give --steps", param_hint="--lr-end")
-    return lambda v: 1.0 + (lr_end - 1.0) * min(v, steps - 1) / max(1, steps - 1)
-
-
 def _torch_trainer(
     client: StaleFlowClient,
     run_id: int,
     built: tuple[torch.nn.Module, dict[str, Any]],
     ps_addr: ParamClient | None,
-    checkpoint_dir: Path | None,
-    lr: float,
-    weight_decay: float,
-    clip_low: float,
-    clip_high: float,
-    tis_cap: float,
-    temperature: float,
-    max_grad_norm: float,
-    micro_batch_tokens: int,
-    wait: float,
-    ppo_epochs: int = 1,
-    minibatches: int = 1,
-    lr_scale: Callable[[int], float] | None = None,
+    opts: TrainerOptions,
 ) -> Trainer:
     import torch
 
-    from workers.trainer.grpo import GRPOConfig
     from workers.trainer.torch_trainer import Trainer
 
-    directory = checkpoint_dir or home_dir() / "trainer" / f"run-{run_id}"
+    directory = opts.checkpoint_dir or home_dir() / "trainer" / f"run-{run_id}"
     model, extra_state = built
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
-    grpo = GRPOConfig(clip_low=clip_low, clip_high=clip_high, tis_cap=tis_cap or None, temperature=temperature)
+    opt = torch.optim.AdamW(model.parameters(), lr=opts.lr, weight_decay=opts.weight_decay)
     where = f"{ps_addr.addr[0]}:{ps_addr.addr[1]}" if ps_addr else "none"
     console.print(escape(f"trainer: checkpoints in {directory}; PS {where}"))
     return Trainer(
@@ -217,14 +210,14 @@ def _torch_trainer(
         opt,
         ps=ps_addr,
         checkpoint_dir=directory,
-        grpo=grpo,
-        wait_s=wait,
-        micro_batch_tokens=micro_batch_tokens,
-        max_grad_norm=max_grad_norm or None,
+        grpo=opts.grpo(),
+        wait_s=opts.wait_s,
+        micro_batch_tokens=opts.micro_batch_tokens,
+        max_grad_norm=opts.max_grad_norm or None,
         extra_state=extra_state,
-        ppo_epochs=ppo_epochs,
-        minibatches=minibatches,
-        lr_scale=lr_scale,
+        ppo_epochs=opts.ppo_epochs,
+        minibatches=opts.minibatches,
+        lr_scale=opts.lr_scale(),
     )
 
 

@@ -2,14 +2,39 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
+import psycopg
 from sqlalchemy import Engine, create_engine
+from sqlalchemy import pool as sa_pool
 from sqlalchemy.engine import make_url
 
 from staleflow_db.settings import Settings, get_settings, to_libpq_url, to_sqlalchemy_url
 
 CONNECT_TIMEOUT_S = 5
+
+
+class _ResetOfALostConnection(logging.Filter):
+    """SQLAlchemy's pool rolls a connection back when it is returned and, if that fails, logs
+    "Exception during reset or similar" with a traceback and drops the connection. When the
+    backend is gone (terminated, restarted) that is expected and said in one line; any other
+    failure keeps its traceback."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if record.msg == "Exception during reset or similar" and isinstance(exc, psycopg.OperationalError):
+            record.msg = "pooled connection lost (%s); dropped from the pool"
+            record.args = (str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__,)
+            record.exc_info = record.exc_text = None
+            record.levelno, record.levelname = logging.WARNING, logging.getLevelName(logging.WARNING)
+        return True
+
+
+# Each pool class logs under its own name (sqlalchemy.pool.impl.QueuePool, ...): a logger's
+# filter sees only the records logged to that very logger.
+for _cls in (sa_pool.QueuePool, sa_pool.NullPool, sa_pool.StaticPool, sa_pool.SingletonThreadPool):
+    logging.getLogger(f"{_cls.__module__}.{_cls.__name__}").addFilter(_ResetOfALostConnection())
 
 
 def database_url(settings: Settings | None = None) -> str:

@@ -421,6 +421,8 @@ class ReferenceProtocol:
             if sent is not None and self.published[version].get("checksum") != sent:
                 raise Conflict([(version, "published with another checksum")])
             return self.version
+        if version < self.version:
+            raise Conflict([(version, f"replay of an older version: run is at version {self.version}")])
         if version != self.version:
             raise Conflict([(version, f"run is at version {self.version}")])
         if self.consume_lease.get(version) != lease:

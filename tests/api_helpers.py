@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -20,6 +19,7 @@ import httpx
 
 from api.auth import create_token
 from api.settings import ApiSettings
+from staleflow_cli.launch import free_port
 from staleflow_db.db import make_engine
 from staleflow_db.settings import Settings
 from workers.client import StaleFlowClient
@@ -30,12 +30,6 @@ with warnings.catch_warnings():  # starlette nags about httpx; it is what the cl
 
 REPO = Path(__file__).resolve().parent.parent
 ROLES = ("admin", "rollout", "reward", "trainer", "coordinator", "observer")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class ApiServer:

@@ -112,7 +112,7 @@ def assert_trained_hf_run(engine: Any, run: int, folder: Path, steps: int) -> No
 
     from staleflow_db.audit import summary
     from workers.models.hf import load_model
-    from workers.trainer.param_server import state_dict_checksum
+    from workers.trainer.param_store import state_dict_checksum
 
     with engine.connect() as c:
         checksums = dict(

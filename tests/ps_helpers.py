@@ -9,7 +9,8 @@ from pathlib import Path
 
 import torch
 
-from workers.trainer.param_server import ParamClient, main
+from workers.trainer.param_client import ParamClient
+from workers.trainer.param_server import main
 
 SPAWN = mp.get_context("spawn")
 WAIT_S = 60  # generous guard so a broken PS fails the test instead of hanging it

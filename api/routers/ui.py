@@ -16,8 +16,9 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Cookie, Depends, HTTPException, Path, Query, Request
 from fastapi.encoders import jsonable_encoder
-from fastapi.responses import FileResponse, HTMLResponse, RedirectResponse, Response, StreamingResponse
+from fastapi.responses import FileResponse, HTMLResponse, RedirectResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from fastapi.sse import EventSourceResponse, ServerSentEvent
 from starlette.concurrency import run_in_threadpool
 
 from staleflow_db.notify import BATCH
@@ -143,24 +144,22 @@ def dashboard(
     return jsonable_encoder(state.protocol.dashboard(run_id, panels))
 
 
+async def _stream_viewer(run_id: RunId, state: State, who: RunViewer) -> Principal:
+    """401/403, then 404 for an unknown run: answered before the stream (and its 200) starts."""
+    await run_in_threadpool(state.protocol.get_run, run_id)
+    return who
+
+
 # OpenAPI cannot describe an endless event stream (and generated clients would hang on it):
-# it is documented in docs/api.md instead.
-@router.get("/v1/runs/{run_id}/dashboard/stream", include_in_schema=False)
-async def stream(run_id: RunId, request: Request, state: State, who: RunViewer) -> StreamingResponse:
+# it is documented in docs/api.md instead. FastAPI's EventSourceResponse sends the headers
+# that keep proxies from buffering it (Cache-Control: no-cache, X-Accel-Buffering: no) and a
+# keep-alive comment whenever the generator is quiet for 15 s.
+@router.get("/v1/runs/{run_id}/dashboard/stream", response_class=EventSourceResponse, include_in_schema=False)
+async def stream(
+    run_id: RunId, request: Request, state: State, who: Annotated[Principal, Depends(_stream_viewer)]
+) -> AsyncIterator[ServerSentEvent]:
     """Server-sent events: the whole dashboard (as from `GET .../dashboard?audit=true`) as
     each event's data, sent when it changed; re-read every second and after each publish."""
-    await run_in_threadpool(state.protocol.get_run, run_id)  # 404 before the stream starts
-    return StreamingResponse(_events(request, state, run_id), media_type="text/event-stream")
-
-
-@router.get("/v1/runs/{run_id}/dashboard/{panel}", responses=errors(404), tags=["dashboard"])
-def panel(run_id: RunId, panel: Panel, state: State, who: RunViewer) -> dict[str, Any]:
-    """One panel: steps, staleness, instances, queue, coordinator, drops or audit."""
-    data = state.protocol.dashboard(run_id, (panel,))
-    return jsonable_encoder({"run": data["run"], panel: data[panel]})
-
-
-async def _events(request: Request, state: AppState, run_id: int) -> AsyncIterator[str]:
     last, audit, audited_at = "", None, -AUDIT_EVERY_S
     while not await request.is_disconnected():
         woken = state.notifier.event(run_id, BATCH)
@@ -171,6 +170,13 @@ async def _events(request: Request, state: AppState, run_id: int) -> AsyncIterat
         audit = data.setdefault("audit", audit)
         body = json.dumps(jsonable_encoder(data), separators=(",", ":"))
         # an unchanged dashboard sends a comment, which also finds a closed connection
-        yield f"data: {body}\n\n" if body != last else ": unchanged\n\n"
+        yield ServerSentEvent(raw_data=body) if body != last else ServerSentEvent(comment="unchanged")
         last = body
         await wait_for(woken, REFRESH_S)
+
+
+@router.get("/v1/runs/{run_id}/dashboard/{panel}", responses=errors(404), tags=["dashboard"])
+def panel(run_id: RunId, panel: Panel, state: State, who: RunViewer) -> dict[str, Any]:
+    """One panel: steps, staleness, instances, queue, coordinator, drops or audit."""
+    data = state.protocol.dashboard(run_id, (panel,))
+    return jsonable_encoder({"run": data["run"], panel: data[panel]})

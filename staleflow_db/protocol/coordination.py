@@ -17,7 +17,7 @@ from ..errors import Conflict, InvalidInput, NotFound
 from ..idempotency import transactional
 from ..types import RouteResult
 from .base import RUN_COLUMNS, RunRow, RunTx, TxMixin, load_run
-from .rollout import INTERRUPT_COMMANDS, INTERRUPT_TARGETS, check_batch, check_found, interrupt_running
+from .rollout import INTERRUPT_COMMANDS, INTERRUPT_TARGETS, check_batch, check_found, check_unique, interrupt_running
 from .routing import route_in, route_read
 
 
@@ -208,6 +208,7 @@ class CoordinationOps(TxMixin):
     ) -> int:
         """Tell the run's active instances among `instance_ids` to load newer weights
         (`target_version`, default the run's version); returns how many were told."""
+        check_unique(instance_ids, "instance", "pull")
         with self.tx(conn) as conn:
             run = load_run(conn, run_id, lock=False)
             target = run.version if target_version is None else target_version

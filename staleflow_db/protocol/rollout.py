@@ -58,6 +58,15 @@ def check_batch(items: Sequence, what: str) -> None:
         raise TooLarge(f"{len(items)} {what} in one call (at most {MAX_BATCH})")
 
 
+def check_unique(ids: Sequence[int], what: str, call: str) -> None:
+    """InvalidInput naming the first id that appears twice in one batch."""
+    seen: set[int] = set()
+    for i in ids:
+        if i in seen:
+            raise InvalidInput(f"{what} {i} appears twice in one {call} batch")
+        seen.add(i)
+
+
 class RolloutOps(TxMixin):
     # ---- runs and prompts ------------------------------------------------------------------
 
@@ -312,6 +321,7 @@ class RolloutOps(TxMixin):
     ) -> int:
         """Ask the instances running these samples to interrupt them (they report what they
         have); returns how many were running. `epoch`: the coordinator's, kept on the commands."""
+        check_unique(sample_ids, "sample", "interrupt")
         with self.tx(conn) as conn:
             load_run(conn, run_id, lock=False)
             return interrupt_running(conn, run_id, sample_ids, epoch)

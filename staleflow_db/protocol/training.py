@@ -147,6 +147,16 @@ class TrainingOps(TxMixin):
             if version == run.version - 1:
                 self._check_replay(rtx, version, lease, checksum)
                 return run.version  # already published by this very lease: a retry
+            if version < run.version:  # a buffer published before the latest one
+                raise Conflict(
+                    [
+                        (
+                            version,
+                            f"replay of an older version: batch {version} was published as version"
+                            f" {version + 1}; run {run_id} is at version {run.version}",
+                        )
+                    ]
+                )
             if version != run.version:
                 raise Conflict([(version, f"run {run_id} is at version {run.version}")])
             buf = conn.execute(

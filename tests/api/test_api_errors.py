@@ -216,3 +216,108 @@ def test_validation_errors_name_the_field(world):
     assert "name" in err["message"] and "config.batch_size" in err["message"]
     assert {tuple(d["loc"]) for d in err["details"]} == {("body", "name"), ("body", "config", "batch_size")}
     assert json.loads(r.text)["error"]["code"] == "invalid_input"
+
+
+def test_a_batch_naming_an_id_twice_is_refused_and_changes_nothing(world):
+    http, run, sample, inst = world["http"], world["run"], world["sample"], world["inst"]
+    before = fingerprint(world["engine"])
+    for key in (None, "twice-1"):  # with a request id the refusal is not stored either
+        headers = {"Idempotency-Key": key} if key else {}
+        body = {"sample_ids": [sample, sample]}
+        err = expect(http.post(f"/v1/runs/{run}/commands/interrupt", json=body, headers=headers), 422, "invalid_input")
+        assert err["message"] == f"sample {sample} appears twice in one interrupt batch"
+        body = {"instance_ids": [inst, inst]}
+        err = expect(http.post(f"/v1/runs/{run}/commands/pull", json=body, headers=headers), 422, "invalid_input")
+        assert err["message"] == f"instance {inst} appears twice in one pull batch"
+    assert fingerprint(world["engine"]) == before
+    # once each, the same calls (and the request id) are taken
+    ok = http.post(
+        f"/v1/runs/{run}/commands/interrupt", json={"sample_ids": [sample]}, headers={"Idempotency-Key": "twice-1"}
+    )
+    assert ok.status_code == 200 and ok.json() == {"commands": 1}
+    assert http.post(f"/v1/runs/{run}/commands/pull", json={"instance_ids": [inst]}).json() == {"commands": 1}
+
+
+def test_idempotency_keys_are_visible_ascii_without_spaces(world):
+    http, run = world["http"], world["run"]
+    seg = f"/v1/runs/{run}/instances/{world['inst']}/segments"
+    before = fingerprint(world["engine"])
+    for bad in ("has space", " lead", "tab\there", "x" * 201):
+        err = expect(http.post(seg, json=report(world, kind="partial"), headers={"Idempotency-Key": bad}), 422)
+        assert [d["loc"] for d in err["details"]] == [["header", "Idempotency-Key"]], err
+    assert fingerprint(world["engine"]) == before
+    # every visible character from "!" to "~" is allowed, up to 200 of them
+    key = "".join(chr(c) for c in range(0x21, 0x7F)) + "k" * 106
+    first = http.post(seg, json=report(world, kind="partial"), headers={"Idempotency-Key": key})
+    assert first.status_code == 200 and first.json() == {"applied": 1}
+    after = fingerprint(world["engine"])
+    again = http.post(seg, json=report(world, kind="partial"), headers={"Idempotency-Key": key})
+    assert again.status_code == 200 and again.json() == first.json() and fingerprint(world["engine"]) == after
+    header = next(
+        p
+        for p in http.get("/openapi.json").json()["paths"]["/v1/runs/{run_id}/routes"]["post"]["parameters"]
+        if p["name"] == "Idempotency-Key"
+    )
+    assert header["schema"]["anyOf"][0] == {
+        "type": "string",
+        "minLength": 1,
+        "maxLength": 200,
+        "pattern": r"^[\x21-\x7e]+$",
+    }
+    assert "no spaces" in header["description"]
+
+
+def _keys(node):
+    """Every key of every object in a JSON document."""
+    if isinstance(node, dict):
+        for k, v in node.items():
+            yield k
+            yield from _keys(v)
+    elif isinstance(node, list):
+        for v in node:
+            yield from _keys(v)
+
+
+def test_the_schema_states_bounds_and_reserved_keys_in_json_schema_terms(world):
+    http, run = world["http"], world["run"]
+    spec = http.get("/openapi.json").json()
+    assert {"ge", "le"}.isdisjoint(_keys(spec))  # pydantic's names, which schema tools ignore
+    schemas = spec["components"]["schemas"]
+    assert schemas["ReportIn"]["properties"]["logprobs"]["items"] == {
+        "type": "number",
+        "minimum": -3.0e38,
+        "maximum": 3.0e38,
+    }
+    lease = schemas["HeartbeatIn"]["properties"]["lease_seconds"]
+    assert (lease["type"], lease["minimum"], lease["maximum"]) == ("number", 1.0, 3600.0)
+    reward = schemas["RewardIn"]["properties"]["reward"]
+    assert (reward["minimum"], reward["maximum"]) == (-1e300, 1e300)
+
+    # client keys starting with "~" are the data layer's (re-enqueued filtered groups)
+    key = schemas["PromptIn"]["properties"]["client_key"]
+    assert key["pattern"] == r"^[^~\x00][^\x00]*$" and "`~`" in key["description"]
+    before = fingerprint(world["engine"])
+    for reserved in ("~r1:k", "~"):
+        body = {"prompts": [{"client_key": reserved, "prompt_tokens": [1]}]}
+        err = expect(http.post(f"/v1/runs/{run}/prompts", json=body), 422, "invalid_input")
+        assert [d["loc"] for d in err["details"]] == [["body", "prompts", "0", "client_key"]], err
+    assert fingerprint(world["engine"]) == before
+    body = {"prompts": [{"client_key": "a~b", "prompt_tokens": [1]}]}  # "~" elsewhere is the caller's
+    assert http.post(f"/v1/runs/{run}/prompts", json=body).status_code == 200
+
+
+def test_an_oversized_body_is_refused_before_any_endpoint_runs(world):
+    """The limit (64 KiB here) is a JSON 413 naming it, for a declared length and a chunked
+    body alike, and comes before the endpoint: one that reads no body (deregistering an
+    instance) does not run either."""
+    http, run, inst = world["http"], world["run"], world["inst"]
+    before = fingerprint(world["engine"])
+    big = b" " * 70_000
+    gone = f"/v1/runs/{run}/instances/{inst}"
+    for body in (lambda: big, lambda: iter([big[:40_000], big[40_000:]])):  # declared length, chunked
+        err = expect(http.request("DELETE", gone, content=body()), 413, "too_large")
+        assert err["message"] == f"request body over {64 * 1024} bytes"
+        expect(http.post(f"{gone}/segments", content=body()), 413, "too_large")
+    assert fingerprint(world["engine"]) == before
+    assert http.delete(gone).status_code == 200  # without the body it is taken
+    assert fingerprint(world["engine"]) != before

@@ -5,6 +5,7 @@ with real tensors."""
 
 from __future__ import annotations
 
+import httpx
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -15,7 +16,7 @@ from ps_helpers import same, state_dict
 
 from staleflow_db.errors import Conflict
 from workers.trainer.loop import TrainerError, publish_fenced
-from workers.trainer.param_server import ChecksumError, ParamServerError, state_dict_checksum
+from workers.trainer.param_store import ChecksumError, ParamServerError, state_dict_checksum
 
 
 def _ready_buffer(d: Driver) -> None:
@@ -63,6 +64,38 @@ def test_a_fenced_trainer_stops_with_a_clear_message_over_http(db_url, engine):
         with pytest.raises(TrainerError, match="fenced: another trainer consumed buffer 0"):
             publish_fenced(trainer, d2.run, 0, old.lease)
         assert trainer.run_status(d2.run).version == 0
+
+
+def test_a_replayed_publish_of_an_older_version_says_so(db_url, engine):
+    """Two versions published; a publish of the first batch again is 409 naming it a replay of
+    an older version (the version asked and the current one), and changes nothing."""
+    d = Driver(engine, batch_size=1, group_size=1, eta=1)
+    _ready_buffer(d)
+    first = d.p.consume(d.run, 0)
+    assert d.p.publish(d.run, 0, first.lease, checksum="A") == 1
+    inst = d.p.register_instance(d.run, "i1", 1)
+    (g,) = d.enqueue(1)
+    d.complete(d.members(g), inst, version=1)
+    second = d.p.consume(d.run, 1)
+    assert d.p.publish(d.run, 1, second.lease, checksum="B") == 2
+    published = d.rows("SELECT version, checksum FROM param_versions WHERE run_id = :r ORDER BY version")
+    why = f"replay of an older version: batch 0 was published as version 1; run {d.run} is at version 2"
+    with pytest.raises(Conflict) as refused:
+        d.p.publish(d.run, 0, first.lease, checksum="A")
+    assert refused.value.items == [(0, why)]
+    with ApiServer(db_url) as server:
+        trainer = token(db_url, "trainer", d.run)
+        for lease in (first.lease, second.lease):  # its own lease or not: an older version is no retry
+            r = httpx.post(
+                f"{server.url}/v1/runs/{d.run}/batches/0/publish",
+                json={"lease": lease, "checksum": "A"},
+                headers={"Authorization": f"Bearer {trainer}"},
+            )
+            assert r.status_code == 409, r.text
+            assert r.json()["error"]["items"] == [{"id": 0, "reason": why}]
+            assert r.json()["error"]["message"] == f"0: {why}"
+    assert d.rows("SELECT version, checksum FROM param_versions WHERE run_id = :r ORDER BY version") == published
+    assert d.scalars("SELECT version FROM runs WHERE id = :r") == [2]
 
 
 def test_the_ps_serves_only_the_published_weights_of_a_version(start_ps):

@@ -25,7 +25,7 @@ from staleflow_db.protocol import Prompt, Protocol
 from staleflow_db.types import RunConfig
 from workers.tasks.repeat import RepeatTask
 
-pytestmark = [pytest.mark.browser, pytest.mark.slow]
+pytestmark = pytest.mark.browser
 
 CHROMIUM = os.environ.get("STALEFLOW_CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
 ARTIFACTS = Path(os.environ.get("STALEFLOW_TEST_ARTIFACTS") or Path(__file__).parents[1] / "artifacts")
@@ -33,7 +33,10 @@ WAIT_MS = 30_000
 
 sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (pip install playwright)")
 if not Path(CHROMIUM).exists():
-    pytest.skip(f"no Chromium at {CHROMIUM} (apt-get install chromium)", allow_module_level=True)
+    pytest.skip(
+        f"no Chromium at {CHROMIUM}: apt-get install chromium (Debian's), or set STALEFLOW_CHROMIUM",
+        allow_module_level=True,
+    )
 
 
 @pytest.fixture

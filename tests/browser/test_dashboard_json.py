@@ -3,6 +3,8 @@ database does): one step walked through the API, then every panel against what i
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import pytest
 from sqlalchemy import text
@@ -80,3 +82,32 @@ def test_panels_pages_and_report(db_url, tmp_path):
     page = write_report_html(tmp_path, data).read_text()
     assert "window.SF = {live: false" in page and "/ui/static/" not in page  # self-contained
     assert '"reward_mean": 0.5' in page
+
+
+def test_the_event_stream_is_not_buffered_by_proxies(db_url):
+    """Over real HTTP: the stream says `no-cache` and `X-Accel-Buffering: no` (so nginx and
+    other proxies pass each event on at once) and sends the dashboard as its first event;
+    refusals (no token, another run, a run that does not exist) are plain JSON errors
+    answered before any stream starts."""
+    with ApiServer(db_url) as server:
+        admin = server.client(token(db_url, "admin"))
+        run = admin.create_run("stream", batch_size=1, group_size=1, eta=0).id
+        auth = {"Authorization": f"Bearer {token(db_url, 'observer', run)}"}
+        with httpx.Client(base_url=server.url, timeout=10) as http:
+            with http.stream("GET", f"/v1/runs/{run}/dashboard/stream", headers=auth) as s:
+                assert s.status_code == 200
+                assert s.headers["content-type"].startswith("text/event-stream")
+                assert s.headers["cache-control"] == "no-cache"
+                assert s.headers["x-accel-buffering"] == "no"
+                first = next(s.iter_lines())
+                assert first.startswith("data: {")
+                event = json.loads(first.removeprefix("data: "))
+                assert event["run"]["id"] == run and event["audit"] == {"violations": [], "ok": True}
+            for headers, path, status in (
+                ({}, f"/v1/runs/{run}/dashboard/stream", 401),
+                (auth, f"/v1/runs/{run + 1}/dashboard/stream", 403),
+                ({"Authorization": f"Bearer {token(db_url, 'observer')}"}, "/v1/runs/999999/dashboard/stream", 404),
+            ):
+                r = http.get(path, headers=headers)
+                assert r.status_code == status and r.headers["content-type"] == "application/json", r.text
+                assert r.json()["error"]["code"] in {"unauthorized", "forbidden", "not_found"}

@@ -5,6 +5,8 @@ read is prepared once per connection."""
 
 from __future__ import annotations
 
+import logging
+import re
 import threading
 
 import pytest
@@ -128,3 +130,22 @@ def test_the_locked_read_is_prepared_once_per_connection(engine):
             {"q": "%" + ROUTE_READ[:40].replace("%", r"\%") + "%"},
         ).scalar_one()
     assert prepared == 1
+
+
+def test_a_backend_killed_mid_transaction_logs_one_line_when_its_connection_returns(engine, caplog):
+    """A pooled connection's backend is terminated while its transaction (begun by a pipeline,
+    which SQLAlchemy's own rollback does not see) is open: returning the connection, the pool's
+    rollback fails and it drops the connection. That is one warning, not SQLAlchemy's
+    "Exception during reset" traceback, and the pool goes on with a new connection."""
+    with engine.connect() as killer:
+        with engine.connect() as conn:
+            pid = conn.connection.driver_connection.info.backend_pid
+            assert driver.scalars(conn, [("SELECT 1", {})]) == [1]
+            assert killer.execute(text("SELECT pg_terminate_backend(:p, 10000)"), {"p": pid}).scalar_one()
+            killer.commit()
+        with engine.connect() as conn:
+            assert conn.connection.driver_connection.info.backend_pid != pid
+    logged = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert [(r.name, r.levelname) for r in logged] == [("sqlalchemy.pool.impl.QueuePool", "WARNING")], caplog.text
+    assert re.fullmatch(r"pooled connection lost \(.+\); dropped from the pool", logged[0].getMessage())
+    assert logged[0].exc_info is None and "Traceback" not in caplog.text and "\n" not in logged[0].getMessage()

@@ -1,4 +1,4 @@
-"""Instance leases and report fencing (issue 8: items 2, 6, 8 and 9), against the real
+"""Instance leases and report fencing, against the real
 PostgreSQL and, where the API is involved, a real `staleflow serve` over HTTP.
 
 Races are made deterministic, never slept on: one connection holds a row lock the operation

@@ -1,5 +1,5 @@
 """Small refusals and acceptances: duplicate ids in one abort batch (database and reference
-model alike), and bench/protocol.py taking the SQLAlchemy-style URLs the README documents."""
+model alike), and bench/protocol.py taking the SQLAlchemy-style URLs docs/settings.md documents."""
 
 from __future__ import annotations
 

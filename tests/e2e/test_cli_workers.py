@@ -13,9 +13,10 @@ import sys
 import time
 
 import pytest
-from api_helpers import REPO, ApiServer, free_port, token, walk_lifecycle
+from api_helpers import REPO, ApiServer, token, walk_lifecycle
 from typer.testing import CliRunner
 
+from staleflow_cli.launch import free_port
 from staleflow_cli.main import app
 
 WAIT_S = 60  # guards against a hang, never a timing assertion

@@ -28,6 +28,7 @@ def _open_dashboard_while_running(proc: subprocess.Popen) -> tuple[list[str], ht
     raise AssertionError("no dashboard link in the output:\n" + "".join(lines)[-3000:])
 
 
+@pytest.mark.slow  # a whole demo run, every role as a process
 def test_small_demo_trains_publishes_and_reports(db_url, tmp_path):
     env = {**os.environ, "STALEFLOW_DATABASE_URL": db_url}
     proc = subprocess.Popen(

@@ -23,13 +23,13 @@ import httpx
 import pytest
 
 from api.auth import create_token
-from staleflow_cli.launch import Cluster
+from staleflow_cli.launch import Cluster, free_port
 from staleflow_db import migrate
 from staleflow_db.audit import summary
 from staleflow_db.db import make_engine
 from staleflow_db.protocol import Prompt, Protocol
 from staleflow_db.types import RunConfig
-from tests.api_helpers import REPO, ApiServer, free_port, token
+from tests.api_helpers import REPO, ApiServer, token
 from workers.client import StaleFlowClient, Unavailable, api_urls
 from workers.rollout.engines.sim_engine import encode_prompt
 

@@ -16,13 +16,9 @@ from safetensors.torch import load_file
 
 from workers.models.tiny_model import TinyConfig, TinyTransformer
 from workers.rollout.engines.torch_engine import TorchEngine
-from workers.trainer.param_server import (
-    ChecksumError,
-    ParamClient,
-    ParamServer,
-    ParamServerError,
-    state_dict_checksum,
-)
+from workers.trainer.param_client import ParamClient
+from workers.trainer.param_server import ParamServer
+from workers.trainer.param_store import ChecksumError, ParamServerError, state_dict_checksum
 
 
 def _pull_held(addr, version, replied, go, out) -> None:

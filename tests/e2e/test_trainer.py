@@ -25,7 +25,7 @@ from staleflow_db.db import make_engine
 from workers.models.tiny_model import TinyConfig, TinyTransformer
 from workers.rollout.engines.base import FinishedEvent
 from workers.rollout.engines.torch_engine import TorchEngine
-from workers.trainer.param_server import ParamClient
+from workers.trainer.param_client import ParamClient
 from workers.trainer.torch_trainer import PAUSE_ENV, Trainer, load_checkpoint, read_steps_log
 from workers.wire.models import BatchOut
 

@@ -2,8 +2,9 @@
 run from another folder -- so a migration, package or data file that only a checkout
 has fails here rather than after a release.
 
-Minutes (a virtualenv with torch); marked `wheel` so `-m "not wheel"` skips it and the
-second pass of .ci/run (`-m "db and not wheel"`) does not run it again.
+Minutes (a virtualenv with torch): marked `slow`, so `make test` leaves it to `make test-all`,
+and `wheel`, so .ci/run's pass against the PostgreSQL server (`-m "db and not wheel ..."`)
+does not run it again.
 """
 
 from __future__ import annotations

@@ -32,12 +32,11 @@ from workers.coordinator.strategies import InterruptDecision, _best_move, migrat
 from workers.sim.setups import LEGACY_PHYSICS, get_setup
 from workers.sim.simulator import Simulator
 
-# recorded before the incremental routing (commit e284257's route_waterfall); small/staleflow/2
-# re-recorded when status-based pulls began to keep busy instances while no work waits for the
-# new version (`pull_for_new_work`): with the rule off it still gives the old digest (eac91486...).
-# The physics is the one they were recorded with (LEGACY_PHYSICS: issue 11 changed pull and
-# prefill times, which changes what a correct coordinator decides), `keep_oldest` (a later pull
-# rule) is off and migrations need the 5% gain they needed then.
+# Plan digests recorded with the one-by-one routing (commit e284257's route_waterfall);
+# small/staleflow/2 with `pull_for_new_work` on (status-based pulls keep busy instances while no work
+# waits for the new version); with the rule off it gives eac91486.... They fix the simplest
+# physics (LEGACY_PHYSICS: pull and prefill times change what a correct coordinator decides),
+# with `keep_oldest` off and a 5% migration gain, so they test the routing code alone.
 GOLDEN = {
     ("small", "staleflow", 2): "bf057f8c46e7bb45f9128278706ac2e18fbc8f36da35dabca9d577ee1ffb1dcd",
     ("small", "staleflow-greedy-pull", 1): "23d1e937cb6493210a75185c63bde5ee4683efb95f740ec53f319688c683e19c",

@@ -1,4 +1,4 @@
-"""The simulator's physical costs (issue 11): PS egress shared by simultaneous pulls, the
+"""The simulator's physical costs: PS egress shared by simultaneous pulls, the
 trainer's wait while it sends weights, causal attention in prefill. Expected values are worked
 out by hand from the set-up's numbers, not taken from the code under test."""
 

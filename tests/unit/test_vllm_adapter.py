@@ -13,7 +13,9 @@ import pytest
 from workers.rollout.engines.base import FinishedEvent, TokensEvent
 from workers.rollout.engines.vllm_engine import INSTALL_HINT, Stretch, VLLMEngine, VLLMUnavailable, sampled_logprobs
 
-needs_no_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed here")
+needs_no_vllm = pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is not None, reason="vLLM is installed here (these check the adapter without it)"
+)
 
 
 def record(request_id, tokens, logprobs, finished=False, reason=None):

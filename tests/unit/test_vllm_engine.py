@@ -20,7 +20,9 @@ from workers.rollout.engines.base import FINISH_REASONS, FinishedEvent, Partial,
 from workers.rollout.engines.vllm_engine import VLLM_FINISH_REASONS, StaleFlowWorkerExtension, VLLMEngine
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
-needs_vllm = pytest.mark.skipif(not HAVE_VLLM, reason="vLLM is not installed (pinned 0.32.0: pip install -e '.[vllm]')")
+needs_vllm = pytest.mark.skipif(
+    not HAVE_VLLM, reason="vLLM is not installed: `make test-vllm` runs these against vLLM 0.32.0 in .venv-vllm"
+)
 
 
 def token(rid: str, k: int) -> tuple[int, float]:
@@ -350,7 +352,8 @@ def test_workers_pull_from_the_parameter_server_themselves(tmp_path):
     """The worker extension against a real PS: the target if committed, else the latest
     committed one; installed through the worker's reload_weights."""
     torch = pytest.importorskip("torch")
-    from workers.trainer.param_server import ParamClient, ParamServer
+    from workers.trainer.param_client import ParamClient
+    from workers.trainer.param_server import ParamServer
 
     ps = ParamServer(tmp_path)
     host, port = ps.start()

@@ -79,7 +79,7 @@ class Policy:
     max_requests: int | None = None  # request-count routing: cap per instance (None: its max_running)
     sticky_resume: bool = False  # request-count routing: interrupted samples resume where they ran
     min_migrate_running: int = 2
-    migrate_min_gain: float = 0.15  # migrate only if the pair's cost-model T rises this much (0.05 before issue 11)
+    migrate_min_gain: float = 0.15  # migrate only if the pair's cost-model T rises this much (docs/policies.md)
 
     def __post_init__(self) -> None:
         if self.routing not in ROUTINGS:

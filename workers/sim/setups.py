@@ -251,7 +251,7 @@ SETUPS["qwen_14b_10x"] = SETUPS["qwen_14b"].scaled(
     name="qwen_14b_10x", batch_size=1280, instances=320, train_gpus=10 * (CLUSTER_GPUS - 32)
 )
 
-# The simulator's physics before issue 11's fidelity changes (20 GB/s per GPU pulls with no PS
+# The simplest physics, without the fidelity costs (20 GB/s per GPU pulls with no PS
 # limit, instant publish, prefill linear in the context): `get_setup(name, **LEGACY_PHYSICS)`.
 LEGACY_PHYSICS: dict = dict(nic_bandwidth=20e9, ps_egress=None, push_bandwidth=None, q_heads=0)
 

@@ -17,11 +17,10 @@ from contextlib import contextmanager
 from typing import TypeVar
 
 import torch
-from torch.distributed import PrefixStore, ProcessGroupGloo, TCPStore
+from torch.distributed import TCPStore
 
 from workers.retry import PARAM_SERVER, Outage
 from workers.trainer.param_store import (
-    _CHUNK,
     ChecksumError,
     ParamServerError,
     _hasher,
@@ -31,52 +30,9 @@ from workers.trainer.param_store import (
     flatten,
     unflatten,
 )
+from workers.trainer.param_transport import open_group, recv_flat, send_flat
 
 log = logging.getLogger("staleflow.ps")
-
-
-# ---- transfers ---------------------------------------------------------------------------
-def _group(store: TCPStore, rank: int, backend: str, local_host: str, timeout_s: float):
-    timeout = datetime.timedelta(seconds=timeout_s)
-    prefix = PrefixStore("staleflow-ps", store)
-    if backend == "gloo":
-        # Private, so not in torch's stubs; the only way to give gloo a timeout and device.
-        opts = ProcessGroupGloo._Options()  # type: ignore[attr-defined]
-        opts._timeout = timeout
-        opts._devices = [ProcessGroupGloo.create_device(hostname=local_host)]
-        return ProcessGroupGloo(prefix, rank, 2, opts)
-    if backend == "nccl":
-        from torch.distributed import ProcessGroupNCCL  # only in CUDA builds
-
-        opts = ProcessGroupNCCL.Options()
-        opts._timeout = timeout
-        return ProcessGroupNCCL(prefix, rank, 2, opts)
-    raise ValueError(f"unknown backend {backend!r}")
-
-
-def _chunks(flat: torch.Tensor) -> list[torch.Tensor]:
-    return [flat[i : i + _CHUNK] for i in range(0, flat.numel(), _CHUNK)]
-
-
-def _send(pg, flat: torch.Tensor, peer: int, on_chunk: Callable[[torch.Tensor], None] | None = None) -> None:
-    """Post every chunk, run on_chunk over them in order while they go out, then wait."""
-    chunks = _chunks(flat)
-    works = [pg.send([c], peer, k) for k, c in enumerate(chunks)]
-    if on_chunk is not None:
-        for c in chunks:
-            on_chunk(c)
-    for w in works:
-        w.wait()
-
-
-def _recv(pg, flat: torch.Tensor, peer: int, on_chunk: Callable[[torch.Tensor], None] | None = None) -> None:
-    """Post every chunk; as each arrives (in order) run on_chunk while later ones stream."""
-    chunks = _chunks(flat)
-    works = [pg.recv([c], peer, k) for k, c in enumerate(chunks)]
-    for w, c in zip(works, chunks):
-        w.wait()
-        if on_chunk:
-            on_chunk(c)
 
 
 # ---- client ------------------------------------------------------------------------------
@@ -148,7 +104,7 @@ class ParamClient:
 
     def _join(self, sock: socket.socket, msg: dict):
         store = TCPStore(self.addr[0], msg["store_port"], 2, False, datetime.timedelta(seconds=self.timeout_s))
-        return store, _group(store, 1, msg["backend"], sock.getsockname()[0], self.timeout_s)
+        return store, open_group(store, 1, msg["backend"], sock.getsockname()[0], self.timeout_s)
 
     def latest(self) -> dict | None:
         """{"version", "size", "checksum", "location"} of the latest version, or None."""
@@ -186,7 +142,7 @@ class ParamClient:
                 flat = flat.cpu()
             hasher = _hasher(metas)
             with _transfer():
-                _send(pg, flat, 0, on_chunk=lambda c: _update(hasher, c))
+                send_flat(pg, flat, 0, on_chunk=lambda c: _update(hasher, c))
             f.write(json.dumps({"checksum": hasher.hexdigest()}).encode() + b"\n")
             f.flush()
             done = self._read(f)  # after the PS verified and persisted
@@ -228,7 +184,7 @@ class ParamClient:
             flat = torch.empty(msg["size"], dtype=torch.uint8, device=recv_dev)
             hasher = _hasher(metas)
             with _transfer():
-                _recv(pg, flat, 0, on_chunk=(lambda c: _update(hasher, c)) if verify else None)
+                recv_flat(pg, flat, 0, on_chunk=(lambda c: _update(hasher, c)) if verify else None)
             f.write(b'{"ack": true}\n')
             f.flush()
             del pg, store

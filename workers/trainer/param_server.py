@@ -49,12 +49,7 @@ from pathlib import Path
 import torch
 from torch.distributed import TCPStore
 
-# The client and transfers live in param_client, layout, checksum and persistence in
-# param_store; their public names are re-exported so `from workers.trainer.param_server import ...`
-# keeps working.
-from workers.trainer.param_client import ParamClient, PSUnavailable, _group, _recv, _send  # noqa: F401
-from workers.trainer.param_store import (  # noqa: F401
-    _CHUNK,
+from workers.trainer.param_store import (
     ChecksumError,
     ParamServerError,
     TensorMeta,
@@ -63,13 +58,9 @@ from workers.trainer.param_store import (  # noqa: F401
     _metas_from_json,
     _metas_json,
     _update,
-    flat_checksum,
-    flatten,
-    layout,
     load_version,
-    state_dict_checksum,
-    unflatten,
 )
+from workers.trainer.param_transport import open_group, recv_flat, send_flat
 
 log = logging.getLogger("staleflow.ps")
 
@@ -252,12 +243,12 @@ class ParamServer:
         try:
             store, local = self._open_transfer(h)
             reply({**entry.info(), "meta": _metas_json(entry.metas), "store_port": store.port, "backend": self.backend})
-            pg = _group(store, 0, self.backend, local, self.timeout_s)
+            pg = open_group(store, 0, self.backend, local, self.timeout_s)
             flat = entry.flat
             if self._tamper_pulls:
                 flat = flat.clone()
                 flat[flat.numel() // 2] ^= 0x5A
-            _send(pg, flat, 1)
+            send_flat(pg, flat, 1)
             h.rfile.readline()  # the peer's ack: it has everything, tear down is safe
             del pg
         finally:
@@ -278,7 +269,7 @@ class ParamServer:
             metas = _metas_from_json(req["meta"])
             store, local = self._open_transfer(h)
             reply({"store_port": store.port, "backend": self.backend})
-            pg = _group(store, 0, self.backend, local, self.timeout_s)
+            pg = open_group(store, 0, self.backend, local, self.timeout_s)
             flat = torch.empty(sum(m.nbytes for m in metas), dtype=torch.uint8, device=self.device)
             hasher = _hasher(metas)
             writer = VersionWriter(self.data_dir, version, metas)
@@ -288,7 +279,7 @@ class ParamServer:
                 writer.write(chunk)
 
             try:
-                _recv(pg, flat, 1, on_chunk=on_chunk)
+                recv_flat(pg, flat, 1, on_chunk=on_chunk)
                 claimed = json.loads(h.rfile.readline() or b"{}").get("checksum")
                 checksum = hasher.hexdigest()
                 if checksum != claimed:

@@ -57,7 +57,8 @@ from workers.trainer.loop import (
     record_step,
     run_steps,
 )
-from workers.trainer.param_server import ParamClient, ParamServerError, state_dict_checksum
+from workers.trainer.param_client import ParamClient
+from workers.trainer.param_store import ParamServerError, state_dict_checksum
 from workers.wire.models import BatchOut
 
 log = logging.getLogger("staleflow.trainer")

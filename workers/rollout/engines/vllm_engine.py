@@ -424,7 +424,8 @@ class StaleFlowWorkerExtension:
     def staleflow_pull(self, addr: str, version: int | None, wait_s: float = 0.0) -> int:
         """Pull `version` from the PS (the latest committed one if it does not serve it: not
         committed yet, or dropped for a newer one) onto this worker's device and install it."""
-        from workers.trainer.param_server import ChecksumError, ParamClient, ParamServerError
+        from workers.trainer.param_client import ParamClient
+        from workers.trainer.param_store import ChecksumError, ParamServerError
 
         pc = ParamClient(addr, retry_for=wait_s)  # rides through a PS that is not up yet
         deadline = time.monotonic() + wait_s

@@ -16,16 +16,10 @@ from __future__ import annotations
 import math
 from typing import Annotated, Any
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, Strict, WithJsonSchema
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, Strict
 
 INT32_MAX = 2**31 - 1
 INT64_MAX = 2**63 - 1
-
-
-def _schema(ge: float, le: float) -> WithJsonSchema:
-    # The `ge`/`le` keys these fields have always published (the schema is the contract):
-    # strict floats would spell them minimum/maximum.
-    return WithJsonSchema({"type": "number", "ge": ge, "le": le})
 
 
 Int = Annotated[int, Strict()]
@@ -39,9 +33,10 @@ Version = Annotated[int, Strict(), Field(ge=0, le=INT32_MAX)]
 Attempt = Annotated[int, Strict(), Field(ge=0, le=INT32_MAX)]
 TokenId = Annotated[int, Strict(), Field(ge=0, le=INT32_MAX)]
 # float4 column: finite and inside its range.
-LogProb = Annotated[float, Strict(), Field(ge=-3.0e38, le=3.0e38, allow_inf_nan=False), _schema(-3.0e38, 3.0e38)]
-Finite = Annotated[float, Strict(), Field(ge=-1e300, le=1e300, allow_inf_nan=False), _schema(-1e300, 1e300)]
-LeaseSeconds = Annotated[float, Strict(), Field(ge=1.0, le=3600.0, allow_inf_nan=False), _schema(1.0, 3600.0)]
+# Bounds are published as JSON Schema's minimum/maximum (pydantic's own schema).
+LogProb = Annotated[float, Strict(), Field(ge=-3.0e38, le=3.0e38, allow_inf_nan=False)]
+Finite = Annotated[float, Strict(), Field(ge=-1e300, le=1e300, allow_inf_nan=False)]
+LeaseSeconds = Annotated[float, Strict(), Field(ge=1.0, le=3600.0, allow_inf_nan=False)]
 # A query parameter (a string on the wire, so not strict); bodies use Int with bounds.
 Limit = Annotated[int, Field(ge=1, le=10_000)]
 
@@ -49,7 +44,9 @@ _NO_NUL = r"^[^\x00]*$"  # PostgreSQL text cannot hold NUL
 
 
 Name = Annotated[str, Field(min_length=1, max_length=200, pattern=_NO_NUL)]
-Key = Annotated[str, Field(min_length=1, max_length=500, pattern=_NO_NUL)]
+# A client key: no NUL, and not starting with "~" (the data layer enqueues a filtered group's
+# prompt again as `~r<depth>:<key>`, so that namespace is reserved and refused here as well).
+Key = Annotated[str, Field(min_length=1, max_length=500, pattern=r"^[^~\x00][^\x00]*$")]
 Location = Annotated[str, Field(min_length=1, max_length=2000, pattern=_NO_NUL)]
 
 MAX_META_BYTES = 64 * 1024

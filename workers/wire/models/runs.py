@@ -85,7 +85,10 @@ class ParamVersionList(Out):
 
 
 class PromptIn(In):
-    client_key: Key = Field(description="the caller's key: enqueueing the same key again returns the same group")
+    client_key: Key = Field(
+        description="the caller's key: enqueueing the same key again returns the same group;"
+        " keys starting with `~` are reserved (re-enqueued filtered groups)"
+    )
     prompt_tokens: list[TokenId] = Field(min_length=1)
     meta: Meta = Field(default_factory=dict)
 
