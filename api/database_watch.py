@@ -12,9 +12,10 @@ import asyncio
 import logging
 
 from prometheus_client import CollectorRegistry, Counter
-from sqlalchemy import Engine, text
+from sqlalchemy import Engine
 from tenacity import AsyncRetrying, retry_if_exception_type, wait_fixed
 
+from staleflow_db.db import ping
 from staleflow_db.retry import Outage
 
 log = logging.getLogger("staleflow.api")
@@ -68,4 +69,4 @@ class DatabaseWatch:
 
     def _probe(self) -> None:
         with self.engine.connect() as conn:
-            conn.execute(text("SELECT 1"))
+            ping(conn)

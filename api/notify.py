@@ -20,7 +20,16 @@ from tenacity import AsyncRetrying, retry_if_exception_type
 from tenacity.wait import wait_exponential_jitter
 
 from staleflow_db import notify
-from staleflow_db.notify import BATCH, CHANNEL, REWARDS, TOPICS, WORK, Wakeup, instance_topic
+from staleflow_db.notify import (
+    BATCH,
+    REWARDS,
+    TOPICS,
+    WORK,
+    Wakeup,
+    alive_statement,
+    instance_topic,
+    listen_statement,
+)
 from staleflow_db.retry import MAX_BACKOFF_S, Outage
 
 log = logging.getLogger(__name__)
@@ -135,7 +144,7 @@ class Notifier:
                             application_name="staleflow-api-listen",
                         )
                         try:
-                            await conn.execute(f"LISTEN {CHANNEL}")
+                            await conn.execute(listen_statement())
                         except BaseException:
                             await conn.close()
                             raise
@@ -147,7 +156,7 @@ class Notifier:
                     while True:
                         async for n in conn.notifies(timeout=10.0):
                             self._received(n.payload)
-                        await conn.execute("SELECT 1")  # a dead connection raises here
+                        await conn.execute(alive_statement())  # a dead connection raises here
             except asyncio.CancelledError:
                 raise
             except Exception as exc:

@@ -185,6 +185,12 @@ def with_parts(parts: Iterable[str], final: str) -> str:
     return f"WITH {ctes} {final}" if ctes else final
 
 
+@functools.lru_cache(maxsize=256)
+def composed(statement: str) -> TextClause:
+    """A statement composed at run time (`with_parts`), built once per distinct text."""
+    return sa_text(statement)
+
+
 def ddl() -> list[Query]:
     """The views and functions, in file order (a view after what it selects from)."""
     return [q for q in QUERIES.values() if q.is_ddl]
