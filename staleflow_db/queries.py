@@ -9,17 +9,19 @@ The convention (as aiosql, sqlc and procrastinate write it):
 - One placeholder style, SQLAlchemy's `:name`. A parameter whose type PostgreSQL cannot infer
   carries its cast in the SQL (`CAST(:ids AS bigint[])`), so the statement means the same
   whoever sends it: SQLAlchemy (`text(name)`), psycopg directly (`pyformat(name)`, the
-  pipelined locked reads of `protocol.driver`), or `PREPARE` (`positional(name)`, the tests).
+  pipelined locked reads of `protocol.driver`), or `PREPARE` (`positional(sql)`, the tests).
 - No statement is generated: lists are arrays (`= ANY(:ids)`, `unnest`), optional filters are
   separate statements or `:x IS NULL OR ...`. A statement assembled at run time from optional
-  parts (a transaction's flush: only the parts it needs, as CTEs of one statement) is composed
-  from named statements of the same file by `with_parts`, and says why where it is composed.
+  parts (the run lock's flush, a segment report: only the parts with something to write, as
+  CTEs of one statement) is composed from named statements by `with_parts`, each part kept
+  with its capability (route's writes in rollout.sql, Occupy's in scoring.sql), and says why
+  where it is composed.
 - Full-line and trailing `--` comments are dropped and the lines joined with single spaces:
   what is sent is one line. A statement with a dollar-quoted body (`$$`: a function) is kept
   as written, since PostgreSQL stores its source.
 - DDL (views and functions) lives here too, under names starting with `view_` / `function_`:
-  `ddl()` lists them, and the migrations apply them (migration 0007 and any later migration
-  that changes one: edit the file, add a migration that calls `migrations/ddl.apply` again).
+  `ddl()` lists them, and the migrations apply them (migration 0007; a change to one edits
+  the file and adds a migration that applies it again, as 0007's `apply_named_ddl` does).
 
 Files named `*_v<N>.sql` are frozen DDL that an old migration reads by file name (0002's
 `audit_v2.sql`); they are history, not named queries.
