@@ -15,10 +15,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Engine, text
+from sqlalchemy import Engine
 
-from staleflow_db.errors import InvalidInput, NotFound
+from staleflow_db import tokens
+from staleflow_db.errors import InvalidInput
+from staleflow_db.tokens import OtherRun
 from workers.wire.enums import Role
+
+__all__ = ["OtherRun"]  # raised by revoke_token; the routers catch it as auth.OtherRun
 
 PREFIX = "sf_"
 
@@ -43,58 +47,22 @@ def create_token(
 ) -> dict[str, Any]:
     role = Role(role)
     token = PREFIX + secrets.token_urlsafe(32)
-    with engine.begin() as c:
-        if run_id is not None and c.execute(text("SELECT 1 FROM runs WHERE id = :r"), {"r": run_id}).first() is None:
-            raise NotFound(f"run {run_id}")
-        row = c.execute(
-            text(
-                "INSERT INTO api_tokens (token_hash, role, run_id, name) VALUES (:h, CAST(:role AS token_role), :run, :name)"
-                " RETURNING id, role, run_id, name, created_at, revoked_at"
-            ),
-            {"h": hash_token(token), "role": role.value, "run": run_id, "name": name},
-        ).one()
-    return {**row._mapping, "token": token}
+    row = tokens.insert(engine, hash_token(token), role.value, run_id, name)
+    return {**row, "token": token}
 
 
 def list_tokens(engine: Engine, run_id: int | None = None) -> list[dict[str, Any]]:
-    where = "" if run_id is None else " WHERE run_id = :run"
-    with engine.connect() as c:
-        rows = c.execute(
-            text(f"SELECT id, role, run_id, name, created_at, revoked_at FROM api_tokens{where} ORDER BY id"),
-            {"run": run_id},
-        ).all()
-    return [dict(r._mapping) for r in rows]
-
-
-class OtherRun(Exception):
-    """A run-scoped caller reached for something of another run (403)."""
+    return tokens.listed(engine, run_id)
 
 
 def revoke_token(engine: Engine, token_id: int, run_id: int | None = None) -> bool:
     """True if this call revoked it; False if it was revoked already. `run_id`: the caller's
-    scope (None: every run)."""
-    with engine.begin() as c:
-        row = c.execute(
-            text("SELECT run_id, revoked_at FROM api_tokens WHERE id = :i FOR UPDATE"), {"i": token_id}
-        ).first()
-        if row is None:
-            raise NotFound(f"token {token_id}")
-        if run_id is not None and row[0] != run_id:
-            raise OtherRun(f"token {token_id} is not of run {run_id}")
-        if row[1] is not None:
-            return False
-        c.execute(text("UPDATE api_tokens SET revoked_at = now() WHERE id = :i"), {"i": token_id})
-        return True
+    scope (None: every run); a token of another run is `OtherRun` (403)."""
+    return tokens.revoke(engine, token_id, run_id)
 
 
 def token_valid(engine: Engine, token: str) -> bool:
-    with engine.connect() as c:
-        return (
-            c.execute(
-                text("SELECT 1 FROM api_tokens WHERE token_hash = :h AND revoked_at IS NULL"), {"h": hash_token(token)}
-            ).first()
-            is not None
-        )
+    return tokens.valid(engine, hash_token(token))
 
 
 class TokenCache:
@@ -120,10 +88,7 @@ class TokenCache:
         hit = self._entries.get(h)
         if hit is not None and hit[0] > now:
             return hit[1]
-        with self.engine.connect() as c:
-            row = c.execute(
-                text("SELECT id, role, run_id FROM api_tokens WHERE token_hash = :h AND revoked_at IS NULL"), {"h": h}
-            ).first()
+        row = tokens.principal(self.engine, h)
         principal = None if row is None else Principal(row[0], Role(row[1]), row[2])
         with self._lock:
             if len(self._entries) >= self.MAX_ENTRIES:

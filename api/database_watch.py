@@ -12,8 +12,9 @@ import asyncio
 import logging
 
 from prometheus_client import CollectorRegistry, Counter
-from sqlalchemy import Engine, text
+from sqlalchemy import Engine
 
+from staleflow_db.db import ping
 from workers.retry import DATABASE_PROBE, Outage
 
 log = logging.getLogger("staleflow.api")
@@ -63,4 +64,4 @@ class DatabaseWatch:
 
     def _probe(self) -> None:
         with self.engine.connect() as conn:
-            conn.execute(text("SELECT 1"))
+            ping(conn)

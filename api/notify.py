@@ -18,7 +18,16 @@ import psycopg
 from sqlalchemy import Engine
 
 from staleflow_db import notify
-from staleflow_db.notify import BATCH, CHANNEL, REWARDS, TOPICS, WORK, Wakeup, instance_topic
+from staleflow_db.notify import (
+    BATCH,
+    REWARDS,
+    TOPICS,
+    WORK,
+    Wakeup,
+    alive_statement,
+    instance_topic,
+    listen_statement,
+)
 from workers.retry import LISTEN_RECONNECT, Outage
 
 log = logging.getLogger(__name__)
@@ -129,7 +138,7 @@ class Notifier:
                             application_name="staleflow-api-listen",
                         )
                         try:
-                            await conn.execute(f"LISTEN {CHANNEL}")
+                            await conn.execute(listen_statement())
                         except BaseException:
                             await conn.close()
                             raise
@@ -141,7 +150,7 @@ class Notifier:
                     while True:
                         async for n in conn.notifies(timeout=10.0):
                             self._received(n.payload)
-                        await conn.execute("SELECT 1")  # a dead connection raises here
+                        await conn.execute(alive_statement())  # a dead connection raises here
             except asyncio.CancelledError:
                 raise
             except Exception as exc:

@@ -28,11 +28,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 from server_stats import scratch_database
 from sqlalchemy import text
 
+from staleflow_db import queries
 from staleflow_db.db import database_url, make_engine
 from staleflow_db.protocol import Prompt, Protocol, driver
-from staleflow_db.protocol.base import LOCK_RUN, LockedRead
-from staleflow_db.protocol.routing import ROUTE_READ
-from staleflow_db.protocol.scoring import REWARDS_READ
+from staleflow_db.protocol.base import LockedRead
 from staleflow_db.settings import to_libpq_url
 from staleflow_db.types import RunConfig
 
@@ -40,17 +39,33 @@ FUNCTION = (
     "SELECT staleflow_lock_run_read(:run, :q, CAST(:a AS bigint[]), CAST(:b AS bigint[]),"
     " CAST(:c AS int[]), CAST(:d AS float8[]))"
 )
+# which of the function's arguments ($1 the run, $2..$5 a, b, c, d) each read's parameter is
+SLOTS = {
+    "route_read": {"run": 1, "instances": 2, "samples": 3},
+    "rewards_read": {"run": 1, "samples": 2, "attempts": 4, "rewards": 5},
+}
+
+
+def function_params(run: int, read: LockedRead) -> dict:
+    """The read as the function's query ($1..$5) and its arrays."""
+    slots = SLOTS[read.name]
+    sql = queries.BIND.sub(lambda m: f"${slots[m.group(1)]}", queries.sql(read.name))
+    params = {"run": run, "q": sql, "a": [], "b": [], "c": [], "d": []}
+    for name, slot in slots.items():
+        if slot > 1:
+            params["abcd"[slot - 2]] = list(read.params[name])
+    return params
 
 
 def timed(conn, run: int, read: LockedRead, way: str, calls: int) -> float:
     """Milliseconds per transaction (lock + read, then rollback)."""
-    params = {"run": run, "q": read.sql, "a": list(read.a), "b": list(read.b), "c": list(read.c), "d": list(read.d)}
+    params = function_params(run, read)
     t = time.perf_counter()
     for _ in range(calls):
         if way == "function":
             conn.execute(text(FUNCTION), params).scalar()
         else:
-            driver.scalars(conn, [(LOCK_RUN, {"run": run}), read.statement(run)])
+            driver.scalars(conn, [(queries.pyformat("lock_run"), {"run": run}), read.statement(run)])
         conn.rollback()
     return (time.perf_counter() - t) / calls * 1e3
 
@@ -82,8 +97,10 @@ def main() -> None:
             conn.commit()
             for n in (16, 128):
                 reads = {
-                    "route": LockedRead(ROUTE_READ, a=[inst], b=ids[:n]),
-                    "record_rewards": LockedRead(REWARDS_READ, a=ids[:n], c=[1] * n, d=[0.5] * n),
+                    "route": LockedRead("route_read", {"instances": [inst], "samples": ids[:n]}),
+                    "record_rewards": LockedRead(
+                        "rewards_read", {"samples": ids[:n], "attempts": [1] * n, "rewards": [0.5] * n}
+                    ),
                 }
                 for name, read in reads.items():
                     got: dict[str, list[float]] = {"function": [], "pipeline": []}

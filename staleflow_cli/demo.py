@@ -20,14 +20,15 @@ from typing import Any
 import typer
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-from sqlalchemy import Engine, text
+from sqlalchemy import Engine
 
 from api.auth import create_token
 from api.ui.report import dashboard_data, write_report_html
 from staleflow_cli.common import need
 from staleflow_cli.launch import Cluster, ProcessDied
 from staleflow_db import migrate
-from staleflow_db.audit import step_metrics, summary
+from staleflow_db.audit import last_step_reward, step_metrics, summary
+from staleflow_db.audit import step_accuracy as accuracy_by_step
 from staleflow_db.db import database_url, make_engine
 from staleflow_db.protocol import Prompt, Protocol
 from staleflow_db.types import RunConfig
@@ -90,12 +91,7 @@ def max_reward(task: RepeatTask) -> float:
 
 def step_accuracy(engine: Engine, run: int, best: float) -> dict[int, float]:
     """Per trained step: the fraction of its samples with an exact answer (reward == best)."""
-    with engine.connect() as c:
-        rows = c.execute(
-            text("SELECT step, avg((reward >= :best)::int) FROM trained_samples WHERE run_id = :r GROUP BY step"),
-            {"r": run, "best": best - 1e-6},
-        ).all()
-    return {int(step): float(acc) for step, acc in rows}
+    return accuracy_by_step(engine, run, best - 1e-6)
 
 
 def final_means(steps: list[dict]) -> tuple[float, float]:
@@ -321,14 +317,7 @@ def _follow(
 def _last_reward(engine: Engine, run: int) -> float | None:
     """Mean reward of the last trained step: one indexed query, not the full audit (which,
     once a second on a long run, slowed every process and hit the statement timeout)."""
-    with engine.connect() as c:
-        return c.execute(
-            text(
-                "SELECT avg(reward) FROM trained_samples WHERE run_id = :r"
-                " AND step = (SELECT max(step) FROM trained_samples WHERE run_id = :r)"
-            ),
-            {"r": run},
-        ).scalar()
+    return last_step_reward(engine, run)
 
 
 def reward_trend(steps: list[dict]) -> tuple[float, float]:

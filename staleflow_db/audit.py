@@ -6,18 +6,16 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Any
 
-from sqlalchemy import Engine, text
+from sqlalchemy import Connection, Engine
 
+from . import queries
 from .errors import NotFound
 
 
 def find_run(engine: Engine, run: str | int) -> int:
     """A run by id or by name."""
     with engine.connect() as c:
-        row = c.execute(
-            text("SELECT id FROM runs WHERE id::text = :r OR name = :r ORDER BY (id::text = :r) DESC LIMIT 1"),
-            {"r": str(run)},
-        ).first()
+        row = c.execute(queries.text("find_run"), {"r": str(run)}).first()
     if row is None:
         raise NotFound(f"run {run}")
     return row[0]
@@ -26,26 +24,12 @@ def find_run(engine: Engine, run: str | int) -> int:
 def summary(engine: Engine, run_id: int) -> dict[str, Any]:
     """Everything `staleflow audit` prints, from one read-only transaction."""
     with engine.connect() as c, c.begin():
-        c.execute(text("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ READ ONLY"))
-        run = c.execute(
-            text("SELECT name, version, eta, batch_size, group_size FROM runs WHERE id = :r"), {"r": run_id}
-        ).first()
+        c.execute(queries.text("read_only_snapshot"))
+        run = c.execute(queries.text("audit_run"), {"r": run_id}).first()
         if run is None:
             raise NotFound(f"run {run_id}")
-        hist = c.execute(
-            text(
-                "SELECT step, staleness, count(*), sum(n_tokens), avg(reward) FROM trained_samples WHERE run_id = :r"
-                " GROUP BY step, staleness ORDER BY step, staleness"
-            ),
-            {"r": run_id},
-        ).all()
-        drops = c.execute(
-            text(
-                "SELECT reason, count(*), coalesce(sum(n_tokens), 0) FROM dropped_samples WHERE run_id = :r"
-                " GROUP BY reason ORDER BY count(*) DESC"
-            ),
-            {"r": run_id},
-        ).all()
+        hist = c.execute(queries.text("audit_histogram"), {"r": run_id}).all()
+        drops = c.execute(queries.text("audit_drops"), {"r": run_id}).all()
         found = _violations(c, run_id)
     steps: dict[int, dict[str, Any]] = defaultdict(
         lambda: {"staleness": {}, "samples": 0, "tokens": 0, "reward_sum": 0.0}
@@ -80,18 +64,12 @@ def violations(engine: Engine, run_id: int) -> list[dict[str, str]]:
     """Every row of `staleness_violations` for the run (empty when it is healthy), ordered by
     invariant and subject: each names the broken invariant, what breaks it and how."""
     with engine.connect() as c, c.begin():
-        c.execute(text("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ READ ONLY"))
+        c.execute(queries.text("read_only_snapshot"))
         return _violations(c, run_id)
 
 
-def _violations(conn, run_id: int) -> list[dict[str, str]]:
-    rows = conn.execute(
-        text(
-            "SELECT invariant, subject, detail FROM staleness_violations WHERE run_id = :r"
-            " ORDER BY invariant, subject, detail"
-        ),
-        {"r": run_id},
-    ).all()
+def _violations(conn: Connection, run_id: int) -> list[dict[str, str]]:
+    rows = conn.execute(queries.text("audit_run_violations"), {"r": run_id}).all()
     return [{"invariant": i, "subject": s, "detail": d} for i, s, d in rows]
 
 
@@ -100,32 +78,14 @@ def step_metrics(engine: Engine, run_id: int) -> list[dict[str, Any]]:
     staleness histogram) and what the system did in between (routes, interrupts, pulls,
     migrations) — the per-step table of a run report."""
     with engine.connect() as c, c.begin():
-        c.execute(text("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ READ ONLY"))
-        start = c.execute(text("SELECT created_at FROM runs WHERE id = :r"), {"r": run_id}).scalar()
-        published = c.execute(
-            text("SELECT buffer, at FROM events WHERE run_id = :r AND kind = 'published' ORDER BY buffer"),
-            {"r": run_id},
-        ).all()
+        c.execute(queries.text("read_only_snapshot"))
+        by_run = {"r": run_id}
+        start = c.execute(queries.text("audit_run_start"), by_run).scalar()
+        published = c.execute(queries.text("audit_published"), by_run).all()
         trained = summary(engine, run_id)["steps"]
-        counts = c.execute(
-            text(
-                "SELECT at, kind FROM events WHERE run_id = :r"
-                " AND kind IN ('sample_routed', 'sample_interrupted') ORDER BY at"
-            ),
-            {"r": run_id},
-        ).all()
-        pulls = (
-            c.execute(
-                text("SELECT created_at FROM commands WHERE run_id = :r AND kind = 'pull' ORDER BY created_at"),
-                {"r": run_id},
-            )
-            .scalars()
-            .all()
-        )
-        migrations = c.execute(
-            text("SELECT at, migrated FROM coordinator_cycles WHERE run_id = :r AND migrated > 0 ORDER BY at"),
-            {"r": run_id},
-        ).all()
+        counts = c.execute(queries.text("audit_routes_and_interrupts"), by_run).all()
+        pulls = c.execute(queries.text("audit_pulls"), by_run).scalars().all()
+        migrations = c.execute(queries.text("audit_migrations"), by_run).all()
     by_step = {s["step"]: s for s in trained}
     rows, prev = [], start
     for step, at in published:
@@ -150,3 +110,18 @@ def step_metrics(engine: Engine, run_id: int) -> list[dict[str, Any]]:
         )
         prev = at
     return rows
+
+
+def step_accuracy(engine: Engine, run_id: int, best: float) -> dict[int, float]:
+    """Per trained step: the fraction of its samples with a reward of at least `best`."""
+    with engine.connect() as c:
+        rows = c.execute(queries.text("step_accuracy"), {"r": run_id, "best": best}).all()
+    return {int(step): float(acc) for step, acc in rows}
+
+
+def last_step_reward(engine: Engine, run_id: int) -> float | None:
+    """Mean reward of the last trained step (None before the first): one indexed query, not
+    the full audit."""
+    with engine.connect() as c:
+        got = c.execute(queries.text("last_step_reward"), {"r": run_id}).scalar()
+    return None if got is None else float(got)

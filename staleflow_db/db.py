@@ -6,10 +6,11 @@ import logging
 from typing import Any
 
 import psycopg
-from sqlalchemy import Engine, create_engine
+from sqlalchemy import Connection, Engine, create_engine
 from sqlalchemy import pool as sa_pool
 from sqlalchemy.engine import make_url
 
+from staleflow_db import queries
 from staleflow_db.settings import Settings, get_settings, to_libpq_url, to_sqlalchemy_url
 
 CONNECT_TIMEOUT_S = 5
@@ -94,4 +95,17 @@ def make_engine(url: str | None = None, *, settings: Settings | None = None, **k
     return create_engine(url, connect_args=connect_args, **opts)
 
 
-__all__ = ["database_url", "make_engine", "session_options", "with_database", "to_libpq_url", "to_sqlalchemy_url"]
+def ping(conn: Connection) -> None:
+    """A round trip on `conn`: raises if the database is not there."""
+    conn.execute(queries.text("ping"))
+
+
+__all__ = [
+    "database_url",
+    "make_engine",
+    "ping",
+    "session_options",
+    "with_database",
+    "to_libpq_url",
+    "to_sqlalchemy_url",
+]

@@ -45,6 +45,7 @@ from tenacity import (
     wait_fixed,
 )
 
+from staleflow_db import queries
 from staleflow_db.settings import get_settings
 
 log = logging.getLogger(__name__)
@@ -441,9 +442,10 @@ class EmbeddedPostgres:
 
     def _ensure_database(self) -> None:
         with psycopg.connect(self.url("postgres"), autocommit=True, connect_timeout=10) as conn:
-            exists = conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", (self.database,)).fetchone()
+            exists = conn.execute(queries.pyformat("database_exists"), {"name": self.database}).fetchone()
             if not exists:
                 log.info("creating database %s", self.database)
+                # an identifier, not a parameter: composed by psycopg, quoted
                 conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(self.database)))
 
 

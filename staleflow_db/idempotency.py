@@ -21,10 +21,11 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, ParamSpec, TypeVar
 
-from sqlalchemy import Connection, Engine, text
+from sqlalchemy import Connection, Engine
 from sqlalchemy.exc import DBAPIError
 from tenacity import RetryCallState, Retrying, retry_if_exception, stop_after_attempt, wait_random_exponential
 
+from . import queries
 from .errors import Conflict
 
 T = TypeVar("T")
@@ -145,7 +146,7 @@ def once(
         # never happens inside another lock order): a concurrent duplicate waits for the first
         # to commit and then reads its stored outcome. Lock and lookup are one round trip
         # (migration 0006), on every re-check of a long-poll too.
-        row = conn.execute(text("SELECT operation, response FROM staleflow_idempotency_lookup(:k)"), {"k": key}).first()
+        row = conn.execute(queries.text("idempotency_lookup"), {"k": key}).first()
         if row is not None:
             if row.operation != op:
                 used = row.operation.split("#")[0]
@@ -156,10 +157,7 @@ def once(
         # `store` rejects (an empty long-poll) writes nothing, so its commit waits for no WAL flush.
         if store is None or store(outcome):
             kept = conn.execute(
-                text(
-                    "INSERT INTO idempotency (request_id, operation, response) VALUES (:r, :o, CAST(:resp AS jsonb))"
-                    " ON CONFLICT (request_id) DO NOTHING"
-                ),
+                queries.text("idempotency_store"),
                 {"r": key, "o": op, "resp": encode(outcome)},
             ).rowcount
             if not kept:  # only a writer that skips the lock could get here (code before 0006)
@@ -173,10 +171,4 @@ def prune(engine: Engine, ttl_seconds: float, batch: int = 10_000) -> int:
     """Delete stored outcomes older than `ttl_seconds` (they outlive any retry by far), at most
     `batch` of them; returns how many."""
     with engine.begin() as conn:
-        return conn.execute(
-            text(
-                "DELETE FROM idempotency WHERE request_id IN (SELECT request_id FROM idempotency"
-                " WHERE created_at < now() - make_interval(secs => :ttl) LIMIT :n)"
-            ),
-            {"ttl": ttl_seconds, "n": batch},
-        ).rowcount
+        return conn.execute(queries.text("idempotency_prune"), {"ttl": ttl_seconds, "n": batch}).rowcount

@@ -12,9 +12,11 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from sqlalchemy import Connection, text
+from sqlalchemy import Connection
 
-CHANNEL = "staleflow"
+from . import queries
+
+CHANNEL = "staleflow"  # as the named query `listen` says
 
 # Topics: what a waiter is waiting for.
 WORK = "work"  # routes and commands for instances
@@ -63,7 +65,14 @@ class Wakeup:
 def send(conn: Connection, wakeups: Sequence[Wakeup]) -> None:
     """NOTIFY each wake-up, in one statement (commits on the caller's commit)."""
     if wakeups:
-        conn.execute(
-            text("SELECT pg_notify(:ch, p) FROM unnest(CAST(:ps AS text[])) AS p"),
-            {"ch": CHANNEL, "ps": [w.payload() for w in wakeups]},
-        )
+        conn.execute(queries.text("notify"), {"ch": CHANNEL, "ps": [w.payload() for w in wakeups]})
+
+
+def listen_statement() -> str:
+    """What a listening connection sends first (the API's notifier, on psycopg directly)."""
+    return queries.sql("listen")
+
+
+def alive_statement() -> str:
+    """What a listening connection sends between waits: a dead connection raises on it."""
+    return queries.sql("listen_alive")

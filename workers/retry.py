@@ -156,7 +156,7 @@ errors are outages."""
 DATABASE_PROBE = Policy("database probe", initial=0.5, cap=0.5, retryable=any_error)
 """The API's probe of a database it saw go down, every STALEFLOW_API_PROBE_INTERVAL until it answers."""
 
-LISTEN_RECONNECT = Policy("LISTEN reconnect", initial=0.1, cap=1.0, jitter=0.1, retryable=any_error)
+LISTEN_RECONNECT = Policy("notification listener reconnect", initial=0.1, cap=1.0, jitter=0.1, retryable=any_error)
 """The API's LISTEN connection, reconnected after a loss (a fresh backoff per loss)."""
 
 PS_FIRST_VERSION = Policy("first committed version", initial=0.5, cap=0.5)

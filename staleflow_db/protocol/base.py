@@ -12,14 +12,14 @@ from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from sqlalchemy import Connection, Engine, text
+from sqlalchemy import Connection, Engine
 
-from .. import idempotency
+from .. import idempotency, queries
 from ..enums import DropReason
 from ..errors import NotFound
 from ..rules import BufferCounts, Limits, Reservation, apply_moves, cascade_moves
 from . import driver
-from .events import EVENTS_INSERT, Event, events_params
+from .events import Event, events_params
 
 
 def dumps(value: Any) -> str:
@@ -51,7 +51,7 @@ class RunRow:
         return Limits(self.batch_size, self.buffer_capacity, self.eta)
 
     def config(self) -> dict[str, int | bool]:
-        return {k: getattr(self, k) for k in RUN_COLUMNS.split(", ")[2:]}
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)[2:]}
 
     @classmethod
     def of(cls, row: Mapping[Any, Any]) -> RunRow:
@@ -59,19 +59,12 @@ class RunRow:
         return cls(**{f.name: row[f.name] for f in dataclasses.fields(cls)})
 
 
-RUN_COLUMNS = (
-    "id, version, batch_size, buffer_capacity, group_size, samples_per_group, eta, "
-    "max_response_tokens, max_prompt_tokens, dapo_filter"
-)
-
-
 def load_run(conn: Connection, run_id: int, *, lock: bool) -> RunRow:
     # NO KEY UPDATE, not UPDATE: it serializes run-locked transactions just the same, but
     # leaves FOR KEY SHARE free, which every FK check on runs (an event or sample insert by
     # report, claim, heartbeat ...) takes. FOR UPDATE made those wait for the run lock, and
     # deadlock: report holds sample locks -> waits on runs; route holds runs -> waits on them.
-    sql = f"SELECT {RUN_COLUMNS} FROM runs WHERE id = :run" + (" FOR NO KEY UPDATE" if lock else "")
-    row = conn.execute(text(sql), {"run": run_id}).first()
+    row = conn.execute(queries.text("load_run_locked" if lock else "load_run"), {"run": run_id}).first()
     if row is None:
         raise NotFound(f"run {run_id}")
     return RunRow(**row._mapping)
@@ -79,46 +72,22 @@ def load_run(conn: Connection, run_id: int, *, lock: bool) -> RunRow:
 
 def read_buffers(conn: Connection, run_id: int, first: int) -> list[BufferCounts]:
     """The run's buffers from index `first` on, in order."""
-    rows = conn.execute(
-        text(
-            "SELECT idx, occupied, reserved, consumed_at IS NOT NULL AS consumed FROM buffers"
-            " WHERE run_id = :run AND idx >= :first ORDER BY idx"
-        ),
-        {"run": run_id, "first": first},
-    ).all()
+    rows = conn.execute(queries.text("read_buffers"), {"run": run_id, "first": first}).all()
     return [BufferCounts(r.idx, r.occupied, r.reserved, r.consumed) for r in rows]
-
-
-# The run's reservations (id, buffer, live version): reservations move only under the run
-# lock, and a group's version is that of its members now (`rules.group_version`). The members
-# per group by a correlated subquery: an index lookup each (ix_samples_group); as a join it
-# was planned as a hash join over a scan of every sample of every run.
-RESERVATIONS = (
-    "SELECT g.id, g.reserved_buffer AS b, (SELECT min(s.v_traj) FROM samples s WHERE s.group_id = g.id"
-    "   AND s.state <> 'aborted' AND s.v_traj IS NOT NULL AND (s.state <> 'queued' OR s.n_tokens > 0)) AS v"
-    " FROM prompt_groups g WHERE g.run_id = :run AND g.state = 'reserved'"
-)
 
 
 @dataclass(frozen=True)
 class LockedRead:
     """A read that runs right after the run lock is granted, in the same round trip
-    (`RunTx.open`): `sql` gets the run as $1 and these arrays as $2..$5, returns one jsonb."""
+    (`RunTx.open`): the named query `name` gets the run as :run and `params` (lists, typed by
+    the casts the query has), and returns one jsonb."""
 
-    sql: str
-    a: Sequence[int] = ()
-    b: Sequence[int] = ()
-    c: Sequence[int] = ()
-    d: Sequence[float] = ()
+    name: str
+    params: Mapping[str, Sequence[Any]] = dataclasses.field(default_factory=dict)
 
     def statement(self, run_id: int) -> tuple[str, dict[str, Any]]:
         """The read as a statement of its own (`driver.scalars`)."""
-        params = {"run": run_id, "a": list(self.a), "b": list(self.b), "c": list(self.c), "d": list(self.d)}
-        return driver.read_sql(self.sql), params
-
-
-# migration 0004's function: the lock, the run row and its live buffers (no dynamic SQL)
-LOCK_RUN = "SELECT staleflow_lock_run(CAST(%(run)s AS bigint))"
+        return queries.pyformat(self.name), {"run": run_id, **{k: list(v) for k, v in self.params.items()}}
 
 
 class RunTx:
@@ -147,20 +116,22 @@ class RunTx:
         from a snapshot of its own, and is planned once per connection); its result is taken
         with `locked_read`."""
         if read is None:
-            got = conn.execute(text("SELECT staleflow_lock_run(:run)"), {"run": run_id}).scalar()
+            got = conn.execute(queries.text("lock_run"), {"run": run_id}).scalar()
         else:
-            got, result = driver.scalars(conn, [(LOCK_RUN, {"run": run_id}), read.statement(run_id)])
+            got, result = driver.scalars(
+                conn, [(queries.pyformat("lock_run"), {"run": run_id}), read.statement(run_id)]
+            )
         if got is None:
             raise NotFound(f"run {run_id}")
         rtx = cls(conn, RunRow.of(got["run"]), [BufferCounts(i, o, r, c) for i, o, r, c in got["buffers"]])
         if read is not None:
-            rtx._read = (read.sql, result)
+            rtx._read = (read.name, result)
         return rtx
 
     def locked_read(self, read: LockedRead) -> Any:
         """The result of `read`: sent with the lock by `open` if it was given there, else now
         (a caller that locked the run first, e.g. a coordinator cycle checking its epoch)."""
-        if self._read is not None and self._read[0] == read.sql:
+        if self._read is not None and self._read[0] == read.name:
             got, self._read = self._read[1], None
             return got
         return driver.scalars(self.conn, [read.statement(self.run.id)])[0]
@@ -174,13 +145,13 @@ class RunTx:
         """The run's reservations with each group's live version, computed from its members now
         (`rules.group_version`: aborted members and queued ones with no tokens do not count)."""
         if self._reservations is None:
-            rows = self.conn.execute(text(RESERVATIONS), {"run": self.run.id}).all()
+            rows = self.conn.execute(queries.text("reservations"), {"run": self.run.id}).all()
             self.set_reservations(rows)
         assert self._reservations is not None
         return self._reservations
 
     def set_reservations(self, rows: Sequence[Sequence[Any]]) -> None:
-        """The reservations as read by a caller's statement with `RESERVATIONS` in it (one
+        """The reservations as read by a caller's statement with `reservations` in it (one
         round trip less), from a snapshot taken while this transaction holds the run lock."""
         self._reservations = {g: Reservation(g, b, v) for g, b, v in rows}
 
@@ -227,32 +198,26 @@ class RunTx:
 
     # ---- writes ----------------------------------------------------------------------------
 
-    def defer(self, sql: str, params: dict[str, Any], groups: Sequence[int] = ()) -> None:
-        """A data-modifying statement (params prefixed by `next_prefix()`) sent as a part of the
-        flush instead of on its own round trip; its effect is not visible before the flush.
-        `groups`: the prompt_groups rows it writes, which must not be moved reservations (one
-        statement must not update a row twice). Deferred parts write disjoint rows."""
-        self._deferred.append((sql, params, set(groups)))
-
-    def next_prefix(self) -> str:
-        return f"x{len(self._deferred)}_"
+    def defer(self, name: str, params: dict[str, Any], groups: Sequence[int] = ()) -> None:
+        """A data-modifying named query sent as a part of the flush instead of on its own
+        round trip; its effect is not visible before the flush. `groups`: the prompt_groups
+        rows it writes, which must not be moved reservations (one statement must not update a
+        row twice). Deferred parts write disjoint rows."""
+        p = f"x{len(self._deferred)}_"  # its parameters apart from the other parts'
+        self._deferred.append((queries.prefixed(name, p), {p + k: v for k, v in params.items()}, set(groups)))
 
     def flush(self) -> None:
         """Persist counters, moved reservations, deferred group updates and the events as the
         parts of ONE statement (data-modifying CTEs): under the run lock every round trip is
         time every other run-locked transaction waits. The parts touch disjoint rows, so their
-        sharing one snapshot changes nothing."""
+        sharing one snapshot changes nothing. Composed (`queries.with_parts`) because only the
+        parts with something to write are sent: a fixed statement of every part would be
+        planned in full, under the run lock, on every call."""
         parts: list[str] = []
         params: dict[str, Any] = {"run": self.run.id}
         changed = [c for b, c in self.buffers.items() if self._original.get(b) != (c.occupied, c.reserved)]
         if changed:
-            parts.append(
-                "INSERT INTO buffers (run_id, idx, batch_size, capacity, occupied, reserved)"
-                " SELECT :run, u.idx, :bs, :cap, u.occ, u.res"
-                " FROM unnest(CAST(:idx AS int[]), CAST(:occ AS int[]), CAST(:res AS int[])) AS u(idx, occ, res)"
-                " ON CONFLICT (run_id, idx) DO UPDATE"
-                " SET occupied = excluded.occupied, reserved = excluded.reserved"
-            )
+            parts.append(queries.sql("flush_buffers"))
             params.update(
                 bs=self.run.batch_size,
                 cap=self.run.buffer_capacity,
@@ -262,22 +227,17 @@ class RunTx:
             )
             self._original.update({c.index: (c.occupied, c.reserved) for c in changed})
         if self.moved:
-            parts.append(
-                "UPDATE prompt_groups g SET reserved_buffer = u.b"
-                " FROM unnest(CAST(:mids AS bigint[]), CAST(:mbs AS int[])) AS u(id, b)"
-                " WHERE g.id = u.id AND g.id = ANY(CAST(:mids AS bigint[])) AND g.state = 'reserved'"
-            )
+            parts.append(queries.sql("flush_moved"))
             params.update(mids=list(self.moved), mbs=list(self.moved.values()))
         for sql, extra, gids in self._deferred:
             assert not gids & self.moved.keys(), "a deferred group update overlaps a moved reservation"
             parts.append(sql)
             params.update(extra)
         if self.events:
-            parts.append(EVENTS_INSERT.format(p="e_"))
+            parts.append(queries.prefixed("events_insert", "e_"))
             params.update(events_params(self.run.id, self.events, "e_"))
         if parts:
-            ctes = ", ".join(f"w{i} AS ({part})" for i, part in enumerate(parts))
-            self.conn.execute(text(f"WITH {ctes} SELECT 1"), params)
+            self.conn.execute(queries.composed(queries.with_parts(parts, queries.sql("flush_done"))), params)
         self.moved.clear()
         self._deferred.clear()
         self.events.clear()
@@ -290,13 +250,7 @@ class RunTx:
         for gid in group_ids:
             if gid in self.reservations():
                 self.release(gid)
-        self.conn.execute(
-            text(
-                "UPDATE prompt_groups SET state = CAST(:state AS group_state), reason = :reason,"
-                " reserved_buffer = NULL, finished_at = now() WHERE id = ANY(CAST(:ids AS bigint[]))"
-            ),
-            {"ids": list(group_ids), "state": state, "reason": reason},
-        )
+        self.conn.execute(queries.text("drop_groups"), {"ids": list(group_ids), "state": state, "reason": reason})
         self.events.extend(Event(f"group_{state}", group=g, data={"reason": reason}) for g in group_ids)
         return abort_members(self.conn, self.run.id, group_ids, reason, self.events)
 
@@ -320,19 +274,10 @@ def abort_samples_where(
     conn: Connection, run_id: int, column: str, ids: Sequence[int], reason: str, events: list[Event]
 ) -> list[int]:
     """Abort the live samples whose `column` ("id" or "group_id") is in `ids`."""
-    assert column in ("id", "group_id")
+    query = {"id": "abort_samples", "group_id": "abort_members"}[column]
     if not ids:
         return []
-    rows = conn.execute(
-        text(
-            f"WITH s AS (SELECT id, instance_id, attempt FROM samples"
-            f"   WHERE {column} = ANY(CAST(:ids AS bigint[])) AND state <> 'aborted' ORDER BY id FOR UPDATE),"
-            " u AS (UPDATE samples x SET state = 'aborted', reason = :reason, instance_id = NULL,"
-            "   reward_deadline = NULL, updated_at = now() FROM s WHERE x.id = s.id RETURNING x.id)"
-            " SELECT s.id, s.instance_id, s.attempt FROM s"
-        ),
-        {"ids": list(ids), "reason": reason},
-    ).all()
+    rows = conn.execute(queries.text(query), {"ids": list(ids), "reason": reason}).all()
     running = [CommandTarget(r.id, r.instance_id, r.attempt) for r in rows if r.instance_id is not None]
     send_commands(conn, run_id, "abort", running)
     events.extend(Event("sample_aborted", sample=r.id, instance=r.instance_id, data={"reason": reason}) for r in rows)
@@ -346,11 +291,7 @@ def send_commands(
     if not targets:
         return
     conn.execute(
-        text(
-            "INSERT INTO commands (run_id, instance_id, kind, sample_id, attempt, epoch)"
-            " SELECT :run, u.inst, CAST(:kind AS command_kind), u.sid, u.att, :epoch"
-            " FROM unnest(CAST(:sids AS bigint[]), CAST(:insts AS bigint[]), CAST(:atts AS int[])) AS u(sid, inst, att)"
-        ),
+        queries.text("send_commands"),
         {
             "run": run_id,
             "kind": kind,
@@ -359,14 +300,6 @@ def send_commands(
             "insts": [t.instance_id for t in targets],
             "atts": [t.attempt for t in targets],
         },
-    )
-
-
-def response_so_far(column: str, sample: str) -> str:
-    """SQL for a sample's segments' `column` (token_ids or logprobs) concatenated in order."""
-    return (
-        f"coalesce((SELECT array_agg(z.e ORDER BY x.seq, z.o) FROM segments x,"
-        f" unnest(x.{column}) WITH ORDINALITY AS z(e, o) WHERE x.sample_id = {sample}), '{{}}')"
     )
 
 

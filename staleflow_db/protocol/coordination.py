@@ -7,17 +7,17 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from functools import cache, cached_property
+from functools import cached_property
 from typing import Any, NamedTuple
 
-from sqlalchemy import Connection, text
+from sqlalchemy import Connection
 
-from .. import notify
+from .. import notify, queries
 from ..errors import Conflict, InvalidInput, NotFound
 from ..idempotency import transactional
 from ..types import RouteResult
-from .base import RUN_COLUMNS, RunRow, RunTx, TxMixin, load_run
-from .rollout import INTERRUPT_COMMANDS, INTERRUPT_TARGETS, check_batch, check_found, check_unique, interrupt_running
+from .base import RunRow, RunTx, TxMixin, load_run
+from .rollout import check_batch, check_found, check_unique, interrupt_running
 from .routing import route_in, route_read
 
 
@@ -75,84 +75,16 @@ class Snapshot:
         return [QueuedView(*q) for q in self.queued_rows]
 
 
-# The cycle's snapshot (`CoordinationOps.snapshot`): the run, its unconsumed buffers, its live
-# instances, their running samples, the queued samples (oldest first, up to :n) and the latest
-# published version, as one JSON array. Rows are arrays in the field order of the views they
-# become. The instances' filter is read once (CTE i) for them and their running samples. A
-# queued sample never routed (no V_traj: most of a queue) has no segments to look up.
-SNAPSHOT = (
-    f"WITH r AS MATERIALIZED (SELECT {RUN_COLUMNS} FROM runs WHERE id = :run),"
-    " i AS MATERIALIZED (SELECT id, name, version, snapshot, extract(epoch FROM now() - snapshot_at)::float8 AS age"
-    "   FROM instances WHERE run_id = :run AND state = 'active' AND lease_expires_at > now())"
-    " SELECT json_build_array("
-    "  (SELECT to_json(r) FROM r),"
-    "  (SELECT json_agg(json_build_array(b.idx, b.occupied, b.reserved) ORDER BY b.idx)"
-    "    FROM buffers b JOIN r ON b.run_id = r.id AND b.idx >= r.version),"
-    "  (SELECT json_agg(json_build_array(i.id, i.name, i.version, i.snapshot, i.age) ORDER BY i.id) FROM i),"
-    "  (SELECT json_agg(json_build_array(s.instance_id, s.id, s.n_tokens, cardinality(g.prompt_tokens), s.v_traj)"
-    "     ORDER BY s.id)"
-    "    FROM i JOIN samples s ON s.instance_id = i.id AND s.state = 'running'"
-    "    JOIN prompt_groups g ON g.id = s.group_id),"
-    "  (SELECT json_agg(json_build_array(q.id, q.group_id, q.v_traj, q.last_version, q.length, q.n_tokens, q.gstate,"
-    "     q.reserved_buffer, q.min_version,"
-    "     CASE WHEN q.v_traj IS NOT NULL THEN"
-    "      (SELECT x.instance_id FROM segments x WHERE x.sample_id = q.id ORDER BY x.seq DESC LIMIT 1) END)"
-    "     ORDER BY q.id)"
-    "    FROM (SELECT s.id, s.group_id, s.v_traj, s.last_version, cardinality(g.prompt_tokens) + s.n_tokens AS length,"
-    "      s.n_tokens, g.state::text AS gstate, g.reserved_buffer, g.min_version"
-    "      FROM samples s JOIN prompt_groups g ON g.id = s.group_id"
-    "      WHERE s.run_id = :run AND s.state = 'queued' ORDER BY s.id LIMIT :n) q),"
-    "  (SELECT max(version) FROM param_versions WHERE run_id = :run))"
-)
-
-
-# Pulls as WITH-clause parts, here and in `cycle_without_routes`: a command `t` per (instance
-# :is, target version :vs) for the run's active instances, and its event `e`, written only
-# where `{gate}` holds.
-PULL_COMMANDS = (
-    "t AS (INSERT INTO commands (run_id, instance_id, kind, target_version, epoch)"
-    "   SELECT :run, u.i, 'pull', u.v, :epoch FROM unnest(CAST(:is AS bigint[]), CAST(:vs AS int[]))"
-    "   WITH ORDINALITY AS u(i, v, o)"
-    "   JOIN instances x ON x.id = u.i AND x.run_id = :run AND x.state = 'active' WHERE {gate} ORDER BY u.o"
-    "   RETURNING id, instance_id, target_version),"
-    " e AS (INSERT INTO events (run_id, kind, instance_id, data)"
-    "   SELECT :run, 'pull', t.instance_id, jsonb_build_object('target', t.target_version) FROM t ORDER BY t.id"
-    "   RETURNING id)"
-)
-
-
-# A cycle without routes (most cycles; every one whose commands are only interrupts and pulls)
-# is ONE statement, sent in autocommit: one round trip from the decision to the commit, where
-# BEGIN, the interrupts, the pulls, the fenced cycle row and COMMIT were three to five. It has
-# only the parts the cycle needs (an empty cycle: the fence and its row). Nothing is written
-# unless `ok`: the lease `l` is ours and live (held FOR SHARE to the statement's end, so no
-# takeover commits in between) and every sample to interrupt is in the run; the caller then
-# raises what the transaction raised. write_ms is the server's time from the statement's start
-# to the cycle row, taken after the commands and events are written (the CASE counts them first).
-@cache
-def cycle_without_routes(interrupts: bool, pulls: bool) -> str:
-    gate = "EXISTS (SELECT FROM ok)"
-    parts = [
-        "l AS MATERIALIZED (SELECT run_id, epoch FROM coordinator_leases WHERE run_id = :run AND holder = :h"
-        " AND epoch = :epoch AND expires_at > now() FOR SHARE)"
-    ]
-    written = ["0"]
-    if interrupts:
-        parts += [INTERRUPT_TARGETS, "ok AS MATERIALIZED (SELECT FROM l WHERE (SELECT count(*) FROM f) = :n_ids)"]
-        parts.append(INTERRUPT_COMMANDS.format(gate=gate))
-        written.append("(SELECT count(*) FROM c)")
-    else:
-        parts.append("ok AS MATERIALIZED (SELECT FROM l)")
-    if pulls:
-        parts.append(PULL_COMMANDS.format(gate=gate))
-        written.append("(SELECT count(*) FROM e)")
-    parts.append(
-        "y AS (INSERT INTO coordinator_cycles (run_id, epoch, snapshot_ms, decide_ms, write_ms, routed, interrupted,"
-        f" pulled, migrated) SELECT l.run_id, l.epoch, :s, :d, CASE WHEN {' + '.join(written)} >= 0"
-        " THEN extract(epoch FROM clock_timestamp() - statement_timestamp()) * 1000 END, 0, :i, :p, :m FROM l, ok)"
-    )
-    found = "ARRAY(SELECT id FROM f)" if interrupts else "CAST(ARRAY[] AS bigint[])"
-    return f"WITH {', '.join(parts)} SELECT EXISTS (SELECT FROM l) AS fenced, {found} AS found"
+# A cycle without routes (most cycles) is ONE statement, sent in autocommit: one round trip
+# from the decision to the commit, where BEGIN, the interrupts, the pulls, the fenced cycle row
+# and COMMIT were three to five. One of four (coordination.sql), with only the parts the cycle
+# needs: interrupts, pulls, both or neither (the fence and its row).
+CYCLES = {
+    (False, False): "cycle",
+    (True, False): "cycle_interrupts",
+    (False, True): "cycle_pulls",
+    (True, True): "cycle_interrupts_pulls",
+}
 
 
 class CoordinationOps(TxMixin):
@@ -165,14 +97,7 @@ class CoordinationOps(TxMixin):
         with self.tx(conn) as conn:
             load_run(conn, run_id, lock=False)
             row = conn.execute(
-                text(
-                    "INSERT INTO coordinator_leases AS l (run_id, holder, epoch, expires_at)"
-                    " VALUES (:run, :h, 1, now() + make_interval(secs => :ttl))"
-                    " ON CONFLICT (run_id) DO UPDATE SET holder = excluded.holder, expires_at = excluded.expires_at,"
-                    "   epoch = CASE WHEN l.holder = excluded.holder THEN l.epoch ELSE l.epoch + 1 END"
-                    " WHERE l.holder = excluded.holder OR l.expires_at <= now()"
-                    " RETURNING epoch"
-                ),
+                queries.text("acquire_leadership"),
                 {"run": run_id, "h": holder, "ttl": ttl_seconds},
             ).first()
             return None if row is None else row.epoch
@@ -180,10 +105,7 @@ class CoordinationOps(TxMixin):
     @transactional
     def release_leadership(self, run_id: int, holder: str, *, conn: Connection | None = None) -> None:
         with self.tx(conn) as conn:
-            conn.execute(
-                text("UPDATE coordinator_leases SET expires_at = now() WHERE run_id = :run AND holder = :h"),
-                {"run": run_id, "h": holder},
-            )
+            conn.execute(queries.text("release_leadership"), {"run": run_id, "h": holder})
 
     @transactional
     def check_epoch(
@@ -215,10 +137,7 @@ class CoordinationOps(TxMixin):
             if target > run.version:
                 raise InvalidInput(f"target_version {target} is newer than the run's version {run.version}")
             ids = sorted(set(instance_ids))
-            known = conn.execute(
-                text("SELECT id FROM instances WHERE run_id = :run AND id = ANY(CAST(:ids AS bigint[]))"),
-                {"run": run_id, "ids": ids},
-            ).scalars()
+            known = conn.execute(queries.text("instances_in_run"), {"run": run_id, "ids": ids}).scalars()
             missing = set(ids) - set(known)
             if missing:
                 raise NotFound(f"instance {min(missing)} in run {run_id}")
@@ -242,7 +161,7 @@ class CoordinationOps(TxMixin):
         with self.engine.connect() as conn:
             got = (
                 conn.execution_options(isolation_level="AUTOCOMMIT")
-                .execute(text(SNAPSHOT), {"run": run_id, "n": max_queued})
+                .execute(queries.text("snapshot"), {"run": run_id, "n": max_queued})
                 .scalar_one()
             )
         if got[0] is None:
@@ -282,7 +201,7 @@ class CoordinationOps(TxMixin):
         goes with the cycle's row as the last statement. A fence checked last is as good as
         first: the lease row is then held FOR SHARE until the commit, and a takeover that
         committed before it fails the check, so the whole transaction rolls back. A cycle
-        without routes is one statement (`cycle_without_routes`), fenced the same way."""
+        without routes is one statement (`CYCLES`), fenced the same way."""
         check_batch(routes, "routes")
         if cycle is not None and not routes and conn is None:
             self._cycle_without_routes(run_id, holder, epoch, interrupts, pulls, cycle)
@@ -304,12 +223,7 @@ class CoordinationOps(TxMixin):
             if cycle is not None:
                 # the cycle's write time: every statement of this transaction but this one and the commit
                 fenced = conn.execute(
-                    text(
-                        "INSERT INTO coordinator_cycles (run_id, epoch, snapshot_ms, decide_ms, write_ms, routed,"
-                        " interrupted, pulled, migrated) SELECT l.run_id, l.epoch, :s, :d, :w, :r, :i, :p, :m"
-                        " FROM coordinator_leases l WHERE l.run_id = :run AND l.holder = :h AND l.epoch = :e"
-                        " AND l.expires_at > now() FOR SHARE"
-                    ),
+                    queries.text("cycle_row"),
                     {
                         "run": run_id,
                         "h": holder,
@@ -341,7 +255,7 @@ class CoordinationOps(TxMixin):
             got = (
                 conn.execution_options(isolation_level="AUTOCOMMIT")
                 .execute(
-                    text(cycle_without_routes(bool(interrupts), bool(pulls))),
+                    queries.text(CYCLES[bool(interrupts), bool(pulls)]),
                     {
                         "run": run_id,
                         "h": holder,
@@ -367,10 +281,7 @@ class CoordinationOps(TxMixin):
 def check_epoch(conn: Connection, run_id: int, epoch: int, holder: str | None = None) -> None:
     """The coordinator fence (ENGINEERING pattern 9): `epoch` (and `holder`, when given) must be
     the run's live lease. FOR SHARE holds off a takeover until this transaction commits."""
-    lease = conn.execute(
-        text("SELECT holder, epoch FROM coordinator_leases WHERE run_id = :run AND expires_at > now() FOR SHARE"),
-        {"run": run_id},
-    ).first()
+    lease = conn.execute(queries.text("check_epoch"), {"run": run_id}).first()
     current = None if lease is None else lease.epoch
     if holder is not None and (lease is None or lease.holder != holder or current != epoch):
         raise Conflict([(epoch, "not the coordinator of this run (leadership lost or expired)")])
@@ -383,7 +294,7 @@ def queue_pulls(conn: Connection, run_id: int, pulls: Sequence[tuple[int, int]],
     in the run; returns them."""
     # the commands and their events in one statement (one round trip of decision delay)
     told = conn.execute(
-        text(f"WITH {PULL_COMMANDS.format(gate='true')} SELECT instance_id FROM t ORDER BY id"),
+        queries.text("queue_pulls"),
         {"run": run_id, "epoch": epoch, **pull_params(pulls)},
     ).scalars()
     return list(told)

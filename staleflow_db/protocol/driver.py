@@ -6,23 +6,20 @@ Why: the run-locked calls used to send their locking read through `staleflow_loc
 (migration 0005), whose EXECUTE plans the read on every call: 0.6-0.8 ms of planning while
 every other run-locked call waits, as much as the read itself at batch 16. Two statements in
 one pipeline keep the single round trip, and a prepared read is planned once (its generic plan
-reaches rows by index as the custom one did: `tests/db/test_locked_reads.py`)."""
+reaches rows by index as the custom one did: `tests/db/test_locked_reads.py`).
+
+The statements are named queries in psycopg's form (`queries.pyformat`): their parameters carry
+their casts in the SQL (psycopg would otherwise send a list of small ints as smallint[])."""
 
 from __future__ import annotations
 
-import functools
 import logging
-import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import psycopg
 from sqlalchemy import Connection
 from sqlalchemy import exc as sa_exc
-
-# A locked read's parameters ($1 the run, $2..$5 the arrays) as migration 0005's function
-# typed them: psycopg would otherwise send a list of small ints as smallint[].
-READ_PARAMS = (("run", "bigint"), ("a", "bigint[]"), ("b", "bigint[]"), ("c", "int[]"), ("d", "float8[]"))
 
 
 class _SecondReportOfTheSameError(logging.Filter):
@@ -36,17 +33,6 @@ class _SecondReportOfTheSameError(logging.Filter):
 
 
 logging.getLogger("psycopg").addFilter(_SecondReportOfTheSameError())
-
-
-@functools.lru_cache(maxsize=64)
-def read_sql(sql: str) -> str:
-    """A read written with $1..$5 (`LockedRead`) in psycopg's named-parameter form."""
-
-    def param(m: re.Match[str]) -> str:
-        name, typ = READ_PARAMS[int(m.group(1)) - 1]
-        return f"CAST(%({name})s AS {typ})"
-
-    return re.sub(r"\$([1-5])(?!\d)", param, sql.replace("%", "%%"))
 
 
 def scalars(conn: Connection, statements: Sequence[tuple[str, Mapping[str, Any]]]) -> list[Any]:

@@ -7,13 +7,14 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 
-from sqlalchemy import Connection, text
+from sqlalchemy import Connection
 
+from .. import queries
 from ..enums import SegmentKind
 from ..errors import Conflict, InvalidInput, NotFound, TooLarge
 from ..types import Report
-from .base import RUN_COLUMNS, RunRow
-from .events import EVENTS_INSERT, Event, events_params
+from .base import RunRow
+from .events import Event, events_params
 
 
 def check_live(instance_id: int, state: str, live: bool) -> None:
@@ -29,12 +30,7 @@ def report_in(conn: Connection, run_id: int, reports: Sequence[Report]) -> int:
     # (lock order instances -> samples, as route and expiry): each must stay active with a live
     # lease until this report commits. A run with no such instance still gives its one row.
     run_and_instances = conn.execute(
-        text(
-            f"SELECT {RUN_COLUMNS}, i.iid, i.istate, i.live FROM runs LEFT JOIN LATERAL ("
-            " SELECT x.id AS iid, x.state::text AS istate, x.lease_expires_at > now() AS live FROM instances x"
-            "   WHERE x.run_id = runs.id AND x.id = ANY(CAST(:ids AS bigint[])) ORDER BY x.id FOR SHARE) i ON true"
-            " WHERE runs.id = :run"
-        ),
+        queries.text("report_run_and_instances"),
         {"run": run_id, "ids": sorted({r.instance_id for r in reports})},
     ).all()
     if not run_and_instances:
@@ -59,29 +55,15 @@ def report_in(conn: Connection, run_id: int, reports: Sequence[Report]) -> int:
     unknown = sorted({r.instance_id for r in reports} - {r.iid for r in found})
     if unknown:
         raise NotFound(f"instance {unknown[0]} in run {run_id}")
-    cols = "SELECT id, state, attempt, v_traj, last_version, n_tokens, n_segments, instance_id, lease FROM samples"
     # Lock only the running rows: those are all a report can change. A stale report naming a
     # sample that moved on (scoring, aborted ...) must not wait on its lock: with the run-locked
     # record_rewards, which holds scoring rows and then locks their groups' members, that
     # wait closed a deadlock cycle. The rest are read unlocked, only to refuse them.
-    rows = {
-        r.id: r
-        for r in conn.execute(
-            text(
-                f"{cols} WHERE run_id = :run AND id = ANY(CAST(:ids AS bigint[])) AND state = 'running'"
-                " ORDER BY id FOR UPDATE"
-            ),
-            {"run": run_id, "ids": ids},
-        ).all()
-    }
+    rows = {r.id: r for r in conn.execute(queries.text("report_lock_running"), {"run": run_id, "ids": ids}).all()}
     missing = [i for i in ids if i not in rows]
     if missing:
         rows.update(
-            (r.id, r)
-            for r in conn.execute(
-                text(f"{cols} WHERE run_id = :run AND id = ANY(CAST(:ids AS bigint[]))"),
-                {"run": run_id, "ids": missing},
-            ).all()
+            (r.id, r) for r in conn.execute(queries.text("report_read_others"), {"run": run_id, "ids": missing}).all()
         )
     conflicts = []
     for r in reports:
@@ -102,7 +84,8 @@ def report_in(conn: Connection, run_id: int, reports: Sequence[Report]) -> int:
     if conflicts:
         raise Conflict(conflicts)
     # Segments, sample counters and events in ONE statement (three tables, disjoint rows):
-    # one round trip instead of three.
+    # one round trip instead of three. Composed (`queries.with_parts`): a batch with no tokens
+    # or no events has no such part.
     state_of = {SegmentKind.FINISHED: "finished", SegmentKind.INTERRUPTED: "queued", SegmentKind.PARTIAL: "running"}
     events = [
         Event(
@@ -125,11 +108,7 @@ def report_in(conn: Connection, run_id: int, reports: Sequence[Report]) -> int:
     }
     segs = [r for r in reports if r.tokens]
     if segs:
-        ctes.append(
-            "INSERT INTO segments (sample_id, seq, run_id, version, instance_id, attempt, token_ids, logprobs,"
-            " finish_reason) SELECT x.s, x.q, :run, x.v, x.i, x.a, x.t, x.l, x.f FROM jsonb_to_recordset(CAST(:p AS jsonb))"
-            " AS x(s bigint, q int, v int, i bigint, a int, t int[], l real[], f text)"
-        )
+        ctes.append(queries.sql("report_segments"))
         params["p"] = json.dumps(
             [
                 {
@@ -146,21 +125,9 @@ def report_in(conn: Connection, run_id: int, reports: Sequence[Report]) -> int:
             ]
         )
     if events:
-        ctes.append(EVENTS_INSERT.format(p="e_"))
+        ctes.append(queries.prefixed("events_insert", "e_"))
         params.update(events_params(run_id, events, "e_"))
-    with_ctes = ("WITH " + ", ".join(f"w{i} AS ({c})" for i, c in enumerate(ctes)) + " ") if ctes else ""
-    conn.execute(
-        text(
-            with_ctes + "UPDATE samples s SET n_tokens = s.n_tokens + u.n, n_segments = s.n_segments + (u.n > 0)::int,"
-            " last_version = CASE WHEN u.n > 0 THEN u.v ELSE s.last_version END,"
-            " state = CAST(u.st AS sample_state), instance_id = CASE WHEN u.st = 'running' THEN s.instance_id END,"
-            " finish_reason = coalesce(u.f, s.finish_reason), updated_at = now()"
-            " FROM unnest(CAST(:ids AS bigint[]), CAST(:ns AS int[]), CAST(:vs AS int[]), CAST(:sts AS text[]),"
-            "   CAST(:fs AS text[])) AS u(id, n, v, st, f)"
-            " WHERE s.id = u.id AND s.id = ANY(CAST(:ids AS bigint[]))"
-        ),
-        params,
-    )
+    conn.execute(queries.composed(queries.with_parts(ctes, queries.sql("report_samples"))), params)
     return len(reports)
 
 

@@ -8,13 +8,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy import Connection, text
+from sqlalchemy import Connection
 from sqlalchemy.exc import IntegrityError
 
+from .. import queries
 from ..errors import Conflict, InvalidInput, NotFound, TooLarge
 from ..idempotency import transactional
 from ..types import Report, RouteOutcome, RouteResult, RunConfig
-from .base import TxMixin, load_run, response_so_far, under_run_lock
+from .base import TxMixin, load_run, under_run_lock
 from .events import Event, log_events
 from .fencing import check_live, report_in
 from .routing import lease_tokens, route_in, route_read
@@ -79,11 +80,7 @@ class RolloutOps(TxMixin):
             try:
                 with conn.begin_nested():
                     run_id = conn.execute(
-                        text(
-                            "INSERT INTO runs (name, batch_size, buffer_capacity, group_size, samples_per_group,"
-                            " eta, max_response_tokens, max_prompt_tokens, dapo_filter)"
-                            " VALUES (:name, :B, :Bc, :N, :Nc, :eta, :mr, :mp, :f) RETURNING id"
-                        ),
+                        queries.text("create_run"),
                         {
                             "name": name,
                             "B": config.batch_size,
@@ -129,10 +126,7 @@ class RolloutOps(TxMixin):
             if not 0 <= version <= run.version:
                 raise InvalidInput(f"instance version {version} outside 0..{run.version}")
             iid = conn.execute(
-                text(
-                    "INSERT INTO instances (run_id, name, version, lease_expires_at, token_id)"
-                    " VALUES (:run, :name, :v, now() + make_interval(secs => :ttl), :tok) RETURNING id"
-                ),
+                queries.text("register_instance"),
                 {"run": run_id, "name": name, "v": version, "ttl": lease_seconds, "tok": token_id},
             ).scalar_one()
             log_events(
@@ -156,25 +150,14 @@ class RolloutOps(TxMixin):
         overlapping heartbeats can never move the version backwards (a plain read before the
         update could be stale by then) nor revive a lease that lapsed meanwhile."""
         with self.tx(conn) as conn:
-            conn.execute(text("SET LOCAL synchronous_commit = off"))
+            conn.execute(queries.text("heartbeat_ephemeral"))
             updated = conn.execute(
-                text(
-                    "UPDATE instances i SET version = :v, snapshot = CAST(:snap AS jsonb), snapshot_at = now(),"
-                    " lease_expires_at = now() + make_interval(secs => :ttl)"
-                    " FROM runs r WHERE i.id = :i AND r.id = i.run_id AND i.state = 'active'"
-                    " AND i.lease_expires_at > now() AND i.version <= :v AND :v <= r.version RETURNING i.id"
-                ),
+                queries.text("heartbeat"),
                 {"i": instance_id, "v": version, "snap": json.dumps(snapshot or {}), "ttl": lease_seconds},
             ).first()
             if updated is not None:
                 return
-            row = conn.execute(
-                text(
-                    "SELECT i.state, i.lease_expires_at > now() AS live, i.version, r.version AS run_version"
-                    " FROM instances i JOIN runs r ON r.id = i.run_id WHERE i.id = :i"
-                ),
-                {"i": instance_id},
-            ).first()
+            row = conn.execute(queries.text("heartbeat_refused"), {"i": instance_id}).first()
             if row is None:
                 raise NotFound(f"instance {instance_id}")
             check_live(instance_id, row.state, row.live)
@@ -191,18 +174,7 @@ class RolloutOps(TxMixin):
         (a straggler a concurrent route left behind must not stay running forever)."""
         with self.tx(conn) as conn:
             load_run(conn, run_id, lock=False)
-            ids = (
-                conn.execute(
-                    text(
-                        "UPDATE instances SET state = 'expired' WHERE id IN (SELECT id FROM instances"
-                        "   WHERE run_id = :run AND state = 'active' AND lease_expires_at <= now() ORDER BY id FOR UPDATE)"
-                        " RETURNING id"
-                    ),
-                    {"run": run_id},
-                )
-                .scalars()
-                .all()
-            )
+            ids = conn.execute(queries.text("expire_instances"), {"run": run_id}).scalars().all()
             log_events(conn, run_id, [Event("instance_expired", instance=i) for i in sorted(ids)])
             requeue_fenced(conn, run_id, "instance_expired")
             return sorted(ids)
@@ -211,12 +183,9 @@ class RolloutOps(TxMixin):
     def deregister_instance(self, instance_id: int, *, conn: Connection | None = None) -> list[int]:
         """A clean shutdown: the instance's running samples go back to the queue at once."""
         with self.tx(conn) as conn:
-            row = conn.execute(
-                text("UPDATE instances SET state = 'deregistered' WHERE id = :i AND state = 'active' RETURNING run_id"),
-                {"i": instance_id},
-            ).first()
+            row = conn.execute(queries.text("deregister_instance"), {"i": instance_id}).first()
             if row is None:
-                if conn.execute(text("SELECT 1 FROM instances WHERE id = :i"), {"i": instance_id}).first() is None:
+                if conn.execute(queries.text("instance_exists"), {"i": instance_id}).first() is None:
                     raise NotFound(f"instance {instance_id}")
                 return []
             log_events(conn, row.run_id, [Event("instance_deregistered", instance=instance_id)])
@@ -270,22 +239,7 @@ class RolloutOps(TxMixin):
             # locked before any sample (lock order instances -> samples) and a fenced instance
             # gets nothing. One row per delivered sample, or one with no sample at all; none
             # when there is no such instance.
-            rows = conn.execute(
-                text(
-                    "WITH inst AS MATERIALIZED (SELECT i.state::text AS state, i.lease_expires_at > now() AS live,"
-                    "   r.max_response_tokens FROM instances i JOIN runs r ON r.id = i.run_id WHERE i.id = :i"
-                    "   FOR SHARE OF i),"
-                    " d AS MATERIALIZED (SELECT id FROM samples WHERE instance_id = :i AND state = 'running'"
-                    "   AND NOT delivered AND (SELECT state = 'active' AND live FROM inst) ORDER BY id LIMIT :n FOR UPDATE),"
-                    " u AS (UPDATE samples s SET delivered = true FROM d WHERE s.id = d.id"
-                    "   RETURNING s.id, s.attempt, s.lease, s.group_id, s.v_traj, s.n_tokens)"
-                    " SELECT inst.state, inst.live, inst.max_response_tokens, w.* FROM inst LEFT JOIN ("
-                    "  SELECT u.id, u.attempt, u.lease::text AS lease, u.group_id, u.v_traj, u.n_tokens, g.prompt_tokens,"
-                    f"  {response_so_far('token_ids', 'u.id')} AS tokens, {response_so_far('logprobs', 'u.id')} AS logprobs"
-                    "  FROM u JOIN prompt_groups g ON g.id = u.group_id) w ON true ORDER BY w.id"
-                ),
-                {"i": instance_id, "n": limit},
-            ).all()
+            rows = conn.execute(queries.text("poll_work"), {"i": instance_id, "n": limit}).all()
             if not rows:
                 raise NotFound(f"instance {instance_id}")
             row = rows[0]
@@ -305,14 +259,7 @@ class RolloutOps(TxMixin):
                 for w in rows
                 if w.id is not None
             ]
-            cmds = conn.execute(
-                text(
-                    "UPDATE commands SET state = 'delivered', delivered_at = now()"
-                    " WHERE id IN (SELECT id FROM commands WHERE instance_id = :i AND state = 'pending'"
-                    "   ORDER BY id FOR UPDATE) RETURNING id, kind, sample_id, attempt, target_version"
-                ),
-                {"i": instance_id},
-            ).all()
+            cmds = conn.execute(queries.text("deliver_commands"), {"i": instance_id}).all()
             return work, sorted((Command(**c._mapping) for c in cmds), key=lambda c: c.id)
 
     @transactional
@@ -327,27 +274,13 @@ class RolloutOps(TxMixin):
             return interrupt_running(conn, run_id, sample_ids, epoch)
 
 
-# Interrupts as WITH-clause parts, here and in the coordinator's one-statement cycle
-# (`coordination.cycle_without_routes`): the samples `f` (:run, :ids) and, for those running,
-# their commands `c` (:epoch), written only where `{gate}` holds.
-INTERRUPT_TARGETS = (
-    "f AS MATERIALIZED (SELECT id, instance_id, attempt, state = 'running' AS running FROM samples"
-    "   WHERE run_id = :run AND id = ANY(CAST(:ids AS bigint[])))"
-)
-INTERRUPT_COMMANDS = (
-    "c AS (INSERT INTO commands (run_id, instance_id, kind, sample_id, attempt, epoch)"
-    "   SELECT :run, f.instance_id, 'interrupt', f.id, f.attempt, :epoch FROM f WHERE f.running AND {gate}"
-    "   ORDER BY f.id RETURNING id)"
-)
-
-
 def interrupt_running(conn: Connection, run_id: int, sample_ids: Sequence[int], epoch: int | None) -> int:
     """Queue interrupt commands for those of the samples that are running; returns how many.
     A sample that is not in the run (unknown, or another run's) is NotFound, as everywhere."""
     # One statement reads the samples and queues the commands (a decision-delay round trip
     # less for the coordinator); one not found rolls the whole transaction back.
     rows = conn.execute(
-        text(f"WITH {INTERRUPT_TARGETS}, {INTERRUPT_COMMANDS.format(gate='true')} SELECT id, running FROM f"),
+        queries.text("interrupt_running"),
         {"run": run_id, "ids": list(sample_ids), "epoch": epoch},
     ).all()
     check_found(run_id, sample_ids, {r.id for r in rows})
@@ -389,15 +322,7 @@ def enqueue_prompts(
         ]
     )
     created = conn.execute(
-        text(
-            "WITH g AS (INSERT INTO prompt_groups (run_id, client_key, prompt_tokens, meta, replacement_of)"
-            "   SELECT :run, x.k, x.t, coalesce(x.m, '{}'), x.r"
-            "   FROM jsonb_to_recordset(CAST(:p AS jsonb)) AS x(o int, k text, t int[], m jsonb, r bigint)"
-            "   ORDER BY x.o ON CONFLICT (run_id, client_key) DO NOTHING RETURNING id, client_key),"
-            " s AS (INSERT INTO samples (run_id, group_id, idx)"
-            "   SELECT :run, g.id, i FROM g, generate_series(0, :n - 1) AS i ORDER BY g.id, i)"
-            " SELECT id, client_key FROM g"
-        ),
+        queries.text("enqueue_groups"),
         {"run": run.id, "p": payload, "n": run.samples_per_group},
     ).all()
     log_events(conn, run.id, [Event("group_enqueued", group=gid) for gid, _ in created])
@@ -407,7 +332,7 @@ def enqueue_prompts(
         ids.update(
             (k, g)
             for g, k in conn.execute(
-                text("SELECT id, client_key FROM prompt_groups WHERE run_id = :run AND client_key = ANY(:keys)"),
+                queries.text("groups_by_key"),
                 {"run": run.id, "keys": missing},
             ).all()
         )
@@ -417,14 +342,8 @@ def enqueue_prompts(
 def requeue_fenced(conn: Connection, run_id: int, why: str, instance_ids: Sequence[int] | None = None) -> list[int]:
     """Samples running on fenced (non-active) instances of the run, or only on `instance_ids`
     (already fenced in this transaction), return to the queue with the tokens they reported."""
-    where = "s.instance_id = ANY(CAST(:ids AS bigint[]))" if instance_ids is not None else "i.state <> 'active'"
     rows = conn.execute(
-        text(
-            "UPDATE samples x SET state = 'queued', instance_id = NULL, updated_at = now()"
-            " FROM (SELECT s.id, s.instance_id FROM samples s JOIN instances i ON i.id = s.instance_id"
-            f"   WHERE s.run_id = :run AND s.state = 'running' AND {where} ORDER BY s.id FOR UPDATE OF s) AS f"
-            " WHERE x.id = f.id RETURNING x.id, f.instance_id"
-        ),
+        queries.text("requeue_fenced" if instance_ids is None else "requeue_instances"),
         {"run": run_id, "ids": list(instance_ids or [])},
     ).all()
     log_events(

@@ -25,37 +25,22 @@ class RoutedGroup:
     version: int | None
 
 
-# Everything route reads, in ONE statement, sent with the run lock (`RunTx.open`): a round
-# trip saved is time every other run-locked transaction waits less. The lock order stays
-# run -> instances -> samples -> groups, each in id order: the branches of a UNION ALL run one
-# after the other, and the groups' CTE reads the samples' one. Instances FOR SHARE: an expiry
-# or deregistration waits until this route commits, so its requeue then sees the samples
-# routed here; one that committed first is seen as fenced. Locked rows are read at their latest
-# version; the members of reserved groups (unlocked, read from the statement's snapshot, taken
-# after the run lock was granted) are as current as they were when read in a statement of
-# their own: reports change them without any lock we hold. The groups by `= ANY(ARRAY(...))`:
-# an index lookup each, in id order; `IN (SELECT ...)` was planned as a hash join over a scan
-# of every group of every run; likewise the members (ix_samples_group), which by the join
-# condition alone were read by a scan of every sample. $1 run, $2 instance ids, $3 sample ids.
-ROUTE_READ = (
-    "WITH i AS MATERIALIZED (SELECT id, state::text AS state, version, lease_expires_at > now() AS live"
-    "   FROM instances WHERE run_id = $1 AND id = ANY($2) ORDER BY id FOR SHARE),"
-    " s AS MATERIALIZED (SELECT id, group_id, state::text AS state, v_traj, n_tokens, last_version, attempt"
-    "   FROM samples WHERE run_id = $1 AND id = ANY($3) ORDER BY id FOR UPDATE),"
-    " g AS MATERIALIZED (SELECT id, state::text AS state, reserved_buffer, min_version FROM prompt_groups"
-    "   WHERE id = ANY(ARRAY(SELECT group_id FROM s)) ORDER BY id FOR UPDATE),"
-    " q(k, j) AS (SELECT 'i', to_jsonb(i) FROM i"
-    "   UNION ALL SELECT 's', to_jsonb(s) FROM s"
-    "   UNION ALL SELECT 'g', to_jsonb(g) || jsonb_build_object('mid', m.id, 'mstate', m.state::text,"
-    "     'mv', m.v_traj, 'mn', m.n_tokens) FROM g LEFT JOIN samples m ON m.group_id = g.id"
-    "     AND m.group_id = ANY(ARRAY(SELECT id FROM g WHERE state = 'reserved'))"
-    "     AND m.state <> 'aborted' AND m.v_traj IS NOT NULL)"
-    " SELECT coalesce(jsonb_agg(jsonb_build_array(k, j)), '[]') FROM q"
-)
+# Everything route reads, in ONE statement (`route_read` in rollout.sql), sent with the run
+# lock (`RunTx.open`): a round trip saved is time every other run-locked transaction waits
+# less. The lock order stays run -> instances -> samples -> groups, each in id order: the
+# branches of a UNION ALL run one after the other, and the groups' CTE reads the samples' one.
+# Instances FOR SHARE: an expiry or deregistration waits until this route commits, so its
+# requeue then sees the samples routed here; one that committed first is seen as fenced.
+# Locked rows are read at their latest version; the members of reserved groups (unlocked, read
+# from the statement's snapshot, taken after the run lock was granted) are as current as they
+# were when read in a statement of their own: reports change them without any lock we hold.
+# The groups by `= ANY(ARRAY(...))`: an index lookup each, in id order; `IN (SELECT ...)` was
+# planned as a hash join over a scan of every group of every run; likewise the members
+# (ix_samples_group), which by the join condition alone were read by a scan of every sample.
 
 
 def route_read(pairs: Sequence[tuple[int, int]]) -> LockedRead:
-    return LockedRead(ROUTE_READ, a=sorted({p[1] for p in pairs}), b=[p[0] for p in pairs])
+    return LockedRead("route_read", {"instances": sorted({p[1] for p in pairs}), "samples": [p[0] for p in pairs]})
 
 
 def lease_tokens(n: int) -> list[str]:
@@ -136,28 +121,20 @@ def route_in(rtx: RunTx, pairs: Sequence[tuple[int, int]], tokens: Sequence[str]
         # so the results need no RETURNING.
         token = dict(zip(sample_ids, tokens if tokens is not None else lease_tokens(len(pairs)), strict=True))
         leases = {sid: (samples[sid].attempt + 1, token[sid]) for sid, _, _ in routed}
-        p = rtx.next_prefix()
         rtx.defer(
-            "UPDATE samples s SET state = 'running', v_traj = u.v, instance_id = u.i, attempt = u.a,"
-            " lease = u.l, delivered = false, updated_at = now()"
-            f" FROM unnest(CAST(:{p}ids AS bigint[]), CAST(:{p}vs AS int[]), CAST(:{p}is AS bigint[]),"
-            f" CAST(:{p}as AS int[]), CAST(:{p}ls AS uuid[])) AS u(id, v, i, a, l)"
-            f" WHERE s.id = u.id AND s.id = ANY(CAST(:{p}ids AS bigint[]))",
+            "route_samples",
             {
-                f"{p}ids": [r[0] for r in routed],
-                f"{p}vs": [r[1] for r in routed],
-                f"{p}is": [r[2] for r in routed],
-                f"{p}as": [leases[r[0]][0] for r in routed],
-                f"{p}ls": [leases[r[0]][1] for r in routed],
+                "ids": [r[0] for r in routed],
+                "vs": [r[1] for r in routed],
+                "is": [r[2] for r in routed],
+                "as": [leases[r[0]][0] for r in routed],
+                "ls": [leases[r[0]][1] for r in routed],
             },
         )
         tg = sorted(touched)
-        p = rtx.next_prefix()
         rtx.defer(
-            "UPDATE prompt_groups g SET state = 'reserved', reserved_buffer = u.b, min_version = u.mv"
-            f" FROM unnest(CAST(:{p}ids AS bigint[]), CAST(:{p}bs AS int[]), CAST(:{p}mvs AS int[])) AS u(id, b, mv)"
-            f" WHERE g.id = u.id AND g.id = ANY(CAST(:{p}ids AS bigint[]))",
-            {f"{p}ids": tg, f"{p}bs": [groups[g].buffer for g in tg], f"{p}mvs": [groups[g].version for g in tg]},
+            "route_groups",
+            {"ids": tg, "bs": [groups[g].buffer for g in tg], "mvs": [groups[g].version for g in tg]},
             groups=tg,
         )
         for r in results:

@@ -10,23 +10,15 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
 
-from sqlalchemy import Connection, text
+from sqlalchemy import Connection
 
+from .. import queries
 from ..enums import DropReason, GroupState
 from ..errors import Conflict, InvalidInput, NotFound
 from ..idempotency import transactional
 from ..rules import occupy_plan, replacement_key, window_has_room
 from ..types import GroupOutcome
-from .base import (
-    RESERVATIONS,
-    LockedRead,
-    RunTx,
-    TxMixin,
-    abort_samples_where,
-    load_run,
-    response_so_far,
-    under_run_lock,
-)
+from .base import LockedRead, RunTx, TxMixin, abort_samples_where, load_run, under_run_lock
 from .events import Event
 from .rollout import Prompt, check_batch, enqueue_prompts
 
@@ -54,25 +46,9 @@ class ScoringOps(TxMixin):
             # Lock expired claims in id order and skip rows another transaction holds (a
             # record_rewards posting late, under the run lock): scan-order locking here
             # deadlocked with it. A skipped row is reset by a later claim if still expired.
-            conn.execute(
-                text(
-                    "UPDATE samples SET state = 'finished', reward_deadline = NULL WHERE id IN ("
-                    " SELECT id FROM samples WHERE run_id = :run AND state = 'scoring' AND reward_deadline <= now()"
-                    " ORDER BY id FOR UPDATE SKIP LOCKED)"
-                ),
-                {"run": run_id},
-            )
+            conn.execute(queries.text("claim_reset_expired"), {"run": run_id})
             rows = conn.execute(
-                text(
-                    "WITH c AS MATERIALIZED (SELECT id FROM samples WHERE run_id = :run AND state = 'finished'"
-                    "   ORDER BY id LIMIT :n FOR UPDATE SKIP LOCKED),"
-                    " u AS (UPDATE samples s SET state = 'scoring', reward_attempt = s.reward_attempt + 1,"
-                    "   reward_deadline = now() + make_interval(secs => :ttl), updated_at = now()"
-                    "   FROM c WHERE s.id = c.id RETURNING s.id, s.reward_attempt, s.group_id, s.finish_reason)"
-                    " SELECT u.id, u.reward_attempt, u.group_id, g.prompt_tokens,"
-                    f"  {response_so_far('token_ids', 'u.id')} AS response, u.finish_reason, g.meta"
-                    " FROM u JOIN prompt_groups g ON g.id = u.group_id ORDER BY u.id"
-                ),
+                queries.text("claim_rewards"),
                 {"run": run_id, "n": limit, "ttl": lease_seconds},
             ).all()
             if not rows:  # only then ask whether the run exists: one round trip less per claim
@@ -119,27 +95,14 @@ class ScoringOps(TxMixin):
         if len(set(sample_ids)) != len(sample_ids):  # counted twice, it would doom the group
             raise InvalidInput("a sample appears twice in one abort batch")
         with self.run_tx(run_id, conn) as rtx:
-            rows = rtx.conn.execute(
-                text(
-                    "SELECT s.id, s.group_id, s.state, g.state AS group_state"
-                    " FROM samples s JOIN prompt_groups g ON g.id = s.group_id"
-                    " WHERE s.run_id = :run AND s.id = ANY(CAST(:ids AS bigint[]))"
-                ),
-                {"run": run_id, "ids": list(sample_ids)},
-            ).all()
+            rows = rtx.conn.execute(queries.text("abort_candidates"), {"run": run_id, "ids": list(sample_ids)}).all()
             info = {r.id: r for r in rows}
             for sid in sample_ids:
                 if sid not in info:
                     raise NotFound(f"sample {sid} in run {run_id}")
             gids = sorted({r.group_id for r in rows if r.group_state in ("queued", "reserved")})
             live = defaultdict(int)
-            for gid, n in rtx.conn.execute(
-                text(
-                    "SELECT group_id, count(*) FROM samples WHERE group_id = ANY(CAST(:g AS bigint[]))"
-                    " AND state <> 'aborted' GROUP BY group_id"
-                ),
-                {"g": gids},
-            ).all():
+            for gid, n in rtx.conn.execute(queries.text("live_members"), {"g": gids}).all():
                 live[gid] = n
             chosen, doomed = [], []
             for sid in sample_ids:  # one at a time, as the reference model does
@@ -160,10 +123,7 @@ class ScoringOps(TxMixin):
         self, run_id: int, group_id: int, reason: DropReason = DropReason.USER, *, conn: Connection | None = None
     ) -> bool:
         with self.run_tx(run_id, conn) as rtx:
-            state = rtx.conn.execute(
-                text("SELECT state FROM prompt_groups WHERE id = :g AND run_id = :run FOR UPDATE"),
-                {"g": group_id, "run": run_id},
-            ).scalar()
+            state = rtx.conn.execute(queries.text("lock_group"), {"g": group_id, "run": run_id}).scalar()
             if state is None:
                 raise NotFound(f"group {group_id} in run {run_id}")
             if state not in ("queued", "reserved"):
@@ -186,35 +146,18 @@ class ScoringOps(TxMixin):
             return doomed
 
 
-# ONE statement, sent with the run lock (`RunTx.open`; under it every round trip counts): lock
-# the batch's samples, check every claim and store the rewards only if all hold (all or
-# nothing, even if a caller's transaction went on after the Conflict), then lock their groups
-# and read the members. Lock order run -> samples -> groups, each in id order: UNION ALL
-# branches run one after the other. The members come from the statement's snapshot (taken
-# after the run lock was granted), so the batch's own rows are seen as before this update and
-# patched below; any other reward was committed before we took the run lock (rewards are only
-# recorded under it), so the snapshot has it. The groups by `= ANY(ARRAY(...))`: index lookups,
-# not the scan of all groups `IN (SELECT ...)` got; so are the samples (`x.id = ANY($2)`, each
-# one's attempt and reward by its position: joined to unnest() they were planned as a scan of
-# every sample, or a nested loop over the batch per sample) and the groups' members. $1 run,
-# $2 sample ids (no duplicates: checked before), $4 claim attempts, $5 rewards.
-REWARDS_READ = (
-    "WITH s AS MATERIALIZED (SELECT x.id, x.state::text AS state, x.group_id,"
-    "   x.state = 'scoring' AND x.reward_attempt = ($4)[array_position($2, x.id)] AS holds,"
-    "   ($5)[array_position($2, x.id)] AS r FROM samples x"
-    "   WHERE x.run_id = $1 AND x.id = ANY($2) ORDER BY x.id FOR UPDATE),"
-    " w AS (UPDATE samples x SET state = 'rewarded', reward = s.r, reward_deadline = NULL, updated_at = now()"
-    "   FROM s WHERE x.id = s.id AND (SELECT count(*) FILTER (WHERE holds) FROM s) = cardinality($2)),"
-    " g AS MATERIALIZED (SELECT id, state::text AS state, client_key, prompt_tokens, meta FROM prompt_groups"
-    "   WHERE id = ANY(ARRAY(SELECT group_id FROM s)) ORDER BY id FOR UPDATE),"
-    " q(k, j) AS (SELECT 's', to_jsonb(s) FROM s"
-    "   UNION ALL SELECT 'g', to_jsonb(g) FROM g"
-    "   UNION ALL SELECT 'm', jsonb_build_object('group_id', m.group_id, 'id', m.id, 'idx', m.idx,"
-    "     'state', m.state::text, 'v_traj', m.v_traj, 'reward', m.reward) FROM samples m"
-    "     WHERE m.group_id = ANY(ARRAY(SELECT id FROM g))"
-    f"   UNION ALL SELECT 'r', to_jsonb(r) FROM ({RESERVATIONS.replace(':run', '$1')}) r)"
-    " SELECT coalesce(jsonb_agg(jsonb_build_array(k, j)), '[]') FROM q"
-)
+# ONE statement (`rewards_read` in scoring.sql), sent with the run lock (`RunTx.open`; under it
+# every round trip counts): lock the batch's samples, check every claim and store the rewards
+# only if all hold (all or nothing, even if a caller's transaction went on after the Conflict),
+# then lock their groups and read the members. Lock order run -> samples -> groups, each in id
+# order: UNION ALL branches run one after the other. The members come from the statement's
+# snapshot (taken after the run lock was granted), so the batch's own rows are seen as before
+# this update and patched below; any other reward was committed before we took the run lock
+# (rewards are only recorded under it), so the snapshot has it. The groups by
+# `= ANY(ARRAY(...))`: index lookups, not the scan of all groups `IN (SELECT ...)` got; so are
+# the samples (`x.id = ANY(:samples)`, each one's attempt and reward by its position: joined to
+# unnest() they were planned as a scan of every sample, or a nested loop over the batch per
+# sample) and the groups' members.
 
 
 def rewards_read(rewards: Sequence[tuple[int, int, float]]) -> LockedRead:
@@ -226,7 +169,9 @@ def rewards_read(rewards: Sequence[tuple[int, int, float]]) -> LockedRead:
     for sid, _, reward in rewards:
         if not isinstance(reward, (int, float)) or not math.isfinite(reward):
             raise InvalidInput(f"sample {sid}: reward must be a finite number")
-    return LockedRead(REWARDS_READ, a=ids, c=[r[1] for r in rewards], d=[float(r[2]) for r in rewards])
+    return LockedRead(
+        "rewards_read", {"samples": ids, "attempts": [r[1] for r in rewards], "rewards": [float(r[2]) for r in rewards]}
+    )
 
 
 def rewards_in(rtx: RunTx, rewards: Sequence[tuple[int, int, float]]) -> list[GroupOutcome]:
@@ -300,16 +245,9 @@ def occupy_ready_groups(
             rtx.cascade(freed)
         outcomes.append(GroupOutcome(gid, GroupState.OCCUPIED, buffer=b))
     if occupied:  # sent with the flush, not on a round trip of its own: this runs under the run lock
-        p = rtx.next_prefix()
         rtx.defer(
-            "UPDATE prompt_groups g SET state = 'occupied', buffer = u.b, group_version = u.v, reserved_buffer = NULL"
-            f" FROM unnest(CAST(:{p}ids AS bigint[]), CAST(:{p}bs AS int[]), CAST(:{p}vs AS int[])) AS u(id, b, v)"
-            f" WHERE g.id = u.id AND g.id = ANY(CAST(:{p}ids AS bigint[]))",
-            {
-                f"{p}ids": [o[0] for o in occupied],
-                f"{p}bs": [o[1] for o in occupied],
-                f"{p}vs": [o[2] for o in occupied],
-            },
+            "occupy_groups",
+            {"ids": [o[0] for o in occupied], "bs": [o[1] for o in occupied], "vs": [o[2] for o in occupied]},
             groups=[o[0] for o in occupied],
         )
     return outcomes

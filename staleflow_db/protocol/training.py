@@ -7,8 +7,9 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy import Connection, Row, text
+from sqlalchemy import Connection, Row
 
+from .. import queries
 from ..enums import DropReason
 from ..errors import Conflict, InvalidInput
 from ..idempotency import transactional
@@ -63,55 +64,24 @@ class TrainingOps(TxMixin):
             # A trainer polls this while it waits: answer "not ready" without the run lock.
             # At version `version` with buffer `version` not ready, no publish can be in flight
             # (it needs that buffer ready), so None is what the locked path would say too.
-            waiting = conn.execute(
-                text(
-                    "SELECT r.version = :v AND coalesce(b.occupied < b.batch_size, true) FROM runs r"
-                    " LEFT JOIN buffers b ON b.run_id = r.id AND b.idx = :v WHERE r.id = :run"
-                ),
-                {"run": run_id, "v": version},
-            ).scalar()
+            waiting = conn.execute(queries.text("consume_waiting"), {"run": run_id, "v": version}).scalar()
             if waiting:
                 return None
             run = load_run(conn, run_id, lock=True)
             if version != run.version:
                 raise Conflict([(version, f"run {run_id} is at version {run.version}")])
-            lease = conn.execute(
-                text(
-                    "UPDATE buffers SET lease = lease + 1, leased_at = now()"
-                    " WHERE run_id = :run AND idx = :v AND occupied >= batch_size RETURNING lease"
-                ),
-                {"run": run_id, "v": version},
-            ).scalar()
+            lease = conn.execute(queries.text("consume_lease"), {"run": run_id, "v": version}).scalar()
             if lease is None:
                 return None
             groups = {
                 g.id: TrainGroup(g.id, g.group_version, list(g.prompt_tokens), g.meta)
-                for g in conn.execute(
-                    text(
-                        "SELECT id, group_version, prompt_tokens, meta FROM prompt_groups"
-                        " WHERE run_id = :run AND state = 'occupied' AND buffer = :v ORDER BY id"
-                    ),
-                    {"run": run_id, "v": version},
-                ).all()
+                for g in conn.execute(queries.text("consume_groups"), {"run": run_id, "v": version}).all()
             }
             segs: defaultdict[int, list[Row[Any]]] = defaultdict(list)
-            rows = conn.execute(
-                text(
-                    "SELECT x.sample_id, x.seq, x.version, x.instance_id, x.token_ids, x.logprobs"
-                    " FROM segments x JOIN samples s ON s.id = x.sample_id"
-                    " WHERE s.group_id = ANY(CAST(:g AS bigint[])) AND s.state = 'rewarded' ORDER BY x.sample_id, x.seq"
-                ),
-                {"g": list(groups)},
-            ).all()
+            rows = conn.execute(queries.text("consume_segments"), {"g": list(groups)}).all()
             for r in rows:
                 segs[r.sample_id].append(r)
-            for s in conn.execute(
-                text(
-                    "SELECT id, group_id, idx, v_traj, reward, finish_reason FROM samples"
-                    " WHERE group_id = ANY(CAST(:g AS bigint[])) AND state = 'rewarded' ORDER BY group_id, idx"
-                ),
-                {"g": list(groups)},
-            ).all():
+            for s in conn.execute(queries.text("consume_samples"), {"g": list(groups)}).all():
                 parts = segs[s.id]
                 groups[s.group_id].samples.append(
                     TrainSample(
@@ -159,33 +129,18 @@ class TrainingOps(TxMixin):
                 )
             if version != run.version:
                 raise Conflict([(version, f"run {run_id} is at version {run.version}")])
-            buf = conn.execute(
-                text("SELECT lease, occupied, batch_size FROM buffers WHERE run_id = :run AND idx = :v"),
-                {"run": run_id, "v": version},
-            ).first()
+            buf = conn.execute(queries.text("publish_buffer"), {"run": run_id, "v": version}).first()
             if buf is None or buf.occupied < buf.batch_size:
                 raise Conflict([(version, f"buffer {version} is not ready")])
             if buf.lease != lease:
                 raise Conflict([(version, f"consume lease {lease} lost (the latest is {buf.lease})")])
             if size_bytes is not None and size_bytes < 0:
                 raise InvalidInput("size_bytes must be >= 0")
+            conn.execute(queries.text("publish_consume_buffer"), {"run": run_id, "v": version})
+            conn.execute(queries.text("publish_consume_groups"), {"run": run_id, "v": version})
+            conn.execute(queries.text("publish_version"), {"run": run_id})
             conn.execute(
-                text("UPDATE buffers SET consumed_at = now() WHERE run_id = :run AND idx = :v"),
-                {"run": run_id, "v": version},
-            )
-            conn.execute(
-                text(
-                    "UPDATE prompt_groups SET state = 'consumed', finished_at = now()"
-                    " WHERE run_id = :run AND state = 'occupied' AND buffer = :v"
-                ),
-                {"run": run_id, "v": version},
-            )
-            conn.execute(text("UPDATE runs SET version = version + 1 WHERE id = :run"), {"run": run_id})
-            conn.execute(
-                text(
-                    "INSERT INTO param_versions (run_id, version, size_bytes, checksum, location)"
-                    " VALUES (:run, :v, :size, :sum, :loc)"
-                ),
+                queries.text("publish_params"),
                 {"run": run_id, "v": version + 1, "size": size_bytes, "sum": checksum, "loc": location},
             )
             run.version = version + 1
@@ -200,13 +155,7 @@ class TrainingOps(TxMixin):
         published it: its lease is still the buffer's latest (no consume can follow a publish)
         and its checksum the recorded one. Anyone else was fenced: answering success would let
         a zombie trainer go on, its pushed weights no longer matching the published ones."""
-        row = rtx.conn.execute(
-            text(
-                "SELECT b.lease, p.checksum FROM buffers b LEFT JOIN param_versions p"
-                " ON p.run_id = b.run_id AND p.version = b.idx + 1 WHERE b.run_id = :run AND b.idx = :v"
-            ),
-            {"run": rtx.run.id, "v": version},
-        ).first()
+        row = rtx.conn.execute(queries.text("publish_replay"), {"run": rtx.run.id, "v": version}).first()
         published = version + 1
         if row is None or row.lease != lease:
             raise Conflict(
@@ -247,30 +196,14 @@ class TrainingOps(TxMixin):
     def status(self, run_id: int) -> dict[str, Any]:
         """Versions, buffers and in-flight counts, from one consistent read-only view."""
         with self.engine.connect() as conn, conn.begin():
-            conn.execute(text("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ READ ONLY"))
+            conn.execute(queries.text("read_only_snapshot"))
             run = load_run(conn, run_id, lock=False)
             buffers = read_buffers(conn, run_id, max(0, run.version - 1))
-            samples: dict[str, int] = dict(
-                conn.execute(
-                    text("SELECT state::text, count(*) FROM samples WHERE run_id = :run GROUP BY 1"), {"run": run_id}
-                ).all()
-            )
-            groups: dict[str, int] = dict(
-                conn.execute(
-                    text("SELECT state::text, count(*) FROM prompt_groups WHERE run_id = :run GROUP BY 1"),
-                    {"run": run_id},
-                ).all()
-            )
-            queued = conn.execute(
-                text(
-                    "SELECT v_traj, count(*) FROM samples WHERE run_id = :run AND state = 'queued'"
-                    " GROUP BY v_traj ORDER BY v_traj NULLS LAST"
-                ),
-                {"run": run_id},
-            ).all()
-            instances = conn.execute(
-                text("SELECT count(*) FROM instances WHERE run_id = :run AND state = 'active'"), {"run": run_id}
-            ).scalar()
+            by_run = {"run": run_id}
+            samples: dict[str, int] = dict(conn.execute(queries.text("status_samples"), by_run).all())
+            groups: dict[str, int] = dict(conn.execute(queries.text("status_groups"), by_run).all())
+            queued = conn.execute(queries.text("status_queued"), by_run).all()
+            instances = conn.execute(queries.text("status_instances"), by_run).scalar()
         return {
             "run_id": run_id,
             "version": run.version,

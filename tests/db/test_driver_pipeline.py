@@ -14,8 +14,8 @@ from protocol_helpers import Driver
 from sqlalchemy import exc as sa_exc
 from sqlalchemy import text
 
+from staleflow_db import queries
 from staleflow_db.protocol import driver
-from staleflow_db.protocol.routing import ROUTE_READ
 from staleflow_db.retry import is_db_unavailable
 
 
@@ -27,12 +27,9 @@ def one_queued(engine) -> tuple[Driver, int, int]:
     return d, s, d.p.register_instance(d.run, "i", 0)
 
 
-def test_read_sql_types_the_parameters_and_escapes_percent_signs():
-    got = driver.read_sql("SELECT $1, $2, $3, $4, $5, '10%' LIKE 'x%'")
-    assert got == (
-        "SELECT CAST(%(run)s AS bigint), CAST(%(a)s AS bigint[]), CAST(%(b)s AS bigint[]),"
-        " CAST(%(c)s AS int[]), CAST(%(d)s AS float8[]), '10%%' LIKE 'x%%'"
-    )
+def test_a_named_query_in_psycopgs_form_keeps_casts_and_escapes_percent_signs():
+    got = queries.to_pyformat("SELECT CAST(:run AS bigint), x::int, '10%' LIKE 'x%', :run")
+    assert got == "SELECT CAST(%(run)s AS bigint), x::int, '10%%' LIKE 'x%%', %(run)s"
 
 
 def test_a_lock_timeout_under_the_pipeline_is_sqlalchemys_error_and_changes_nothing(engine):
@@ -127,7 +124,7 @@ def test_the_locked_read_is_prepared_once_per_connection(engine):
             conn.commit()
         prepared = conn.execute(
             text("SELECT count(*) FROM pg_prepared_statements WHERE statement LIKE :q"),
-            {"q": "%" + ROUTE_READ[:40].replace("%", r"\%") + "%"},
+            {"q": "%" + queries.sql("route_read")[:40].replace("%", r"\%") + "%"},
         ).scalar_one()
     assert prepared == 1
 

@@ -17,29 +17,27 @@ import pytest
 from protocol_helpers import Driver
 from sqlalchemy import text
 
-from staleflow_db.protocol.base import RESERVATIONS
-from staleflow_db.protocol.routing import ROUTE_READ
-from staleflow_db.protocol.scoring import REWARDS_READ
+from staleflow_db import queries
 from tests.db.test_plans import backlog, describe, nodes  # noqa: F401 (backlog: the fixture)
 from workers.wire.enums import GroupState
-
-ARGS = "bigint, bigint[], bigint[], int[], float8[]"
-
 
 PLANS = pytest.mark.parametrize("plan_mode", ["force_custom_plan", "force_generic_plan"])
 
 
-def explain(
-    engine, sql: str, run: int, a: list, b: list = (), c: list = (), d: list = (), plan_mode: str = "auto"
-) -> dict:
+def explain(engine, name: str, run: int, plan_mode: str = "auto", **arrays: list) -> dict:
+    """The plan of the named read, prepared as the driver prepares it (its parameters typed by
+    the casts it has), for `run` and the `arrays`."""
+
     def arr(xs) -> str:  # numbers only: inlined as array literals
         return "'{" + ",".join(str(x) for x in xs) + "}'"
 
+    sql, order = queries.positional(queries.sql(name))
+    values = {"run": str(int(run))} | {k: arr(v) for k, v in arrays.items()}
     with engine.connect() as conn:
         conn.execute(text(f"SET plan_cache_mode = {plan_mode}"))
-        conn.execute(text(f"PREPARE locked_read({ARGS}) AS {sql}"))
+        conn.exec_driver_sql(f"PREPARE locked_read AS {sql}".replace("%", "%%"))
         try:
-            args = ", ".join([str(int(run)), *(arr(x) for x in (a, b, c, d))])
+            args = ", ".join(values[k] for k in order)
             return conn.exec_driver_sql(f"EXPLAIN (FORMAT JSON) EXECUTE locked_read({args})").scalar()[0]["Plan"]
         finally:
             conn.execute(text("DEALLOCATE locked_read"))
@@ -69,7 +67,7 @@ def test_route_read_reaches_rows_by_index(backlog, plan_mode):  # noqa: F811
     engine, run, inst = backlog
     queued = [s for s, _ in ids_in(engine, run, "queued")]
     assert len(queued) == 64
-    assert_no_full_scans(explain(engine, ROUTE_READ, run, [inst], queued, plan_mode=plan_mode))
+    assert_no_full_scans(explain(engine, "route_read", run, plan_mode, instances=[inst], samples=queued))
 
 
 @PLANS
@@ -78,7 +76,7 @@ def test_rewards_read_reaches_rows_by_index(backlog, plan_mode):  # noqa: F811
     scoring = ids_in(engine, run, "scoring")
     assert len(scoring) == 64
     ids, attempts = [s for s, _ in scoring], [a for _, a in scoring]
-    plan = explain(engine, REWARDS_READ, run, ids, c=attempts, d=[1.0] * 64, plan_mode=plan_mode)
+    plan = explain(engine, "rewards_read", run, plan_mode, samples=ids, attempts=attempts, rewards=[1.0] * 64)
     assert_no_full_scans(plan)
 
 
@@ -86,7 +84,7 @@ def test_rewards_read_reaches_rows_by_index(backlog, plan_mode):  # noqa: F811
 def test_reservations_read_members_by_index(backlog, plan_mode):  # noqa: F811
     """Every group of the backlog is reserved: still one index lookup per group."""
     engine, run, _ = backlog
-    assert_no_full_scans(explain(engine, RESERVATIONS.replace(":run", "$1"), run, [], plan_mode=plan_mode))
+    assert_no_full_scans(explain(engine, "reservations", run, plan_mode))
 
 
 WAIT_S = 60  # guards against a hang, never a timing assertion

@@ -1,0 +1,146 @@
+-- Coordinator side (staleflow_db/protocol/coordination.py): leadership, the per-cycle
+-- snapshot and the per-cycle commands, fenced by the leader's epoch.
+
+-- name: acquire_leadership
+INSERT INTO coordinator_leases AS l (run_id, holder, epoch, expires_at)
+VALUES (:run, :h, 1, now() + make_interval(secs => :ttl))
+ON CONFLICT (run_id) DO UPDATE SET holder = excluded.holder, expires_at = excluded.expires_at,
+  epoch = CASE WHEN l.holder = excluded.holder THEN l.epoch ELSE l.epoch + 1 END
+WHERE l.holder = excluded.holder OR l.expires_at <= now()
+RETURNING epoch
+
+-- name: release_leadership
+UPDATE coordinator_leases SET expires_at = now() WHERE run_id = :run AND holder = :h
+
+-- name: check_epoch
+-- The coordinator fence: FOR SHARE holds off a takeover until this transaction commits.
+SELECT holder, epoch FROM coordinator_leases WHERE run_id = :run AND expires_at > now() FOR SHARE
+
+-- name: instances_in_run
+SELECT id FROM instances WHERE run_id = :run AND id = ANY(CAST(:ids AS bigint[]))
+
+-- name: queue_pulls
+-- A pull command t per (instance :is, target version :vs) for the run's active instances, and
+-- its event e, in one statement (the coordinator's cycle_*pulls have the same parts).
+WITH t AS (INSERT INTO commands (run_id, instance_id, kind, target_version, epoch)
+  SELECT :run, u.i, 'pull', u.v, :epoch FROM unnest(CAST(:is AS bigint[]), CAST(:vs AS int[]))
+  WITH ORDINALITY AS u(i, v, o)
+  JOIN instances x ON x.id = u.i AND x.run_id = :run AND x.state = 'active' ORDER BY u.o
+  RETURNING id, instance_id, target_version),
+e AS (INSERT INTO events (run_id, kind, instance_id, data)
+  SELECT :run, 'pull', t.instance_id, jsonb_build_object('target', t.target_version) FROM t ORDER BY t.id
+  RETURNING id)
+SELECT instance_id FROM t ORDER BY id
+
+-- name: snapshot
+-- The cycle's snapshot (`CoordinationOps.snapshot`): the run, its unconsumed buffers, its live
+-- instances, their running samples, the queued samples (oldest first, up to :n) and the latest
+-- published version, as one JSON array. Rows are arrays in the field order of the views they
+-- become. The instances' filter is read once (CTE i) for them and their running samples. A
+-- queued sample never routed (no V_traj: most of a queue) has no segments to look up.
+WITH r AS MATERIALIZED (SELECT id, version, batch_size, buffer_capacity, group_size, samples_per_group, eta,
+  max_response_tokens, max_prompt_tokens, dapo_filter FROM runs WHERE id = :run),
+i AS MATERIALIZED (SELECT id, name, version, snapshot, extract(epoch FROM now() - snapshot_at)::float8 AS age
+  FROM instances WHERE run_id = :run AND state = 'active' AND lease_expires_at > now())
+SELECT json_build_array(
+ (SELECT to_json(r) FROM r),
+ (SELECT json_agg(json_build_array(b.idx, b.occupied, b.reserved) ORDER BY b.idx)
+   FROM buffers b JOIN r ON b.run_id = r.id AND b.idx >= r.version),
+ (SELECT json_agg(json_build_array(i.id, i.name, i.version, i.snapshot, i.age) ORDER BY i.id) FROM i),
+ (SELECT json_agg(json_build_array(s.instance_id, s.id, s.n_tokens, cardinality(g.prompt_tokens), s.v_traj)
+    ORDER BY s.id)
+   FROM i JOIN samples s ON s.instance_id = i.id AND s.state = 'running'
+   JOIN prompt_groups g ON g.id = s.group_id),
+ (SELECT json_agg(json_build_array(q.id, q.group_id, q.v_traj, q.last_version, q.length, q.n_tokens, q.gstate,
+    q.reserved_buffer, q.min_version,
+    CASE WHEN q.v_traj IS NOT NULL THEN
+     (SELECT x.instance_id FROM segments x WHERE x.sample_id = q.id ORDER BY x.seq DESC LIMIT 1) END)
+    ORDER BY q.id)
+   FROM (SELECT s.id, s.group_id, s.v_traj, s.last_version, cardinality(g.prompt_tokens) + s.n_tokens AS length,
+     s.n_tokens, g.state::text AS gstate, g.reserved_buffer, g.min_version
+     FROM samples s JOIN prompt_groups g ON g.id = s.group_id
+     WHERE s.run_id = :run AND s.state = 'queued' ORDER BY s.id LIMIT :n) q),
+ (SELECT max(version) FROM param_versions WHERE run_id = :run))
+
+-- name: cycle_row
+-- The cycle's row, written only while (:h, :e) hold the run's live lease, held FOR SHARE to
+-- the commit: the fence of a cycle with routes, checked last.
+INSERT INTO coordinator_cycles (run_id, epoch, snapshot_ms, decide_ms, write_ms, routed,
+  interrupted, pulled, migrated) SELECT l.run_id, l.epoch, :s, :d, :w, :r, :i, :p, :m
+FROM coordinator_leases l WHERE l.run_id = :run AND l.holder = :h AND l.epoch = :e
+AND l.expires_at > now() FOR SHARE
+
+-- A cycle without routes (most cycles) is ONE of the four statements below, sent in
+-- autocommit: one round trip from the decision to the commit. Each has only the parts its
+-- cycle needs (interrupts f/c, pulls t/e; an empty cycle: the fence and its row). Nothing is
+-- written unless `ok`: the lease `l` is ours and live (held FOR SHARE to the statement's end,
+-- so no takeover commits in between) and every sample to interrupt is in the run; the caller
+-- then raises what the transaction raised. write_ms is the server's time from the statement's
+-- start to the cycle row, taken after the commands and events are written (the CASE counts
+-- them first).
+
+-- name: cycle
+-- A cycle with no commands: the fence and the cycle's row.
+WITH l AS MATERIALIZED (SELECT run_id, epoch FROM coordinator_leases WHERE run_id = :run AND holder = :h
+  AND epoch = :epoch AND expires_at > now() FOR SHARE),
+ok AS MATERIALIZED (SELECT FROM l),
+y AS (INSERT INTO coordinator_cycles (run_id, epoch, snapshot_ms, decide_ms, write_ms, routed, interrupted,
+  pulled, migrated) SELECT l.run_id, l.epoch, :s, :d, CASE WHEN 0 >= 0
+  THEN extract(epoch FROM clock_timestamp() - statement_timestamp()) * 1000 END, 0, :i, :p, :m FROM l, ok)
+SELECT EXISTS (SELECT FROM l) AS fenced, CAST(ARRAY[] AS bigint[]) AS found
+
+-- name: cycle_interrupts
+-- A cycle with interrupts (:ids, :n_ids distinct) only.
+WITH l AS MATERIALIZED (SELECT run_id, epoch FROM coordinator_leases WHERE run_id = :run AND holder = :h
+  AND epoch = :epoch AND expires_at > now() FOR SHARE),
+f AS MATERIALIZED (SELECT id, instance_id, attempt, state = 'running' AS running FROM samples
+  WHERE run_id = :run AND id = ANY(CAST(:ids AS bigint[]))),
+ok AS MATERIALIZED (SELECT FROM l WHERE (SELECT count(*) FROM f) = :n_ids),
+c AS (INSERT INTO commands (run_id, instance_id, kind, sample_id, attempt, epoch)
+  SELECT :run, f.instance_id, 'interrupt', f.id, f.attempt, :epoch FROM f WHERE f.running AND EXISTS (SELECT FROM ok)
+  ORDER BY f.id RETURNING id),
+y AS (INSERT INTO coordinator_cycles (run_id, epoch, snapshot_ms, decide_ms, write_ms, routed, interrupted,
+  pulled, migrated) SELECT l.run_id, l.epoch, :s, :d, CASE WHEN 0 + (SELECT count(*) FROM c) >= 0
+  THEN extract(epoch FROM clock_timestamp() - statement_timestamp()) * 1000 END, 0, :i, :p, :m FROM l, ok)
+SELECT EXISTS (SELECT FROM l) AS fenced, ARRAY(SELECT id FROM f) AS found
+
+-- name: cycle_pulls
+-- A cycle with pulls (:is, :vs) only.
+WITH l AS MATERIALIZED (SELECT run_id, epoch FROM coordinator_leases WHERE run_id = :run AND holder = :h
+  AND epoch = :epoch AND expires_at > now() FOR SHARE),
+ok AS MATERIALIZED (SELECT FROM l),
+t AS (INSERT INTO commands (run_id, instance_id, kind, target_version, epoch)
+  SELECT :run, u.i, 'pull', u.v, :epoch FROM unnest(CAST(:is AS bigint[]), CAST(:vs AS int[]))
+  WITH ORDINALITY AS u(i, v, o)
+  JOIN instances x ON x.id = u.i AND x.run_id = :run AND x.state = 'active' WHERE EXISTS (SELECT FROM ok) ORDER BY u.o
+  RETURNING id, instance_id, target_version),
+e AS (INSERT INTO events (run_id, kind, instance_id, data)
+  SELECT :run, 'pull', t.instance_id, jsonb_build_object('target', t.target_version) FROM t ORDER BY t.id
+  RETURNING id),
+y AS (INSERT INTO coordinator_cycles (run_id, epoch, snapshot_ms, decide_ms, write_ms, routed, interrupted,
+  pulled, migrated) SELECT l.run_id, l.epoch, :s, :d, CASE WHEN 0 + (SELECT count(*) FROM e) >= 0
+  THEN extract(epoch FROM clock_timestamp() - statement_timestamp()) * 1000 END, 0, :i, :p, :m FROM l, ok)
+SELECT EXISTS (SELECT FROM l) AS fenced, CAST(ARRAY[] AS bigint[]) AS found
+
+-- name: cycle_interrupts_pulls
+-- A cycle with interrupts and pulls.
+WITH l AS MATERIALIZED (SELECT run_id, epoch FROM coordinator_leases WHERE run_id = :run AND holder = :h
+  AND epoch = :epoch AND expires_at > now() FOR SHARE),
+f AS MATERIALIZED (SELECT id, instance_id, attempt, state = 'running' AS running FROM samples
+  WHERE run_id = :run AND id = ANY(CAST(:ids AS bigint[]))),
+ok AS MATERIALIZED (SELECT FROM l WHERE (SELECT count(*) FROM f) = :n_ids),
+c AS (INSERT INTO commands (run_id, instance_id, kind, sample_id, attempt, epoch)
+  SELECT :run, f.instance_id, 'interrupt', f.id, f.attempt, :epoch FROM f WHERE f.running AND EXISTS (SELECT FROM ok)
+  ORDER BY f.id RETURNING id),
+t AS (INSERT INTO commands (run_id, instance_id, kind, target_version, epoch)
+  SELECT :run, u.i, 'pull', u.v, :epoch FROM unnest(CAST(:is AS bigint[]), CAST(:vs AS int[]))
+  WITH ORDINALITY AS u(i, v, o)
+  JOIN instances x ON x.id = u.i AND x.run_id = :run AND x.state = 'active' WHERE EXISTS (SELECT FROM ok) ORDER BY u.o
+  RETURNING id, instance_id, target_version),
+e AS (INSERT INTO events (run_id, kind, instance_id, data)
+  SELECT :run, 'pull', t.instance_id, jsonb_build_object('target', t.target_version) FROM t ORDER BY t.id
+  RETURNING id),
+y AS (INSERT INTO coordinator_cycles (run_id, epoch, snapshot_ms, decide_ms, write_ms, routed, interrupted,
+  pulled, migrated) SELECT l.run_id, l.epoch, :s, :d, CASE WHEN 0 + (SELECT count(*) FROM c) + (SELECT count(*) FROM e) >= 0
+  THEN extract(epoch FROM clock_timestamp() - statement_timestamp()) * 1000 END, 0, :i, :p, :m FROM l, ok)
+SELECT EXISTS (SELECT FROM l) AS fenced, ARRAY(SELECT id FROM f) AS found

@@ -1,0 +1,162 @@
+-- Rollout side of the protocol (staleflow_db/protocol/rollout.py, routing.py, fencing.py):
+-- runs, prompts, instances, routing (Reserve), segment reports and work delivery.
+
+-- name: create_run
+INSERT INTO runs (name, batch_size, buffer_capacity, group_size, samples_per_group,
+  eta, max_response_tokens, max_prompt_tokens, dapo_filter)
+VALUES (:name, :B, :Bc, :N, :Nc, :eta, :mr, :mp, :f) RETURNING id
+
+-- name: enqueue_groups
+-- The groups (a client key seen before is skipped) and their members, in one statement.
+WITH g AS (INSERT INTO prompt_groups (run_id, client_key, prompt_tokens, meta, replacement_of)
+  SELECT :run, x.k, x.t, coalesce(x.m, '{}'), x.r
+  FROM jsonb_to_recordset(CAST(:p AS jsonb)) AS x(o int, k text, t int[], m jsonb, r bigint)
+  ORDER BY x.o ON CONFLICT (run_id, client_key) DO NOTHING RETURNING id, client_key),
+s AS (INSERT INTO samples (run_id, group_id, idx)
+  SELECT :run, g.id, i FROM g, generate_series(0, :n - 1) AS i ORDER BY g.id, i)
+SELECT id, client_key FROM g
+
+-- name: groups_by_key
+SELECT id, client_key FROM prompt_groups WHERE run_id = :run AND client_key = ANY(CAST(:keys AS text[]))
+
+-- name: register_instance
+INSERT INTO instances (run_id, name, version, lease_expires_at, token_id)
+VALUES (:run, :name, :v, now() + make_interval(secs => :ttl), :tok) RETURNING id
+
+-- name: heartbeat_ephemeral
+SET LOCAL synchronous_commit = off
+
+-- name: heartbeat
+-- Every condition re-checked on the row the UPDATE finally locks (RolloutOps.heartbeat).
+UPDATE instances i SET version = :v, snapshot = CAST(:snap AS jsonb), snapshot_at = now(),
+  lease_expires_at = now() + make_interval(secs => :ttl)
+FROM runs r WHERE i.id = :i AND r.id = i.run_id AND i.state = 'active'
+AND i.lease_expires_at > now() AND i.version <= :v AND :v <= r.version RETURNING i.id
+
+-- name: heartbeat_refused
+SELECT i.state, i.lease_expires_at > now() AS live, i.version, r.version AS run_version
+FROM instances i JOIN runs r ON r.id = i.run_id WHERE i.id = :i
+
+-- name: expire_instances
+UPDATE instances SET state = 'expired' WHERE id IN (SELECT id FROM instances
+  WHERE run_id = :run AND state = 'active' AND lease_expires_at <= now() ORDER BY id FOR UPDATE)
+RETURNING id
+
+-- name: deregister_instance
+UPDATE instances SET state = 'deregistered' WHERE id = :i AND state = 'active' RETURNING run_id
+
+-- name: instance_exists
+SELECT 1 FROM instances WHERE id = :i
+
+-- name: requeue_fenced
+-- Samples running on any fenced (non-active) instance of the run go back to the queue.
+UPDATE samples x SET state = 'queued', instance_id = NULL, updated_at = now()
+FROM (SELECT s.id, s.instance_id FROM samples s JOIN instances i ON i.id = s.instance_id
+  WHERE s.run_id = :run AND s.state = 'running' AND i.state <> 'active' ORDER BY s.id FOR UPDATE OF s) AS f
+WHERE x.id = f.id RETURNING x.id, f.instance_id
+
+-- name: requeue_instances
+-- Samples running on these instances (fenced in the same transaction) go back to the queue.
+UPDATE samples x SET state = 'queued', instance_id = NULL, updated_at = now()
+FROM (SELECT s.id, s.instance_id FROM samples s JOIN instances i ON i.id = s.instance_id
+  WHERE s.run_id = :run AND s.state = 'running' AND s.instance_id = ANY(CAST(:ids AS bigint[])) ORDER BY s.id FOR UPDATE OF s) AS f
+WHERE x.id = f.id RETURNING x.id, f.instance_id
+
+-- name: poll_work
+-- One statement checks the instance and delivers (RolloutOps.poll_work). The response so far
+-- is the sample's segments' token_ids / logprobs concatenated in order.
+WITH inst AS MATERIALIZED (SELECT i.state::text AS state, i.lease_expires_at > now() AS live,
+  r.max_response_tokens FROM instances i JOIN runs r ON r.id = i.run_id WHERE i.id = :i
+  FOR SHARE OF i),
+d AS MATERIALIZED (SELECT id FROM samples WHERE instance_id = :i AND state = 'running'
+  AND NOT delivered AND (SELECT state = 'active' AND live FROM inst) ORDER BY id LIMIT :n FOR UPDATE),
+u AS (UPDATE samples s SET delivered = true FROM d WHERE s.id = d.id
+  RETURNING s.id, s.attempt, s.lease, s.group_id, s.v_traj, s.n_tokens)
+SELECT inst.state, inst.live, inst.max_response_tokens, w.* FROM inst LEFT JOIN (
+  SELECT u.id, u.attempt, u.lease::text AS lease, u.group_id, u.v_traj, u.n_tokens, g.prompt_tokens,
+  coalesce((SELECT array_agg(z.e ORDER BY x.seq, z.o) FROM segments x,
+    unnest(x.token_ids) WITH ORDINALITY AS z(e, o) WHERE x.sample_id = u.id), '{}') AS tokens,
+  coalesce((SELECT array_agg(z.e ORDER BY x.seq, z.o) FROM segments x,
+    unnest(x.logprobs) WITH ORDINALITY AS z(e, o) WHERE x.sample_id = u.id), '{}') AS logprobs
+  FROM u JOIN prompt_groups g ON g.id = u.group_id) w ON true ORDER BY w.id
+
+-- name: deliver_commands
+UPDATE commands SET state = 'delivered', delivered_at = now()
+WHERE id IN (SELECT id FROM commands WHERE instance_id = :i AND state = 'pending'
+  ORDER BY id FOR UPDATE) RETURNING id, kind, sample_id, attempt, target_version
+
+-- name: interrupt_running
+-- The samples f (of the run) and, for those running, their interrupt commands c, in one
+-- statement; the coordinator's cycle_interrupts* have the same parts behind its fence.
+WITH f AS MATERIALIZED (SELECT id, instance_id, attempt, state = 'running' AS running FROM samples
+  WHERE run_id = :run AND id = ANY(CAST(:ids AS bigint[]))),
+c AS (INSERT INTO commands (run_id, instance_id, kind, sample_id, attempt, epoch)
+  SELECT :run, f.instance_id, 'interrupt', f.id, f.attempt, :epoch FROM f WHERE f.running
+  ORDER BY f.id RETURNING id)
+SELECT id, running FROM f
+
+-- name: route_read
+-- Everything route reads, in ONE statement, sent with the run lock (`RunTx.open`; see
+-- protocol/routing.py for the lock order and why the groups and members are read by
+-- `= ANY(ARRAY(...))`). :instances the batch's instance ids, :samples its sample ids.
+WITH i AS MATERIALIZED (SELECT id, state::text AS state, version, lease_expires_at > now() AS live
+  FROM instances WHERE run_id = CAST(:run AS bigint) AND id = ANY(CAST(:instances AS bigint[])) ORDER BY id FOR SHARE),
+s AS MATERIALIZED (SELECT id, group_id, state::text AS state, v_traj, n_tokens, last_version, attempt
+  FROM samples WHERE run_id = CAST(:run AS bigint) AND id = ANY(CAST(:samples AS bigint[])) ORDER BY id FOR UPDATE),
+g AS MATERIALIZED (SELECT id, state::text AS state, reserved_buffer, min_version FROM prompt_groups
+  WHERE id = ANY(ARRAY(SELECT group_id FROM s)) ORDER BY id FOR UPDATE),
+q(k, j) AS (SELECT 'i', to_jsonb(i) FROM i
+  UNION ALL SELECT 's', to_jsonb(s) FROM s
+  UNION ALL SELECT 'g', to_jsonb(g) || jsonb_build_object('mid', m.id, 'mstate', m.state::text,
+    'mv', m.v_traj, 'mn', m.n_tokens) FROM g LEFT JOIN samples m ON m.group_id = g.id
+    AND m.group_id = ANY(ARRAY(SELECT id FROM g WHERE state = 'reserved'))
+    AND m.state <> 'aborted' AND m.v_traj IS NOT NULL)
+SELECT coalesce(jsonb_agg(jsonb_build_array(k, j)), '[]') FROM q
+
+-- name: route_samples
+-- A part of the run lock's flush (`RunTx.defer`): the routed samples.
+UPDATE samples s SET state = 'running', v_traj = u.v, instance_id = u.i, attempt = u.a,
+  lease = u.l, delivered = false, updated_at = now()
+FROM unnest(CAST(:ids AS bigint[]), CAST(:vs AS int[]), CAST(:is AS bigint[]),
+  CAST(:as AS int[]), CAST(:ls AS uuid[])) AS u(id, v, i, a, l)
+WHERE s.id = u.id AND s.id = ANY(CAST(:ids AS bigint[]))
+
+-- name: route_groups
+-- A part of the run lock's flush (`RunTx.defer`): the groups the routes reserved or raised.
+UPDATE prompt_groups g SET state = 'reserved', reserved_buffer = u.b, min_version = u.mv
+FROM unnest(CAST(:ids AS bigint[]), CAST(:bs AS int[]), CAST(:mvs AS int[])) AS u(id, b, mv)
+WHERE g.id = u.id AND g.id = ANY(CAST(:ids AS bigint[]))
+
+-- name: report_run_and_instances
+-- The run and the reporting instances, FOR SHARE in id order; a run with no such instance
+-- still gives its one row.
+SELECT id, version, batch_size, buffer_capacity, group_size, samples_per_group, eta,
+  max_response_tokens, max_prompt_tokens, dapo_filter, i.iid, i.istate, i.live FROM runs LEFT JOIN LATERAL (
+  SELECT x.id AS iid, x.state::text AS istate, x.lease_expires_at > now() AS live FROM instances x
+  WHERE x.run_id = runs.id AND x.id = ANY(CAST(:ids AS bigint[])) ORDER BY x.id FOR SHARE) i ON true
+WHERE runs.id = :run
+
+-- name: report_lock_running
+-- Only the running rows are locked: a stale report must not wait on another sample's lock.
+SELECT id, state, attempt, v_traj, last_version, n_tokens, n_segments, instance_id, lease FROM samples
+WHERE run_id = :run AND id = ANY(CAST(:ids AS bigint[])) AND state = 'running'
+ORDER BY id FOR UPDATE
+
+-- name: report_read_others
+SELECT id, state, attempt, v_traj, last_version, n_tokens, n_segments, instance_id, lease FROM samples
+WHERE run_id = :run AND id = ANY(CAST(:ids AS bigint[]))
+
+-- name: report_segments
+-- A part of `report_samples`' statement (`with_parts`): the segments.
+INSERT INTO segments (sample_id, seq, run_id, version, instance_id, attempt, token_ids, logprobs,
+  finish_reason) SELECT x.s, x.q, :run, x.v, x.i, x.a, x.t, x.l, x.f FROM jsonb_to_recordset(CAST(:p AS jsonb))
+AS x(s bigint, q int, v int, i bigint, a int, t int[], l real[], f text)
+
+-- name: report_samples
+UPDATE samples s SET n_tokens = s.n_tokens + u.n, n_segments = s.n_segments + (u.n > 0)::int,
+  last_version = CASE WHEN u.n > 0 THEN u.v ELSE s.last_version END,
+  state = CAST(u.st AS sample_state), instance_id = CASE WHEN u.st = 'running' THEN s.instance_id END,
+  finish_reason = coalesce(u.f, s.finish_reason), updated_at = now()
+FROM unnest(CAST(:ids AS bigint[]), CAST(:ns AS int[]), CAST(:vs AS int[]), CAST(:sts AS text[]),
+  CAST(:fs AS text[])) AS u(id, n, v, st, f)
+WHERE s.id = u.id AND s.id = ANY(CAST(:ids AS bigint[]))

@@ -1,0 +1,116 @@
+-- The run lock and what every run-locked transaction shares (staleflow_db/protocol/base.py):
+-- the run row, buffer counters, reservations, the flush's parts, drops and commands.
+
+-- name: load_run
+SELECT id, version, batch_size, buffer_capacity, group_size, samples_per_group, eta,
+  max_response_tokens, max_prompt_tokens, dapo_filter FROM runs WHERE id = :run
+
+-- name: load_run_locked
+-- NO KEY UPDATE, not UPDATE: it serializes run-locked transactions just the same, but leaves
+-- FOR KEY SHARE free, which every FK check on runs takes (see load_run in base.py).
+SELECT id, version, batch_size, buffer_capacity, group_size, samples_per_group, eta,
+  max_response_tokens, max_prompt_tokens, dapo_filter FROM runs WHERE id = :run FOR NO KEY UPDATE
+
+-- name: read_buffers
+SELECT idx, occupied, reserved, consumed_at IS NOT NULL AS consumed FROM buffers
+WHERE run_id = :run AND idx >= :first ORDER BY idx
+
+-- name: lock_run
+-- The run lock, the run row and its live buffers in one round trip (function_lock_run).
+SELECT staleflow_lock_run(CAST(:run AS bigint))
+
+-- name: reservations
+-- The run's reservations (id, buffer, live version); the members per group by a correlated
+-- subquery: an index lookup each (ix_samples_group). rewards_read (scoring.sql) has the same.
+SELECT g.id, g.reserved_buffer AS b, (SELECT min(s.v_traj) FROM samples s WHERE s.group_id = g.id
+  AND s.state <> 'aborted' AND s.v_traj IS NOT NULL AND (s.state <> 'queued' OR s.n_tokens > 0)) AS v
+FROM prompt_groups g WHERE g.run_id = :run AND g.state = 'reserved'
+
+-- name: flush_buffers
+-- A part of the flush (`RunTx.flush`): the changed buffer counters.
+INSERT INTO buffers (run_id, idx, batch_size, capacity, occupied, reserved)
+SELECT :run, u.idx, :bs, :cap, u.occ, u.res
+FROM unnest(CAST(:idx AS int[]), CAST(:occ AS int[]), CAST(:res AS int[])) AS u(idx, occ, res)
+ON CONFLICT (run_id, idx) DO UPDATE
+SET occupied = excluded.occupied, reserved = excluded.reserved
+
+-- name: flush_moved
+-- A part of the flush: the reservations that moved.
+UPDATE prompt_groups g SET reserved_buffer = u.b
+FROM unnest(CAST(:mids AS bigint[]), CAST(:mbs AS int[])) AS u(id, b)
+WHERE g.id = u.id AND g.id = ANY(CAST(:mids AS bigint[])) AND g.state = 'reserved'
+
+-- name: flush_done
+-- What the flush's statement returns after its parts.
+SELECT 1
+
+-- name: drop_groups
+UPDATE prompt_groups SET state = CAST(:state AS group_state), reason = :reason,
+  reserved_buffer = NULL, finished_at = now() WHERE id = ANY(CAST(:ids AS bigint[]))
+
+-- name: abort_samples
+-- The live samples among :ids aborted (their instances' commands are sent after).
+WITH s AS (SELECT id, instance_id, attempt FROM samples
+  WHERE id = ANY(CAST(:ids AS bigint[])) AND state <> 'aborted' ORDER BY id FOR UPDATE),
+u AS (UPDATE samples x SET state = 'aborted', reason = :reason, instance_id = NULL,
+  reward_deadline = NULL, updated_at = now() FROM s WHERE x.id = s.id RETURNING x.id)
+SELECT s.id, s.instance_id, s.attempt FROM s
+
+-- name: abort_members
+-- The live members of the groups :ids aborted, as abort_samples.
+WITH s AS (SELECT id, instance_id, attempt FROM samples
+  WHERE group_id = ANY(CAST(:ids AS bigint[])) AND state <> 'aborted' ORDER BY id FOR UPDATE),
+u AS (UPDATE samples x SET state = 'aborted', reason = :reason, instance_id = NULL,
+  reward_deadline = NULL, updated_at = now() FROM s WHERE x.id = s.id RETURNING x.id)
+SELECT s.id, s.instance_id, s.attempt FROM s
+
+-- name: send_commands
+INSERT INTO commands (run_id, instance_id, kind, sample_id, attempt, epoch)
+SELECT :run, u.inst, CAST(:kind AS command_kind), u.sid, u.att, :epoch
+FROM unnest(CAST(:sids AS bigint[]), CAST(:insts AS bigint[]), CAST(:atts AS int[])) AS u(sid, inst, att)
+
+-- name: function_lock_run
+-- staleflow_lock_run(run): the per-run lock, the run row and its live buffers in one round
+-- trip. Two statements inside one VOLATILE plpgsql function: under READ COMMITTED each takes
+-- its own snapshot, so the buffers are read after the lock is granted and include the
+-- previous holder's commit.
+CREATE OR REPLACE FUNCTION staleflow_lock_run(p_run bigint) RETURNS jsonb LANGUAGE plpgsql VOLATILE AS $$
+DECLARE
+    r jsonb;
+BEGIN
+    -- NO KEY UPDATE: FK checks on runs (FOR KEY SHARE) stay free, see load_run
+    SELECT to_jsonb(x) INTO r FROM (SELECT * FROM runs WHERE id = p_run FOR NO KEY UPDATE) x;
+    IF r IS NULL THEN
+        RETURN NULL;
+    END IF;
+    RETURN jsonb_build_object('run', r, 'buffers', (
+        SELECT coalesce(jsonb_agg(jsonb_build_array(idx, occupied, reserved, consumed_at IS NOT NULL)
+                                  ORDER BY idx), '[]'::jsonb)
+        FROM buffers WHERE run_id = p_run AND idx >= (r ->> 'version')::int));
+END
+$$
+
+-- name: function_lock_run_read
+-- staleflow_lock_run_read(run, query, ...): the run lock, its buffers and a caller's read
+-- (EXECUTE'd, planned on every call) in one round trip. The protocol sends its locked reads
+-- as prepared statements instead (protocol/driver.py); bench/locked_read.py compares the two.
+CREATE OR REPLACE FUNCTION staleflow_lock_run_read(p_run bigint, p_query text, a bigint[], b bigint[], c int[], d float8[])
+RETURNS jsonb LANGUAGE plpgsql VOLATILE AS $$
+DECLARE
+    r jsonb;
+    got jsonb;
+BEGIN
+    -- NO KEY UPDATE: FK checks on runs (FOR KEY SHARE) stay free, see load_run
+    SELECT to_jsonb(x) INTO r FROM (SELECT * FROM runs WHERE id = p_run FOR NO KEY UPDATE) x;
+    IF r IS NULL THEN
+        RETURN NULL;
+    END IF;
+    IF p_query IS NOT NULL THEN
+        EXECUTE p_query INTO got USING p_run, a, b, c, d;
+    END IF;
+    RETURN jsonb_build_object('run', r, 'read', got, 'buffers', (
+        SELECT coalesce(jsonb_agg(jsonb_build_array(idx, occupied, reserved, consumed_at IS NOT NULL)
+                                  ORDER BY idx), '[]'::jsonb)
+        FROM buffers WHERE run_id = p_run AND idx >= (r ->> 'version')::int));
+END
+$$

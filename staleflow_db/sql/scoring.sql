@@ -1,0 +1,64 @@
+-- Reward side of the protocol (staleflow_db/protocol/scoring.py): claiming finished samples,
+-- recording rewards (Occupy and the DAPO filter) and aborts.
+
+-- name: claim_reset_expired
+-- Expired claims become claimable again: locked in id order, skipping rows another
+-- transaction holds (a record_rewards posting late, under the run lock).
+UPDATE samples SET state = 'finished', reward_deadline = NULL WHERE id IN (
+SELECT id FROM samples WHERE run_id = :run AND state = 'scoring' AND reward_deadline <= now()
+ORDER BY id FOR UPDATE SKIP LOCKED)
+
+-- name: claim_rewards
+-- Lease up to :n finished samples; the response is the segments' token_ids in order.
+WITH c AS MATERIALIZED (SELECT id FROM samples WHERE run_id = :run AND state = 'finished'
+  ORDER BY id LIMIT :n FOR UPDATE SKIP LOCKED),
+u AS (UPDATE samples s SET state = 'scoring', reward_attempt = s.reward_attempt + 1,
+  reward_deadline = now() + make_interval(secs => :ttl), updated_at = now()
+  FROM c WHERE s.id = c.id RETURNING s.id, s.reward_attempt, s.group_id, s.finish_reason)
+SELECT u.id, u.reward_attempt, u.group_id, g.prompt_tokens,
+  coalesce((SELECT array_agg(z.e ORDER BY x.seq, z.o) FROM segments x,
+    unnest(x.token_ids) WITH ORDINALITY AS z(e, o) WHERE x.sample_id = u.id), '{}') AS response,
+  u.finish_reason, g.meta
+FROM u JOIN prompt_groups g ON g.id = u.group_id ORDER BY u.id
+
+-- name: abort_candidates
+SELECT s.id, s.group_id, s.state, g.state AS group_state
+FROM samples s JOIN prompt_groups g ON g.id = s.group_id
+WHERE s.run_id = :run AND s.id = ANY(CAST(:ids AS bigint[]))
+
+-- name: live_members
+SELECT group_id, count(*) FROM samples WHERE group_id = ANY(CAST(:g AS bigint[]))
+AND state <> 'aborted' GROUP BY group_id
+
+-- name: lock_group
+SELECT state FROM prompt_groups WHERE id = :g AND run_id = :run FOR UPDATE
+
+-- name: rewards_read
+-- ONE statement, sent with the run lock (`RunTx.open`): lock the batch's samples, check every
+-- claim and store the rewards only if all hold, then lock their groups and read the members
+-- and the run's reservations (as `reservations` in runs.sql). See protocol/scoring.py for the
+-- lock order and the index lookups. :samples the batch's sample ids (no duplicates), :attempts
+-- their claim attempts, :rewards their rewards.
+WITH s AS MATERIALIZED (SELECT x.id, x.state::text AS state, x.group_id,
+  x.state = 'scoring' AND x.reward_attempt = (CAST(:attempts AS int[]))[array_position(CAST(:samples AS bigint[]), x.id)] AS holds,
+  (CAST(:rewards AS float8[]))[array_position(CAST(:samples AS bigint[]), x.id)] AS r FROM samples x
+  WHERE x.run_id = CAST(:run AS bigint) AND x.id = ANY(CAST(:samples AS bigint[])) ORDER BY x.id FOR UPDATE),
+w AS (UPDATE samples x SET state = 'rewarded', reward = s.r, reward_deadline = NULL, updated_at = now()
+  FROM s WHERE x.id = s.id AND (SELECT count(*) FILTER (WHERE holds) FROM s) = cardinality(CAST(:samples AS bigint[]))),
+g AS MATERIALIZED (SELECT id, state::text AS state, client_key, prompt_tokens, meta FROM prompt_groups
+  WHERE id = ANY(ARRAY(SELECT group_id FROM s)) ORDER BY id FOR UPDATE),
+q(k, j) AS (SELECT 's', to_jsonb(s) FROM s
+  UNION ALL SELECT 'g', to_jsonb(g) FROM g
+  UNION ALL SELECT 'm', jsonb_build_object('group_id', m.group_id, 'id', m.id, 'idx', m.idx,
+    'state', m.state::text, 'v_traj', m.v_traj, 'reward', m.reward) FROM samples m
+    WHERE m.group_id = ANY(ARRAY(SELECT id FROM g))
+  UNION ALL SELECT 'r', to_jsonb(r) FROM (SELECT g.id, g.reserved_buffer AS b, (SELECT min(s.v_traj) FROM samples s WHERE s.group_id = g.id
+    AND s.state <> 'aborted' AND s.v_traj IS NOT NULL AND (s.state <> 'queued' OR s.n_tokens > 0)) AS v
+    FROM prompt_groups g WHERE g.run_id = CAST(:run AS bigint) AND g.state = 'reserved') r)
+SELECT coalesce(jsonb_agg(jsonb_build_array(k, j)), '[]') FROM q
+
+-- name: occupy_groups
+-- A part of the run lock's flush (`RunTx.defer`): the groups Occupy placed.
+UPDATE prompt_groups g SET state = 'occupied', buffer = u.b, group_version = u.v, reserved_buffer = NULL
+FROM unnest(CAST(:ids AS bigint[]), CAST(:bs AS int[]), CAST(:vs AS int[])) AS u(id, b, v)
+WHERE g.id = u.id AND g.id = ANY(CAST(:ids AS bigint[]))
