@@ -8,9 +8,9 @@
 --
 -- Written from the spec (docs/protocol.md), not from the protocol code:
 --   trained_once     a group is placed once and trained at most once: its row names the buffer
---                    of its one `group_occupied` event, and a group that has such an
---                    event stays placed (occupied, then consumed). A trained group swapped with
---                    an untrained one keeps every counter right, but not this.
+--                    of its one `group_occupied` event, and a group with such an event stays
+--                    placed (occupied, then consumed). A trained group swapped with an
+--                    untrained one keeps every counter right, but not this.
 --   segment_lineage  attempts are lease tokens: route k of a sample is its attempt k (its k-th
 --                    `sample_routed` event), a sample's attempt counter is its number of routes,
 --                    its segments' attempts never decrease along seq, and a segment of attempt k
