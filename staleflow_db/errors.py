@@ -1,6 +1,7 @@
 """Refusals of protocol operations. Each one leaves the database unchanged.
 
-The API maps them to HTTP: InvalidInput 422, NotFound 404, Conflict 409, TooLarge 413.
+The API maps them to HTTP: InvalidInput 422, NotFound 404, Conflict 409 (Corrupted too, code
+`corrupted`), TooLarge 413.
 """
 
 from __future__ import annotations
@@ -32,3 +33,11 @@ class Conflict(ProtocolError):
         shown = "; ".join(f"{key}: {why}" for key, why in items[:5])
         more = f" (+{len(items) - 5} more)" if len(items) > 5 else ""
         super().__init__(shown + more)
+
+
+class Corrupted(Conflict):
+    """The rows contradict the history they come from (what the audit reports as a violation),
+    so the operation is refused rather than acted on: e.g. a consume whose batch holds a group
+    the event log says was placed, and trained, elsewhere. A 409, with its own code."""
+
+    code = "corrupted"

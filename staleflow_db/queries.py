@@ -20,11 +20,12 @@ The convention (as aiosql, sqlc and procrastinate write it):
   what is sent is one line. A statement with a dollar-quoted body (`$$`: a function) is kept
   as written, since PostgreSQL stores its source.
 - DDL (views and functions) lives here too, under names starting with `view_` / `function_`:
-  `ddl()` lists them, and the migrations apply them (migration 0007; a change to one edits
-  the file and adds a migration that applies it again, as 0007's `apply_named_ddl` does).
+  `ddl()` lists them, and the migrations apply them (migration 0008; a change to one edits
+  the file, freezes the replaced definition as `*_v<N>.sql`, and adds a migration that applies
+  them again, as 0008's `apply_named_ddl` does).
 
 Files named `*_v<N>.sql` are frozen DDL that an old migration reads by file name (0002's
-`audit_v2.sql`); they are history, not named queries.
+`audit_v2.sql`, 0007's `audit_lineage_v1.sql`); they are history, not named queries.
 """
 
 from __future__ import annotations

@@ -238,6 +238,8 @@ events = Table(
     Column("instance_id", BigInteger),
     Column("data", JSONB),
     Index("ix_events_run", "run_id", "id"),
+    # a group's Occupy by group: the consume's trained-once check, the audit's `trained_once`
+    Index("ix_events_group_occupied", "run_id", "group_id", postgresql_where=text("kind = 'group_occupied'")),
 )
 
 coordinator_leases = Table(

@@ -122,3 +122,42 @@ def healthy_run(engine, name: str = "healthy", check=None) -> Healthy:
 def state(engine, sql: str, **params):
     with engine.connect() as c:
         return c.execute(text(sql), params).all()
+
+
+@dataclass
+class TrainedAndReady:
+    """`trained_and_ready`: group `a` trained at step 0, group `c` ready in buffer 1."""
+
+    d: Driver
+    a: int
+    c: int
+
+    @property
+    def run(self) -> int:
+        return self.d.run
+
+
+def trained_and_ready(engine, name: str = "swap", check=None) -> TrainedAndReady:
+    """B = B' = 1, N = N' = 1, eta = 1, one instance at version 0, driven through the protocol:
+
+        buffer 0  consumed: a (V 0), trained at step 0
+        buffer 1  ready:    c (V 0, staleness 1 when trained)
+        run version 1
+
+    Both groups are of version 0, so each window [0, 1] holds both buffers: swapping the two
+    groups' placements keeps every counter, the bound and the segment versions right."""
+    check = check or (lambda: None)
+    d = Driver(engine, name=name, batch_size=1, buffer_capacity=1, group_size=1, samples_per_group=1, eta=1)
+    i0 = d.p.register_instance(d.run, "i0", 0)
+    a, c = d.enqueue(2)
+    check()
+    (sa,), (sc,) = d.members(a), d.members(c)
+    attempts = d.routed([sa], i0) | d.routed([sc], i0)  # a reserves buffer 1, c buffer 0
+    check()
+    d.finish(attempts, version=0)
+    check()
+    d.reward_all(rewards={sa: 0.0, sc: 1.0})  # a lands in buffer 0 (c's reservation moves to 1), c in 1
+    check()
+    d.train(0)
+    check()
+    return TrainedAndReady(d, a, c)

@@ -43,5 +43,5 @@ _audit_view("dropped", DroppedSamples, "`dropped_samples`: every aborted sample 
 _audit_view(
     "violations",
     Violations,
-    "`staleness_violations`: broken invariants (bound, capacity, versions, contiguity, loss).",
+    "`staleness_violations`: broken invariants (bound, capacity, versions, contiguity, loss, lineage).",
 )

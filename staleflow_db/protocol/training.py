@@ -11,7 +11,7 @@ from sqlalchemy import Connection, Row
 
 from .. import queries
 from ..enums import DropReason
-from ..errors import Conflict, InvalidInput
+from ..errors import Conflict, Corrupted, InvalidInput
 from ..idempotency import transactional
 from ..rules import buffer_state, reserve_target
 from .base import TxMixin, load_run, read_buffers
@@ -77,6 +77,7 @@ class TrainingOps(TxMixin):
                 g.id: TrainGroup(g.id, g.group_version, list(g.prompt_tokens), g.meta)
                 for g in conn.execute(queries.text("consume_groups"), {"run": run_id, "v": version}).all()
             }
+            self._check_trained_once(conn, run_id, version, list(groups))
             segs: defaultdict[int, list[Row[Any]]] = defaultdict(list)
             rows = conn.execute(queries.text("consume_segments"), {"g": list(groups)}).all()
             for r in rows:
@@ -96,6 +97,35 @@ class TrainingOps(TxMixin):
                     )
                 )
             return Batch(run_id, version, lease, list(groups.values()))
+
+    @staticmethod
+    def _check_trained_once(conn: Connection, run_id: int, version: int, group_ids: list[int]) -> None:
+        """Trained once, checked against the event log (append-only), not the counters: a group
+        is trained at the step of the one buffer its Occupy placed it in. A group of buffer
+        `version` whose Occupy named another buffer (one before `version` is consumed: trained
+        already) or that has no single Occupy is refused with its history (`Corrupted`, the
+        lease not taken), never handed out; the audit names it `trained_once`."""
+        placed: defaultdict[int, list[int]] = defaultdict(list)
+        for gid, b in conn.execute(
+            queries.text("consume_group_placements"),
+            {"run": run_id, "g": group_ids},
+        ).all():
+            placed[gid].append(b)
+        bad = []
+        for gid in group_ids:
+            got = placed.get(gid, [])
+            if got == [version]:
+                continue
+            trained = sorted({b for b in got if b is not None and b < version})
+            why = (
+                f"already trained at step {', '.join(map(str, trained))} (its Occupy placed it in buffer"
+                f" {', '.join(map(str, got))}): its samples are not handed out again"
+                if trained
+                else f"its Occupy is in the event log {len(got)} time(s), in buffer(s) {got}, not once in buffer {version}"
+            )
+            bad.append((gid, f"group {gid} in buffer {version} refused: {why}"))
+        if bad:
+            raise Corrupted(bad)
 
     @transactional
     def publish(

@@ -14,6 +14,12 @@ WHERE run_id = :run AND idx = :v AND occupied >= batch_size RETURNING lease
 SELECT id, group_version, prompt_tokens, meta FROM prompt_groups
 WHERE run_id = :run AND state = 'occupied' AND buffer = :v ORDER BY id
 
+-- name: consume_group_placements
+-- Each group's Occupy events (the trained-once check: exactly one, naming this buffer), by
+-- ix_events_group_occupied
+SELECT group_id, buffer FROM events
+WHERE run_id = :run AND kind = 'group_occupied' AND group_id = ANY(CAST(:g AS bigint[])) ORDER BY id
+
 -- name: consume_segments
 SELECT x.sample_id, x.seq, x.version, x.instance_id, x.token_ids, x.logprobs
 FROM segments x JOIN samples s ON s.id = x.sample_id

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 from audit_helpers import forge, found, healthy_run, state
+from sqlalchemy.exc import IntegrityError
 
 from staleflow_db.audit import summary, violations
 from workers.wire.enums import DropReason
@@ -65,7 +66,7 @@ def test_bound_members_too_stale_for_their_occupied_group(engine, h):
     forge(
         engine,
         "UPDATE samples SET v_traj = 0 WHERE group_id = :g AND state = 'rewarded'",
-        "UPDATE prompt_groups SET group_version = 0 WHERE id = :g",
+        "UPDATE prompt_groups SET group_version = 0, min_version = 0 WHERE id = :g",
         g=h.groups["g4"],
     )
     assert found(engine, h.run) == {("bound", _g(h, "g4")), ("bound", _s(h, "g4", 0)), ("bound", _s(h, "g4", 1))}
@@ -76,7 +77,7 @@ def test_bound_a_member_trained_before_its_model_existed(engine, h):
     sid = h.m("g1", 0)
     forge(
         engine,
-        "UPDATE samples SET v_traj = 1 WHERE id = :s",
+        "UPDATE samples SET v_traj = 1, last_version = 1 WHERE id = :s",
         "UPDATE segments SET version = 1 WHERE sample_id = :s",
         s=sid,
     )
@@ -115,6 +116,8 @@ def test_capacity_more_occupied_entries_than_b(engine, h):
         "UPDATE samples SET state = 'rewarded', reward = 1, instance_id = NULL WHERE group_id = :g AND idx < 2",
         "UPDATE samples SET state = 'aborted', reason = 'surplus' WHERE group_id = :g AND idx = 2",
         "UPDATE buffers SET occupied = 2, reserved = 0 WHERE run_id = :r AND idx = 2",
+        "INSERT INTO events (run_id, kind, group_id, buffer, data)"
+        " VALUES (:r, 'group_occupied', :g, 2, '{\"version\": 1}')",
         g=h.groups["g3"],
         r=h.run,
         drop_checks=(("buffers", "ck_buffers_batch"),),
@@ -141,7 +144,13 @@ def test_entry_reserved_in_a_consumed_buffer(engine, h):
 
 def test_reservation_outside_a_members_window(engine, h):
     """g3 is reserved in buffer 2; a running member of version 0 could never join it (0 + 1 < 2)."""
-    forge(engine, "UPDATE samples SET v_traj = 0 WHERE id = :s", s=h.m("g3", 1))
+    forge(
+        engine,
+        "UPDATE samples SET v_traj = 0 WHERE id = :s",
+        "UPDATE prompt_groups SET min_version = 0 WHERE id = :g",
+        s=h.m("g3", 1),
+        g=h.groups["g3"],
+    )
     assert found(engine, h.run) == {("reservation_window", _s(h, "g3", 1))}
 
 
@@ -228,7 +237,12 @@ def test_segment_versions_decrease(engine, h):
 
 def test_segment_generated_by_a_model_newer_than_the_step_that_trained_it(engine, h):
     sid = h.m("g1", 1)  # trained at step 0; version 1 exists
-    forge(engine, "UPDATE segments SET version = 1 WHERE sample_id = :s", s=sid)
+    forge(
+        engine,
+        "UPDATE segments SET version = 1 WHERE sample_id = :s",
+        "UPDATE samples SET last_version = 1 WHERE id = :s",
+        s=sid,
+    )
     assert found(engine, h.run) == {("segment_version", f"sample {sid}")}
 
 
@@ -238,6 +252,7 @@ def test_segment_older_than_v_traj_or_newer_than_the_run(engine, h):
         engine,
         "UPDATE segments SET version = 1 WHERE sample_id = :a AND seq = 0",
         "UPDATE segments SET version = 3 WHERE sample_id = :b",
+        "UPDATE samples SET last_version = 3 WHERE id = :b",
         a=older,
         b=newer,
     )
@@ -255,7 +270,7 @@ def test_tokens_a_segment_lost_from_the_concatenation(engine, h):
     sid = h.m("g2", 0)
     forge(
         engine,
-        "UPDATE samples SET n_tokens = n_tokens - 2 WHERE id = :s",
+        "UPDATE samples SET n_tokens = n_tokens - 2, n_segments = n_segments - 1 WHERE id = :s",
         "DELETE FROM segments WHERE sample_id = :s AND seq = 0",
         s=sid,
     )
@@ -284,6 +299,10 @@ def test_routed_member_of_a_group_that_holds_no_reservation(engine, h):
     forge(
         engine,
         "UPDATE samples SET state = 'running', v_traj = 2, instance_id = :i, attempt = 1 WHERE id = :s",
+        "INSERT INTO events (run_id, kind, sample_id, instance_id) VALUES (:r, 'sample_routed', :s, :i)",
+        "UPDATE prompt_groups SET min_version = 2 WHERE id = :g",
+        r=h.run,
+        g=h.groups["g6"],
         s=h.m("g6", 0),
         i=h.inst["i2"],
     )
@@ -347,3 +366,85 @@ def test_forgery_in_one_run_does_not_leak_into_another(engine, h):
     forge(engine, "UPDATE samples SET n_tokens = 99 WHERE id = :s", s=h.m("g1", 0))
     assert found(engine, other.run) == set()
     assert found(engine, h.run) == {("tokens", _s(h, "g1", 0))}
+
+
+# ---- lineage: segments against their routes, counters against the segments, group version -----
+
+
+def test_segment_lineage_attempts_out_of_order(engine, h):
+    """g2 m0: segments 0 and 1 of attempt 1 (on i0), segment 2 of attempt 2 (resumed on i1).
+    Segment 0 forged to attempt 2 from i1, the instance of route 2: only the order is wrong."""
+    sid = h.m("g2", 0)
+    assert state(engine, "SELECT attempt, instance_id FROM segments WHERE sample_id = :s ORDER BY seq", s=sid) == [
+        (1, h.inst["i0"]),
+        (1, h.inst["i0"]),
+        (2, h.inst["i1"]),
+    ]
+    forge(
+        engine,
+        "UPDATE segments SET attempt = 2, instance_id = :i WHERE sample_id = :s AND seq = 0",
+        s=sid,
+        i=h.inst["i1"],
+    )
+    assert found(engine, h.run) == {("segment_lineage", f"sample {sid}")}
+    (row,) = violations(engine, h.run)
+    assert (
+        f"segments in seq order at attempts {{2,1,2}} from instances {{{h.inst['i1']},{h.inst['i0']},{h.inst['i1']}}}"
+        in row["detail"]
+    )
+
+
+def test_segment_lineage_a_segment_from_another_instance_than_its_route(engine, h):
+    """g2 m0's last segment (attempt 2, routed to i1) forged as i2's."""
+    sid = h.m("g2", 0)
+    forge(engine, "UPDATE segments SET instance_id = :i WHERE sample_id = :s AND seq = 2", s=sid, i=h.inst["i2"])
+    assert found(engine, h.run) == {("segment_lineage", f"sample {sid}")}
+    (row,) = violations(engine, h.run)
+    assert f"after 2 routes (to instances {{{h.inst['i0']},{h.inst['i1']}}})" in row["detail"]
+
+
+def test_segment_lineage_a_segment_of_an_attempt_never_routed(engine, h):
+    sid = h.m("g4", 0)  # one route, one segment of attempt 1
+    forge(engine, "UPDATE segments SET attempt = 2 WHERE sample_id = :s", s=sid)
+    assert found(engine, h.run) == {("segment_lineage", f"sample {sid}")}
+
+
+def test_segment_lineage_an_attempt_counter_behind_the_routes(engine, h):
+    """g3 m1 runs on i1 at attempt 1; set back to 0, a stale route's token would be current."""
+    sid = h.m("g3", 1)
+    forge(engine, "UPDATE samples SET attempt = 0 WHERE id = :s", s=sid)
+    assert found(engine, h.run) == {("segment_lineage", f"sample {sid}")}
+
+
+def test_segment_count_drifts_from_the_segments_and_the_sample_can_never_finish(engine, h):
+    """g3 m1 (running on i1, one segment): its counter says none, so its next report writes seq 0
+    again and is refused (the primary key); the audit names the counter."""
+    sid = h.m("g3", 1)
+    forge(engine, "UPDATE samples SET n_segments = 0 WHERE id = :s", s=sid)
+    assert found(engine, h.run) == {("segment_count", f"sample {sid}")}
+    with pytest.raises(IntegrityError, match="segments"):
+        h.d.finish({sid: h.d.sample(sid)[2]}, version=1)
+    assert found(engine, h.run) == {("segment_count", f"sample {sid}")}  # nothing changed
+
+
+def test_segment_count_last_version_disagrees_with_the_last_segment(engine, h):
+    sid = h.m("g2", 0)  # last segment at version 1
+    forge(engine, "UPDATE samples SET last_version = 0 WHERE id = :s", s=sid)
+    assert found(engine, h.run) == {("segment_count", f"sample {sid}")}
+
+
+def test_group_version_above_a_live_members_version(engine, h):
+    """g3 (reserved in buffer 2) has live members of V_traj 1: m0 queued with tokens, m1 running."""
+    assert state(engine, "SELECT min_version FROM prompt_groups WHERE id = :g", g=h.groups["g3"]) == [(1,)]
+    forge(engine, "UPDATE prompt_groups SET min_version = 2 WHERE id = :g", g=h.groups["g3"])
+    assert found(engine, h.run) == {("group_version", _g(h, "g3"))}
+    (row,) = violations(engine, h.run)
+    assert (
+        row["detail"]
+        == f"reserved group recorded at version 2 (as of its latest route), but its live member sample {h.m('g3', 0)} has V_traj 1"
+    )
+
+
+def test_group_version_missing_while_a_member_pins_one(engine, h):
+    forge(engine, "UPDATE prompt_groups SET min_version = NULL WHERE id = :g", g=h.groups["g3"])
+    assert found(engine, h.run) == {("group_version", _g(h, "g3"))}

@@ -76,18 +76,33 @@ def test_audit_view_columns_are_unchanged(engine):
     assert cols == [("run_id", "bigint"), ("invariant", "text"), ("subject", "text"), ("detail", "text")]
 
 
-def _view_sql(engine) -> str:
+def _view_sql(engine, view: str = "staleness_violations") -> str | None:
     with engine.connect() as c:
-        return c.execute(text("SELECT pg_get_viewdef('staleness_violations'::regclass)")).scalar()
+        return c.execute(text("SELECT pg_get_viewdef(to_regclass(:v))"), {"v": view}).scalar()
+
+
+def _complete(engine) -> bool:
+    """The complete audit: audit_v2's view and the lineage checks, unioned."""
+    top = _view_sql(engine)
+    v2, lineage = _view_sql(engine, "staleness_violations_v2"), _view_sql(engine, "lineage_violations")
+    return (
+        "staleness_violations_v2" in top
+        and "lineage_violations" in top
+        and "conservation" in v2
+        and all(k in lineage for k in ("trained_once", "segment_lineage", "segment_count", "group_version"))
+    )
 
 
 def test_downgrade_restores_the_initial_view_and_upgrade_brings_the_complete_one_back(engine, db_url):
-    assert "conservation" in _view_sql(engine)
+    assert _complete(engine)
+    migrate.downgrade(db_url, "0006")  # audit_v2's view alone, under its own name again
+    assert "conservation" in _view_sql(engine) and "trained_once" not in _view_sql(engine)
+    assert _view_sql(engine, "lineage_violations") is None and _view_sql(engine, "staleness_violations_v2") is None
     migrate.downgrade(db_url, "0001")
     initial = _view_sql(engine)
     assert "conservation" not in initial and "'lost'" in initial
     migrate.upgrade(db_url, "head")
-    assert "conservation" in _view_sql(engine)
+    assert _complete(engine)
 
 
 # ---- plan guard ---------------------------------------------------------------------------------
@@ -106,11 +121,15 @@ INSERT INTO prompt_groups (run_id, client_key, prompt_tokens, state, min_version
 SELECT r.id, 'k' || x || '-' || j, ARRAY[1, 2, 3], 'consumed', x, x, x
 FROM runs r, generate_series(0, 39) x, generate_series(1, 16) j;
 INSERT INTO events (run_id, kind, group_id) SELECT run_id, 'group_enqueued', id FROM prompt_groups;
+INSERT INTO events (run_id, kind, group_id, buffer, data)
+SELECT run_id, 'group_occupied', id, buffer, jsonb_build_object('version', group_version) FROM prompt_groups;
 INSERT INTO samples (run_id, group_id, idx, state, v_traj, attempt, n_tokens, n_segments, last_version, reward)
 SELECT g.run_id, g.id, i, 'rewarded', g.buffer, 1, 12, 3, g.buffer, 1.0 FROM prompt_groups g, generate_series(0, 3) i;
 INSERT INTO segments (sample_id, seq, run_id, version, instance_id, attempt, token_ids, logprobs)
 SELECT s.id, q, s.run_id, s.v_traj, 1, 1, ARRAY[1, 2, 3, 4], ARRAY[-1, -1, -1, -1]::real[]
 FROM samples s, generate_series(0, 2) q;
+INSERT INTO events (run_id, kind, sample_id, instance_id, data)
+SELECT run_id, 'sample_routed', id, 1, jsonb_build_object('v', v_traj) FROM samples;
 ANALYZE;
 """
 

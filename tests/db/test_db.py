@@ -75,3 +75,25 @@ def test_database_url_starts_embedded_server(embedded_pg: EmbeddedPostgres, monk
     url = database_url()
     assert embedded_pg.is_running() and url == embedded_pg.url()
     assert database_url() == url  # reused, not restarted
+
+
+def _views_and_functions(url: str) -> tuple[dict[str, str], dict[str, str]]:
+    with psycopg.connect(url) as conn:
+        views = conn.execute(
+            "SELECT viewname, pg_get_viewdef(viewname::regclass) FROM pg_views WHERE schemaname = 'public'"
+        ).fetchall()
+        functions = conn.execute(
+            "SELECT p.proname, pg_get_functiondef(p.oid) FROM pg_proc p"
+            " JOIN pg_namespace n ON n.oid = p.pronamespace WHERE n.nspname = 'public'"
+        ).fetchall()
+    return dict(views), dict(functions)
+
+
+def test_the_named_ddl_equals_what_migrations_0001_to_0007_created(db_url: str) -> None:
+    """0008 applies the named DDL of staleflow_db/sql/ and its downgrade undoes nothing: that is
+    right only while the files define each view and function exactly as the history did."""
+    migrate.downgrade(db_url, "0007")
+    before = _views_and_functions(db_url)
+    migrate.upgrade(db_url, "0008")
+    assert _views_and_functions(db_url) == before
+    assert set(before[0]) >= {"staleness_violations", "lineage_violations", "staleness_violations_v2"}

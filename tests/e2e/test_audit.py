@@ -78,6 +78,28 @@ def test_strict_audit_fails_on_each_forged_database_and_passes_a_healthy_one(eng
     assert other.run != h.run
 
 
+def test_strict_audit_names_a_trained_group_swapped_with_a_ready_one(engine, db_url):
+    """The swap keeps every counter right (audit_v2's checks all pass); `--strict` still fails
+    and prints the lineage rows, with the step the group already trained at."""
+    from audit_helpers import forge, trained_and_ready
+
+    s = trained_and_ready(engine, name="swapped")
+    assert _run_audit(db_url, "swapped", "--strict").returncode == 0
+    forge(
+        engine,
+        "UPDATE prompt_groups SET state = 'occupied', buffer = 1 WHERE id = :a",
+        "UPDATE prompt_groups SET state = 'consumed', buffer = 0 WHERE id = :c",
+        a=s.a,
+        c=s.c,
+    )
+    bad = _run_audit(db_url, "swapped", "--strict")
+    assert bad.returncode == 1
+    assert "2 invariant violations" in bad.stdout
+    assert f"trained_once: group {s.a}: occupied in buffer 1 at version 0;" in bad.stdout
+    assert "which is consumed: trained at step 0" in bad.stdout
+    assert f"trained_once: group {s.c}: consumed in buffer 0" in bad.stdout
+
+
 def test_step_metrics_count_what_happened_between_publishes(engine):
     from staleflow_db.audit import step_metrics
 
