@@ -12,7 +12,9 @@ import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from .enums import DropReason, GroupState, InstanceState, SampleState, SegmentKind
+from workers.wire.enums import DropReason, GroupState, InstanceState, SampleState, SegmentKind
+from workers.wire.types import RouteOutcome
+
 from .errors import Conflict, InvalidInput, NotFound
 from .rules import (
     BufferCounts,
@@ -27,13 +29,7 @@ from .rules import (
     route_decision,
     window_has_room,
 )
-from .types import (
-    GroupOutcome,
-    Report,
-    RouteOutcome,
-    RouteResult,
-    RunConfig,
-)
+from .types import GroupOutcome, Report, RouteResult, RunConfig
 
 
 @dataclass

@@ -28,7 +28,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects.postgresql import ARRAY, JSONB, REAL, UUID
 
-from .enums import CommandKind, CommandState, GroupState, InstanceState, Role, SampleState
+from workers.wire.enums import CommandKind, CommandState, GroupState, InstanceState, Role, SampleState
 
 metadata = MetaData(
     naming_convention={

@@ -6,9 +6,9 @@ from __future__ import annotations
 import uuid
 from dataclasses import KW_ONLY, dataclass
 
+from workers.wire.enums import GroupState, SegmentKind
 from workers.wire.types import RouteOutcome
 
-from .enums import GroupState, SegmentKind
 from .errors import InvalidInput
 
 

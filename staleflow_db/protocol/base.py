@@ -14,8 +14,9 @@ from typing import Any, NamedTuple
 
 from sqlalchemy import Connection, Engine
 
+from workers.wire.enums import DropReason
+
 from .. import idempotency, queries
-from ..enums import DropReason
 from ..errors import NotFound
 from ..rules import BufferCounts, Limits, Reservation, apply_moves, cascade_moves
 from . import driver

@@ -9,8 +9,9 @@ from collections.abc import Sequence
 
 from sqlalchemy import Connection
 
+from workers.wire.enums import SegmentKind
+
 from .. import queries
-from ..enums import SegmentKind
 from ..errors import Conflict, InvalidInput, NotFound, TooLarge
 from ..types import Report
 from .base import RunRow

@@ -11,10 +11,12 @@ from typing import Any
 from sqlalchemy import Connection
 from sqlalchemy.exc import IntegrityError
 
+from workers.wire.types import RouteOutcome
+
 from .. import queries
 from ..errors import Conflict, InvalidInput, NotFound, TooLarge
 from ..idempotency import transactional
-from ..types import Report, RouteOutcome, RouteResult, RunConfig
+from ..types import Report, RouteResult, RunConfig
 from .base import TxMixin, load_run, under_run_lock
 from .events import Event, log_events
 from .fencing import check_live, report_in

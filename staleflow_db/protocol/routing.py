@@ -9,9 +9,11 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
+from workers.wire.types import RouteOutcome
+
 from ..errors import InvalidInput, NotFound
 from ..rules import group_version, route_decision
-from ..types import RouteOutcome, RouteResult
+from ..types import RouteResult
 from .base import LockedRead, RunTx
 from .events import Event
 

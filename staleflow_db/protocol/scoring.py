@@ -12,8 +12,9 @@ from typing import Any
 
 from sqlalchemy import Connection
 
+from workers.wire.enums import DropReason, GroupState
+
 from .. import queries
-from ..enums import DropReason, GroupState
 from ..errors import Conflict, InvalidInput, NotFound
 from ..idempotency import transactional
 from ..rules import occupy_plan, replacement_key, window_has_room

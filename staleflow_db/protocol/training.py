@@ -9,8 +9,9 @@ from typing import Any
 
 from sqlalchemy import Connection, Row
 
+from workers.wire.enums import DropReason
+
 from .. import queries
-from ..enums import DropReason
 from ..errors import Conflict, Corrupted, InvalidInput
 from ..idempotency import transactional
 from ..rules import buffer_state, reserve_target
