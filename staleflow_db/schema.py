@@ -6,6 +6,9 @@ append-only trigger live in the migrations as SQL (`staleflow_db/sql/`).
 
 from __future__ import annotations
 
+import enum
+from datetime import datetime
+
 from sqlalchemy import (
     BigInteger,
     Boolean,
@@ -41,7 +44,7 @@ metadata = MetaData(
 )
 
 
-def _enum(py_enum, name: str) -> Enum:
+def _enum(py_enum: type[enum.Enum], name: str) -> Enum:
     return Enum(py_enum, name=name, values_callable=lambda e: [m.value for m in e], create_constraint=False)
 
 
@@ -53,7 +56,7 @@ command_state = _enum(CommandState, "command_state")
 role = _enum(Role, "token_role")
 
 
-def _created() -> Column:
+def _created() -> Column[datetime]:
     return Column("created_at", DateTime(timezone=True), nullable=False, server_default=func.now())
 
 
