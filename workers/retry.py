@@ -168,6 +168,11 @@ READY = Policy("ready poll", initial=0.1, cap=0.1)
 RESTART = Policy("process restart", initial=1.0, cap=30.0)
 """A supervisor restarting a process that exited, 1 s doubling to 30 s (ray actors)."""
 
+REWARD_CALL = Policy("reward call", initial=0.2, cap=5.0, jitter=0.1, attempts=3, retryable=any_error)
+"""A reward function or service that raised, returned no valid reward or timed out: 3 tries
+in all (`--reward-retries` tunes it), 0.2 s doubling between them; then the sample is dropped
+as reward_failed."""
+
 
 # ---- outages -----------------------------------------------------------------------------------
 
