@@ -234,7 +234,8 @@ class HttpReward:
 
     async def score(self, samples: Sequence[RewardSample], timeout: float) -> list[Outcome]:
         if self._client is None:  # created on the loop that runs it
-            self._client = httpx.AsyncClient(timeout=timeout, headers=self.headers)
+            # the worker's timeout (asyncio.wait_for) governs; httpx's is a backstop
+            self._client = httpx.AsyncClient(timeout=timeout + 5, headers=self.headers)
             self._limit = asyncio.Semaphore(self.concurrency)
         assert self._limit is not None
         chunks = [samples[i : i + self.request_size] for i in range(0, len(samples), self.request_size)]

@@ -11,6 +11,8 @@ import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import httpx
+
 from workers.client import Conflict, StaleFlowClient
 from workers.extras import require
 from workers.retry import REWARD_CALL, Policy
@@ -33,7 +35,7 @@ class RewardStats:
 
 
 def describe(exc: BaseException, timeout: float) -> str:
-    if isinstance(exc, TimeoutError):
+    if isinstance(exc, (TimeoutError, httpx.TimeoutException)):
         return f"timed out after {timeout:g} s"
     return f"{type(exc).__name__}: {exc}"[:500]
 
