@@ -83,8 +83,8 @@ def reward_worker(
     elif reward:
         try:
             fn = load_function(reward)
-        except (ImportError, ValueError) as e:
-            raise typer.BadParameter(f"{reward}: {e}", param_hint="--reward") from None
+        except Exception as e:  # the user's module may fail to import in any way
+            raise typer.BadParameter(f"{reward}: {type(e).__name__}: {e}", param_hint="--reward") from None
         source = FunctionReward(fn, batch=reward_batch, concurrency=concurrency, name=reward)
     else:
         assert reward_url is not None

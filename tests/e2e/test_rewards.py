@@ -115,6 +115,7 @@ def _dropped(engine, run: int) -> dict[str, int]:
 USER_REWARDS = textwrap.dedent(
     """
     import asyncio
+    from pathlib import Path
 
     def by_length(sample):
         # a reward from the response, with metrics: stored with it, shown per step
@@ -126,6 +127,8 @@ USER_REWARDS = textwrap.dedent(
         return [(len(s.response_tokens) % 3) / 2 for s in samples]
 
     def broken(sample):
+        with open(Path(__file__).with_name("calls.txt"), "a") as f:
+            f.write(f"{sample.sample_id}\\n")
         raise RuntimeError("my reward has a bug")
     """
 )
@@ -286,6 +289,9 @@ def test_a_failing_reward_drops_its_samples_as_reward_failed(engine, db_url, tmp
         _until(lambda: _dropped(engine, run).get("reward_failed", 0) >= 4, "reward_failed drops", cluster.check)
         log = (tmp_path / "logs" / "reward.log").read_text()
     assert "my reward has a bug" in log
+    calls = (tmp_path / "calls.txt").read_text().split()
+    dropped = {int(c) for c in calls}
+    assert sorted(calls.count(str(s)) for s in dropped) == [2] * len(dropped)  # a try and one retry each
     with engine.connect() as c:
         rewarded = c.execute(text("SELECT count(*) FROM samples WHERE run_id = :r AND reward IS NOT NULL"), {"r": run})
         assert rewarded.scalar() == 0  # never a silent 0
@@ -328,6 +334,8 @@ def test_reward_options_are_refused_clearly(tmp_path):
     assert "module:function" in refused("--reward", "nocolon")
     assert "not callable" in refused("--reward", "m:x")
     assert "No module named" in refused("--reward", "no_such_mod:f")
+    (tmp_path / "bad.py").write_text("def (:\n")
+    assert "SyntaxError" in refused("--reward", "bad:f")
     assert "--reward-batch goes with --reward" in refused("--verifier", "repeat", "--reward-batch")
     assert "http://" in refused("--reward-url", "ftp://x")
     port = free_port()

@@ -101,7 +101,8 @@ class RewardWorker:
 
     async def score(self, samples: Sequence[RewardSample]) -> dict[int, Outcome]:
         """Each sample's reward, or its last error after the policy's tries (only the samples
-        that failed are tried again)."""
+        that failed are tried again); a sample still to be retried when the worker stops is
+        left out."""
         got: dict[int, Outcome] = {}
         pending, attempt = list(samples), 0
         while pending:
@@ -117,7 +118,11 @@ class RewardWorker:
                         "reward of sample %d failed (try %d): %s", s.sample_id, attempt, describe(o, self.timeout_s)
                     )
             pending = failed
-            if not pending or (self.retry.attempts is not None and attempt >= self.retry.attempts) or self._stop:
+            if not pending or (self.retry.attempts is not None and attempt >= self.retry.attempts):
+                break
+            if self._stop:  # not given up on: left to expire, so another claim scores them
+                for s in pending:
+                    del got[s.sample_id]
                 break
             await asyncio.sleep(self.retry.delay(attempt))
         return got
