@@ -124,7 +124,7 @@
     const stepsSeen = [...new Set(rows.map((r) => r.step))].sort((a, b) => a - b).slice(-10);
     const at = new Map(rows.map((r) => [`${r.step} ${r.metric}`, r.mean]));
     const body = stepsSeen.map((st) => `<tr data-step="${st}"><td>${st}</td>${names.map((m) => `<td class="num" data-metric="${esc(m)}">${num(at.get(`${st} ${m}`), 3)}</td>`).join("")}</tr>`).join("");
-    return `<h3>reward metrics: mean per step</h3><table class="reward-metrics"><thead><tr><th>step</th>${names.map((m) => `<th class="num">${esc(m)}</th>`).join("")}</tr></thead><tbody>${body}</tbody></table>`;
+    return `<div class="chart"><h3>reward metrics: mean per step</h3></div><table class="reward-metrics"><thead><tr><th>step</th>${names.map((m) => `<th class="num">${esc(m)}</th>`).join("")}</tr></thead><tbody>${body}</tbody></table>`;
   }
 
   function staleness(run, p) {
