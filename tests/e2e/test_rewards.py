@@ -182,6 +182,16 @@ def test_an_async_batch_reward_function_trains_a_run(engine, db_url, tmp_path, u
     assert summary(engine, run)["violations"] == []
 
 
+@pytest.mark.slow
+def test_a_registered_verifier_still_trains_a_run(engine, db_url, tmp_path):
+    run, tokens = _sim_run(engine, "verifier")
+    with _cluster_run(tmp_path, db_url, run, tokens, ["--verifier", "sim"], STEPS) as cluster:
+        _until(lambda: _version(engine, run) >= STEPS, f"{STEPS} trained steps", cluster.check)
+    trained = _trained(engine, run)
+    assert trained and all(reward == (n % 7) / 6 and metrics is None for _, n, reward, metrics in trained)
+    assert summary(engine, run)["violations"] == []
+
+
 SERVICE = textwrap.dedent(
     """
     import json, sys, time
