@@ -197,3 +197,58 @@ def test_reward_service_errors_and_timeouts_fail_the_request(service):
     assert all(isinstance(o, RewardServiceError) and "500" in str(o) for o in failed)
     slow = asyncio.run(go("/slow", 0.2))
     assert all(isinstance(o, TimeoutError) for o in slow)
+
+
+class _Flaky:
+    """A source whose samples fail their first `fails[id]` tries."""
+
+    description = "flaky"
+
+    def __init__(self, fails: dict[int, int]):
+        self.fails, self.calls = dict(fails), []
+
+    async def score(self, samples, timeout):
+        self.calls.append([s.sample_id for s in samples])
+        out = []
+        for s in samples:
+            if self.fails.get(s.sample_id, 0) > 0:
+                self.fails[s.sample_id] -= 1
+                out.append(RuntimeError(f"try failed for {s.sample_id}"))
+            else:
+                out.append(Scored(1.0))
+        return out
+
+    async def aclose(self):
+        pass
+
+
+def _worker(source, attempts=3):
+    from workers.retry import REWARD_CALL
+    from workers.reward.worker import RewardWorker
+
+    # scoring needs no API: the client is used only to claim and post
+    return RewardWorker(None, 1, source, retry=REWARD_CALL.but(initial=0.001, cap=0.001, attempts=attempts))  # type: ignore[arg-type]
+
+
+def test_the_worker_retries_only_the_failed_samples_a_bounded_number_of_times():
+    source = _Flaky({2: 1, 3: 5})
+    worker = _worker(source, attempts=3)
+    try:
+        got = worker._loop.run(worker.score([_sample(1), _sample(2), _sample(3)]))
+    finally:
+        worker.close()
+    assert source.calls == [[1, 2, 3], [2, 3], [3]]  # three tries in all, the failed ones only
+    assert got[1] == Scored(1.0) and got[2] == Scored(1.0)  # 2 made it on its retry
+    assert isinstance(got[3], RuntimeError)  # 3 is given up on: the worker drops it
+    assert worker.stats.failures == 1 + 3
+
+
+def test_a_stopping_worker_leaves_samples_it_would_retry_unscored():
+    source = _Flaky({2: 1})
+    worker = _worker(source)
+    worker.stop()
+    try:
+        got = worker._loop.run(worker.score([_sample(1), _sample(2)]))
+    finally:
+        worker.close()
+    assert got == {1: Scored(1.0)}  # 2 is neither rewarded nor dropped: its claim expires
