@@ -148,6 +148,8 @@ samples = Table(
     Column("reward_deadline", DateTime(timezone=True)),
     Column("reason", Text),
     Column("updated_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    # the reward's extra metrics as the reward worker posted them ({"name": number}); NULL: none
+    Column("reward_metrics", JSONB),
     UniqueConstraint("group_id", "idx"),
     CheckConstraint("(state = 'running') = (instance_id IS NOT NULL)", name="running_has_instance"),
     CheckConstraint("state <> 'aborted' OR reason IS NOT NULL", name="abort_has_reason"),

@@ -187,6 +187,11 @@ SERVER_PORT_TAKEN = Policy("embedded server port taken", initial=0.0, cap=0.0, a
 """Starting the embedded PostgreSQL again at once on another port when another program took
 the chosen one between the check and the bind (three tries)."""
 
+REWARD_CALL = Policy("reward call", initial=0.2, cap=5.0, jitter=0.1, attempts=3, retryable=any_error)
+"""A reward function or service that raised, returned no valid reward or timed out: 3 tries
+in all (`--reward-retries` tunes it), 0.2 s doubling between them; then the sample is dropped
+as reward_failed."""
+
 
 # ---- outages -----------------------------------------------------------------------------------
 
