@@ -18,7 +18,9 @@ PURE=(
   tenacity==9.2.1 pydantic==2.14.4 pydantic-settings==2.16.3 annotated-types==0.8.0
   typing-inspection==0.4.5 python-dotenv==1.2.4 psycopg==3.3.9 psycopg-pool==3.3.3
   alembic==1.20.1 mako==1.4.3 fastapi==0.165.0 starlette==1.10.0 annotated-doc==0.0.7
-  uvicorn==0.54.0 fasteners==0.20 platformdirs==4.14.9
+  uvicorn==0.54.0 fasteners==0.20 platformdirs==4.14.9 opentelemetry-api==1.45.2
+  # newer than some GPU images' (pydantic needs >= 4.16); it shadows theirs, compatibly
+  typing-extensions==4.16.0
 )
 # Compiled: one wheel per CPython version.
 BINARY=(pydantic-core==2.50.5 sqlalchemy==2.1.9 greenlet==3.5.6 psycopg-binary==3.3.9)
