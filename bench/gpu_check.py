@@ -14,7 +14,8 @@ Nothing is downloaded: the models are tiny random ones built here, their tokeniz
 Without a CUDA GPU (or without torch) it is a dry run: it lists the checks it would run and
 exits 0. With a GPU every case runs, and one that cannot run (a missing package, a model that
 gives it nothing to check) is a failure, not a skip; the only skips are the vLLM cases where
-vLLM is not installed and tensor parallel 2 where there are fewer than 2 GPUs. The last line
+vLLM is not installed, and tensor parallel 2 and the NCCL parameter server where there are
+fewer than 2 GPUs. The last line
 is `gpu_check passed=P failed=F skipped=S device=NAME`; the exit status is 1 if any failed.
 
 Cases (see CHECKS):
@@ -22,7 +23,8 @@ Cases (see CHECKS):
                      --engine-config keys (dtype, device, max_model_len, max_num_seqs)
   trainer            a GRPO update of a Hugging Face model on the GPU changes its weights
   ps_nccl            our parameter server with the NCCL backend: a push from GPU tensors and a
-                     pull onto a GPU return them bit for bit (second GPU where there is one)
+                     pull onto the second GPU return them bit for bit (needs 2 GPUs: NCCL does
+                     not put two ranks on one device)
   weights_in_flight  the hf engine loads new weights while requests are running: they finish,
                      the engine reports the new version, later samples follow the new weights
   logprobs_t07       the engine's log-probs at T = 0.7 against the trainer's (token_logprobs of
@@ -66,7 +68,7 @@ sys.path.insert(0, str(ROOT))  # run from a checkout
 CHECKS = {
     "hf_engine": "the hf engine generates on the GPU (engine arguments from --engine-config keys)",
     "trainer": "a GRPO update on the GPU changes the model's weights",
-    "ps_nccl": "parameter server, NCCL backend: GPU push and pull return the same tensors",
+    "ps_nccl": "parameter server, NCCL backend: GPU push, pull onto another GPU (needs 2 GPUs)",
     "weights_in_flight": "new weights loaded while requests run; they finish, later samples follow them",
     "logprobs_t07": "engine vs trainer log-probs at T = 0.7 (max abs difference)",
     "interrupt_resume": "an interrupted and resumed sample equals the uninterrupted one",
@@ -281,7 +283,11 @@ def check_ps_nccl(work: Path) -> str:
     from workers.trainer.param_client import ParamClient
     from workers.trainer.param_server import ParamServer
 
-    dst = "cuda:1" if torch.cuda.device_count() > 1 else "cuda:0"
+    if torch.cuda.device_count() < 2:
+        # NCCL refuses two ranks of one communicator on the same GPU ("duplicate GPU"), and a
+        # PS transfer is such a two-rank group: a hardware precondition, like tensor parallel 2
+        raise Unavailable("the NCCL backend needs the PS and its peer on two GPUs, this machine has 1")
+    dst = "cuda:1"
     server = ParamServer(work / "ps-nccl", backend="nccl", device="cuda:0")
     host, port = server.start()
     try:
