@@ -15,8 +15,8 @@ Without a CUDA GPU (or without torch) it is a dry run: it lists the checks it wo
 exits 0. With a GPU every case runs, and one that cannot run (a missing package, a model that
 gives it nothing to check) is a failure, not a skip; the only skips are the vLLM cases where
 vLLM is not installed, and tensor parallel 2 and the NCCL parameter server where there are
-fewer than 2 GPUs. The last line
-is `gpu_check passed=P failed=F skipped=S device=NAME`; the exit status is 1 if any failed.
+fewer than 2 GPUs. The last line is `gpu_check passed=P failed=F skipped=S device=NAME`; the
+exit status is 1 if any failed.
 
 Cases (see CHECKS):
   hf_engine          the hf engine generates on the GPU, with engine arguments mapped from
