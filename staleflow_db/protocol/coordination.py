@@ -184,7 +184,7 @@ class CoordinationOps(TxMixin):
         return Snapshot(
             run_id,
             run.version,
-            run.config(),
+            run.as_dict(),
             {idx: BufferView(o, r) for idx, o, r in got[1] or ()},
             [InstanceView(i, n, v, snap or {}, age, running.get(i, [])) for i, n, v, snap, age in got[2] or ()],
             got[4] or [],

@@ -21,6 +21,7 @@ from typing import Any, NamedTuple
 from sqlalchemy import Connection, Engine
 
 from workers.wire.enums import DropReason
+from workers.wire.run_config import CONFIG_FIELDS, RunConfig
 
 from .. import idempotency, queries
 from ..errors import Conflict, InvalidInput, NotFound, TooLarge
@@ -41,30 +42,27 @@ def dumps(value: Any) -> str:
     return json.dumps(value, default=default, separators=(",", ":"))
 
 
-@dataclass
-class RunRow:
+@dataclass(frozen=True, kw_only=True)
+class RunRow(RunConfig):
+    """A run as the protocol reads it: its configuration (`RunConfig`, the one definition of
+    its fields), its id and its version (a derived view, no field of its own but these two)."""
+
     id: int
     version: int
-    batch_size: int
-    buffer_capacity: int
-    group_size: int
-    samples_per_group: int
-    eta: int
-    max_response_tokens: int
-    max_prompt_tokens: int
-    dapo_filter: bool
 
     @property
     def limits(self) -> Limits:
-        return Limits(self.batch_size, self.buffer_capacity, self.eta)
-
-    def config(self) -> dict[str, int | bool]:
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)[2:]}
+        return self
 
     @classmethod
     def of(cls, row: Mapping[Any, Any]) -> RunRow:
         """From a row or JSON object that holds the run's columns among others."""
-        return cls(**{f.name: row[f.name] for f in dataclasses.fields(cls)})
+        return cls(**{c: row[c] for c in RUN_COLUMNS})
+
+
+# The run's columns as the named queries select them (load_run, list_runs, snapshot ...):
+# tests/unit/test_run_config.py checks them against the queries and the `runs` table.
+RUN_COLUMNS: tuple[str, ...] = ("id", "version", *CONFIG_FIELDS)
 
 
 def load_run(conn: Connection, run_id: int, *, lock: bool) -> RunRow:

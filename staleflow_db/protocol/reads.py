@@ -67,7 +67,7 @@ AUDIT_VIEWS = ("trained", "dropped", "violations")
 
 def _run_info(row: Row[Any]) -> RunInfo:
     run = RunRow.of(row._mapping)
-    return RunInfo(run.id, row.name, run.version, row.created_at, run.config())
+    return RunInfo(run.id, row.name, run.version, row.created_at, run.as_dict())
 
 
 # ---- the dashboard (api/routers/ui.py): one panel per read, each a read-only transaction ------
@@ -177,7 +177,7 @@ class ProtocolReads(TxMixin):
         return {
             "run_id": run_id,
             "version": run.version,
-            "config": run.config(),
+            "config": run.as_dict(),
             "buffers": [
                 {"index": b.index, "occupied": b.occupied, "reserved": b.reserved, "state": buffer_state(b, run.limits)}
                 for b in buffers
@@ -197,7 +197,7 @@ class ProtocolReads(TxMixin):
             row = c.execute(queries.text("dashboard_run"), {"run": run_id}).one()
             out: dict[str, Any] = {
                 "run": {"id": run.id, "name": row.name, "created_at": row.created_at, "version": run.version}
-                | run.config()
+                | run.as_dict()
             }
             for panel in panels:
                 if panel not in _PANEL_QUERIES:

@@ -10,7 +10,7 @@ from sqlalchemy.exc import IntegrityError
 from .. import queries
 from ..errors import Conflict, InvalidInput
 from ..idempotency import transactional
-from ..types import RunConfig
+from ..types import RunConfig, check_config
 from .core import Prompt, TxMixin, check_batch, enqueue_prompts, load_run
 from .events import Event, log_events
 
@@ -18,7 +18,7 @@ from .events import Event, log_events
 class RunOps(TxMixin):
     @transactional
     def create_run(self, name: str, config: RunConfig, *, conn: Connection | None = None) -> int:
-        config.validate()
+        check_config(config)
         if not name or len(name) > 200:
             raise InvalidInput("run name must have 1..200 characters")
         with self.tx(conn) as conn:

@@ -3,6 +3,7 @@ publish (buffer consumed and the run's version +1, atomically)."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
@@ -174,11 +175,11 @@ class TrainingOps(TxMixin):
                 queries.text("publish_params"),
                 {"run": run_id, "v": version + 1, "size": size_bytes, "sum": checksum, "loc": location},
             )
-            run.version = version + 1
+            rtx.run = dataclasses.replace(run, version=version + 1)
             rtx.buffers[version].consumed = True
             rtx.events.append(Event("published", buffer=version, data={"version": version + 1}))
             self._move_stranded(rtx, version)
-            return run.version
+            return version + 1
 
     @staticmethod
     def _check_replay(rtx, version: int, lease: int, checksum: str | None) -> None:

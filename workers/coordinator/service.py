@@ -25,8 +25,9 @@ from typing import Any
 from staleflow_db.errors import Conflict
 from staleflow_db.protocol import Protocol, Snapshot
 from staleflow_db.retry import DATABASE_OUTAGE, is_db_unavailable
-from staleflow_db.rules import BufferCounts, Limits
+from staleflow_db.rules import BufferCounts
 from workers.retry import Outage
+from workers.wire.run_config import RunConfig
 
 from .admission import AdmissionView
 from .cost_model import CostModel
@@ -225,7 +226,7 @@ class Coordinator:
         admission = AdmissionView(
             {b: BufferCounts(b, o, r) for b, (o, r) in snap.buffers.items()},
             snap.version,
-            Limits(cfg["batch_size"], cfg["buffer_capacity"], cfg["eta"]),
+            RunConfig(**cfg),
             reserved=queue.reserved,
             closed=queue.closed,
         )
