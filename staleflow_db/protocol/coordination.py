@@ -16,7 +16,7 @@ from sqlalchemy import Connection
 from .. import notify, queries
 from ..errors import Conflict, InvalidInput, NotFound
 from ..idempotency import transactional
-from ..types import RouteResult
+from ..types import RouteResult, RunConfig
 from .core import RunRow, RunTx, TxMixin, check_batch, check_epoch, check_found, check_unique, load_run
 from .routing import route_in, route_read
 
@@ -61,7 +61,7 @@ class QueuedView:
 class Snapshot:
     run_id: int
     version: int
-    config: dict[str, int | bool]
+    config: RunConfig
     buffers: dict[int, BufferView]  # by index, unconsumed only
     instances: list[InstanceView]
     # the queued samples as decoded: arrays in QueuedView's field order (the coordinator builds
@@ -184,7 +184,7 @@ class CoordinationOps(TxMixin):
         return Snapshot(
             run_id,
             run.version,
-            run.as_dict(),
+            run.config,
             {idx: BufferView(o, r) for idx, o, r in got[1] or ()},
             [InstanceView(i, n, v, snap or {}, age, running.get(i, [])) for i, n, v, snap, age in got[2] or ()],
             got[4] or [],

@@ -54,6 +54,11 @@ class RunRow(RunConfig):
     def limits(self) -> Limits:
         return self
 
+    @property
+    def config(self) -> RunConfig:
+        """Its configuration alone."""
+        return RunConfig(**{f: getattr(self, f) for f in CONFIG_FIELDS})
+
     @classmethod
     def of(cls, row: Mapping[Any, Any]) -> RunRow:
         """From a row or JSON object that holds the run's columns among others."""

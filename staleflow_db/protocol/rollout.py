@@ -66,7 +66,7 @@ class RolloutOps(TxMixin):
             run = load_run(conn, run_id, lock=False)
             if not 0 <= version <= run.version:
                 raise InvalidInput(f"instance version {version} outside 0..{run.version}")
-            iid = conn.execute(
+            iid: int = conn.execute(
                 queries.text("register_instance"),
                 {"run": run_id, "name": name, "v": version, "ttl": lease_seconds, "tok": token_id},
             ).scalar_one()
@@ -80,7 +80,7 @@ class RolloutOps(TxMixin):
         self,
         instance_id: int,
         version: int,
-        snapshot: dict | None = None,
+        snapshot: dict[str, Any] | None = None,
         lease_seconds: float = 30.0,
         *,
         conn: Connection | None = None,
@@ -141,9 +141,10 @@ class RolloutOps(TxMixin):
         """Append segments, each fenced by its reporting instance (routed to it, lease live),
         attempt and lease token; all or nothing. Returns the number applied."""
         check_batch(reports, "reports")
-        return self.idempotent(
+        applied: int = self.idempotent(
             request_id, "report", lambda c: report_in(c, run_id, reports), int, body=[run_id, reports], conn=conn
         )
+        return applied
 
     @transactional
     def poll_work(

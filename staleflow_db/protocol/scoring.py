@@ -7,7 +7,7 @@ import math
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 from sqlalchemy import Connection
 
@@ -102,7 +102,7 @@ class ScoringOps(TxMixin):
         """Store rewards, fenced by the claim attempt; groups that reach N rewarded members are
         placed (Occupy) or filtered. All or nothing."""
         check_batch(rewards, "rewards")
-        return self.idempotent(
+        outcomes: list[GroupOutcome] = self.idempotent(
             request_id,
             "reward",
             under_run_lock(run_id, lambda rtx: rewards_in(rtx, rewards), rewards_read(rewards)),
@@ -110,6 +110,7 @@ class ScoringOps(TxMixin):
             body=[run_id, rewards],
             conn=conn,
         )
+        return outcomes
 
 
 # ONE statement (`rewards_read` in scoring.sql), sent with the run lock (`RunTx.open`; under it
@@ -193,7 +194,7 @@ def occupy_ready_groups(
             )
             outcomes.append(GroupOutcome(gid, GroupState.FILTERED, replacement=replacement))
             continue
-        version = min(m.v_traj for m in chosen)
+        version = min(cast(int, m.v_traj) for m in chosen)  # rewarded, so routed: it has a V_traj
         b, moves = occupy_plan(freed, rtx.buffers, rtx.reservations().values(), version, run.version, run.limits)
         if b is None:
             rtx.drop_groups([gid], "aborted", DropReason.NO_BUFFER)

@@ -16,7 +16,7 @@ from .. import queries
 from ..errors import Conflict, Corrupted, InvalidInput
 from ..idempotency import transactional
 from ..rules import reserve_target
-from .core import TxMixin, load_run
+from .core import RunTx, TxMixin, load_run
 from .events import Event
 
 
@@ -182,7 +182,7 @@ class TrainingOps(TxMixin):
             return version + 1
 
     @staticmethod
-    def _check_replay(rtx, version: int, lease: int, checksum: str | None) -> None:
+    def _check_replay(rtx: RunTx, version: int, lease: int, checksum: str | None) -> None:
         """A publish of the version just published is a retry only from the trainer that
         published it: its lease is still the buffer's latest (no consume can follow a publish)
         and its checksum the recorded one. Anyone else was fenced: answering success would let
@@ -205,7 +205,7 @@ class TrainingOps(TxMixin):
             )
 
     @staticmethod
-    def _move_stranded(rtx, consumed: int) -> None:
+    def _move_stranded(rtx: RunTx, consumed: int) -> None:
         """With B' > B a consumed buffer may still hold reservations: re-reserve them in their
         window (latest admissible buffer, as Reserve does) or drop them `window_closed`.
         (Measured against keeping them in the consumed buffer: see docs/data-layer.md.)"""

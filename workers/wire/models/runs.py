@@ -21,14 +21,12 @@ def _run_config_model(base: type[BaseModel], name: str, *, request: bool) -> Any
         if not request:
             fields[f] = (tp, Field(description=spec.description))
             continue
-        strict = Annotated[tp, Strict()]
-        bounds = Field(ge=spec.ge, le=spec.le, description=spec.description)
-        if spec.defaults_to is not None:
+        strict: Any = Annotated[tp, Strict()]
+        if spec.defaults_to is not None:  # optional: None takes the other field's value
             fields[f] = (strict | None, Field(None, ge=spec.ge, le=spec.le, description=spec.description))
-        elif f in run_config.REQUIRED:
-            fields[f] = (strict, bounds)
         else:
-            fields[f] = (strict, Field(run_config.default(f), ge=spec.ge, le=spec.le, description=spec.description))
+            value = ... if f in run_config.REQUIRED else run_config.default(f)
+            fields[f] = (strict, Field(value, ge=spec.ge, le=spec.le, description=spec.description))
     return create_model(name, __base__=base, __module__=__name__, **fields)
 
 
