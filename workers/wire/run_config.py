@@ -3,7 +3,7 @@
 Everything else is derived from `RunConfig`: the API's `RunConfigIn` / `RunConfigOut`
 (`models.runs`, fields, bounds and defaults), the database's view of a run
 (`staleflow_db.protocol.core.RunRow` and `RUN_COLUMNS`, which the named queries select) and
-the placement rules' limits (`staleflow_db.rules.Limits`). tests/unit/test_run_config.py
+the placement rules' limits (`staleflow_db.rules.Limits`). tests/api/test_run_config.py
 checks the derivations against the `runs` table (staleflow_db/schema.py) and the OpenAPI
 schema, so a field added here and not there (or there and not here) fails.
 
