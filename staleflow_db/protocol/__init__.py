@@ -5,7 +5,7 @@
 
 - `runs.RunOps`: create a run, enqueue prompts;
 - `rollout.RolloutOps`: instances and their leases, work delivery, segment reports;
-- `scoring.ScoringOps`: reward claims, recording rewards (Occupy, the DAPO filter);
+- `scoring.ScoringOps`: reward claims, recording rewards (Occupy, the DAPO filter), reward drops;
 - `training.TrainingOps`: consume, publish;
 - `coordination.CoordinationOps`, `routing.RoutingOps`, `aborts.AbortOps`: the coordinator's
   leadership, snapshot and commands (routes, interrupts, pulls, drops).

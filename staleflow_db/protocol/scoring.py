@@ -1,5 +1,6 @@
-"""Reward side of the protocol: claiming finished samples, and recording rewards, which places
-each group that now has N rewarded members (Occupy) or filters it (DAPO, re-enqueued)."""
+"""Reward side of the protocol: claiming finished samples, recording rewards, which places each
+group that now has N rewarded members (Occupy) or filters it (DAPO, re-enqueued), and dropping
+the claimed samples a reward worker gives up on (`drop_rewards`), fenced by the claim."""
 
 from __future__ import annotations
 
