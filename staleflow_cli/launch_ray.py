@@ -271,7 +271,7 @@ def prepare_run(cfg: LaunchConfig, url: str) -> tuple[int, dict[str, str], bool]
                 ),
             )
             protocol.enqueue(run_id, [Prompt(k, t, m) for k, t, m in _prompts(cfg)])
-        complete = Protocol(engine).status(run_id)["version"] >= cfg.run.steps
+        complete = Protocol(engine).reads.status(run_id)["version"] >= cfg.run.steps
         tokens = {role: create_token(engine, role, run_id)["token"] for role in ("trainer", "rollout", "reward")}
         tokens["admin"] = create_token(engine, "admin", None, name=f"launch ray {cfg.run.name}")["token"]
     finally:

@@ -56,12 +56,12 @@ def test_hf_model_folder_runs_the_whole_loop(db_url, engine, tmp_path):
                 cluster.check()
             except ProcessDied:
                 # the trainer exits 0 once it has published STEPS versions, maybe within this poll
-                if protocol.status(run)["version"] >= STEPS:
+                if protocol.reads.status(run)["version"] >= STEPS:
                     return True
                 raise
-            return protocol.status(run)["version"] >= STEPS
+            return protocol.reads.status(run)["version"] >= STEPS
 
-        wait_until(trained, 400, 1.0, lambda: f"run at version {protocol.status(run)['version']} of {STEPS}")
+        wait_until(trained, 400, 1.0, lambda: f"run at version {protocol.reads.status(run)['version']} of {STEPS}")
     log = read_steps_log(checkpoint)
     assert [e["version"] for e in log if e["event"] == "trained"] == [1, 2, 3]
     assert_trained_hf_run(engine, run, folder, STEPS)

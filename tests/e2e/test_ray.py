@@ -208,7 +208,7 @@ def test_ray_run_survives_a_node_removal(db_url, tmp_path):
         def version() -> int:
             nonlocal run_id
             run_id = run_id or find_run(engine, "ray-e2e")
-            return Protocol(engine).status(run_id)["version"]
+            return Protocol(engine).reads.status(run_id)["version"]
 
         _until(lambda: version() >= 2, "two versions", 120, launcher_alive)
         info = actors_info(cfg)
