@@ -33,6 +33,9 @@ from .core import (
 )
 from .events import Event
 
+# why a reward worker may give up on a claimed sample (drop_rewards)
+REWARD_DROP_REASONS = (DropReason.REWARD_FAILED,)
+
 
 @dataclass
 class RewardTask:
@@ -128,7 +131,11 @@ class ScoringOps(TxMixin):
         they are aborted with `reason`, fenced by the claim like a reward, all or nothing; a
         group that can no longer reach N live members is aborted too (insufficient_members).
         A sample already dropped at that attempt with that reason is skipped (a retry). Returns
-        the samples aborted now."""
+        the samples aborted now. Only reasons a reward worker can know are taken: the others
+        (surplus, window_closed …) are the protocol's own findings, and the audit trusts them."""
+        if DropReason(reason) not in REWARD_DROP_REASONS:
+            allowed = ", ".join(r.value for r in REWARD_DROP_REASONS)
+            raise InvalidInput(f"a reward worker drops samples with reason {allowed}, not {DropReason(reason).value}")
         check_batch(drops, "samples")
         ids = [d[0] for d in drops]
         if len(set(ids)) != len(ids):
