@@ -36,7 +36,6 @@ VLLM_ARGS = frozenset(
         "enable_prefix_caching",
         "enable_chunked_prefill",
         "block_size",
-        "swap_space",
         "cpu_offload_gb",
         "seed",
         "tokenizer",
