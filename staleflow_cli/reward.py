@@ -19,7 +19,7 @@ def reward_worker(
     token: str | None = TOKEN,
     api_wait: float | None = API_WAIT,
     batch: int = typer.Option(256, "--batch", min=1, help="samples claimed per request"),
-    lease: float = typer.Option(60.0, "--lease", min=1.0, help="seconds a claim is held"),
+    claim_seconds: float = typer.Option(60.0, "--claim-seconds", min=1.0, help="seconds a claim is held"),
     model: Path | None = typer.Option(
         None, "--model", help="decode responses with this Hugging Face tokenizer (default: UTF-8 bytes)"
     ),
@@ -40,7 +40,7 @@ def reward_worker(
         tokenizer = load_tokenizer(model)
         detokenize = lambda tokens: tokenizer.decode(list(tokens), skip_special_tokens=True)  # noqa: E731
     client, run_id = connect(api, token, run, api_wait)
-    worker = RewardWorker(client, run_id, verifier, detokenize=detokenize, batch=batch, lease_s=lease)
+    worker = RewardWorker(client, run_id, verifier, detokenize=detokenize, batch=batch, claim_s=claim_seconds)
     on_signals(worker.stop, "posting the rewards in hand")
     with progress(None, f"reward run {run_id}: waiting for samples") as (bar, task):
 

@@ -11,7 +11,7 @@ from sqlalchemy import Engine
 
 from .coordination import BufferView, CoordinationOps, InstanceView, QueuedView, RunningSample, Snapshot
 from .reads import DashboardReads, InstanceOwner, MetricsRows, ParamVersion, ReadOps, RunInfo
-from .rollout import Command, Prompt, RolloutOps, Work
+from .rollout import Command, Poll, Prompt, RolloutOps, Work
 from .scoring import RewardTask, ScoringOps
 from .training import Batch, SegmentInfo, TrainGroup, TrainingOps, TrainSample
 
@@ -29,6 +29,7 @@ __all__ = [
     "InstanceView",
     "MetricsRows",
     "ParamVersion",
+    "Poll",
     "Prompt",
     "Protocol",
     "QueuedView",

@@ -1,4 +1,4 @@
-"""Coordinator side: leadership by an expiring lease row, the per-cycle snapshot (one short
+"""Coordinator side: leadership by an expiring leader epoch (table leader_epochs), the per-cycle snapshot (one short
 read-only transaction) and the per-cycle commands (one write transaction, fenced by the
 leader's epoch so a deposed leader cannot clobber state)."""
 
@@ -93,7 +93,7 @@ class CoordinationOps(TxMixin):
         self, run_id: int, holder: str, ttl_seconds: float = 5.0, *, conn: Connection | None = None
     ) -> int | None:
         """Become (or stay) the run's coordinator: returns the leadership epoch, or None while
-        another holder's lease is live. Taking over bumps the epoch, fencing the old leader."""
+        another holder's leader epoch is live. Taking over bumps the epoch, fencing the old leader."""
         with self.tx(conn) as conn:
             load_run(conn, run_id, lock=False)
             row = conn.execute(
@@ -112,7 +112,7 @@ class CoordinationOps(TxMixin):
         self, run_id: int, epoch: int | None, holder: str | None = None, *, conn: Connection | None = None
     ) -> None:
         """Refuse (409) a write from a deposed coordinator; `epoch` None checks nothing. With
-        `conn`, the lease stays held (FOR SHARE) until the caller's transaction commits."""
+        `conn`, the leader epoch's row stays held (FOR SHARE) until the caller's transaction commits."""
         if epoch is None:
             return
         with self.tx(conn) as conn:
@@ -199,7 +199,7 @@ class CoordinationOps(TxMixin):
         taken only for routes (interrupts and pulls move no buffer, as in `interrupt` and
         `pull`), with the routes' locking read in its round trip, and with `cycle` the fence
         goes with the cycle's row as the last statement. A fence checked last is as good as
-        first: the lease row is then held FOR SHARE until the commit, and a takeover that
+        first: the leader epoch's row is then held FOR SHARE until the commit, and a takeover that
         committed before it fails the check, so the whole transaction rolls back. A cycle
         without routes is one statement (`CYCLES`), fenced the same way."""
         check_batch(routes, "routes")
@@ -280,13 +280,13 @@ class CoordinationOps(TxMixin):
 
 def check_epoch(conn: Connection, run_id: int, epoch: int, holder: str | None = None) -> None:
     """The coordinator fence (ENGINEERING pattern 9): `epoch` (and `holder`, when given) must be
-    the run's live lease. FOR SHARE holds off a takeover until this transaction commits."""
-    lease = conn.execute(queries.text("check_epoch"), {"run": run_id}).first()
-    current = None if lease is None else lease.epoch
-    if holder is not None and (lease is None or lease.holder != holder or current != epoch):
+    the run's live leader epoch. FOR SHARE holds off a takeover until this transaction commits."""
+    leader = conn.execute(queries.text("check_epoch"), {"run": run_id}).first()
+    current = None if leader is None else leader.epoch
+    if holder is not None and (leader is None or leader.holder != holder or current != epoch):
         raise Conflict([(epoch, "not the coordinator of this run (leadership lost or expired)")])
     if current != epoch:
-        raise Conflict([(epoch, f"coordinator epoch {epoch} is not the run's current lease ({current})")])
+        raise Conflict([(epoch, f"coordinator epoch {epoch} is not the run's current leader epoch ({current})")])
 
 
 def queue_pulls(conn: Connection, run_id: int, pulls: Sequence[tuple[int, int]], epoch: int | None) -> list[int]:

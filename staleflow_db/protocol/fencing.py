@@ -1,6 +1,6 @@
 """Fencing of instance-scoped operations: an instance is live only while active with an
 unexpired lease, and a segment report applies only from the instance holding the sample's
-route (its attempt and secret lease token)."""
+route (its attempt and secret route token)."""
 
 from __future__ import annotations
 
@@ -40,12 +40,12 @@ def report_in(conn: Connection, run_id: int, reports: Sequence[Report]) -> int:
     ids = [r.sample_id for r in reports]
     if len(set(ids)) != len(ids):
         raise InvalidInput("a sample appears twice in one report batch")
-    leases = {}
+    quoted = {}
     for r in reports:
         r.check_shape()
         if r.kind not in tuple(SegmentKind):
             raise InvalidInput(f"sample {r.sample_id}: unknown kind {r.kind!r}")
-        leases[r.sample_id] = r.lease_uuid()
+        quoted[r.sample_id] = r.route_token_uuid()
     fenced = {}
     found = [r for r in run_and_instances if r.iid is not None]
     for inst in found:
@@ -71,8 +71,8 @@ def report_in(conn: Connection, run_id: int, reports: Sequence[Report]) -> int:
         s = rows.get(r.sample_id)
         if s is None:
             raise NotFound(f"sample {r.sample_id} in run {run_id}")
-        why = fenced.get(r.instance_id) or lease_lost(
-            r, s.state, s.attempt, s.instance_id, s.lease, leases[r.sample_id]
+        why = fenced.get(r.instance_id) or route_lost(
+            r, s.state, s.attempt, s.instance_id, s.route_token, quoted[r.sample_id]
         )
         if why:
             conflicts.append((r.sample_id, why))
@@ -132,12 +132,12 @@ def report_in(conn: Connection, run_id: int, reports: Sequence[Report]) -> int:
     return len(reports)
 
 
-def lease_lost(r: Report, state: str, attempt: int, instance: int | None, lease, quoted) -> str | None:
-    """Why a report does not hold the sample's lease (None when it does)."""
+def route_lost(r: Report, state: str, attempt: int, instance: int | None, token, quoted) -> str | None:
+    """Why a report does not hold the sample's route (None when it does)."""
     if state != "running":
-        return f"lease lost: sample is {state}"
+        return f"route lost: sample is {state}"
     if instance != r.instance_id:
-        return f"lease lost: sample is not routed to instance {r.instance_id}"
-    if attempt != r.attempt or lease != quoted:
-        return "lease lost: stale attempt or lease token"
+        return f"route lost: sample is not routed to instance {r.instance_id}"
+    if attempt != r.attempt or token != quoted:
+        return "route lost: stale attempt or route token"
     return None

@@ -20,7 +20,7 @@ from ..types import Report, RouteResult, RunConfig
 from .base import TxMixin, load_run, under_run_lock
 from .events import Event, log_events
 from .fencing import check_live, report_in
-from .routing import lease_tokens, route_in, route_read
+from .routing import route_in, route_read, route_tokens
 
 MAX_BATCH = 10_000  # items per call: larger batches hold the run lock too long
 
@@ -38,7 +38,7 @@ class Work:
 
     sample_id: int
     attempt: int
-    lease: str  # secret token of this route: every report on it must quote it
+    route_token: str  # secret token of this route: every report on it must quote it
     group_id: int
     v_traj: int
     prompt_tokens: list[int]
@@ -54,6 +54,15 @@ class Command:
     sample_id: int | None
     attempt: int | None
     target_version: int | None
+
+
+@dataclass
+class Poll:
+    """What one poll delivers to its instance: the one shape of a poll reply, each part empty
+    when there is none of it (an empty poll is `Poll()`); the API's PollOut has these fields."""
+
+    work: list[Work] = field(default_factory=list)
+    commands: list[Command] = field(default_factory=list)
 
 
 def check_batch(items: Sequence, what: str) -> None:
@@ -206,7 +215,7 @@ class RolloutOps(TxMixin):
     ) -> list[RouteResult]:
         """Route queued samples to instances; the group's first member reserves a buffer entry."""
         check_batch(pairs, "routes")
-        tokens = lease_tokens(len(pairs))
+        tokens = route_tokens(len(pairs))
         return self.idempotent(
             request_id,
             "route",
@@ -223,16 +232,14 @@ class RolloutOps(TxMixin):
         self, run_id: int, reports: Sequence[Report], request_id: str | None = None, *, conn: Connection | None = None
     ) -> int:
         """Append segments, each fenced by its reporting instance (routed to it, lease live),
-        attempt and lease token; all or nothing. Returns the number applied."""
+        attempt and route token; all or nothing. Returns the number applied."""
         check_batch(reports, "reports")
         return self.idempotent(
             request_id, "report", lambda c: report_in(c, run_id, reports), int, body=[run_id, reports], conn=conn
         )
 
     @transactional
-    def poll_work(
-        self, instance_id: int, limit: int = 1000, *, conn: Connection | None = None
-    ) -> tuple[list[Work], list[Command]]:
+    def poll_work(self, instance_id: int, limit: int = 1000, *, conn: Connection | None = None) -> Poll:
         """Deliver newly routed samples (with any prefix to continue from) and pending commands."""
         with self.tx(conn) as conn:
             # One statement checks the instance and delivers. FOR SHARE: the instance stays
@@ -250,7 +257,7 @@ class RolloutOps(TxMixin):
                 Work(
                     w.id,
                     w.attempt,
-                    w.lease,
+                    w.route_token,
                     w.group_id,
                     w.v_traj,
                     list(w.prompt_tokens),
@@ -262,7 +269,7 @@ class RolloutOps(TxMixin):
                 if w.id is not None
             ]
             cmds = conn.execute(queries.text("deliver_commands"), {"i": instance_id}).all()
-            return work, sorted((Command(**c._mapping) for c in cmds), key=lambda c: c.id)
+            return Poll(work, sorted((Command(**c._mapping) for c in cmds), key=lambda c: c.id))
 
     @transactional
     def interrupt(

@@ -45,14 +45,14 @@ def route_read(pairs: Sequence[tuple[int, int]]) -> LockedRead:
     return LockedRead("route_read", {"instances": sorted({p[1] for p in pairs}), "samples": [p[0] for p in pairs]})
 
 
-def lease_tokens(n: int) -> list[str]:
-    """Secret lease tokens for a route batch (uuid4: os.urandom, a strong random source), drawn
+def route_tokens(n: int) -> list[str]:
+    """Secret route tokens for a route batch (uuid4: os.urandom, a strong random source), drawn
     before the run lock: 128 of them took about 1 ms, which every run-locked call waited."""
     return [str(uuid.uuid4()) for _ in range(n)]
 
 
 def route_in(rtx: RunTx, pairs: Sequence[tuple[int, int]], tokens: Sequence[str] | None = None) -> list[RouteResult]:
-    """Route the batch; `tokens`: one lease token per pair (`lease_tokens`), else drawn here."""
+    """Route the batch; `tokens`: one route token per pair (`route_tokens`), else drawn here."""
     run = rtx.run
     sample_ids = [p[0] for p in pairs]
     if len(set(sample_ids)) != len(sample_ids):
@@ -119,18 +119,18 @@ def route_in(rtx: RunTx, pairs: Sequence[tuple[int, int]], tokens: Sequence[str]
         results.append(RouteResult(sid, RouteOutcome.ROUTED, None, v, g.buffer))
     if routed:
         # Written with the flush, not on round trips of their own. Every route gets a fresh
-        # secret lease token (`lease_tokens`) and counts the attempt from the row locked above,
+        # secret route token (`route_tokens`) and counts the attempt from the row locked above,
         # so the results need no RETURNING.
-        token = dict(zip(sample_ids, tokens if tokens is not None else lease_tokens(len(pairs)), strict=True))
-        leases = {sid: (samples[sid].attempt + 1, token[sid]) for sid, _, _ in routed}
+        token = dict(zip(sample_ids, tokens if tokens is not None else route_tokens(len(pairs)), strict=True))
+        routes = {sid: (samples[sid].attempt + 1, token[sid]) for sid, _, _ in routed}
         rtx.defer(
             "route_samples",
             {
                 "ids": [r[0] for r in routed],
                 "vs": [r[1] for r in routed],
                 "is": [r[2] for r in routed],
-                "as": [leases[r[0]][0] for r in routed],
-                "ls": [leases[r[0]][1] for r in routed],
+                "as": [routes[r[0]][0] for r in routed],
+                "ts": [routes[r[0]][1] for r in routed],
             },
         )
         tg = sorted(touched)
@@ -141,6 +141,6 @@ def route_in(rtx: RunTx, pairs: Sequence[tuple[int, int]], tokens: Sequence[str]
         )
         for r in results:
             if r.outcome == RouteOutcome.ROUTED:
-                r.attempt, r.lease = leases[r.sample_id]
+                r.attempt, r.route_token = routes[r.sample_id]
         rtx.events.extend(Event("sample_routed", sample=sid, instance=iid, data={"v": v}) for sid, v, iid in routed)
     return results

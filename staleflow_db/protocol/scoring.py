@@ -40,7 +40,7 @@ class ScoringOps(TxMixin):
     def claim_rewards(
         self, run_id: int, limit: int = 100, lease_seconds: float = 60.0, *, conn: Connection | None = None
     ) -> list[RewardTask]:
-        """Lease finished samples to a reward worker (expired claims become claimable again)."""
+        """Claim finished samples for a reward worker (expired claims become claimable again)."""
         if not 1 <= limit <= 10_000:
             raise InvalidInput("limit must be in 1..10000")
         with self.tx(conn) as conn:

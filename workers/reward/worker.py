@@ -32,12 +32,12 @@ class RewardWorker:
         detokenize: Detokenize = bytes_detokenize,
         batch: int = 256,
         wait_s: float = 1.0,
-        lease_s: float = 60.0,
+        claim_s: float = 60.0,
     ):
         if verifier not in VERIFIERS:
             raise ValueError(f"unknown verifier {verifier!r} (known: {', '.join(sorted(VERIFIERS))})")
         self.client, self.run_id, self.verify = client, run_id, VERIFIERS[verifier]
-        self.detokenize, self.batch, self.wait_s, self.lease_s = detokenize, batch, wait_s, lease_s
+        self.detokenize, self.batch, self.wait_s, self.claim_s = detokenize, batch, wait_s, claim_s
         self.stats = RewardStats()
         self._stop = False
 
@@ -50,7 +50,7 @@ class RewardWorker:
         return self.stats
 
     def step(self) -> int:
-        tasks = self.client.claim(self.run_id, limit=self.batch, lease_seconds=self.lease_s, wait=self.wait_s)
+        tasks = self.client.claim(self.run_id, limit=self.batch, claim_seconds=self.claim_s, wait=self.wait_s)
         if not tasks:
             return 0
         rewards = [
