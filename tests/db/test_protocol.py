@@ -232,6 +232,22 @@ def test_expired_instance_is_fenced_and_its_samples_requeued_with_their_tokens(e
     assert (work.prefix_tokens, work.max_new_tokens) == ([4, 5], 1024 - 2)
 
 
+def test_one_poll_delivers_work_and_commands_together(engine):
+    """A poll's reply is one shape: the work routed and the commands pending since the last
+    poll come together, and a poll with nothing has both parts empty."""
+    d = Driver(engine, batch_size=1, group_size=2, eta=1)
+    inst = d.p.register_instance(d.run, "i1", 0)
+    (g,) = d.enqueue(1)
+    a, b = d.members(g)
+    d.routed([a, b], inst)
+    assert d.p.interrupt(d.run, [a]) == 1  # routed, not yet delivered
+    polled = d.p.poll_work(inst)
+    assert sorted(w.sample_id for w in polled.work) == [a, b]
+    assert [(c.kind, c.sample_id) for c in polled.commands] == [("interrupt", a)]
+    again = d.p.poll_work(inst)
+    assert (again.work, again.commands) == ([], [])
+
+
 def test_interrupt_and_resume_keep_every_token_and_logprob(engine):
     d = Driver(engine, batch_size=1, group_size=1, eta=1)
     i1, i2 = d.p.register_instance(d.run, "i1", 0), d.p.register_instance(d.run, "i2", 0)
