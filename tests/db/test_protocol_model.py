@@ -11,7 +11,7 @@ import uuid
 from collections import Counter
 
 import pytest
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, seed, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 from sqlalchemy import text
@@ -378,6 +378,10 @@ def test_reference_and_database_agree(engine):
     machine = ProtocolMachine.TestCase
     # CI runs a fixed, derandomized 60 x 80; bench/model_based.py sets a larger, random budget.
     examples = int(os.environ.get("STALEFLOW_MODEL_EXAMPLES", "60"))
+    if examples == 60:
+        # Hypothesis derives a derandomized seed from the machine's source, so a rename in it
+        # drew other examples (and lost the coverage below): CI's run has its own fixed seed.
+        seed(1)(ProtocolMachine)
     machine.settings = settings(
         max_examples=examples,
         stateful_step_count=80,
