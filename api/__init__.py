@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
 
-def create_app(settings=None):
+if TYPE_CHECKING:
+    from fastapi import FastAPI
+
+    from .settings import ApiSettings
+
+
+def create_app(settings: ApiSettings | None = None) -> FastAPI:
     from .app import create_app as _create
 
     return _create(settings)

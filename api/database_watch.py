@@ -43,7 +43,7 @@ class DatabaseWatch:
     def ok(self) -> None:
         self.outage.ok()
 
-    async def start(self) -> asyncio.Task:
+    async def start(self) -> asyncio.Task[None]:
         self._loop, self._down = asyncio.get_running_loop(), asyncio.Event()
         return asyncio.create_task(self._watch())
 

@@ -60,7 +60,8 @@ class AppState:
 # Dependencies are `async def` where they do no I/O: FastAPI runs a plain `def` dependency in
 # the thread pool, one hand-off (and GIL round trip) each, three or four per request before.
 async def get_state(request: Request) -> AppState:
-    return request.app.state.staleflow
+    state: AppState = request.app.state.staleflow
+    return state
 
 
 State = Annotated[AppState, Depends(get_state)]

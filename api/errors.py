@@ -44,7 +44,7 @@ def _json(status: int, code: str, message: str, headers: dict[str, str] | None =
     return JSONResponse(error_body(code, message, **extra), status_code=status, headers=headers)
 
 
-def _location(loc: tuple) -> str:
+def _location(loc: tuple[int | str, ...]) -> str:
     return ".".join(str(p) for p in loc if p != "body") or "body"
 
 

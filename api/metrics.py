@@ -126,9 +126,13 @@ class _SettledFilesCollector(multiprocess.MultiProcessCollector):
     file empty and sizes it just after; a scrape reading it in between raised struct.error (a
     500). An empty file holds no values yet, so leaving it out loses nothing."""
 
+    def __init__(self, registry: CollectorRegistry, path: str) -> None:
+        # prometheus_client's multiprocess module is unannotated
+        super().__init__(registry, path=path)  # type: ignore[no-untyped-call]
+
     def collect(self) -> Any:
         files = [f for f in glob.glob(os.path.join(self._path, "*.db")) if _sized(f)]
-        return self.merge(files, accumulate=True)
+        return self.merge(files, accumulate=True)  # type: ignore[no-untyped-call]  # unannotated upstream
 
 
 def _sized(path: str) -> bool:
@@ -177,7 +181,7 @@ class _DatabaseCollector:
         self._lock = threading.Lock()
         self._cached: tuple[float, list[Any]] = (0.0, [])
 
-    def describe(self) -> list:
+    def describe(self) -> list[Any]:
         return []  # no collection at registration time (the database may be down)
 
     def collect(self) -> Iterator[Any]:

@@ -43,7 +43,7 @@ class Notifier:
         self._pending: dict[int, set[str]] = defaultdict(set)
         self._dirty: asyncio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._tasks: list[asyncio.Task] = []
+        self._tasks: list[asyncio.Task[None]] = []
         self.listening = False  # the LISTEN connection is up (for /readyz and tests)
         self.connection = Outage("the LISTEN connection", log)  # one log line per loss, one when back
 

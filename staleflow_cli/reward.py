@@ -1,4 +1,5 @@
-"""``staleflow reward-worker``: score finished samples (docs in staleflow_cli/common.py)."""
+"""``staleflow reward-worker``: score finished samples (docs in staleflow_cli/common.py and
+docs/integration.md#your-reward)."""
 
 from __future__ import annotations
 
@@ -14,42 +15,113 @@ from workers.client import ApiError
 
 def reward_worker(
     run: str = RUN,
-    verifier: str = typer.Option(..., "--verifier", help="a verifier of workers/tasks/verifiers.py: repeat, math, ..."),
+    verifier: str | None = typer.Option(
+        None, "--verifier", help="a verifier of workers/tasks/verifiers.py: repeat, math (the `math` extra), sim"
+    ),
+    reward: str | None = typer.Option(
+        None,
+        "--reward",
+        help="your reward function, module:function (imported from PYTHONPATH): takes a sample, "
+        "returns a number or {'reward': x, 'metrics': {...}}; sync or async",
+    ),
+    reward_batch: bool = typer.Option(
+        False, "--reward-batch", help="--reward's function takes a list of samples and returns a list of rewards"
+    ),
+    reward_url: str | None = typer.Option(
+        None, "--reward-url", help="a reward service: POST URL with the samples as JSON (docs/integration.md)"
+    ),
+    reward_header: list[str] | None = typer.Option(
+        None, "--reward-header", help="'Name: value' sent to --reward-url with every request (repeatable)"
+    ),
+    concurrency: int = typer.Option(
+        8, "--reward-concurrency", min=1, max=1024, help="calls of --reward, or requests to --reward-url, at a time"
+    ),
+    request_size: int = typer.Option(16, "--reward-request-size", min=1, help="samples per --reward-url request"),
+    timeout: float = typer.Option(
+        30.0, "--reward-timeout", min=0.01, help="seconds one call (one sample, one batch, one request) may take"
+    ),
+    retries: int = typer.Option(
+        2, "--reward-retries", min=0, max=100, help="tries after a failed one; then the sample is dropped"
+    ),
     api: list[str] | None = API,
     token: str | None = TOKEN,
     api_wait: float | None = API_WAIT,
     batch: int = typer.Option(256, "--batch", min=1, help="samples claimed per request"),
     claim_seconds: float = typer.Option(60.0, "--claim-seconds", min=1.0, help="seconds a claim is held"),
     model: Path | None = typer.Option(
-        None, "--model", help="decode responses with this Hugging Face tokenizer (default: UTF-8 bytes)"
+        None, "--model", help="decode prompts and responses with this Hugging Face tokenizer (default: UTF-8 bytes)"
     ),
 ) -> None:
-    """Claim finished samples, score them with a rule-based verifier, post the rewards."""
-    from workers.reward.worker import RewardWorker
-    from workers.tasks.verifiers import VERIFIERS, bytes_detokenize
+    """Claim finished samples, score them (a verifier, your function or a reward service), post
+    the rewards; a reward that keeps failing drops its sample as reward_failed."""
+    from workers.extras import MissingExtra
+    from workers.retry import REWARD_CALL
+    from workers.reward.sources import FunctionReward, HttpReward, RewardSource, load_function
+    from workers.reward.worker import RewardWorker, verifier_source
+    from workers.tasks.verifiers import bytes_detokenize
 
-    if verifier not in VERIFIERS:
-        raise typer.BadParameter(
-            f"unknown verifier {verifier!r} (known: {', '.join(sorted(VERIFIERS))})", param_hint="--verifier"
-        )
+    chosen = [o for o, v in (("--verifier", verifier), ("--reward", reward), ("--reward-url", reward_url)) if v]
+    if len(chosen) != 1:
+        raise typer.BadParameter("give exactly one of --verifier, --reward, --reward-url", param_hint="--verifier")
+    if reward_batch and not reward:
+        raise typer.BadParameter("--reward-batch goes with --reward", param_hint="--reward-batch")
     detokenize = bytes_detokenize
-    if model is not None:  # text verifiers (math) read the response as the model wrote it
+    if model is not None:  # text rewards (math, yours) read the response as the model wrote it
         hf_folder(model)
         from workers.models.hf import load_tokenizer
 
         tokenizer = load_tokenizer(model)
         detokenize = lambda tokens: tokenizer.decode(list(tokens), skip_special_tokens=True)  # noqa: E731
+    source: RewardSource
+    if verifier:
+        try:
+            source = verifier_source(verifier, detokenize)
+        except ValueError as e:
+            raise typer.BadParameter(str(e), param_hint="--verifier") from None
+        except MissingExtra as e:
+            raise fail(f"--verifier {verifier}: {e}") from None
+    elif reward:
+        try:
+            fn = load_function(reward)
+        except Exception as e:  # the user's module may fail to import in any way
+            raise typer.BadParameter(f"{reward}: {type(e).__name__}: {e}", param_hint="--reward") from None
+        source = FunctionReward(fn, batch=reward_batch, concurrency=concurrency, name=reward)
+    else:
+        assert reward_url is not None
+        if not reward_url.startswith(("http://", "https://")):
+            raise typer.BadParameter("an http:// or https:// URL", param_hint="--reward-url")
+        headers = {}
+        for h in reward_header or []:
+            name, sep, value = h.partition(":")
+            if not sep or not name.strip():
+                raise typer.BadParameter(f"{h!r}: 'Name: value'", param_hint="--reward-header")
+            headers[name.strip()] = value.strip()
+        source = HttpReward(reward_url, concurrency=concurrency, request_size=request_size, headers=headers)
+    if timeout * (retries + 1) > claim_seconds:
+        console.print(
+            f"[yellow]warning:[/yellow] {retries + 1} tries of {timeout:g} s may outlast the {claim_seconds:g} s claim "
+            "(--claim-seconds): a claim that expires is scored again by a worker"
+        )
     client, run_id = connect(api, token, run, api_wait)
-    worker = RewardWorker(client, run_id, verifier, detokenize=detokenize, batch=batch, claim_s=claim_seconds)
+    worker = RewardWorker(
+        client,
+        run_id,
+        source,
+        detokenize=detokenize,
+        batch=batch,
+        claim_s=claim_seconds,
+        timeout_s=timeout,
+        retry=REWARD_CALL.but(attempts=retries + 1),
+    )
     on_signals(worker.stop, "posting the rewards in hand")
-    with progress(None, f"reward run {run_id}: waiting for samples") as (bar, task):
+    with progress(None, f"reward run {run_id} ({source.description}): waiting for samples") as (bar, task):
 
         def until() -> bool:
             s = worker.stats
             mean = s.reward_sum / s.scored if s.scored else 0.0
             bar.update(
                 task,
-                description=f"reward run {run_id}: scored {s.scored} (mean {mean:.3f}) "
+                description=f"reward run {run_id}: scored {s.scored} (mean {mean:.3f}) dropped {s.dropped} "
                 f"groups {s.groups_occupied} filtered {s.groups_filtered}",
             )
             return False
@@ -58,4 +130,4 @@ def reward_worker(
             stats = worker.run(until=until)
         except ApiError as e:
             raise fail(str(e)) from None
-    console.print(f"reward worker: {stats.scored} scored")
+    console.print(f"reward worker: {stats.scored} scored, {stats.dropped} dropped (reward_failed)")

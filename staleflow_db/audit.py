@@ -4,6 +4,7 @@ what was dropped and why, and any invariant violation."""
 from __future__ import annotations
 
 from collections import defaultdict
+from datetime import datetime
 from typing import Any
 
 from sqlalchemy import Connection, Engine
@@ -18,7 +19,8 @@ def find_run(engine: Engine, run: str | int) -> int:
         row = c.execute(queries.text("find_run"), {"r": str(run)}).first()
     if row is None:
         raise NotFound(f"run {run}")
-    return row[0]
+    run_id: int = row[0]
+    return run_id
 
 
 def summary(engine: Engine, run_id: int) -> dict[str, Any]:
@@ -80,7 +82,9 @@ def step_metrics(engine: Engine, run_id: int) -> list[dict[str, Any]]:
     with engine.connect() as c, c.begin():
         c.execute(queries.text("read_only_snapshot"))
         by_run = {"r": run_id}
-        start = c.execute(queries.text("audit_run_start"), by_run).scalar()
+        start: datetime | None = c.execute(queries.text("audit_run_start"), by_run).scalar()
+        if start is None:
+            raise NotFound(f"run {run_id}")
         published = c.execute(queries.text("audit_published"), by_run).all()
         trained = summary(engine, run_id)["steps"]
         counts = c.execute(queries.text("audit_routes_and_interrupts"), by_run).all()
@@ -88,8 +92,13 @@ def step_metrics(engine: Engine, run_id: int) -> list[dict[str, Any]]:
         migrations = c.execute(queries.text("audit_migrations"), by_run).all()
     by_step = {s["step"]: s for s in trained}
     rows, prev = [], start
+    step: int
+    at: datetime
     for step, at in published:
-        window = lambda t: prev < t <= at  # noqa: E731 - one window per step
+
+        def window(t: datetime) -> bool:  # this step's window, used right here
+            return prev < t <= at
+
         s = by_step.get(step, {"samples": 0, "tokens": 0, "mean_reward": 0.0, "staleness": {}})
         seconds = (at - prev).total_seconds()
         rows.append(

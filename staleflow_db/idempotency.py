@@ -23,7 +23,10 @@ from typing import Any, ParamSpec, TypeVar
 
 from sqlalchemy import Connection, Engine
 from sqlalchemy.exc import DBAPIError
-from tenacity import RetryCallState, Retrying, retry_if_exception, stop_after_attempt, wait_random_exponential
+from tenacity import RetryCallState
+
+from workers import retry
+from workers.retry import Policy
 
 from . import queries
 from .errors import Conflict
@@ -34,8 +37,6 @@ log = logging.getLogger("staleflow.tx")
 
 # Transient failures: the whole transaction may simply run again.
 RETRYABLE_SQLSTATES = frozenset({"40P01", "40001"})  # deadlock_detected, serialization_failure
-RETRIES = 5
-BACKOFF_S = 0.01  # base of the jittered exponential backoff
 
 
 class KeyReused(Conflict):
@@ -46,24 +47,22 @@ def is_retryable(exc: BaseException) -> bool:
     return isinstance(exc, DBAPIError) and getattr(exc.orig, "sqlstate", None) in RETRYABLE_SQLSTATES
 
 
-def retried(attempt: Callable[[], T], retries: int = RETRIES) -> T:
-    """Call `attempt` (one whole transaction) again after a deadlock or serialization
-    failure, with jittered exponential backoff (full jitter: uniform up to BACKOFF_S * 2**n)
-    so the colliding transactions drift apart."""
+TRANSACTION_CONFLICT = retry.TRANSACTION_CONFLICT.but(retryable=is_retryable)
+"""A transaction run again whole after a deadlock or serialization failure (full jitter, so the
+colliding transactions drift apart)."""
 
-    def note(state: RetryCallState) -> None:
-        exc = state.outcome.exception() if state.outcome else None
-        sqlstate = getattr(getattr(exc, "orig", None), "sqlstate", None)
-        log.info("transaction retried after %s (attempt %d)", sqlstate, state.attempt_number)
 
-    controller = Retrying(
-        retry=retry_if_exception(is_retryable),
-        stop=stop_after_attempt(retries + 1),
-        wait=wait_random_exponential(multiplier=BACKOFF_S, max=BACKOFF_S * 2**retries),
-        before_sleep=note,
-        reraise=True,
-    )
-    return controller(attempt)
+def _note(state: RetryCallState) -> None:
+    exc = state.outcome.exception() if state.outcome else None
+    sqlstate = getattr(getattr(exc, "orig", None), "sqlstate", None)
+    log.info("transaction retried after %s (attempt %d)", sqlstate, state.attempt_number)
+
+
+def retried(attempt: Callable[[], T], policy: Policy = TRANSACTION_CONFLICT) -> T:
+    """Call `attempt` (one whole transaction) again after a deadlock or serialization failure,
+    as `policy` waits and gives up (then the last error is raised)."""
+    result: T = policy.retrying(before_sleep=_note)(attempt)
+    return result
 
 
 @contextmanager

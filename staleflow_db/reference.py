@@ -11,6 +11,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from workers.wire.enums import DropReason, GroupState, InstanceState, SampleState, SegmentKind
 from workers.wire.types import RouteOutcome
@@ -97,7 +98,7 @@ class ReferenceProtocol:
         self.buffers: dict[int, BufferCounts] = {}
         self.keys: dict[str, int] = {}
         self.consume_fence: dict[int, int] = {}  # buffer -> consume fence of the latest consume
-        self.published: dict[int, dict] = {}  # version -> parameter metadata
+        self.published: dict[int, dict[str, Any]] = {}  # version -> parameter metadata
         self.reserved: dict[int, RefGroup] = {}  # groups holding a reservation, by id
         self._finished: set[int] = set()  # samples that became FINISHED (claims scan only these)
 
@@ -409,7 +410,7 @@ class ReferenceProtocol:
         groups = sorted(g.id for g in self.groups.values() if g.state == GroupState.OCCUPIED and g.buffer == version)
         return fence, groups
 
-    def publish(self, version: int, consume_fence: int, params: dict | None = None) -> int:
+    def publish(self, version: int, consume_fence: int, params: dict[str, Any] | None = None) -> int:
         """Buffer `version` consumed and the run at `version + 1`, atomically; idempotent."""
         if version == self.version - 1 and version in self.published:
             # A retry only under the consume fence that published, with the same checksum if given.

@@ -6,6 +6,9 @@ append-only trigger live in the migrations as SQL (`staleflow_db/sql/`).
 
 from __future__ import annotations
 
+import enum
+from datetime import datetime
+
 from sqlalchemy import (
     BigInteger,
     Boolean,
@@ -41,7 +44,7 @@ metadata = MetaData(
 )
 
 
-def _enum(py_enum, name: str) -> Enum:
+def _enum(py_enum: type[enum.Enum], name: str) -> Enum:
     return Enum(py_enum, name=name, values_callable=lambda e: [m.value for m in e], create_constraint=False)
 
 
@@ -53,7 +56,7 @@ command_state = _enum(CommandState, "command_state")
 role = _enum(Role, "token_role")
 
 
-def _created() -> Column:
+def _created() -> Column[datetime]:
     return Column("created_at", DateTime(timezone=True), nullable=False, server_default=func.now())
 
 
@@ -145,6 +148,8 @@ samples = Table(
     Column("reward_deadline", DateTime(timezone=True)),
     Column("reason", Text),
     Column("updated_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    # the reward's extra metrics as the reward worker posted them ({"name": number}); NULL: none
+    Column("reward_metrics", JSONB),
     UniqueConstraint("group_id", "idx"),
     CheckConstraint("(state = 'running') = (instance_id IS NOT NULL)", name="running_has_instance"),
     CheckConstraint("state <> 'aborted' OR reason IS NOT NULL", name="abort_has_reason"),

@@ -365,9 +365,17 @@ class StaleFlowClient:
         ).tasks
 
     def record_rewards(self, run_id: int, rewards: Sequence[m.RewardIn | dict | tuple]) -> list[m.GroupOutcomeOut]:
-        """`rewards`: (sample_id, reward_attempt, reward) each."""
+        """`rewards`: (sample_id, reward_attempt, reward) or (..., reward, metrics) each."""
         body = m.RewardsIn(rewards=[_as(m.RewardIn, r) for r in rewards])
         return self._call(m.RewardsOut, "POST", f"/v1/runs/{run_id}/rewards", body=body, key=True).groups
+
+    def drop_rewards(
+        self, run_id: int, drops: Sequence[m.RewardDropIn | dict | tuple], reason: str = "reward_failed"
+    ) -> list[int]:
+        """Abort claimed samples whose reward failed; `drops`: (sample_id, reward_attempt) each.
+        Returns the samples aborted by this call."""
+        body = m.RewardDropsIn.model_validate({"drops": [_as(m.RewardDropIn, d) for d in drops], "reason": reason})
+        return self._call(m.RewardDropsOut, "POST", f"/v1/runs/{run_id}/rewards/drop", body=body, key=True).dropped
 
     def consume(self, run_id: int, version: int, wait: float | None = None) -> m.BatchOut | None:
         """The whole batch of buffer `version` once it is ready; None if not ready within `wait`."""

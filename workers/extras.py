@@ -20,6 +20,7 @@ EXTRAS = {
     "transformers": "hf",
     "tokenizers": "hf",
     "ray": "ray",
+    "math_verify": "math",
     # The database and the API (the `server` extra).
     "sqlalchemy": "server",
     "psycopg": "server",

@@ -1,8 +1,8 @@
 """Every retry of StaleFlow's processes, as named policies built on tenacity.
 
 A :class:`Policy` says how long to wait between attempts (`initial` seconds, doubling up to
-`cap`, plus up to `jitter` seconds of random jitter; `initial == cap` waits a fixed time) and
-how long to keep trying (`retry_for` seconds, None for ever, or `attempts` at most). What is
+`cap`, plus up to `jitter` seconds of random jitter; `initial == cap` waits a fixed time; with
+`full_jitter`, a uniform random time up to that doubling wait instead) and how long to keep trying (`retry_for` seconds, None for ever, or `attempts` at most). What is
 worth retrying is the caller's: an error predicate (`retryable`, which a policy may carry) or a
 result that is not yet good enough (`until`). Anything else -- a refusal, a bug -- is raised at
 once.
@@ -37,7 +37,7 @@ from tenacity import (
     stop_after_delay,
     stop_never,
 )
-from tenacity.wait import wait_exponential_jitter
+from tenacity.wait import wait_base, wait_exponential_jitter, wait_random_exponential
 
 
 @dataclass(frozen=True)
@@ -51,12 +51,21 @@ class Policy:
     retry_for: float | None = None  # give up after this long; None: never
     attempts: int | None = None  # give up after this many attempts (the first included)
     retryable: Callable[[BaseException], bool] | None = None  # errors worth another try
+    # Full jitter: wait uniformly between 0 and the doubling wait, so that clients that
+    # collided (deadlocked transactions) drift apart rather than collide again in step.
+    full_jitter: bool = False
+
+    def __post_init__(self) -> None:
+        if self.full_jitter and self.jitter:
+            raise ValueError(f"retry policy {self.name!r}: full jitter replaces `jitter`; give one")
 
     def but(self, **changes: Any) -> Policy:
         """This policy with some fields changed (settings and options that tune it)."""
         return dataclasses.replace(self, **changes)
 
-    def wait(self) -> wait_exponential_jitter:
+    def wait(self) -> wait_base:
+        if self.full_jitter:
+            return wait_random_exponential(multiplier=self.initial, max=self.cap)
         return wait_exponential_jitter(multiplier=self.initial, max=self.cap, jitter=self.jitter)
 
     def delay(self, attempt: int) -> float:
@@ -163,10 +172,25 @@ PS_FIRST_VERSION = Policy("first committed version", initial=0.5, cap=0.5)
 """A rollout worker waiting for the PS to serve a committed version (--ps-wait seconds)."""
 
 READY = Policy("ready poll", initial=0.1, cap=0.1)
-"""Polling until something is ready (a process answers, a file appears): a fixed interval."""
+"""Polling until something is ready (a process answers, a file appears, the embedded server
+accepts connections): a fixed interval."""
 
 RESTART = Policy("process restart", initial=1.0, cap=30.0)
 """A supervisor restarting a process that exited, 1 s doubling to 30 s (ray actors)."""
+
+TRANSACTION_CONFLICT = Policy("transaction conflict", initial=0.01, cap=0.32, full_jitter=True, attempts=6)
+"""A whole transaction run again after PostgreSQL chose it as a deadlock victim or failed it for
+serialization: 5 retries, full jitter up to 10 ms doubling to 320 ms; staleflow_db.idempotency
+adds which errors those are."""
+
+SERVER_PORT_TAKEN = Policy("embedded server port taken", initial=0.0, cap=0.0, attempts=3)
+"""Starting the embedded PostgreSQL again at once on another port when another program took
+the chosen one between the check and the bind (three tries)."""
+
+REWARD_CALL = Policy("reward call", initial=0.2, cap=5.0, jitter=0.1, attempts=3, retryable=any_error)
+"""A reward function or service that raised, returned no valid reward or timed out: 3 tries
+in all (`--reward-retries` tunes it), 0.2 s doubling between them; then the sample is dropped
+as reward_failed."""
 
 
 # ---- outages -----------------------------------------------------------------------------------

@@ -80,7 +80,8 @@ def _cached(cls: type[S], env: tuple[tuple[str, str], ...]) -> S:
 def load(cls: type[S]) -> S:
     """`cls` as the current environment sets it, parsed once per distinct environment."""
     env = tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith(PREFIX)))
-    return _cached(cls, env)
+    settings: S = _cached(cls, env)  # lru_cache's wrapper types its result as Any
+    return settings
 
 
 class HomeSettings(StaleFlowSettings):

@@ -18,6 +18,8 @@ from workers.wire.models import (
     ConsumeOut,
     PublishIn,
     PublishOut,
+    RewardDropsIn,
+    RewardDropsOut,
     RewardsIn,
     RewardsOut,
     errors,
@@ -82,7 +84,7 @@ def record_rewards(
 ) -> Response:
     """Post rewards, each fenced by its claim's `reward_attempt`. Groups that reach N rewarded
     members are placed in a buffer (or filtered, or dropped) in the same transaction."""
-    rewards = [(r.sample_id, r.reward_attempt, r.reward) for r in body.rewards]
+    rewards = [(r.sample_id, r.reward_attempt, r.reward, r.metrics) for r in body.rewards]
 
     def call(conn: Connection) -> RewardsOut:
         groups = state.protocol.record_rewards(run_id, rewards, conn=conn)
@@ -91,6 +93,30 @@ def record_rewards(
     out, replayed = state.protocol.once(scoped_key(key, f"run{run_id}"), "reward", body, call, RewardsOut)
     if not replayed and out.groups:
         # Occupied groups may make a buffer ready; surplus members get abort commands.
+        state.notifier.publish(run_id, BATCH, WORK)
+    return respond(out)
+
+
+@router.post("/rewards/drop", response_model=RewardDropsOut, responses=errors(409, 413), tags=["reward"])
+def drop_rewards(
+    run_id: RunId,
+    body: RewardDropsIn,
+    state: State,
+    key: IdempotencyKey = None,
+    who: Principal = Reward,
+) -> Response:
+    """Give up on claimed samples (the reward failed): each is aborted with `reason` (default
+    `reward_failed`), fenced by its claim's `reward_attempt` like a reward (409 when a claim
+    was lost; all or nothing). A group left with fewer than N live members is aborted too. A
+    drop already done at that attempt is skipped, so a retry changes nothing."""
+    drops = [(d.sample_id, d.reward_attempt) for d in body.drops]
+
+    def call(conn: Connection) -> RewardDropsOut:
+        return RewardDropsOut(dropped=state.protocol.drop_rewards(run_id, drops, body.reason, conn=conn))
+
+    out, replayed = state.protocol.once(scoped_key(key, f"run{run_id}"), "reward_drop", body, call, RewardDropsOut)
+    if not replayed and out.dropped:
+        # a dropped group frees its reservation: rollout work and, through a cascade, batches
         state.notifier.publish(run_id, BATCH, WORK)
     return respond(out)
 

@@ -141,7 +141,8 @@ def dashboard(
     """Every panel of the run's dashboard in one consistent read (`audit`: with the verdict of
     the complete audit, which scans every segment)."""
     panels = DASHBOARD_PANELS + (("audit",) if audit else ())
-    return jsonable_encoder(state.protocol.dashboard(run_id, panels))
+    data: dict[str, Any] = jsonable_encoder(state.protocol.dashboard(run_id, panels))
+    return data
 
 
 async def _stream_viewer(run_id: RunId, state: State, who: RunViewer) -> Principal:
@@ -179,4 +180,5 @@ async def stream(
 def panel(run_id: RunId, panel: Panel, state: State, who: RunViewer) -> dict[str, Any]:
     """One panel: steps, staleness, instances, queue, coordinator, drops or audit."""
     data = state.protocol.dashboard(run_id, (panel,))
-    return jsonable_encoder({"run": data["run"], panel: data[panel]})
+    body: dict[str, Any] = jsonable_encoder({"run": data["run"], panel: data[panel]})
+    return body

@@ -16,7 +16,8 @@ from .pages import run_page
 
 def dashboard_data(protocol: Protocol, run_id: int) -> dict[str, Any]:
     """Every panel and the complete audit, as the live page receives them."""
-    return jsonable_encoder(protocol.dashboard(run_id, (*DASHBOARD_PANELS, "audit")))
+    data: dict[str, Any] = jsonable_encoder(protocol.dashboard(run_id, (*DASHBOARD_PANELS, "audit")))
+    return data
 
 
 def write_report_html(out_dir: Path, data: dict[str, Any]) -> Path:

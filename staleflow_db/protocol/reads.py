@@ -140,7 +140,7 @@ DASHBOARD_PANELS = ("steps", "staleness", "instances", "queue", "coordinator", "
 # A panel is named queries (`panel_<panel>_<rows>` in reads.sql), bound to :run and :n (the
 # steps asked for); it returns their rows by those names, reshaped where `_PANEL_SHAPES` says.
 _PANEL_QUERIES: dict[str, tuple[str, ...]] = {
-    "steps": ("steps", "instance_versions"),
+    "steps": ("steps", "instance_versions", "reward_metrics"),
     "staleness": ("histogram", "buffers"),
     "instances": ("instances",),
     "queue": ("levels", "samples"),

@@ -3,6 +3,7 @@ Occupy and the DAPO filter), and every kind of abort."""
 
 from __future__ import annotations
 
+import json
 import math
 from collections import defaultdict
 from collections.abc import Sequence
@@ -65,13 +66,14 @@ class ScoringOps(TxMixin):
     def record_rewards(
         self,
         run_id: int,
-        rewards: Sequence[tuple[int, int, float]],
+        rewards: Sequence[Reward],
         request_id: str | None = None,
         *,
         conn: Connection | None = None,
     ) -> list[GroupOutcome]:
         """Store rewards, fenced by the claim attempt; groups that reach N rewarded members are
-        placed (Occupy) or filtered. All or nothing."""
+        placed (Occupy) or filtered. All or nothing. Each reward is (sample, attempt, reward) or
+        (sample, attempt, reward, metrics): metrics a {name: finite number} kept with it."""
         check_batch(rewards, "rewards")
         return self.idempotent(
             request_id,
@@ -120,6 +122,55 @@ class ScoringOps(TxMixin):
             return sorted(aborted)
 
     @transactional
+    def drop_rewards(
+        self,
+        run_id: int,
+        drops: Sequence[tuple[int, int]],
+        reason: DropReason = DropReason.REWARD_FAILED,
+        *,
+        conn: Connection | None = None,
+    ) -> list[int]:
+        """A reward worker gives up on samples it claimed (`drops`: (sample, claim attempt)):
+        they are aborted with `reason`, fenced by the claim like a reward, all or nothing; a
+        group that can no longer reach N live members is aborted too (insufficient_members).
+        A sample already dropped at that attempt with that reason is skipped (a retry). Returns
+        the samples aborted now."""
+        check_batch(drops, "samples")
+        ids = [d[0] for d in drops]
+        if len(set(ids)) != len(ids):
+            raise InvalidInput("a sample appears twice in one drop batch")
+        reason_value = getattr(reason, "value", reason)
+        with self.run_tx(run_id, conn) as rtx:
+            rows = rtx.conn.execute(queries.text("reward_drop_candidates"), {"run": run_id, "ids": ids}).all()
+            info = {r.id: r for r in rows}
+            chosen, conflicts = [], []
+            for sid, attempt in drops:
+                s = info.get(sid)
+                if s is None:
+                    raise NotFound(f"sample {sid} in run {run_id}")
+                if s.reward_attempt == attempt and s.state == "aborted" and s.reason == reason_value:
+                    continue  # dropped by this very claim already
+                if s.state != "scoring" or s.reward_attempt != attempt:
+                    conflicts.append((sid, "reward claim lost (stale attempt or sample not scoring)"))
+                else:
+                    chosen.append(sid)
+            if conflicts:
+                raise Conflict(conflicts)
+            gids = sorted({info[sid].group_id for sid in chosen if info[sid].group_state in ("queued", "reserved")})
+            live: defaultdict[int, int] = defaultdict(int)
+            for gid, n in rtx.conn.execute(queries.text("live_members"), {"g": gids}).all():
+                live[gid] = n
+            doomed = []
+            for sid in chosen:  # as abort_samples: a group short of N live members is dropped
+                gid = info[sid].group_id
+                live[gid] -= 1
+                if gid in gids and gid not in doomed and live[gid] < rtx.run.group_size:
+                    doomed.append(gid)
+            aborted = abort_samples_where(rtx.conn, run_id, "id", chosen, reason_value, rtx.events)
+            rtx.drop_groups(doomed, "aborted", DropReason.INSUFFICIENT_MEMBERS)
+            return sorted(aborted)
+
+    @transactional
     def abort_group(
         self, run_id: int, group_id: int, reason: DropReason = DropReason.USER, *, conn: Connection | None = None
     ) -> bool:
@@ -161,21 +212,53 @@ class ScoringOps(TxMixin):
 # sample) and the groups' members.
 
 
-def rewards_read(rewards: Sequence[tuple[int, int, float]]) -> LockedRead:
+Reward = tuple[int, int, float] | tuple[int, int, float, "dict[str, float] | None"]
+"""(sample, claim attempt, reward) or with the reward's metrics as a fourth element."""
+
+MAX_METRICS = 64
+
+
+def reward_metrics(sid: int, reward: Sequence[Any]) -> dict[str, float] | None:
+    """The reward's metrics checked: at most MAX_METRICS names (1..200 characters, no NUL),
+    each a finite number."""
+    metrics = reward[3] if len(reward) > 3 else None
+    if metrics is None:
+        return None
+    if not isinstance(metrics, dict) or len(metrics) > MAX_METRICS:
+        raise InvalidInput(f"sample {sid}: metrics must be an object of at most {MAX_METRICS} numbers")
+    for k, v in metrics.items():
+        if not isinstance(k, str) or not 1 <= len(k) <= 200 or "\x00" in k:
+            raise InvalidInput(f"sample {sid}: a metric name must be 1..200 characters without NUL")
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or abs(v) > 1e300:
+            raise InvalidInput(f"sample {sid}: metric {k!r} must be a finite number")
+    return {k: float(v) for k, v in metrics.items()}
+
+
+def rewards_read(rewards: Sequence[Reward]) -> LockedRead:
     """The read of `rewards_in`, which stores the rewards: so the batch is checked first,
     before the lock (a caller's transaction may go on after the refusal)."""
     ids = [r[0] for r in rewards]
     if len(set(ids)) != len(ids):
         raise InvalidInput("a sample appears twice in one reward batch")
-    for sid, _, reward in rewards:
+    metrics = []
+    for r in rewards:
+        sid, reward = r[0], r[2]
         if not isinstance(reward, (int, float)) or not math.isfinite(reward):
             raise InvalidInput(f"sample {sid}: reward must be a finite number")
+        m = reward_metrics(sid, r)
+        metrics.append(None if m is None else json.dumps(m))
     return LockedRead(
-        "rewards_read", {"samples": ids, "attempts": [r[1] for r in rewards], "rewards": [float(r[2]) for r in rewards]}
+        "rewards_read",
+        {
+            "samples": ids,
+            "attempts": [r[1] for r in rewards],
+            "rewards": [float(r[2]) for r in rewards],
+            "metrics": metrics,
+        },
     )
 
 
-def rewards_in(rtx: RunTx, rewards: Sequence[tuple[int, int, float]]) -> list[GroupOutcome]:
+def rewards_in(rtx: RunTx, rewards: Sequence[Reward]) -> list[GroupOutcome]:
     """Record a batch checked by `rewards_read`, whose result `RunTx.open` sent with the lock."""
     run = rtx.run
     got: dict[str, list[dict[str, Any]]] = {"s": [], "g": [], "m": [], "r": []}
@@ -186,15 +269,15 @@ def rewards_in(rtx: RunTx, rewards: Sequence[tuple[int, int, float]]) -> list[Gr
     # state to or from queued or aborted, so the pre-update snapshot gives the same versions
     rtx.set_reservations([(r["id"], r["b"], r["v"]) for r in got["r"]])
     conflicts = []
-    for sid, _, _ in rewards:
+    for sid, *_ in rewards:
         if sid not in rows:
             raise NotFound(f"sample {sid} in run {run.id}")
         if not rows[sid]["holds"]:
             conflicts.append((sid, "reward claim lost (stale attempt or sample not scoring)"))
     if conflicts:
         raise Conflict(conflicts)
-    rtx.events.extend(Event("sample_rewarded", sample=sid, data={"reward": float(r)}) for sid, _, r in rewards)
-    mine = {sid: float(r) for sid, _, r in rewards}
+    rtx.events.extend(Event("sample_rewarded", sample=r[0], data={"reward": float(r[2])}) for r in rewards)
+    mine = {r[0]: float(r[2]) for r in rewards}
     members: defaultdict[int, list[SimpleNamespace]] = defaultdict(list)
     for m in sorted(got["m"], key=lambda m: (m["group_id"], m["idx"])):
         if m["id"] in mine:  # as this statement's update left it

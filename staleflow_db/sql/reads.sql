@@ -119,6 +119,14 @@ SELECT b.step, b.consumed_at, b.step_s, t.reward_mean, t.reward_std, t.reward_mi
 t.tokens, t.samples, t.tokens / nullif(b.step_s, 0) AS tokens_per_s
 FROM b LEFT JOIN t USING (step) ORDER BY b.step DESC LIMIT :n
 
+-- name: panel_steps_reward_metrics
+-- The mean of each reward metric (samples.reward_metrics) over a step's trained samples that
+-- reported it, for the latest :n steps.
+SELECT g.buffer AS step, m.key AS metric, avg(CAST(m.value AS float8)) AS mean, count(*) AS n
+FROM samples s JOIN prompt_groups g ON g.id = s.group_id CROSS JOIN LATERAL jsonb_each(s.reward_metrics) AS m
+WHERE s.run_id = :run AND g.state = 'consumed' AND s.state = 'rewarded' AND s.reward_metrics IS NOT NULL
+AND g.buffer > (SELECT version FROM runs WHERE id = :run) - 1 - :n GROUP BY 1, 2 ORDER BY 1, 2
+
 -- name: panel_steps_instance_versions
 -- Which version each instance was on: its registration and the pulls it was told to do.
 SELECT instance_id, at,

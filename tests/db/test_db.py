@@ -116,8 +116,8 @@ def _lease_names(url: str) -> tuple[list[tuple[str, str]], list[str]]:
     return [tuple(c) for c in columns], [c for (c,) in constraints]
 
 
-def test_0009_renames_the_leases_and_its_downgrade_restores_them(db_url: str, engine) -> None:
-    """Renames only: a downgrade to 0008 gives back the old names, the upgrade the new ones,
+def test_0010_renames_the_leases_and_its_downgrade_restores_them(db_url: str, engine) -> None:
+    """Renames only: a downgrade to 0009 gives back the old names, the upgrade the new ones,
     the data stays, and the views and functions are the same either way."""
     new = (
         [("buffers", "consume_fence"), ("buffers", "consume_fence_at"), ("samples", "route_token")],
@@ -129,7 +129,7 @@ def test_0009_renames_the_leases_and_its_downgrade_restores_them(db_url: str, en
     run = p.create_run("r", RunConfig(batch_size=1, group_size=1, eta=1))
     assert p.acquire_leadership(run, "h", 30.0) == 1
     engine.dispose()  # no pooled connection holds the tables while they are renamed
-    migrate.downgrade(db_url, "0008")
+    migrate.downgrade(db_url, "0009")
     assert _lease_names(db_url) == (
         [("buffers", "lease"), ("buffers", "leased_at"), ("samples", "lease")],
         ["fk_coordinator_leases_run_id", "pk_coordinator_leases"],

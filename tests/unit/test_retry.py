@@ -7,7 +7,7 @@ import logging
 
 import pytest
 
-from workers.retry import API_OUTAGE, READY, RESTART, Outage, Policy
+from workers.retry import API_OUTAGE, READY, RESTART, TRANSACTION_CONFLICT, Outage, Policy
 
 FAST = Policy("test", initial=0.001, cap=0.004)
 
@@ -18,6 +18,18 @@ def test_waits_double_up_to_the_cap() -> None:
         base = min(API_OUTAGE.initial * 2 ** (n - 1), API_OUTAGE.cap)
         assert base <= API_OUTAGE.delay(n) <= min(base + API_OUTAGE.jitter, API_OUTAGE.cap)
     assert {READY.but(initial=0.2, cap=0.2).delay(n) for n in range(1, 5)} == {0.2}
+
+
+def test_full_jitter_waits_anywhere_up_to_the_doubling_wait() -> None:
+    policy = TRANSACTION_CONFLICT  # 10 ms doubling to 320 ms, full jitter
+    for n in range(1, 9):
+        bound = min(policy.initial * 2 ** (n - 1), policy.cap)
+        waits = [policy.delay(n) for _ in range(200)]
+        assert all(0 <= w <= bound for w in waits)
+        # spread over the whole window, not bunched at its top as added jitter would be
+        assert min(waits) < bound / 4 and max(waits) > bound * 3 / 4
+    with pytest.raises(ValueError, match="full jitter replaces"):
+        Policy("both", initial=0.1, cap=1.0, jitter=0.1, full_jitter=True)
 
 
 def test_retries_what_is_retryable_and_raises_the_rest() -> None:

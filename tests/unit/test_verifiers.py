@@ -116,3 +116,42 @@ def test_arithmetic_data_set_is_reproducible_and_verifiable():
         assert VERIFIERS["math"](response, "eos", {"answer": p["answer"]}, bytes_detokenize) == 1.0
     with pytest.raises(ValueError):
         arithmetic.evaluate("__import__('os')")
+
+
+@pytest.mark.parametrize(
+    "given, expected",
+    [
+        ("0.5", r"\frac{1}{2}"),
+        ("1/2", "0.5"),
+        (r"\frac12", "1/2"),
+        (r"\dfrac{2}{4}", "0.5"),
+        (r"\sqrt{8}", r"2\sqrt{2}"),
+        (r"\{1, 2\}", r"\{2, 1\}"),
+        ("x^2 + 2x + 1", "(x+1)^2"),
+        ("50\\%", "0.5"),
+    ],
+)
+def test_math_verifier_takes_equivalent_forms(given, expected):
+    """math-verify (the `math` extra) decides: forms string matching cannot see as equal."""
+    pytest.importorskip("math_verify")
+    response = _enc(f"so the answer is \\boxed{{{given}}}")
+    assert VERIFIERS["math"](response, "eos", {"answer": expected}, bytes_detokenize) == 1.0
+
+
+@pytest.mark.parametrize("given, expected", [("0.51", "1/2"), (r"\sqrt{2}", "2"), ("x+1", "(x+1)^2"), ("3", "")])
+def test_math_verifier_refuses_different_answers(given, expected):
+    pytest.importorskip("math_verify")
+    response = _enc(f"\\boxed{{{given}}}")
+    assert VERIFIERS["math"](response, "eos", {"answer": expected}, bytes_detokenize) == 0.0
+
+
+def test_math_verifier_without_math_verify_names_the_extra(monkeypatch):
+    import sys
+
+    from workers.extras import MissingExtra
+    from workers.reward.worker import verifier_source
+
+    monkeypatch.setitem(sys.modules, "math_verify", None)  # as if not installed
+    with pytest.raises(MissingExtra, match=r"pip install 'staleflow\[math\]'"):
+        verifier_source("math")
+    verifier_source("repeat")  # the others need nothing

@@ -43,6 +43,7 @@ MODULES = [
     "workers.rollout.engines.sim_engine",
     "workers.rollout.engines.vllm_engine",  # imports vLLM only when started
     "workers.reward.worker",
+    "workers.reward.sources",
     "workers.trainer.loop",
     "workers.trainer.sim_trainer",
     pytest.param("workers.trainer.param_client", marks=needs_torch),

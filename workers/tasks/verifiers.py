@@ -1,19 +1,24 @@
 """Rule-based verifiers: a reward from (prompt, response, metadata), no model involved.
 
 Each verifier is a plain function `(response_tokens, finish_reason, meta, detokenize) -> float`
-registered by name, so a reward worker picks one with `--verifier NAME`.
+registered by name, so a reward worker picks one with `--verifier NAME`. A verifier that needs
+an optional package names it in NEEDS, so the worker checks it is installed before claiming.
 """
 
 from __future__ import annotations
 
 import re
+import threading
 from collections.abc import Callable, Sequence
 from fractions import Fraction
+
+from workers.extras import require
 
 Detokenize = Callable[[Sequence[int]], str]
 Verifier = Callable[[Sequence[int], "str | None", dict, Detokenize], float]
 
 VERIFIERS: dict[str, Verifier] = {}
+NEEDS: dict[str, str] = {"math": "math_verify"}  # verifier -> the optional module it imports
 
 
 def register(name: str) -> Callable[[Verifier], Verifier]:
@@ -94,14 +99,29 @@ def overlong_penalty(n_tokens: int, max_tokens: int, cache: int) -> float:
     return 0.0 if excess <= 0 else min(1.0, excess / max(cache, 1))
 
 
+def equivalent(given: str, expected: str) -> bool:
+    """Whether two answers are the same mathematically, by Hugging Face's math-verify (the
+    `math` extra): 1/2, 0.5 and \\frac{1}{2} are; so are sets, intervals and expressions
+    sympy finds equal. Plain equality (`answers_match`) is tried first: it is exact and fast."""
+    if answers_match(given, expected):
+        return True
+    mv = require("math_verify")
+    # math-verify bounds its sympy work with signal.alarm, which only the main thread may set
+    limit = 5 if threading.current_thread() is threading.main_thread() else None
+    gold = mv.parse(f"${expected}$", parsing_timeout=limit)
+    answer = mv.parse(f"${given}$", parsing_timeout=limit)
+    return bool(gold and answer and mv.verify(gold, answer, timeout_seconds=limit))
+
+
 @register("math")
 def math_verifier(tokens: Sequence[int], finish_reason: str | None, meta: dict, detokenize: Detokenize) -> float:
-    """1 if the last `\\boxed{...}` answer matches `meta["answer"]` (see `answers_match`),
-    else 0. With `meta["overlong"] = {"max": L, "buffer": L_cache}`, minus DAPO's soft
+    """1 if the last `\\boxed{...}` answer equals `meta["answer"]` (`equivalent`: by
+    math-verify, which the `math` extra installs), else 0. With `meta["overlong"] = {"max": L, "buffer": L_cache}`, minus DAPO's soft
     overlong penalty (`overlong_penalty`): a response in the last L_cache tokens before L
     loses up to 1, linearly."""
     answer = last_boxed(detokenize(tokens))
-    reward = 1.0 if answer is not None and answers_match(answer, str(meta.get("answer", ""))) else 0.0
+    expected = str(meta.get("answer", ""))
+    reward = 1.0 if answer is not None and expected and equivalent(answer, expected) else 0.0
     overlong = meta.get("overlong")
     if overlong:
         reward -= overlong_penalty(len(tokens), int(overlong["max"]), int(overlong["buffer"]))

@@ -71,6 +71,7 @@ class DropReason(str, enum.Enum):
     NO_BUFFER = "no_buffer"  # finished, but no buffer of its window needed it any more
     INSUFFICIENT_MEMBERS = "insufficient_members"  # too many members aborted to reach N
     USER = "user"  # aborted on request
+    REWARD_FAILED = "reward_failed"  # its reward function raised, returned no valid reward or timed out
 
 
 TERMINAL_GROUP_STATES = frozenset({GroupState.CONSUMED, GroupState.FILTERED, GroupState.ABORTED})

@@ -113,7 +113,18 @@
     const xEnd = Math.max(0, ...series.flatMap((x) => x.points.map((q) => q[0])));
     const versions = lineChart(series, { xLabel: "seconds since the run started", y0: 0, xEnd }) + legend(series.slice(0, 9).map((x) => [x.name, x.color]));
     return head + `<div class="charts">${chart("reward: mean ± std per step", reward)}${chart("trained tokens/s per step", tps)}`
-      + `${chart("step time (s)", st)}${chart("version over time: run (black), each rollout instance", versions)}</div>`;
+      + `${chart("step time (s)", st)}${chart("version over time: run (black), each rollout instance", versions)}</div>`
+      + rewardMetrics(p.reward_metrics || []);
+  }
+
+  // the mean of each reward metric per step (the latest 10 steps), when rewards carry metrics
+  function rewardMetrics(rows) {
+    if (!rows.length) return "";
+    const names = [...new Set(rows.map((r) => r.metric))].sort().slice(0, 8);
+    const stepsSeen = [...new Set(rows.map((r) => r.step))].sort((a, b) => a - b).slice(-10);
+    const at = new Map(rows.map((r) => [`${r.step} ${r.metric}`, r.mean]));
+    const body = stepsSeen.map((st) => `<tr data-step="${st}"><td>${st}</td>${names.map((m) => `<td class="num" data-metric="${esc(m)}">${num(at.get(`${st} ${m}`), 3)}</td>`).join("")}</tr>`).join("");
+    return `<div class="chart"><h3>reward metrics: mean per step</h3></div><table class="reward-metrics"><thead><tr><th>step</th>${names.map((m) => `<th class="num">${esc(m)}</th>`).join("")}</tr></thead><tbody>${body}</tbody></table>`;
   }
 
   function staleness(run, p) {

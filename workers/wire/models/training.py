@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 from pydantic import Field
 
-from ..enums import GroupState
+from ..enums import DropReason, GroupState
 from .common import INT64_MAX, Attempt, ClaimSeconds, Finite, Id, In, Int, Location, Name, Out
+
+# A reward's extra metrics: {name: finite number}, at most 64 (staleflow_db.protocol.scoring).
+MetricName = Annotated[str, Field(min_length=1, max_length=200, pattern=r"^[^\x00]*$")]
+Metrics = Annotated[dict[MetricName, Finite], Field(max_length=64)]
 
 
 class ClaimIn(In):
@@ -33,10 +37,27 @@ class RewardIn(In):
     sample_id: Id
     reward_attempt: Attempt
     reward: Finite
+    metrics: Metrics | None = Field(
+        None, description="extra metrics of this reward ({name: number}), kept with it and shown per step"
+    )
 
 
 class RewardsIn(In):
     rewards: list[RewardIn] = Field(min_length=1)
+
+
+class RewardDropIn(In):
+    sample_id: Id
+    reward_attempt: Attempt = Field(description="the claim's attempt: fences the drop like a reward")
+
+
+class RewardDropsIn(In):
+    drops: list[RewardDropIn] = Field(min_length=1)
+    reason: DropReason = Field(DropReason.REWARD_FAILED, description="recorded on each sample dropped")
+
+
+class RewardDropsOut(Out):
+    dropped: list[int] = Field(description="samples aborted by this call (a retry of a drop returns none)")
 
 
 class GroupOutcomeOut(Out):
@@ -109,6 +130,9 @@ __all__ = [
     "GroupOutcomeOut",
     "PublishIn",
     "PublishOut",
+    "RewardDropIn",
+    "RewardDropsIn",
+    "RewardDropsOut",
     "RewardIn",
     "RewardTaskOut",
     "RewardsIn",

@@ -12,14 +12,14 @@ table (PostgreSQL would follow the rename in a view anyway: it stores column num
 named DDL is unchanged and 0008 still applies it at 0007's schema; a downgrade to 0007 and an
 upgrade back leave every view and function as they were (tests/db/test_db.py).
 
-Revision ID: 0009
-Revises: 0008
+Revision ID: 0010
+Revises: 0009
 """
 
 from alembic import op
 
-revision = "0009"
-down_revision = "0008"
+revision = "0010"
+down_revision = "0009"
 branch_labels = None
 depends_on = None
 
