@@ -43,8 +43,8 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
         **_kept_overflow(settings.db.pool_size, settings.db.max_overflow),
     )
     protocol = ApiProtocol(engine)
-    metrics = Metrics(protocol.metrics_rows)
-    protocol.observe_transaction = metrics.observe
+    metrics = Metrics(protocol.reads.metrics_rows)
+    protocol.observe_transaction = protocol.reads.observe_transaction = metrics.observe
     watch = DatabaseWatch(engine, metrics.registry, probe_s=settings.probe_interval)
     state = AppState(
         settings=settings,

@@ -46,7 +46,7 @@ class AppState:
         admin (an instance registered in-process, without a token, is an admin's alone)."""
         owner = self.instance_owners.get(instance_id)
         if owner is None:
-            owner = self.protocol.instance_owner(instance_id)
+            owner = self.protocol.reads.instance_owner(instance_id)
             if owner is not None:
                 if len(self.instance_owners) > 100_000:
                     self.instance_owners.clear()

@@ -31,7 +31,7 @@ from sqlalchemy import text
 from staleflow_db import queries
 from staleflow_db.db import database_url, make_engine
 from staleflow_db.protocol import Prompt, Protocol, driver
-from staleflow_db.protocol.base import LockedRead
+from staleflow_db.protocol.core import LockedRead
 from staleflow_db.settings import to_libpq_url
 from staleflow_db.types import RunConfig
 

@@ -135,7 +135,7 @@ def measure(pg: EmbeddedPostgres, args: argparse.Namespace) -> None:
                 return False
 
         eng = make_engine(url)
-        version = lambda: Protocol(eng).status(run)["version"]  # noqa: E731
+        version = lambda: Protocol(eng).reads.status(run)["version"]  # noqa: E731
         wait(lambda: version() >= 2)
         for k in range(args.outages):
             v0 = version()

@@ -144,7 +144,7 @@ def service_run(policy: str, eta: int, steps: int, scale: float, workdir: Path, 
             ],
             env={"STALEFLOW_TOKEN": tokens["trainer"]},
         )
-        while protocol.status(run)["version"] < steps:
+        while protocol.reads.status(run)["version"] < steps:
             cluster.check()
             if time.monotonic() - started > 60 + steps * 120:
                 raise RuntimeError(f"{policy}: too slow")

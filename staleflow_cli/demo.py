@@ -204,7 +204,7 @@ def run_demo(cfg: DemoConfig, console: Console) -> dict[str, Any]:
         s["accuracy"] = accuracy.get(s["step"], 0.0)
     audit = summary(engine, run)
     # The dashboard's panels as a static page: the finished run can be looked at without the service.
-    write_report_html(report, dashboard_data(protocol, run))
+    write_report_html(report, dashboard_data(protocol.reads, run))
     engine.dispose()
     result = {
         "run_id": run,
@@ -295,11 +295,11 @@ def _follow(
             except ProcessDied:
                 # The trainer exits 0 right after its last publish, often before this
                 # loop sees that version: a finished run is not a failure.
-                if protocol.status(run)["version"] >= cfg.steps:
+                if protocol.reads.status(run)["version"] >= cfg.steps:
                     bar.update(t, completed=cfg.steps)
                     return
                 raise
-            status = protocol.status(run)
+            status = protocol.reads.status(run)
             info = f"running {status['samples'].get('running', 0)}, queued {status['samples'].get('queued', 0)}"
             reward = _last_reward(engine, run) if status["version"] else None
             if reward is not None:

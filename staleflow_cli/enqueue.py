@@ -28,6 +28,7 @@ from pydantic import ValidationError
 from staleflow_cli.common import API, TOKEN, connect, console, fail, hf_folder, progress
 from workers.client import ApiError
 from workers.wire.models import PromptIn
+from workers.wire.run_config import RunConfig
 
 CHUNK = 500  # prompts per request: well under the API's body limit for typical prompts
 
@@ -140,7 +141,7 @@ def enqueue(
     encode = _tokenizer(model)
     client, run_id = connect(api, token, run, wait_s=0)
     status = client.run_status(run_id)
-    config, before = status.config, sum(status.groups.values())
+    config, before = RunConfig(**status.config.model_dump()), sum(status.groups.values())
     extra: dict[str, Any] = (
         {"overlong": {"max": config.max_response_tokens, "buffer": overlong_buffer}} if overlong_buffer else {}
     )

@@ -97,6 +97,24 @@ class TrainerCfg(EngineRoleCfg):
 
 class RolloutCfg(EngineRoleCfg):
     replicas: Annotated[int, Field(ge=0)] = 2  # one actor per inference instance
+    # vllm: vLLM's engine arguments (AsyncEngineArgs fields), passed as --engine-arg; its
+    # tensor_parallel_size defaults to `tensor_parallel` (the GPUs each instance is given)
+    engine_args: dict[str, str | int | float | bool] = {}
+
+    def engine_argv(self) -> list[str]:
+        if self.engine != "vllm":
+            return []
+        args = dict(self.engine_args)
+        if self.tensor_parallel > 1:
+            args.setdefault("tensor_parallel_size", self.tensor_parallel)
+        return [a for k, v in args.items() for a in ("--engine-arg", f"{k}={_toml_scalar(v)}")]
+
+
+def _toml_scalar(v: str | int | float | bool) -> str:
+    """The TOML text of a scalar, as --engine-arg parses it back."""
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    return json.dumps(v) if isinstance(v, str) else repr(v)
 
 
 class PlacementCfg(_Strict):
@@ -137,8 +155,31 @@ class LaunchConfig(_Strict):
         torchy = self.trainer.engine != "sim" or self.rollout.engine != "sim"
         if torchy and self.ps.replicas != 1:
             problems.append("torch/vllm engines pull weights from a parameter server: set [ps] replicas = 1")
+        problems += self._engine_problems()
         if problems:
             raise typer.BadParameter("; ".join(problems), param_hint="--config")
+
+    def _engine_problems(self) -> list[str]:
+        """[rollout] engine_args: vllm only, known AsyncEngineArgs fields (checked here on the
+        launcher, before any actor starts), a tensor_parallel_size agreeing with tensor_parallel."""
+        from workers.rollout.engines.engine_config import EngineConfigError, check_vllm
+
+        ro = self.rollout
+        if not ro.engine_args:
+            return []
+        if ro.engine != "vllm":
+            return [f"[rollout] engine_args apply to the vllm engine, not {ro.engine}"]
+        try:
+            check_vllm(ro.engine_args)
+        except EngineConfigError as e:
+            return [f"[rollout] engine_args: {e}"]
+        tp = ro.engine_args.get("tensor_parallel_size", ro.tensor_parallel)
+        if tp != ro.tensor_parallel:
+            return [
+                f"[rollout] engine_args tensor_parallel_size = {tp!r} but tensor_parallel = {ro.tensor_parallel} "
+                "(the GPUs Ray gives each instance): set them equal"
+            ]
+        return []
 
 
 def load_config(path: Path) -> LaunchConfig:
@@ -184,6 +225,7 @@ def _argv(cfg: LaunchConfig, role: str, i: int, run_id: int, workdir: str) -> li
     else:
         argv = ["rollout-worker", *run, "--engine", cfg.rollout.engine, "--name", cfg.actor_name(role, i)]
         argv += mc if cfg.rollout.engine != "sim" else []
+        argv += cfg.rollout.engine_argv()
     return argv + cfg.role(role).args
 
 
@@ -229,7 +271,7 @@ def prepare_run(cfg: LaunchConfig, url: str) -> tuple[int, dict[str, str], bool]
                 ),
             )
             protocol.enqueue(run_id, [Prompt(k, t, m) for k, t, m in _prompts(cfg)])
-        complete = Protocol(engine).status(run_id)["version"] >= cfg.run.steps
+        complete = Protocol(engine).reads.status(run_id)["version"] >= cfg.run.steps
         tokens = {role: create_token(engine, role, run_id)["token"] for role in ("trainer", "rollout", "reward")}
         tokens["admin"] = create_token(engine, "admin", None, name=f"launch ray {cfg.run.name}")["token"]
     finally:

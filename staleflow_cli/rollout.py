@@ -91,6 +91,19 @@ def rollout_worker(
     time_scale: float | None = typer.Option(
         None, "--time-scale", min=0.0, help="sim: wall seconds per simulated second"
     ),
+    engine_config_: Path | None = typer.Option(
+        None,
+        "--engine-config",
+        dir_okay=False,
+        help="vllm, hf: a TOML file of engine arguments (vllm: any field of vLLM's AsyncEngineArgs, e.g. "
+        "tensor_parallel_size, dtype, gpu_memory_utilization, max_model_len, enforce_eager; hf: dtype, device, "
+        "max_model_len, max_num_seqs); its keys win over --max-running and --device",
+    ),
+    engine_arg: list[str] | None = typer.Option(
+        None,
+        "--engine-arg",
+        help="vllm, hf: KEY=VALUE (a TOML scalar) on top of --engine-config; repeatable",
+    ),
     heartbeat: float = typer.Option(1.0, "--heartbeat", min=0.05, help="seconds between snapshots"),
     ps_wait: float = typer.Option(120.0, "--ps-wait", min=0.0, help="seconds to wait for the PS's first version"),
 ) -> None:
@@ -104,6 +117,7 @@ def rollout_worker(
     max_running = max_running if max_running is not None else es.max_running
     temperature = temperature if temperature is not None else es.temperature
     device = device if device is not None else es.device
+    engine_kw = _engine_kwargs(engine, engine_config_, engine_arg or [])  # checked before any model loads
     cfg = model_config(model_config_) if engine is Engine.torch else None
     if engine is Engine.vllm and not (vllm_model or model):
         raise typer.BadParameter("--engine vllm needs --vllm-model (or --model FOLDER)", param_hint="--vllm-model")
@@ -129,6 +143,7 @@ def rollout_worker(
             device,
             vllm_model or (str(model) if model else None),
             ps_wait,
+            engine_kw,
         )
     worker = RolloutWorker(
         client,
@@ -163,6 +178,24 @@ def rollout_worker(
             if hasattr(eng, "shutdown"):  # vLLM runs its engine core in another process
                 eng.shutdown()
     console.print(f"rollout worker: {stats.finished} finished, {stats.tokens} tokens, deregistered")
+
+
+def _engine_kwargs(engine: Engine, path: Path | None, args: list[str]) -> dict[str, Any]:
+    """The engine arguments of --engine-config and --engine-arg, checked for `engine`."""
+    from workers.rollout.engines import engine_config as ec
+
+    if path is None and not args:
+        return {}
+    hint = "--engine-config" if path is not None else "--engine-arg"
+    if engine not in (Engine.vllm, Engine.hf):
+        raise typer.BadParameter(
+            f"engine arguments apply to the vllm and hf engines, not {engine.value}", param_hint=hint
+        )
+    try:
+        cfg = ec.engine_config(path, args)
+        return ec.check_vllm(cfg) if engine is Engine.vllm else ec.hf_kwargs(cfg)
+    except ec.EngineConfigError as e:
+        raise typer.BadParameter(str(e), param_hint=hint) from None
 
 
 def _cost_model(model: str | None, parallelism: str | None) -> CostModel | None:
@@ -216,8 +249,11 @@ def _engine(
     device: str,
     model: str | None,
     ps_wait: float,
+    engine_kw: dict[str, Any] | None = None,
 ) -> tuple[BaseEngine, WeightSource | None]:
-    """(engine, weight source) for the torch, hf and vllm engines (`model`: hf and vllm)."""
+    """(engine, weight source) for the torch, hf and vllm engines (`model`: hf and vllm;
+    `engine_kw`: their checked engine arguments, see _engine_kwargs)."""
+    engine_kw = engine_kw or {}
     if kind is Engine.torch:
         from workers.rollout.engines.torch_engine import TorchEngine
 
@@ -234,15 +270,16 @@ def _engine(
         from workers.rollout.engines.hf_engine import HFEngine
 
         assert model  # rollout_worker checks it
-        eng = HFEngine(
-            model, kv_capacity_tokens=kv_capacity, max_running=max_running, temperature=temperature, device=device
-        )
+        hf_kw: dict[str, Any] = {"max_running": max_running, "device": device, **engine_kw}
+        eng = HFEngine(model, kv_capacity_tokens=kv_capacity, temperature=temperature, **hf_kw)
     else:
         from workers.rollout.engines.vllm_engine import VLLMEngine, VLLMUnavailable
 
         assert model  # rollout_worker checks it
         try:
-            eng = VLLMEngine(model, temperature=temperature, max_num_seqs=max_running)
+            from workers.rollout.engines.engine_config import vllm_kwargs
+
+            eng = VLLMEngine(model, temperature=temperature, **vllm_kwargs(engine_kw, max_running))
         except VLLMUnavailable as e:
             raise fail(str(e)) from None
     if pc is None:

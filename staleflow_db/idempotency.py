@@ -115,7 +115,7 @@ def digest(body: Any) -> str:
     if isinstance(body, str):
         body = body.encode()
     elif not isinstance(body, bytes):
-        from .protocol.base import dumps  # dataclasses and enums as plain JSON
+        from .protocol.core import dumps  # dataclasses and enums as plain JSON
 
         body = dumps(body).encode()
     return hashlib.sha256(body).hexdigest()[:16]

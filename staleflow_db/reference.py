@@ -30,7 +30,7 @@ from .rules import (
     route_decision,
     window_has_room,
 )
-from .types import GroupOutcome, Report, RouteResult, RunConfig
+from .types import GroupOutcome, Report, RouteResult, RunConfig, check_config
 
 
 @dataclass
@@ -86,10 +86,10 @@ class RefInstance:
 
 class ReferenceProtocol:
     def __init__(self, config: RunConfig):
-        config.validate()
+        check_config(config)
         self.config = config
         assert config.buffer_capacity is not None and config.samples_per_group is not None  # __post_init__
-        self.limits = Limits(config.batch_size, config.buffer_capacity, config.eta)
+        self.limits: Limits = config
         self.samples_per_group = config.samples_per_group
         self.version = 0
         self.groups: dict[int, RefGroup] = {}
@@ -473,7 +473,7 @@ class ReferenceProtocol:
                 bad.append(
                     f"buffer {b}: counters {buf.occupied}/{buf.reserved} vs entries {len(groups)}/{len(reserved)}"
                 )
-            if buf.occupied + buf.reserved > self.limits.capacity:
+            if buf.occupied + buf.reserved > self.limits.buffer_capacity:
                 bad.append(f"buffer {b} over capacity")
             if buf.consumed and buf.occupied != self.config.batch_size:
                 bad.append(f"buffer {b} consumed with {buf.occupied} groups")

@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
+from workers.wire.run_config import RunConfig
+
 
 @dataclass
 class BufferCounts:
@@ -21,11 +23,9 @@ class BufferCounts:
     consumed: bool = False
 
 
-@dataclass(frozen=True)
-class Limits:
-    batch_size: int  # B: occupied groups that make a buffer ready
-    capacity: int  # B' >= B: entries per buffer
-    eta: int  # staleness bound
+# The rules read a run's configuration: B (occupied groups that make a buffer ready), B'
+# (entries per buffer) and eta (the staleness bound).
+Limits = RunConfig
 
 
 def buffer_state(buf: BufferCounts | None, limits: Limits) -> str:
@@ -35,7 +35,7 @@ def buffer_state(buf: BufferCounts | None, limits: Limits) -> str:
         return "consumed"
     if buf.occupied >= limits.batch_size:
         return "ready"
-    if buf.occupied + buf.reserved < limits.capacity:
+    if buf.occupied + buf.reserved < limits.buffer_capacity:
         return "waiting"
     return "stuck"
 
@@ -46,7 +46,7 @@ def _admits(buf: BufferCounts | None, limits: Limits) -> bool:
         return True
     if buf.consumed or buf.occupied >= limits.batch_size:
         return False
-    return buf.occupied + buf.reserved < limits.capacity
+    return buf.occupied + buf.reserved < limits.buffer_capacity
 
 
 def window(group_version: int, version_now: int, limits: Limits) -> range:

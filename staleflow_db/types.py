@@ -1,5 +1,6 @@
 """Plain values passed in and out of protocol operations (shared by the database
-implementation and the reference model)."""
+implementation and the reference model). The run configuration is `workers.wire.run_config`'s
+`RunConfig`, re-exported here."""
 
 from __future__ import annotations
 
@@ -7,49 +8,20 @@ import uuid
 from dataclasses import KW_ONLY, dataclass
 
 from workers.wire.enums import GroupState, SegmentKind
+from workers.wire.run_config import RunConfig
 from workers.wire.types import RouteOutcome
 
 from .errors import InvalidInput
 
+__all__ = ["GroupOutcome", "Report", "RouteResult", "RunConfig", "check_config"]
 
-@dataclass
-class RunConfig:
-    batch_size: int  # B
-    group_size: int  # N
-    eta: int  # staleness bound
-    # B' >= B (batch-level redundancy) and N' >= N (group-level redundancy). Left out (0, or None
-    # as the API passes it) they are B and N, filled in at construction so readers see ints.
-    buffer_capacity: int = 0
-    samples_per_group: int = 0
-    max_response_tokens: int = 1024
-    max_prompt_tokens: int = 1024
-    dapo_filter: bool = False
 
-    def __post_init__(self) -> None:
-        if not self.buffer_capacity:
-            self.buffer_capacity = self.batch_size
-        if not self.samples_per_group:
-            self.samples_per_group = self.group_size
-
-    def validate(self) -> None:
-        problems = []
-        if self.batch_size < 1:
-            problems.append("batch_size (B) must be >= 1")
-        if self.group_size < 1:
-            problems.append("group_size (N) must be >= 1")
-        if self.eta < 0:
-            problems.append("eta must be >= 0")
-        if self.buffer_capacity < self.batch_size:
-            problems.append("buffer_capacity (B') must be >= batch_size (B)")
-        if self.samples_per_group < self.group_size:
-            problems.append("samples_per_group (N') must be >= group_size (N)")
-        if self.dapo_filter and self.group_size < 2:
-            # one reward is always "all equal": the filter would drop every group, nothing trains
-            problems.append("dapo_filter needs group_size (N) >= 2")
-        if self.max_response_tokens < 1 or self.max_prompt_tokens < 1:
-            problems.append("token limits must be >= 1")
-        if problems:
-            raise InvalidInput("; ".join(problems))
+def check_config(config: RunConfig) -> None:
+    """InvalidInput naming every problem of `config` (`RunConfig.problems`): the refusal of a
+    run's creation, in the database and in the reference model alike."""
+    problems = config.problems()
+    if problems:
+        raise InvalidInput("; ".join(problems))
 
 
 @dataclass

@@ -87,9 +87,12 @@ def start_ps(cluster: Any, tmp_path: Path) -> str:
     return f"{ps['host']}:{ps['port']}"
 
 
-def spawn_hf_workers(cluster: Any, run: int, folder: Path, ps_addr: str, tokens: dict[str, str]) -> None:
+def spawn_hf_workers(
+    cluster: Any, run: int, folder: Path, ps_addr: str, tokens: dict[str, str], rollout_args: list[str] | None = None
+) -> None:
     """Everything but the trainer in `cluster`: a reward worker (repeat verifier), an `hf`
-    rollout worker on the model folder pulling from the PS, and the coordinator."""
+    rollout worker on the model folder pulling from the PS (plus `rollout_args`), and the
+    coordinator."""
     common = ["--run", str(run)]
     cluster.spawn(
         "reward", ["reward-worker", *common, "--verifier", "repeat"], env={"STALEFLOW_TOKEN": tokens["reward"]}
@@ -97,7 +100,7 @@ def spawn_hf_workers(cluster: Any, run: int, folder: Path, ps_addr: str, tokens:
     cluster.spawn(
         "rollout",
         ["rollout-worker", *common, "--engine", "hf", "--model", str(folder), "--ps", ps_addr]
-        + ["--kv-capacity", "1024", "--heartbeat", "0.5"],
+        + ["--kv-capacity", "1024", "--heartbeat", "0.5", *(rollout_args or [])],
         env={"STALEFLOW_TOKEN": tokens["rollout"]},
     )
     cluster.spawn(

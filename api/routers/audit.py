@@ -30,7 +30,7 @@ def _audit_view(view: str, model: type[TrainedSamples | DroppedSamples | Violati
         offset: Offset = 0,
         who: Principal = Auditor,
     ) -> Any:
-        return model.model_validate({"rows": state.protocol.audit(view, run_filter(who, run_id), limit, offset)})
+        return model.model_validate({"rows": state.protocol.reads.audit(view, run_filter(who, run_id), limit, offset)})
 
     read.__doc__ = doc  # the endpoint's description in the OpenAPI schema
     router.get(f"/{view}", response_model=model, name=view)(read)

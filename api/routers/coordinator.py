@@ -65,7 +65,7 @@ def snapshot(
     body: _SnapshotJson = {
         "run_id": snap.run_id,
         "version": snap.version,
-        "config": snap.config,
+        "config": snap.config.as_dict(),
         "buffers": [
             SnapshotBufferOut(index=i, occupied=b.occupied, reserved=b.reserved)
             for i, b in sorted(snap.buffers.items())

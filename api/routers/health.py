@@ -38,7 +38,7 @@ def readyz(state: State, request: Request) -> JSONResponse:
     expected = state.schema_head
     watch = getattr(request.app.state, "database_watch", None)
     try:
-        rev = state.protocol.schema_revision()
+        rev = state.protocol.reads.schema_revision()
         reachable = True
     except Exception as exc:
         rev, reachable = None, False

@@ -47,7 +47,7 @@ def create_run(
 
     def call(conn: Connection) -> RunOut:
         run_id = state.protocol.create_run(body.name, cfg, conn=conn)
-        return from_data(RunOut, state.protocol.get_run(run_id, conn=conn))
+        return from_data(RunOut, state.protocol.reads.get_run(run_id, conn=conn))
 
     out, _ = state.protocol.once(scoped_key(key, "runs"), "create_run", body, call, RunOut)
     return out
@@ -61,14 +61,14 @@ def list_runs(
     offset: Offset = 0,
 ) -> RunList:
     """Runs by id; a run-scoped token sees only its own."""
-    runs = state.protocol.list_runs(run_filter(who, None), limit, offset)
+    runs = state.protocol.reads.list_runs(run_filter(who, None), limit, offset)
     return from_data(RunList, {"runs": runs})
 
 
 @router.get("/runs/{run_id}", response_model=RunStatus, responses=errors(404), tags=["runs"])
 def run_status(run_id: RunId, state: State, who: Principal = Depends(allow_run(*RUN_ROLES))) -> RunStatus:
     """Version, buffers with their states, sample and group counts, queue by version."""
-    return RunStatus.model_validate(state.protocol.status(run_id))
+    return RunStatus.model_validate(state.protocol.reads.status(run_id))
 
 
 @router.get("/runs/{run_id}/versions", response_model=ParamVersionList, responses=errors(404), tags=["runs"])
@@ -79,7 +79,7 @@ def param_versions(
     who: Principal = Depends(allow_run(*RUN_ROLES)),
 ) -> ParamVersionList:
     """Published parameter versions, newest first (size, checksum, where to pull them)."""
-    return from_data(ParamVersionList, {"versions": state.protocol.param_versions(run_id, limit)})
+    return from_data(ParamVersionList, {"versions": state.protocol.reads.param_versions(run_id, limit)})
 
 
 @router.post(

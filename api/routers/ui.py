@@ -111,7 +111,7 @@ def logout() -> Response:
 def runs_page(state: State, who: PageViewer) -> HTMLResponse:
     if who is None:
         return _refused("/ui")
-    runs = state.protocol.list_runs(run_filter(who, None), 500, 0)
+    runs = state.protocol.reads.list_runs(run_filter(who, None), 500, 0)
     return HTMLResponse(pages.runs_page(jsonable_encoder(runs)))
 
 
@@ -121,7 +121,7 @@ def run_page(run_id: RunId, state: State, who: PageViewer) -> HTMLResponse:
         return _refused(f"/ui/runs/{run_id}")
     if not who.may_use_run(run_id):
         raise HTTPException(403, f"this token is limited to run {who.run_id}")
-    return HTMLResponse(pages.run_page(run_id, state.protocol.get_run(run_id).name))
+    return HTMLResponse(pages.run_page(run_id, state.protocol.reads.get_run(run_id).name))
 
 
 @router.get("/ui/static/{name}", include_in_schema=False)
@@ -141,13 +141,13 @@ def dashboard(
     """Every panel of the run's dashboard in one consistent read (`audit`: with the verdict of
     the complete audit, which scans every segment)."""
     panels = DASHBOARD_PANELS + (("audit",) if audit else ())
-    data: dict[str, Any] = jsonable_encoder(state.protocol.dashboard(run_id, panels))
+    data: dict[str, Any] = jsonable_encoder(state.protocol.reads.dashboard(run_id, panels))
     return data
 
 
 async def _stream_viewer(run_id: RunId, state: State, who: RunViewer) -> Principal:
     """401/403, then 404 for an unknown run: answered before the stream (and its 200) starts."""
-    await run_in_threadpool(state.protocol.get_run, run_id)
+    await run_in_threadpool(state.protocol.reads.get_run, run_id)
     return who
 
 
@@ -167,7 +167,7 @@ async def stream(
         panels: tuple[str, ...] = DASHBOARD_PANELS
         if time.monotonic() - audited_at >= AUDIT_EVERY_S:
             panels, audited_at = (*panels, "audit"), time.monotonic()
-        data = await run_in_threadpool(state.protocol.dashboard, run_id, panels)
+        data = await run_in_threadpool(state.protocol.reads.dashboard, run_id, panels)
         audit = data.setdefault("audit", audit)
         body = json.dumps(jsonable_encoder(data), separators=(",", ":"))
         # an unchanged dashboard sends a comment, which also finds a closed connection
@@ -179,6 +179,6 @@ async def stream(
 @router.get("/v1/runs/{run_id}/dashboard/{panel}", responses=errors(404), tags=["dashboard"])
 def panel(run_id: RunId, panel: Panel, state: State, who: RunViewer) -> dict[str, Any]:
     """One panel: steps, staleness, instances, queue, coordinator, drops or audit."""
-    data = state.protocol.dashboard(run_id, (panel,))
+    data = state.protocol.reads.dashboard(run_id, (panel,))
     body: dict[str, Any] = jsonable_encoder({"run": data["run"], panel: data[panel]})
     return body

@@ -8,15 +8,15 @@ from typing import Any
 
 from fastapi.encoders import jsonable_encoder
 
-from staleflow_db.protocol import Protocol
+from staleflow_db.protocol import ProtocolReads
 from staleflow_db.protocol.reads import DASHBOARD_PANELS
 
 from .pages import run_page
 
 
-def dashboard_data(protocol: Protocol, run_id: int) -> dict[str, Any]:
+def dashboard_data(reads: ProtocolReads, run_id: int) -> dict[str, Any]:
     """Every panel and the complete audit, as the live page receives them."""
-    data: dict[str, Any] = jsonable_encoder(protocol.dashboard(run_id, (*DASHBOARD_PANELS, "audit")))
+    data: dict[str, Any] = jsonable_encoder(reads.dashboard(run_id, (*DASHBOARD_PANELS, "audit")))
     return data
 
 

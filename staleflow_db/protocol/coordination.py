@@ -1,6 +1,7 @@
 """Coordinator side: leadership by an expiring leader epoch (table leader_epochs), the per-cycle snapshot (one short
-read-only transaction) and the per-cycle commands (one write transaction, fenced by the
-leader's epoch so a deposed leader cannot clobber state)."""
+read-only transaction) and the commands: interrupts, pulls, and a cycle's routes (`routing`),
+interrupts and pulls in one write transaction, fenced by the leader's epoch so a deposed
+leader cannot clobber state. The coordinator's other commands are the drops (`aborts`)."""
 
 from __future__ import annotations
 
@@ -15,9 +16,8 @@ from sqlalchemy import Connection
 from .. import notify, queries
 from ..errors import Conflict, InvalidInput, NotFound
 from ..idempotency import transactional
-from ..types import RouteResult
-from .base import RunRow, RunTx, TxMixin, load_run
-from .rollout import check_batch, check_found, check_unique, interrupt_running
+from ..types import RouteResult, RunConfig
+from .core import RunRow, RunTx, TxMixin, check_batch, check_epoch, check_found, check_unique, load_run
 from .routing import route_in, route_read
 
 
@@ -61,7 +61,7 @@ class QueuedView:
 class Snapshot:
     run_id: int
     version: int
-    config: dict[str, int | bool]
+    config: RunConfig
     buffers: dict[int, BufferView]  # by index, unconsumed only
     instances: list[InstanceView]
     # the queued samples as decoded: arrays in QueuedView's field order (the coordinator builds
@@ -119,6 +119,17 @@ class CoordinationOps(TxMixin):
             check_epoch(conn, run_id, epoch, holder)
 
     @transactional
+    def interrupt(
+        self, run_id: int, sample_ids: Sequence[int], epoch: int | None = None, *, conn: Connection | None = None
+    ) -> int:
+        """Ask the instances running these samples to interrupt them (they report what they
+        have); returns how many were running. `epoch`: the coordinator's, kept on the commands."""
+        check_unique(sample_ids, "sample", "interrupt")
+        with self.tx(conn) as conn:
+            load_run(conn, run_id, lock=False)
+            return interrupt_running(conn, run_id, sample_ids, epoch)
+
+    @transactional
     def pull(
         self,
         run_id: int,
@@ -173,7 +184,7 @@ class CoordinationOps(TxMixin):
         return Snapshot(
             run_id,
             run.version,
-            run.config(),
+            run.config,
             {idx: BufferView(o, r) for idx, o, r in got[1] or ()},
             [InstanceView(i, n, v, snap or {}, age, running.get(i, [])) for i, n, v, snap, age in got[2] or ()],
             got[4] or [],
@@ -278,15 +289,17 @@ class CoordinationOps(TxMixin):
                 raise Conflict([(epoch, "not the coordinator of this run (leadership lost or expired)")])
 
 
-def check_epoch(conn: Connection, run_id: int, epoch: int, holder: str | None = None) -> None:
-    """The coordinator fence (ENGINEERING pattern 9): `epoch` (and `holder`, when given) must be
-    the run's live leader epoch. FOR SHARE holds off a takeover until this transaction commits."""
-    leader = conn.execute(queries.text("check_epoch"), {"run": run_id}).first()
-    current = None if leader is None else leader.epoch
-    if holder is not None and (leader is None or leader.holder != holder or current != epoch):
-        raise Conflict([(epoch, "not the coordinator of this run (leadership lost or expired)")])
-    if current != epoch:
-        raise Conflict([(epoch, f"coordinator epoch {epoch} is not the run's current leader epoch ({current})")])
+def interrupt_running(conn: Connection, run_id: int, sample_ids: Sequence[int], epoch: int | None) -> int:
+    """Queue interrupt commands for those of the samples that are running; returns how many.
+    A sample that is not in the run (unknown, or another run's) is NotFound, as everywhere."""
+    # One statement reads the samples and queues the commands (a decision-delay round trip
+    # less for the coordinator); one not found rolls the whole transaction back.
+    rows = conn.execute(
+        queries.text("interrupt_running"),
+        {"run": run_id, "ids": list(sample_ids), "epoch": epoch},
+    ).all()
+    check_found(run_id, sample_ids, {r.id for r in rows})
+    return sum(r.running for r in rows)
 
 
 def queue_pulls(conn: Connection, run_id: int, pulls: Sequence[tuple[int, int]], epoch: int | None) -> list[int]:

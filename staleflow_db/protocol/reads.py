@@ -1,5 +1,7 @@
-"""Reads outside the protocol transitions: run lists, parameter versions, instance owners, the
-audit views and the figures for /metrics, as named rows. Each is one short transaction."""
+"""The read side: run lists and status, parameter versions, instance owners, the audit views,
+the figures for /metrics and the dashboard's panels, as named rows. `ProtocolReads` never
+writes: each method is one short transaction (or runs in the caller's) of SELECTs only, and
+tests/db/test_protocol_reads.py runs every one on a read-only session."""
 
 from __future__ import annotations
 
@@ -13,7 +15,8 @@ from sqlalchemy import Connection, Row
 from .. import queries
 from ..errors import NotFound
 from ..idempotency import transactional
-from .base import RunRow, TxMixin, load_run
+from ..rules import buffer_state
+from .core import RunRow, TxMixin, load_run, read_buffers
 
 
 @dataclass(frozen=True)
@@ -64,10 +67,38 @@ AUDIT_VIEWS = ("trained", "dropped", "violations")
 
 def _run_info(row: Row[Any]) -> RunInfo:
     run = RunRow.of(row._mapping)
-    return RunInfo(run.id, row.name, run.version, row.created_at, run.config())
+    return RunInfo(run.id, row.name, run.version, row.created_at, run.as_dict())
 
 
-class ReadOps(TxMixin):
+# ---- the dashboard (api/routers/ui.py): one panel per read, each a read-only transaction ------
+
+DASHBOARD_PANELS = ("steps", "staleness", "instances", "queue", "coordinator", "drops")
+
+# A panel is named queries (`panel_<panel>_<rows>` in reads.sql), bound to :run and :n (the
+# steps asked for); it returns their rows by those names, reshaped where `_PANEL_SHAPES` says.
+_PANEL_QUERIES: dict[str, tuple[str, ...]] = {
+    "steps": ("steps", "instance_versions", "reward_metrics"),
+    "staleness": ("histogram", "buffers"),
+    "instances": ("instances",),
+    "queue": ("levels", "samples"),
+    "coordinator": ("cycles", "commands"),
+    "drops": ("reasons",),
+    "audit": ("violations",),
+}
+_PanelRows = dict[str, list[dict[str, Any]]]
+_PANEL_SHAPES: dict[str, Callable[[_PanelRows], dict[str, Any]]] = {
+    "steps": lambda rows: rows | {"steps": rows["steps"][::-1]},  # queried newest first, for LIMIT
+    "queue": lambda rows: rows | {"samples": {r["state"]: r["n"] for r in rows["samples"]}},
+    "coordinator": lambda rows: rows | {"cycles": rows["cycles"][::-1]},
+    "audit": lambda rows: rows | {"ok": not rows["violations"]},
+}
+
+
+def _rows(conn: Connection, name: str, **params: Any) -> list[dict[str, Any]]:
+    return [dict(r._mapping) for r in conn.execute(queries.text(name), params).all()]
+
+
+class ProtocolReads(TxMixin):
     @transactional
     def list_runs(
         self, run_id: int | None, limit: int, offset: int, *, conn: Connection | None = None
@@ -132,36 +163,31 @@ class ReadOps(TxMixin):
             lock_waits = c.execute(queries.text("metrics_lock_waits")).all()
         return MetricsRows(runs, queued, buffers, staleness, instances, dropped, cycles, lock_waits)
 
+    def status(self, run_id: int) -> dict[str, Any]:
+        """Versions, buffers and in-flight counts, from one consistent read-only view."""
+        with self.engine.connect() as conn, conn.begin():
+            conn.execute(queries.text("read_only_snapshot"))
+            run = load_run(conn, run_id, lock=False)
+            buffers = read_buffers(conn, run_id, max(0, run.version - 1))
+            by_run = {"run": run_id}
+            samples: dict[str, int] = dict(conn.execute(queries.text("status_samples"), by_run).all())
+            groups: dict[str, int] = dict(conn.execute(queries.text("status_groups"), by_run).all())
+            queued = conn.execute(queries.text("status_queued"), by_run).all()
+            instances = conn.execute(queries.text("status_instances"), by_run).scalar()
+        return {
+            "run_id": run_id,
+            "version": run.version,
+            "config": run.as_dict(),
+            "buffers": [
+                {"index": b.index, "occupied": b.occupied, "reserved": b.reserved, "state": buffer_state(b, run.limits)}
+                for b in buffers
+            ],
+            "samples": samples,
+            "groups": groups,
+            "queued_by_version": [{"v_traj": v, "count": n} for v, n in queued],
+            "active_instances": instances,
+        }
 
-# ---- the dashboard (api/routers/ui.py): one panel per read, each a read-only transaction ------
-
-DASHBOARD_PANELS = ("steps", "staleness", "instances", "queue", "coordinator", "drops")
-
-# A panel is named queries (`panel_<panel>_<rows>` in reads.sql), bound to :run and :n (the
-# steps asked for); it returns their rows by those names, reshaped where `_PANEL_SHAPES` says.
-_PANEL_QUERIES: dict[str, tuple[str, ...]] = {
-    "steps": ("steps", "instance_versions", "reward_metrics"),
-    "staleness": ("histogram", "buffers"),
-    "instances": ("instances",),
-    "queue": ("levels", "samples"),
-    "coordinator": ("cycles", "commands"),
-    "drops": ("reasons",),
-    "audit": ("violations",),
-}
-_PanelRows = dict[str, list[dict[str, Any]]]
-_PANEL_SHAPES: dict[str, Callable[[_PanelRows], dict[str, Any]]] = {
-    "steps": lambda rows: rows | {"steps": rows["steps"][::-1]},  # queried newest first, for LIMIT
-    "queue": lambda rows: rows | {"samples": {r["state"]: r["n"] for r in rows["samples"]}},
-    "coordinator": lambda rows: rows | {"cycles": rows["cycles"][::-1]},
-    "audit": lambda rows: rows | {"ok": not rows["violations"]},
-}
-
-
-def _rows(conn: Connection, name: str, **params: Any) -> list[dict[str, Any]]:
-    return [dict(r._mapping) for r in conn.execute(queries.text(name), params).all()]
-
-
-class DashboardReads(TxMixin):
     def dashboard(self, run_id: int, panels: Sequence[str] = DASHBOARD_PANELS, steps: int = 200) -> dict[str, Any]:
         """The run and the named panels (`DASHBOARD_PANELS`, plus "audit": the complete audit,
         which scans every segment, so callers ask for it sparingly); one snapshot of the run."""
@@ -171,7 +197,7 @@ class DashboardReads(TxMixin):
             row = c.execute(queries.text("dashboard_run"), {"run": run_id}).one()
             out: dict[str, Any] = {
                 "run": {"id": run.id, "name": row.name, "created_at": row.created_at, "version": run.version}
-                | run.config()
+                | run.as_dict()
             }
             for panel in panels:
                 if panel not in _PANEL_QUERIES:

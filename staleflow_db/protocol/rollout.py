@@ -1,35 +1,25 @@
-"""Rollout side of the protocol: runs, prompts, instances, routing (Reserve), segment reports
-and work delivery."""
+"""Rollout side of the protocol: instances and their leases (register, heartbeat, deregister,
+the expiry sweep), work delivery (poll) and segment reports, each fenced by the instance's
+lease and, for a report, by the route's attempt and secret route token."""
 
 from __future__ import annotations
 
 import json
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy import Connection
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy import Connection, Row
 
-from workers.wire.types import RouteOutcome
+from workers.wire.enums import SegmentKind
 
 from .. import queries
 from ..errors import Conflict, InvalidInput, NotFound, TooLarge
 from ..idempotency import transactional
-from ..types import Report, RouteResult, RunConfig
-from .base import TxMixin, load_run, under_run_lock
-from .events import Event, log_events
-from .fencing import check_live, report_in
-from .routing import route_in, route_read, route_tokens
-
-MAX_BATCH = 10_000  # items per call: larger batches hold the run lock too long
-
-
-@dataclass
-class Prompt:
-    client_key: str
-    prompt_tokens: list[int]
-    meta: dict[str, Any] = field(default_factory=dict)
+from ..types import Report
+from .core import RunRow, TxMixin, check_batch, check_live, load_run, route_lost
+from .events import Event, events_params, log_events
 
 
 @dataclass
@@ -65,58 +55,7 @@ class Poll:
     commands: list[Command] = field(default_factory=list)
 
 
-def check_batch(items: Sequence, what: str) -> None:
-    if len(items) > MAX_BATCH:
-        raise TooLarge(f"{len(items)} {what} in one call (at most {MAX_BATCH})")
-
-
-def check_unique(ids: Sequence[int], what: str, call: str) -> None:
-    """InvalidInput naming the first id that appears twice in one batch."""
-    seen: set[int] = set()
-    for i in ids:
-        if i in seen:
-            raise InvalidInput(f"{what} {i} appears twice in one {call} batch")
-        seen.add(i)
-
-
 class RolloutOps(TxMixin):
-    # ---- runs and prompts ------------------------------------------------------------------
-
-    @transactional
-    def create_run(self, name: str, config: RunConfig, *, conn: Connection | None = None) -> int:
-        config.validate()
-        if not name or len(name) > 200:
-            raise InvalidInput("run name must have 1..200 characters")
-        with self.tx(conn) as conn:
-            try:
-                with conn.begin_nested():
-                    run_id = conn.execute(
-                        queries.text("create_run"),
-                        {
-                            "name": name,
-                            "B": config.batch_size,
-                            "Bc": config.buffer_capacity,
-                            "N": config.group_size,
-                            "Nc": config.samples_per_group,
-                            "eta": config.eta,
-                            "mr": config.max_response_tokens,
-                            "mp": config.max_prompt_tokens,
-                            "f": config.dapo_filter,
-                        },
-                    ).scalar_one()
-            except IntegrityError:
-                raise Conflict([(0, f"a run named {name!r} exists already")]) from None
-            log_events(conn, run_id, [Event("run_created", data={"name": name})])
-            return run_id
-
-    @transactional
-    def enqueue(self, run_id: int, prompts: Sequence[Prompt], *, conn: Connection | None = None) -> list[int]:
-        """Group ids for the prompts, in order; a client key seen before returns its group."""
-        check_batch(prompts, "prompts")
-        with self.tx(conn) as conn:
-            run = load_run(conn, run_id, lock=False)
-            return enqueue_prompts(conn, run, prompts)
-
     # ---- instances -------------------------------------------------------------------------
 
     @transactional
@@ -136,7 +75,7 @@ class RolloutOps(TxMixin):
             run = load_run(conn, run_id, lock=False)
             if not 0 <= version <= run.version:
                 raise InvalidInput(f"instance version {version} outside 0..{run.version}")
-            iid = conn.execute(
+            iid: int = conn.execute(
                 queries.text("register_instance"),
                 {"run": run_id, "name": name, "v": version, "ttl": lease_seconds, "tok": token_id},
             ).scalar_one()
@@ -150,7 +89,7 @@ class RolloutOps(TxMixin):
         self,
         instance_id: int,
         version: int,
-        snapshot: dict | None = None,
+        snapshot: dict[str, Any] | None = None,
         lease_seconds: float = 30.0,
         *,
         conn: Connection | None = None,
@@ -202,29 +141,6 @@ class RolloutOps(TxMixin):
             log_events(conn, row.run_id, [Event("instance_deregistered", instance=instance_id)])
             return requeue_fenced(conn, row.run_id, "instance_deregistered", [instance_id])
 
-    # ---- route (Reserve) -------------------------------------------------------------------
-
-    @transactional
-    def route(
-        self,
-        run_id: int,
-        pairs: Sequence[tuple[int, int]],
-        request_id: str | None = None,
-        *,
-        conn: Connection | None = None,
-    ) -> list[RouteResult]:
-        """Route queued samples to instances; the group's first member reserves a buffer entry."""
-        check_batch(pairs, "routes")
-        tokens = route_tokens(len(pairs))
-        return self.idempotent(
-            request_id,
-            "route",
-            under_run_lock(run_id, lambda rtx: route_in(rtx, pairs, tokens), route_read(pairs)),
-            lambda stored: [RouteResult(**{**r, "outcome": RouteOutcome(r["outcome"])}) for r in stored],
-            body=[run_id, pairs],
-            conn=conn,
-        )
-
     # ---- segments --------------------------------------------------------------------------
 
     @transactional
@@ -234,9 +150,10 @@ class RolloutOps(TxMixin):
         """Append segments, each fenced by its reporting instance (routed to it, lease live),
         attempt and route token; all or nothing. Returns the number applied."""
         check_batch(reports, "reports")
-        return self.idempotent(
+        applied: int = self.idempotent(
             request_id, "report", lambda c: report_in(c, run_id, reports), int, body=[run_id, reports], conn=conn
         )
+        return applied
 
     @transactional
     def poll_work(self, instance_id: int, limit: int = 1000, *, conn: Connection | None = None) -> Poll:
@@ -271,82 +188,6 @@ class RolloutOps(TxMixin):
             cmds = conn.execute(queries.text("deliver_commands"), {"i": instance_id}).all()
             return Poll(work, sorted((Command(**c._mapping) for c in cmds), key=lambda c: c.id))
 
-    @transactional
-    def interrupt(
-        self, run_id: int, sample_ids: Sequence[int], epoch: int | None = None, *, conn: Connection | None = None
-    ) -> int:
-        """Ask the instances running these samples to interrupt them (they report what they
-        have); returns how many were running. `epoch`: the coordinator's, kept on the commands."""
-        check_unique(sample_ids, "sample", "interrupt")
-        with self.tx(conn) as conn:
-            load_run(conn, run_id, lock=False)
-            return interrupt_running(conn, run_id, sample_ids, epoch)
-
-
-def interrupt_running(conn: Connection, run_id: int, sample_ids: Sequence[int], epoch: int | None) -> int:
-    """Queue interrupt commands for those of the samples that are running; returns how many.
-    A sample that is not in the run (unknown, or another run's) is NotFound, as everywhere."""
-    # One statement reads the samples and queues the commands (a decision-delay round trip
-    # less for the coordinator); one not found rolls the whole transaction back.
-    rows = conn.execute(
-        queries.text("interrupt_running"),
-        {"run": run_id, "ids": list(sample_ids), "epoch": epoch},
-    ).all()
-    check_found(run_id, sample_ids, {r.id for r in rows})
-    return sum(r.running for r in rows)
-
-
-def check_found(run_id: int, sample_ids: Sequence[int], found: set[int]) -> None:
-    missing = [sid for sid in sample_ids if sid not in found]
-    if missing:
-        raise NotFound(f"sample {missing[0]} in run {run_id}")
-
-
-def enqueue_prompts(
-    conn: Connection, run, prompts: Sequence[Prompt], replacement_of: Sequence[int] | None = None
-) -> list[int]:
-    for p in prompts:
-        if not p.client_key or len(p.client_key) > 500:
-            raise InvalidInput("client_key must have 1..500 characters")
-        if replacement_of is None and p.client_key.startswith("~"):
-            raise InvalidInput(f"client_key {p.client_key!r}: keys starting with '~' are reserved for replacements")
-        if not 1 <= len(p.prompt_tokens) <= run.max_prompt_tokens:
-            raise InvalidInput(
-                f"prompt {p.client_key!r}: {len(p.prompt_tokens)} tokens (allowed 1..{run.max_prompt_tokens})"
-            )
-        if any(not isinstance(t, int) or t < 0 or t >= 2**31 for t in p.prompt_tokens):
-            raise InvalidInput(f"prompt {p.client_key!r}: token ids must be integers in 0..2^31-1")
-    if len({p.client_key for p in prompts}) != len(prompts):
-        raise InvalidInput("a client_key appears twice in one batch")
-    payload = json.dumps(
-        [
-            {
-                "o": i,
-                "k": p.client_key,
-                "t": p.prompt_tokens,
-                "m": p.meta,
-                "r": replacement_of[i] if replacement_of else None,
-            }
-            for i, p in enumerate(prompts)
-        ]
-    )
-    created = conn.execute(
-        queries.text("enqueue_groups"),
-        {"run": run.id, "p": payload, "n": run.samples_per_group},
-    ).all()
-    log_events(conn, run.id, [Event("group_enqueued", group=gid) for gid, _ in created])
-    ids = dict((k, g) for g, k in created)
-    missing = [p.client_key for p in prompts if p.client_key not in ids]
-    if missing:
-        ids.update(
-            (k, g)
-            for g, k in conn.execute(
-                queries.text("groups_by_key"),
-                {"run": run.id, "keys": missing},
-            ).all()
-        )
-    return [ids[p.client_key] for p in prompts]
-
 
 def requeue_fenced(conn: Connection, run_id: int, why: str, instance_ids: Sequence[int] | None = None) -> list[int]:
     """Samples running on fenced (non-active) instances of the run, or only on `instance_ids`
@@ -359,3 +200,146 @@ def requeue_fenced(conn: Connection, run_id: int, why: str, instance_ids: Sequen
         conn, run_id, [Event("sample_requeued", sample=s, instance=i, data={"why": why}) for s, i in sorted(rows)]
     )
     return sorted(s for s, _ in rows)
+
+
+# ---- segment reports ---------------------------------------------------------------------
+
+
+def report_in(conn: Connection, run_id: int, reports: Sequence[Report]) -> int:
+    """Apply a report batch (`RolloutOps.report`): all or nothing."""
+    run, quoted_tokens, fenced = _reporting_instances(conn, run_id, reports)
+    rows = _reported_samples(conn, run_id, [r.sample_id for r in reports])
+    _check_reports(run, reports, rows, quoted_tokens, fenced)
+    _write_reports(conn, run_id, reports, rows)
+    return len(reports)
+
+
+def _reporting_instances(
+    conn: Connection, run_id: int, reports: Sequence[Report]
+) -> tuple[RunRow, dict[int, uuid.UUID], dict[int, str]]:
+    """The run, the route token each report quotes (by sample; the batch checked: shape, kind,
+    token syntax) and why each fenced reporting instance is fenced. The run and the instances in one round trip; the instances
+    FOR SHARE in id order (lock order instances -> samples, as route and expiry): each must stay
+    active with a live lease until this report commits. A run with no such instance still
+    gives its one row."""
+    run_and_instances = conn.execute(
+        queries.text("report_run_and_instances"),
+        {"run": run_id, "ids": sorted({r.instance_id for r in reports})},
+    ).all()
+    if not run_and_instances:
+        raise NotFound(f"run {run_id}")
+    run = RunRow.of(run_and_instances[0]._mapping)
+    ids = [r.sample_id for r in reports]
+    if len(set(ids)) != len(ids):
+        raise InvalidInput("a sample appears twice in one report batch")
+    quoted_tokens = {}
+    for r in reports:
+        r.check_shape()
+        if r.kind not in tuple(SegmentKind):
+            raise InvalidInput(f"sample {r.sample_id}: unknown kind {r.kind!r}")
+        quoted_tokens[r.sample_id] = r.route_token_uuid()
+    fenced: dict[int, str] = {}
+    found = [r for r in run_and_instances if r.iid is not None]
+    for inst in found:
+        try:
+            check_live(inst.iid, inst.istate, inst.live)
+        except Conflict as e:
+            fenced[inst.iid] = e.items[0][1]
+    unknown = sorted({r.instance_id for r in reports} - {r.iid for r in found})
+    if unknown:
+        raise NotFound(f"instance {unknown[0]} in run {run_id}")
+    return run, quoted_tokens, fenced
+
+
+def _reported_samples(conn: Connection, run_id: int, ids: list[int]) -> dict[int, Row[Any]]:
+    """The batch's samples by id. Lock only the running rows: those are all a report can change.
+    A stale report naming a sample that moved on (scoring, aborted ...) must not wait on its
+    lock: with the run-locked record_rewards, which holds scoring rows and then locks their
+    groups' members, that wait closed a deadlock cycle. The rest are read unlocked, only to
+    refuse them."""
+    rows = {r.id: r for r in conn.execute(queries.text("report_lock_running"), {"run": run_id, "ids": ids}).all()}
+    missing = [i for i in ids if i not in rows]
+    if missing:
+        rows.update(
+            (r.id, r) for r in conn.execute(queries.text("report_read_others"), {"run": run_id, "ids": missing}).all()
+        )
+    return rows
+
+
+def _check_reports(
+    run: RunRow,
+    reports: Sequence[Report],
+    rows: dict[int, Row[Any]],
+    quoted_tokens: dict[int, uuid.UUID],
+    fenced: dict[int, str],
+) -> None:
+    """Each report holds its sample's route (else a Conflict for all of them) and stays in the
+    run's version range and response limit."""
+    conflicts = []
+    for r in reports:
+        s = rows.get(r.sample_id)
+        if s is None:
+            raise NotFound(f"sample {r.sample_id} in run {run.id}")
+        why = fenced.get(r.instance_id) or route_lost(
+            r, s.state, s.attempt, s.instance_id, s.route_token, quoted_tokens[r.sample_id]
+        )
+        if why:
+            conflicts.append((r.sample_id, why))
+            continue
+        floor = s.last_version if s.last_version is not None else s.v_traj
+        if not floor <= r.version <= run.version:
+            raise InvalidInput(f"sample {r.sample_id}: segment version {r.version} outside {floor}..{run.version}")
+        if s.n_tokens + len(r.tokens) > run.max_response_tokens:
+            raise TooLarge(f"sample {r.sample_id}: response over {run.max_response_tokens} tokens")
+    if conflicts:
+        raise Conflict(conflicts)
+
+
+_STATE_AFTER = {SegmentKind.FINISHED: "finished", SegmentKind.INTERRUPTED: "queued", SegmentKind.PARTIAL: "running"}
+
+
+def _write_reports(conn: Connection, run_id: int, reports: Sequence[Report], rows: dict[int, Row[Any]]) -> None:
+    """Segments, sample counters and events in ONE statement (three tables, disjoint rows): one
+    round trip instead of three. Composed (`queries.with_parts`): a batch with no tokens or no
+    events has no such part."""
+    events = [
+        Event(
+            f"sample_{SegmentKind(r.kind).value}",
+            sample=r.sample_id,
+            instance=r.instance_id,
+            data={"n": len(r.tokens), "v": r.version},
+        )
+        for r in reports
+        if r.kind != SegmentKind.PARTIAL
+    ]
+    ctes = []
+    params: dict[str, object] = {
+        "run": run_id,
+        "ids": [r.sample_id for r in reports],
+        "ns": [len(r.tokens) for r in reports],
+        "vs": [r.version for r in reports],
+        "sts": [_STATE_AFTER[SegmentKind(r.kind)] for r in reports],
+        "fs": [r.finish_reason for r in reports],
+    }
+    segs = [r for r in reports if r.tokens]
+    if segs:
+        ctes.append(queries.sql("report_segments"))
+        params["p"] = json.dumps(
+            [
+                {
+                    "s": r.sample_id,
+                    "q": rows[r.sample_id].n_segments,
+                    "v": r.version,
+                    "i": r.instance_id,
+                    "a": r.attempt,
+                    "t": r.tokens,
+                    "l": r.logprobs,
+                    "f": r.finish_reason,
+                }
+                for r in segs
+            ]
+        )
+    if events:
+        ctes.append(queries.prefixed("events_insert", "e_"))
+        params.update(events_params(run_id, events, "e_"))
+    conn.execute(queries.composed(queries.with_parts(ctes, queries.sql("report_samples"))), params)

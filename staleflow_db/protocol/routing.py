@@ -1,21 +1,68 @@
-"""Route (Reserve): queued samples onto instances in one batch under the run lock; a group's
-first routed member reserves a buffer entry (`rules.route_decision`)."""
+"""Route (Reserve), the coordinator's command: queued samples onto instances in one batch under
+the run lock; a group's first routed member reserves a buffer entry (`rules.route_decision`)."""
 
 from __future__ import annotations
 
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
-from types import SimpleNamespace
-from typing import Any
+from typing import NamedTuple
+
+from sqlalchemy import Connection
 
 from workers.wire.types import RouteOutcome
 
 from ..errors import InvalidInput, NotFound
+from ..idempotency import transactional
 from ..rules import group_version, route_decision
 from ..types import RouteResult
-from .base import LockedRead, RunTx
+from .core import LockedRead, RunTx, TxMixin, check_batch, under_run_lock
 from .events import Event
+
+
+class RoutingOps(TxMixin):
+    @transactional
+    def route(
+        self,
+        run_id: int,
+        pairs: Sequence[tuple[int, int]],
+        request_id: str | None = None,
+        *,
+        conn: Connection | None = None,
+    ) -> list[RouteResult]:
+        """Route queued samples to instances; the group's first member reserves a buffer entry."""
+        check_batch(pairs, "routes")
+        tokens = route_tokens(len(pairs))
+        results: list[RouteResult] = self.idempotent(
+            request_id,
+            "route",
+            under_run_lock(run_id, lambda rtx: route_in(rtx, pairs, tokens), route_read(pairs)),
+            lambda stored: [RouteResult(**{**r, "outcome": RouteOutcome(r["outcome"])}) for r in stored],
+            body=[run_id, pairs],
+            conn=conn,
+        )
+        return results
+
+
+class RouteInstance(NamedTuple):
+    """An instance of the batch as `route_read` reads it (FOR SHARE)."""
+
+    id: int
+    state: str
+    version: int
+    live: bool  # its lease has not run out
+
+
+class RouteSample(NamedTuple):
+    """A sample of the batch as `route_read` reads it (FOR UPDATE)."""
+
+    id: int
+    group_id: int
+    state: str
+    v_traj: int | None
+    n_tokens: int
+    last_version: int | None
+    attempt: int
 
 
 @dataclass
@@ -25,6 +72,20 @@ class RoutedGroup:
     state: str
     buffer: int | None
     version: int | None
+
+
+Member = tuple[str, int | None, int]  # a live member: (state, V_traj, response tokens)
+
+
+@dataclass
+class RouteRows:
+    """What `route_read` returned: the batch's instances and samples, their groups, and the
+    live members of the reserved ones."""
+
+    instances: dict[int, RouteInstance]
+    samples: dict[int, RouteSample]
+    groups: dict[int, RoutedGroup]
+    members: dict[int, dict[int, Member]]
 
 
 # Everything route reads, in ONE statement (`route_read` in rollout.sql), sent with the run
@@ -53,94 +114,114 @@ def route_tokens(n: int) -> list[str]:
 
 def route_in(rtx: RunTx, pairs: Sequence[tuple[int, int]], tokens: Sequence[str] | None = None) -> list[RouteResult]:
     """Route the batch; `tokens`: one route token per pair (`route_tokens`), else drawn here."""
-    run = rtx.run
     sample_ids = [p[0] for p in pairs]
     if len(set(sample_ids)) != len(sample_ids):
         raise InvalidInput("a sample appears twice in one route batch")
-    instances: dict[int, Any] = {}
-    samples: dict[int, Any] = {}
-    groups: dict[int, RoutedGroup] = {}
-    members: dict[int, dict[int, tuple[str, int | None, int]]] = {}
+    rows = _route_rows(rtx, pairs)
+    results: list[RouteResult] = []
+    routed: list[tuple[int, int, int]] = []  # (sample, V_traj, instance)
+    touched: set[int] = set()
+    for sid, iid in pairs:
+        result = _route_one(rtx, rows, rows.samples[sid], rows.instances[iid])
+        results.append(result)
+        if result.outcome == RouteOutcome.ROUTED:
+            assert result.v_traj is not None
+            touched.add(rows.samples[sid].group_id)
+            routed.append((sid, result.v_traj, iid))
+    if routed:
+        token = dict(zip(sample_ids, tokens if tokens is not None else route_tokens(len(pairs)), strict=True))
+        _write_routes(rtx, rows, results, routed, touched, token)
+    return results
+
+
+def _route_rows(rtx: RunTx, pairs: Sequence[tuple[int, int]]) -> RouteRows:
+    """The batch's rows from the read sent with the run lock; NotFound for one not in the run."""
+    rows = RouteRows({}, {}, {}, {})
     for kind, row in rtx.locked_read(route_read(pairs)):
         if kind == "i":
-            instances[row["id"]] = SimpleNamespace(**row)
+            rows.instances[row["id"]] = RouteInstance(**row)
         elif kind == "s":
-            samples[row["id"]] = SimpleNamespace(**row)
+            rows.samples[row["id"]] = RouteSample(**row)
         else:
-            groups.setdefault(row["id"], RoutedGroup(row["state"], row["reserved_buffer"], row["min_version"]))
+            rows.groups.setdefault(row["id"], RoutedGroup(row["state"], row["reserved_buffer"], row["min_version"]))
             if row["mid"] is not None:
-                members.setdefault(row["id"], {})[row["mid"]] = (row["mstate"], row["mv"], row["mn"])
+                rows.members.setdefault(row["id"], {})[row["mid"]] = (row["mstate"], row["mv"], row["mn"])
     for sid, iid in pairs:
-        if sid not in samples:
-            raise NotFound(f"sample {sid} in run {run.id}")
-        if iid not in instances:
-            raise NotFound(f"instance {iid} in run {run.id}")
-    results, routed, touched = [], [], set()
-    for sid, iid in pairs:
-        sample, inst = samples[sid], instances[iid]
-        gid = sample.group_id
-        g = groups[gid]
-        if sample.state != "queued":
-            results.append(RouteResult(sid, RouteOutcome.NOT_QUEUED))
-            continue
-        if inst.state != "active" or not inst.live:  # a lapsed lease is fenced before any sweep
-            results.append(RouteResult(sid, RouteOutcome.INSTANCE_INACTIVE))
-            continue
-        if g.state not in ("queued", "reserved"):
-            results.append(RouteResult(sid, RouteOutcome.GROUP_CLOSED))
-            continue
-        # the group rows (locked above) carry the reservation: route moves none, so no need to
-        # read all of the run's reservations inside the serial section
-        reserved_at = g.buffer if g.state == "reserved" else None
-        live = members.setdefault(gid, {})
-        outcome, v, b = route_decision(
-            sample.n_tokens > 0,
-            sample.v_traj,
-            sample.last_version,
-            inst.version,
-            reserved_at,
-            rtx.buffers,
-            run.version,
-            run.limits,
-        )
-        if outcome != RouteOutcome.ROUTED:
-            results.append(RouteResult(sid, RouteOutcome(outcome)))
-            continue
-        live[sid] = ("running", v, sample.n_tokens)
-        g.version = group_version(live.values())  # raised if this member was the oldest (version raise)
-        if b is not None:
-            g.state, g.buffer = "reserved", b
-            rtx.add_reservation(gid, b, g.version)
-            rtx.events.append(Event("group_reserved", group=gid, buffer=b, data={"version": v}))
-        else:
-            rtx.set_group_version(gid, g.version)
-        touched.add(gid)
-        routed.append((sid, v, iid))
-        results.append(RouteResult(sid, RouteOutcome.ROUTED, None, v, g.buffer))
-    if routed:
-        # Written with the flush, not on round trips of their own. Every route gets a fresh
-        # secret route token (`route_tokens`) and counts the attempt from the row locked above,
-        # so the results need no RETURNING.
-        token = dict(zip(sample_ids, tokens if tokens is not None else route_tokens(len(pairs)), strict=True))
-        routes = {sid: (samples[sid].attempt + 1, token[sid]) for sid, _, _ in routed}
-        rtx.defer(
-            "route_samples",
-            {
-                "ids": [r[0] for r in routed],
-                "vs": [r[1] for r in routed],
-                "is": [r[2] for r in routed],
-                "as": [routes[r[0]][0] for r in routed],
-                "ts": [routes[r[0]][1] for r in routed],
-            },
-        )
-        tg = sorted(touched)
-        rtx.defer(
-            "route_groups",
-            {"ids": tg, "bs": [groups[g].buffer for g in tg], "mvs": [groups[g].version for g in tg]},
-            groups=tg,
-        )
-        for r in results:
-            if r.outcome == RouteOutcome.ROUTED:
-                r.attempt, r.route_token = routes[r.sample_id]
-        rtx.events.extend(Event("sample_routed", sample=sid, instance=iid, data={"v": v}) for sid, v, iid in routed)
-    return results
+        if sid not in rows.samples:
+            raise NotFound(f"sample {sid} in run {rtx.run.id}")
+        if iid not in rows.instances:
+            raise NotFound(f"instance {iid} in run {rtx.run.id}")
+    return rows
+
+
+def _route_one(rtx: RunTx, rows: RouteRows, sample: RouteSample, inst: RouteInstance) -> RouteResult:
+    """One pair of the batch, in order: its outcome, and if routed, its group's new state."""
+    run = rtx.run
+    gid = sample.group_id
+    g = rows.groups[gid]
+    if sample.state != "queued":
+        return RouteResult(sample.id, RouteOutcome.NOT_QUEUED)
+    if inst.state != "active" or not inst.live:  # a lapsed lease is fenced before any sweep
+        return RouteResult(sample.id, RouteOutcome.INSTANCE_INACTIVE)
+    if g.state not in ("queued", "reserved"):
+        return RouteResult(sample.id, RouteOutcome.GROUP_CLOSED)
+    # the group rows (locked above) carry the reservation: route moves none, so no need to
+    # read all of the run's reservations inside the serial section
+    reserved_at = g.buffer if g.state == "reserved" else None
+    live = rows.members.setdefault(gid, {})
+    outcome, v, b = route_decision(
+        sample.n_tokens > 0,
+        sample.v_traj,
+        sample.last_version,
+        inst.version,
+        reserved_at,
+        rtx.buffers,
+        run.version,
+        run.limits,
+    )
+    if outcome != RouteOutcome.ROUTED:
+        return RouteResult(sample.id, RouteOutcome(outcome))
+    assert v is not None
+    live[sample.id] = ("running", v, sample.n_tokens)
+    g.version = group_version(live.values())  # raised if this member was the oldest (version raise)
+    if b is not None:
+        g.state, g.buffer = "reserved", b
+        rtx.add_reservation(gid, b, g.version)
+        rtx.events.append(Event("group_reserved", group=gid, buffer=b, data={"version": v}))
+    else:
+        rtx.set_group_version(gid, g.version)
+    return RouteResult(sample.id, RouteOutcome.ROUTED, None, v, g.buffer)
+
+
+def _write_routes(
+    rtx: RunTx,
+    rows: RouteRows,
+    results: list[RouteResult],
+    routed: list[tuple[int, int, int]],
+    touched: set[int],
+    token: dict[int, str],
+) -> None:
+    """Written with the flush, not on round trips of their own. Every route gets a fresh secret
+    route token (`route_tokens`) and counts the attempt from the row locked above, so the
+    results need no RETURNING."""
+    routes = {sid: (rows.samples[sid].attempt + 1, token[sid]) for sid, _, _ in routed}
+    rtx.defer(
+        "route_samples",
+        {
+            "ids": [r[0] for r in routed],
+            "vs": [r[1] for r in routed],
+            "is": [r[2] for r in routed],
+            "as": [routes[r[0]][0] for r in routed],
+            "ts": [routes[r[0]][1] for r in routed],
+        },
+    )
+    tg = sorted(touched)
+    rtx.defer(
+        "route_groups",
+        {"ids": tg, "bs": [rows.groups[g].buffer for g in tg], "mvs": [rows.groups[g].version for g in tg]},
+        groups=tg,
+    )
+    for r in results:
+        if r.outcome == RouteOutcome.ROUTED:
+            r.attempt, r.route_token = routes[r.sample_id]
+    rtx.events.extend(Event("sample_routed", sample=sid, instance=iid, data={"v": v}) for sid, v, iid in routed)

@@ -1,5 +1,6 @@
-"""Reward side of the protocol: claiming finished samples, recording rewards (which triggers
-Occupy and the DAPO filter), and every kind of abort."""
+"""Reward side of the protocol: claiming finished samples, recording rewards, which places each
+group that now has N rewarded members (Occupy) or filters it (DAPO, re-enqueued), and dropping
+the claimed samples a reward worker gives up on (`drop_rewards`), fenced by the claim."""
 
 from __future__ import annotations
 
@@ -8,8 +9,7 @@ import math
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from types import SimpleNamespace
-from typing import Any
+from typing import Any, NamedTuple, cast
 
 from sqlalchemy import Connection
 
@@ -18,11 +18,23 @@ from workers.wire.enums import DropReason, GroupState
 from .. import queries
 from ..errors import Conflict, InvalidInput, NotFound
 from ..idempotency import transactional
-from ..rules import occupy_plan, replacement_key, window_has_room
+from ..rules import occupy_plan, replacement_key
 from ..types import GroupOutcome
-from .base import LockedRead, RunTx, TxMixin, abort_samples_where, load_run, under_run_lock
+from .core import (
+    LockedRead,
+    Prompt,
+    RunTx,
+    TxMixin,
+    abort_samples_where,
+    check_batch,
+    enqueue_prompts,
+    load_run,
+    under_run_lock,
+)
 from .events import Event
-from .rollout import Prompt, check_batch, enqueue_prompts
+
+# why a reward worker may give up on a claimed sample (drop_rewards)
+REWARD_DROP_REASONS = (DropReason.REWARD_FAILED,)
 
 
 @dataclass
@@ -34,6 +46,27 @@ class RewardTask:
     response_tokens: list[int]
     finish_reason: str | None
     meta: dict[str, Any] = field(default_factory=dict)
+
+
+class RewardedGroup(NamedTuple):
+    """A group of the reward batch as `rewards_read` reads it (FOR UPDATE)."""
+
+    id: int
+    state: str
+    client_key: str
+    prompt_tokens: list[int]
+    meta: dict[str, Any]
+
+
+class Member(NamedTuple):
+    """A member of such a group, as the batch's own update leaves it."""
+
+    group_id: int
+    id: int
+    idx: int
+    state: str
+    v_traj: int | None
+    reward: float | None
 
 
 class ScoringOps(TxMixin):
@@ -75,7 +108,7 @@ class ScoringOps(TxMixin):
         placed (Occupy) or filtered. All or nothing. Each reward is (sample, attempt, reward) or
         (sample, attempt, reward, metrics): metrics a {name: finite number} kept with it."""
         check_batch(rewards, "rewards")
-        return self.idempotent(
+        outcomes: list[GroupOutcome] = self.idempotent(
             request_id,
             "reward",
             under_run_lock(run_id, lambda rtx: rewards_in(rtx, rewards), rewards_read(rewards)),
@@ -83,43 +116,7 @@ class ScoringOps(TxMixin):
             body=[run_id, rewards],
             conn=conn,
         )
-
-    @transactional
-    def abort_samples(
-        self,
-        run_id: int,
-        sample_ids: Sequence[int],
-        reason: DropReason = DropReason.USER,
-        *,
-        conn: Connection | None = None,
-    ) -> list[int]:
-        """Abort members; a group that can no longer reach N live members is aborted too."""
-        check_batch(sample_ids, "samples")
-        if len(set(sample_ids)) != len(sample_ids):  # counted twice, it would doom the group
-            raise InvalidInput("a sample appears twice in one abort batch")
-        with self.run_tx(run_id, conn) as rtx:
-            rows = rtx.conn.execute(queries.text("abort_candidates"), {"run": run_id, "ids": list(sample_ids)}).all()
-            info = {r.id: r for r in rows}
-            for sid in sample_ids:
-                if sid not in info:
-                    raise NotFound(f"sample {sid} in run {run_id}")
-            gids = sorted({r.group_id for r in rows if r.group_state in ("queued", "reserved")})
-            live = defaultdict(int)
-            for gid, n in rtx.conn.execute(queries.text("live_members"), {"g": gids}).all():
-                live[gid] = n
-            chosen, doomed = [], []
-            for sid in sample_ids:  # one at a time, as the reference model does
-                s = info[sid]
-                gid = s.group_id
-                if s.state == "aborted" or s.group_state not in ("queued", "reserved") or gid in doomed:
-                    continue
-                chosen.append(sid)
-                live[gid] -= 1
-                if live[gid] < rtx.run.group_size:
-                    doomed.append(gid)
-            aborted = abort_samples_where(rtx.conn, run_id, "id", chosen, getattr(reason, "value", reason), rtx.events)
-            rtx.drop_groups(doomed, "aborted", DropReason.INSUFFICIENT_MEMBERS)
-            return sorted(aborted)
+        return outcomes
 
     @transactional
     def drop_rewards(
@@ -134,7 +131,11 @@ class ScoringOps(TxMixin):
         they are aborted with `reason`, fenced by the claim like a reward, all or nothing; a
         group that can no longer reach N live members is aborted too (insufficient_members).
         A sample already dropped at that attempt with that reason is skipped (a retry). Returns
-        the samples aborted now."""
+        the samples aborted now. Only reasons a reward worker can know are taken: the others
+        (surplus, window_closed …) are the protocol's own findings, and the audit trusts them."""
+        if DropReason(reason) not in REWARD_DROP_REASONS:
+            allowed = ", ".join(r.value for r in REWARD_DROP_REASONS)
+            raise InvalidInput(f"a reward worker drops samples with reason {allowed}, not {DropReason(reason).value}")
         check_batch(drops, "samples")
         ids = [d[0] for d in drops]
         if len(set(ids)) != len(ids):
@@ -169,33 +170,6 @@ class ScoringOps(TxMixin):
             aborted = abort_samples_where(rtx.conn, run_id, "id", chosen, reason_value, rtx.events)
             rtx.drop_groups(doomed, "aborted", DropReason.INSUFFICIENT_MEMBERS)
             return sorted(aborted)
-
-    @transactional
-    def abort_group(
-        self, run_id: int, group_id: int, reason: DropReason = DropReason.USER, *, conn: Connection | None = None
-    ) -> bool:
-        with self.run_tx(run_id, conn) as rtx:
-            state = rtx.conn.execute(queries.text("lock_group"), {"g": group_id, "run": run_id}).scalar()
-            if state is None:
-                raise NotFound(f"group {group_id} in run {run_id}")
-            if state not in ("queued", "reserved"):
-                return False
-            rtx.drop_groups([group_id], "aborted", reason)
-            return True
-
-    @transactional
-    def abort_after_ready(self, run_id: int, *, conn: Connection | None = None) -> list[int]:
-        """With redundancy: reserved groups whose whole window is ready can never land; drop them.
-        The window is that of the group's live version (its members now, not every routing ever)."""
-        with self.run_tx(run_id, conn) as rtx:
-            run = rtx.run
-            doomed = sorted(
-                gid
-                for gid, r in rtx.reservations().items()
-                if r.version is not None and not window_has_room(rtx.buffers, r.version, run.version, run.limits)
-            )
-            rtx.drop_groups(doomed, "aborted", DropReason.WINDOW_READY)
-            return doomed
 
 
 # ONE statement (`rewards_read` in scoring.sql), sent with the run lock (`RunTx.open`; under it
@@ -278,17 +252,17 @@ def rewards_in(rtx: RunTx, rewards: Sequence[Reward]) -> list[GroupOutcome]:
         raise Conflict(conflicts)
     rtx.events.extend(Event("sample_rewarded", sample=r[0], data={"reward": float(r[2])}) for r in rewards)
     mine = {r[0]: float(r[2]) for r in rewards}
-    members: defaultdict[int, list[SimpleNamespace]] = defaultdict(list)
+    members: defaultdict[int, list[Member]] = defaultdict(list)
     for m in sorted(got["m"], key=lambda m: (m["group_id"], m["idx"])):
         if m["id"] in mine:  # as this statement's update left it
             m = {**m, "state": "rewarded", "reward": mine[m["id"]]}
-        members[m["group_id"]].append(SimpleNamespace(**m))
-    groups = {g["id"]: SimpleNamespace(**g) for g in got["g"]}
+        members[m["group_id"]].append(Member(**m))
+    groups = {g["id"]: RewardedGroup(**g) for g in got["g"]}
     return occupy_ready_groups(rtx, sorted(groups), groups, members)
 
 
 def occupy_ready_groups(
-    rtx: RunTx, group_ids: list[int], groups: dict[int, Any], members: dict[int, list[Any]]
+    rtx: RunTx, group_ids: list[int], groups: dict[int, RewardedGroup], members: dict[int, list[Member]]
 ) -> list[GroupOutcome]:
     """Occupy (or filter) each reserved group that now has N rewarded members; `groups` are
     locked, `members` in idx order."""
@@ -311,7 +285,7 @@ def occupy_ready_groups(
             )
             outcomes.append(GroupOutcome(gid, GroupState.FILTERED, replacement=replacement))
             continue
-        version = min(m.v_traj for m in chosen)
+        version = min(cast(int, m.v_traj) for m in chosen)  # rewarded, so routed: it has a V_traj
         b, moves = occupy_plan(freed, rtx.buffers, rtx.reservations().values(), version, run.version, run.limits)
         if b is None:
             rtx.drop_groups([gid], "aborted", DropReason.NO_BUFFER)

@@ -1,8 +1,9 @@
 """Trainer side of the protocol: Consume (fence the ready buffer and return its batch) and
-publish (buffer consumed and the run's version +1, atomically), plus the run status."""
+publish (buffer consumed and the run's version +1, atomically)."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
@@ -14,8 +15,8 @@ from workers.wire.enums import DropReason
 from .. import queries
 from ..errors import Conflict, Corrupted, InvalidInput
 from ..idempotency import transactional
-from ..rules import buffer_state, reserve_target
-from .base import TxMixin, load_run, read_buffers
+from ..rules import reserve_target
+from .core import RunTx, TxMixin, load_run
 from .events import Event
 
 
@@ -175,14 +176,14 @@ class TrainingOps(TxMixin):
                 queries.text("publish_params"),
                 {"run": run_id, "v": version + 1, "size": size_bytes, "sum": checksum, "loc": location},
             )
-            run.version = version + 1
+            rtx.run = dataclasses.replace(run, version=version + 1)
             rtx.buffers[version].consumed = True
             rtx.events.append(Event("published", buffer=version, data={"version": version + 1}))
             self._move_stranded(rtx, version)
-            return run.version
+            return version + 1
 
     @staticmethod
-    def _check_replay(rtx, version: int, consume_fence: int, checksum: str | None) -> None:
+    def _check_replay(rtx: RunTx, version: int, consume_fence: int, checksum: str | None) -> None:
         """A publish of the version just published is a retry only from the trainer that
         published it: its consume fence is still the buffer's latest (no consume can follow a publish)
         and its checksum the recorded one. Anyone else was fenced: answering success would let
@@ -205,7 +206,7 @@ class TrainingOps(TxMixin):
             )
 
     @staticmethod
-    def _move_stranded(rtx, consumed: int) -> None:
+    def _move_stranded(rtx: RunTx, consumed: int) -> None:
         """With B' > B a consumed buffer may still hold reservations: re-reserve them in their
         window (latest admissible buffer, as Reserve does) or drop them `window_closed`.
         (Measured against keeping them in the consumed buffer: see docs/data-layer.md.)"""
@@ -224,28 +225,3 @@ class TrainingOps(TxMixin):
                 rtx.moved[gid] = b
                 rtx.events.append(Event("reservation_moved", group=gid, buffer=b, data={"from": consumed}))
         rtx.drop_groups(dropped, "aborted", DropReason.WINDOW_CLOSED)
-
-    def status(self, run_id: int) -> dict[str, Any]:
-        """Versions, buffers and in-flight counts, from one consistent read-only view."""
-        with self.engine.connect() as conn, conn.begin():
-            conn.execute(queries.text("read_only_snapshot"))
-            run = load_run(conn, run_id, lock=False)
-            buffers = read_buffers(conn, run_id, max(0, run.version - 1))
-            by_run = {"run": run_id}
-            samples: dict[str, int] = dict(conn.execute(queries.text("status_samples"), by_run).all())
-            groups: dict[str, int] = dict(conn.execute(queries.text("status_groups"), by_run).all())
-            queued = conn.execute(queries.text("status_queued"), by_run).all()
-            instances = conn.execute(queries.text("status_instances"), by_run).scalar()
-        return {
-            "run_id": run_id,
-            "version": run.version,
-            "config": run.config(),
-            "buffers": [
-                {"index": b.index, "occupied": b.occupied, "reserved": b.reserved, "state": buffer_state(b, run.limits)}
-                for b in buffers
-            ],
-            "samples": samples,
-            "groups": groups,
-            "queued_by_version": [{"v_traj": v, "count": n} for v, n in queued],
-            "active_instances": instances,
-        }

@@ -1,5 +1,6 @@
--- Rollout side of the protocol (staleflow_db/protocol/rollout.py, routing.py, fencing.py):
--- runs, prompts, instances, routing (Reserve), segment reports and work delivery.
+-- Rollout side of the protocol (staleflow_db/protocol/rollout.py; runs.py, core.py and routing.py
+-- for runs, prompts and routing): runs, prompts, instances, routing (Reserve), segment reports
+-- and work delivery.
 
 -- name: create_run
 INSERT INTO runs (name, batch_size, buffer_capacity, group_size, samples_per_group,

@@ -1,4 +1,4 @@
--- The run lock and what every run-locked transaction shares (staleflow_db/protocol/base.py):
+-- The run lock and what every run-locked transaction shares (staleflow_db/protocol/core.py):
 -- the run row, buffer counters, reservations, the flush's parts, drops and commands.
 
 -- name: load_run

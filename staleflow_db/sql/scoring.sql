@@ -1,5 +1,5 @@
 -- Reward side of the protocol (staleflow_db/protocol/scoring.py): claiming finished samples,
--- recording rewards (Occupy and the DAPO filter) and aborts.
+-- recording rewards (Occupy and the DAPO filter) and aborts (protocol/aborts.py).
 
 -- name: claim_reset_expired
 -- Expired claims become claimable again: locked in id order, skipping rows another

@@ -1,5 +1,5 @@
 -- Trainer side of the protocol (staleflow_db/protocol/training.py): Consume, publish and the
--- run status.
+-- run status (read by protocol/reads.py).
 
 -- name: consume_waiting
 -- Whether the trainer is still waiting for buffer :v (answered without the run lock).

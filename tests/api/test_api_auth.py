@@ -58,6 +58,7 @@ MATRIX: list[tuple[str, str, Any, set[str], int]] = [
     ("POST", "/v1/runs/{A}/segments", None, ROLLOUT, 403),  # gone (410) for those who may report
     ("POST", "/v1/runs/{A}/rewards/claim?wait=0", {"limit": 1}, REWARD, 403),
     ("POST", "/v1/runs/{A}/rewards", {"rewards": [{"sample_id": 1, "reward_attempt": 1, "reward": 1.0}]}, REWARD, 403),
+    ("POST", "/v1/runs/{A}/rewards/drop", {"drops": [{"sample_id": 1, "reward_attempt": 1}]}, REWARD, 403),
     ("POST", "/v1/runs/{A}/batches/0/consume?wait=0", None, TRAINER, 403),
     ("POST", "/v1/runs/{A}/batches/0/publish", {"consume_fence": 1}, TRAINER, 403),
     ("GET", "/v1/runs/{A}/snapshot", None, COORD | {"observer"}, 403),

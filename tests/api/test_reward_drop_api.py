@@ -93,6 +93,8 @@ def test_bad_drops_and_metrics_are_refused_and_change_nothing(claimed):
         {"drops": [{"sample_id": sid, "reward_attempt": "1"}]},
         {"drops": [{"sample_id": 0, "reward_attempt": att}]},
         {"drops": [{"sample_id": sid, "reward_attempt": att}], "reason": "bogus"},
+        # the protocol's own findings are not a reward worker's to claim
+        {"drops": [{"sample_id": sid, "reward_attempt": att}], "reason": "window_closed"},
         {"drops": [{"sample_id": sid, "reward_attempt": att, "extra": 1}]},
     ]:
         expect(http.post(url, json=body), 422)

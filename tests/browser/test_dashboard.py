@@ -251,7 +251,7 @@ def _compare(page, engine, run: int) -> None:
 def test_static_report_shows_the_same_panels(live_run, browser, tmp_path):
     engine, run = live_run["engine"], live_run["run"]
     _wait(lambda: _version(engine, run) >= 2, "two published steps")
-    data = dashboard_data(live_run["protocol"], run)
+    data = dashboard_data(live_run["protocol"].reads, run)
     path = write_report_html(tmp_path / "report", data)
     page = browser.new_page(viewport={"width": 1500, "height": 1000})
     page.route(re.compile(r"^https?://"), lambda route: route.abort())  # nothing from the network

@@ -76,7 +76,7 @@ def test_panels_pages_and_report(db_url, tmp_path):
 
     engine = make_engine(db_url)
     try:
-        data = dashboard_data(Protocol(engine), run)
+        data = dashboard_data(Protocol(engine).reads, run)
     finally:
         engine.dispose()
     page = write_report_html(tmp_path, data).read_text()

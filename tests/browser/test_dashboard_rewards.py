@@ -44,7 +44,7 @@ def test_report_shows_reward_metrics_per_step_and_reward_failed_drops(engine, tm
             ],
         )
         d.train(step)
-    data = dashboard_data(d.p, d.run)
+    data = dashboard_data(d.p.reads, d.run)
     assert data["steps"]["reward_metrics"] == [
         {"step": 0, "metric": "accuracy", "mean": 0.5, "n": 2},
         {"step": 0, "metric": "length", "mean": 15.0, "n": 2},

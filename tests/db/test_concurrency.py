@@ -339,7 +339,7 @@ def test_processes_share_one_run(engine, db_url, tmp_path):
 
     # -- progress (not vacuous): the trainer got where it was told; each hazard happened --------
     versions = len(logs["trainer"]["published"])
-    assert versions >= TARGET_VERSIONS, (p.status(run), {k: len(v) for k, v in merged.items()})
+    assert versions >= TARGET_VERSIONS, (p.reads.status(run), {k: len(v) for k, v in merged.items()})
     assert logs["trainer"]["published"] == list(range(versions))
     assert merged["crashed"] and merged["expired"], "the crashed instance was never expired"
     assert merged["zombie_fenced"] and not merged["zombie_accepted"]

@@ -180,7 +180,7 @@ CASES = [
         "ix_samples_running",
         "samples",
     ),
-    ("status-queued", lambda p, run, inst: p.status(run), "state = 'queued'", "ix_samples_queued", "samples"),
+    ("status-queued", lambda p, run, inst: p.reads.status(run), "state = 'queued'", "ix_samples_queued", "samples"),
     ("snapshot-queued", _snapshot, "s.state = 'queued'", "ix_samples_queued", "samples"),
 ]
 

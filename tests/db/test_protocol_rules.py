@@ -232,7 +232,7 @@ def test_a_member_is_not_routed_at_a_version_whose_window_is_ready(side):
 
 
 def test_dapo_filter_with_groups_of_one_is_refused(side):
-    with pytest.raises(InvalidInput, match="dapo_filter"):
+    with pytest.raises(ValueError, match="dapo_filter"):
         RunConfig(batch_size=2, group_size=1, eta=1, dapo_filter=True).validate()
     with pytest.raises(InvalidInput, match="dapo_filter"):
         side(batch_size=2, group_size=1, eta=1, dapo_filter=True)

@@ -30,4 +30,4 @@ def test_full_lifecycle(engine):
     with engine.connect() as c:
         assert c.execute(text("select * from staleness_violations")).all() == []
         assert len(c.execute(text("select * from trained_samples")).all()) == 4
-    print(p.status(run))
+    print(p.reads.status(run))

@@ -1,4 +1,4 @@
-"""The Kubernetes manifests (deploy/k8s): the base and the dev overlay render with
+"""The Kubernetes manifests (deploy/k8s): the base and the dev and vllm overlays render with
 `kubectl kustomize`, every object validates against the Kubernetes API schemas
 (kubernetes-validate, offline), and our own rules hold: probes, resources, pinned images,
 no secret in plain text, real `staleflow` commands."""
@@ -18,7 +18,7 @@ from tests.deploy_helpers import DEPLOY, check_staleflow_args
 pytestmark = pytest.mark.deploy
 
 KUBECTL = shutil.which("kubectl")
-TREES = ["base", "overlays/dev"]
+TREES = ["base", "overlays/dev", "overlays/vllm"]
 # Objects of operators' CRDs: not in the Kubernetes schemas, checked by hand below.
 CRD_GROUPS = ("postgresql.cnpg.io/",)
 WORKLOADS = {"Deployment", "StatefulSet", "Job", "DaemonSet"}
@@ -188,6 +188,28 @@ def test_the_shape_of_the_deployment(rendered) -> None:
         assert db["spec"]["instances"] == 3
         assert rollout["resources"]["limits"]["nvidia.com/gpu"] == "1"
         assert rollout["resources"]["requests"]["nvidia.com/gpu"] == "1"
+    elif tree == "overlays/vllm":
+        assert_vllm_engine_config(docs, rollout)
     else:  # the dev overlay: small and CPU-only
         assert db["spec"]["instances"] == 1
         assert "nvidia.com/gpu" not in rollout["resources"]["limits"]
+
+
+def assert_vllm_engine_config(docs: list[dict[str, Any]], rollout: dict[str, Any]) -> None:
+    """The vllm overlay: --engine-config names a file of the mounted engine-config ConfigMap,
+    whose keys the worker accepts, and the pod has as many GPUs as tensor_parallel_size."""
+    import tomllib
+
+    from workers.rollout.engines.engine_config import VLLM_ARGS, check_vllm
+
+    args = rollout["args"]
+    assert args[args.index("--engine") + 1] == "vllm"
+    path = args[args.index("--engine-config") + 1]
+    (mount,) = [m for m in rollout["volumeMounts"] if path.startswith(m["mountPath"] + "/")]
+    spec = named(docs, "Deployment", "staleflow-rollout-worker")["spec"]["template"]["spec"]
+    (volume,) = [v for v in spec["volumes"] if v["name"] == mount["name"]]
+    data = named(docs, "ConfigMap", volume["configMap"]["name"])["data"]
+    engine = tomllib.loads(data[path.removeprefix(mount["mountPath"] + "/")])
+    check_vllm(engine, fields=VLLM_ARGS)
+    tp = str(engine.get("tensor_parallel_size", 1))
+    assert rollout["resources"]["limits"]["nvidia.com/gpu"] == rollout["resources"]["requests"]["nvidia.com/gpu"] == tp

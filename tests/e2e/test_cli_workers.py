@@ -93,7 +93,8 @@ def test_the_cli_and_the_sim_trainer_do_not_load_torch():
         ("ps", ["--data-dir", "--port", "--backend", "--ready-file"]),
         (
             "rollout-worker",
-            ["--run", "--engine", "--ps", "--kv-capacity", "--phi-wait", "--model-config", "--vllm-model"],
+            ["--run", "--engine", "--ps", "--kv-capacity", "--phi-wait", "--model-config", "--vllm-model"]
+            + ["--engine-config", "--engine-arg"],
         ),
         ("reward-worker", ["--run", "--verifier", "--batch"]),
     ],

@@ -45,19 +45,23 @@ def test_hf_model_folder_runs_the_whole_loop(db_url, engine, tmp_path):
             + ["--steps", str(STEPS), "--lr", "1e-3"],
             env={"STALEFLOW_TOKEN": tokens["trainer"]},
         )
-        spawn_hf_workers(cluster, run, folder, ps_addr, tokens)
+        # the engine's arguments as a GPU host would give them (the hf engine's subset)
+        engine_toml = tmp_path / "engine.toml"
+        engine_toml.write_text('dtype = "float32"\nmax_model_len = 200\nmax_num_seqs = 8\n')
+        flags = ["--engine-config", str(engine_toml), "--engine-arg", "max_num_seqs=4", "--engine-arg", "device=cpu"]
+        spawn_hf_workers(cluster, run, folder, ps_addr, tokens, flags)
 
         def trained() -> bool:
             try:
                 cluster.check()
             except ProcessDied:
                 # the trainer exits 0 once it has published STEPS versions, maybe within this poll
-                if protocol.status(run)["version"] >= STEPS:
+                if protocol.reads.status(run)["version"] >= STEPS:
                     return True
                 raise
-            return protocol.status(run)["version"] >= STEPS
+            return protocol.reads.status(run)["version"] >= STEPS
 
-        wait_until(trained, 400, 1.0, lambda: f"run at version {protocol.status(run)['version']} of {STEPS}")
+        wait_until(trained, 400, 1.0, lambda: f"run at version {protocol.reads.status(run)['version']} of {STEPS}")
     log = read_steps_log(checkpoint)
     assert [e["version"] for e in log if e["event"] == "trained"] == [1, 2, 3]
     assert_trained_hf_run(engine, run, folder, STEPS)
@@ -68,6 +72,14 @@ def test_hf_model_folder_runs_the_whole_loop(db_url, engine, tmp_path):
     [
         (["rollout-worker", "--run", "1", "--engine", "hf"], ["--engine hf needs --model"]),
         (["rollout-worker", "--run", "1", "--engine", "hf", "--model", "/nonexistent"], ["not a Hugging Face model"]),
+        (
+            ["rollout-worker", "--run", "1", "--engine", "hf", "--model", "/x", "--engine-arg", "enforce_eager=true"],
+            ["the hf engine does not take engine argument 'enforce_eager'", "dtype, device, max_model_len"],
+        ),
+        (
+            ["rollout-worker", "--run", "1", "--engine", "hf", "--model", "/x", "--engine-arg", "dtype=auto"],
+            ["hf engine dtype 'auto'"],
+        ),
         (["trainer", "--run", "1", "--model", "/nonexistent"], ["not a Hugging Face model"]),
         (["trainer", "--run", "1", "--model", "x", "--sim"], ["no --sim, no --model-config"]),
     ],

@@ -69,7 +69,7 @@ def test_sim_run_rides_through_a_database_restart(embedded_pg, tmp_path):
         )
         protocol.enqueue(run, [Prompt(f"g{k}", encode_prompt(16, 24, 0.3)) for k in range(400)])
         tokens = {r: create_token(engine, r, run)["token"] for r in ("trainer", "rollout", "reward")}
-        version = lambda: protocol.status(run)["version"]  # noqa: E731
+        version = lambda: protocol.reads.status(run)["version"]  # noqa: E731
         with Cluster(tmp_path, url, env={"STALEFLOW_SIM_TIME_SCALE": "0.01"}) as cluster:
             api = cluster.start_api()
             common = ["--run", str(run)]

@@ -121,7 +121,7 @@ def _until(cond, what: str, timeout: float, check=lambda: None) -> None:
 def test_config_example_parses_and_bad_ones_are_refused(tmp_path):
     import typer
 
-    from staleflow_cli.launch_ray import actor_resources, load_config
+    from staleflow_cli.launch_ray import _argv, actor_resources, load_config
 
     cfg = load_config(REPO / "deploy" / "ray" / "run.toml")
     assert (cfg.api.replicas, cfg.coordinator.replicas, cfg.ps.replicas) == (2, 2, 1)
@@ -130,8 +130,23 @@ def test_config_example_parses_and_bad_ones_are_refused(tmp_path):
     partial = tmp_path / "partial.toml"  # a section setting other fields keeps the role's replicas
     partial.write_text('[run]\nname = "x"\n[api]\nnum_cpus = 0.5\n[rollout]\nnum_cpus = 0.5')
     assert (load_config(partial).api.replicas, load_config(partial).rollout.replicas) == (2, 2)
+    vllm = tmp_path / "vllm.toml"  # TP2: two GPUs per instance, and vLLM told the same
+    vllm.write_text(
+        '[run]\nname = "x"\n[ps]\nreplicas = 1\n[rollout]\nengine = "vllm"\nnum_gpus = 1\ntensor_parallel = 2\n'
+        'args = ["--vllm-model", "Qwen/Qwen2.5-0.5B"]\n'
+        '[rollout.engine_args]\ndtype = "bfloat16"\ngpu_memory_utilization = 0.85\nenforce_eager = true\n'
+    )
+    vcfg = load_config(vllm)
+    assert actor_resources(vcfg.rollout)["num_gpus"] == 2
+    argv = _argv(vcfg, "rollout", 0, 1, "/tmp")
+    pairs = [argv[i + 1] for i, a in enumerate(argv) if a == "--engine-arg"]
+    assert pairs == ['dtype="bfloat16"', "gpu_memory_utilization=0.85", "enforce_eager=true", "tensor_parallel_size=2"]
     bad = tmp_path / "bad.toml"
+    vllm_run = '[run]\nname = "x"\n[ps]\nreplicas = 1\n[rollout]\nengine = "vllm"\n'
     for text, problem in [
+        (vllm_run + "[rollout.engine_args]\ntensor_paralel_size = 2", "did you mean 'tensor_parallel_size'"),
+        (vllm_run + "tensor_parallel = 2\n[rollout.engine_args]\ntensor_parallel_size = 4", "set them equal"),
+        ('[run]\nname = "x"\n[rollout.engine_args]\ndtype = "float16"', "apply to the vllm engine"),
         ('[run]\nname = "x"\n[rollout]\nengine = "torch"', "parameter server"),
         ('[run]\nname = "x"\n[[placement_groups]]\nroles = ["trainr"]', "unknown role"),
         ('[run]\nname = "x"\n[api]\nreplica = 2', "replica"),
@@ -193,7 +208,7 @@ def test_ray_run_survives_a_node_removal(db_url, tmp_path):
         def version() -> int:
             nonlocal run_id
             run_id = run_id or find_run(engine, "ray-e2e")
-            return Protocol(engine).status(run_id)["version"]
+            return Protocol(engine).reads.status(run_id)["version"]
 
         _until(lambda: version() >= 2, "two versions", 120, launcher_alive)
         info = actors_info(cfg)

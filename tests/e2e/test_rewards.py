@@ -84,7 +84,7 @@ def _cluster_run(tmp_path: Path, db_url: str, run: int, tokens: dict[str, str], 
 
 
 def _version(engine, run: int) -> int:
-    return Protocol(engine).status(run)["version"]
+    return Protocol(engine).reads.status(run)["version"]
 
 
 def _trained(engine, run: int) -> list[tuple[int, int, float, dict | None]]:

@@ -50,7 +50,7 @@ def test_sdk_example_trains_an_hf_model(db_url, engine, tmp_path):
                 cluster.check()
                 return trainer.poll() is not None
 
-            wait_until(finished, 400, 1.0, lambda: f"run at version {protocol.status(run)['version']} of {STEPS}")
+            wait_until(finished, 400, 1.0, lambda: f"run at version {protocol.reads.status(run)['version']} of {STEPS}")
         finally:
             if trainer.poll() is None:
                 trainer.kill()

@@ -133,7 +133,7 @@ def test_worker_extra_runs_workers_and_the_sdk_without_server_code(tmp_path: Pat
                     proc.kill()
                     proc.wait()
 
-    assert protocol.status(run_id)["version"] == STEPS
+    assert protocol.reads.status(run_id)["version"] == STEPS
     loaded = {
         "trainer (SDK)": _loaded(elsewhere / "trainer.json", trained.stdout + trained.stderr),
         **{role: _loaded(elsewhere / f"{role}.json", (tmp_path / f"{role}.log").read_text()) for role in commands},

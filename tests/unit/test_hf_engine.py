@@ -195,3 +195,27 @@ def test_a_sample_that_outgrows_the_kv_cache_finishes_as_capacity(folder, prompt
     e.step()
     e.abort(["gone", "unknown"])
     assert not e.has_work() and e.stats().kv_tokens == 0
+
+
+def test_engine_config_keys_map_onto_the_hf_engine(folder, prompts):
+    """--engine-config / --engine-arg for the hf engine: dtype by name, max_model_len caps
+    prompt + response (a sample reaching it ends as "length"), max_num_seqs bounds the batch."""
+    from workers.rollout.engines.engine_config import engine_config, hf_kwargs
+
+    cap = len(prompts[0]) + 3
+    kw = hf_kwargs(engine_config(None, ["dtype=bfloat16", f"max_model_len={cap}", "max_num_seqs=2", "device=cpu"]))
+    e = HFEngine(folder, temperature=0.0, **kw)
+    assert next(e.model.parameters()).dtype == torch.bfloat16 and e.max_running == 2
+    e.add_request("a", prompts[0], max_new_tokens=50, seed=0)
+    e.add_request("b", prompts[1], max_new_tokens=50, seed=1)
+    e.add_request("c", prompts[2], max_new_tokens=50, seed=2)
+    most_running, done = 0, {}
+    while e.has_work():
+        for ev in e.step():
+            if isinstance(ev, FinishedEvent):
+                done[ev.sample_id] = ev
+        most_running = max(most_running, e.stats().running)
+    assert most_running <= 2
+    lengths = {sid: len(prompts["abc".index(sid)]) + len(ev.tokens) for sid, ev in done.items()}
+    assert all(n <= cap for n in lengths.values()), lengths
+    assert any(ev.finish_reason == "length" and lengths[sid] == cap for sid, ev in done.items()), done

@@ -20,7 +20,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from staleflow_db.rules import BufferCounts, Limits
+from staleflow_db.rules import BufferCounts
 from workers.coordinator import routing
 from workers.coordinator.admission import AdmissionView, AlwaysAdmit, CallbackAdmission
 from workers.coordinator.cost_model import CostModel, get_cost_model
@@ -31,6 +31,7 @@ from workers.coordinator.state import InstanceView, QueuedSample, RunningSample
 from workers.coordinator.strategies import InterruptDecision, _best_move, migrate_throughput_ratio
 from workers.sim.setups import LEGACY_PHYSICS, get_setup
 from workers.sim.simulator import Simulator
+from workers.wire.run_config import RunConfig
 
 # Plan digests recorded with the one-by-one routing (commit e284257's route_waterfall);
 # small/staleflow/2 with `pull_for_new_work` on (status-based pulls keep busy instances while no work
@@ -215,7 +216,10 @@ def _admission(kind: str, seed: int, group_versions):
     # the protocol's rules: small buffers, so that reservations run out within a cycle
     buffers = {b: BufferCounts(b, occupied=(seed + b) % 3, reserved=(seed * b) % 2) for b in range(1, 4)}
     return AdmissionView(
-        buffers, 1, Limits(batch_size=3, capacity=4, eta=1), {g: v + 1 for g, v in group_versions.items()}
+        buffers,
+        1,
+        RunConfig(batch_size=3, buffer_capacity=4, group_size=1, eta=1),
+        {g: v + 1 for g, v in group_versions.items()},
     )
 
 

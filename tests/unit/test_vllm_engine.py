@@ -399,6 +399,52 @@ def test_engine_args_ask_for_processed_logprobs_and_our_worker_extension(monkeyp
     assert AsyncEngineArgs(**seen).logprobs_mode == "processed_logprobs"
 
 
+@needs_vllm
+def test_engine_config_and_flags_reach_vllms_engine_args_exactly(tmp_path):
+    """What `rollout-worker --engine vllm --engine-config FILE --engine-arg ...` builds: vLLM's
+    real AsyncEngineArgs (no engine started) differs from its defaults in exactly the fields
+    the file and the flags set, plus our worker extension and log-probs mode."""
+    import dataclasses
+
+    from vllm import AsyncEngineArgs
+
+    from workers.rollout.engines import engine_config as ec
+    from workers.rollout.engines.vllm_engine import EXTENSION, engine_args
+
+    f = tmp_path / "engine.toml"
+    f.write_text(
+        'tensor_parallel_size = 2\ndtype = "bfloat16"\ngpu_memory_utilization = 0.7\n'
+        "max_model_len = 2048\nenforce_eager = false\n"
+    )
+    cfg = ec.check_vllm(ec.engine_config(f, ["gpu_memory_utilization=0.5", "enforce_eager=true", "seed=7"]))
+    args = engine_args("some/model", **ec.vllm_kwargs(cfg, 64))
+    assert isinstance(args, AsyncEngineArgs)
+    want = {
+        "tensor_parallel_size": 2,
+        "dtype": "bfloat16",
+        "gpu_memory_utilization": 0.5,
+        "max_model_len": 2048,
+        "enforce_eager": True,
+        "seed": 7,
+        "max_num_seqs": 64,
+        "worker_extension_cls": EXTENSION,
+        "logprobs_mode": "processed_logprobs",
+    }
+    assert {k: getattr(args, k) for k in want} == want
+    default, again = AsyncEngineArgs(model="some/model"), AsyncEngineArgs(model="some/model")
+    # fields whose defaults compare equal between two default instances (no identity-only objects)
+    comparable = [
+        fl.name for fl in dataclasses.fields(AsyncEngineArgs) if getattr(default, fl.name) == getattr(again, fl.name)
+    ]
+    changed = {name for name in comparable if getattr(args, name) != getattr(default, name)}
+    assert changed <= set(want), changed - set(want)
+    # every field name vLLM has is accepted, any other is refused before an engine is built
+    assert ec.vllm_fields() == {fl.name for fl in dataclasses.fields(AsyncEngineArgs)}
+    assert ec.VLLM_ARGS <= ec.vllm_fields()  # the allow-list used without vLLM names real fields
+    with pytest.raises(ec.EngineConfigError, match="unknown vllm engine argument 'tensor_paralel_size'"):
+        ec.check_vllm({"tensor_paralel_size": 2})
+
+
 def test_every_vllm_finish_reason_maps_into_our_vocabulary():
     assert set(VLLM_FINISH_REASONS.values()) <= set(FINISH_REASONS)
     if HAVE_VLLM:  # and vLLM has no finish reason we do not map

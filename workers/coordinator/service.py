@@ -25,7 +25,7 @@ from typing import Any
 from staleflow_db.errors import Conflict
 from staleflow_db.protocol import Protocol, Snapshot
 from staleflow_db.retry import DATABASE_OUTAGE, is_db_unavailable
-from staleflow_db.rules import BufferCounts, Limits
+from staleflow_db.rules import BufferCounts
 from workers.retry import Outage
 
 from .admission import AdmissionView
@@ -225,7 +225,7 @@ class Coordinator:
         admission = AdmissionView(
             {b: BufferCounts(b, o, r) for b, (o, r) in snap.buffers.items()},
             snap.version,
-            Limits(cfg["batch_size"], cfg["buffer_capacity"], cfg["eta"]),
+            cfg,
             reserved=queue.reserved,
             closed=queue.closed,
         )
@@ -238,7 +238,7 @@ class Coordinator:
             ps_version=snap.version,
             admission=admission,
             group_versions=queue.group_versions,
-            max_response=cfg.get("max_response_tokens"),
+            max_response=cfg.max_response_tokens,
         )
         if out.applied is None:
             return  # deposed
@@ -249,7 +249,7 @@ class Coordinator:
         self.stats.cycles += 1
         # housekeeping of the run, cheap when there is nothing to do
         self.stats.expired += len(self.protocol.expire_instances(self.run_id))
-        if cfg["buffer_capacity"] > cfg["batch_size"]:
+        if cfg.buffer_capacity > cfg.batch_size:
             self.stats.aborted_after_ready += len(self.protocol.abort_after_ready(self.run_id))
 
     def _write(self, plan: CyclePlan, epoch: int, *, snapshot_ms: float, decided_from: float) -> Applied | None:

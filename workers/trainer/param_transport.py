@@ -19,7 +19,11 @@ def open_group(store: TCPStore, rank: int, backend: str, local_host: str, timeou
     prefix = PrefixStore("staleflow-ps", store)
     if backend == "gloo":
         # Private, so not in torch's stubs; the only way to give gloo a timeout and device.
-        opts = ProcessGroupGloo._Options()  # type: ignore[attr-defined]
+        # Bound since torch 1.x (2.11 and 2.13 both have it); should a release drop it, the
+        # public constructor still gives the timeout (gloo then picks its own device).
+        if not hasattr(ProcessGroupGloo, "_Options"):
+            return ProcessGroupGloo(prefix, rank, 2, timeout)
+        opts = ProcessGroupGloo._Options()
         opts._timeout = timeout
         opts._devices = [ProcessGroupGloo.create_device(hostname=local_host)]
         return ProcessGroupGloo(prefix, rank, 2, opts)

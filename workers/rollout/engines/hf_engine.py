@@ -66,9 +66,15 @@ class HFEngine(BatchingEngine[KV]):
         max_running: int = 256,
         temperature: float = 1.0,
         device: str | torch.device = "cpu",
-        dtype: torch.dtype = torch.float32,
+        dtype: torch.dtype | str = torch.float32,
         num_threads: int | None = 1,
+        max_len: int | None = None,
     ):
+        """`dtype`: a torch dtype or its name ("bfloat16"); `max_len`: the longest sequence
+        (prompt + response) served, at most the model's position limit."""
+        if isinstance(dtype, str):
+            dtype = getattr(torch, dtype)
+            assert isinstance(dtype, torch.dtype), dtype
         limit_cpu_threads(num_threads, device)
         if model is None:
             if model_path is None:
@@ -82,12 +88,13 @@ class HFEngine(BatchingEngine[KV]):
         params = inspect.signature(self.model.forward).parameters
         self._cache_name = "cache" if "cache" in params else "past_key_values"
         self.kv_capacity = kv_capacity_tokens
+        limits = [n for n in (max_positions(self.model.config), max_len) if n is not None]
         super().__init__(
             version=version,
             max_running=max_running,
             temperature=temperature,
             vocab_size=int(self.model.get_input_embeddings().num_embeddings),
-            max_seq=max_positions(self.model.config),
+            max_seq=min(limits) if limits else None,
             eos=eos_token_ids(self.model, tokenizer),
         )
 

@@ -87,6 +87,16 @@ def sampled_logprobs(logprobs: Any, token_ids: Sequence[int]) -> list[float]:
     return [float(logprobs[i][t].logprob) for i, t in enumerate(token_ids)]
 
 
+def engine_args(model: str, *, max_num_seqs: int = 256, **engine_kwargs: Any) -> Any:
+    """vLLM's AsyncEngineArgs for `model`: `engine_kwargs` (the engine config, checked by
+    engine_config.check_vllm) plus our worker extension and sampled-distribution log-probs
+    unless the config sets `logprobs_mode`."""
+    vllm = import_vllm()
+    engine_kwargs.setdefault("worker_extension_cls", EXTENSION)
+    engine_kwargs.setdefault("logprobs_mode", "processed_logprobs")
+    return vllm.AsyncEngineArgs(model=model, max_num_seqs=max_num_seqs, **engine_kwargs)
+
+
 @dataclass
 class Stretch:
     """One add_request..finish/interrupt stretch of a sample, as vLLM request `request_id`."""
@@ -155,9 +165,7 @@ class VLLMEngine(Engine):
         from vllm.inputs import tokens_input
         from vllm.sampling_params import RequestOutputKind
 
-        engine_kwargs.setdefault("worker_extension_cls", EXTENSION)
-        engine_kwargs.setdefault("logprobs_mode", "processed_logprobs")
-        args = vllm.AsyncEngineArgs(model=model, max_num_seqs=max_num_seqs, **engine_kwargs)
+        args = engine_args(model, max_num_seqs=max_num_seqs, **engine_kwargs)
         self._start(
             lambda: self._create(args),
             vllm.SamplingParams,

@@ -3,38 +3,44 @@
 from __future__ import annotations
 
 from datetime import datetime
+from typing import TYPE_CHECKING, Annotated, Any
 
-from pydantic import Field
+from pydantic import BaseModel, Field, Strict, create_model
 
+from .. import run_config
 from ..enums import Role
-from .common import INT32_MAX, Bool, Count, Id, In, Int, Key, Location, Meta, Name, Out, TokenId, Version
+from .common import Count, Id, In, Key, Location, Meta, Name, Out, TokenId, Version
 
 
-class RunConfigIn(In):
-    batch_size: Int = Field(ge=1, le=1_000_000, description="B: groups per training batch")
-    group_size: Int = Field(ge=1, le=65_535, description="N: responses per prompt group")
-    eta: Int = Field(ge=0, le=1_000_000, description="staleness bound")
-    buffer_capacity: Int | None = Field(None, ge=1, le=1_000_000, description="B' >= B (batch-level redundancy)")
-    samples_per_group: Int | None = Field(None, ge=1, le=32_767, description="N' >= N (group-level redundancy)")
-    max_response_tokens: Int = Field(1024, ge=1, le=INT32_MAX)
-    max_prompt_tokens: Int = Field(1024, ge=1, le=INT32_MAX)
-    dapo_filter: Bool = False
+def _run_config_model(base: type[BaseModel], name: str, *, request: bool) -> Any:
+    """A model of `RunConfig`'s fields: for requests with their bounds and defaults (strict
+    types; a field that defaults to another is optional, None), for responses every field."""
+    fields: dict[str, Any] = {}
+    for f in run_config.CONFIG_FIELDS:
+        spec, tp = run_config.SPECS[f], run_config.FIELD_TYPES[f]
+        if not request:
+            fields[f] = (tp, Field(description=spec.description))
+            continue
+        strict: Any = Annotated[tp, Strict()]
+        if spec.defaults_to is not None:  # optional: None takes the other field's value
+            fields[f] = (strict | None, Field(None, ge=spec.ge, le=spec.le, description=spec.description))
+        else:
+            value = ... if f in run_config.REQUIRED else run_config.default(f)
+            fields[f] = (strict, Field(value, ge=spec.ge, le=spec.le, description=spec.description))
+    return create_model(name, __base__=base, __module__=__name__, **fields)
+
+
+if TYPE_CHECKING:  # generated below: a type checker sees their bases
+    RunConfigIn = In
+    RunConfigOut = Out
+else:
+    RunConfigIn = _run_config_model(In, "RunConfigIn", request=True)
+    RunConfigOut = _run_config_model(Out, "RunConfigOut", request=False)
 
 
 class RunCreate(In):
     name: Name
     config: RunConfigIn
-
-
-class RunConfigOut(Out):
-    batch_size: int
-    buffer_capacity: int
-    group_size: int
-    samples_per_group: int
-    eta: int
-    max_response_tokens: int
-    max_prompt_tokens: int
-    dapo_filter: bool
 
 
 class RunOut(Out):

@@ -53,7 +53,10 @@ class RewardDropIn(In):
 
 class RewardDropsIn(In):
     drops: list[RewardDropIn] = Field(min_length=1)
-    reason: DropReason = Field(DropReason.REWARD_FAILED, description="recorded on each sample dropped")
+    reason: DropReason = Field(
+        DropReason.REWARD_FAILED,
+        description="recorded on each sample dropped; reward_failed is the one a reward worker may give",
+    )
 
 
 class RewardDropsOut(Out):

@@ -1,26 +1,34 @@
-"""Shared machinery of the protocol transactions: the per-run lock, buffer counters, releases
-with their cascade, drops, commands, and the operation classes' access to transactions and
-request-id idempotency (`staleflow_db.idempotency`)."""
+"""The core every capability of the protocol stands on (docs/protocol.md): the per-run lock and
+its buffer accounting (counters, reservations, releases with their cascade, the batched flush),
+drops and their commands, the fences (an instance's lease, a route's route token, the
+coordinator's epoch), the prompt groups' creation, the per-call limits, and the capability
+classes' access to transactions and request-id idempotency (`staleflow_db.idempotency`).
+
+What two capabilities share lives here; a capability module imports only this core (and
+`events`, `driver`), never another capability's module."""
 
 from __future__ import annotations
 
 import dataclasses
 import enum
 import json
+import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from sqlalchemy import Connection, Engine
 
 from workers.wire.enums import DropReason
+from workers.wire.run_config import CONFIG_FIELDS, RunConfig
 
 from .. import idempotency, queries
-from ..errors import NotFound
+from ..errors import Conflict, InvalidInput, NotFound, TooLarge
 from ..rules import BufferCounts, Limits, Reservation, apply_moves, cascade_moves
+from ..types import Report
 from . import driver
-from .events import Event, events_params
+from .events import Event, events_params, log_events
 
 
 def dumps(value: Any) -> str:
@@ -34,30 +42,32 @@ def dumps(value: Any) -> str:
     return json.dumps(value, default=default, separators=(",", ":"))
 
 
-@dataclass
-class RunRow:
+@dataclass(frozen=True, kw_only=True)
+class RunRow(RunConfig):
+    """A run as the protocol reads it: its configuration (`RunConfig`, the one definition of
+    its fields), its id and its version (a derived view, no field of its own but these two)."""
+
     id: int
     version: int
-    batch_size: int
-    buffer_capacity: int
-    group_size: int
-    samples_per_group: int
-    eta: int
-    max_response_tokens: int
-    max_prompt_tokens: int
-    dapo_filter: bool
 
     @property
     def limits(self) -> Limits:
-        return Limits(self.batch_size, self.buffer_capacity, self.eta)
+        return self
 
-    def config(self) -> dict[str, int | bool]:
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)[2:]}
+    @property
+    def config(self) -> RunConfig:
+        """Its configuration alone."""
+        return RunConfig(**{f: getattr(self, f) for f in CONFIG_FIELDS})
 
     @classmethod
     def of(cls, row: Mapping[Any, Any]) -> RunRow:
         """From a row or JSON object that holds the run's columns among others."""
-        return cls(**{f.name: row[f.name] for f in dataclasses.fields(cls)})
+        return cls(**{c: row[c] for c in RUN_COLUMNS})
+
+
+# The run's columns as the named queries select them (load_run, list_runs, snapshot ...):
+# tests/unit/test_run_config.py checks them against the queries and the `runs` table.
+RUN_COLUMNS: tuple[str, ...] = ("id", "version", *CONFIG_FIELDS)
 
 
 def load_run(conn: Connection, run_id: int, *, lock: bool) -> RunRow:
@@ -319,12 +329,141 @@ def under_run_lock(
     return run
 
 
+# ---- per-call limits ---------------------------------------------------------------------
+
+MAX_BATCH = 10_000  # items per call: larger batches hold the run lock too long
+
+
+def check_batch(items: Sequence[object], what: str) -> None:
+    if len(items) > MAX_BATCH:
+        raise TooLarge(f"{len(items)} {what} in one call (at most {MAX_BATCH})")
+
+
+def check_unique(ids: Sequence[int], what: str, call: str) -> None:
+    """InvalidInput naming the first id that appears twice in one batch."""
+    seen: set[int] = set()
+    for i in ids:
+        if i in seen:
+            raise InvalidInput(f"{what} {i} appears twice in one {call} batch")
+        seen.add(i)
+
+
+def check_found(run_id: int, sample_ids: Sequence[int], found: set[int]) -> None:
+    missing = [sid for sid in sample_ids if sid not in found]
+    if missing:
+        raise NotFound(f"sample {missing[0]} in run {run_id}")
+
+
+# ---- fences ------------------------------------------------------------------------------
+
+
+def check_live(instance_id: int, state: str, live: bool) -> None:
+    """A fenced instance (not active, or its lease lapsed) is refused: it must register again."""
+    if state != "active":
+        raise Conflict([(instance_id, f"instance is {state}; register again")])
+    if not live:
+        raise Conflict([(instance_id, "instance lease expired; register again")])
+
+
+def route_lost(r: Report, state: str, attempt: int, instance: int | None, token: Any, quoted: uuid.UUID) -> str | None:
+    """Why a report does not hold the sample's route (None when it does)."""
+    if state != "running":
+        return f"route lost: sample is {state}"
+    if instance != r.instance_id:
+        return f"route lost: sample is not routed to instance {r.instance_id}"
+    if attempt != r.attempt or token != quoted:
+        return "route lost: stale attempt or route token"
+    return None
+
+
+def check_epoch(conn: Connection, run_id: int, epoch: int, holder: str | None = None) -> None:
+    """The coordinator fence (ENGINEERING pattern 9): `epoch` (and `holder`, when given) must be
+    the run's live leader epoch. FOR SHARE holds off a takeover until this transaction commits."""
+    leader = conn.execute(queries.text("check_epoch"), {"run": run_id}).first()
+    current = None if leader is None else leader.epoch
+    if holder is not None and (leader is None or leader.holder != holder or current != epoch):
+        raise Conflict([(epoch, "not the coordinator of this run (leadership lost or expired)")])
+    if current != epoch:
+        raise Conflict([(epoch, f"coordinator epoch {epoch} is not the run's current leader epoch ({current})")])
+
+
+# ---- prompt groups -----------------------------------------------------------------------
+
+
+@dataclass
+class Prompt:
+    client_key: str
+    prompt_tokens: list[int]
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+def enqueue_prompts(
+    conn: Connection, run: RunRow, prompts: Sequence[Prompt], replacement_of: Sequence[int] | None = None
+) -> list[int]:
+    """Group ids for the prompts, in order (a client key seen before returns its group); with
+    `replacement_of`, the groups re-enqueue those filtered groups (keys starting with "~")."""
+    check_prompts(run, prompts, replacements=replacement_of is not None)
+    payload = json.dumps(
+        [
+            {
+                "o": i,
+                "k": p.client_key,
+                "t": p.prompt_tokens,
+                "m": p.meta,
+                "r": replacement_of[i] if replacement_of else None,
+            }
+            for i, p in enumerate(prompts)
+        ]
+    )
+    created = conn.execute(
+        queries.text("enqueue_groups"),
+        {"run": run.id, "p": payload, "n": run.samples_per_group},
+    ).all()
+    log_events(conn, run.id, [Event("group_enqueued", group=gid) for gid, _ in created])
+    ids: dict[str, int] = {k: g for g, k in created}
+    missing = [p.client_key for p in prompts if p.client_key not in ids]
+    if missing:
+        ids.update(
+            (k, g)
+            for g, k in conn.execute(
+                queries.text("groups_by_key"),
+                {"run": run.id, "keys": missing},
+            ).all()
+        )
+    return [ids[p.client_key] for p in prompts]
+
+
+def check_prompts(run: RunRow, prompts: Sequence[Prompt], *, replacements: bool) -> None:
+    for p in prompts:
+        if not p.client_key or len(p.client_key) > 500:
+            raise InvalidInput("client_key must have 1..500 characters")
+        if not replacements and p.client_key.startswith("~"):
+            raise InvalidInput(f"client_key {p.client_key!r}: keys starting with '~' are reserved for replacements")
+        if not 1 <= len(p.prompt_tokens) <= run.max_prompt_tokens:
+            raise InvalidInput(
+                f"prompt {p.client_key!r}: {len(p.prompt_tokens)} tokens (allowed 1..{run.max_prompt_tokens})"
+            )
+        if any(not isinstance(t, int) or t < 0 or t >= 2**31 for t in p.prompt_tokens):
+            raise InvalidInput(f"prompt {p.client_key!r}: token ids must be integers in 0..2^31-1")
+    if len({p.client_key for p in prompts}) != len(prompts):
+        raise InvalidInput("a client_key appears twice in one batch")
+
+
+# ---- transactions ------------------------------------------------------------------------
+
+
 class TxMixin:
     """Transactions and request-id idempotency for the operation classes, all through
     `staleflow_db.idempotency` (the one transaction runner, shared with the API). A caller
     composing several operations in one transaction passes its connection as `conn=`."""
 
     engine: Engine
+    # Times every outermost transaction by operation (`idempotency.transactional`): the API's
+    # /metrics sets it.
+    observe_transaction: Callable[[str], AbstractContextManager[None]] | None = None
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
 
     def tx(self, conn: Connection | None) -> AbstractContextManager[Connection]:
         """The caller's transaction, else a new one."""
