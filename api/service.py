@@ -125,7 +125,7 @@ def dump(tp: Any, value: Any, exclude: Any = None) -> bytes:
     """`value` as JSON by the type `tp` (a TypedDict or dataclass mirroring a response model),
     serialised without validation: for large lists of data-layer dataclasses, whose fields are
     the model's, building a model per item first cost ~6x the serialising (2,000 routes: ~30 ms
-    against ~5 ms). Dataclass fields the model lacks (`RouteResult.lease`) are left out by
+    against ~5 ms). Dataclass fields the model lacks (`RouteResult.route_token`) are left out by
     `exclude` (see `unpublished`). tests/api/test_api_serialise.py checks each use gives the
     model's own JSON."""
     return _adapter(tp).dump_json(value, exclude=exclude)

@@ -95,15 +95,24 @@ class InProcess:
         return sum(r.outcome == "routed" for r in self.p.route(run, pairs))
 
     def poll(self, run: int, inst: int, wait: float) -> list[tuple[int, int, str]]:
-        work = self._wait(lambda: self.p.poll_work(inst, 1000)[0], bool, wait)
-        return [(w.sample_id, w.attempt, w.lease) for w in work]
+        work = self._wait(lambda: self.p.poll_work(inst, 1000).work, bool, wait)
+        return [(w.sample_id, w.attempt, w.route_token) for w in work]
 
     def report(self, run: int, inst: int, items: list[tuple[int, int, str]], version: int, tokens: list[int]) -> int:
         return self.p.report(
             run,
             [
-                Report(s, a, version, tokens, [-0.5] * len(tokens), SegmentKind.FINISHED, instance_id=inst, lease=lease)
-                for s, a, lease in items
+                Report(
+                    s,
+                    a,
+                    version,
+                    tokens,
+                    [-0.5] * len(tokens),
+                    SegmentKind.FINISHED,
+                    instance_id=inst,
+                    route_token=token,
+                )
+                for s, a, token in items
             ],
         )
 
@@ -116,10 +125,10 @@ class InProcess:
 
     def consume(self, run: int, version: int, wait: float) -> int | None:
         batch = self._wait(lambda: self.p.consume(run, version), lambda b: b is not None, wait)
-        return None if batch is None else batch.lease
+        return None if batch is None else batch.consume_fence
 
-    def publish(self, run: int, version: int, lease: int) -> None:
-        self.p.publish(run, version, lease, 1, "x", "bench")
+    def publish(self, run: int, version: int, fence: int) -> None:
+        self.p.publish(run, version, fence, 1, "x", "bench")
 
     def close(self) -> None:
         self.engine.dispose()
@@ -155,7 +164,7 @@ class Rest(InProcess):
         return sum(r.outcome == "routed" for r in self.c.route(run, pairs))
 
     def poll(self, run: int, inst: int, wait: float) -> list[tuple[int, int, str]]:
-        return [(w.sample_id, w.attempt, w.lease) for w in self.c.poll(run, inst, wait=wait).work]
+        return [(w.sample_id, w.attempt, w.route_token) for w in self.c.poll(run, inst, wait=wait).work]
 
     def report(self, run: int, inst: int, items: list[tuple[int, int, str]], version: int, tokens: list[int]) -> int:
         logprobs = [-0.5] * len(tokens)
@@ -166,12 +175,12 @@ class Rest(InProcess):
                 {
                     "sample_id": s,
                     "attempt": a,
-                    "lease": lease,
+                    "route_token": token,
                     "version": version,
                     "tokens": tokens,
                     "logprobs": logprobs,
                 }
-                for s, a, lease in items
+                for s, a, token in items
             ],
         )
 
@@ -183,10 +192,10 @@ class Rest(InProcess):
 
     def consume(self, run: int, version: int, wait: float) -> int | None:
         batch = self.c.consume(run, version, wait=wait)
-        return None if batch is None else batch.lease
+        return None if batch is None else batch.consume_fence
 
-    def publish(self, run: int, version: int, lease: int) -> None:
-        self.c.publish(run, version, lease, 1, "x", "bench")
+    def publish(self, run: int, version: int, fence: int) -> None:
+        self.c.publish(run, version, fence, 1, "x", "bench")
 
 
 def workload(backend: InProcess, args: argparse.Namespace) -> tuple[float, Recorder]:
@@ -242,14 +251,14 @@ def workload(backend: InProcess, args: argparse.Namespace) -> tuple[float, Recor
 
     def trainer() -> None:
         for v in range(args.steps):
-            lease, deadline = None, time.monotonic() + 60
-            while lease is None and not stop.is_set():
+            fence, deadline = None, time.monotonic() + 60
+            while fence is None and not stop.is_set():
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"no batch at version {v} within 60 s: the workload is stuck")
-                lease = rec.timed("consume (long-poll)", lambda: backend.consume(run, v, 2.0))
-            if lease is None:
+                fence = rec.timed("consume (long-poll)", lambda: backend.consume(run, v, 2.0))
+            if fence is None:
                 return
-            rec.timed("publish", lambda: backend.publish(run, v, lease))
+            rec.timed("publish", lambda: backend.publish(run, v, fence))
             published[0] = v + 1
             rec.add(2)
         stop.set()

@@ -166,7 +166,7 @@ def _rollout(p: Protocol, reader, run: int, name: str, done, rng: random.Random,
             continue
         j.calls[-1]["routed"] = [[r.sample_id, r.attempt] for r in results if r.outcome == RouteOutcome.ROUTED]
         try:
-            work, _ = j.call("poll", lambda: p.poll_work(inst), instance=inst)
+            work = j.call("poll", lambda: p.poll_work(inst), instance=inst).work
         except (ProtocolError, Unknown):
             continue  # delivered-or-not: the samples stay ours until the lease expires
         for w in work:
@@ -203,7 +203,7 @@ def _generate(p: Protocol, run: int, inst: int, version: int, w, rng: random.Ran
             kind,
             "stop" if kind == SegmentKind.FINISHED else None,
             instance_id=inst,
-            lease=w.lease,
+            route_token=w.route_token,
         )
         try:
             j.retried(
@@ -213,7 +213,7 @@ def _generate(p: Protocol, run: int, inst: int, version: int, w, rng: random.Ran
                 kind=kind.value,
             )
         except ProtocolError:
-            return True  # the lease is gone (aborted, interrupted, expired): drop the sample
+            return True  # the route is gone (aborted, interrupted, expired): drop the sample
         except Unknown:
             return False
         pos, left = pos + n, left - n
@@ -222,7 +222,7 @@ def _generate(p: Protocol, run: int, inst: int, version: int, w, rng: random.Ran
 
 def _reward(p: Protocol, reader, run: int, name: str, done, rng: random.Random, j: Journal, extra) -> None:
     while not done():
-        tasks = _attempt(j, "claim", lambda: p.claim_rewards(run, limit=8, lease_seconds=3.0))
+        tasks = _attempt(j, "claim", lambda: p.claim_rewards(run, limit=8, claim_seconds=3.0))
         if not tasks:
             time.sleep(0.03)
             continue
@@ -240,7 +240,7 @@ def _reward(p: Protocol, reader, run: int, name: str, done, rng: random.Random, 
                 lost = {sid for sid, _ in e.items}
                 pending = [x for x in pending if x[0] not in lost]
             except (ProtocolError, Unknown):
-                break  # the claim lease runs out and another claim scores them
+                break  # the claim runs out and another claim scores them
 
 
 def _trainer(p: Protocol, reader, run: int, name: str, done, rng: random.Random, j: Journal, extra) -> None:
@@ -252,16 +252,16 @@ def _trainer(p: Protocol, reader, run: int, name: str, done, rng: random.Random,
         if batch is None:
             time.sleep(0.03)
             continue
-        j.calls[-1]["lease"] = batch.lease
+        j.calls[-1]["consume_fence"] = batch.consume_fence
         for _try in range(RETRIES):
             checksum = f"{name}-v{v}-{uuid.uuid4().hex[:8]}"  # unique per call: tells whose publish landed
             try:
                 new = j.call(
                     "publish",
-                    lambda: p.publish(run, v, batch.lease, 1, checksum, "bench"),
+                    lambda: p.publish(run, v, batch.consume_fence, 1, checksum, "bench"),
                     version=v,
                     checksum=checksum,
-                    lease=batch.lease,
+                    consume_fence=batch.consume_fence,
                 )
             except Unknown:
                 continue

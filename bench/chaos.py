@@ -128,7 +128,7 @@ def launch(
         Role(
             "reward",
             "reward",
-            ["reward-worker", *common, "--verifier", "sim" if sim else "repeat", "--lease", "10"],
+            ["reward-worker", *common, "--verifier", "sim" if sim else "repeat", "--claim-seconds", "10"],
             via(1, "reward"),
         )
     )
@@ -141,7 +141,7 @@ def launch(
                 via(i, "rollout"),
             )
         )
-    for i in range(2):  # leader and standby: whichever holds the lease leads
+    for i in range(2):  # leader and standby: whichever holds the leader epoch leads
         sup.launch(Role(f"coordinator-{i}", "coordinator", ["coordinator", *common, "--lease", "3"]))
 
 

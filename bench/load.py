@@ -110,8 +110,8 @@ class Load:
     def trainer(self) -> None:
         v = 0
         while not self.stop.is_set():
-            lease = self.timed("consume (long-poll)", lambda: self.b.consume(self.run, v, 2.0))
-            if lease is not None and self.timed("publish", lambda: self.b.publish(self.run, v, lease) or True):
+            fence = self.timed("consume (long-poll)", lambda: self.b.consume(self.run, v, 2.0))
+            if fence is not None and self.timed("publish", lambda: self.b.publish(self.run, v, fence) or True):
                 v += 1
                 self.published[0] = v
                 self.rec.add(2)

@@ -162,7 +162,7 @@ def client(
             todo.extendleft(reversed(refused))  # not admitted yet: retry them first
             bump("routed", len(picked) - len(refused))
             not_admitted += len(refused)
-            work, _ = timed("poll_work", p.poll_work, inst, batch)
+            work = timed("poll_work", p.poll_work, inst, batch).work
             calls += 2
             if work:
                 timed(
@@ -179,7 +179,7 @@ def client(
                             SegmentKind.FINISHED,
                             "stop",
                             instance_id=inst,
-                            lease=w.lease,
+                            route_token=w.route_token,
                         )
                         for w in work
                     ],
@@ -204,7 +204,7 @@ def client(
             calls += 1
             if got is None:
                 break
-            version = timed("publish", p.publish, run, version, got.lease)
+            version = timed("publish", p.publish, run, version, got.consume_fence)
             bump("trained", B * N)
             calls += 1
     out.put(

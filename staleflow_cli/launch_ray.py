@@ -83,7 +83,7 @@ class ApiCfg(RoleCfg):
 
 
 class CoordinatorCfg(RoleCfg):
-    replicas: Annotated[int, Field(ge=0)] = 2  # leader and standby (the database lease decides)
+    replicas: Annotated[int, Field(ge=0)] = 2  # leader and standby (the leader epoch in the database decides)
 
 
 class PsCfg(RoleCfg):

@@ -47,7 +47,7 @@ def reward_worker(
     token: str | None = TOKEN,
     api_wait: float | None = API_WAIT,
     batch: int = typer.Option(256, "--batch", min=1, help="samples claimed per request"),
-    lease: float = typer.Option(60.0, "--lease", min=1.0, help="seconds a claim is held"),
+    claim_seconds: float = typer.Option(60.0, "--claim-seconds", min=1.0, help="seconds a claim is held"),
     model: Path | None = typer.Option(
         None, "--model", help="decode prompts and responses with this Hugging Face tokenizer (default: UTF-8 bytes)"
     ),
@@ -97,10 +97,10 @@ def reward_worker(
                 raise typer.BadParameter(f"{h!r}: 'Name: value'", param_hint="--reward-header")
             headers[name.strip()] = value.strip()
         source = HttpReward(reward_url, concurrency=concurrency, request_size=request_size, headers=headers)
-    if timeout * (retries + 1) > lease:
+    if timeout * (retries + 1) > claim_seconds:
         console.print(
-            f"[yellow]warning:[/yellow] {retries + 1} tries of {timeout:g} s may outlast the {lease:g} s claim "
-            "(--lease): a claim that expires is scored again by a worker"
+            f"[yellow]warning:[/yellow] {retries + 1} tries of {timeout:g} s may outlast the {claim_seconds:g} s claim "
+            "(--claim-seconds): a claim that expires is scored again by a worker"
         )
     client, run_id = connect(api, token, run, api_wait)
     worker = RewardWorker(
@@ -109,7 +109,7 @@ def reward_worker(
         source,
         detokenize=detokenize,
         batch=batch,
-        lease_s=lease,
+        claim_s=claim_seconds,
         timeout_s=timeout,
         retry=REWARD_CALL.but(attempts=retries + 1),
     )

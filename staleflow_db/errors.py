@@ -24,7 +24,7 @@ class NotFound(ProtocolError):
 
 
 class Conflict(ProtocolError):
-    """A lost lease, a stale attempt or a wrong version: the caller's view is out of date."""
+    """A lost route, fence or leadership, a stale attempt or a wrong version: the caller's view is out of date."""
 
     code = "conflict"
 

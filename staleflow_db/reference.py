@@ -49,7 +49,7 @@ class RefSample:
     state: SampleState = SampleState.QUEUED
     v_traj: int | None = None
     attempt: int = 0
-    lease: str | None = None  # secret token of the latest route
+    route_token: str | None = None  # secret token of the latest route
     instance_id: int | None = None
     segments: list[RefSegment] = field(default_factory=list)
     reward: float | None = None
@@ -97,7 +97,7 @@ class ReferenceProtocol:
         self.instances: dict[int, RefInstance] = {}
         self.buffers: dict[int, BufferCounts] = {}
         self.keys: dict[str, int] = {}
-        self.consume_lease: dict[int, int] = {}  # buffer -> lease token of the latest consume
+        self.consume_fence: dict[int, int] = {}  # buffer -> consume fence of the latest consume
         self.published: dict[int, dict[str, Any]] = {}  # version -> parameter metadata
         self.reserved: dict[int, RefGroup] = {}  # groups holding a reservation, by id
         self._finished: set[int] = set()  # samples that became FINISHED (claims scan only these)
@@ -182,15 +182,15 @@ class ReferenceProtocol:
             self.reserved[g.id] = g
         s.v_traj, s.state, s.instance_id = v, SampleState.RUNNING, instance_id
         s.attempt += 1
-        s.lease = str(uuid.uuid4())
+        s.route_token = str(uuid.uuid4())
         self._refresh_version(g)
         g.min_version = g.live_version
-        return RouteResult(sample_id, RouteOutcome.ROUTED, s.attempt, v, g.reserved_buffer, s.lease)
+        return RouteResult(sample_id, RouteOutcome.ROUTED, s.attempt, v, g.reserved_buffer, s.route_token)
 
     # ---- segments --------------------------------------------------------------------------
 
     def report(self, reports: list[Report]) -> None:
-        """All-or-nothing: a lost lease or bad input anywhere refuses the whole batch."""
+        """All-or-nothing: a lost route or bad input anywhere refuses the whole batch."""
         conflicts, pending = [], {}
         for r in reports:
             s = self.samples.get(r.sample_id)
@@ -200,13 +200,15 @@ class ReferenceProtocol:
             r.check_shape()
             if r.sample_id in pending:
                 raise InvalidInput(f"sample {r.sample_id} appears twice in one report batch")
-            # fenced by the reporting instance, the attempt and the secret lease token
-            if s.state != SampleState.RUNNING or (s.instance_id, s.attempt, s.lease) != (
+            # fenced by the reporting instance, the attempt and the secret route token
+            if s.state != SampleState.RUNNING or (s.instance_id, s.attempt, s.route_token) != (
                 r.instance_id,
                 r.attempt,
-                r.lease,
+                r.route_token,
             ):
-                conflicts.append((r.sample_id, "lease lost (not running, another instance's, stale attempt or lease)"))
+                conflicts.append(
+                    (r.sample_id, "route lost (not running, another instance's, stale attempt or route token)")
+                )
                 continue
             assert s.v_traj is not None  # running: routed at a version
             last = s.segments[-1].version if s.segments else s.v_traj
@@ -397,22 +399,22 @@ class ReferenceProtocol:
     # ---- Consume and publish ---------------------------------------------------------------
 
     def consume(self, version: int) -> tuple[int, list[int]] | None:
-        """Lease the ready buffer at the run's version: (lease token, group ids) or None."""
+        """Fence the ready buffer at the run's version: (consume fence, group ids) or None."""
         if version != self.version:
             raise Conflict([(version, f"run is at version {self.version}")])
         buf = self.buffers.get(version)
         if buf is None or buf.occupied < self.config.batch_size:
             return None
-        lease = self.consume_lease.get(version, 0) + 1
-        self.consume_lease[version] = lease
+        fence = self.consume_fence.get(version, 0) + 1
+        self.consume_fence[version] = fence
         groups = sorted(g.id for g in self.groups.values() if g.state == GroupState.OCCUPIED and g.buffer == version)
-        return lease, groups
+        return fence, groups
 
-    def publish(self, version: int, lease: int, params: dict[str, Any] | None = None) -> int:
+    def publish(self, version: int, consume_fence: int, params: dict[str, Any] | None = None) -> int:
         """Buffer `version` consumed and the run at `version + 1`, atomically; idempotent."""
         if version == self.version - 1 and version in self.published:
-            # A retry only from the lease that published, with the same checksum if given.
-            if self.consume_lease.get(version) != lease:
+            # A retry only under the consume fence that published, with the same checksum if given.
+            if self.consume_fence.get(version) != consume_fence:
                 raise Conflict([(version, f"fenced: another trainer published version {self.version}")])
             sent = (params or {}).get("checksum")
             if sent is not None and self.published[version].get("checksum") != sent:
@@ -422,8 +424,8 @@ class ReferenceProtocol:
             raise Conflict([(version, f"replay of an older version: run is at version {self.version}")])
         if version != self.version:
             raise Conflict([(version, f"run is at version {self.version}")])
-        if self.consume_lease.get(version) != lease:
-            raise Conflict([(version, "consume lease lost (another trainer consumed this buffer)")])
+        if self.consume_fence.get(version) != consume_fence:
+            raise Conflict([(version, "consume fence lost (another trainer consumed this buffer)")])
         buf = self.buffers[version]
         buf.consumed = True
         for g in self.groups.values():

@@ -136,7 +136,7 @@ samples = Table(
     Column("state", sample_state, nullable=False, server_default=SampleState.QUEUED.value),
     Column("v_traj", Integer),
     Column("attempt", Integer, nullable=False, server_default="0"),  # number of the route (guessable)
-    Column("lease", UUID(as_uuid=True)),  # secret token of the latest route; reports must quote it
+    Column("route_token", UUID(as_uuid=True)),  # secret token of the latest route; reports must quote it
     Column("instance_id", BigInteger, ForeignKey("instances.id")),
     Column("delivered", Boolean, nullable=False, server_default=text("false")),
     Column("n_tokens", Integer, nullable=False, server_default="0"),
@@ -190,8 +190,9 @@ buffers = Table(
     Column("capacity", Integer, nullable=False),
     Column("occupied", Integer, nullable=False, server_default="0"),
     Column("reserved", Integer, nullable=False, server_default="0"),
-    Column("lease", Integer, nullable=False, server_default="0"),  # consume lease token
-    Column("leased_at", DateTime(timezone=True)),
+    # the consume fence: bumped by every consume; publish must quote the latest
+    Column("consume_fence", Integer, nullable=False, server_default="0"),
+    Column("consume_fence_at", DateTime(timezone=True)),
     Column("consumed_at", DateTime(timezone=True)),
     _created(),
     PrimaryKeyConstraint("run_id", "idx"),
@@ -247,8 +248,9 @@ events = Table(
     Index("ix_events_group_occupied", "run_id", "group_id", postgresql_where=text("kind = 'group_occupied'")),
 )
 
-coordinator_leases = Table(
-    "coordinator_leases",
+# the run's leader epoch: who leads its coordinator, under which epoch, until when
+leader_epochs = Table(
+    "leader_epochs",
     metadata,
     Column("run_id", BigInteger, ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True),
     Column("holder", Text, nullable=False),

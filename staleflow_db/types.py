@@ -31,7 +31,7 @@ class RouteResult:
     attempt: int | None = None
     v_traj: int | None = None
     buffer: int | None = None
-    lease: str | None = None  # the route's secret lease token (for in-process callers only)
+    route_token: str | None = None  # the route's secret token (for in-process callers only)
 
 
 @dataclass
@@ -39,7 +39,7 @@ class Report:
     """One stretch of generation of one sample by the instance it is routed to.
 
     Fenced three ways: the reporting `instance_id` must be the one the sample is routed to,
-    `attempt` the route's number and `lease` the route's secret token (random, 122 bits,
+    `attempt` the route's number and `route_token` the route's secret token (random, 122 bits,
     delivered only with the work): attempts are small sequential integers anyone can guess.
     """
 
@@ -52,18 +52,18 @@ class Report:
     finish_reason: str | None = None
     _: KW_ONLY
     instance_id: int
-    lease: str
+    route_token: str
 
     def check_shape(self) -> None:
         if len(self.tokens) != len(self.logprobs):
             raise InvalidInput(f"sample {self.sample_id}: {len(self.tokens)} tokens but {len(self.logprobs)} log-probs")
 
-    def lease_uuid(self) -> uuid.UUID:
+    def route_token_uuid(self) -> uuid.UUID:
         try:
-            return uuid.UUID(str(self.lease))
+            return uuid.UUID(str(self.route_token))
         except ValueError:
             raise InvalidInput(
-                f"sample {self.sample_id}: lease {str(self.lease)[:50]!r} is not a lease token"
+                f"sample {self.sample_id}: route_token {str(self.route_token)[:50]!r} is not a route token"
             ) from None
 
 

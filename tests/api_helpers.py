@@ -178,7 +178,7 @@ def walk_lifecycle(
             {
                 "sample_id": first.sample_id,
                 "attempt": first.attempt,
-                "lease": first.lease,
+                "route_token": first.route_token,
                 "version": 0,
                 "tokens": [7],
                 "logprobs": [-0.5],
@@ -196,7 +196,7 @@ def walk_lifecycle(
             {
                 "sample_id": first.sample_id,
                 "attempt": first.attempt,
-                "lease": first.lease,
+                "route_token": first.route_token,
                 "version": 0,
                 "tokens": [8],
                 "logprobs": [-0.25],
@@ -215,7 +215,7 @@ def walk_lifecycle(
             {
                 "sample_id": w.sample_id,
                 "attempt": w.attempt,
-                "lease": w.lease,
+                "route_token": w.route_token,
                 "version": 0,
                 "tokens": [9, 10],
                 "logprobs": [-0.1, -0.2],
@@ -229,6 +229,6 @@ def walk_lifecycle(
     assert {o.state for o in outcomes} == {"occupied"} and len(outcomes) == B
     batch = batch_source() if batch_source else trainer.consume(run_id, 0, wait=5)
     assert batch is not None and len(batch.groups) == B
-    new = trainer.publish(run_id, 0, batch.lease, size_bytes=123, checksum="sha256:0", location="ps://0")
+    new = trainer.publish(run_id, 0, batch.consume_fence, size_bytes=123, checksum="sha256:0", location="ps://0")
     rollout.deregister(run_id, inst)
     return {"instance": inst, "batch": batch, "version": new, "continued": cont}

@@ -56,7 +56,9 @@ def forge(engine, *statements: str, drop_checks: tuple[tuple[str, str], ...] = (
 
 
 def _report(d: Driver, sid: int, attempt: int, version: int, tokens, kind: SegmentKind) -> None:
-    d.p.report(d.run, [Report(sid, attempt, version, list(tokens), [-0.5] * len(tokens), kind, **d.lease(sid))])
+    d.p.report(
+        d.run, [Report(sid, attempt, version, list(tokens), [-0.5] * len(tokens), kind, **d.route_identity(sid))]
+    )
 
 
 def healthy_run(engine, name: str = "healthy", check=None) -> Healthy:

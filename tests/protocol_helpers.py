@@ -16,7 +16,7 @@ class Driver:
         self.p = Protocol(engine)
         self.run = self.p.create_run(name, RunConfig(**config))
         self.keys = 0
-        self.leases: dict[int, dict] = {}  # sample -> identity of its latest route through route()
+        self.identities: dict[int, dict] = {}  # sample -> identity of its latest route through route()
 
     def enqueue(self, n: int = 1, prompt=(1, 2, 3)) -> list[int]:
         prompts = [Prompt(f"k{self.keys + i}", list(prompt)) for i in range(n)]
@@ -28,7 +28,9 @@ class Driver:
 
     def route(self, sample_ids, instance_id):
         results = self.p.route(self.run, [(s, instance_id) for s in sample_ids])
-        self.leases.update((r.sample_id, {"instance_id": instance_id, "lease": r.lease}) for r in results if r.lease)
+        self.identities.update(
+            (r.sample_id, {"instance_id": instance_id, "route_token": r.route_token}) for r in results if r.route_token
+        )
         return results
 
     def routed(self, sample_ids, instance_id) -> dict[int, int]:
@@ -37,19 +39,21 @@ class Driver:
         assert [r.outcome for r in results] == [RouteOutcome.ROUTED] * len(results), results
         return {r.sample_id: r.attempt for r in results}
 
-    def lease(self, sid: int) -> dict:
-        """The reporting identity (instance and lease token, as the instance got them with the
-        work) of a running sample, else of its latest route: `Report(..., **d.lease(s))`."""
-        instance_id, lease = self.one("SELECT instance_id, lease::text FROM samples WHERE id = :s", s=sid)
+    def route_identity(self, sid: int) -> dict:
+        """The reporting identity (instance and route token, as the instance got them with the
+        work) of a running sample, else of its latest route: `Report(..., **d.route_identity(s))`."""
+        instance_id, token = self.one("SELECT instance_id, route_token::text FROM samples WHERE id = :s", s=sid)
         if instance_id is None:
-            return self.leases[sid]
-        return {"instance_id": instance_id, "lease": lease}
+            return self.identities[sid]
+        return {"instance_id": instance_id, "route_token": token}
 
     def finish(self, attempts: dict[int, int], version: int = 0, tokens=(7, 8)) -> None:
         self.p.report(
             self.run,
             [
-                Report(s, a, version, list(tokens), [-0.5] * len(tokens), SegmentKind.FINISHED, **self.lease(s))
+                Report(
+                    s, a, version, list(tokens), [-0.5] * len(tokens), SegmentKind.FINISHED, **self.route_identity(s)
+                )
                 for s, a in attempts.items()
             ],
         )
@@ -67,7 +71,7 @@ class Driver:
     def train(self, version: int) -> None:
         batch = self.p.consume(self.run, version)
         assert batch is not None, f"buffer {version} not ready"
-        assert self.p.publish(self.run, version, batch.lease) == version + 1
+        assert self.p.publish(self.run, version, batch.consume_fence) == version + 1
 
     # ---- reads -----------------------------------------------------------------------------
 

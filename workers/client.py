@@ -320,7 +320,7 @@ class StaleFlowClient:
 
     def poll(self, run_id: int, instance_id: int, wait: float | None = None, limit: int = 1000) -> m.PollOut:
         """Long-poll for routed work and commands; empty after `wait` seconds. Each work item
-        carries its `attempt` and secret `lease` token: reports on it must quote both."""
+        carries its `attempt` and secret `route_token`: reports on it must quote both."""
         wait = self.wait if wait is None else wait
         return self._call(
             m.PollOut,
@@ -332,7 +332,7 @@ class StaleFlowClient:
         )
 
     def report(self, run_id: int, instance_id: int, reports: Sequence[m.ReportIn | dict | Any]) -> int:
-        """Segments of samples routed to `instance_id`, each with its attempt and lease token.
+        """Segments of samples routed to `instance_id`, each with its attempt and route token.
         A staleflow_db.types.Report may be passed as is (its instance must be `instance_id`)."""
         items = []
         for r in reports:
@@ -350,10 +350,10 @@ class StaleFlowClient:
     # ---- reward and trainer ----------------------------------------------------------------
 
     def claim(
-        self, run_id: int, limit: int = 100, lease_seconds: float = 60.0, wait: float | None = None
+        self, run_id: int, limit: int = 100, claim_seconds: float = 60.0, wait: float | None = None
     ) -> list[m.RewardTaskOut]:
         wait = self.wait if wait is None else wait
-        body = m.ClaimIn(limit=limit, lease_seconds=lease_seconds)
+        body = m.ClaimIn(limit=limit, claim_seconds=claim_seconds)
         return self._call(
             m.ClaimOut,
             "POST",
@@ -393,13 +393,13 @@ class StaleFlowClient:
         self,
         run_id: int,
         version: int,
-        lease: int,
+        consume_fence: int,
         size_bytes: int | None = None,
         checksum: str | None = None,
         location: str | None = None,
     ) -> int:
         """Publish `version + 1` (buffer `version` trained); returns the run's new version."""
-        body = m.PublishIn(lease=lease, size_bytes=size_bytes, checksum=checksum, location=location)
+        body = m.PublishIn(consume_fence=consume_fence, size_bytes=size_bytes, checksum=checksum, location=location)
         return self._call(m.PublishOut, "POST", f"/v1/runs/{run_id}/batches/{version}/publish", body=body).version
 
     # ---- coordinator -----------------------------------------------------------------------

@@ -15,7 +15,7 @@ trainer decides *how*. Three calls connect them::
 
 `next_batch` consumes buffers in version order (buffer v trains model v into v + 1);
 `publish` pushes the weights to the parameter server as version v + 1 and publishes it with
-the consume's lease, so a second trainer that consumed the same buffer later fences this one
+the consume's fence, so a second trainer that consumed the same buffer later fences this one
 out (`TrainerError`) instead of both publishing. Rollout workers pull the published weights
 from the parameter server. The SDK keeps no checkpoint: a trainer that restarts resumes from
 its own checkpoint of the model at the run's version (`TrainerClient.version`).
@@ -51,7 +51,7 @@ class Batch:
     share a prompt (the GRPO group)."""
 
     version: int  # the buffer: trains model `version` into `version + 1`
-    lease: int  # what `publish` fences with (kept for you by TrainerClient)
+    consume_fence: int  # what `publish` quotes (kept for you by TrainerClient)
     input_ids: torch.Tensor  # [S, T] long: prompt + response, right-padded with pad_id
     attention_mask: torch.Tensor  # [S, T] long: 1 on real tokens
     response_mask: torch.Tensor  # [S, T] float: 1 on generated tokens
@@ -95,7 +95,7 @@ def to_batch(out: BatchOut, pad_id: int = 0) -> Batch:
     v = torch.tensor(versions, dtype=torch.long)
     return Batch(
         version=out.version,
-        lease=out.lease,
+        consume_fence=out.consume_fence,
         input_ids=ids,
         attention_mask=attention,
         response_mask=response,
@@ -129,7 +129,7 @@ class TrainerClient:
         self.run_id, self.pad_id, self.poll_s = run_id, pad_id, poll_s
         self.ps = ps if isinstance(ps, ParamClient) or ps is None else ParamClient(ps, retry_for=60.0)
         self.version = self.client.run_status(run_id).version  # the next buffer to consume
-        self._leases: dict[int, int] = {}
+        self._fences: dict[int, int] = {}  # buffer -> its consume fence, until published
 
     def close(self) -> None:
         self.client.close()
@@ -155,7 +155,7 @@ class TrainerClient:
     def next_batch(self, timeout: float | None = None) -> Batch | None:
         """Consume the ready buffer of the current version, waiting up to `timeout` seconds
         (None: for ever); None if it did not become ready in time. Consuming it again (e.g. after
-        a crash) returns the same samples with a new lease, fencing the earlier consumer."""
+        a crash) returns the same samples with a new consume fence, fencing the earlier consumer."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:  # long-polls of at most poll_s: at least one, even with timeout 0
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
@@ -166,14 +166,14 @@ class TrainerClient:
                 break
             if left is not None and left <= 0:
                 return None
-        self._leases[out.version] = out.lease
+        self._fences[out.version] = out.consume_fence
         return to_batch(out, self.pad_id)
 
     def publish(self, version: int, state_dict: Mapping[str, torch.Tensor]) -> int:
         """Publish `version + 1`, trained on buffer `version` (the batch's `version`): push the
-        weights to the PS, publish fenced by the consume's lease, then pin the PS's copy to the
+        weights to the PS, publish fenced by the consume's fence, then pin the PS's copy to the
         published checksum. Returns the run's new version; TrainerError if fenced."""
-        if version not in self._leases:
+        if version not in self._fences:
             raise TrainerError(f"buffer {version} was not consumed by this client (call next_batch first)")
         sd = _detached(state_dict)
         size = sum(t.numel() * t.element_size() for t in sd.values())
@@ -185,7 +185,7 @@ class TrainerClient:
             self.client,
             self.run_id,
             version,
-            self._leases.pop(version),
+            self._fences.pop(version),
             size_bytes=size,
             checksum=checksum,
             location=location,

@@ -1,6 +1,6 @@
 """The coordinator's door: one-transaction snapshot, routes (Reserve), commands, aborts, expiry.
 
-Writes may carry the coordinator's leadership `epoch`; it is checked against the run's lease in
+Writes may carry the coordinator's leadership `epoch`; it is checked against the run's leader epoch in
 the same transaction, so a deposed leader cannot route or interrupt (ENGINEERING pattern 9).
 """
 
@@ -105,7 +105,7 @@ _SNAPSHOT_EXCLUDE = {"queued": {"__all__": unpublished(QueuedView, QueuedSampleO
 
 
 class _RouteJson(TypedDict):
-    """RouteOut, the results as the data layer's RouteResult (less the lease token)."""
+    """RouteOut, the results as the data layer's RouteResult (less the route token)."""
 
     results: list[RouteResult]
 
@@ -118,13 +118,13 @@ _ROUTE_EXCLUDE = {"results": {"__all__": unpublished(RouteResult, RouteResultOut
 @router.post("/coordinator/cycle", status_code=410, response_model=None, deprecated=True, responses=errors(410))
 def coordinator_gone(run_id: RunId, who: Principal = Coordinator) -> JSONResponse:
     """Gone: the coordinator runs in-process against the database (`staleflow coordinator --run
-    RUN`), which leads the run by its lease row and writes each cycle in one fenced transaction.
+    RUN`), which leads the run by its leader epoch and writes each cycle in one fenced transaction.
     Nothing is applied."""
     return JSONResponse(
         error_body(
             "gone",
             "the coordinator runs in-process against the database (`staleflow coordinator --run"
-            f" {run_id}`): it takes the run's lease and writes its cycles there, not over the API;"
+            f" {run_id}`): it takes the run's leader epoch and writes its cycles there, not over the API;"
             " nothing was applied",
         ),
         status_code=410,
@@ -246,5 +246,5 @@ def abort_after_ready(run_id: RunId, state: State, who: Principal = Coordinator)
 
 @router.post("/instances/expire", response_model=ExpireOut)
 def expire_instances(run_id: RunId, state: State, who: Principal = Coordinator) -> ExpireOut:
-    """Fence instances whose lease ran out; their samples go back to the queue with their tokens."""
+    """Fence instances whose instance lease ran out; their samples go back to the queue with their tokens."""
     return ExpireOut(expired=state.protocol.expire_instances(run_id))

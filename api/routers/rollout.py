@@ -7,9 +7,8 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 from sqlalchemy import Connection
 from starlette.concurrency import run_in_threadpool
-from typing_extensions import TypedDict
 
-from staleflow_db.protocol.rollout import Command, Work
+from staleflow_db.protocol.rollout import Poll
 from staleflow_db.types import Report
 from workers.wire.enums import Role, SegmentKind
 from workers.wire.models import (
@@ -68,7 +67,7 @@ def heartbeat(
     state: State,
     who: Principal = Rollout,
 ) -> Response:
-    """Extend the lease and store the snapshot. 409: the lease expired (register again)."""
+    """Extend the instance lease and store the snapshot. 409: the lease expired (register again)."""
     state.instance_in_run(run_id, instance_id, who)
     state.protocol.heartbeat(instance_id, body.version, body.snapshot.model_dump(), body.lease_seconds)
     return respond(HeartbeatOut(instance_id=instance_id, lease_seconds=body.lease_seconds))
@@ -92,9 +91,9 @@ async def poll(
     limit: Limit = 1000,
     who: Principal = Rollout,
 ) -> Response:
-    """Long-poll: newly routed samples (with the tokens and log-probs to continue from) and
-    commands (interrupt, abort, pull). Returns as soon as there is something, or empty after
-    `wait` seconds. Delivery is once: send an Idempotency-Key so a retry after a lost response
+    """Long-poll: one reply shape, `work` (newly routed samples, with the tokens and log-probs
+    to continue from) and `commands` (interrupt, abort, pull), each empty when there is none.
+    Returns as soon as either part has something, or both empty after `wait` seconds. Delivery is once: send an Idempotency-Key so a retry after a lost response
     gets the same delivery back."""
     if instance_id in state.instance_owners:  # cached: a check without I/O, no thread hand-off
         state.instance_in_run(run_id, instance_id, who)
@@ -103,8 +102,7 @@ async def poll(
     skey = scoped_key(key, f"inst{instance_id}")
 
     def call(conn: Connection) -> bytes:
-        work, commands = state.protocol.poll_work(instance_id, limit, conn=conn)
-        return dump(_PollJson, {"work": work, "commands": commands})
+        return dump(Poll, state.protocol.poll_work(instance_id, limit, conn=conn))
 
     def fetch() -> bytes:
         return state.protocol.once_json(skey, "poll", None, call, PollOut, store=_nonempty)[0]
@@ -112,14 +110,8 @@ async def poll(
     return respond_json(await long_poll(request, state, run_id, instance_topic(instance_id), wait, fetch, _nonempty))
 
 
-class _PollJson(TypedDict):
-    """PollOut, as the data layer's Work and Command (their fields are the models')."""
-
-    work: list[Work]
-    commands: list[Command]
-
-
-_EMPTY_POLL = dump(_PollJson, {"work": [], "commands": []})
+# PollOut as the data layer's Poll (their fields are the same, nested)
+_EMPTY_POLL = dump(Poll, Poll())
 
 
 def _nonempty(out: bytes) -> bool:
@@ -136,10 +128,10 @@ def report(
     who: Principal = Rollout,
 ) -> Response:
     """Report segments (finished, interrupted or partial) of samples routed to this instance,
-    each quoting the attempt and lease token it was delivered with. All or nothing: 409 naming
-    the samples whose lease this instance does not hold (another instance's sample, a stale
-    attempt, a wrong token, a sample no longer running) or, for every sample, when the
-    instance itself is fenced (lease lapsed or expired: register again)."""
+    each quoting the attempt and route token it was delivered with. All or nothing: 409 naming
+    the samples whose route this instance does not hold (another instance's sample, a stale
+    attempt, a wrong route token, a sample no longer running) or, for every sample, when the
+    instance itself is fenced (instance lease lapsed or expired: register again)."""
     state.instance_in_run(run_id, instance_id, who)
     reports = [
         Report(
@@ -151,7 +143,7 @@ def report(
             SegmentKind(r.kind),
             r.finish_reason,
             instance_id=instance_id,
-            lease=str(r.lease),
+            route_token=str(r.route_token),
         )
         for r in body.reports
     ]
@@ -168,12 +160,12 @@ def report(
 @router.post("/segments", status_code=410, response_model=None, deprecated=True, responses=errors(410))
 def report_moved(run_id: RunId, who: Principal = Rollout) -> JSONResponse:
     """Gone: reports name their instance now (POST /v1/runs/{run_id}/instances/{instance_id}/segments,
-    each report quoting the lease token delivered with the work). Nothing is applied."""
+    each report quoting the route token delivered with the work). Nothing is applied."""
     return JSONResponse(
         error_body(
             "gone",
             f"segments are reported at /v1/runs/{run_id}/instances/{{instance_id}}/segments, each report"
-            " quoting the lease token its work was delivered with; nothing was applied",
+            " quoting the route token its work was delivered with; nothing was applied",
         ),
         status_code=410,
     )

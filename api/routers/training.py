@@ -47,12 +47,12 @@ async def claim(
     wait: Wait = 0.0,
     who: Principal = Reward,
 ) -> Response:
-    """Long-poll: lease up to `limit` finished samples for scoring. Claims not scored within
-    `lease_seconds` become claimable again; with an Idempotency-Key a retry gets the same claim."""
+    """Long-poll: claim up to `limit` finished samples for scoring. Claims not scored within
+    `claim_seconds` become claimable again; with an Idempotency-Key a retry gets the same claim."""
     skey = scoped_key(key, f"run{run_id}")
 
     def call(conn: Connection) -> bytes:
-        tasks = state.protocol.claim_rewards(run_id, body.limit, body.lease_seconds, conn=conn)
+        tasks = state.protocol.claim_rewards(run_id, body.limit, body.claim_seconds, conn=conn)
         return dump(_ClaimJson, {"tasks": tasks})
 
     def fetch() -> bytes:
@@ -135,9 +135,9 @@ async def consume(
     wait: Wait = 0.0,
     who: Principal = Trainer,
 ) -> Response:
-    """Long-poll until buffer `version` is ready, then lease it and return the whole batch.
-    409 when the run is not at `version`. A repeated consume takes a new lease (fencing the
-    earlier one), so a retry after a lost response is safe without a request id."""
+    """Long-poll until buffer `version` is ready, then take a new consume fence on it and return the
+    whole batch. 409 when the run is not at `version`. A repeated consume takes a new fence
+    (fencing the earlier one), so a retry after a lost response is safe without a request id."""
 
     def fetch() -> bytes | None:
         # The batch (every token and log-prob of B x N samples) serialised from the dataclasses.
@@ -170,8 +170,8 @@ def publish(
     who: Principal = Trainer,
 ) -> Response:
     """Buffer `version` is trained: mark it consumed and make `version + 1` the run's version,
-    with the new parameters' size, checksum and location. Only with the latest consume lease
+    with the new parameters' size, checksum and location. Only with the latest consume fence
     and in version order (409 otherwise); publishing the same version again is a no-op."""
-    new = state.protocol.publish(run_id, version, body.lease, body.size_bytes, body.checksum, body.location)
+    new = state.protocol.publish(run_id, version, body.consume_fence, body.size_bytes, body.checksum, body.location)
     state.notifier.publish(run_id, BATCH, WORK)
     return respond(PublishOut(version=new))

@@ -3,9 +3,9 @@
 #
 #   STALEFLOW_API_URL=http://127.0.0.1:8000 STALEFLOW_TOKEN=sf_... docs/examples/rollout.sh RUN [MAX_SAMPLES]
 #
-# It registers an instance, then loops: heartbeat (keeps the lease, tells the coordinator
+# It registers an instance, then loops: heartbeat (keeps the instance lease, tells the coordinator
 # how loaded it is), long-poll for routed work, "generate" a canned response for each sample
-# and report it as a finished segment, quoting the attempt and lease token the work came with.
+# and report it as a finished segment, quoting the attempt and route token the work came with.
 # A `pull` command moves it to the new model version (a real engine would load the weights
 # from the parameter server first). It stops after MAX_SAMPLES reports (default: never) and
 # deregisters on exit, so samples it holds go back to the queue. Docs: docs/api.md.
@@ -41,7 +41,7 @@ while [[ $MAX_SAMPLES -eq 0 || $reported -lt $MAX_SAMPLES ]]; do
     if [[ -n $target ]]; then version=$target; fi
     # one finished segment per routed sample, cut to its max_new_tokens, log-probs of -1
     reports=$(jq -c --argjson v "$version" --argjson resp "$RESPONSE" '[.work[] | {
-        sample_id, attempt, lease, version: $v, kind: "finished", finish_reason: "eos",
+        sample_id, attempt, route_token, version: $v, kind: "finished", finish_reason: "eos",
         tokens: $resp[:.max_new_tokens], logprobs: [$resp[:.max_new_tokens][] | -1.0]}]' <<< "$polled")
     n=$(jq length <<< "$reports")
     if [[ $n -gt 0 ]]; then

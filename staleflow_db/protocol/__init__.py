@@ -26,7 +26,7 @@ from .aborts import AbortOps
 from .coordination import BufferView, CoordinationOps, InstanceView, QueuedView, RunningSample, Snapshot
 from .core import Prompt
 from .reads import InstanceOwner, MetricsRows, ParamVersion, ProtocolReads, RunInfo
-from .rollout import Command, RolloutOps, Work
+from .rollout import Command, Poll, RolloutOps, Work
 from .routing import RoutingOps
 from .runs import RunOps
 from .scoring import RewardTask, ScoringOps
@@ -49,6 +49,7 @@ __all__ = [
     "InstanceView",
     "MetricsRows",
     "ParamVersion",
+    "Poll",
     "Prompt",
     "Protocol",
     "ProtocolReads",

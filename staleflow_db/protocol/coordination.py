@@ -1,4 +1,4 @@
-"""Coordinator side: leadership by an expiring lease row, the per-cycle snapshot (one short
+"""Coordinator side: leadership by an expiring leader epoch (table leader_epochs), the per-cycle snapshot (one short
 read-only transaction) and the commands: interrupts, pulls, and a cycle's routes (`routing`),
 interrupts and pulls in one write transaction, fenced by the leader's epoch so a deposed
 leader cannot clobber state. The coordinator's other commands are the drops (`aborts`)."""
@@ -93,7 +93,7 @@ class CoordinationOps(TxMixin):
         self, run_id: int, holder: str, ttl_seconds: float = 5.0, *, conn: Connection | None = None
     ) -> int | None:
         """Become (or stay) the run's coordinator: returns the leadership epoch, or None while
-        another holder's lease is live. Taking over bumps the epoch, fencing the old leader."""
+        another holder's leader epoch is live. Taking over bumps the epoch, fencing the old leader."""
         with self.tx(conn) as conn:
             load_run(conn, run_id, lock=False)
             row = conn.execute(
@@ -112,7 +112,7 @@ class CoordinationOps(TxMixin):
         self, run_id: int, epoch: int | None, holder: str | None = None, *, conn: Connection | None = None
     ) -> None:
         """Refuse (409) a write from a deposed coordinator; `epoch` None checks nothing. With
-        `conn`, the lease stays held (FOR SHARE) until the caller's transaction commits."""
+        `conn`, the leader epoch's row stays held (FOR SHARE) until the caller's transaction commits."""
         if epoch is None:
             return
         with self.tx(conn) as conn:
@@ -210,7 +210,7 @@ class CoordinationOps(TxMixin):
         taken only for routes (interrupts and pulls move no buffer, as in `interrupt` and
         `pull`), with the routes' locking read in its round trip, and with `cycle` the fence
         goes with the cycle's row as the last statement. A fence checked last is as good as
-        first: the lease row is then held FOR SHARE until the commit, and a takeover that
+        first: the leader epoch's row is then held FOR SHARE until the commit, and a takeover that
         committed before it fails the check, so the whole transaction rolls back. A cycle
         without routes is one statement (`CYCLES`), fenced the same way."""
         check_batch(routes, "routes")

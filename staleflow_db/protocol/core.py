@@ -1,6 +1,6 @@
 """The core every capability of the protocol stands on (docs/protocol.md): the per-run lock and
 its buffer accounting (counters, reservations, releases with their cascade, the batched flush),
-drops and their commands, the fences (an instance's lease, a route's lease token, the
+drops and their commands, the fences (an instance's lease, a route's route token, the
 coordinator's epoch), the prompt groups' creation, the per-call limits, and the capability
 classes' access to transactions and request-id idempotency (`staleflow_db.idempotency`).
 
@@ -365,26 +365,26 @@ def check_live(instance_id: int, state: str, live: bool) -> None:
         raise Conflict([(instance_id, "instance lease expired; register again")])
 
 
-def lease_lost(r: Report, state: str, attempt: int, instance: int | None, lease: Any, quoted: uuid.UUID) -> str | None:
-    """Why a report does not hold the sample's lease (None when it does)."""
+def route_lost(r: Report, state: str, attempt: int, instance: int | None, token: Any, quoted: uuid.UUID) -> str | None:
+    """Why a report does not hold the sample's route (None when it does)."""
     if state != "running":
-        return f"lease lost: sample is {state}"
+        return f"route lost: sample is {state}"
     if instance != r.instance_id:
-        return f"lease lost: sample is not routed to instance {r.instance_id}"
-    if attempt != r.attempt or lease != quoted:
-        return "lease lost: stale attempt or lease token"
+        return f"route lost: sample is not routed to instance {r.instance_id}"
+    if attempt != r.attempt or token != quoted:
+        return "route lost: stale attempt or route token"
     return None
 
 
 def check_epoch(conn: Connection, run_id: int, epoch: int, holder: str | None = None) -> None:
     """The coordinator fence (ENGINEERING pattern 9): `epoch` (and `holder`, when given) must be
-    the run's live lease. FOR SHARE holds off a takeover until this transaction commits."""
-    lease = conn.execute(queries.text("check_epoch"), {"run": run_id}).first()
-    current = None if lease is None else lease.epoch
-    if holder is not None and (lease is None or lease.holder != holder or current != epoch):
+    the run's live leader epoch. FOR SHARE holds off a takeover until this transaction commits."""
+    leader = conn.execute(queries.text("check_epoch"), {"run": run_id}).first()
+    current = None if leader is None else leader.epoch
+    if holder is not None and (leader is None or leader.holder != holder or current != epoch):
         raise Conflict([(epoch, "not the coordinator of this run (leadership lost or expired)")])
     if current != epoch:
-        raise Conflict([(epoch, f"coordinator epoch {epoch} is not the run's current lease ({current})")])
+        raise Conflict([(epoch, f"coordinator epoch {epoch} is not the run's current leader epoch ({current})")])
 
 
 # ---- prompt groups -----------------------------------------------------------------------

@@ -46,7 +46,7 @@ class InstanceOwner(NamedTuple):
 class MetricsRows:
     """For the newest runs: rows of (run_id, v_traj, n) queued samples, (run_id, idx,
     occupied, reserved, consumed) unconsumed buffers, (run_id, staleness, n) trained samples,
-    (run_id, state, n) instances ('lapsed': active with its lease run out), (run_id, reason, n)
+    (run_id, state, n) instances ('lapsed': active with its instance lease run out), (run_id, reason, n)
     dropped (filtered or aborted) groups, the newest `recent_cycles` coordinator cycles per
     run (count, time span, mean and max phase times, mean commands, the newest one's times),
     and (locktype, n) lock waits in this database now."""

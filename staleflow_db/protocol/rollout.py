@@ -1,13 +1,13 @@
 """Rollout side of the protocol: instances and their leases (register, heartbeat, deregister,
 the expiry sweep), work delivery (poll) and segment reports, each fenced by the instance's
-lease and, for a report, by the route's attempt and secret lease token."""
+lease and, for a report, by the route's attempt and secret route token."""
 
 from __future__ import annotations
 
 import json
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from sqlalchemy import Connection, Row
@@ -18,7 +18,7 @@ from .. import queries
 from ..errors import Conflict, InvalidInput, NotFound, TooLarge
 from ..idempotency import transactional
 from ..types import Report
-from .core import RunRow, TxMixin, check_batch, check_live, lease_lost, load_run
+from .core import RunRow, TxMixin, check_batch, check_live, load_run, route_lost
 from .events import Event, events_params, log_events
 
 
@@ -28,7 +28,7 @@ class Work:
 
     sample_id: int
     attempt: int
-    lease: str  # secret token of this route: every report on it must quote it
+    route_token: str  # secret token of this route: every report on it must quote it
     group_id: int
     v_traj: int
     prompt_tokens: list[int]
@@ -44,6 +44,15 @@ class Command:
     sample_id: int | None
     attempt: int | None
     target_version: int | None
+
+
+@dataclass
+class Poll:
+    """What one poll delivers to its instance: the one shape of a poll reply, each part empty
+    when there is none of it (an empty poll is `Poll()`); the API's PollOut has these fields."""
+
+    work: list[Work] = field(default_factory=list)
+    commands: list[Command] = field(default_factory=list)
 
 
 class RolloutOps(TxMixin):
@@ -139,7 +148,7 @@ class RolloutOps(TxMixin):
         self, run_id: int, reports: Sequence[Report], request_id: str | None = None, *, conn: Connection | None = None
     ) -> int:
         """Append segments, each fenced by its reporting instance (routed to it, lease live),
-        attempt and lease token; all or nothing. Returns the number applied."""
+        attempt and route token; all or nothing. Returns the number applied."""
         check_batch(reports, "reports")
         applied: int = self.idempotent(
             request_id, "report", lambda c: report_in(c, run_id, reports), int, body=[run_id, reports], conn=conn
@@ -147,9 +156,7 @@ class RolloutOps(TxMixin):
         return applied
 
     @transactional
-    def poll_work(
-        self, instance_id: int, limit: int = 1000, *, conn: Connection | None = None
-    ) -> tuple[list[Work], list[Command]]:
+    def poll_work(self, instance_id: int, limit: int = 1000, *, conn: Connection | None = None) -> Poll:
         """Deliver newly routed samples (with any prefix to continue from) and pending commands."""
         with self.tx(conn) as conn:
             # One statement checks the instance and delivers. FOR SHARE: the instance stays
@@ -167,7 +174,7 @@ class RolloutOps(TxMixin):
                 Work(
                     w.id,
                     w.attempt,
-                    w.lease,
+                    w.route_token,
                     w.group_id,
                     w.v_traj,
                     list(w.prompt_tokens),
@@ -179,7 +186,7 @@ class RolloutOps(TxMixin):
                 if w.id is not None
             ]
             cmds = conn.execute(queries.text("deliver_commands"), {"i": instance_id}).all()
-            return work, sorted((Command(**c._mapping) for c in cmds), key=lambda c: c.id)
+            return Poll(work, sorted((Command(**c._mapping) for c in cmds), key=lambda c: c.id))
 
 
 def requeue_fenced(conn: Connection, run_id: int, why: str, instance_ids: Sequence[int] | None = None) -> list[int]:
@@ -200,9 +207,9 @@ def requeue_fenced(conn: Connection, run_id: int, why: str, instance_ids: Sequen
 
 def report_in(conn: Connection, run_id: int, reports: Sequence[Report]) -> int:
     """Apply a report batch (`RolloutOps.report`): all or nothing."""
-    run, leases, fenced = _reporting_instances(conn, run_id, reports)
+    run, quoted_tokens, fenced = _reporting_instances(conn, run_id, reports)
     rows = _reported_samples(conn, run_id, [r.sample_id for r in reports])
-    _check_reports(run, reports, rows, leases, fenced)
+    _check_reports(run, reports, rows, quoted_tokens, fenced)
     _write_reports(conn, run_id, reports, rows)
     return len(reports)
 
@@ -210,7 +217,7 @@ def report_in(conn: Connection, run_id: int, reports: Sequence[Report]) -> int:
 def _reporting_instances(
     conn: Connection, run_id: int, reports: Sequence[Report]
 ) -> tuple[RunRow, dict[int, uuid.UUID], dict[int, str]]:
-    """The run, the lease token each report quotes (by sample; the batch checked: shape, kind,
+    """The run, the route token each report quotes (by sample; the batch checked: shape, kind,
     token syntax) and why each fenced reporting instance is fenced. The run and the instances in one round trip; the instances
     FOR SHARE in id order (lock order instances -> samples, as route and expiry): each must stay
     active with a live lease until this report commits. A run with no such instance still
@@ -225,12 +232,12 @@ def _reporting_instances(
     ids = [r.sample_id for r in reports]
     if len(set(ids)) != len(ids):
         raise InvalidInput("a sample appears twice in one report batch")
-    leases = {}
+    quoted_tokens = {}
     for r in reports:
         r.check_shape()
         if r.kind not in tuple(SegmentKind):
             raise InvalidInput(f"sample {r.sample_id}: unknown kind {r.kind!r}")
-        leases[r.sample_id] = r.lease_uuid()
+        quoted_tokens[r.sample_id] = r.route_token_uuid()
     fenced: dict[int, str] = {}
     found = [r for r in run_and_instances if r.iid is not None]
     for inst in found:
@@ -241,7 +248,7 @@ def _reporting_instances(
     unknown = sorted({r.instance_id for r in reports} - {r.iid for r in found})
     if unknown:
         raise NotFound(f"instance {unknown[0]} in run {run_id}")
-    return run, leases, fenced
+    return run, quoted_tokens, fenced
 
 
 def _reported_samples(conn: Connection, run_id: int, ids: list[int]) -> dict[int, Row[Any]]:
@@ -263,7 +270,7 @@ def _check_reports(
     run: RunRow,
     reports: Sequence[Report],
     rows: dict[int, Row[Any]],
-    leases: dict[int, uuid.UUID],
+    quoted_tokens: dict[int, uuid.UUID],
     fenced: dict[int, str],
 ) -> None:
     """Each report holds its sample's route (else a Conflict for all of them) and stays in the
@@ -273,8 +280,8 @@ def _check_reports(
         s = rows.get(r.sample_id)
         if s is None:
             raise NotFound(f"sample {r.sample_id} in run {run.id}")
-        why = fenced.get(r.instance_id) or lease_lost(
-            r, s.state, s.attempt, s.instance_id, s.lease, leases[r.sample_id]
+        why = fenced.get(r.instance_id) or route_lost(
+            r, s.state, s.attempt, s.instance_id, s.route_token, quoted_tokens[r.sample_id]
         )
         if why:
             conflicts.append((r.sample_id, why))

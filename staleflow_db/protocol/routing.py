@@ -32,7 +32,7 @@ class RoutingOps(TxMixin):
     ) -> list[RouteResult]:
         """Route queued samples to instances; the group's first member reserves a buffer entry."""
         check_batch(pairs, "routes")
-        tokens = lease_tokens(len(pairs))
+        tokens = route_tokens(len(pairs))
         results: list[RouteResult] = self.idempotent(
             request_id,
             "route",
@@ -106,14 +106,14 @@ def route_read(pairs: Sequence[tuple[int, int]]) -> LockedRead:
     return LockedRead("route_read", {"instances": sorted({p[1] for p in pairs}), "samples": [p[0] for p in pairs]})
 
 
-def lease_tokens(n: int) -> list[str]:
-    """Secret lease tokens for a route batch (uuid4: os.urandom, a strong random source), drawn
+def route_tokens(n: int) -> list[str]:
+    """Secret route tokens for a route batch (uuid4: os.urandom, a strong random source), drawn
     before the run lock: 128 of them took about 1 ms, which every run-locked call waited."""
     return [str(uuid.uuid4()) for _ in range(n)]
 
 
 def route_in(rtx: RunTx, pairs: Sequence[tuple[int, int]], tokens: Sequence[str] | None = None) -> list[RouteResult]:
-    """Route the batch; `tokens`: one lease token per pair (`lease_tokens`), else drawn here."""
+    """Route the batch; `tokens`: one route token per pair (`route_tokens`), else drawn here."""
     sample_ids = [p[0] for p in pairs]
     if len(set(sample_ids)) != len(sample_ids):
         raise InvalidInput("a sample appears twice in one route batch")
@@ -129,7 +129,7 @@ def route_in(rtx: RunTx, pairs: Sequence[tuple[int, int]], tokens: Sequence[str]
             touched.add(rows.samples[sid].group_id)
             routed.append((sid, result.v_traj, iid))
     if routed:
-        token = dict(zip(sample_ids, tokens if tokens is not None else lease_tokens(len(pairs)), strict=True))
+        token = dict(zip(sample_ids, tokens if tokens is not None else route_tokens(len(pairs)), strict=True))
         _write_routes(rtx, rows, results, routed, touched, token)
     return results
 
@@ -202,17 +202,17 @@ def _write_routes(
     token: dict[int, str],
 ) -> None:
     """Written with the flush, not on round trips of their own. Every route gets a fresh secret
-    lease token (`lease_tokens`) and counts the attempt from the row locked above, so the
+    route token (`route_tokens`) and counts the attempt from the row locked above, so the
     results need no RETURNING."""
-    leases = {sid: (rows.samples[sid].attempt + 1, token[sid]) for sid, _, _ in routed}
+    routes = {sid: (rows.samples[sid].attempt + 1, token[sid]) for sid, _, _ in routed}
     rtx.defer(
         "route_samples",
         {
             "ids": [r[0] for r in routed],
             "vs": [r[1] for r in routed],
             "is": [r[2] for r in routed],
-            "as": [leases[r[0]][0] for r in routed],
-            "ls": [leases[r[0]][1] for r in routed],
+            "as": [routes[r[0]][0] for r in routed],
+            "ts": [routes[r[0]][1] for r in routed],
         },
     )
     tg = sorted(touched)
@@ -223,5 +223,5 @@ def _write_routes(
     )
     for r in results:
         if r.outcome == RouteOutcome.ROUTED:
-            r.attempt, r.lease = leases[r.sample_id]
+            r.attempt, r.route_token = routes[r.sample_id]
     rtx.events.extend(Event("sample_routed", sample=sid, instance=iid, data={"v": v}) for sid, v, iid in routed)

@@ -72,9 +72,9 @@ class Member(NamedTuple):
 class ScoringOps(TxMixin):
     @transactional
     def claim_rewards(
-        self, run_id: int, limit: int = 100, lease_seconds: float = 60.0, *, conn: Connection | None = None
+        self, run_id: int, limit: int = 100, claim_seconds: float = 60.0, *, conn: Connection | None = None
     ) -> list[RewardTask]:
-        """Lease finished samples to a reward worker (expired claims become claimable again)."""
+        """Claim finished samples for a reward worker (expired claims become claimable again)."""
         if not 1 <= limit <= 10_000:
             raise InvalidInput("limit must be in 1..10000")
         with self.tx(conn) as conn:
@@ -84,7 +84,7 @@ class ScoringOps(TxMixin):
             conn.execute(queries.text("claim_reset_expired"), {"run": run_id})
             rows = conn.execute(
                 queries.text("claim_rewards"),
-                {"run": run_id, "n": limit, "ttl": lease_seconds},
+                {"run": run_id, "n": limit, "ttl": claim_seconds},
             ).all()
             if not rows:  # only then ask whether the run exists: one round trip less per claim
                 load_run(conn, run_id, lock=False)

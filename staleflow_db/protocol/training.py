@@ -1,4 +1,4 @@
-"""Trainer side of the protocol: Consume (lease the ready buffer and return its batch) and
+"""Trainer side of the protocol: Consume (fence the ready buffer and return its batch) and
 publish (buffer consumed and the run's version +1, atomically)."""
 
 from __future__ import annotations
@@ -53,15 +53,16 @@ class TrainGroup:
 class Batch:
     run_id: int
     version: int  # the buffer index: trains model `version` into `version + 1`
-    lease: int
+    consume_fence: int  # publish quotes it; a later consume of the buffer fences it
     groups: list[TrainGroup]
 
 
 class TrainingOps(TxMixin):
     @transactional
     def consume(self, run_id: int, version: int, *, conn: Connection | None = None) -> Batch | None:
-        """Lease buffer `version` once it is ready and return its full batch; None while it is
-        not ready. A second consume (a restarted trainer) takes a new lease and fences the old."""
+        """Take a new consume fence on buffer `version` once it is ready and return its full
+        batch; None while it is not ready. A second consume (a restarted trainer) takes a new
+        fence, and the old one no longer publishes."""
         with self.tx(conn) as conn:
             # A trainer polls this while it waits: answer "not ready" without the run lock.
             # At version `version` with buffer `version` not ready, no publish can be in flight
@@ -72,8 +73,8 @@ class TrainingOps(TxMixin):
             run = load_run(conn, run_id, lock=True)
             if version != run.version:
                 raise Conflict([(version, f"run {run_id} is at version {run.version}")])
-            lease = conn.execute(queries.text("consume_lease"), {"run": run_id, "v": version}).scalar()
-            if lease is None:
+            fence = conn.execute(queries.text("consume_fence"), {"run": run_id, "v": version}).scalar()
+            if fence is None:
                 return None
             groups = {
                 g.id: TrainGroup(g.id, g.group_version, list(g.prompt_tokens), g.meta)
@@ -98,7 +99,7 @@ class TrainingOps(TxMixin):
                         [SegmentInfo(p.seq, p.version, p.instance_id, len(p.token_ids)) for p in parts],
                     )
                 )
-            return Batch(run_id, version, lease, list(groups.values()))
+            return Batch(run_id, version, fence, list(groups.values()))
 
     @staticmethod
     def _check_trained_once(conn: Connection, run_id: int, version: int, group_ids: list[int]) -> None:
@@ -106,7 +107,7 @@ class TrainingOps(TxMixin):
         is trained at the step of the one buffer its Occupy placed it in. A group of buffer
         `version` whose Occupy named another buffer (one before `version` is consumed: trained
         already) or that has no single Occupy is refused with its history (`Corrupted`, the
-        lease not taken), never handed out; the audit names it `trained_once`."""
+        fence not taken), never handed out; the audit names it `trained_once`."""
         placed: defaultdict[int, list[int]] = defaultdict(list)
         for gid, b in conn.execute(
             queries.text("consume_group_placements"),
@@ -134,7 +135,7 @@ class TrainingOps(TxMixin):
         self,
         run_id: int,
         version: int,
-        lease: int,
+        consume_fence: int,
         size_bytes: int | None = None,
         checksum: str | None = None,
         location: str | None = None,
@@ -142,13 +143,13 @@ class TrainingOps(TxMixin):
         conn: Connection | None = None,
     ) -> int:
         """Mark buffer `version` consumed and move the run to `version + 1`; returns the new
-        version. Only from the expected version and lease. A repeated publish with the lease
-        that published (and the same checksum, when given) is a no-op; any other is 409."""
+        version. Only from the expected version and consume fence. A repeated publish with the
+        fence that published (and the same checksum, when given) is a no-op; any other is 409."""
         with self.run_tx(run_id, conn) as rtx:
             conn, run = rtx.conn, rtx.run
             if version == run.version - 1:
-                self._check_replay(rtx, version, lease, checksum)
-                return run.version  # already published by this very lease: a retry
+                self._check_replay(rtx, version, consume_fence, checksum)
+                return run.version  # already published under this very fence: a retry
             if version < run.version:  # a buffer published before the latest one
                 raise Conflict(
                     [
@@ -164,8 +165,8 @@ class TrainingOps(TxMixin):
             buf = conn.execute(queries.text("publish_buffer"), {"run": run_id, "v": version}).first()
             if buf is None or buf.occupied < buf.batch_size:
                 raise Conflict([(version, f"buffer {version} is not ready")])
-            if buf.lease != lease:
-                raise Conflict([(version, f"consume lease {lease} lost (the latest is {buf.lease})")])
+            if buf.consume_fence != consume_fence:
+                raise Conflict([(version, f"consume fence {consume_fence} lost (the latest is {buf.consume_fence})")])
             if size_bytes is not None and size_bytes < 0:
                 raise InvalidInput("size_bytes must be >= 0")
             conn.execute(queries.text("publish_consume_buffer"), {"run": run_id, "v": version})
@@ -182,20 +183,20 @@ class TrainingOps(TxMixin):
             return version + 1
 
     @staticmethod
-    def _check_replay(rtx: RunTx, version: int, lease: int, checksum: str | None) -> None:
+    def _check_replay(rtx: RunTx, version: int, consume_fence: int, checksum: str | None) -> None:
         """A publish of the version just published is a retry only from the trainer that
-        published it: its lease is still the buffer's latest (no consume can follow a publish)
+        published it: its consume fence is still the buffer's latest (no consume can follow a publish)
         and its checksum the recorded one. Anyone else was fenced: answering success would let
         a zombie trainer go on, its pushed weights no longer matching the published ones."""
         row = rtx.conn.execute(queries.text("publish_replay"), {"run": rtx.run.id, "v": version}).first()
         published = version + 1
-        if row is None or row.lease != lease:
+        if row is None or row.consume_fence != consume_fence:
             raise Conflict(
                 [
                     (
                         version,
                         f"fenced: another trainer published version {published}"
-                        f" (consume lease {lease}, the publishing lease was {row and row.lease})",
+                        f" (consume fence {consume_fence}, the publishing fence was {row and row.consume_fence})",
                     )
                 ]
             )

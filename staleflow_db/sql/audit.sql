@@ -377,7 +377,7 @@ WHERE e.kind = 'group_enqueued'
 --                    of its one `group_occupied` event, and a group with such an event stays
 --                    placed (occupied, then consumed). A trained group swapped with an
 --                    untrained one keeps every counter right, but not this.
---   segment_lineage  attempts are lease tokens: route k of a sample is its attempt k (its k-th
+--   segment_lineage  attempts count routes: route k of a sample is its attempt k (its k-th
 --                    `sample_routed` event), a sample's attempt counter is its number of routes,
 --                    its segments' attempts never decrease along seq, and a segment of attempt k
 --                    came from the instance route k sent it to.

@@ -2,7 +2,7 @@
 -- snapshot and the per-cycle commands, fenced by the leader's epoch.
 
 -- name: acquire_leadership
-INSERT INTO coordinator_leases AS l (run_id, holder, epoch, expires_at)
+INSERT INTO leader_epochs AS l (run_id, holder, epoch, expires_at)
 VALUES (:run, :h, 1, now() + make_interval(secs => :ttl))
 ON CONFLICT (run_id) DO UPDATE SET holder = excluded.holder, expires_at = excluded.expires_at,
   epoch = CASE WHEN l.holder = excluded.holder THEN l.epoch ELSE l.epoch + 1 END
@@ -10,11 +10,11 @@ WHERE l.holder = excluded.holder OR l.expires_at <= now()
 RETURNING epoch
 
 -- name: release_leadership
-UPDATE coordinator_leases SET expires_at = now() WHERE run_id = :run AND holder = :h
+UPDATE leader_epochs SET expires_at = now() WHERE run_id = :run AND holder = :h
 
 -- name: check_epoch
 -- The coordinator fence: FOR SHARE holds off a takeover until this transaction commits.
-SELECT holder, epoch FROM coordinator_leases WHERE run_id = :run AND expires_at > now() FOR SHARE
+SELECT holder, epoch FROM leader_epochs WHERE run_id = :run AND expires_at > now() FOR SHARE
 
 -- name: instances_in_run
 SELECT id FROM instances WHERE run_id = :run AND id = ANY(CAST(:ids AS bigint[]))
@@ -63,17 +63,17 @@ SELECT json_build_array(
  (SELECT max(version) FROM param_versions WHERE run_id = :run))
 
 -- name: cycle_row
--- The cycle's row, written only while (:h, :e) hold the run's live lease, held FOR SHARE to
+-- The cycle's row, written only while (:h, :e) hold the run's live leader epoch, held FOR SHARE to
 -- the commit: the fence of a cycle with routes, checked last.
 INSERT INTO coordinator_cycles (run_id, epoch, snapshot_ms, decide_ms, write_ms, routed,
   interrupted, pulled, migrated) SELECT l.run_id, l.epoch, :s, :d, :w, :r, :i, :p, :m
-FROM coordinator_leases l WHERE l.run_id = :run AND l.holder = :h AND l.epoch = :e
+FROM leader_epochs l WHERE l.run_id = :run AND l.holder = :h AND l.epoch = :e
 AND l.expires_at > now() FOR SHARE
 
 -- A cycle without routes (most cycles) is ONE of the four statements below, sent in
 -- autocommit: one round trip from the decision to the commit. Each has only the parts its
 -- cycle needs (interrupts f/c, pulls t/e; an empty cycle: the fence and its row). Nothing is
--- written unless `ok`: the lease `l` is ours and live (held FOR SHARE to the statement's end,
+-- written unless `ok`: the leader epoch `l` is ours and live (held FOR SHARE to the statement's end,
 -- so no takeover commits in between) and every sample to interrupt is in the run; the caller
 -- then raises what the transaction raised. write_ms is the server's time from the statement's
 -- start to the cycle row, taken after the commands and events are written (the CASE counts
@@ -81,7 +81,7 @@ AND l.expires_at > now() FOR SHARE
 
 -- name: cycle
 -- A cycle with no commands: the fence and the cycle's row.
-WITH l AS MATERIALIZED (SELECT run_id, epoch FROM coordinator_leases WHERE run_id = :run AND holder = :h
+WITH l AS MATERIALIZED (SELECT run_id, epoch FROM leader_epochs WHERE run_id = :run AND holder = :h
   AND epoch = :epoch AND expires_at > now() FOR SHARE),
 ok AS MATERIALIZED (SELECT FROM l),
 y AS (INSERT INTO coordinator_cycles (run_id, epoch, snapshot_ms, decide_ms, write_ms, routed, interrupted,
@@ -91,7 +91,7 @@ SELECT EXISTS (SELECT FROM l) AS fenced, CAST(ARRAY[] AS bigint[]) AS found
 
 -- name: cycle_interrupts
 -- A cycle with interrupts (:ids, :n_ids distinct) only.
-WITH l AS MATERIALIZED (SELECT run_id, epoch FROM coordinator_leases WHERE run_id = :run AND holder = :h
+WITH l AS MATERIALIZED (SELECT run_id, epoch FROM leader_epochs WHERE run_id = :run AND holder = :h
   AND epoch = :epoch AND expires_at > now() FOR SHARE),
 f AS MATERIALIZED (SELECT id, instance_id, attempt, state = 'running' AS running FROM samples
   WHERE run_id = :run AND id = ANY(CAST(:ids AS bigint[]))),
@@ -106,7 +106,7 @@ SELECT EXISTS (SELECT FROM l) AS fenced, ARRAY(SELECT id FROM f) AS found
 
 -- name: cycle_pulls
 -- A cycle with pulls (:is, :vs) only.
-WITH l AS MATERIALIZED (SELECT run_id, epoch FROM coordinator_leases WHERE run_id = :run AND holder = :h
+WITH l AS MATERIALIZED (SELECT run_id, epoch FROM leader_epochs WHERE run_id = :run AND holder = :h
   AND epoch = :epoch AND expires_at > now() FOR SHARE),
 ok AS MATERIALIZED (SELECT FROM l),
 t AS (INSERT INTO commands (run_id, instance_id, kind, target_version, epoch)
@@ -124,7 +124,7 @@ SELECT EXISTS (SELECT FROM l) AS fenced, CAST(ARRAY[] AS bigint[]) AS found
 
 -- name: cycle_interrupts_pulls
 -- A cycle with interrupts and pulls.
-WITH l AS MATERIALIZED (SELECT run_id, epoch FROM coordinator_leases WHERE run_id = :run AND holder = :h
+WITH l AS MATERIALIZED (SELECT run_id, epoch FROM leader_epochs WHERE run_id = :run AND holder = :h
   AND epoch = :epoch AND expires_at > now() FOR SHARE),
 f AS MATERIALIZED (SELECT id, instance_id, attempt, state = 'running' AS running FROM samples
   WHERE run_id = :run AND id = ANY(CAST(:ids AS bigint[]))),

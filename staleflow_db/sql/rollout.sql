@@ -72,9 +72,9 @@ WITH inst AS MATERIALIZED (SELECT i.state::text AS state, i.lease_expires_at > n
 d AS MATERIALIZED (SELECT id FROM samples WHERE instance_id = :i AND state = 'running'
   AND NOT delivered AND (SELECT state = 'active' AND live FROM inst) ORDER BY id LIMIT :n FOR UPDATE),
 u AS (UPDATE samples s SET delivered = true FROM d WHERE s.id = d.id
-  RETURNING s.id, s.attempt, s.lease, s.group_id, s.v_traj, s.n_tokens)
+  RETURNING s.id, s.attempt, s.route_token, s.group_id, s.v_traj, s.n_tokens)
 SELECT inst.state, inst.live, inst.max_response_tokens, w.* FROM inst LEFT JOIN (
-  SELECT u.id, u.attempt, u.lease::text AS lease, u.group_id, u.v_traj, u.n_tokens, g.prompt_tokens,
+  SELECT u.id, u.attempt, u.route_token::text AS route_token, u.group_id, u.v_traj, u.n_tokens, g.prompt_tokens,
   coalesce((SELECT array_agg(z.e ORDER BY x.seq, z.o) FROM segments x,
     unnest(x.token_ids) WITH ORDINALITY AS z(e, o) WHERE x.sample_id = u.id), '{}') AS tokens,
   coalesce((SELECT array_agg(z.e ORDER BY x.seq, z.o) FROM segments x,
@@ -117,9 +117,9 @@ SELECT coalesce(jsonb_agg(jsonb_build_array(k, j)), '[]') FROM q
 -- name: route_samples
 -- A part of the run lock's flush (`RunTx.defer`): the routed samples.
 UPDATE samples s SET state = 'running', v_traj = u.v, instance_id = u.i, attempt = u.a,
-  lease = u.l, delivered = false, updated_at = now()
+  route_token = u.t, delivered = false, updated_at = now()
 FROM unnest(CAST(:ids AS bigint[]), CAST(:vs AS int[]), CAST(:is AS bigint[]),
-  CAST(:as AS int[]), CAST(:ls AS uuid[])) AS u(id, v, i, a, l)
+  CAST(:as AS int[]), CAST(:ts AS uuid[])) AS u(id, v, i, a, t)
 WHERE s.id = u.id AND s.id = ANY(CAST(:ids AS bigint[]))
 
 -- name: route_groups
@@ -139,12 +139,12 @@ WHERE runs.id = :run
 
 -- name: report_lock_running
 -- Only the running rows are locked: a stale report must not wait on another sample's lock.
-SELECT id, state, attempt, v_traj, last_version, n_tokens, n_segments, instance_id, lease FROM samples
+SELECT id, state, attempt, v_traj, last_version, n_tokens, n_segments, instance_id, route_token FROM samples
 WHERE run_id = :run AND id = ANY(CAST(:ids AS bigint[])) AND state = 'running'
 ORDER BY id FOR UPDATE
 
 -- name: report_read_others
-SELECT id, state, attempt, v_traj, last_version, n_tokens, n_segments, instance_id, lease FROM samples
+SELECT id, state, attempt, v_traj, last_version, n_tokens, n_segments, instance_id, route_token FROM samples
 WHERE run_id = :run AND id = ANY(CAST(:ids AS bigint[]))
 
 -- name: report_segments

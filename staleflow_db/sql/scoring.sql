@@ -9,7 +9,7 @@ SELECT id FROM samples WHERE run_id = :run AND state = 'scoring' AND reward_dead
 ORDER BY id FOR UPDATE SKIP LOCKED)
 
 -- name: claim_rewards
--- Lease up to :n finished samples; the response is the segments' token_ids in order.
+-- Claim up to :n finished samples; the response is the segments' token_ids in order.
 WITH c AS MATERIALIZED (SELECT id FROM samples WHERE run_id = :run AND state = 'finished'
   ORDER BY id LIMIT :n FOR UPDATE SKIP LOCKED),
 u AS (UPDATE samples s SET state = 'scoring', reward_attempt = s.reward_attempt + 1,

@@ -6,9 +6,10 @@
 SELECT r.version = :v AND coalesce(b.occupied < b.batch_size, true) FROM runs r
 LEFT JOIN buffers b ON b.run_id = r.id AND b.idx = :v WHERE r.id = :run
 
--- name: consume_lease
-UPDATE buffers SET lease = lease + 1, leased_at = now()
-WHERE run_id = :run AND idx = :v AND occupied >= batch_size RETURNING lease
+-- name: consume_fence
+-- A new consume fence for the ready buffer :v: a publish must quote it, an earlier one is fenced.
+UPDATE buffers SET consume_fence = consume_fence + 1, consume_fence_at = now()
+WHERE run_id = :run AND idx = :v AND occupied >= batch_size RETURNING consume_fence
 
 -- name: consume_groups
 SELECT id, group_version, prompt_tokens, meta FROM prompt_groups
@@ -30,7 +31,7 @@ SELECT id, group_id, idx, v_traj, reward, finish_reason FROM samples
 WHERE group_id = ANY(CAST(:g AS bigint[])) AND state = 'rewarded' ORDER BY group_id, idx
 
 -- name: publish_buffer
-SELECT lease, occupied, batch_size FROM buffers WHERE run_id = :run AND idx = :v
+SELECT consume_fence, occupied, batch_size FROM buffers WHERE run_id = :run AND idx = :v
 
 -- name: publish_consume_buffer
 UPDATE buffers SET consumed_at = now() WHERE run_id = :run AND idx = :v
@@ -47,8 +48,8 @@ INSERT INTO param_versions (run_id, version, size_bytes, checksum, location)
 VALUES (:run, :v, :size, :sum, :loc)
 
 -- name: publish_replay
--- The lease and checksum that published version :v + 1 (a retried publish must match them).
-SELECT b.lease, p.checksum FROM buffers b LEFT JOIN param_versions p
+-- The consume fence and checksum that published version :v + 1 (a retried publish must match them).
+SELECT b.consume_fence, p.checksum FROM buffers b LEFT JOIN param_versions p
 ON p.run_id = b.run_id AND p.version = b.idx + 1 WHERE b.run_id = :run AND b.idx = :v
 
 -- name: read_only_snapshot

@@ -45,7 +45,7 @@ MATRIX: list[tuple[str, str, Any, set[str], int]] = [
                 {
                     "sample_id": 1,
                     "attempt": 1,
-                    "lease": "00000000-0000-4000-8000-000000000000",
+                    "route_token": "00000000-0000-4000-8000-000000000000",
                     "version": 0,
                     "tokens": [],
                     "logprobs": [],
@@ -60,7 +60,7 @@ MATRIX: list[tuple[str, str, Any, set[str], int]] = [
     ("POST", "/v1/runs/{A}/rewards", {"rewards": [{"sample_id": 1, "reward_attempt": 1, "reward": 1.0}]}, REWARD, 403),
     ("POST", "/v1/runs/{A}/rewards/drop", {"drops": [{"sample_id": 1, "reward_attempt": 1}]}, REWARD, 403),
     ("POST", "/v1/runs/{A}/batches/0/consume?wait=0", None, TRAINER, 403),
-    ("POST", "/v1/runs/{A}/batches/0/publish", {"lease": 1}, TRAINER, 403),
+    ("POST", "/v1/runs/{A}/batches/0/publish", {"consume_fence": 1}, TRAINER, 403),
     ("GET", "/v1/runs/{A}/snapshot", None, COORD | {"observer"}, 403),
     # gone (410) for those who may coordinate
     ("POST", "/v1/runs/{A}/coordinator/lease", None, COORD, 403),
@@ -162,7 +162,7 @@ def test_rollout_token_can_never_train(db_url, engine, action):
     run = Protocol(engine).create_run("r", RunConfig(batch_size=1, group_size=1, eta=0))
     rollout = create_token(engine, "rollout")["token"]  # even one valid for every run
     with in_process(db_url) as http:
-        body = {"lease": 1} if action == "publish" else None
+        body = {"consume_fence": 1} if action == "publish" else None
         r = http.post(f"/v1/runs/{run}/batches/0/{action}", json=body, headers={"Authorization": f"Bearer {rollout}"})
     assert r.status_code == 403 and r.json()["error"]["code"] == "forbidden"
 

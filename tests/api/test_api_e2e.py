@@ -127,7 +127,7 @@ def test_retry_after_lost_response_replays_stored_outcome(db_url):
             {
                 "sample_id": sample,
                 "attempt": work.attempt,
-                "lease": work.lease,
+                "route_token": work.route_token,
                 "version": 0,
                 "tokens": [3],
                 "logprobs": [-1.0],

@@ -62,7 +62,7 @@ def world(db_url, engine):
             "sample": sample,
             "attempt": routed.attempt,
             "group": group,
-            "lease": routed.lease,
+            "route_token": routed.route_token,
             "other_inst": other_inst,
             "engine": engine,
         }
@@ -72,7 +72,7 @@ def report(w, **over):
     r = {
         "sample_id": w["sample"],
         "attempt": w["attempt"],
-        "lease": w["lease"],
+        "route_token": w["route_token"],
         "version": 0,
         "tokens": [5],
         "logprobs": [-0.1],
@@ -114,12 +114,14 @@ def test_bad_input_is_a_clear_4xx_that_changes_nothing(world):
 
     # stale attempts and lost claims: 409 naming the sample
     err = expect(http.post(seg, json=report(world, attempt=world["attempt"] - 1)), 409, "conflict")
-    assert err["items"] == [{"id": world["sample"], "reason": "lease lost: stale attempt or lease token"}]
-    err = expect(http.post(seg, json=report(world, lease=str(uuid.uuid4()))), 409, "conflict")  # a guessed token
-    assert err["items"] == [{"id": world["sample"], "reason": "lease lost: stale attempt or lease token"}]
-    expect(http.post(seg, json=report(world, lease="guess")), 422, "invalid_input")
+    assert err["items"] == [{"id": world["sample"], "reason": "route lost: stale attempt or route token"}]
+    err = expect(http.post(seg, json=report(world, route_token=str(uuid.uuid4()))), 409, "conflict")  # a guessed token
+    assert err["items"] == [{"id": world["sample"], "reason": "route lost: stale attempt or route token"}]
+    expect(http.post(seg, json=report(world, route_token="guess")), 422, "invalid_input")
     expect(
-        http.post(seg, json={"reports": [{k: v for k, v in report(world)["reports"][0].items() if k != "lease"}]}),
+        http.post(
+            seg, json={"reports": [{k: v for k, v in report(world)["reports"][0].items() if k != "route_token"}]}
+        ),
         422,
         "invalid_input",
     )
@@ -136,10 +138,10 @@ def test_bad_input_is_a_clear_4xx_that_changes_nothing(world):
     )
     expect(http.post(seg, json=report(world, version=3)), 422, "invalid_input")  # a version the run never had
 
-    # out of order: consume or publish another version than the run's, or with no lease
+    # out of order: consume or publish another version than the run's, or with a stale consume fence
     expect(http.post(f"/v1/runs/{run}/batches/1/consume"), 409, "conflict")
-    expect(http.post(f"/v1/runs/{run}/batches/1/publish", json={"lease": 1}), 409, "conflict")
-    expect(http.post(f"/v1/runs/{run}/batches/0/publish", json={"lease": 1}), 409, "conflict")  # not ready
+    expect(http.post(f"/v1/runs/{run}/batches/1/publish", json={"consume_fence": 1}), 409, "conflict")
+    expect(http.post(f"/v1/runs/{run}/batches/0/publish", json={"consume_fence": 1}), 409, "conflict")  # not ready
 
     # unknown ids, and ids of another run
     expect(http.get("/v1/runs/999999"), 404, "not_found")
@@ -288,8 +290,8 @@ def test_the_schema_states_bounds_and_reserved_keys_in_json_schema_terms(world):
         "minimum": -3.0e38,
         "maximum": 3.0e38,
     }
-    lease = schemas["HeartbeatIn"]["properties"]["lease_seconds"]
-    assert (lease["type"], lease["minimum"], lease["maximum"]) == ("number", 1.0, 3600.0)
+    ttl = schemas["HeartbeatIn"]["properties"]["lease_seconds"]
+    assert (ttl["type"], ttl["minimum"], ttl["maximum"]) == ("number", 1.0, 3600.0)
     reward = schemas["RewardIn"]["properties"]["reward"]
     assert (reward["minimum"], reward["maximum"]) == (-1e300, 1e300)
 

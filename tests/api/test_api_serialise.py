@@ -1,6 +1,6 @@
 """Responses serialised straight from the data layer's dataclasses (api.service.dump, no model
 per item: snapshot, route, poll, claim, consume) are exactly the JSON their response model
-gives: same fields in the same order, no field the model lacks (a route's secret lease token),
+gives: same fields in the same order, no field the model lacks (a route's secret route token),
 and the same bytes on an idempotent replay."""
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ def test_snapshot_and_route_bodies_are_the_models_json(db_url):
         first = admin.http.post(f"/v1/runs/{run}/routes", json=routes, headers={"Idempotency-Key": key})
         assert first.status_code == 200, first.text
         _canonical(RouteOut, first.content)
-        assert b"lease" not in first.content
+        assert b"route_token" not in first.content
         assert [r["outcome"] for r in first.json()["results"]] == ["routed"] * 3
         replay = admin.http.post(f"/v1/runs/{run}/routes", json=routes, headers={"Idempotency-Key": key})
         assert replay.content == first.content
@@ -45,7 +45,7 @@ def test_snapshot_and_route_bodies_are_the_models_json(db_url):
 
         # A partial segment then an interrupt: a queued sample with tokens, a version and an instance.
         (work, *_) = admin.poll(run, inst, wait=0).work
-        item = {"sample_id": work.sample_id, "attempt": work.attempt, "lease": work.lease, "version": 0}
+        item = {"sample_id": work.sample_id, "attempt": work.attempt, "route_token": work.route_token, "version": 0}
         admin.report(run, inst, [{**item, "tokens": [7, 8], "logprobs": [-0.5, -0.25], "kind": "partial"}])
         admin.interrupt(run, [work.sample_id])
         admin.report(run, inst, [{**item, "tokens": [9], "logprobs": [-1.0], "kind": "interrupted"}])
@@ -94,7 +94,7 @@ def test_poll_claim_and_consume_bodies_are_the_models_json(db_url):
         assert command["kind"] == "interrupt" and command["sample_id"] == samples[0]
 
         reports = [
-            {"sample_id": w["sample_id"], "attempt": w["attempt"], "lease": w["lease"], "version": 0}
+            {"sample_id": w["sample_id"], "attempt": w["attempt"], "route_token": w["route_token"], "version": 0}
             | {"tokens": [9, 10], "logprobs": [-0.5, -0.25], "finish_reason": "stop"}
             for w in work
         ]

@@ -45,7 +45,9 @@ def _world(engine):
     return d, inst, g, s, attempt, other, og
 
 
-def _endpoints(run: int, inst: int, group: int, sample: int, attempt: int, lease: str) -> list[tuple[str, dict, list]]:
+def _endpoints(
+    run: int, inst: int, group: int, sample: int, attempt: int, route_token: str
+) -> list[tuple[str, dict, list]]:
     """(path, valid body, [(path into the body, kind)]) for every write endpoint with a body."""
     r = f"/v1/runs/{run}"
     return [
@@ -125,7 +127,7 @@ def _endpoints(run: int, inst: int, group: int, sample: int, attempt: int, lease
                     {
                         "sample_id": sample,
                         "attempt": attempt,
-                        "lease": lease,
+                        "route_token": route_token,
                         "version": 0,
                         "tokens": [5],
                         "logprobs": [-0.5],
@@ -136,7 +138,7 @@ def _endpoints(run: int, inst: int, group: int, sample: int, attempt: int, lease
             [(("reports", 0, k), INT) for k in ("sample_id", "attempt", "version")]
             + [(("reports", 0, "tokens", 0), INT), (("reports", 0, "logprobs", 0), FLOAT)],
         ),
-        (f"{r}/rewards/claim", {"limit": 10, "lease_seconds": 30}, [(("limit",), INT), (("lease_seconds",), FLOAT)]),
+        (f"{r}/rewards/claim", {"limit": 10, "claim_seconds": 30}, [(("limit",), INT), (("claim_seconds",), FLOAT)]),
         (
             f"{r}/rewards",
             {"rewards": [{"sample_id": sample, "reward_attempt": 1, "reward": 0.5}]},
@@ -146,7 +148,11 @@ def _endpoints(run: int, inst: int, group: int, sample: int, attempt: int, lease
                 (("rewards", 0, "reward"), FLOAT),
             ],
         ),
-        (f"{r}/batches/0/publish", {"lease": 1, "size_bytes": 10}, [(("lease",), INT), (("size_bytes",), INT)]),
+        (
+            f"{r}/batches/0/publish",
+            {"consume_fence": 1, "size_bytes": 10},
+            [(("consume_fence",), INT), (("size_bytes",), INT)],
+        ),
         (
             f"{r}/routes",
             {"routes": [{"sample_id": sample, "instance_id": inst}], "epoch": 1},
@@ -185,7 +191,7 @@ def _get(body: dict, path: tuple):
 def test_coerced_scalars_are_refused_at_every_write_endpoint(db_url, engine):
     d, inst, group, sample, attempt, *_ = _world(engine)
     admin = create_token(engine, "admin")["token"]
-    endpoints = _endpoints(d.run, inst, group, sample, attempt, d.lease(sample)["lease"])
+    endpoints = _endpoints(d.run, inst, group, sample, attempt, d.route_identity(sample)["route_token"])
     before = fingerprint(engine)
     with (
         ApiServer(db_url) as server,
@@ -207,7 +213,7 @@ def test_coerced_scalars_are_refused_at_every_write_endpoint(db_url, engine):
             r = http.post(url, json=body)
             assert r.status_code not in (422, 500), (url, r.text)
         # a JSON integer is a number: fine for a float field
-        assert http.post(f"/v1/runs/{d.run}/rewards/claim", json={"limit": 1, "lease_seconds": 30}).status_code == 200
+        assert http.post(f"/v1/runs/{d.run}/rewards/claim", json={"limit": 1, "claim_seconds": 30}).status_code == 200
     assert tried > 100
 
 
@@ -290,7 +296,7 @@ def test_documented_error_behaviours(db_url, engine):
                     {
                         "sample_id": sample,
                         "attempt": attempt,
-                        "lease": d.lease(sample)["lease"],
+                        "route_token": d.route_identity(sample)["route_token"],
                         "version": 0,
                         "tokens": [1] * 5,
                         "logprobs": [0.0] * 5,

@@ -29,6 +29,6 @@ def test_lease_release_and_cycle_answer_gone(db_url, engine):
             assert "staleflow coordinator" in err["message"] and "database" in err["message"]
         paths = http.get("/openapi.json").json()["paths"]
         assert all(paths[f"/v1/runs/{{run_id}}/coordinator/{x}"]["post"]["deprecated"] for x in ("lease", "cycle"))
-    with engine.connect() as c:  # nothing applied: no lease taken, no cycle recorded
-        for table in ("coordinator_leases", "coordinator_cycles", "commands"):
+    with engine.connect() as c:  # nothing applied: no leader epoch taken, no cycle recorded
+        for table in ("leader_epochs", "coordinator_cycles", "commands"):
             assert c.execute(text(f"SELECT count(*) FROM {table}")).scalar() == 0

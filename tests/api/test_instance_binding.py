@@ -43,7 +43,7 @@ def test_another_rollout_token_gets_403_and_changes_nothing(db_url, engine):
         assert [r.outcome for r in coord.route(d.run, [(s, inst)])] == ["routed"]
         before = _instance(d, inst)
 
-        # Polling another's path would hand over its routed work and lease token.
+        # Polling another's path would hand over its routed work and route token.
         _refused(lambda: other.poll(d.run, inst, wait=0))
         assert d.one("SELECT delivered FROM samples WHERE id = :s", s=s) == (False,)
         _refused(lambda: other.heartbeat(d.run, inst, 0, {"kv_used": 5, "kv_capacity": 10}, lease_seconds=600))
@@ -53,12 +53,12 @@ def test_another_rollout_token_gets_403_and_changes_nothing(db_url, engine):
         item = {
             "sample_id": s,
             "attempt": work.attempt,
-            "lease": work.lease,
+            "route_token": work.route_token,
             "version": 0,
             "tokens": [7],
             "logprobs": [-0.7],
         }
-        _refused(lambda: other.report(d.run, inst, [item]))  # even quoting the right lease token
+        _refused(lambda: other.report(d.run, inst, [item]))  # even quoting the right route token
         assert _segments(d) == [] and d.sample(s)[0] == "running"
         _refused(lambda: other.deregister(d.run, inst))
         assert _instance(d, inst)[0] == "active" and d.sample(s)[0] == "running" and d.sample(s)[5] == inst
@@ -85,7 +85,7 @@ def test_an_admin_of_the_run_may_act_for_any_instance(db_url, engine):
         item = {
             "sample_id": s,
             "attempt": work.attempt,
-            "lease": work.lease,
+            "route_token": work.route_token,
             "version": 0,
             "tokens": [3],
             "logprobs": [-0.3],

@@ -1,4 +1,4 @@
-"""A trainer fenced off by another trainer's consume lease must never be told its publish
+"""A trainer fenced off by another trainer's consume fence must never be told its publish
 succeeded, and the PS must serve, under a published version, only the published weights:
 the protocol (real PostgreSQL), the trainer's reaction over real HTTP, and a real PS process
 with real tensors."""
@@ -30,17 +30,17 @@ def test_a_fenced_trainers_replayed_publish_is_refused(engine):
     _ready_buffer(d)
     zombie = d.p.consume(d.run, 0)
     winner = d.p.consume(d.run, 0)  # a second trainer takes the buffer over
-    assert d.p.publish(d.run, 0, winner.lease, size_bytes=10, checksum="B", location="ps://b") == 1
-    # The zombie retries "its" publish: same version, its old lease -- not a replay of its own.
+    assert d.p.publish(d.run, 0, winner.consume_fence, size_bytes=10, checksum="B", location="ps://b") == 1
+    # The zombie retries "its" publish: same version, its old fence -- not a replay of its own.
     with pytest.raises(Conflict, match="fenced: another trainer published version 1"):
-        d.p.publish(d.run, 0, zombie.lease, size_bytes=10, checksum="A", location="ps://a")
+        d.p.publish(d.run, 0, zombie.consume_fence, size_bytes=10, checksum="A", location="ps://a")
     with pytest.raises(Conflict, match="fenced"):
-        d.p.publish(d.run, 0, zombie.lease)  # even without a checksum
+        d.p.publish(d.run, 0, zombie.consume_fence)  # even without a checksum
     # The winner's own retries stay no-ops; with another checksum it is not a retry.
-    assert d.p.publish(d.run, 0, winner.lease, size_bytes=10, checksum="B", location="ps://b") == 1
-    assert d.p.publish(d.run, 0, winner.lease) == 1
+    assert d.p.publish(d.run, 0, winner.consume_fence, size_bytes=10, checksum="B", location="ps://b") == 1
+    assert d.p.publish(d.run, 0, winner.consume_fence) == 1
     with pytest.raises(Conflict, match="checksum"):
-        d.p.publish(d.run, 0, winner.lease, checksum="C")
+        d.p.publish(d.run, 0, winner.consume_fence, checksum="C")
     assert d.rows("SELECT version, checksum, location FROM param_versions WHERE run_id = :r") == [(1, "B", "ps://b")]
     assert d.scalars("SELECT version FROM runs WHERE id = :r") == [1]
 
@@ -53,16 +53,16 @@ def test_a_fenced_trainer_stops_with_a_clear_message_over_http(db_url, engine):
         winner = server.client(token(db_url, "trainer", d.run))
         old = zombie.consume(d.run, 0, wait=0)
         new = winner.consume(d.run, 0, wait=0)
-        assert publish_fenced(winner, d.run, 0, new.lease, checksum="B") == 1
+        assert publish_fenced(winner, d.run, 0, new.consume_fence, checksum="B") == 1
         with pytest.raises(TrainerError, match="fenced: another trainer published version 1"):
-            publish_fenced(zombie, d.run, 0, old.lease, checksum="A")
-        # fenced before anyone published: the lease was lost to another consume
+            publish_fenced(zombie, d.run, 0, old.consume_fence, checksum="A")
+        # fenced before anyone published: the fence was lost to another consume
         d2 = Driver(engine, name="second", batch_size=1, group_size=1, eta=1)
         _ready_buffer(d2)
         trainer = server.client(token(db_url, "trainer", d2.run))
         old, new = trainer.consume(d2.run, 0, wait=0), trainer.consume(d2.run, 0, wait=0)
         with pytest.raises(TrainerError, match="fenced: another trainer consumed buffer 0"):
-            publish_fenced(trainer, d2.run, 0, old.lease)
+            publish_fenced(trainer, d2.run, 0, old.consume_fence)
         assert trainer.run_status(d2.run).version == 0
 
 
@@ -72,23 +72,23 @@ def test_a_replayed_publish_of_an_older_version_says_so(db_url, engine):
     d = Driver(engine, batch_size=1, group_size=1, eta=1)
     _ready_buffer(d)
     first = d.p.consume(d.run, 0)
-    assert d.p.publish(d.run, 0, first.lease, checksum="A") == 1
+    assert d.p.publish(d.run, 0, first.consume_fence, checksum="A") == 1
     inst = d.p.register_instance(d.run, "i1", 1)
     (g,) = d.enqueue(1)
     d.complete(d.members(g), inst, version=1)
     second = d.p.consume(d.run, 1)
-    assert d.p.publish(d.run, 1, second.lease, checksum="B") == 2
+    assert d.p.publish(d.run, 1, second.consume_fence, checksum="B") == 2
     published = d.rows("SELECT version, checksum FROM param_versions WHERE run_id = :r ORDER BY version")
     why = f"replay of an older version: batch 0 was published as version 1; run {d.run} is at version 2"
     with pytest.raises(Conflict) as refused:
-        d.p.publish(d.run, 0, first.lease, checksum="A")
+        d.p.publish(d.run, 0, first.consume_fence, checksum="A")
     assert refused.value.items == [(0, why)]
     with ApiServer(db_url) as server:
         trainer = token(db_url, "trainer", d.run)
-        for lease in (first.lease, second.lease):  # its own lease or not: an older version is no retry
+        for fence in (first.consume_fence, second.consume_fence):  # its own fence or not: an older version is no retry
             r = httpx.post(
                 f"{server.url}/v1/runs/{d.run}/batches/0/publish",
-                json={"lease": lease, "checksum": "A"},
+                json={"consume_fence": fence, "checksum": "A"},
                 headers={"Authorization": f"Bearer {trainer}"},
             )
             assert r.status_code == 409, r.text
@@ -231,12 +231,12 @@ def test_a_fenced_sim_trainer_process_exits_non_zero(db_url, engine, tmp_path):
         )
         try:
             deadline = time.monotonic() + 60
-            while d.scalars("SELECT lease FROM buffers WHERE run_id = :r AND idx = 0") != [1]:
+            while d.scalars("SELECT consume_fence FROM buffers WHERE run_id = :r AND idx = 0") != [1]:
                 assert proc.poll() is None and time.monotonic() < deadline, "the trainer did not consume"
                 time.sleep(0.05)
             winner = server.client(tok)
-            batch = winner.consume(d.run, 0, wait=0)  # lease 2 fences the sim trainer
-            assert winner.publish(d.run, 0, batch.lease) == 1
+            batch = winner.consume(d.run, 0, wait=0)  # fence 2 fences the sim trainer
+            assert winner.publish(d.run, 0, batch.consume_fence) == 1
             assert proc.wait(60) == 1
         finally:
             if proc.poll() is None:
@@ -268,7 +268,7 @@ def test_a_rollout_workers_pull_lands_on_the_committed_checksum(db_url, engine, 
     c.push(zombie, 1)
     d = Driver(engine, batch_size=1, group_size=1, eta=1)
     _ready_buffer(d)
-    assert d.p.publish(d.run, 0, d.p.consume(d.run, 0).lease, size_bytes=1, checksum=winner_sum) == 1
+    assert d.p.publish(d.run, 0, d.p.consume(d.run, 0).consume_fence, size_bytes=1, checksum=winner_sum) == 1
 
     pc = ps_client(f"{c.addr[0]}:{c.addr[1]}")
     answered: list[int] = []

@@ -28,7 +28,16 @@ def claimed(db_url, engine):
     p.report(
         run,
         [
-            Report(r.sample_id, r.attempt, 0, [5], [-0.1], SegmentKind.FINISHED, instance_id=inst, lease=r.lease)
+            Report(
+                r.sample_id,
+                r.attempt,
+                0,
+                [5],
+                [-0.1],
+                SegmentKind.FINISHED,
+                instance_id=inst,
+                route_token=r.route_token,
+            )
             for r in routes
         ],
     )

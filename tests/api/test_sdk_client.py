@@ -29,7 +29,7 @@ def test_sdk_batches_and_fencing(db_url, engine):
         def both_consume():
             got["first"], got["second"] = first.next_batch(timeout=5), second.next_batch(timeout=5)
             assert got["second"] is not None
-            return got["second"].raw  # walk_lifecycle publishes with the later lease
+            return got["second"].raw  # walk_lifecycle publishes with the later consume fence
 
         walk_lifecycle(api.client(token(db_url, "admin")), roles, run, both_consume)
         batch = got["first"]

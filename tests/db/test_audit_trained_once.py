@@ -26,8 +26,8 @@ def _v2(engine, run: int) -> list:
     return state(engine, "SELECT invariant, subject FROM staleness_violations_v2 WHERE run_id = :r", r=run)
 
 
-def _lease(engine, run: int, buffer: int) -> int:
-    return state(engine, "SELECT lease FROM buffers WHERE run_id = :r AND idx = :b", r=run, b=buffer)[0][0]
+def _fence(engine, run: int, buffer: int) -> int:
+    return state(engine, "SELECT consume_fence FROM buffers WHERE run_id = :r AND idx = :b", r=run, b=buffer)[0][0]
 
 
 def test_a_healthy_run_audits_empty_and_trains_each_group_once(engine):
@@ -43,7 +43,7 @@ def test_a_healthy_run_audits_empty_and_trains_each_group_once(engine):
     batch = s.d.p.consume(s.run, 1)
     assert [g.group_id for g in batch.groups] == [s.c]
     clean()
-    assert s.d.p.publish(s.run, 1, batch.lease) == 2
+    assert s.d.p.publish(s.run, 1, batch.consume_fence) == 2
     clean()
     assert state(
         engine, "SELECT id, state::text, buffer FROM prompt_groups WHERE run_id = :r ORDER BY id", r=s.run
@@ -92,7 +92,7 @@ def test_a_placed_group_put_back_to_be_placed_again(engine):
 def test_the_consume_refuses_a_batch_holding_a_trained_group(engine):
     s = trained_and_ready(engine)
     forge(engine, *SWAP, a=s.a, c=s.c)
-    lease = _lease(engine, s.run, 1)
+    fence = _fence(engine, s.run, 1)
     with pytest.raises(Corrupted) as refused:
         s.d.p.consume(s.run, 1)
     assert refused.value.code == "corrupted"
@@ -102,7 +102,7 @@ def test_the_consume_refuses_a_batch_holding_a_trained_group(engine):
         f"group {s.a} in buffer 1 refused: already trained at step 0 (its Occupy placed it in buffer 0):"
         " its samples are not handed out again",
     )
-    assert _lease(engine, s.run, 1) == lease  # refused: nothing changed, no lease taken
+    assert _fence(engine, s.run, 1) == fence  # refused: nothing changed, no fence taken
     with engine.connect() as c:
         assert c.execute(text("SELECT version FROM runs WHERE id = :r"), {"r": s.run}).scalar() == 1
     assert found(engine, s.run) == {("trained_once", f"group {s.a}"), ("trained_once", f"group {s.c}")}

@@ -1,11 +1,11 @@
 """Concurrency: real OS processes drive one run at once, then the database is audited.
 
-Route workers (one of which "crashes" once, abandoning leases that must expire), reward
-workers and a trainer run as spawned processes, each with its own engine. They stop by
-themselves: the trainer after TARGET_VERSIONS publishes (and once the crashed instance has
-expired), everyone at the deadline at the latest. Every worker writes what it saw (leases
-received, segments acknowledged, refusals) to a JSON log, so the audit compares the
-clients' view with the database's.
+Route workers (one of which "crashes" once, abandoning routes whose instance lease must
+expire), reward workers and a trainer run as spawned processes, each with its own engine.
+They stop by themselves: the trainer after TARGET_VERSIONS publishes (and once the crashed
+instance has expired), everyone at the deadline at the latest. Every worker writes what it
+saw (routes received, segments acknowledged, refusals) to a JSON log, so the audit compares
+the clients' view with the database's.
 
 Tokens are a pure function of (sample, position), so "every sample's tokens equal the
 concatenation of its segments" is checked against what the generator must have produced.
@@ -85,7 +85,7 @@ def _running(stop, start: float) -> bool:
 
 
 def _report(p: Protocol, run: int, reports: list[Report], log) -> list[Report]:
-    """Report all-or-nothing; leases lost meanwhile (surplus abort, expiry) are dropped and
+    """Report all-or-nothing; routes lost meanwhile (surplus abort, expiry) are dropped and
     the rest retried. Returns the reports applied."""
     while reports:
         try:
@@ -141,7 +141,8 @@ def _route_body(p: Protocol, engine, run: int, name: str, stop, rng: random.Rand
             time.sleep(0.02)  # nothing admitted: wait for the trainer rather than spin on the run lock
             continue
         try:
-            work, commands = p.poll_work(inst)
+            polled = p.poll_work(inst)
+            work, commands = polled.work, polled.commands
         except Conflict:
             continue  # expired between heartbeat and poll; the next cycle registers again
         aborted = {(c.sample_id, c.attempt) for c in commands if c.kind == "abort"}
@@ -184,7 +185,7 @@ def _route_body(p: Protocol, engine, run: int, name: str, stop, rng: random.Rand
                         *gen(rng.randint(1, 4)),
                         SegmentKind.PARTIAL,
                         instance_id=inst,
-                        lease=w.lease,
+                        route_token=w.route_token,
                     )
                 )
             interrupt = w.attempt < MAX_ATTEMPTS and left > 8 and rng.random() < 0.4
@@ -199,12 +200,12 @@ def _route_body(p: Protocol, engine, run: int, name: str, stop, rng: random.Rand
                     kind,
                     None if interrupt else "stop",
                     instance_id=inst,
-                    lease=w.lease,
+                    route_token=w.route_token,
                 )
             )
         applied = {r.sample_id for r in _report(p, run, partial, log)}
         if busy == crash_at and not applied:
-            crash_at += 1  # every checkpoint lost its lease meanwhile: crash next time instead
+            crash_at += 1  # every checkpoint lost its route meanwhile: crash next time instead
         elif busy == crash_at:
             # Crash: the instance stops heartbeating with its leases (and checkpoints) in the
             # database; the restarted process registers a new instance. The trainer's
@@ -218,7 +219,7 @@ def _route_body(p: Protocol, engine, run: int, name: str, stop, rng: random.Rand
                     [0.0],
                     SegmentKind.FINISHED,
                     instance_id=r.instance_id,
-                    lease=r.lease,
+                    route_token=r.route_token,
                 )
                 for r in partial
                 if r.sample_id in applied
@@ -232,7 +233,7 @@ def _route_body(p: Protocol, engine, run: int, name: str, stop, rng: random.Rand
         done = _report(p, run, final, log)
         for r in done:
             if r.kind == SegmentKind.INTERRUPTED and rng.random() < 0.5:
-                try:  # a retried (late) copy of an applied report: its lease is gone
+                try:  # a retried (late) copy of an applied report: its route is gone
                     p.report(run, [r])
                     log["duplicate_accepted"].append(r.sample_id)
                 except Conflict:
@@ -299,7 +300,7 @@ def _trainer_body(p: Protocol, engine, run: int, name: str, stop, rng: random.Ra
                 versions = [seg.version for seg in s.segments]
                 assert versions == sorted(versions) and versions[0] >= s.v_traj, (s.sample_id, versions)
                 assert sum(seg.n_tokens for seg in s.segments) == len(s.tokens)
-        assert p.publish(run, v, batch.lease) == v + 1
+        assert p.publish(run, v, batch.consume_fence) == v + 1
         log["published"].append(v)
         v += 1
     stop.set()
@@ -346,7 +347,7 @@ def test_processes_share_one_run(engine, db_url, tmp_path):
 
     # -- no sample leased twice at once ---------------------------------------------------------
     received = [tuple(x) for x in merged["received"]]
-    assert len(received) == len({(s, a) for s, a, _ in received}), "a lease was delivered twice"
+    assert len(received) == len({(s, a) for s, a, _ in received}), "a route was delivered twice"
     routes = defaultdict(list)  # sample -> instance of attempt 1, 2, ... (route order = attempt order)
     events = _rows(
         engine,
@@ -360,7 +361,7 @@ def test_processes_share_one_run(engine, db_url, tmp_path):
             held[sid] = True
             routes[sid].append(inst)
         elif kind in ("sample_finished", "sample_interrupted", "sample_requeued"):
-            assert held[sid], f"sample {sid}: {kind} without a lease"
+            assert held[sid], f"sample {sid}: {kind} without a route"
             held[sid] = False
         elif kind == "sample_aborted":
             held[sid] = False

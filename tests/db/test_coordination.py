@@ -1,4 +1,4 @@
-"""Coordinator data layer: leader lease with epochs, the cycle snapshot, fenced commands."""
+"""Coordinator data layer: leader epochs, the cycle snapshot, fenced commands."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ def test_one_leader_at_a_time_and_takeover_fences_the_old_one(engine):
     assert d.p.acquire_leadership(d.run, "a", ttl_seconds=30) == 1  # renewal keeps the epoch
     assert d.p.acquire_leadership(d.run, "b", ttl_seconds=30) is None  # a's lease is live
     with engine.begin() as c:
-        c.execute(text("UPDATE coordinator_leases SET expires_at = now() - interval '1 s'"))
+        c.execute(text("UPDATE leader_epochs SET expires_at = now() - interval '1 s'"))
     assert d.p.acquire_leadership(d.run, "b", ttl_seconds=30) == 2
     inst = d.p.register_instance(d.run, "i", 0)
     (g,) = d.enqueue(1)
@@ -41,7 +41,7 @@ def test_snapshot_and_commands(engine):
     g1, g2 = d.enqueue(2)
     (s1,), (s2,) = d.members(g1), d.members(g2)
     att = d.routed([s1], inst)
-    d.p.report(d.run, [Report(s1, att[s1], 0, [4, 5], [-1.0, -1.0], SegmentKind.PARTIAL, **d.lease(s1))])
+    d.p.report(d.run, [Report(s1, att[s1], 0, [4, 5], [-1.0, -1.0], SegmentKind.PARTIAL, **d.route_identity(s1))])
     epoch = d.p.acquire_leadership(d.run, "coord")
     snap = d.p.snapshot(d.run)
     assert snap.version == 0 and snap.buffers == {1: (0, 1)}
@@ -50,7 +50,7 @@ def test_snapshot_and_commands(engine):
     (q,) = snap.queued
     assert (q.sample_id, q.v_traj, q.length, q.group_state, q.group_buffer) == (s2, None, 3, "queued", None)
     d.p.apply_commands(d.run, "coord", epoch, interrupts=[s1, s2], pulls=[(inst, 0)])
-    _, cmds = d.p.poll_work(inst)
+    cmds = d.p.poll_work(inst).commands
     assert [(c.kind, c.sample_id, c.target_version) for c in cmds] == [("interrupt", s1, None), ("pull", None, 0)]
 
 
@@ -75,7 +75,7 @@ def test_a_deposed_leaders_cycle_is_refused_whole(engine):
     d.routed([running], inst)
     assert d.p.acquire_leadership(d.run, "a", ttl_seconds=30) == 1
     with engine.begin() as c:
-        c.execute(text("UPDATE coordinator_leases SET expires_at = now() - interval '1 s'"))
+        c.execute(text("UPDATE leader_epochs SET expires_at = now() - interval '1 s'"))
     assert d.p.acquire_leadership(d.run, "b", ttl_seconds=30) == 2
     queued = d.members(g2)[0]
     with pytest.raises(Conflict, match="not the coordinator"):
@@ -116,7 +116,7 @@ def test_commands_without_routes_do_not_wait_for_the_run_lock(engine):
         holder.rollback()
     routing.join(10)
     assert d.sample(queued)[0] == "running"
-    _, cmds = d.p.poll_work(inst)
+    cmds = d.p.poll_work(inst).commands
     assert [(c.kind, c.sample_id) for c in cmds] == [("interrupt", running), ("pull", None)]
 
 
@@ -139,7 +139,7 @@ def test_a_cycle_without_routes_is_fenced_and_all_or_nothing(engine):
         d.p.apply_commands(d.run, "a", 1, interrupts=[running, queued + 1000], pulls=[(inst, 0)], cycle=cycle)
     assert d.rows(written) == [(0, 0, 0)]
     with engine.begin() as c:
-        c.execute(text("UPDATE coordinator_leases SET expires_at = now() - interval '1 s'"))
+        c.execute(text("UPDATE leader_epochs SET expires_at = now() - interval '1 s'"))
     with pytest.raises(Conflict, match="not the coordinator"):
         d.p.apply_commands(d.run, "a", 1, interrupts=[running], pulls=[(inst, 0)], cycle=cycle)
     assert d.rows(written) == [(0, 0, 0)]
@@ -152,7 +152,7 @@ def test_a_cycle_without_routes_is_fenced_and_all_or_nothing(engine):
         " FROM coordinator_cycles WHERE run_id = :r"
     )
     assert row == "(2,2,3,0,2,1,1)" and write_ms > 0
-    _, cmds = d.p.poll_work(inst)
+    cmds = d.p.poll_work(inst).commands
     assert [(c.kind, c.sample_id, c.target_version) for c in cmds] == [("interrupt", running, None), ("pull", None, 0)]
     # nothing to do is a cycle too: its row, fenced; so are pulls alone
     d.p.apply_commands(d.run, "b", 2, cycle={})

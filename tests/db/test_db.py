@@ -10,6 +10,8 @@ from sqlalchemy.exc import OperationalError
 from staleflow_db import migrate
 from staleflow_db.db import database_url, make_engine, with_database
 from staleflow_db.embedded import EmbeddedPostgres
+from staleflow_db.protocol import Protocol
+from staleflow_db.types import RunConfig
 
 
 def test_engine_sets_session_timeouts(engine) -> None:
@@ -97,3 +99,43 @@ def test_the_named_ddl_equals_what_migrations_0001_to_0007_created(db_url: str) 
     migrate.upgrade(db_url, "0008")
     assert _views_and_functions(db_url) == before
     assert set(before[0]) >= {"staleness_violations", "lineage_violations", "staleness_violations_v2"}
+
+
+def _lease_names(url: str) -> tuple[list[tuple[str, str]], list[str]]:
+    with psycopg.connect(url) as conn:
+        columns = conn.execute(
+            "SELECT table_name, column_name FROM information_schema.columns WHERE table_schema = 'public'"
+            " AND table_name IN ('samples', 'buffers')"
+            " AND column_name IN ('lease', 'leased_at', 'route_token', 'consume_fence', 'consume_fence_at')"
+            " ORDER BY 1, 2"
+        ).fetchall()
+        constraints = conn.execute(
+            "SELECT conname FROM pg_constraint WHERE conrelid IN (SELECT oid FROM pg_class"
+            " WHERE relname IN ('coordinator_leases', 'leader_epochs')) ORDER BY 1"
+        ).fetchall()
+    return [tuple(c) for c in columns], [c for (c,) in constraints]
+
+
+def test_0010_renames_the_leases_and_its_downgrade_restores_them(db_url: str, engine) -> None:
+    """Renames only: a downgrade to 0009 gives back the old names, the upgrade the new ones,
+    the data stays, and the views and functions are the same either way."""
+    new = (
+        [("buffers", "consume_fence"), ("buffers", "consume_fence_at"), ("samples", "route_token")],
+        ["fk_leader_epochs_run_id", "pk_leader_epochs"],
+    )
+    assert _lease_names(db_url) == new
+    before = _views_and_functions(db_url)
+    p = Protocol(engine)
+    run = p.create_run("r", RunConfig(batch_size=1, group_size=1, eta=1))
+    assert p.acquire_leadership(run, "h", 30.0) == 1
+    engine.dispose()  # no pooled connection holds the tables while they are renamed
+    migrate.downgrade(db_url, "0009")
+    assert _lease_names(db_url) == (
+        [("buffers", "lease"), ("buffers", "leased_at"), ("samples", "lease")],
+        ["fk_coordinator_leases_run_id", "pk_coordinator_leases"],
+    )
+    migrate.upgrade(db_url)
+    assert _lease_names(db_url) == new
+    assert _views_and_functions(db_url) == before
+    with psycopg.connect(db_url) as conn:
+        assert conn.execute("SELECT run_id, holder, epoch FROM leader_epochs").fetchall() == [(run, "h", 1)]

@@ -115,7 +115,7 @@ def test_the_sweep_requeues_samples_on_any_fenced_instance(engine):
     (g,) = d.enqueue(1)
     (s,) = d.members(g)
     att = d.routed([s], inst)
-    d.p.report(d.run, [Report(s, att[s], 0, [4, 5], [-0.4, -0.5], SegmentKind.PARTIAL, **d.lease(s))])
+    d.p.report(d.run, [Report(s, att[s], 0, [4, 5], [-0.4, -0.5], SegmentKind.PARTIAL, **d.route_identity(s))])
     with engine.begin() as c:  # as the race above left it before the fix
         c.execute(text("UPDATE instances SET state = 'expired' WHERE id = :i"), {"i": inst})
     assert d.p.expire_instances(d.run) == []
@@ -162,7 +162,7 @@ def test_a_lapsed_lease_is_fenced_everywhere_before_the_sweep(engine):
     g1, g2 = d.enqueue(2)
     (s1,), (s2,) = d.members(g1), d.members(g2)
     att = d.routed([s1], inst)
-    lease = d.lease(s1)
+    identity = d.route_identity(s1)
     assert d.p.interrupt(d.run, [s1]) == 1  # a command waiting for delivery
     with engine.begin() as c:  # the lease runs out; nobody has run the sweep
         c.execute(text("UPDATE instances SET lease_expires_at = now() - interval '1 s' WHERE id = :i"), {"i": inst})
@@ -174,7 +174,7 @@ def test_a_lapsed_lease_is_fenced_everywhere_before_the_sweep(engine):
         d.p.poll_work(inst)
     assert d.scalars("SELECT count(*) FROM commands WHERE state = 'pending'") == [1]
     with pytest.raises(Conflict, match="lease expired"):  # report from it
-        d.p.report(d.run, [Report(s1, att[s1], 0, [9], [-0.9], **lease)])
+        d.p.report(d.run, [Report(s1, att[s1], 0, [9], [-0.9], **identity)])
     with pytest.raises(Conflict, match="lease expired"):  # heartbeat cannot revive it
         d.p.heartbeat(inst, 0)
     assert segments(d) == before
@@ -184,7 +184,7 @@ def test_a_lapsed_lease_is_fenced_everywhere_before_the_sweep(engine):
     assert d.sample(s1)[0] == "queued" and running_on_fenced(d) == []
 
 
-# ---- item 9: reports name their instance and quote an unguessable lease ---------------------
+# ---- item 9: reports name their instance and quote an unguessable route token--------------------
 
 
 def test_a_report_must_come_from_the_instance_holding_the_lease(engine):
@@ -193,24 +193,24 @@ def test_a_report_must_come_from_the_instance_holding_the_lease(engine):
     (g,) = d.enqueue(1)
     (s,) = d.members(g)
     (routed,) = d.route([s], a)
-    (work,), _ = d.p.poll_work(a)
-    assert work.lease == routed.lease and uuid.UUID(work.lease).version == 4  # 122 random bits
+    (work,) = d.p.poll_work(a).work
+    assert work.route_token == routed.route_token and uuid.UUID(work.route_token).version == 4  # 122 random bits
     forged = [
-        dict(instance_id=b, lease=work.lease),  # another instance, even with the token
-        dict(instance_id=a, lease=str(uuid.uuid4())),  # the right instance, a guessed token
+        dict(instance_id=b, route_token=work.route_token),  # another instance, even with the token
+        dict(instance_id=a, route_token=str(uuid.uuid4())),  # the right instance, a guessed token
     ]
     for ident in forged:
-        with pytest.raises(Conflict, match="lease lost"):
+        with pytest.raises(Conflict, match="route lost"):
             d.p.report(d.run, [Report(s, work.attempt, 0, [1], [-1.0], **ident)])
     assert segments(d) == [] and d.sample(s)[0] == "running"
-    d.p.report(d.run, [Report(s, work.attempt, 0, [1], [-1.0], instance_id=a, lease=work.lease)])
+    d.p.report(d.run, [Report(s, work.attempt, 0, [1], [-1.0], instance_id=a, route_token=work.route_token)])
     assert segments(d) == [(s, 0, a, work.attempt, [1])]
 
 
 @pytest.mark.db
 def test_over_http_another_rollout_token_cannot_report_a_sample_routed_elsewhere(db_url, engine):
     """A second rollout token of the same run gets 409 reporting through its own instance (which
-    does not hold the lease) and 403 through the routed one (it belongs to another token), and
+    does not hold the route) and 403 through the routed one (it belongs to another token), and
     changes nothing; the old path without the instance is 410."""
     d = Driver(engine, batch_size=1, group_size=1, eta=0)
     (g,) = d.enqueue(1)
@@ -226,17 +226,17 @@ def test_over_http_another_rollout_token_cannot_report_a_sample_routed_elsewhere
 
         r = theirs.http.post(f"/v1/runs/{d.run}/segments", json={"reports": [guess]})  # as observed before the fix
         assert r.status_code == 410 and "/instances/" in r.json()["error"]["message"], r.text
-        for inst, lease in [(b, str(uuid.uuid4())), (b, work.lease)]:
+        for inst, guessed in [(b, str(uuid.uuid4())), (b, work.route_token)]:
             with pytest.raises(ApiConflict) as refused:
-                theirs.report(d.run, inst, [{**guess, "lease": lease}])
+                theirs.report(d.run, inst, [{**guess, "route_token": guessed}])
             assert refused.value.status == 409 and [i["id"] for i in refused.value.items] == [s]
-        for lease in (str(uuid.uuid4()), work.lease):
+        for guessed in (str(uuid.uuid4()), work.route_token):
             with pytest.raises(ApiForbidden) as refused:
-                theirs.report(d.run, a, [{**guess, "lease": lease}])
+                theirs.report(d.run, a, [{**guess, "route_token": guessed}])
             assert refused.value.status == 403 and "belongs to another token" in refused.value.message
         assert segments(d) == [] and d.sample(s)[0] == "running" and d.sample(s)[5] == a
 
-        assert mine.report(d.run, a, [{**guess, "lease": work.lease}]) == 1
+        assert mine.report(d.run, a, [{**guess, "route_token": work.route_token}]) == 1
         assert segments(d) == [(s, 0, a, work.attempt, [6])]
 
 
@@ -256,7 +256,7 @@ def test_over_http_a_lapsed_instance_gets_409_and_registers_again(db_url, engine
         item = {
             "sample_id": s,
             "attempt": work.attempt,
-            "lease": work.lease,
+            "route_token": work.route_token,
             "version": 0,
             "tokens": [1],
             "logprobs": [-1.0],
@@ -274,5 +274,5 @@ def test_over_http_a_lapsed_instance_gets_409_and_registers_again(db_url, engine
         again = rollout.register(d.run, "slow", 0).instance_id
         assert [r.outcome for r in coord.route(d.run, [(s, again)])] == ["routed"]
         (work,) = rollout.poll(d.run, again, wait=5).work
-        assert rollout.report(d.run, again, [{**item, "attempt": work.attempt, "lease": work.lease}]) == 1
+        assert rollout.report(d.run, again, [{**item, "attempt": work.attempt, "route_token": work.route_token}]) == 1
     assert segments(d) == [(s, 0, again, work.attempt, [1])]

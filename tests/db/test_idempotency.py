@@ -53,7 +53,7 @@ def test_a_concurrent_duplicate_is_applied_once_and_answered_alike(engine):
     assert not any(isinstance(r, Exception) for r in routes), routes
     assert all(r == routes[0] for r in routes) and routes[0][0].outcome == RouteOutcome.ROUTED
     assert d.sample(s)[2] == routes[0][0].attempt == 1  # routed once: one attempt
-    rep = [Report(s, routes[0][0].attempt, 0, [3, 4], [-0.5, -0.25], **d.lease(s))]
+    rep = [Report(s, routes[0][0].attempt, 0, [3, 4], [-0.5, -0.25], **d.route_identity(s))]
     applied = _together(4, lambda _: d.p.report(d.run, rep, request_id="report-k"))
     assert applied == [1, 1, 1, 1]
     assert d.scalars("SELECT count(*) FROM segments") == [1]
@@ -63,7 +63,7 @@ def test_the_same_request_id_with_another_body_is_refused(engine):
     d = Driver(engine, batch_size=1, group_size=1, eta=1)
     s, inst = _routed_sample(d)
     (r,) = d.p.route(d.run, [(s, inst)], request_id="k")
-    ident = d.lease(s)
+    ident = d.route_identity(s)
     d.p.report(d.run, [Report(s, r.attempt, 0, [3], [-0.5], **ident)], request_id="rep")
     with pytest.raises(KeyReused, match="already used"):
         d.p.report(d.run, [Report(s, r.attempt, 0, [9], [-0.5], **ident)], request_id="rep")  # other tokens
@@ -125,7 +125,7 @@ def test_a_deadlock_victim_is_retried_whole(engine):
 
 
 def test_claims_and_late_rewards_do_not_deadlock(engine):
-    """Reward workers whose claims expire while they score (tiny leases) post rewards late,
+    """Reward workers whose claims expire while they score (tiny claims) post rewards late,
     while others claim and so reset the expired claims: many threads on one run. Every
     record_rewards either applies or is refused with 409 (its claim was taken over); no
     deadlock reaches a caller, and every sample ends rewarded."""
@@ -144,7 +144,7 @@ def test_claims_and_late_rewards_do_not_deadlock(engine):
             if not left:
                 return
             try:
-                tasks = d.p.claim_rewards(d.run, limit=7 + i, lease_seconds=0.001)
+                tasks = d.p.claim_rewards(d.run, limit=7 + i, claim_seconds=0.001)
                 if not tasks:
                     continue
                 time.sleep(0.002)  # score: the claims expire meanwhile

@@ -142,24 +142,30 @@ def test_version_raise_and_too_old(engine):
     g_partial, g_fill, g_fresh = d.enqueue(3)
     (partial,) = d.members(g_partial)
     attempt = d.routed([partial], v0)[partial]
-    d.p.report(d.run, [Report(partial, attempt, 0, [5], [-1.0], SegmentKind.INTERRUPTED, **d.lease(partial))])
+    d.p.report(d.run, [Report(partial, attempt, 0, [5], [-1.0], SegmentKind.INTERRUPTED, **d.route_identity(partial))])
     d.complete(d.members(g_fill), v0)
     d.train(0)
     v1 = d.p.register_instance(d.run, "v1", 1)
     (fresh,) = d.members(g_fresh)
     (r,) = d.route([fresh], v1)
     assert r.v_traj == 1  # a fresh sample takes the newer version
-    d.p.report(d.run, [Report(fresh, r.attempt, 1, [], [], SegmentKind.INTERRUPTED, **d.lease(fresh))])  # no token yet
+    d.p.report(
+        d.run, [Report(fresh, r.attempt, 1, [], [], SegmentKind.INTERRUPTED, **d.route_identity(fresh))]
+    )  # no token yet
     assert d.route([fresh], v0)[0].outcome == RouteOutcome.TOO_OLD  # V_traj never goes back
     (r,) = d.route([partial], v1)
     assert r.v_traj == 0  # tokens at version 0 keep V_traj 0 on a newer instance
-    d.p.report(d.run, [Report(partial, r.attempt, 1, [6], [-1.0], SegmentKind.INTERRUPTED, **d.lease(partial))])
+    d.p.report(
+        d.run, [Report(partial, r.attempt, 1, [6], [-1.0], SegmentKind.INTERRUPTED, **d.route_identity(partial))]
+    )
     # its latest segment is at version 1: an instance at 0 would make versions decrease
     assert d.route([partial], v0)[0].outcome == RouteOutcome.TOO_OLD
     (r,) = d.route([partial], v1)
     with pytest.raises(InvalidInput, match="version 0 outside 1"):
-        d.p.report(d.run, [Report(partial, r.attempt, 0, [8], [-1.0], SegmentKind.FINISHED, **d.lease(partial))])
-    d.p.report(d.run, [Report(partial, r.attempt, 1, [8], [-1.0], SegmentKind.FINISHED, **d.lease(partial))])
+        d.p.report(
+            d.run, [Report(partial, r.attempt, 0, [8], [-1.0], SegmentKind.FINISHED, **d.route_identity(partial))]
+        )
+    d.p.report(d.run, [Report(partial, r.attempt, 1, [8], [-1.0], SegmentKind.FINISHED, **d.route_identity(partial))])
     assert d.violations() == []
 
 
@@ -169,23 +175,25 @@ def test_fencing_refuses_stale_attempts_and_changes_nothing(engine):
     (g,) = d.enqueue(1)
     s, t = d.members(g)
     att = d.routed([s, t], a)
-    old = d.lease(s)
+    old = d.route_identity(s)
     d.p.report(d.run, [Report(s, att[s], 0, [1, 2], [-0.1, -0.2], SegmentKind.INTERRUPTED, **old)])
     att2 = d.routed([s], b)  # continues elsewhere with a new attempt
     assert att2[s] == att[s] + 1
     before = d.rows("SELECT * FROM segments ORDER BY sample_id, seq")
-    with pytest.raises(Conflict, match="lease lost"):  # the late result of the old lease
-        d.p.report(d.run, [Report(t, att[t], 0, [3], [-0.3], **d.lease(t)), Report(s, att[s], 0, [9], [-0.9], **old)])
+    with pytest.raises(Conflict, match="route lost"):  # the late result of the old route
+        d.p.report(
+            d.run, [Report(t, att[t], 0, [3], [-0.3], **d.route_identity(t)), Report(s, att[s], 0, [9], [-0.9], **old)]
+        )
     assert d.rows("SELECT * FROM segments ORDER BY sample_id, seq") == before
     assert d.sample(t)[0] == "running"  # the good report in the refused batch was not applied either
-    now = d.lease(s)
+    now = d.route_identity(s)
     for bad, err in [
         (Report(s, att2[s], 0, [1], [], **now), InvalidInput),
         (Report(s, att2[s], 5, [1], [-1.0], **now), InvalidInput),
         (Report(s, att2[s], 0, [1] * 2000, [-1.0] * 2000, **now), TooLarge),
-        (Report(s, att2[s], 0, [1], [-1.0], instance_id=b, lease="guess"), InvalidInput),
+        (Report(s, att2[s], 0, [1], [-1.0], instance_id=b, route_token="guess"), InvalidInput),
         (Report(999999, 1, 0, [1], [-1.0], **now), NotFound),
-        (Report(s, att2[s], 0, [1], [-1.0], instance_id=999999, lease=now["lease"]), NotFound),
+        (Report(s, att2[s], 0, [1], [-1.0], instance_id=999999, route_token=now["route_token"]), NotFound),
     ]:
         with pytest.raises(err):
             d.p.report(d.run, [bad])
@@ -202,15 +210,15 @@ def test_expired_instance_is_fenced_and_its_samples_requeued_with_their_tokens(e
     (g,) = d.enqueue(1)
     (s,) = d.members(g)
     att = d.routed([s], inst)[s]
-    lease = d.lease(s)
-    d.p.report(d.run, [Report(s, att, 0, [4, 5], [-0.4, -0.5], SegmentKind.PARTIAL, **lease)])
-    assert d.p.expire_instances(d.run) == []  # lease still valid
+    identity = d.route_identity(s)
+    d.p.report(d.run, [Report(s, att, 0, [4, 5], [-0.4, -0.5], SegmentKind.PARTIAL, **identity)])
+    assert d.p.expire_instances(d.run) == []  # instance lease still valid
     with engine.begin() as c:
         c.execute(text("UPDATE instances SET lease_expires_at = now() - interval '1 s'"))
     assert d.p.expire_instances(d.run) == [inst]
     assert d.sample(s)[:4] == ("queued", 0, att, 2)
     with pytest.raises(Conflict):
-        d.p.report(d.run, [Report(s, att, 0, [6], [-0.6], **lease)])
+        d.p.report(d.run, [Report(s, att, 0, [6], [-0.6], **identity)])
     with pytest.raises(Conflict, match="expired"):
         d.p.heartbeat(inst, 0)
     with pytest.raises(Conflict, match="expired"):
@@ -220,8 +228,24 @@ def test_expired_instance_is_fenced_and_its_samples_requeued_with_their_tokens(e
     fresh = d.p.register_instance(d.run, "restarted", 0)
     assert fresh != inst
     d.routed([s], fresh)
-    (work,), _ = d.p.poll_work(fresh)
+    (work,) = d.p.poll_work(fresh).work
     assert (work.prefix_tokens, work.max_new_tokens) == ([4, 5], 1024 - 2)
+
+
+def test_one_poll_delivers_work_and_commands_together(engine):
+    """A poll's reply is one shape: the work routed and the commands pending since the last
+    poll come together, and a poll with nothing has both parts empty."""
+    d = Driver(engine, batch_size=1, group_size=2, eta=1)
+    inst = d.p.register_instance(d.run, "i1", 0)
+    (g,) = d.enqueue(1)
+    a, b = d.members(g)
+    d.routed([a, b], inst)
+    assert d.p.interrupt(d.run, [a]) == 1  # routed, not yet delivered
+    polled = d.p.poll_work(inst)
+    assert sorted(w.sample_id for w in polled.work) == [a, b]
+    assert [(c.kind, c.sample_id) for c in polled.commands] == [("interrupt", a)]
+    again = d.p.poll_work(inst)
+    assert (again.work, again.commands) == ([], [])
 
 
 def test_interrupt_and_resume_keep_every_token_and_logprob(engine):
@@ -230,22 +254,35 @@ def test_interrupt_and_resume_keep_every_token_and_logprob(engine):
     (g,) = d.enqueue(1)
     (s,) = d.members(g)
     d.routed([s], i1)
-    (w,), _ = d.p.poll_work(i1)
+    (w,) = d.p.poll_work(i1).work
     assert (w.prompt_tokens, w.prefix_tokens) == ([1, 2, 3], [])
     assert d.p.interrupt(d.run, [s]) == 1
-    _, (cmd,) = d.p.poll_work(i1)
+    (cmd,) = d.p.poll_work(i1).commands
     assert (cmd.kind, cmd.sample_id, cmd.attempt) == ("interrupt", s, w.attempt)
-    assert w.lease == d.lease(s)["lease"]  # delivered with the work
+    assert w.route_token == d.route_identity(s)["route_token"]  # delivered with the work
     d.p.report(
-        d.run, [Report(s, w.attempt, 0, [10, 11], [-1.0, -1.1], SegmentKind.PARTIAL, instance_id=i1, lease=w.lease)]
+        d.run,
+        [
+            Report(
+                s, w.attempt, 0, [10, 11], [-1.0, -1.1], SegmentKind.PARTIAL, instance_id=i1, route_token=w.route_token
+            )
+        ],
     )
-    d.p.report(d.run, [Report(s, w.attempt, 0, [12], [-1.2], SegmentKind.INTERRUPTED, instance_id=i1, lease=w.lease)])
-    d.routed([s], i2)
-    (w2,), _ = d.p.poll_work(i2)
-    assert (w2.prefix_tokens, w2.prefix_logprobs) == ([10, 11, 12], pytest.approx([-1.0, -1.1, -1.2]))
-    assert w2.lease != w.lease  # a fresh token for every route
     d.p.report(
-        d.run, [Report(s, w2.attempt, 0, [13], [-1.3], SegmentKind.FINISHED, "eos", instance_id=i2, lease=w2.lease)]
+        d.run,
+        [Report(s, w.attempt, 0, [12], [-1.2], SegmentKind.INTERRUPTED, instance_id=i1, route_token=w.route_token)],
+    )
+    d.routed([s], i2)
+    (w2,) = d.p.poll_work(i2).work
+    assert (w2.prefix_tokens, w2.prefix_logprobs) == ([10, 11, 12], pytest.approx([-1.0, -1.1, -1.2]))
+    assert w2.route_token != w.route_token  # a fresh token for every route
+    d.p.report(
+        d.run,
+        [
+            Report(
+                s, w2.attempt, 0, [13], [-1.3], SegmentKind.FINISHED, "eos", instance_id=i2, route_token=w2.route_token
+            )
+        ],
     )
     d.reward_all()
     batch = d.p.consume(d.run, 0)
@@ -253,7 +290,7 @@ def test_interrupt_and_resume_keep_every_token_and_logprob(engine):
     assert sample.tokens == [10, 11, 12, 13]
     assert sample.logprobs == pytest.approx([-1.0, -1.1, -1.2, -1.3])
     assert [(x.instance_id, x.n_tokens) for x in sample.segments] == [(i1, 2), (i1, 1), (i2, 1)]
-    d.p.publish(d.run, 0, batch.lease)
+    d.p.publish(d.run, 0, batch.consume_fence)
     (row,) = d.rows("SELECT segment_instances, n_tokens, staleness FROM trained_samples WHERE run_id = :r")
     assert row == ([i1, i1, i2], 4, 0)
 
@@ -268,7 +305,7 @@ def test_group_redundancy_aborts_surplus_members(engine):
     assert [o.state for o in d.reward_all()] == [GroupState.OCCUPIED]
     assert [d.sample(k)[0] for k in m] == ["rewarded", "rewarded", "aborted", "aborted"]
     assert d.scalars("SELECT DISTINCT reason FROM dropped_samples WHERE run_id = :r") == ["surplus"]
-    _, cmds = d.p.poll_work(inst)
+    cmds = d.p.poll_work(inst).commands
     assert sorted((c.kind, c.sample_id) for c in cmds) == [("abort", m[2]), ("abort", m[3])]
     with pytest.raises(Conflict):  # the instance's late result for an aborted member
         d.finish({m[2]: att[m[2]]})
@@ -369,13 +406,13 @@ def test_consume_and_publish_refusals(engine):
     d.complete(d.members(g), inst)
     first = d.p.consume(d.run, 0)
     second = d.p.consume(d.run, 0)  # a restarted trainer takes over the buffer
-    assert second.lease == first.lease + 1
-    with pytest.raises(Conflict, match="lease"):
-        d.p.publish(d.run, 0, first.lease)
+    assert second.consume_fence == first.consume_fence + 1
+    with pytest.raises(Conflict, match="consume fence"):
+        d.p.publish(d.run, 0, first.consume_fence)
     with pytest.raises(Conflict, match="version 0"):
-        d.p.publish(d.run, 1, second.lease)  # out of order
-    assert d.p.publish(d.run, 0, second.lease, size_bytes=10, checksum="abc", location="ps://1") == 1
-    assert d.p.publish(d.run, 0, second.lease) == 1  # a retry is a no-op
+        d.p.publish(d.run, 1, second.consume_fence)  # out of order
+    assert d.p.publish(d.run, 0, second.consume_fence, size_bytes=10, checksum="abc", location="ps://1") == 1
+    assert d.p.publish(d.run, 0, second.consume_fence) == 1  # a retry is a no-op
     assert d.rows("SELECT version, size_bytes, checksum FROM param_versions WHERE run_id = :r") == [(1, 10, "abc")]
     assert d.scalars("SELECT version FROM runs WHERE id = :r") == [1]
 
@@ -388,7 +425,7 @@ def test_request_id_replays_the_stored_outcome(engine):
     r1 = d.p.route(d.run, [(s, inst)], request_id="route-1")
     r2 = d.p.route(d.run, [(s, inst)], request_id="route-1")
     assert r1 == r2 and r1[0].outcome == RouteOutcome.ROUTED
-    rep = [Report(s, r1[0].attempt, 0, [1], [-1.0], instance_id=inst, lease=r1[0].lease)]
+    rep = [Report(s, r1[0].attempt, 0, [1], [-1.0], instance_id=inst, route_token=r1[0].route_token)]
     assert d.p.report(d.run, rep, request_id="rep-1") == d.p.report(d.run, rep, request_id="rep-1") == 1
     assert d.scalars("SELECT count(*) FROM segments") == [1]
     with pytest.raises(Conflict, match="already used"):

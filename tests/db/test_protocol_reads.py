@@ -43,7 +43,7 @@ def _world(engine) -> tuple[Driver, int]:
     (g2,) = d.enqueue(1)
     attempts = d.routed(d.members(g2), inst)
     (s,) = attempts
-    d.p.report(d.run, [Report(s, attempts[s], 1, [1], [-0.1], SegmentKind.PARTIAL, **d.lease(s))])
+    d.p.report(d.run, [Report(s, attempts[s], 1, [1], [-0.1], SegmentKind.PARTIAL, **d.route_identity(s))])
     return d, inst
 
 

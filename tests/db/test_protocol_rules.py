@@ -29,7 +29,9 @@ class DbSide(Driver):
         return self.p.register_instance(self.run, "i", version)
 
     def interrupt_empty(self, sid: int, attempt: int, version: int) -> None:
-        self.p.report(self.run, [Report(sid, attempt, version, [], [], SegmentKind.INTERRUPTED, **self.lease(sid))])
+        self.p.report(
+            self.run, [Report(sid, attempt, version, [], [], SegmentKind.INTERRUPTED, **self.route_identity(sid))]
+        )
 
     def abort_after_ready(self) -> list[int]:
         return self.p.abort_after_ready(self.run)
@@ -79,7 +81,7 @@ class RefSide:
 
     def _ident(self, sid: int) -> dict:
         s = self.p.samples[sid]  # the identity the instance got with the work
-        return {"instance_id": s.instance_id, "lease": s.lease}
+        return {"instance_id": s.instance_id, "route_token": s.route_token}
 
     def interrupt_empty(self, sid: int, attempt: int, version: int) -> None:
         self.p.report([Report(sid, attempt, version, [], [], SegmentKind.INTERRUPTED, **self._ident(sid))])
@@ -88,8 +90,8 @@ class RefSide:
         return self.p.record_rewards([(s, a, reward) for s, a in self.p.claim_rewards(1000)])
 
     def train(self, version: int) -> None:
-        lease, _ = self.p.consume(version)
-        assert self.p.publish(version, lease) == version + 1
+        fence, _ = self.p.consume(version)
+        assert self.p.publish(version, fence) == version + 1
 
     def group(self, gid: int):
         g = self.p.groups[gid]

@@ -113,7 +113,7 @@ def test_step_metrics_count_what_happened_between_publishes(engine):
     from staleflow_db.types import Report
     from workers.wire.enums import SegmentKind
 
-    d.p.report(d.run, [Report(s, att[s], 0, [1], [-1.0], SegmentKind.INTERRUPTED, **d.lease(s))])
+    d.p.report(d.run, [Report(s, att[s], 0, [1], [-1.0], SegmentKind.INTERRUPTED, **d.route_identity(s))])
     d.complete([s], inst)
     d.train(1)
     rows = step_metrics(engine, d.run)

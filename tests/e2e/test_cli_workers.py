@@ -178,7 +178,7 @@ def _fill_buffer(admin, run: int, version: int) -> None:
             {
                 "sample_id": w.sample_id,
                 "attempt": w.attempt,
-                "lease": w.lease,
+                "route_token": w.route_token,
                 "version": version,
                 "tokens": [5, 6, 7],
                 "logprobs": [-0.5] * 3,

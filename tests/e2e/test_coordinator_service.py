@@ -55,7 +55,7 @@ def test_pulls_an_idle_instance_that_is_behind(engine):
     c = _coordinator(engine, d.run)
     assert c.lead()
     c.cycle()
-    _, cmds = d.p.poll_work(a)
+    cmds = d.p.poll_work(a).commands
     assert [(x.kind, x.target_version) for x in cmds] == [("pull", 1)]
 
 
@@ -77,21 +77,21 @@ def test_standby_takes_over_from_a_killed_leader(engine, db_url):
     procs = [subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for _ in range(2)]
     try:
 
-        def lease():
-            rows = d.rows("SELECT holder, epoch, expires_at > now() FROM coordinator_leases WHERE run_id = :r")
+        def leadership():
+            rows = d.rows("SELECT holder, epoch, expires_at > now() FROM leader_epochs WHERE run_id = :r")
             return rows[0] if rows else None
 
         deadline = time.monotonic() + 60
-        while not (lease() and lease()[2]) and time.monotonic() < deadline:
+        while not (leadership() and leadership()[2]) and time.monotonic() < deadline:
             time.sleep(0.1)
-        holder, epoch, _ = lease()
+        holder, epoch, _ = leadership()
         leader = next(p for p in procs if holder.endswith(f":{p.pid}"))
         leader.send_signal(signal.SIGKILL)
         leader.wait()
         deadline = time.monotonic() + 20
-        while time.monotonic() < deadline and (lease()[0] == holder or not lease()[2]):
+        while time.monotonic() < deadline and (leadership()[0] == holder or not leadership()[2]):
             time.sleep(0.1)
-        new_holder, new_epoch, live = lease()
+        new_holder, new_epoch, live = leadership()
         assert new_holder != holder and new_epoch == epoch + 1 and live
         # the new leader works: it routes a queued sample to a live instance
         inst = d.p.register_instance(d.run, "i", 0)

@@ -1,6 +1,6 @@
 """docs/examples/rollout.sh -- a rollout driven from the shell with curl + jq -- against the
 real API: it registers, heartbeats, long-polls the work a coordinator routes to it, reports
-finished segments (attempt and lease token quoted) and deregisters; the samples are finished
+finished segments (attempt and route token quoted) and deregisters; the samples are finished
 with its tokens."""
 
 from __future__ import annotations

@@ -108,7 +108,7 @@ class ScriptedRollout(threading.Thread):
                     {
                         "sample_id": w.sample_id,
                         "attempt": w.attempt,
-                        "lease": w.lease,
+                        "route_token": w.route_token,
                         "version": v,
                         "tokens": [(w.sample_id + j) % 31 + 1 for j in range(2 + w.sample_id % 3)],
                         "logprobs": [-1.0 - 0.1 * j for j in range(2 + w.sample_id % 3)],
@@ -186,7 +186,7 @@ def test_trainer_scores_exactly_the_tokens_the_engine_sampled(tmp_path):
         }
         for g in (1, 2)
     ]
-    batch = BatchOut(run_id=1, version=0, lease=1, groups=groups)
+    batch = BatchOut(run_id=1, version=0, consume_fence=1, groups=groups)
     model = TinyTransformer(CFG, seed=3)
     trainer = Trainer(
         None, 1, model, torch.optim.SGD(model.parameters(), lr=0.0), checkpoint_dir=tmp_path, micro_batch_tokens=20

@@ -29,13 +29,19 @@ def _app(route_class: type[APIRoute]) -> TestClient:
     @router.post("/r/{n}")
     def take(n: int, body: ReportsIn) -> dict:
         r = body.reports[0]
-        return {"n": n, "type": type(body).__name__, "tokens": r.tokens, "lease": str(r.lease), "kind": r.kind}
+        return {
+            "n": n,
+            "type": type(body).__name__,
+            "tokens": r.tokens,
+            "route_token": str(r.route_token),
+            "kind": r.kind,
+        }
 
     app.include_router(router)
     return TestClient(app)
 
 
-REPORT = {"sample_id": 1, "attempt": 0, "lease": "12345678-1234-5678-1234-567812345678", "version": 0}
+REPORT = {"sample_id": 1, "attempt": 0, "route_token": "12345678-1234-5678-1234-567812345678", "version": 0}
 GOOD = {"reports": [{**REPORT, "tokens": [1, 2], "logprobs": [-0.5, -1]}]}
 
 
@@ -46,7 +52,13 @@ def test_a_valid_body_is_validated_from_the_bytes(monkeypatch):
     monkeypatch.setattr(body_module, "json", SimpleNamespace(loads=no_loads))
     fast = _app(ModelBodyRoute).post("/r/3", json=GOOD)
     assert fast.status_code == 200, fast.text
-    assert fast.json() == {"n": 3, "type": "ReportsIn", "tokens": [1, 2], "lease": REPORT["lease"], "kind": "finished"}
+    assert fast.json() == {
+        "n": 3,
+        "type": "ReportsIn",
+        "tokens": [1, 2],
+        "route_token": REPORT["route_token"],
+        "kind": "finished",
+    }
 
 
 BAD = [
@@ -55,7 +67,7 @@ BAD = [
     json.dumps({"reports": [{**REPORT, "tokens": [1], "logprobs": [True]}]}),
     json.dumps({"reports": [{**REPORT, "tokens": [1], "logprobs": [0], "typo": 1}]}),  # unknown field
     json.dumps({"reports": [{**REPORT, "tokens": [-1], "logprobs": [0]}]}),
-    json.dumps({"reports": [{**REPORT, "lease": "not-a-uuid", "tokens": [1], "logprobs": [0]}]}),
+    json.dumps({"reports": [{**REPORT, "route_token": "not-a-uuid", "tokens": [1], "logprobs": [0]}]}),
     '{"reports": [{"sample_id": 1, "tokens": [1], "logprobs": [NaN]}]}',  # json.loads takes NaN
     '{"reports": [',  # invalid JSON
     "[]",

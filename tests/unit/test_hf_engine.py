@@ -178,7 +178,7 @@ def test_the_trainer_sees_the_engines_logprobs(folder, prompts, tmp_path):
         grpo=GRPOConfig(temperature=temperature),
         micro_batch_tokens=40,
     )
-    _, metrics = trainer.train_batch(BatchOut(run_id=1, version=0, lease=1, groups=groups))
+    _, metrics = trainer.train_batch(BatchOut(run_id=1, version=0, consume_fence=1, groups=groups))
     assert metrics["mismatch_mean"] == pytest.approx(0.0, abs=1e-4)
     assert metrics["tis_mean"] == pytest.approx(1.0, abs=1e-3)
 

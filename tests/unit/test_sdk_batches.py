@@ -30,12 +30,12 @@ def _batch(**over):
         {"group_id": 8, "group_version": 4, "prompt_tokens": [1, 2, 3, 4], "meta": {},
          "samples": [_sample(3, [5], 4, 0.5)]},
     ]  # fmt: skip
-    return BatchOut.model_validate({"run_id": 1, "version": 4, "lease": 2, "groups": groups, **over})
+    return BatchOut.model_validate({"run_id": 1, "version": 4, "consume_fence": 2, "groups": groups, **over})
 
 
 def test_to_batch_pads_and_aligns_every_field():
     b = to_batch(_batch(), pad_id=99)
-    assert len(b) == 3 and b.version == 4 and b.lease == 2
+    assert len(b) == 3 and b.version == 4 and b.consume_fence == 2
     assert b.input_ids.tolist() == [[1, 2, 5, 6, 0], [1, 2, 9, 99, 99], [1, 2, 3, 4, 5]]
     assert b.attention_mask.tolist() == [[1, 1, 1, 1, 1], [1, 1, 1, 0, 0], [1, 1, 1, 1, 1]]
     assert b.response_mask.tolist() == [[0, 0, 1, 1, 1], [0, 0, 1, 0, 0], [0, 0, 0, 0, 1]]

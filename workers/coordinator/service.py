@@ -2,7 +2,7 @@
 
 Each cycle: one read-only statement for the snapshot, the pure strategy functions on
 the speculative state, one write transaction for the commands (fenced by the leadership
-epoch). One active coordinator per run by an expiring lease row; a standby polls the lease
+epoch). One active coordinator per run by an expiring leader epoch; a standby polls the leader epoch
 and takes over when the leader stops renewing it. The speculative state is rebuilt from the
 database whenever leadership is (re)gained, so a restart loses nothing.
 
@@ -164,17 +164,17 @@ class Coordinator:
                     self.stats.cycle_ms.append((time.monotonic() - started) * 1000)
                     time.sleep(max(0.0, self.period_s - (time.monotonic() - started)))
                 elif not self._stop:
-                    time.sleep(self.lease_s / 3)  # standby: try again well inside a lease
+                    time.sleep(self.lease_s / 3)  # standby: try again well inside a leader's lease
         finally:
             if self.epoch is not None:
                 try:
                     self.protocol.release_leadership(self.run_id, self.holder)
-                except Exception as exc:  # database down: the lease lapses by itself
+                except Exception as exc:  # database down: the leader epoch lapses by itself
                     log.warning("could not release leadership of run %s: %s", self.run_id, exc)
         return self.stats
 
     def _lead_and_cycle(self) -> bool:
-        """One leader cycle (or a standby's lease check), retried through database outages.
+        """One leader cycle (or a standby's leadership check), retried through database outages.
         Returns whether we led."""
         try:
             for attempt in DATABASE_OUTAGE.retrying(
@@ -198,7 +198,7 @@ class Coordinator:
         self.epoch = None
 
     def lead(self) -> bool:
-        """Renew (or take) the lease; a new epoch means our view must be rebuilt from scratch."""
+        """Renew (or take) the leader epoch; a new epoch means our view must be rebuilt from scratch."""
         epoch = self.protocol.acquire_leadership(self.run_id, self.holder, self.lease_s)
         if epoch is not None and epoch != self.epoch:
             log.info("leading run %s at epoch %s", self.run_id, epoch)

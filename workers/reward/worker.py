@@ -59,13 +59,13 @@ class RewardWorker:
         detokenize: Detokenize = bytes_detokenize,
         batch: int = 256,
         wait_s: float = 1.0,
-        lease_s: float = 60.0,
+        claim_s: float = 60.0,
         timeout_s: float = 30.0,
         retry: Policy = REWARD_CALL,
     ):
         self.source = verifier_source(verifier, detokenize) if isinstance(verifier, str) else verifier
         self.client, self.run_id = client, run_id
-        self.detokenize, self.batch, self.wait_s, self.lease_s = detokenize, batch, wait_s, lease_s
+        self.detokenize, self.batch, self.wait_s, self.claim_s = detokenize, batch, wait_s, claim_s
         self.timeout_s, self.retry = timeout_s, retry
         self.stats = RewardStats()
         self._stop = False
@@ -128,7 +128,7 @@ class RewardWorker:
         return got
 
     def step(self) -> int:
-        tasks = self.client.claim(self.run_id, limit=self.batch, lease_seconds=self.lease_s, wait=self.wait_s)
+        tasks = self.client.claim(self.run_id, limit=self.batch, claim_seconds=self.claim_s, wait=self.wait_s)
         if not tasks:
             return 0
         attempts = {t.sample_id: t.reward_attempt for t in tasks}

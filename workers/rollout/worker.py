@@ -2,9 +2,9 @@
 
 Loop: take routed samples and commands from the inbox (a thread long-polling for them, so
 a command arrives while the engine steps), step the engine, report finished and
-interrupted stretches as segments (batched, fenced by instance, attempt and lease token),
+interrupted stretches as segments (batched, fenced by instance, attempt and route token),
 checkpoint long stretches as partial segments so a crash loses little, heartbeat a snapshot, and pull new weights
-when the coordinator says so. A lost lease (409) drops the sample locally: its late result
+when the coordinator says so. A lost route (409) drops the sample locally: its late result
 is never applied.
 """
 
@@ -37,7 +37,7 @@ class _Held:
     """A routed sample this instance is generating."""
 
     attempt: int
-    lease: str  # the route's secret token: every report quotes it
+    route_token: str  # the route's secret token: every report quotes it
     prefix_len: int  # response tokens before this stretch
     prompt_len: int
     reported: int = 0  # tokens of this stretch already sent as partial segments
@@ -52,7 +52,7 @@ class WorkerStats:
     interrupted: int = 0
     migrated: int = 0  # φ_wait engine-side interrupts
     pulls: int = 0
-    lost: int = 0  # reports refused with 409: lease lost
+    lost: int = 0  # reports refused with 409: route lost
     tokens: int = 0
     commands: int = 0
     # seconds commands waited in the inbox for the engine's step to end, summed
@@ -148,7 +148,7 @@ class RolloutWorker:
     def _deliver(self, d: Delivery) -> None:
         if d.instance_id != self.instance_id:
             return  # polled for an instance we have since given up (registered again)
-        if isinstance(d.error, Conflict):  # the lease lapsed: poll is refused by time, before any sweep
+        if isinstance(d.error, Conflict):  # the instance lease lapsed: poll is refused by time, before any sweep
             self._register_again()
             return
         if d.error is not None:
@@ -164,7 +164,7 @@ class RolloutWorker:
                 max_new_tokens=w.max_new_tokens,
                 seed=w.sample_id,
             )
-            self.held[w.sample_id] = _Held(w.attempt, w.lease, len(w.prefix_tokens), len(w.prompt_tokens))
+            self.held[w.sample_id] = _Held(w.attempt, w.route_token, len(w.prefix_tokens), len(w.prompt_tokens))
             self.stats.routed += 1
         now = time.monotonic()
         for c in out.commands:
@@ -221,7 +221,7 @@ class RolloutWorker:
                 {
                     "sample_id": sid,
                     "attempt": held.attempt,
-                    "lease": held.lease,
+                    "route_token": held.route_token,
                     "version": self.engine.version,
                     "tokens": list(new_t),
                     "logprobs": list(new_lp),
@@ -249,7 +249,7 @@ class RolloutWorker:
             try:
                 self.client.report(self.run_id, self._instance, batch)
                 break
-            except Conflict as e:  # lost leases: drop those samples, send the rest
+            except Conflict as e:  # lost routes: drop those samples, send the rest
                 lost = {item["id"] for item in e.items}
                 if not lost:
                     raise

@@ -130,7 +130,7 @@ class Simulator:
             self.spec.observe(e.snapshot(0.0, self.detail))
             self.next_hb[iid] = float(rng.uniform(0, heartbeat_period))
         self.queued: dict[int, QueuedSample] = {}  # insertion order = FIFO
-        self.leases: dict[int, str] = {}  # sample -> lease token of its latest route (reports quote it)
+        self.route_tokens: dict[int, str] = {}  # sample -> token of its latest route (reports quote it)
         self.fresh_groups: set[int] = set()
         self.group_index = 0
         self.trainer = SimTrainer(self.p, self.table, su)
@@ -174,7 +174,7 @@ class Simulator:
             _ONE_LP if has else [],
             kind,
             instance_id=tbl.ran_on[sid],
-            lease=self.leases[sid],
+            route_token=self.route_tokens[sid],
         )
 
     def _requeue(self, sids: list[int]) -> None:
@@ -347,13 +347,13 @@ class Simulator:
                 if not routed[-1]:
                     continue
                 sid, iid = r.sample_id, r.instance_id
-                assert res.v_traj is not None and res.attempt is not None and res.lease is not None  # routed
+                assert res.v_traj is not None and res.attempt is not None and res.route_token is not None  # routed
                 qs = self.queued.pop(sid)
                 self.fresh_groups.discard(qs.group_id)
                 e = self.engines[iid]
                 tbl.v_traj[sid] = res.v_traj
                 tbl.attempt[sid] = res.attempt
-                self.leases[sid] = res.lease
+                self.route_tokens[sid] = res.route_token
                 tbl.seg0[sid] = tbl.gen[sid]
                 tbl.seg_version[sid] = e.version
                 tbl.ran_on[sid] = iid

@@ -17,7 +17,7 @@ class SimTrainer:
     def __init__(self, p: SimProtocol, table: SampleTable, setup: Setup):
         self.p, self.table, self.setup = p, table, setup
         self.until: float | None = None  # virtual time the step in progress ends
-        self.batch: tuple[int, int, list[int]] | None = None  # (version, lease, groups)
+        self.batch: tuple[int, int, list[int]] | None = None  # (version, consume fence, groups)
         self.busy = 0.0
         self.publish_times: list[float] = []
         self.train_times: list[float] = []
@@ -35,9 +35,9 @@ class SimTrainer:
             return None
         assert self.batch is not None  # set with until
         p = self.p
-        v, lease, _ = self.batch
+        v, fence, _ = self.batch
         in_flight = list(p.reserved)
-        p.publish(v, lease)
+        p.publish(v, fence)
         self.publish_times.append(now)
         self.staleness.update(self._step_staleness[0])
         self.sample_staleness.update(self._step_staleness[1])
@@ -55,7 +55,7 @@ class SimTrainer:
         res = p.consume(p.version)
         if res is None:
             return False
-        lease, gids = res
+        fence, gids = res
         b = p.version
         tokens = prompt_tokens = samples = 0
         tbl = self.table
@@ -80,5 +80,5 @@ class SimTrainer:
         # then the trainer waits while the new weights go to the PS; the version exists after that
         self.busy += dt + self.setup.push_time
         self.until = now + dt + self.setup.push_time
-        self.batch = (b, lease, gids)
+        self.batch = (b, fence, gids)
         return True

@@ -1,7 +1,7 @@
 """The trainer's loop, shared by the torch trainer and the sim trainer (torch-free).
 
 One step: wait for the ready buffer of the current version (`consume_ready`), train on it,
-publish the next version fenced by the consume lease (`publish_fenced`); `run_steps` repeats
+publish the next version fenced by the consume fence (`publish_fenced`); `run_steps` repeats
 that until asked to stop, and `StepMetrics` is what each step reports.
 """
 
@@ -81,14 +81,14 @@ def consume_ready(
     return None, time.monotonic() - t0
 
 
-def publish_fenced(client: StaleFlowClient, run_id: int, version: int, lease: int, **params: Any) -> int:
+def publish_fenced(client: StaleFlowClient, run_id: int, version: int, consume_fence: int, **params: Any) -> int:
     """Publish buffer `version`; a 409 means this trainer was fenced (another consume took the
     buffer, or another trainer published it): stop rather than train on, since the weights it
     pushed are not the published ones."""
     from workers.client import Conflict
 
     try:
-        return client.publish(run_id, version, lease, **params)
+        return client.publish(run_id, version, consume_fence, **params)
     except Conflict as e:
         now = client.run_status(run_id).version
         if now > version:

@@ -18,7 +18,7 @@ Design
     one), and an older one only while pulls of it are in flight. On disk it keeps those two
     (`<dir>/v{version}.safetensors` plus its `.json` sidecar, see workers.trainer.param_store).
   * Publication: a pushed version is provisional until the trainer that PUBLISHED it (in the
-    database, fenced by its consume lease) commits its checksum here (`commit`). A push of
+    database, fenced by its consume fence) commits its checksum here (`commit`). A push of
     a provisional version with other weights replaces it (a fenced trainer may have pushed
     first); once committed, the version's weights are final and another push of it is
     refused -- so pullers never get a zombie trainer's weights under a published version.

@@ -8,7 +8,7 @@ the time a real step would take under a tokens-proportional model
 and publishes. Defaults: a = 10 s fixed overhead, b = 1.27e-5 s/token, i.e. 6 · 7e9 FLOP per
 token on 64 GPUs at 148 TFLOP/s and 35 % MFU (the 7B dense set-up of docs/policies.md, as in
 workers/sim/setups.py). A restart needs no checkpoint: an unpublished batch is consumed
-again under a new lease.
+again under a new consume fence.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ class SimTrainer:
         m.train_s = self.step_time(m.tokens)
         time.sleep(m.train_s)  # a started step always finishes, even when asked to stop
         t0 = time.monotonic()
-        publish_fenced(self.client, self.run_id, version, batch.lease)
+        publish_fenced(self.client, self.run_id, version, batch.consume_fence)
         m.publish_s = time.monotonic() - t0
         return m
 

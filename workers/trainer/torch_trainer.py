@@ -2,8 +2,8 @@
 push the new weights to the PS, publish.
 
 Per version v (the run's current version):
-    consume(v) -> batch with a lease -> one optimizer step -> checkpoint (model, optimizer,
-    version v+1, checksum) -> ps.push(v+1) -> publish(v, lease, size, checksum, location)
+    consume(v) -> batch with a consume fence -> one optimizer step -> checkpoint (model, optimizer,
+    version v+1, checksum) -> ps.push(v+1) -> publish(v, fence, size, checksum, location)
     -> ps.commit(v+1, checksum)
 
 The model is the tiny transformer or any Hugging Face causal LM (workers.models.hf): the
@@ -21,7 +21,7 @@ Exactly-once across crashes: the checkpoint is written atomically (temp file, fs
 rename, fsync the directory) BEFORE the push and the publish, so on restart the
 checkpoint's version k and the run's version r tell what happened:
   * k == r + 1: buffer r was trained but not published. Push v k again if the PS lacks it
-    (same weights, so a duplicate push is a no-op), consume r again for a fresh lease (the
+    (same weights, so a duplicate push is a no-op), consume r again for a fresh fence (the
     buffer stays ready until published), publish. Nothing is trained twice.
   * k == r: continue at r. Nothing is skipped.
   * anything else: refuse (wrong directory, or another trainer moved the run).
@@ -216,7 +216,7 @@ class Trainer:
                     f"{latest['checksum'][:12]}, this trainer has {self._weights['checksum'][:12]})"
                 )
             # provisional weights of another trainer under k: ours replace them; the publish
-            # (fenced by the consume lease) decides which trainer's weights are final
+            # (fenced by the consume fence) decides which trainer's weights are final
         self._push(k)
 
     def _commit_pushed(self, k: int) -> None:
@@ -286,7 +286,7 @@ class Trainer:
             self.client,
             self.run_id,
             v,
-            batch.lease,
+            batch.consume_fence,
             size_bytes=self._weights["size"],
             checksum=self._weights["checksum"],
             location=location,

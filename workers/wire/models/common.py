@@ -36,7 +36,8 @@ TokenId = Annotated[int, Strict(), Field(ge=0, le=INT32_MAX)]
 # Bounds are published as JSON Schema's minimum/maximum (pydantic's own schema).
 LogProb = Annotated[float, Strict(), Field(ge=-3.0e38, le=3.0e38, allow_inf_nan=False)]
 Finite = Annotated[float, Strict(), Field(ge=-1e300, le=1e300, allow_inf_nan=False)]
-LeaseSeconds = Annotated[float, Strict(), Field(ge=1.0, le=3600.0, allow_inf_nan=False)]
+LeaseSeconds = Annotated[float, Strict(), Field(ge=1.0, le=3600.0, allow_inf_nan=False)]  # an instance's lease
+ClaimSeconds = Annotated[float, Strict(), Field(ge=1.0, le=3600.0, allow_inf_nan=False)]  # a reward claim's
 # A query parameter (a string on the wire, so not strict); bodies use Int with bounds.
 Limit = Annotated[int, Field(ge=1, le=10_000)]
 

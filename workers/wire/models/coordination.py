@@ -54,7 +54,7 @@ class ClusterSnapshotOut(Out):
     version: int
     config: dict[str, Any]
     buffers: list[SnapshotBufferOut] = Field(description="unconsumed buffers")
-    instances: list[InstanceViewOut] = Field(description="active instances with a live lease")
+    instances: list[InstanceViewOut] = Field(description="active instances with a live instance lease")
     queued: list[QueuedSampleOut]
     latest_params: int | None = Field(description="latest published parameter version")
 
@@ -64,7 +64,7 @@ class Fenced(In):
         None,
         ge=0,
         le=INT64_MAX,
-        description="coordinator leadership epoch; refused (409) unless it is the run's current lease epoch",
+        description="coordinator leadership epoch; refused (409) unless it is the run's current leader epoch",
     )
 
 

@@ -78,7 +78,9 @@ class WorkOut(Out):
 
     sample_id: int
     attempt: int = Field(description="number of this route; quote it in every report on this sample")
-    lease: str = Field(description="secret lease token of this route (random, unguessable); quote it in every report")
+    route_token: str = Field(
+        description="secret token of this route (random, unguessable); quote it in every report on this sample"
+    )
     group_id: int
     v_traj: int
     prompt_tokens: list[int]
@@ -96,8 +98,10 @@ class CommandOut(Out):
 
 
 class PollOut(Out):
-    work: list[WorkOut]
-    commands: list[CommandOut]
+    """The one shape of a poll reply: each part is always present, empty when there is none of it."""
+
+    work: list[WorkOut] = Field(default_factory=list, description="samples newly routed to the instance")
+    commands: list[CommandOut] = Field(default_factory=list, description="interrupt, abort and pull commands")
 
 
 class ReportIn(In):
@@ -105,7 +109,7 @@ class ReportIn(In):
 
     sample_id: Id
     attempt: Attempt
-    lease: UUID = Field(description="the lease token delivered with the work by poll")
+    route_token: UUID = Field(description="the route token delivered with the work by poll")
     version: Version = Field(description="model version that generated these tokens")
     tokens: list[TokenId]
     logprobs: list[LogProb]

@@ -7,7 +7,7 @@ from typing import Annotated, Any
 from pydantic import Field
 
 from ..enums import DropReason, GroupState
-from .common import INT64_MAX, Attempt, Finite, Id, In, Int, LeaseSeconds, Location, Name, Out
+from .common import INT64_MAX, Attempt, ClaimSeconds, Finite, Id, In, Int, Location, Name, Out
 
 # A reward's extra metrics: {name: finite number}, at most 64 (staleflow_db.protocol.scoring).
 MetricName = Annotated[str, Field(min_length=1, max_length=200, pattern=r"^[^\x00]*$")]
@@ -16,7 +16,7 @@ Metrics = Annotated[dict[MetricName, Finite], Field(max_length=64)]
 
 class ClaimIn(In):
     limit: Int = Field(100, ge=1, le=10_000)
-    lease_seconds: LeaseSeconds = Field(60.0, description="unscored claims become claimable again after this")
+    claim_seconds: ClaimSeconds = Field(60.0, description="unscored claims become claimable again after this")
 
 
 class RewardTaskOut(Out):
@@ -104,7 +104,7 @@ class TrainGroupOut(Out):
 class BatchOut(Out):
     run_id: int
     version: int = Field(description="the buffer: trains model `version` into `version + 1`")
-    lease: int = Field(description="publish with this lease; a later consume fences it")
+    consume_fence: int = Field(description="publish quoting this fence; a later consume of the buffer fences it")
     groups: list[TrainGroupOut]
 
 
@@ -115,7 +115,7 @@ class ConsumeOut(Out):
 
 
 class PublishIn(In):
-    lease: Attempt
+    consume_fence: Attempt = Field(description="the consume fence of the batch (BatchOut.consume_fence)")
     size_bytes: Int | None = Field(None, ge=0, le=INT64_MAX)
     checksum: Name | None = None
     location: Location | None = Field(None, description="where instances pull the parameters from")
