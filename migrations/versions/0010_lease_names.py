@@ -35,6 +35,31 @@ CONSTRAINTS = [  # (table as renamed, old, new)
 ]
 
 
+def _rename_not_null_constraints(tables: list[str], table_names: dict[str, str], column_names: dict[str, str]) -> None:
+    """PostgreSQL 18 keeps NOT NULL constraints in pg_constraint, named `<table>_<column>_not_null`
+    when created, and a rename leaves those names behind: they follow here (older servers have
+    none, so this does nothing there)."""
+    import sqlalchemy as sa
+
+    rows = (
+        op.get_bind()
+        .execute(
+            sa.text(
+                "SELECT c.conrelid::regclass::text AS tbl, c.conname, a.attname FROM pg_constraint c"
+                " JOIN pg_attribute a ON a.attrelid = c.conrelid AND a.attnum = c.conkey[1]"
+                " WHERE c.contype = 'n' AND c.conrelid::regclass::text = ANY(:tables)"
+            ),
+            {"tables": tables},
+        )
+        .all()
+    )
+    for tbl, conname, column in rows:
+        old_table = next((o for o, n in table_names.items() if n == tbl), tbl)
+        old_column = next((o for (t, o), n in column_names.items() if t == tbl and n == column), column)
+        if conname == f"{old_table}_{old_column}_not_null" and (old_table, old_column) != (tbl, column):
+            op.execute(f"ALTER TABLE {tbl} RENAME CONSTRAINT {conname} TO {tbl}_{column}_not_null")
+
+
 def upgrade() -> None:
     for table, old, new in COLUMNS:
         op.alter_column(table, old, new_column_name=new)
@@ -42,6 +67,11 @@ def upgrade() -> None:
         op.rename_table(old, new)
     for table, old, new in CONSTRAINTS:
         op.execute(f"ALTER TABLE {table} RENAME CONSTRAINT {old} TO {new}")
+    _rename_not_null_constraints(
+        ["samples", "buffers", *(n for _, n in TABLES)],
+        dict(TABLES),
+        {(t, o): n for t, o, n in COLUMNS},
+    )
 
 
 def downgrade() -> None:
@@ -51,3 +81,8 @@ def downgrade() -> None:
         op.rename_table(new, old)
     for table, old, new in reversed(COLUMNS):
         op.alter_column(table, new, new_column_name=old)
+    _rename_not_null_constraints(
+        ["samples", "buffers", *(o for o, _ in TABLES)],
+        {n: o for o, n in TABLES},
+        {(t, n): o for t, o, n in COLUMNS},
+    )

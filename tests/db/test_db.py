@@ -110,10 +110,21 @@ def _lease_names(url: str) -> tuple[list[tuple[str, str]], list[str]]:
             " ORDER BY 1, 2"
         ).fetchall()
         constraints = conn.execute(
-            "SELECT conname FROM pg_constraint WHERE conrelid IN (SELECT oid FROM pg_class"
+            "SELECT conname FROM pg_constraint WHERE contype IN ('p', 'f') AND conrelid IN (SELECT oid FROM pg_class"
             " WHERE relname IN ('coordinator_leases', 'leader_epochs')) ORDER BY 1"
         ).fetchall()
     return [tuple(c) for c in columns], [c for (c,) in constraints]
+
+
+def _stale_not_null_names(url: str) -> list[str]:
+    """PostgreSQL 18 names NOT NULL constraints `<table>_<column>_not_null` (older servers keep
+    none in pg_constraint): those not named after their table and column as they are now."""
+    with psycopg.connect(url) as conn:
+        rows = conn.execute(
+            "SELECT c.conname, c.conrelid::regclass::text || '_' || a.attname || '_not_null' FROM pg_constraint c"
+            " JOIN pg_attribute a ON a.attrelid = c.conrelid AND a.attnum = c.conkey[1] WHERE c.contype = 'n'"
+        ).fetchall()
+    return sorted(name for name, expected in rows if name != expected)
 
 
 def test_0010_renames_the_leases_and_its_downgrade_restores_them(db_url: str, engine) -> None:
@@ -134,8 +145,10 @@ def test_0010_renames_the_leases_and_its_downgrade_restores_them(db_url: str, en
         [("buffers", "lease"), ("buffers", "leased_at"), ("samples", "lease")],
         ["fk_coordinator_leases_run_id", "pk_coordinator_leases"],
     )
+    assert _stale_not_null_names(db_url) == []
     migrate.upgrade(db_url)
     assert _lease_names(db_url) == new
+    assert _stale_not_null_names(db_url) == []
     assert _views_and_functions(db_url) == before
     with psycopg.connect(db_url) as conn:
         assert conn.execute("SELECT run_id, holder, epoch FROM leader_epochs").fetchall() == [(run, "h", 1)]
