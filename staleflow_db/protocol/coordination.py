@@ -75,18 +75,6 @@ class Snapshot:
         return [QueuedView(*q) for q in self.queued_rows]
 
 
-# A cycle without routes (most cycles) is ONE statement, sent in autocommit: one round trip
-# from the decision to the commit, where BEGIN, the interrupts, the pulls, the fenced cycle row
-# and COMMIT were three to five. One of four (coordination.sql), with only the parts the cycle
-# needs: interrupts, pulls, both or neither (the fence and its row).
-CYCLES = {
-    (False, False): "cycle",
-    (True, False): "cycle_interrupts",
-    (False, True): "cycle_pulls",
-    (True, True): "cycle_interrupts_pulls",
-}
-
-
 class CoordinationOps(TxMixin):
     @transactional
     def acquire_leadership(
@@ -212,7 +200,7 @@ class CoordinationOps(TxMixin):
         goes with the cycle's row as the last statement. A fence checked last is as good as
         first: the leader epoch's row is then held FOR SHARE until the commit, and a takeover that
         committed before it fails the check, so the whole transaction rolls back. A cycle
-        without routes is one statement (`CYCLES`), fenced the same way."""
+        without routes is one autocommit statement (`cycle` in coordination.sql), fenced the same way."""
         check_batch(routes, "routes")
         if cycle is not None and not routes and conn is None:
             self._cycle_without_routes(run_id, holder, epoch, interrupts, pulls, cycle)
@@ -266,7 +254,7 @@ class CoordinationOps(TxMixin):
             got = (
                 conn.execution_options(isolation_level="AUTOCOMMIT")
                 .execute(
-                    queries.text(CYCLES[bool(interrupts), bool(pulls)]),
+                    queries.text("cycle"),
                     {
                         "run": run_id,
                         "h": holder,

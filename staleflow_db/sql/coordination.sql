@@ -70,60 +70,14 @@ INSERT INTO coordinator_cycles (run_id, epoch, snapshot_ms, decide_ms, write_ms,
 FROM leader_epochs l WHERE l.run_id = :run AND l.holder = :h AND l.epoch = :e
 AND l.expires_at > now() FOR SHARE
 
--- A cycle without routes (most cycles) is ONE of the four statements below, sent in
--- autocommit: one round trip from the decision to the commit. Each has only the parts its
--- cycle needs (interrupts f/c, pulls t/e; an empty cycle: the fence and its row). Nothing is
--- written unless `ok`: the leader epoch `l` is ours and live (held FOR SHARE to the statement's end,
--- so no takeover commits in between) and every sample to interrupt is in the run; the caller
--- then raises what the transaction raised. write_ms is the server's time from the statement's
--- start to the cycle row, taken after the commands and events are written (the CASE counts
--- them first).
-
 -- name: cycle
--- A cycle with no commands: the fence and the cycle's row.
-WITH l AS MATERIALIZED (SELECT run_id, epoch FROM leader_epochs WHERE run_id = :run AND holder = :h
-  AND epoch = :epoch AND expires_at > now() FOR SHARE),
-ok AS MATERIALIZED (SELECT FROM l),
-y AS (INSERT INTO coordinator_cycles (run_id, epoch, snapshot_ms, decide_ms, write_ms, routed, interrupted,
-  pulled, migrated) SELECT l.run_id, l.epoch, :s, :d, CASE WHEN 0 >= 0
-  THEN extract(epoch FROM clock_timestamp() - statement_timestamp()) * 1000 END, 0, :i, :p, :m FROM l, ok)
-SELECT EXISTS (SELECT FROM l) AS fenced, CAST(ARRAY[] AS bigint[]) AS found
-
--- name: cycle_interrupts
--- A cycle with interrupts (:ids, :n_ids distinct) only.
-WITH l AS MATERIALIZED (SELECT run_id, epoch FROM leader_epochs WHERE run_id = :run AND holder = :h
-  AND epoch = :epoch AND expires_at > now() FOR SHARE),
-f AS MATERIALIZED (SELECT id, instance_id, attempt, state = 'running' AS running FROM samples
-  WHERE run_id = :run AND id = ANY(CAST(:ids AS bigint[]))),
-ok AS MATERIALIZED (SELECT FROM l WHERE (SELECT count(*) FROM f) = :n_ids),
-c AS (INSERT INTO commands (run_id, instance_id, kind, sample_id, attempt, epoch)
-  SELECT :run, f.instance_id, 'interrupt', f.id, f.attempt, :epoch FROM f WHERE f.running AND EXISTS (SELECT FROM ok)
-  ORDER BY f.id RETURNING id),
-y AS (INSERT INTO coordinator_cycles (run_id, epoch, snapshot_ms, decide_ms, write_ms, routed, interrupted,
-  pulled, migrated) SELECT l.run_id, l.epoch, :s, :d, CASE WHEN 0 + (SELECT count(*) FROM c) >= 0
-  THEN extract(epoch FROM clock_timestamp() - statement_timestamp()) * 1000 END, 0, :i, :p, :m FROM l, ok)
-SELECT EXISTS (SELECT FROM l) AS fenced, ARRAY(SELECT id FROM f) AS found
-
--- name: cycle_pulls
--- A cycle with pulls (:is, :vs) only.
-WITH l AS MATERIALIZED (SELECT run_id, epoch FROM leader_epochs WHERE run_id = :run AND holder = :h
-  AND epoch = :epoch AND expires_at > now() FOR SHARE),
-ok AS MATERIALIZED (SELECT FROM l),
-t AS (INSERT INTO commands (run_id, instance_id, kind, target_version, epoch)
-  SELECT :run, u.i, 'pull', u.v, :epoch FROM unnest(CAST(:is AS bigint[]), CAST(:vs AS int[]))
-  WITH ORDINALITY AS u(i, v, o)
-  JOIN instances x ON x.id = u.i AND x.run_id = :run AND x.state = 'active' WHERE EXISTS (SELECT FROM ok) ORDER BY u.o
-  RETURNING id, instance_id, target_version),
-e AS (INSERT INTO events (run_id, kind, instance_id, data)
-  SELECT :run, 'pull', t.instance_id, jsonb_build_object('target', t.target_version) FROM t ORDER BY t.id
-  RETURNING id),
-y AS (INSERT INTO coordinator_cycles (run_id, epoch, snapshot_ms, decide_ms, write_ms, routed, interrupted,
-  pulled, migrated) SELECT l.run_id, l.epoch, :s, :d, CASE WHEN 0 + (SELECT count(*) FROM e) >= 0
-  THEN extract(epoch FROM clock_timestamp() - statement_timestamp()) * 1000 END, 0, :i, :p, :m FROM l, ok)
-SELECT EXISTS (SELECT FROM l) AS fenced, CAST(ARRAY[] AS bigint[]) AS found
-
--- name: cycle_interrupts_pulls
--- A cycle with interrupts and pulls.
+-- A cycle without routes (most cycles) is this ONE statement, sent in autocommit: one round
+-- trip from the decision to the commit. Interrupts (:ids, :n_ids distinct: f/c) and pulls
+-- (:is, :vs: t/e) may be empty arrays, which write nothing. Nothing is written unless `ok`:
+-- the leader epoch `l` is ours and live (held FOR SHARE to the statement's end, so no takeover
+-- commits in between) and every sample to interrupt is in the run; the caller then raises what
+-- the transaction raised. write_ms is the server's time from the statement's start to the
+-- cycle row, taken after the commands and events are written (the CASE counts them first).
 WITH l AS MATERIALIZED (SELECT run_id, epoch FROM leader_epochs WHERE run_id = :run AND holder = :h
   AND epoch = :epoch AND expires_at > now() FOR SHARE),
 f AS MATERIALIZED (SELECT id, instance_id, attempt, state = 'running' AS running FROM samples

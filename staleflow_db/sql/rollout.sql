@@ -88,7 +88,7 @@ WHERE id IN (SELECT id FROM commands WHERE instance_id = :i AND state = 'pending
 
 -- name: interrupt_running
 -- The samples f (of the run) and, for those running, their interrupt commands c, in one
--- statement; the coordinator's cycle_interrupts* have the same parts behind its fence.
+-- statement; the coordinator's `cycle` has the same parts behind its fence.
 WITH f AS MATERIALIZED (SELECT id, instance_id, attempt, state = 'running' AS running FROM samples
   WHERE run_id = :run AND id = ANY(CAST(:ids AS bigint[]))),
 c AS (INSERT INTO commands (run_id, instance_id, kind, sample_id, attempt, epoch)
