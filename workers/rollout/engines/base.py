@@ -1,7 +1,8 @@
 """The rollout-engine interface shared by every engine (`torch`, `sim`, `vllm`).
 
-Engine-agnostic on purpose: plain dataclasses (and the wire's `Capacity`), no torch import, so the rollout worker, the
-cost-model `sim` engine and tests can use it without loading a deep-learning stack.
+Engine-agnostic on purpose: plain dataclasses (and the wire's `Capacity`), no torch import,
+so the rollout worker, the cost-model `sim` engine and tests can use it without loading a
+deep-learning stack.
 
 Vocabulary (see SPEC.md): a sample's response is built from *segments*; one call to
 `add_request` ... `Finished`/`interrupt` is one *stretch* on this engine and becomes one

@@ -402,12 +402,14 @@ class VLLMEngine(Engine):
         return None, (self.load_from_ps(None) if target is None else int(target))
 
     def capacity(self) -> Capacity:
-        """vLLM's running slots (max_num_seqs) and its KV cache in tokens: the blocks vLLM
-        allocated after profiling (summed over data-parallel engines) times tokens per block."""
+        """vLLM's running slots and its KV cache in tokens: max_num_seqs per data-parallel
+        engine, and the blocks vLLM allocated after profiling (summed over those engines)
+        times tokens per block."""
         config = self._llm.vllm_config
         cache = config.cache_config
+        dp = int(getattr(getattr(config, "parallel_config", None), "data_parallel_size", 1) or 1)
         return Capacity(
-            max_running=int(config.scheduler_config.max_num_seqs),
+            max_running=int(config.scheduler_config.max_num_seqs) * dp,
             kv_capacity=int(cache.num_gpu_blocks or 0) * int(cache.block_size or 0),
         )
 

@@ -34,7 +34,7 @@ class Capacity(In):
     """What an engine holds at once (docs/coordinator.md#capacity). The coordinator routes an
     instance no more requests than `max_running` and estimates its KV fullness against
     `kv_capacity`. An instance that reports none is routed one request at a time, with room for
-    one longest sample of the run (UNREPORTED in docs/coordinator.md)."""
+    one longest sample of the run."""
 
     max_running: Positive = Field(description="most requests the engine runs at once (vLLM: max_num_seqs)")
     kv_capacity: Positive = Field(description="tokens the engine's KV cache holds in all")
