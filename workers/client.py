@@ -299,8 +299,12 @@ class StaleFlowClient:
 
     # ---- rollout instances -----------------------------------------------------------------
 
-    def register(self, run_id: int, name: str, version: int, lease_seconds: float = 30.0) -> m.RegisterOut:
-        body = m.RegisterIn(name=name, version=version, lease_seconds=lease_seconds)
+    def register(
+        self, run_id: int, name: str, version: int, lease_seconds: float = 30.0, capacity: m.Capacity | None = None
+    ) -> m.RegisterOut:
+        """`capacity`: the engine's (docs/coordinator.md#capacity); without it the coordinator
+        routes the instance one request at a time."""
+        body = m.RegisterIn(name=name, version=version, lease_seconds=lease_seconds, capacity=capacity)
         return self._call(m.RegisterOut, "POST", f"/v1/runs/{run_id}/instances", body=body, key=True)
 
     def heartbeat(

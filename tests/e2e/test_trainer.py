@@ -95,7 +95,7 @@ class ScriptedRollout(threading.Thread):
     def tick(self) -> None:
         c, run = self.client, self.run_id
         v = c.run_status(run).version
-        c.heartbeat(run, self.instance, v, {"kv_capacity": 4096})
+        c.heartbeat(run, self.instance, v, {"capacity": {"max_running": 64, "kv_capacity": 4096}})
         queued = [q.sample_id for q in c.snapshot(run).queued]
         if queued:
             c.route(run, [(s, self.instance) for s in queued])

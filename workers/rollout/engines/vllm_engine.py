@@ -27,6 +27,8 @@ How the interface maps:
     `mode="keep", clear_cache=True`: running requests are preempted (recomputed on the new
     weights when resumed) and the prefix cache emptied, so no K/V of the old weights is reused.
   * stats -> a stat logger records vLLM's scheduler stats (running, waiting, KV usage).
+  * capacity -> the scheduler config's max_num_seqs and the KV cache's num_gpu_blocks x
+    block_size from the cache config (set once vLLM has profiled the GPU, before we register).
 Not available: PreemptedEvent. vLLM preempts and recomputes internally and does not say
 which request it preempted, so φ_wait migration inside the engine does not apply.
 """
@@ -53,6 +55,7 @@ from workers.rollout.engines.base import (
     TokensEvent,
     request_context,
 )
+from workers.wire.models.rollout import Capacity
 
 INSTALL_HINT = "the vllm engine needs vLLM on a GPU host: pip install 'staleflow[vllm]'"
 # vLLM's finish reason -> ours; "abort" of a stretch we stopped ourselves is no finish at all
@@ -398,9 +401,20 @@ class VLLMEngine(Engine):
         the workers pull the latest committed version here."""
         return None, (self.load_from_ps(None) if target is None else int(target))
 
+    def capacity(self) -> Capacity:
+        """vLLM's running slots and its KV cache in tokens: max_num_seqs per data-parallel
+        engine, and the blocks vLLM allocated after profiling (summed over those engines)
+        times tokens per block."""
+        config = self._llm.vllm_config
+        cache = config.cache_config
+        dp = int(getattr(getattr(config, "parallel_config", None), "data_parallel_size", 1) or 1)
+        return Capacity(
+            max_running=int(config.scheduler_config.max_num_seqs) * dp,
+            kv_capacity=int(cache.num_gpu_blocks or 0) * int(cache.block_size or 0),
+        )
+
     def stats(self) -> EngineStats:
-        cache = self._llm.vllm_config.cache_config
-        capacity = int(cache.num_gpu_blocks or 0) * int(cache.block_size or 0)
+        capacity = self.capacity().kv_capacity
         s = self._sched
         usage = float(getattr(s, "kv_cache_usage", 0.0) or 0.0)
         now = time.monotonic()
@@ -411,7 +425,6 @@ class VLLMEngine(Engine):
             running=int(getattr(s, "num_running_reqs", len(self._live))),
             waiting=int(getattr(s, "num_waiting_reqs", 0)),
             kv_tokens=round(usage * capacity),
-            kv_capacity=capacity,
             running_tokens={sid: st.context_len + len(st.tokens) for sid, st in self._live.items()},
             tokens_per_s=sum(n for _, n in recent) / span if span > 0 else 0.0,
             preemptions=self._preempted,
