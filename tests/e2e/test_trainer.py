@@ -51,7 +51,7 @@ def _cli(*args: str) -> list[str]:
 
 class PSProcess:
     """`staleflow ps` for `run` as its own process on a free port (it fetches the run's keys
-    with a trainer token); `client` reads it as a rollout instance would."""
+    with a trainer token); `client` holds the trainer's key (tests push and pull with it)."""
 
     def __init__(self, data_dir: Path, server: ApiServer, run: int):
         self.ready = data_dir.parent / "ps-ready.json"
@@ -67,8 +67,9 @@ class PSProcess:
         _wait(self.ready.exists, "the PS to serve", self.proc)
         info = json.loads(self.ready.read_text())
         self.addr = f"{info['host']}:{info['port']}"
-        creds = PSCredentials.fetch(server.client(token(server.db_url, "rollout", run)), run, "rollout")
-        self.client = ParamClient(self.addr, timeout_s=WAIT_S, credentials=creds)
+        self.client = ParamClient(
+            self.addr, timeout_s=WAIT_S, credentials=PSCredentials.fetch(server.client(trainer), run, "trainer")
+        )
 
     def stop(self) -> None:
         self.proc.send_signal(signal.SIGTERM)
