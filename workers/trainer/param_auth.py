@@ -14,8 +14,8 @@ Handshake (JSON lines, each at most MAX_LINE bytes):
 The PS's fresh nonce makes a replayed client line fail; its own MAC proves to the client that
 it talks to the run's PS (a trainer sends its weights to no one else). Both sides then derive
 the session secret HMAC(key[ROLE], session|R|ROLE|Ns|Nc): it names the transfer's keys in the
-rendezvous store (a peer without it cannot find them) and the client's rank proves it on the
-group before the PS sends or accepts weights (`prove_peer` / `check_peer`).
+rendezvous store (a peer without it cannot find them) and, over gloo, the client's rank proves
+it on the group before the PS sends or accepts weights (`prove_peer` / `check_peer`).
 
 Operations by role: `push` and `commit` need the trainer key; `pull` and `latest` the rollout
 key (or the trainer's: a trainer may read what it publishes).
@@ -36,8 +36,6 @@ from typing import TYPE_CHECKING
 from workers.trainer.param_store import ParamServerError
 
 if TYPE_CHECKING:
-    import torch
-
     from workers.client import StaleFlowClient
 
 log = logging.getLogger("staleflow.ps")
@@ -224,26 +222,29 @@ def _proof(secret: str) -> bytes:
     return hmac.new(secret.encode(), b"staleflow-ps transfer peer", hashlib.sha256).digest()
 
 
-def _proof_tensor(pg, data: bytes | None) -> torch.Tensor:
-    import torch
-
-    dev = torch.device("cuda", torch.cuda.current_device()) if pg.name() == "nccl" else torch.device("cpu")
-    if data is None:
-        return torch.empty(32, dtype=torch.uint8, device=dev)
-    return torch.tensor(list(data), dtype=torch.uint8, device=dev)
+def _needs_proof(pg) -> bool:
+    # gloo's pair handshake carries no secret: a stranger who races to its listening port
+    # could take the peer's place. NCCL's bootstrap checks the random magic of its unique id,
+    # which lives under the session-named store keys: no proof needed (nor a device to send
+    # it from, which may differ from the weights' device).
+    return bool(pg.name() == "gloo")
 
 
 def prove_peer(pg, secret: str | None, peer: int) -> None:
     """The client's rank: send the session's proof to the PS's rank."""
-    if secret is not None:
-        pg.send([_proof_tensor(pg, _proof(secret))], peer, _PROOF_TAG).wait()
+    import torch
+
+    if secret is not None and _needs_proof(pg):
+        pg.send([torch.tensor(list(_proof(secret)), dtype=torch.uint8)], peer, _PROOF_TAG).wait()
 
 
 def check_peer(pg, secret: str | None, peer: int) -> None:
     """The PS's rank: PSAuthError unless the group's other rank proves the session."""
-    if secret is None:
+    import torch
+
+    if secret is None or not _needs_proof(pg):
         return
-    got = _proof_tensor(pg, None)
+    got = torch.empty(32, dtype=torch.uint8)
     pg.recv([got], peer, _PROOF_TAG).wait()
-    if not hmac.compare_digest(bytes(got.cpu().tolist()), _proof(secret)):
+    if not hmac.compare_digest(bytes(got.tolist()), _proof(secret)):
         raise PSAuthError("the transfer's peer did not prove the session: another process joined the group")

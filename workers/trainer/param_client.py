@@ -73,7 +73,7 @@ class ParamClient:
         """`retry_for`: seconds to ride through a PS that is down or restarting (connection
         refused or lost mid-transfer), None for ever (long-running workers), 0 for one try.
         Refusals (unknown version, checksum mismatch, PSAuthError) are raised at once.
-        `credentials`: the run's PS key for this client's role (`fetch_credentials`); None
+        `credentials`: the run's PS key for this client's role (`PSCredentials.fetch`); None
         only talks to a PS that authenticates nobody."""
         if isinstance(addr, str):
             host, port = addr.rsplit(":", 1)
