@@ -270,3 +270,28 @@ def test_vllm_workers_pull_with_the_rollout_key(tmp_path):
         assert same(got[0], state_dict(3))
     finally:
         ps.stop()
+
+
+def test_staleflow_ps_needs_a_token_that_gets_the_runs_keys(db_url, tmp_path):
+    """`staleflow ps --run R` fetches both keys at start: a rollout or reward token is refused
+    clearly, before anything listens."""
+    import subprocess
+    import sys
+
+    from api_helpers import REPO, ApiServer, token
+
+    with ApiServer(db_url) as server:
+        run = server.client(token(db_url, "admin")).create_run("ps", batch_size=1, group_size=1, eta=0).id
+        for role, needle in (("rollout", "gets no trainer key"), ("reward", "may not do this")):
+            out = subprocess.run(
+                [sys.executable, "-m", "staleflow_cli.main", "ps", "--run", str(run), "--data-dir", str(tmp_path)],
+                cwd=REPO,
+                env={**os.environ, "STALEFLOW_API_URL": server.url, "STALEFLOW_TOKEN": token(db_url, role, run)},
+                capture_output=True,
+                text=True,
+                timeout=WAIT_S,
+            )
+            said = " ".join(out.stderr.split())  # the console wraps long lines
+            assert out.returncode == 1, said
+            assert "the parameter server needs the run's keys (a trainer or admin token)" in said
+            assert needle in said
