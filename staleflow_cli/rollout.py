@@ -29,6 +29,7 @@ from staleflow_cli.common import (
     on_signals,
     progress,
     ps_client,
+    ps_login,
 )
 from workers.client import StaleFlowClient
 from workers.retry import PS_FIRST_VERSION
@@ -128,6 +129,7 @@ def rollout_worker(
     cost = _cost_model(sim_model, sim_parallelism) if engine is Engine.sim else None
     pc = ps_client(ps)
     client, run_id = connect(api, token, run, api_wait)
+    ps_login(pc, client, run_id, "rollout")
     weights: WeightSource | None
     if engine is Engine.sim:
         eng, weights = _sim_engine(client, run_id, kv_capacity, max_running, cost, time_scale)
@@ -289,6 +291,8 @@ def _engine(
         # each vLLM worker pulls from the PS itself: no weights pass through this process
         assert isinstance(eng, VLLMEngine)
         eng.ps_addr = f"{pc.addr[0]}:{pc.addr[1]}"
+        if pc.credentials is not None:
+            eng.ps_credentials = [pc.credentials.run_id, pc.credentials.role, pc.credentials.key.hex()]
         with console.status(f"vLLM workers loading the latest committed version from the PS at {eng.ps_addr}"):
             eng.load_from_ps(None, wait_s=ps_wait)
         return eng, eng.weight_source

@@ -78,10 +78,15 @@ def hf_run(engine: Any, folder: Path, name: str, steps: int, task: Any) -> tuple
     return run, tokens
 
 
-def start_ps(cluster: Any, tmp_path: Path) -> str:
-    """A parameter server in `cluster`; its HOST:PORT once it is ready."""
+def start_ps(cluster: Any, tmp_path: Path, run: int, trainer_token: str) -> str:
+    """`run`'s parameter server in `cluster` (it fetches the run's keys with the trainer
+    token); its HOST:PORT once it is ready."""
     ready = tmp_path / "ps.json"
-    cluster.spawn("ps", ["ps", "--data-dir", str(tmp_path / "ps"), "--port", "0", "--ready-file", str(ready)])
+    cluster.spawn(
+        "ps",
+        ["ps", "--run", str(run), "--data-dir", str(tmp_path / "ps"), "--port", "0", "--ready-file", str(ready)],
+        env={"STALEFLOW_TOKEN": trainer_token},
+    )
     cluster.wait_file(ready, timeout=120)
     ps = json.loads(ready.read_text())
     return f"{ps['host']}:{ps['port']}"

@@ -275,6 +275,10 @@ class StaleFlowClient:
     def run_status(self, run_id: int) -> m.RunStatus:
         return self._call(m.RunStatus, "GET", f"/v1/runs/{run_id}")
 
+    def param_secret(self, run_id: int) -> m.ParamSecretOut:
+        """The run's parameter-server keys this token may hold (workers/trainer/param_auth.py)."""
+        return self._call(m.ParamSecretOut, "GET", f"/v1/runs/{run_id}/param-secret")
+
     def param_versions(self, run_id: int, limit: int = 10) -> list[m.ParamVersionOut]:
         return self._call(m.ParamVersionList, "GET", f"/v1/runs/{run_id}/versions", params={"limit": limit}).versions
 

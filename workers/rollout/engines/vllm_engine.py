@@ -196,6 +196,9 @@ class VLLMEngine(Engine):
         builds on it, our bookkeeping. Unit tests pass stand-ins for vLLM's names here."""
         self._SamplingParams, self._tokens_input, self._DELTA = sampling_params, tokens_input, delta
         self._version, self.temperature, self.poll_s, self.ps_addr = version, temperature, poll_s, ps_addr
+        # the workers' PS key (workers/trainer/param_auth.py), as plain values: collective_rpc
+        # carries msgpack; None for a PS that authenticates nobody
+        self.ps_credentials: list | None = None
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="vllm-loop", daemon=True)
         self._thread.start()
@@ -386,9 +389,10 @@ class VLLMEngine(Engine):
         # the new weights when resumed) and empties the prefix cache, or vLLM raises
         await self._llm.pause_generation(mode="keep", clear_cache=True)
         try:
-            got = await self._llm.collective_rpc("staleflow_pull", args=(addr, version, wait_s))
+            creds = () if self.ps_credentials is None else (self.ps_credentials,)
+            got = await self._llm.collective_rpc("staleflow_pull", args=(addr, version, wait_s, *creds))
             if len(set(got)) > 1:  # tensor-parallel ranks raced a commit: all load the newest
-                got = await self._llm.collective_rpc("staleflow_pull", args=(addr, max(got), wait_s))
+                got = await self._llm.collective_rpc("staleflow_pull", args=(addr, max(got), wait_s, *creds))
             if not await self._llm.reset_prefix_cache():
                 raise RuntimeError("vLLM kept prefix-cache blocks of the old weights")
         finally:
@@ -442,13 +446,22 @@ class VLLMEngine(Engine):
 class StaleFlowWorkerExtension:
     """Mixed into every vLLM worker (`worker_extension_cls`); called via collective_rpc."""
 
-    def staleflow_pull(self, addr: str, version: int | None, wait_s: float = 0.0) -> int:
+    def staleflow_pull(
+        self, addr: str, version: int | None, wait_s: float = 0.0, credentials: list | None = None
+    ) -> int:
         """Pull `version` from the PS (the latest committed one if it does not serve it: not
-        committed yet, or dropped for a newer one) onto this worker's device and install it."""
+        committed yet, or dropped for a newer one) onto this worker's device and install it.
+        `credentials`: [run id, role, key hex] (VLLMEngine.ps_credentials)."""
+        from workers.trainer.param_auth import PSCredentials
         from workers.trainer.param_client import ParamClient
         from workers.trainer.param_store import ChecksumError, ParamServerError
 
-        pc = ParamClient(addr, retry_for=wait_s)  # rides through a PS that is not up yet
+        creds = (
+            None
+            if credentials is None
+            else PSCredentials(credentials[0], credentials[1], bytes.fromhex(credentials[2]))
+        )
+        pc = ParamClient(addr, retry_for=wait_s, credentials=creds)  # rides through a PS that is not up yet
         deadline = time.monotonic() + wait_s
         while True:
             try:
