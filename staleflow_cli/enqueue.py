@@ -117,13 +117,13 @@ def _check(
     return check
 
 
-def _overlong_advice(check: Check) -> str:
+def _overlong_advice(check: Check, skipped: bool) -> str:
     return (
-        f"{check.overlong} prompt(s) are longer than the run's max_prompt_tokens ({check.limit}), the "
-        f"longest {check.longest} tokens. max_prompt_tokens is set when a run is created: enqueue into a "
-        f"run created with max_prompt_tokens of at least {check.longest} (its config in `staleflow run "
-        "create` or POST /v1/runs), or shorten the prompts (another --template), or pass --skip-invalid "
-        "to leave them out"
+        f"prompts longer than the run's max_prompt_tokens ({check.limit}): {check.overlong}, the longest "
+        f"{check.longest} tokens. max_prompt_tokens is set when a run is created: enqueue into a run created "
+        f"with max_prompt_tokens of at least {check.longest} (its config in `staleflow run create` or "
+        "POST /v1/runs), or shorten the prompts (another --template)"
+        + ("" if skipped else ", or pass --skip-invalid to leave them out")
     )
 
 
@@ -228,13 +228,13 @@ def enqueue(
             if more:
                 console.print(f"... and {more} more refused rows")
             if check.overlong:
-                console.print(escape(_overlong_advice(check)), highlight=False)
+                console.print(escape(_overlong_advice(check, skipped=False)), highlight=False)
             raise fail(
                 f"{check.refused} of {check.refused + check.ok} rows refused (listed above); nothing was enqueued "
                 "(fix them, or pass --skip-invalid to enqueue the others)"
             )
         if check.overlong:
-            console.print(escape(_overlong_advice(check)), highlight=False)
+            console.print(escape(_overlong_advice(check, skipped=True)), highlight=False)
         if not check.ok:
             raise fail(f"{source.name}: no row to enqueue; nothing was enqueued")
         spool.seek(0)

@@ -115,8 +115,8 @@ def _jsonl_rows(path: Path, name: str) -> Iterator[Row]:
             except UnicodeDecodeError as e:
                 yield Row(name, "line", number, None, f"not UTF-8 text ({e.reason} at byte {e.start})")
                 continue
-            except ValueError as e:
-                yield Row(name, "line", number, None, f"not valid JSON ({e})")
+            except json.JSONDecodeError as e:  # its own "line 1 column 5" would be within the line
+                yield Row(name, "line", number, None, f"not valid JSON ({e.msg} at character {e.pos + 1})")
                 continue
             if not isinstance(obj, dict):
                 hint = " (a JSON array file? write one object a line: JSON Lines)" if raw.strip() == b"[" else ""
