@@ -33,7 +33,7 @@ import typer
 from pydantic import ValidationError
 from rich.markup import escape
 
-from staleflow_cli.common import API, TOKEN, connect, console, fail, hf_folder, progress
+from staleflow_cli.common import API, TOKEN, connect, console, fail, progress
 from workers.client import ApiError
 from workers.extras import MissingExtra
 from workers.tasks.data import FORMATS, DataError, Row, Source, open_data
@@ -204,8 +204,6 @@ def enqueue(
         missing = spec.missing(source.columns) if source.columns is not None else []
         if missing:
             raise DataError(f"{source.name}: " + "; ".join(missing))
-        if tokenizer is not None:
-            hf_folder(tokenizer)
         encode = Encoder(tokenizer, chat_template, messages=messages_field is not None)
     except (SpecError, DataError, MissingExtra) as e:
         raise fail(f"{e}; nothing was enqueued") from None

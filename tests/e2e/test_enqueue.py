@@ -68,6 +68,12 @@ def test_enqueue_is_idempotent_and_stores_the_answer(served_run, engine, tmp_pat
         prompt = c.execute(text("SELECT prompt_tokens FROM prompt_groups WHERE client_key = :k"), {"k": lines[0]["id"]})
         assert bytes(prompt.scalar()).decode() == lines[0]["prompt"]  # the byte tokenizer
 
+    # the same problems written as Parquet: the same keys, nothing new
+    parquet = tmp_path / "arith.parquet"
+    assert staleflow("dataset", "arithmetic", "--n", str(N), "--seed", "1", "--out", str(parquet)).returncode == 0
+    out = staleflow(*args[:2], "--data", str(parquet), *args[4:], "--key-field", "id", "--overlong-buffer", "16", **env)
+    assert out.returncode == 0 and f"(0 new, {N} enqueued before)" in " ".join(out.stderr.split()), out.stderr
+
     # without --key-field: keys are content hashes, stable across runs and formatting
     reformatted = tmp_path / "spaced.jsonl"
     reformatted.write_text("\n".join(json.dumps(x, indent=None, separators=(" , ", " : ")) for x in lines[:5]) + "\n\n")

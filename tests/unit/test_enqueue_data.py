@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from workers.extras import MissingExtra
-from workers.tasks.data import DataError, open_data
+from workers.tasks.data import DataError, open_data, write_parquet
 from workers.tasks.prompts import Encoder, PromptSpec, RowProblem, SpecError
 
 pa = pytest.importorskip("pyarrow")
@@ -37,7 +37,7 @@ def _rows(source) -> list:
 
 def test_every_format_gives_the_same_rows(tmp_path):
     ds = datasets.Dataset.from_list(RECORDS)
-    ds.save_to_disk(tmp_path / "saved")
+    ds.with_format("numpy").save_to_disk(tmp_path / "saved")  # read back as plain values all the same
     datasets.DatasetDict({"train": ds, "test": ds.select(range(3))}).save_to_disk(tmp_path / "dict")
     (tmp_path / "folder" / "data").mkdir(parents=True)
     _parquet(tmp_path / "folder" / "data" / "train-00000-of-00002.parquet", RECORDS[:1000])
@@ -45,9 +45,12 @@ def test_every_format_gives_the_same_rows(tmp_path):
     _parquet(tmp_path / "folder" / "data" / "test-00000-of-00001.parquet", RECORDS[:2])
     (tmp_path / "jfolder").mkdir()
     _jsonl(tmp_path / "jfolder" / "train.jsonl", RECORDS)
+    assert write_parquet(tmp_path / "w.parquet", iter(RECORDS)) == len(RECORDS)
+    assert pq.ParquetFile(tmp_path / "w.parquet").num_row_groups == 3  # written batch by batch
     cases = [
         (_jsonl(tmp_path / "d.jsonl", RECORDS), None, "jsonl", None),
         (_parquet(tmp_path / "d.parquet", RECORDS), None, "parquet", ("answer", "level", "question")),
+        (tmp_path / "w.parquet", None, "parquet", ("answer", "level", "question")),
         (tmp_path / "saved", None, "saved", ("question", "answer", "level")),
         (tmp_path / "dict", "train", "saved", ("question", "answer", "level")),
         (tmp_path / "folder", "train", "folder", ("answer", "level", "question")),
@@ -94,7 +97,7 @@ def test_unreadable_data_is_refused_with_what_to_change(tmp_path):
 
 def test_a_bad_jsonl_line_is_a_row_with_a_problem(tmp_path):
     path = tmp_path / "d.jsonl"
-    path.write_bytes(b'{"q": 1}\n\n{"q": \n[1]\n[\n\xff\n{"q": 2}\n')
+    path.write_bytes(b'\xef\xbb\xbf{"q": 1}\n\n{"q": \n[1]\n[\n\xff\n{"q": 2}\n')
     rows = _rows(open_data(path))
     assert [(r.number, r.record, (r.problem or "")[:22]) for r in rows] == [
         (1, {"q": 1}, ""),
@@ -194,8 +197,10 @@ def test_a_row_that_cannot_be_a_prompt_says_why(spec, record, needle):
     assert needle in str(e.value)
 
 
-def test_bytes_encoder_and_its_refusals():
+def test_bytes_encoder_and_its_refusals(tmp_path):
     assert Encoder()("hé") == list("hé".encode())
+    with pytest.raises(SpecError, match="not a Hugging Face tokenizer or model folder"):
+        Encoder(tmp_path)
     with pytest.raises(SpecError, match="--chat-template needs --tokenizer FOLDER"):
         Encoder(chat=True)
     with pytest.raises(SpecError, match="--messages-field needs --tokenizer FOLDER"):

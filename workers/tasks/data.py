@@ -15,12 +15,13 @@ Formats, told apart by the path (or named with ``fmt``):
 Parquet and ``datasets`` need the ``data`` extra (pyarrow, datasets), imported only here and
 only for those formats. A row that cannot be read (invalid JSON, not an object) comes out as
 a `Row` with a ``problem`` instead of a record: the caller decides whether it stops the run.
+`write_parquet` writes rows the other way (``staleflow dataset ... --out FILE.parquet``).
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -111,7 +112,7 @@ def _jsonl_rows(path: Path, name: str) -> Iterator[Row]:
             if not raw.strip():
                 continue
             try:
-                obj = json.loads(raw.decode("utf-8"))
+                obj = json.loads(raw.decode("utf-8-sig" if number == 1 else "utf-8"))  # a BOM may lead
             except UnicodeDecodeError as e:
                 yield Row(name, "line", number, None, f"not UTF-8 text ({e.reason} at byte {e.start})")
                 continue
@@ -147,6 +148,30 @@ def _parquet_rows(path: Path, name: str) -> Iterator[Row]:
             yield Row(name, "row", number, record)
 
 
+def write_parquet(path: Path, rows: Iterable[dict[str, Any]]) -> int:
+    """Rows (dicts with the same columns) to a Parquet file, a row group per BATCH rows; the count."""
+    pa, pq = require("pyarrow"), require("pyarrow.parquet")
+    writer, count, batch = None, 0, []
+    try:
+        for row in rows:
+            batch.append(row)
+            if len(batch) == BATCH:
+                writer, count, batch = _write(pa, pq, path, writer, batch), count + len(batch), []
+        if batch or writer is None:
+            writer, count = _write(pa, pq, path, writer, batch), count + len(batch)
+    finally:
+        if writer is not None:
+            writer.close()
+    return count
+
+
+def _write(pa: Any, pq: Any, path: Path, writer: Any, batch: list[dict[str, Any]]) -> Any:
+    table = pa.Table.from_pylist(batch)
+    writer = writer or pq.ParquetWriter(path, table.schema)
+    writer.write_table(table)
+    return writer
+
+
 # ---- datasets folders -------------------------------------------------------------------
 
 
@@ -172,7 +197,7 @@ def _saved(path: Path, split: str | None) -> Source:
         loaded, name = loaded[chosen], f"{path} [{chosen}]"
     elif split is not None:
         raise DataError(f"{path} is a single Dataset (no splits): drop --split")
-    dataset = loaded
+    dataset = loaded.with_format(None)  # plain Python values, whatever format was saved with it
 
     def rows() -> Iterator[Row]:
         number = 0

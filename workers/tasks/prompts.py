@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from workers.extras import missing_extra
+
 Prompt = str | list[dict[str, Any]]  # a text, or chat messages
 
 
@@ -190,8 +192,15 @@ class Encoder:
                 raise SpecError(f"{need} needs --tokenizer FOLDER (a Hugging Face tokenizer with a chat template)")
             self.description = "UTF-8 bytes"
             return
-        from workers.models.hf import load_tokenizer
-
+        if not any((tokenizer / f).is_file() for f in ("tokenizer_config.json", "tokenizer.json")):
+            raise SpecError(
+                f"--tokenizer {tokenizer}: not a Hugging Face tokenizer or model folder "
+                "(no tokenizer_config.json or tokenizer.json)"
+            )
+        try:
+            from workers.models.hf import load_tokenizer
+        except ModuleNotFoundError as e:  # torch or transformers: name the extra
+            raise (missing_extra(e) or e) from None
         self.tokenizer = load_tokenizer(tokenizer)
         has = bool(getattr(self.tokenizer, "chat_template", None))
         if (chat or messages) and not has:
