@@ -107,6 +107,8 @@ def test_a_bad_jsonl_line_is_a_row_with_a_problem(tmp_path):
         (6, None, "not UTF-8 text (invali"),
         (7, {"q": 2}, ""),
     ]
+    path.write_text('[{"q": 1}, {"q": 2}]\n')  # a JSON array file: named as such
+    assert "(a JSON array? write JSON Lines: one object a line)" in (_rows(open_data(path))[0].problem or "")
 
 
 class _NotInstalled:

@@ -111,16 +111,21 @@ def _jsonl_rows(path: Path, name: str) -> Iterator[Row]:
         for number, raw in enumerate(f, 1):
             if not raw.strip():
                 continue
+            # a whole-file JSON array (`[{...}, ...]`) is the usual mistake: say so on its first line
+            hint = (
+                " (a JSON array? write JSON Lines: one object a line)"
+                if number == 1 and raw.lstrip()[:1] == b"["
+                else ""
+            )
             try:
                 obj = json.loads(raw.decode("utf-8-sig" if number == 1 else "utf-8"))  # a BOM may lead
             except UnicodeDecodeError as e:
                 yield Row(name, "line", number, None, f"not UTF-8 text ({e.reason} at byte {e.start})")
                 continue
             except json.JSONDecodeError as e:  # its own "line 1 column 5" would be within the line
-                yield Row(name, "line", number, None, f"not valid JSON ({e.msg} at character {e.pos + 1})")
+                yield Row(name, "line", number, None, f"not valid JSON ({e.msg} at character {e.pos + 1}){hint}")
                 continue
             if not isinstance(obj, dict):
-                hint = " (a JSON array file? write one object a line: JSON Lines)" if raw.strip() == b"[" else ""
                 yield Row(name, "line", number, None, f"expected a JSON object, got {type(obj).__name__}{hint}")
                 continue
             yield Row(name, "line", number, obj)

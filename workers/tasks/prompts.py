@@ -16,6 +16,7 @@ import math
 import string
 from collections.abc import Iterable
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -89,7 +90,7 @@ class PromptSpec:
         if self.answer_field is not None and "answer" in self.meta_fields:
             raise SpecError("--meta-field answer would overwrite --answer-field's meta['answer']: drop one")
         if self.template is not None:
-            self.template_fields()  # refuse a malformed template now
+            _ = self.template_fields  # refuse a malformed template now
 
     def _sources(self) -> list[tuple[str, str | None]]:
         return [
@@ -98,7 +99,9 @@ class PromptSpec:
             ("--messages-field", self.messages_field),
         ]
 
-    def template_fields(self) -> list[str]:
+    @cached_property
+    def template_fields(self) -> tuple[str, ...]:
+        """The columns the template names (parsed once)."""
         assert self.template is not None
         try:
             parsed = list(string.Formatter().parse(self.template))
@@ -110,7 +113,7 @@ class PromptSpec:
                 raise SpecError(f"--template field {{{f}}}: name a column ({{question}}), no positions or indexing")
         if not fields:
             raise SpecError(f"--template {self.template!r} names no column: write {{column}} where it goes")
-        return fields
+        return tuple(fields)
 
     def missing(self, columns: Iterable[str]) -> list[str]:
         """What a data set with these columns (every row has them) lacks, as refusals."""
@@ -125,7 +128,7 @@ class PromptSpec:
         """Every column this spec reads, with the option that names it."""
         named = [(o, c) for o, c in self._sources() if c is not None and o != "--template"]
         if self.template is not None:
-            named += [("--template", f) for f in dict.fromkeys(self.template_fields())]
+            named += [("--template", f) for f in dict.fromkeys(self.template_fields)]
         named += [(o, c) for o, c in (("--answer-field", self.answer_field), ("--key-field", self.key_field)) if c]
         return named + [("--meta-field", c) for c in self.meta_fields]
 
@@ -135,7 +138,7 @@ class PromptSpec:
         if self.messages_field is not None:
             return _messages(record, self.messages_field)
         values = {}
-        for f in self.template_fields():
+        for f in self.template_fields:
             if f not in record:
                 raise RowProblem(f"no field {f!r} for --template (columns: {_columns(record)})")
             value = record[f]
