@@ -197,7 +197,10 @@ def enqueue(
     api: list[str] | None = API,
     token: str | None = TOKEN,
 ) -> None:
-    """Enqueue prompts from a data set, idempotently (a trainer or coordinator token)."""
+    """Enqueue prompts from a data set, idempotently (a trainer or coordinator token).
+
+    Every row is checked first; a refused row (named by file and line) stops the command
+    before anything is sent, unless --skip-invalid."""
     try:  # the options and the data first: refused before the API is even asked
         spec = PromptSpec(prompt_field, template, messages_field, answer_field, tuple(meta_field or ()), key_field)
         source = open_data(data, fmt, split)
