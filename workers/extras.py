@@ -21,6 +21,9 @@ EXTRAS = {
     "tokenizers": "hf",
     "ray": "ray",
     "math_verify": "math",
+    # Parquet files and Hugging Face datasets folders for `staleflow enqueue`.
+    "pyarrow": "data",
+    "datasets": "data",
     # The database and the API (the `server` extra).
     "sqlalchemy": "server",
     "psycopg": "server",
