@@ -145,6 +145,15 @@ def test_truncated_responses_are_masked_when_asked(setup):
     assert masked["num_items_in_batch"].item() == 10
 
 
+def test_the_kl_reference_is_the_initial_model(setup, tmp_path):
+    trainer, tok, folder = setup
+    args = trl.GRPOConfig(str(tmp_path), use_cpu=True, bf16=False, max_steps=1, temperature=T, beta=0.04, report_to=[])
+    with_kl = StaleFlowGRPOTrainer(str(folder), None, args=args, processing_class=tok)
+    inputs = grpo_inputs(_batch(trainer.model, tok.pad_token_id), tok.pad_token_id)
+    mask = inputs["completion_mask"].bool()
+    assert (with_kl.reference_logps(inputs) - inputs["old_per_token_logps"])[mask].abs().max() < 1e-5
+
+
 def test_what_staleflow_provides_is_refused(tmp_path):
     args = trl.GRPOConfig(str(tmp_path), use_cpu=True, bf16=False, max_steps=1, report_to=[])
     with pytest.raises(TypeError, match="reward_funcs, train_dataset"):

@@ -102,7 +102,7 @@ class StaleFlowGRPOTrainer(_GRPOTrainer):
     """`trl.GRPOTrainer` trained on a StaleFlow run's ready batches (see the module's doc).
 
     `model` and `args` (a `trl.GRPOConfig` with `max_steps` set) and the remaining keyword
-    arguments (`processing_class`, `callbacks`, `optimizers`, `peft_config`, ...) are
+    arguments (`processing_class`, `callbacks`, `optimizers`, ...; no `peft_config` yet) are
     GRPOTrainer's; `staleflow` is the run's `TrainerClient`; `batch_timeout` the seconds to
     wait for a ready buffer before failing (None: for ever)."""
 
@@ -131,8 +131,9 @@ class StaleFlowGRPOTrainer(_GRPOTrainer):
         super().__init__(model=model, reward_funcs=_scored_by_staleflow, args=args, train_dataset=placeholder, **kwargs)
         if self.accelerator.num_processes != 1:
             raise NotImplementedError("StaleFlowGRPOTrainer runs in one process (no DDP/FSDP ranks yet)")
-        if self.beta != 0.0 and self.ref_model is None:
-            raise NotImplementedError("beta != 0 with a PEFT model (its reference is the adapter-free model)")
+        if hasattr(self.accelerator.unwrap_model(self.model), "peft_config"):
+            # the published state dict would name the adapter's tensors, not the base model's
+            raise NotImplementedError("PEFT models are not supported: publish a merged model's weights")
         self.staleflow, self.batch_timeout = staleflow, batch_timeout
         self.consumed: Batch | None = None  # the buffer of the optimizer step in progress
         self.add_callback(_PublishEachStep(self))
@@ -158,14 +159,8 @@ class StaleFlowGRPOTrainer(_GRPOTrainer):
             k: v.to(device)
             for k, v in grpo_inputs(batch, pad, self.scale_rewards, self.mask_truncated_completions).items()
         }
-        if self.beta != 0.0:  # the KL term's reference log-probs, as TRL computes them
-            with torch.no_grad():
-                out["ref_per_token_logps"] = self._get_per_token_logps_and_entropies(
-                    self.ref_model,
-                    torch.cat([out["prompt_ids"], out["completion_ids"]], dim=1),
-                    torch.cat([out["prompt_mask"], out["completion_mask"]], dim=1),
-                    out["completion_ids"].shape[1],
-                )[0]
+        if self.beta != 0.0:
+            out["ref_per_token_logps"] = self.reference_logps(out)
         metrics = self._metrics["train"]
         metrics["reward"].append(batch.rewards.mean().item())
         metrics["reward_std"].append(batch.rewards.std().item() if len(batch) > 1 else 0.0)
@@ -173,6 +168,16 @@ class StaleFlowGRPOTrainer(_GRPOTrainer):
         metrics["staleflow/staleness_mean"].append(batch.staleness.float().mean().item())
         metrics["staleflow/staleness_max"].append(float(batch.staleness.max()))
         return out
+
+    @torch.no_grad()
+    def reference_logps(self, inputs: dict[str, Any]) -> torch.Tensor:
+        """The reference model's log-probs of the completions, for TRL's KL term (beta != 0)."""
+        return self._get_per_token_logps_and_entropies(
+            self.ref_model,
+            torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1),
+            torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1),
+            inputs["completion_ids"].shape[1],
+        )[0]
 
 
 class _PublishEachStep(_TrainerCallback):
