@@ -166,5 +166,6 @@ def test_staleness_bound_holds_per_trajectory_across_turns(policy):
     assert multi > 0
     if policy != "sync":
         assert spanned > 0  # some trajectories' turns ran on more than one version
+        assert r.commands["between_turns"] > 0  # ... and some were taken off an instance between turns
     else:
         assert spanned == 0 and sim.eta == 0

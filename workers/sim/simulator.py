@@ -200,6 +200,7 @@ class Simulator:
             if ready > self.now:  # between turns: it is routable once its environment answers
                 self.env_pending[sid] = ready
                 heapq.heappush(self._env_heap, (ready, sid))
+                self.commands["between_turns"] += 1  # taken off its instance while its environment works
                 continue
             if ready:
                 tbl.env_answer(sid)
