@@ -94,7 +94,7 @@ def test_a_pull_between_turns_drops_the_prefix_cache():
 
 
 def _view(iid, samples, running, kv, version=0, env_waiting=0):
-    return InstanceView(iid, version, running, 0, kv, 200_000, tuple(samples), env_waiting=env_waiting)
+    return InstanceView(iid, version, running, 0, kv, 200_000, tuple(samples), max_running=256, env_waiting=env_waiting)
 
 
 def test_cost_model_keeps_environment_latency_apart_from_decode():
@@ -127,7 +127,7 @@ def test_interrupting_a_trajectory_between_turns_frees_no_decode_slot():
     spec = SpeculativeState()
     env = RunningSample(7, 100, 400, 0, turn_tokens=100, env_since=1.0)
     run = RunningSample(8, 50, 300, 0)
-    spec.observe(InstanceSnapshot(1, 0, 1, 0, 300, 10_000, (run, env), env_waiting=1, snapshot_at=1.0))
+    spec.observe(InstanceSnapshot(1, 0, 1, 0, 300, 10_000, (run, env), env_waiting=1, snapshot_at=1.0, max_running=256))
     spec.on_interrupt(1, [7], 2.0)
     v = spec.view(1)
     assert v.running == 1 and v.kv_used == 300 and v.env_waiting == 0
