@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from workers.coordinator.cost_model import get_cost_model
-from workers.coordinator.state import InstanceSnapshot, InstanceView, RunningSample, SpeculativeState
+from workers.coordinator.policies import get_policy
+from workers.coordinator.state import InstanceSnapshot, InstanceView, QueuedSample, RunningSample, SpeculativeState
 from workers.coordinator.strategies import finishing_oldest, migrate_throughput_ratio
 from workers.sim.engine import SampleTable, SimInstance
 from workers.sim.setups import SETUPS, SHAPE_SETUPS
@@ -169,3 +170,13 @@ def test_staleness_bound_holds_per_trajectory_across_turns(policy):
         assert r.commands["between_turns"] > 0  # ... and some were taken off an instance between turns
     else:
         assert spanned == 0 and sim.eta == 0
+
+
+def test_routing_sees_trajectories_between_turns_as_no_load():
+    # instance 1 holds 200 trajectories waiting for their environments and decodes nothing;
+    # instance 2 decodes 60 samples: the new work goes to instance 1, as to an idle instance
+    env = [RunningSample(100 + i, 900, 1_500, 0, turn_tokens=300, env_since=1.0) for i in range(200)]
+    waiting_only = _view(1, env, 0, 0, env_waiting=200)
+    busy = _view(2, [RunningSample(i, 500, 900, 0) for i in range(1, 61)], 60, 60 * 900)
+    plan = get_policy("staleflow").plan([waiting_only, busy], [QueuedSample(1_000, 50, 300)], COST, ps_version=0)
+    assert [(r.sample_id, r.instance_id) for r in plan.routes] == [(1_000, 1)]
