@@ -108,6 +108,33 @@ def test_the_engine_pulls_from_the_ps_itself_as_the_rollout_worker_does(start_ps
     assert engine.version == 2 and identical(engine, trained(2), torch.bfloat16)
 
 
+def test_a_hugging_face_model_trained_in_fp32_streams_into_a_bf16_engine_bit_for_bit(start_ps, tmp_path):
+    """What the GPU check's pull_buckets case does on the GPU: a Hugging Face model (tied
+    embeddings: the state dict names the shared tensor twice) trained in fp32, pushed in
+    bf16, installed in place into the hf engine's bf16 model."""
+    pytest.importorskip("transformers")
+    from hf_helpers import make_tiny_hf_model
+
+    from workers.models.hf import load_model
+    from workers.rollout.engines.hf_engine import HFEngine
+
+    folder = make_tiny_hf_model(tmp_path / "hf")
+    trainer_model = load_model(folder)  # fp32, as the trainer trains it
+    with torch.no_grad():
+        for p in trainer_model.parameters():
+            p.add_(torch.randn_like(p))  # other weights than the folder's
+    pushed = {k: v.detach() for k, v in trainer_model.state_dict().items()}
+    c = start_ps().client
+    c.commit(1, c.push(pushed, 1, dtype=torch.bfloat16))
+    engine = HFEngine(folder, dtype="bfloat16")
+    engine.ps, engine.bucket_bytes = c, 16 << 10
+    assert engine.load_from_ps() == 1 and engine.version == 1
+    got = engine.model.state_dict()
+    assert got.keys() == pushed.keys()
+    for k, t in pushed.items():
+        assert got[k].dtype == torch.bfloat16 and torch.equal(got[k], t.bfloat16()), k
+
+
 def _generate(engine: TorchEngine) -> list:
     engine.add_request("a", [1, 2, 3], max_new_tokens=4, seed=5)
     return [ev for _ in range(5) for ev in engine.step()]

@@ -255,14 +255,20 @@ class ParamClient:
             plan = buckets(metas, bucket_bytes)
             store, pg = self._join(sock, msg)
             hasher = _hasher(metas)
+            recv_dev = torch.device(device if msg["backend"] == "nccl" else "cpu")
             received = recv_buckets(
                 pg,
                 0,
                 [(b.start, b.end) for b in plan],
-                device if msg["backend"] == "nccl" else "cpu",
+                recv_dev,
                 account if account is not None else RecvAccount(),
                 on_chunk=(lambda c: _update(hasher, c)) if verify else None,
             )
+            # gloo into a GPU model: each bucket is copied into ONE reused device buffer, so the
+            # GPU holds one bucket too (a fresh copy per bucket would overlap the previous one)
+            staging = None
+            if recv_dev != torch.device(device) and plan:
+                staging = torch.empty(max(b.nbytes for b in plan), dtype=torch.uint8, device=device)
 
             def stream() -> Iterator[tuple[Bucket, torch.Tensor]]:
                 while True:
@@ -271,7 +277,7 @@ class ParamClient:
                     if item is None:
                         break
                     i, data = item
-                    yield plan[i], data.to(device)
+                    yield plan[i], data if staging is None else staging[: data.numel()].copy_(data)
                 if verify and (got := hasher.hexdigest()) != msg["checksum"]:
                     raise ChecksumError(f"pulled v{msg['version']}: {got[:12]} != published {msg['checksum'][:12]}")
 
