@@ -87,20 +87,23 @@ class RecvAccount:
     """What a bucketed receive held (bytes): tests assert on it, the benchmark reports it."""
 
     buffers: int = 0  # receive buffers allocated (one per transfer)
-    buffer_bytes: int = 0  # their size: the largest bucket
+    buffer_bytes: int = 0  # the largest one's size: the largest bucket
     buckets: int = 0  # buckets received
     received: int = 0  # bytes received
     in_flight: int = 0  # buckets posted for receive or handed out, not yet given back
     peak_in_flight: int = 0
+    bytes_in_flight: int = 0
     peak_bytes: int = 0  # the most bytes posted or handed out at once
 
-    def _take(self, nbytes: int) -> None:
+    def take(self, nbytes: int) -> None:
         self.in_flight += 1
+        self.bytes_in_flight += nbytes
         self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
-        self.peak_bytes = max(self.peak_bytes, nbytes * self.in_flight)
+        self.peak_bytes = max(self.peak_bytes, self.bytes_in_flight)
 
-    def _give_back(self, nbytes: int) -> None:
+    def give_back(self, nbytes: int) -> None:
         self.in_flight -= 1
+        self.bytes_in_flight -= nbytes
         self.buckets += 1
         self.received += nbytes
 
@@ -117,12 +120,12 @@ def recv_buckets(
     next span is posted only when the caller asks for it: what was yielded is then reused."""
     buf = torch.empty(max((end - start for start, end in spans), default=0), dtype=torch.uint8, device=device)
     account.buffers += 1
-    account.buffer_bytes += buf.numel()
+    account.buffer_bytes = max(account.buffer_bytes, buf.numel())
     tag = 0
     for i, (start, end) in enumerate(spans):
         view = buf[: end - start]
         chunks = _chunks(view)
-        account._take(view.numel())
+        account.take(view.numel())
         works = [pg.recv([c], peer, tag + k) for k, c in enumerate(chunks)]
         tag += len(chunks)
         for w, c in zip(works, chunks):
@@ -130,4 +133,4 @@ def recv_buckets(
             if on_chunk:
                 on_chunk(c)
         yield i, view
-        account._give_back(view.numel())
+        account.give_back(view.numel())

@@ -91,10 +91,10 @@ def _follow(group: Any, install: Install, device: str | torch.device, account: R
                 account.buffers += 1
                 account.buffer_bytes = buf.numel()
             data = buf[: arg.nbytes]
-            account._take(arg.nbytes)
+            account.take(arg.nbytes)
             group.broadcast(data, src=0)
             yield arg, data
-            account._give_back(arg.nbytes)
+            account.give_back(arg.nbytes)
 
     msg = group.broadcast_object(None, src=0)
     while True:
