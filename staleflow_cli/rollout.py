@@ -28,6 +28,7 @@ from staleflow_cli.common import (
     on_signals,
     progress,
     ps_client,
+    ps_login,
 )
 from workers.client import StaleFlowClient
 
@@ -130,6 +131,7 @@ def rollout_worker(
     cost = _cost_model(sim_model, sim_parallelism) if engine is Engine.sim else None
     pc = ps_client(ps)
     client, run_id = connect(api, token, run, api_wait)
+    ps_login(pc, client, run_id, "rollout")
     weights: WeightSource | None
     if engine is Engine.sim:
         eng, weights = _sim_engine(client, run_id, kv_capacity, max_running, cost, time_scale)
@@ -296,6 +298,8 @@ def _engine(
     where = f"{pc.addr[0]}:{pc.addr[1]}"
     if kind is Engine.vllm:
         eng.ps_addr = where  # type: ignore[attr-defined]
+        if pc.credentials is not None:
+            eng.ps_credentials = [pc.credentials.run_id, pc.credentials.role, pc.credentials.key.hex()]  # type: ignore[attr-defined]
     else:
         eng.ps = pc  # type: ignore[attr-defined]  # the torch and hf engines
     eng.bucket_bytes = bucket_bytes

@@ -39,6 +39,7 @@ import torch
 
 from workers.client import StaleFlowClient
 from workers.trainer.loop import TrainerError, publish_fenced
+from workers.trainer.param_auth import PSCredentials
 from workers.trainer.param_client import ParamClient
 from workers.trainer.param_store import cast_dtype
 from workers.wire.models import BatchOut
@@ -132,7 +133,9 @@ class TrainerClient:
         self.client = StaleFlowClient(api_url, token)
         self.push_dtype = push_dtype
         self.run_id, self.pad_id, self.poll_s = run_id, pad_id, poll_s
-        self.ps = ps if isinstance(ps, ParamClient) or ps is None else ParamClient(ps, retry_for=60.0)
+        if ps is not None and not isinstance(ps, ParamClient):  # the run's trainer key, from the API
+            ps = ParamClient(ps, retry_for=60.0, credentials=PSCredentials.fetch(self.client, run_id, "trainer"))
+        self.ps = ps
         self.version = self.client.run_status(run_id).version  # the next buffer to consume
         self._fences: dict[int, int] = {}  # buffer -> its consume fence, until published
 

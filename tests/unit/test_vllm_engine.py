@@ -139,7 +139,9 @@ class FakeLLM:
         self.front = frontend
         mc = SimpleNamespace(max_model_len=max_model_len)
         self.vllm_config = SimpleNamespace(
-            model_config=mc, cache_config=SimpleNamespace(num_gpu_blocks=8, block_size=16)
+            model_config=mc,
+            cache_config=SimpleNamespace(num_gpu_blocks=8, block_size=16),
+            scheduler_config=SimpleNamespace(max_num_seqs=3),
         )
         self.running: dict[str, list[int]] = {}  # request id -> [max_tokens, produced]
         self.registration = asyncio.Event()
@@ -327,14 +329,14 @@ def test_weight_load_pauses_pulls_on_every_worker_and_checks_the_cache():
     assert eng.version == 3
     assert fake.calls == [
         ("pause", "keep", True),
-        ("rpc", "staleflow_pull", ("10.0.0.1:7000", 3, 0.0, None)),
+        ("rpc", "staleflow_pull", ("10.0.0.1:7000", 3, 0.0, None, None)),
         ("reset",),
         ("resume",),
     ]
     # two tensor-parallel ranks raced a commit: both load the newer one
     fake.calls, fake.rpc_results = [], [[4, 5], [5, 5]]
     assert eng.weight_source(None) == (None, 5) and eng.version == 5
-    assert fake.calls[2] == ("rpc", "staleflow_pull", ("10.0.0.1:7000", 5, 0.0, None))
+    assert fake.calls[2] == ("rpc", "staleflow_pull", ("10.0.0.1:7000", 5, 0.0, None, None))
     assert eng.weight_source(7) == (None, 7)  # the rollout worker then calls load_weights
     fake.calls, fake.rpc_results, fake.reset_ok = [], [[6, 6]], False
     with pytest.raises(RuntimeError, match="prefix-cache"):
@@ -465,4 +467,23 @@ def test_kv_statistics_come_from_vllms_scheduler_stats():
         scheduler_stats=SchedulerStats(num_running_reqs=3, num_waiting_reqs=1, kv_cache_usage=0.25), iteration_stats=it
     )
     s = eng.stats()
-    assert (s.running, s.waiting, s.kv_capacity, s.kv_tokens, s.preemptions) == (3, 1, 8 * 16, 32, 2)
+    assert (s.running, s.waiting, s.kv_tokens, s.preemptions) == (3, 1, 32, 2)
+    assert (eng.capacity().max_running, eng.capacity().kv_capacity) == (3, 8 * 16)
+
+
+@needs_vllm
+def test_capacity_comes_from_vllms_scheduler_cache_and_parallel_configs():
+    from vllm.config import CacheConfig, ParallelConfig, SchedulerConfig, VllmConfig
+
+    assert {"scheduler_config", "cache_config", "parallel_config"} <= set(VllmConfig.__dataclass_fields__)
+    eng, fake = engine("real")
+    cache = CacheConfig(block_size=16)
+    cache.num_gpu_blocks = 8 * 2  # set by vLLM after profiling, summed over data-parallel engines
+    fake.vllm_config = SimpleNamespace(
+        model_config=fake.vllm_config.model_config,
+        cache_config=cache,
+        scheduler_config=SchedulerConfig(max_num_seqs=5, max_model_len=64, is_encoder_decoder=False),
+        parallel_config=ParallelConfig(data_parallel_size=2),
+    )
+    cap = eng.capacity()
+    assert (cap.max_running, cap.kv_capacity) == (5 * 2, 16 * 16)
