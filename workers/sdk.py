@@ -41,6 +41,7 @@ from workers.client import StaleFlowClient
 from workers.trainer.loop import TrainerError, publish_fenced
 from workers.trainer.param_auth import PSCredentials
 from workers.trainer.param_client import ParamClient
+from workers.trainer.param_store import cast_dtype
 from workers.wire.models import BatchOut
 
 __all__ = ["Batch", "TrainerClient", "TrainerError", "to_batch"]
@@ -114,7 +115,9 @@ def to_batch(out: BatchOut, pad_id: int = 0) -> Batch:
 class TrainerClient:
     """A trainer's view of one run over the REST API (a token of role `trainer`) and of the
     parameter server (`ps`: "HOST:PORT" of `staleflow ps`, or None when the rollout engines
-    get weights some other way; then `publish` only records the version)."""
+    get weights some other way; then `publish` only records the version). `push_dtype`: what
+    the weights travel as (floating tensors, never wider than their own; None: as given),
+    e.g. torch.bfloat16 for a model trained in fp32 on a GPU."""
 
     def __init__(
         self,
@@ -125,8 +128,10 @@ class TrainerClient:
         ps: str | tuple[str, int] | ParamClient | None = None,
         pad_id: int = 0,
         poll_s: float = 10.0,
+        push_dtype: torch.dtype | None = None,
     ):
         self.client = StaleFlowClient(api_url, token)
+        self.push_dtype = push_dtype
         self.run_id, self.pad_id, self.poll_s = run_id, pad_id, poll_s
         if ps is not None and not isinstance(ps, ParamClient):  # the run's trainer key, from the API
             ps = ParamClient(ps, retry_for=60.0, credentials=PSCredentials.fetch(self.client, run_id, "trainer"))
@@ -153,7 +158,7 @@ class TrainerClient:
             return
         if self.version != 0:
             raise TrainerError(f"the run is at version {self.version} but the PS does not serve it")
-        self.ps.commit(0, self.ps.push(_detached(state_dict), 0))
+        self.ps.commit(0, self.ps.push(_detached(state_dict), 0, dtype=self.push_dtype))
 
     def next_batch(self, timeout: float | None = None) -> Batch | None:
         """Consume the ready buffer of the current version, waiting up to `timeout` seconds
@@ -179,10 +184,10 @@ class TrainerClient:
         if version not in self._fences:
             raise TrainerError(f"buffer {version} was not consumed by this client (call next_batch first)")
         sd = _detached(state_dict)
-        size = sum(t.numel() * t.element_size() for t in sd.values())
+        size = sum(t.numel() * cast_dtype(t, self.push_dtype).itemsize for t in sd.values())
         checksum, location = None, None
         if self.ps is not None:
-            checksum = self.ps.push(sd, version + 1)
+            checksum = self.ps.push(sd, version + 1, dtype=self.push_dtype)
             location = f"ps://{self.ps.addr[0]}:{self.ps.addr[1]}/v{version + 1}"
         new = publish_fenced(
             self.client,

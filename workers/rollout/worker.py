@@ -274,7 +274,7 @@ class RolloutWorker:
         self._heartbeat(pulling=True)
         state, version = self.weights(target)
         if version > self.engine.version:
-            self.engine.load_weights(state or {}, version)
+            self.engine.load_weights(state, version)  # None: the engine pulls `version` itself
             self.stats.pulls += 1
             log.info("instance %s pulled version %s", self.instance_id, version)
         self._heartbeat()

@@ -58,7 +58,7 @@ from workers.trainer.loop import (
     run_steps,
 )
 from workers.trainer.param_client import ParamClient
-from workers.trainer.param_store import ParamServerError, state_dict_checksum
+from workers.trainer.param_store import ParamServerError, cast_dtype, state_dict_checksum
 from workers.wire.models import BatchOut
 
 log = logging.getLogger("staleflow.trainer")
@@ -122,7 +122,10 @@ class Trainer:
         ppo_epochs: int = 1,
         minibatches: int = 1,
         lr_scale: Callable[[int], float] | None = None,
+        push_dtype: torch.dtype | None = None,
     ):
+        """`push_dtype`: what the weights travel to the PS as (floating tensors; never wider
+        than the parameters; None: their own dtype), e.g. bfloat16 beside fp32 training."""
         self.client, self.run_id, self.model, self.optimizer = client, run_id, model, optimizer
         self.ps, self.dir = ps, Path(checkpoint_dir)
         self.grpo, self.wait_s = grpo, wait_s
@@ -131,6 +134,7 @@ class Trainer:
         # lr of version v = base lr x lr_scale(v); the base is read before a resume can
         # load an optimizer state that holds a scaled lr
         self.lr_scale = lr_scale
+        self.push_dtype = push_dtype
         self._base_lrs = [float(g["lr"]) for g in optimizer.param_groups]
         self.extra_state = extra_state or {}  # e.g. the model config, kept in the checkpoint
         self.model.requires_grad_(True)
@@ -335,10 +339,10 @@ class Trainer:
         return {k: v.detach() for k, v in self.model.state_dict().items()}
 
     def _checkpoint(self, version: int) -> None:
-        sd = self._state_dict()
+        sd = self._state_dict()  # checkpointed as trained; pushed (and checksummed) in push_dtype
         self._weights = {
-            "size": sum(t.numel() * t.element_size() for t in sd.values()),
-            "checksum": state_dict_checksum(sd),
+            "size": sum(t.numel() * cast_dtype(t, self.push_dtype).itemsize for t in sd.values()),
+            "checksum": state_dict_checksum(sd, self.push_dtype),
         }
         save_checkpoint(
             self.dir,
@@ -355,7 +359,7 @@ class Trainer:
 
     def _push(self, version: int) -> None:
         assert self.ps is not None
-        checksum = self.ps.push(self._state_dict(), version)
+        checksum = self.ps.push(self._state_dict(), version, dtype=self.push_dtype)
         if checksum != self._weights["checksum"]:
             raise TrainerError(
                 f"PS reports checksum {checksum[:12]} for v{version}, expected {self._weights['checksum'][:12]}"
