@@ -128,7 +128,8 @@ def report(
     who: Principal = Rollout,
 ) -> Response:
     """Report segments (finished, interrupted or partial) of samples routed to this instance,
-    each quoting the attempt and route token it was delivered with. All or nothing: 409 naming
+    each quoting the attempt and route token it was delivered with; a segment with
+    `generated: false` is an environment observation (multi-turn: no version, loss mask 0). All or nothing: 409 naming
     the samples whose route this instance does not hold (another instance's sample, a stale
     attempt, a wrong route token, a sample no longer running) or, for every sample, when the
     instance itself is fenced (instance lease lapsed or expired: register again)."""
@@ -142,6 +143,7 @@ def report(
             r.logprobs,
             SegmentKind(r.kind),
             r.finish_reason,
+            r.generated,
             instance_id=instance_id,
             route_token=str(r.route_token),
         )

@@ -9,17 +9,19 @@ SELECT id FROM samples WHERE run_id = :run AND state = 'scoring' AND reward_dead
 ORDER BY id FOR UPDATE SKIP LOCKED)
 
 -- name: claim_rewards
--- Claim up to :n finished samples; the response is the segments' token_ids in order.
+-- Claim up to :n finished samples; the response is the segments' token_ids in order, with
+-- each token's loss mask (1 generated, 0 an environment observation's).
 WITH c AS MATERIALIZED (SELECT id FROM samples WHERE run_id = :run AND state = 'finished'
   ORDER BY id LIMIT :n FOR UPDATE SKIP LOCKED),
 u AS (UPDATE samples s SET state = 'scoring', reward_attempt = s.reward_attempt + 1,
   reward_deadline = now() + make_interval(secs => :ttl), updated_at = now()
   FROM c WHERE s.id = c.id RETURNING s.id, s.reward_attempt, s.group_id, s.finish_reason)
 SELECT u.id, u.reward_attempt, u.group_id, g.prompt_tokens,
-  coalesce((SELECT array_agg(z.e ORDER BY x.seq, z.o) FROM segments x,
-    unnest(x.token_ids) WITH ORDINALITY AS z(e, o) WHERE x.sample_id = u.id), '{}') AS response,
-  u.finish_reason, g.meta
-FROM u JOIN prompt_groups g ON g.id = u.group_id ORDER BY u.id
+  coalesce(p.response, '{}') AS response, coalesce(p.mask, '{}') AS mask, u.finish_reason, g.meta
+FROM u JOIN prompt_groups g ON g.id = u.group_id LEFT JOIN LATERAL (
+  SELECT array_agg(z.e ORDER BY x.seq, z.o) AS response, array_agg(x.generated::int ORDER BY x.seq, z.o) AS mask
+  FROM segments x, unnest(x.token_ids) WITH ORDINALITY AS z(e, o) WHERE x.sample_id = u.id) p ON true
+ORDER BY u.id
 
 -- name: abort_candidates
 SELECT s.id, s.group_id, s.state, g.state AS group_state

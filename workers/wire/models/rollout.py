@@ -87,6 +87,10 @@ class WorkOut(Out):
     prefix_tokens: list[int]
     prefix_logprobs: list[float]
     max_new_tokens: int
+    prefix_mask: list[int] = Field(
+        default_factory=list,
+        description="per prefix token: 1 generated, 0 an environment observation's (multi-turn trajectories)",
+    )
 
 
 class CommandOut(Out):
@@ -110,11 +114,18 @@ class ReportIn(In):
     sample_id: Id
     attempt: Attempt
     route_token: UUID = Field(description="the route token delivered with the work by poll")
-    version: Version = Field(description="model version that generated these tokens")
+    version: Version | None = Field(
+        None, description="model version that generated these tokens; none for an observation"
+    )
     tokens: list[TokenId]
-    logprobs: list[LogProb]
+    logprobs: list[LogProb] = Field(default_factory=list, description="one per token; none for an observation")
     kind: SegmentKind = SegmentKind.FINISHED
     finish_reason: Name | None = None
+    generated: Bool = Field(
+        True,
+        description="false: an environment observation appended between turns (no version, loss mask 0; "
+        "its kind partial or interrupted)",
+    )
 
 
 class ReportsIn(In):
