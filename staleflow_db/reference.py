@@ -211,6 +211,8 @@ class ReferenceProtocol:
                 )
                 continue
             assert s.v_traj is not None  # running: routed at a version
+            if r.version is None:  # the model covers single-turn trajectories (no observations)
+                raise InvalidInput(f"sample {r.sample_id}: the reference model has no observations")
             last = s.segments[-1].version if s.segments else s.v_traj
             if not (max(last, s.v_traj) <= r.version <= self.version):
                 raise InvalidInput(f"sample {r.sample_id}: segment version {r.version} outside {last}..{self.version}")
