@@ -224,7 +224,7 @@ class ReferenceProtocol:
         for r in reports:
             s = self.samples[r.sample_id]
             if r.tokens:
-                assert s.instance_id is not None  # running on the reporting instance
+                assert s.instance_id is not None and r.version is not None  # running; generated (above)
                 s.segments.append(RefSegment(r.version, s.instance_id, list(r.tokens), list(r.logprobs)))
             if r.kind == SegmentKind.FINISHED:
                 s.state = SampleState.FINISHED
