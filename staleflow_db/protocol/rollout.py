@@ -37,6 +37,7 @@ class Work:
     max_new_tokens: int
     # per prefix token: 1 generated, 0 an environment observation's (multi-turn); empty prefix: []
     prefix_mask: list[int] = field(default_factory=list)
+    meta: dict[str, Any] = field(default_factory=dict)  # the prompt's (an environment's reset reads it)
 
 
 @dataclass
@@ -184,6 +185,7 @@ class RolloutOps(TxMixin):
                     list(w.logprobs),
                     row.max_response_tokens - w.n_tokens,
                     list(w.mask),
+                    w.meta or {},
                 )
                 for w in rows
                 if w.id is not None

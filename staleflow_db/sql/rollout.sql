@@ -76,7 +76,7 @@ u AS (UPDATE samples s SET delivered = true FROM d WHERE s.id = d.id
   RETURNING s.id, s.attempt, s.route_token, s.group_id, s.v_traj, s.n_tokens)
 SELECT inst.state, inst.live, inst.max_response_tokens, w.* FROM inst LEFT JOIN (
   SELECT u.id, u.attempt, u.route_token::text AS route_token, u.group_id, u.v_traj, u.n_tokens, g.prompt_tokens,
-  coalesce(p.tokens, '{}') AS tokens, coalesce(p.logprobs, '{}') AS logprobs, coalesce(p.mask, '{}') AS mask
+  coalesce(p.tokens, '{}') AS tokens, coalesce(p.logprobs, '{}') AS logprobs, coalesce(p.mask, '{}') AS mask, g.meta
   FROM u JOIN prompt_groups g ON g.id = u.group_id LEFT JOIN LATERAL (
     SELECT array_agg(z.e ORDER BY x.seq, z.o) AS tokens, array_agg(z.l ORDER BY x.seq, z.o) AS logprobs,
       array_agg(x.generated::int ORDER BY x.seq, z.o) AS mask FROM segments x,

@@ -28,6 +28,19 @@ SELECT s.id, s.group_id, s.state, g.state AS group_state
 FROM samples s JOIN prompt_groups g ON g.id = s.group_id
 WHERE s.run_id = :run AND s.id = ANY(CAST(:ids AS bigint[]))
 
+-- name: trajectory_drop_instance
+-- The instance dropping trajectories (`drop_trajectories`), FOR SHARE: it stays active and
+-- live until the drop commits.
+SELECT state::text AS state, lease_expires_at > now() AS live FROM instances
+WHERE id = :i AND run_id = :run FOR SHARE
+
+-- name: trajectory_drop_candidates
+-- The samples an instance drops, with their route, locked in id order (under the run lock).
+SELECT s.id, s.group_id, s.state::text AS state, s.attempt, s.instance_id, s.route_token, s.reason,
+  g.state::text AS group_state
+FROM samples s JOIN prompt_groups g ON g.id = s.group_id
+WHERE s.run_id = :run AND s.id = ANY(CAST(:ids AS bigint[])) ORDER BY s.id FOR UPDATE OF s
+
 -- name: live_members
 SELECT group_id, count(*) FROM samples WHERE group_id = ANY(CAST(:g AS bigint[]))
 AND state <> 'aborted' GROUP BY group_id

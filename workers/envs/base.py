@@ -43,6 +43,35 @@ class Env(Protocol):
 EnvFactory = Callable[[], Env]
 
 
+class Codec(Protocol):
+    """Text <-> token ids for environments: the engine's tokenizer, or a task's own."""
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, tokens: Sequence[int]) -> str: ...
+
+
+class BytesCodec:
+    """UTF-8 bytes as token ids 0..255 (the tiny model's default, as the reward worker's)."""
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode())
+
+    def decode(self, tokens: Sequence[int]) -> str:
+        return bytes(t for t in tokens if 0 <= t < 256).decode(errors="replace")
+
+
+def load_codec(spec: str | None) -> Codec:
+    """`module:ClassOrFactory` making an object with encode/decode; None: UTF-8 bytes."""
+    if spec is None:
+        return BytesCodec()
+    codec = load_function(spec)()
+    if not (callable(getattr(codec, "encode", None)) and callable(getattr(codec, "decode", None))):
+        raise ValueError(f"{spec!r} is not a codec: it needs encode(text) and decode(tokens)")
+    out: Codec = codec
+    return out
+
+
 class EnvFailed(Exception):
     """The environment raised, answered with something that is not a step, or timed out:
     `reason` is the drop reason its trajectory is recorded with."""

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+from typing import Any
 from uuid import UUID
 
 from pydantic import Field
 
-from ..enums import SegmentKind
+from ..enums import DropReason, SegmentKind
 from .common import (
     INT64_MAX,
     Attempt,
@@ -91,6 +92,7 @@ class WorkOut(Out):
         default_factory=list,
         description="per prefix token: 1 generated, 0 an environment observation's (multi-turn trajectories)",
     )
+    meta: dict[str, Any] = Field(default_factory=dict, description="the prompt's metadata (an environment reads it)")
 
 
 class CommandOut(Out):
@@ -136,6 +138,24 @@ class ReportsOut(Out):
     applied: int
 
 
+class TrajectoryDropIn(In):
+    sample_id: Id
+    attempt: Attempt = Field(description="the route's attempt: fences the drop like a report")
+    route_token: UUID = Field(description="the route token delivered with the work by poll")
+
+
+class TrajectoryDropsIn(In):
+    drops: list[TrajectoryDropIn] = Field(min_length=1)
+    reason: DropReason = Field(
+        DropReason.ENV_FAILED,
+        description="recorded on each sample dropped: env_failed or env_timeout, the ones a rollout instance may give",
+    )
+
+
+class TrajectoryDropsOut(Out):
+    dropped: list[int] = Field(description="samples aborted by this call (a retry of a drop returns none)")
+
+
 class ExpireOut(Out):
     expired: list[int]
 
@@ -155,5 +175,8 @@ __all__ = [
     "ReportsIn",
     "ReportsOut",
     "RunningSampleIn",
+    "TrajectoryDropIn",
+    "TrajectoryDropsIn",
+    "TrajectoryDropsOut",
     "WorkOut",
 ]
