@@ -1,7 +1,8 @@
-"""Number guessing: the model guesses a hidden number in 0..15, one guess per turn (`7;`),
-and the environment answers `<` (the number is lower), `>` (higher) or ends the trajectory
-on a hit. Later turns matter: only the feedback narrows the search (a binary search needs
-3.2 guesses on average); reward 1 for a hit, 0 after `max_turns` misses."""
+"""Number guessing (the multi-turn demo's environment, workers/tasks/guess.py): the model
+guesses the hidden number `meta["target"]`, one guess per turn (the turn's first number), and
+the environment answers `<` (the number is lower), `>` (higher), or ends the trajectory on a
+hit. Later turns matter: only the feedback narrows the search. Reward 1 for a hit, 0 after
+`max_turns` misses (`meta["max_turns"]` when given)."""
 
 from __future__ import annotations
 
@@ -10,17 +11,17 @@ from typing import Any
 
 from .base import Step
 
-HI = 15
 GUESS = re.compile(r"(\d+)")
 
 
 class GuessEnv:
-    def __init__(self, max_turns: int = 6):
+    def __init__(self, max_turns: int = 4):
         self.max_turns = max_turns
         self.target, self.turns = 0, 0
 
     def reset(self, prompt: str, meta: dict[str, Any]) -> str:
         self.target, self.turns = int(meta["target"]), 0
+        self.max_turns = int(meta.get("max_turns", self.max_turns))
         return ""
 
     def step(self, turn: str) -> Step:
