@@ -44,7 +44,8 @@ GUESS_ENV = ["--env", "workers.envs.guess:GuessEnv", "--codec", "workers.tasks.g
 QUEUE_STEPS = 6  # steps' worth of prompts kept queued (covers eta, filtered groups, in-flight work)
 
 
-MULTITURN_STEPS = 60  # the multi-turn demo's default: a few minutes here
+MULTITURN_STEPS = 80  # the multi-turn demo's default: a few minutes here
+MULTITURN_LR = 5e-3
 
 
 @dataclass
@@ -75,7 +76,7 @@ class DemoConfig:
     dapo_filter: bool = False
     model: Path | None = None  # a Hugging Face model folder instead of the tiny model
     task: str = "repeat"  # or "multiturn": the guessing search (workers/tasks/guess.py)
-    guess_noise: float = 0.5  # multiturn warm start: a guess ignores the feedback this often (46% found)
+    guess_noise: float = 0.5  # multiturn warm start: a guess ignores the feedback this often (64% found)
 
 
 Task = RepeatTask | GuessTask
@@ -445,7 +446,9 @@ def demo(
     eta: int = typer.Option(1, min=0, help="Staleness bound."),
     batch_size: int = typer.Option(8, min=1, help="B: prompt groups per step."),
     group_size: int = typer.Option(DemoConfig.group_size, min=2, help="N: responses per prompt."),
-    lr: float = typer.Option(DemoConfig.lr, min=0.0, help="Learning rate."),
+    lr: float | None = typer.Option(
+        None, min=0.0, help=f"Learning rate [repeat {DemoConfig.lr:g}, multiturn {MULTITURN_LR:g}]."
+    ),
     seed: int = typer.Option(0, help="Seed of the prompts and the initial weights."),
     report_dir: Path = typer.Option(Path("reports"), help="Where the report folder goes."),
     timeout: float = typer.Option(1200.0, min=1.0, help="Give up after this many seconds."),
@@ -470,7 +473,7 @@ def demo(
         eta=eta,
         batch_size=batch_size,
         group_size=group_size,
-        lr=lr,
+        lr=lr if lr is not None else (MULTITURN_LR if task == "multiturn" else DemoConfig.lr),
         seed=seed,
         report_dir=report_dir,
         timeout_s=timeout,

@@ -314,7 +314,8 @@ def _write_reports(conn: Connection, run_id: int, reports: Sequence[Report], row
     events has no such part."""
     events = [
         Event(
-            f"sample_{SegmentKind(r.kind).value}",
+            # an observation ending a turn sends the trajectory back to the queue: not an interrupt
+            f"sample_{SegmentKind(r.kind).value}" if r.generated else "sample_observed",
             sample=r.sample_id,
             instance=r.instance_id,
             data={"n": len(r.tokens), "v": r.version, "generated": r.generated},

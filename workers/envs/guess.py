@@ -15,7 +15,7 @@ GUESS = re.compile(r"(\d+)")
 
 
 class GuessEnv:
-    def __init__(self, max_turns: int = 4):
+    def __init__(self, max_turns: int = 5):
         self.max_turns = max_turns
         self.target, self.turns = 0, 0
 

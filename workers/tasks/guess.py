@@ -1,8 +1,8 @@
-"""The multi-turn demo task: find a hidden number in 0..14 in at most 4 guesses, the
+"""The multi-turn demo task: find a hidden number in 0..14 in at most 5 guesses, the
 environment (workers/envs/guess.py) answering each wrong guess with `<` (lower) or `>`
 (higher). The prompt is the same for every target: only the feedback tells the model where
 to look, so the later turns carry the task; a binary search always finds it (3.27 guesses on
-average), a guess that ignores the feedback rarely does.
+average, at most 4: one guess of slack), guesses that ignore the feedback rarely do (30%).
 
 Token ids: 0 EOS (ends a turn), 1 BOS, 2 `G` (the prompt), 3 `<`, 4 `>`, 5.. the numbers.
 `GuessCodec` maps them to the environment's text (words separated by spaces)."""
@@ -31,8 +31,8 @@ class GuessCodec:
 @dataclass(frozen=True)
 class GuessTask:
     numbers: int = 15
-    max_turns: int = 4
-    max_response: int = 16  # 4 turns of a number and EOS, 3 answers
+    max_turns: int = 5
+    max_response: int = 16  # 5 turns of a number and EOS, 4 answers
 
     @property
     def vocab_size(self) -> int:
@@ -50,7 +50,7 @@ class GuessTask:
         """A warm-start demonstration and its loss mask (1 on the model's tokens): a binary
         search whose every guess is, with probability `noise`, any number at all instead of
         the middle of what is still possible (the imperfect "pretrained" searcher RL starts
-        from: noise 0.5 finds 46% of the targets, noise 0 all of them)."""
+        from: in 5 guesses, noise 0.5 finds 64% of the targets, noise 0 all of them)."""
         target = rng.randrange(self.numbers)
         lo, hi = 0, self.numbers - 1
         tokens, mask = [BOS, G], [0, 0]
