@@ -45,7 +45,7 @@ QUEUE_STEPS = 6  # steps' worth of prompts kept queued (covers eta, filtered gro
 
 
 MULTITURN_STEPS = 80  # the multi-turn demo's default: a few minutes here
-MULTITURN_LR = 5e-3
+MULTITURN_LR = 2e-3
 
 
 @dataclass
@@ -76,7 +76,7 @@ class DemoConfig:
     dapo_filter: bool = False
     model: Path | None = None  # a Hugging Face model folder instead of the tiny model
     task: str = "repeat"  # or "multiturn": the guessing search (workers/tasks/guess.py)
-    guess_noise: float = 0.5  # multiturn warm start: a guess ignores the feedback this often (64% found)
+    guess_noise: float = 0.25  # multiturn warm start: a guess ignores the feedback this often (87% found)
 
 
 Task = RepeatTask | GuessTask
