@@ -45,14 +45,6 @@ SELECT step, avg((reward >= :best)::int) FROM trained_samples WHERE run_id = :r 
 SELECT avg(reward) FROM trained_samples WHERE run_id = :r
 AND step = (SELECT max(step) FROM trained_samples WHERE run_id = :r)
 
--- name: mean_turns
--- Mean turns per trajectory trained at steps >= :from: its environment's observations + 1
--- (a multi-turn trajectory ends with the model's turn; a single-turn one has 1).
-SELECT avg(1 + coalesce(o.n, 0)) FROM trained_samples t
-LEFT JOIN (SELECT sample_id, count(*) AS n FROM segments WHERE run_id = :r AND NOT generated GROUP BY sample_id) o
-  ON o.sample_id = t.sample_id
-WHERE t.run_id = :r AND t.step >= :from
-
 -- name: view_trained_samples
 -- Every trained sample: its step (the buffer its group was consumed from), staleness, and
 -- the version and instance of each of its segments.
@@ -523,3 +515,11 @@ UNION ALL
 SELECT run_id, invariant, subject, detail FROM lineage_violations
 UNION ALL
 SELECT run_id, invariant, subject, detail FROM turn_violations
+
+-- name: mean_turns
+-- Mean turns per trajectory trained at steps >= :from: its environment's observations + 1
+-- (a multi-turn trajectory ends with the model's turn; a single-turn one has 1).
+SELECT avg(1 + coalesce(o.n, 0)) FROM trained_samples t
+LEFT JOIN (SELECT sample_id, count(*) AS n FROM segments WHERE run_id = :r AND NOT generated GROUP BY sample_id) o
+  ON o.sample_id = t.sample_id
+WHERE t.run_id = :r AND t.step >= :from
