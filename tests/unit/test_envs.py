@@ -123,3 +123,28 @@ def test_split_turns_cuts_at_observations():
     assert split_turns(text, [56, 59, 60, 50, 59, 62], [1, 1, 0, 1, 1, 0]) == ["8;", "2;"]
     assert split_turns(text, [56, 60, 50], [1, 0, 1]) == ["8", "2"]
     assert split_turns(text, [], []) == []
+
+
+def test_turns_rebuild_an_environment_from_a_prefix_and_end_each_turn():
+    """The rollout side (workers/rollout/turns.py): a trajectory taken over between turns or
+    within one replays exactly its completed turns; each ended turn gets the environment's
+    answer as tokens."""
+    from workers.rollout.turns import Turns, turn_start
+    from workers.tasks.guess import EOS, HIGHER, LOWER, NUMBER0, GuessCodec
+
+    seven, three = NUMBER0 + 7, NUMBER0 + 3
+    assert turn_start([]) == 0 and turn_start([1, 1, 0]) == 3 and turn_start([1, 1, 0, 1]) == 3
+    turns = Turns(GuessEnv, GuessCodec())
+    meta = {"target": 5}
+    assert turns.start(1, [1, 2], [], [], meta) == []  # fresh: reset observes nothing
+    turn = turns.end(1, [seven, EOS])
+    assert (turn.step.done, turn.observation) == (False, [LOWER])
+    # taken over between turns: the prefix ends with the observation; one turn replayed
+    turns.start(2, [1, 2], [seven, EOS, LOWER], [1, 1, 0], meta)
+    assert turns.end(2, [three, EOS]).observation == [HIGHER]  # its second turn
+    # taken over within turn 2 (a partial "3" generated): only turn 1 is replayed
+    turns.start(3, [1, 2], [seven, EOS, LOWER, three], [1, 1, 0, 1], meta)
+    assert turns.end(3, [three, EOS]).step.info == {} and turns.envs[3].turns == 2
+    turn = turns.end(3, [NUMBER0 + 5, EOS])
+    assert (turn.step.done, turn.step.reward, turn.observation) == (True, 1.0, [])
+    turns.close()
