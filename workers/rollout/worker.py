@@ -179,7 +179,7 @@ class RolloutWorker:
                 if first:  # the reset observation opens the trajectory
                     self._observe(w.sample_id, first, "partial")
                     prefix, logprobs, budget = first, [0.0] * len(first), budget - len(first)
-                    held.budget = budget
+                    held.budget, held.prefix_len = budget, len(first)
                 held.turn_prefix = prefix[turn_start(list(w.prefix_mask) + [0] * len(first)) :]
             self.engine.add_request(
                 str(w.sample_id),
@@ -231,8 +231,12 @@ class RolloutWorker:
             self._queue(sid, e.tokens, e.logprobs, "partial", None)  # what was generated is kept
             self._drop(sid, x)
             return
+        # the next turn needs room for a token after the observation, in the run's response
+        # limit and in the engine's context (a trajectory never ends on an observation)
         room = held.budget - len(e.tokens) - len(turn.observation)
-        if turn.step.done or e.finish_reason == "length" or room <= 0:
+        max_seq = getattr(self.engine, "max_seq", None)
+        context = held.prompt_len + held.prefix_len + len(e.tokens) + len(turn.observation)
+        if turn.step.done or e.finish_reason == "length" or room <= 0 or (max_seq and context >= max_seq):
             self._queue(sid, e.tokens, e.logprobs, "finished", e.finish_reason)
             self.stats.finished += 1
             return
