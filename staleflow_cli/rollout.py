@@ -101,6 +101,18 @@ def rollout_worker(
         "--engine-arg",
         help="vllm, hf: KEY=VALUE (a TOML scalar) on top of --engine-config; repeatable",
     ),
+    env: str | None = typer.Option(
+        None,
+        "--env",
+        help="multi-turn: an environment, module:ClassOrFactory (reset/step, docs/integration.md), "
+        "stepped after each of the model's turns",
+    ),
+    codec: str | None = typer.Option(
+        None, "--codec", help="--env's text <-> tokens, module:ClassOrFactory (default: UTF-8 bytes)"
+    ),
+    env_timeout: float = typer.Option(
+        10.0, "--env-timeout", min=0.01, help="seconds an environment call may take; then env_timeout drops it"
+    ),
     heartbeat: float = typer.Option(1.0, "--heartbeat", min=0.05, help="seconds between snapshots"),
     ps_wait: float = typer.Option(120.0, "--ps-wait", min=0.0, help="seconds to wait for the PS's first version"),
     pull_bucket_mb: float = typer.Option(
@@ -128,6 +140,15 @@ def rollout_worker(
         if model is None:
             raise typer.BadParameter("--engine hf needs --model", param_hint="--model")
         hf_folder(model)
+    turns = None
+    if env:
+        from workers.envs.base import load_codec, load_env
+        from workers.rollout.turns import Turns
+
+        try:
+            turns = Turns(load_env(env), load_codec(codec), env_timeout)
+        except Exception as e:  # the user's module may fail to import in any way
+            raise typer.BadParameter(f"{env}: {type(e).__name__}: {e}", param_hint="--env") from None
     cost = _cost_model(sim_model, sim_parallelism) if engine is Engine.sim else None
     pc = ps_client(ps)
     client, run_id = connect(api, token, run, api_wait)
@@ -158,6 +179,7 @@ def rollout_worker(
         weights=weights,
         phi_wait=phi_wait,
         heartbeat_s=heartbeat,
+        turns=turns,
     )
     on_signals(worker.stop, "flushing reports and deregistering")
     with progress(None, f"rollout run {run_id}: starting") as (bar, task):

@@ -22,7 +22,8 @@ its own checkpoint of the model at the run's version (`TrainerClient.version`).
 
 Layout of a `Batch` (S samples, T = the longest prompt + response, right-padded):
 position t of a sample holds token `input_ids[t]`; `response_mask[t]` is 1 where that token was
-generated, and `logprobs[t]` is the generating model's log-probability of it (0 elsewhere).
+generated (the loss mask: 0 on the prompt, padding and, in multi-turn trajectories, the
+environment's observations), and `logprobs[t]` is the generating model's log-probability of it (0 elsewhere).
 To compare with the trainer's own log-probs, take `log_softmax(logits[:, :-1])` gathered at
 `input_ids[:, 1:]` against `logprobs[:, 1:]` and `response_mask[:, 1:]` (see
 docs/examples/train_hf_sdk.py).
@@ -56,7 +57,7 @@ class Batch:
     consume_fence: int  # what `publish` quotes (kept for you by TrainerClient)
     input_ids: torch.Tensor  # [S, T] long: prompt + response, right-padded with pad_id
     attention_mask: torch.Tensor  # [S, T] long: 1 on real tokens
-    response_mask: torch.Tensor  # [S, T] float: 1 on generated tokens
+    response_mask: torch.Tensor  # [S, T] float: 1 on generated tokens (the loss mask; 0 on observations)
     logprobs: torch.Tensor  # [S, T] float: the generating model's log-prob of each generated token
     rewards: torch.Tensor  # [S] float
     versions: torch.Tensor  # [S] long: V_traj, the oldest model version that generated the sample
@@ -72,27 +73,27 @@ class Batch:
 
 def to_batch(out: BatchOut, pad_id: int = 0) -> Batch:
     """The API's batch as right-padded tensors (see `Batch`)."""
-    rows: list[tuple[Sequence[int], Sequence[int], Sequence[float]]] = []
+    rows: list[tuple[Sequence[int], Sequence[int], Sequence[float], Sequence[int]]] = []
     rewards, versions, groups, metas = [], [], [], []
     for g in out.groups:
         for s in g.samples:
             if len(s.logprobs) != len(s.tokens):
                 raise TrainerError(f"sample {s.sample_id}: {len(s.tokens)} tokens but {len(s.logprobs)} log-probs")
-            rows.append((g.prompt_tokens, s.tokens, s.logprobs))
+            rows.append((g.prompt_tokens, s.tokens, s.logprobs, s.loss_mask))
             rewards.append(s.reward)
             versions.append(s.v_traj)
             groups.append(g.group_id)
             metas.append(g.meta)
-    n, width = len(rows), max((len(p) + len(r) for p, r, _ in rows), default=0)
+    n, width = len(rows), max((len(p) + len(r) for p, r, _, _ in rows), default=0)
     ids = torch.full((n, width), pad_id, dtype=torch.long)
     attention = torch.zeros((n, width), dtype=torch.long)
     response = torch.zeros((n, width))
     logprobs = torch.zeros((n, width))
-    for i, (prompt, tokens, lps) in enumerate(rows):
+    for i, (prompt, tokens, lps, mask) in enumerate(rows):
         p, r = len(prompt), len(tokens)
         ids[i, : p + r] = torch.tensor([*prompt, *tokens], dtype=torch.long)
         attention[i, : p + r] = 1
-        response[i, p : p + r] = 1.0
+        response[i, p : p + r] = torch.tensor(mask, dtype=torch.float32)  # 0 on observations
         logprobs[i, p : p + r] = torch.tensor(lps, dtype=torch.float32)
     v = torch.tensor(versions, dtype=torch.long)
     return Batch(
@@ -106,7 +107,7 @@ def to_batch(out: BatchOut, pad_id: int = 0) -> Batch:
         versions=v,
         staleness=out.version - v,
         group_ids=torch.tensor(groups, dtype=torch.long),
-        prompt_lengths=torch.tensor([len(p) for p, _, _ in rows], dtype=torch.long),
+        prompt_lengths=torch.tensor([len(p) for p, _, _, _ in rows], dtype=torch.long),
         meta=metas,
         raw=out,
     )

@@ -304,7 +304,7 @@ class Trainer:
 
     def train_batch(self, batch: BatchOut) -> tuple[float, dict[str, float]]:
         """GRPO on the batch (`ppo_epochs` x `minibatches` optimizer steps); returns (loss, metrics)."""
-        seqs, starts, rollout, groups, rewards = [], [], [], [], []
+        seqs, starts, rollout, groups, rewards, masks = [], [], [], [], [], []
         max_seq = _max_seq(self.model)
         for gi, g in enumerate(batch.groups):
             for s in g.samples:
@@ -316,6 +316,7 @@ class Trainer:
                 seqs.append(seq)
                 starts.append(len(g.prompt_tokens))
                 rollout.append(list(s.logprobs))
+                masks.append(list(s.loss_mask))  # 0 on an environment's observations: not trained on
                 groups.append(gi)
                 rewards.append(s.reward)
         return grpo_update(
@@ -331,6 +332,7 @@ class Trainer:
             minibatches=self.minibatches,
             micro_batch_tokens=self.micro_batch_tokens,
             max_grad_norm=self.max_grad_norm,
+            loss_masks=masks,
         )
 
     # ---- weights, checkpoint, log ------------------------------------------------------------
