@@ -109,8 +109,7 @@ def connect(
             param_hint="--token",
         )
     try:
-        run_id = int(run) if run.isdigit() else _run_by_name(client, run)
-        client.run_status(run_id)
+        run_id = client.run_status(run).run_id  # an id or a name: the API resolves either
     except Unauthorized:
         raise typer.BadParameter(f"the API at {url} refused the token", param_hint="--token") from None
     except NotFound:
@@ -118,17 +117,6 @@ def connect(
     except Forbidden as e:
         raise typer.BadParameter(f"this token may not use run {run!r}: {e.message}", param_hint="--run") from None
     return client, run_id
-
-
-def _run_by_name(client: StaleFlowClient, name: str) -> int:
-    try:
-        runs = client.list_runs(limit=1000)
-    except Forbidden:
-        raise typer.BadParameter("this token may not list runs: pass the run id", param_hint="--run") from None
-    for r in runs:
-        if r.name == name:
-            return r.id
-    raise typer.BadParameter(f"no run named {name!r}", param_hint="--run")
 
 
 def model_config(spec: str | None) -> TinyConfig:

@@ -18,7 +18,7 @@ from .. import queries
 from ..errors import Conflict, InvalidInput, NotFound, TooLarge
 from ..idempotency import transactional
 from ..types import Report
-from .core import RunRow, TxMixin, check_batch, check_live, load_run, route_lost
+from .core import RunRow, TxMixin, check_batch, check_live, check_state, load_run, route_lost
 from .events import Event, events_params, log_events
 
 
@@ -73,6 +73,7 @@ class RolloutOps(TxMixin):
         `token_id`: the API token registering it (the API lets only that token act for it)."""
         with self.tx(conn) as conn:
             run = load_run(conn, run_id, lock=False)
+            check_state(run, "registering an instance")
             if not 0 <= version <= run.version:
                 raise InvalidInput(f"instance version {version} outside 0..{run.version}")
             iid: int = conn.execute(
