@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import signal
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -117,6 +118,22 @@ def connect(
     except Forbidden as e:
         raise typer.BadParameter(f"this token may not use run {run!r}: {e.message}", param_hint="--run") from None
     return client, run_id
+
+
+def run_sampling(client: StaleFlowClient, run_id: int, temperature: float | None) -> tuple[float, float]:
+    """The run's sampling parameters (temperature, top_p), recorded when it was created: they
+    are authoritative for every engine and trainer of the run (the engines' log-probs and the
+    trainer's must be of the same distribution), so a `--temperature` given that differs is
+    refused rather than silently used or silently ignored."""
+    config = client.run_status(run_id).config.model_dump()
+    run_t, top_p = float(config["temperature"]), float(config["top_p"])
+    if temperature is not None and not math.isclose(temperature, run_t):
+        raise typer.BadParameter(
+            f"run {run_id} samples at temperature {run_t:g} (set by `staleflow run create "
+            f"--temperature`); {temperature:g} conflicts: leave --temperature out",
+            param_hint="--temperature",
+        )
+    return run_t, top_p
 
 
 def model_config(spec: str | None) -> TinyConfig:
