@@ -74,16 +74,26 @@ _bearer = HTTPBearer(auto_error=False, description="a token from `staleflow toke
 async def resolve_run(
     state: State,
     run_id: Annotated[str, Path(min_length=1, max_length=200, description="run id or name")],
+    creds: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
 ) -> int:
     """`{run_id}` in a path: the run's id, or its name (names are never all digits, so digits
-    are an id), resolved once per request (FastAPI caches a dependency within a request)."""
+    are an id), resolved once per request (FastAPI caches a dependency within a request). A
+    name no run has is 404 -- after the token's checks, so that a run-scoped token learns
+    nothing about other runs (403, as for an id)."""
     if run_id.isdigit():
         if not 1 <= int(run_id) <= 2**63 - 1:
             raise HTTPException(422, f"run id {run_id} out of range 1..{2**63 - 1}")
         return int(run_id)
     found = state.run_names.get(run_id)
     if found is None:  # the lookup blocks: in the thread pool
-        found = await run_in_threadpool(state.protocol.reads.run_id, run_id)
+        try:
+            found = await run_in_threadpool(state.protocol.reads.run_id, run_id)
+        except NotFound:
+            if creds is not None:
+                who = await principal(state, creds)  # 401 for a bad token
+                if who.run_id is not None:
+                    raise HTTPException(403, f"this token is limited to run {who.run_id}") from None
+            raise
         if len(state.run_names) > 100_000:
             state.run_names.clear()
         state.run_names[run_id] = found

@@ -119,8 +119,7 @@ def rollout_worker(
     kv_capacity = kv_capacity if kv_capacity is not None else es.kv_capacity
     phi_wait = phi_wait if phi_wait is not None else es.phi_wait
     max_running = max_running if max_running is not None else es.max_running
-    if temperature is None and "temperature" in es.model_fields_set:  # set in the environment
-        temperature = es.temperature
+    temperature = temperature if temperature is not None else es.temperature  # None: the run's
     device = device if device is not None else es.device
     engine_kw = _engine_kwargs(engine, engine_config_, engine_arg or [])  # checked before any model loads
     cfg = model_config(model_config_) if engine is Engine.torch else None

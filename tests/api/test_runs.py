@@ -12,7 +12,7 @@ from api_helpers import ApiServer, token, walk_lifecycle
 from sqlalchemy import text
 
 from staleflow_db.audit import violations
-from workers.client import Conflict, Forbidden, InvalidInput, NotFound, StaleFlowClient
+from workers.client import Conflict, Forbidden, InvalidInput, NotFound, StaleFlowClient, Unauthorized
 
 
 def _roles(db_url: str, api: ApiServer, run: int) -> dict[str, StaleFlowClient]:
@@ -41,8 +41,11 @@ def test_names_and_sampling_parameters(db_url, engine):
         assert admin.param_versions("my run") == admin.param_versions(run.id) == []
         # a run-scoped token may not name another run, by name either
         other = admin.create_run("other", batch_size=1, group_size=1, eta=0)
-        with pytest.raises(Forbidden):
-            roles["trainer"].run_status("other")
+        for name in ("other", "no such run"):  # 403 whether it exists or not: it learns nothing
+            with pytest.raises(Forbidden, match=f"limited to run {run.id}"):
+                roles["trainer"].run_status(name)
+        with pytest.raises(Unauthorized):
+            api.client("sf_not_a_token").run_status("no such run")
         assert other.id != run.id
     with engine.connect() as c:
         assert c.execute(text("SELECT temperature, top_p FROM runs WHERE name = 'my run'")).one() == (0.7, 0.9)
