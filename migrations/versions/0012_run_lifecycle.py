@@ -19,10 +19,9 @@ RUN_STATE = sa.Enum("active", "paused", "cancelled", name="run_state")
 
 def upgrade() -> None:
     RUN_STATE.create(op.get_bind())
-    # a server default fills the existing rows, then goes: create_run always inserts both
+    # existing runs sampled at temperature 1 with the whole distribution
     for column in ("temperature", "top_p"):
         op.add_column("runs", sa.Column(column, sa.Double(), nullable=False, server_default="1"))
-        op.alter_column("runs", column, server_default=None)
     op.add_column("runs", sa.Column("state", RUN_STATE, nullable=False, server_default="active"))
     op.add_column("runs", sa.Column("state_reason", sa.Text()))
     op.create_check_constraint(op.f("ck_runs_sampling"), "runs", "temperature > 0 AND top_p > 0 AND top_p <= 1")
