@@ -76,8 +76,9 @@ class RunOps(TxMixin):
         self, run_id: int, state: RunState, reason: str | None = None, *, conn: Connection | None = None
     ) -> list[int]:
         """Pause, resume or cancel the run (one transaction under the run lock); returns the
-        groups a cancel aborted. Setting the state the run is in again changes nothing (a retry);
-        a cancelled run stays cancelled (RunNotActive)."""
+        groups a cancel aborted. Setting the state the run is in again changes nothing (a retry;
+        a cancel again aborts any unfinished group left); a cancelled run stays cancelled
+        (RunNotActive)."""
         state = RunState(state)
         if reason is not None and len(reason) > 1000:
             raise InvalidInput("reason must have at most 1000 characters")
@@ -85,15 +86,14 @@ class RunOps(TxMixin):
             now = RunState(rtx.run.state)
             if now not in _FROM[state]:
                 raise RunNotActive(run_id, f"run {run_id} is {now.value}: it cannot become {state.value}")
-            if now == state:
-                return []
-            why = reason or ("cancelled" if state == RunState.CANCELLED else None)
-            rtx.conn.execute(queries.text("set_run_state"), {"run": run_id, "state": state.value, "reason": why})
-            rtx.events.append(
-                Event(f"run_{'resumed' if state == RunState.ACTIVE else state.value}", data={"reason": why})
-            )
+            if now != state:
+                why = reason or ("cancelled" if state == RunState.CANCELLED else None)
+                rtx.conn.execute(queries.text("set_run_state"), {"run": run_id, "state": state.value, "reason": why})
+                kind = "run_resumed" if state == RunState.ACTIVE else f"run_{state.value}"
+                rtx.events.append(Event(kind, data={"reason": why}))
             if state != RunState.CANCELLED:
                 return []
+            # again on a cancelled run: aborts what an enqueue racing the first cancel added
             groups = list(rtx.conn.execute(queries.text("unfinished_groups"), {"run": run_id}).scalars())
             rtx.drop_groups(groups, "aborted", DropReason.RUN_CANCELLED)
             return groups
