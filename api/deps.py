@@ -16,6 +16,7 @@ from starlette.concurrency import run_in_threadpool
 from staleflow_db.errors import NotFound
 from staleflow_db.protocol import InstanceOwner
 from workers.wire.enums import Role
+from workers.wire.types import is_run_id
 
 from .auth import Principal, TokenCache
 from .metrics import Metrics
@@ -80,7 +81,7 @@ async def resolve_run(
     are an id), resolved once per request (FastAPI caches a dependency within a request). A
     name no run has is 404 -- after the token's checks, so that a run-scoped token learns
     nothing about other runs (403, as for an id)."""
-    if run_id.isdigit():
+    if is_run_id(run_id):
         if not 1 <= int(run_id) <= 2**63 - 1:
             raise HTTPException(422, f"run id {run_id} out of range 1..{2**63 - 1}")
         return int(run_id)

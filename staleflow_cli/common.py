@@ -34,6 +34,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn
 
 from workers.client import Forbidden, NotFound, StaleFlowClient, Unauthorized, Unavailable
 from workers.extras import MissingExtra, require
+from workers.wire.types import is_run_id
 
 if TYPE_CHECKING:
     from workers.models.tiny_model import TinyConfig
@@ -114,7 +115,8 @@ def connect(
     except Unauthorized:
         raise typer.BadParameter(f"the API at {url} refused the token", param_hint="--token") from None
     except NotFound:
-        raise typer.BadParameter(f"no run {run!r}", param_hint="--run") from None
+        named = "" if is_run_id(run) else "named "
+        raise typer.BadParameter(f"no run {named}{run!r}", param_hint="--run") from None
     except Forbidden as e:
         raise typer.BadParameter(f"this token may not use run {run!r}: {e.message}", param_hint="--run") from None
     return client, run_id

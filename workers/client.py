@@ -1,6 +1,7 @@
 """Typed client of the StaleFlow REST API, used by every worker.
 
-- One method per endpoint; requests and responses are the API's own pydantic models.
+- One method per endpoint; requests and responses are the API's own pydantic models. Every
+  method that takes a run takes its id or its name (`RunRef`; a name is URL-quoted).
 - Retries with capped exponential backoff and jitter on connection errors and 502/503/504
   (the database is down, a replica restarts), for up to `retry_for` seconds, or forever with
   `retry_for=None` (what long-running workers use). One log line when the API becomes

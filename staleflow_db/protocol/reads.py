@@ -12,6 +12,8 @@ from typing import Any, NamedTuple
 
 from sqlalchemy import Connection, Row
 
+from workers.wire.types import is_run_id
+
 from .. import queries
 from ..errors import NotFound
 from ..idempotency import transactional
@@ -114,7 +116,7 @@ class ProtocolReads(TxMixin):
     def run_id(self, ref: int | str, *, conn: Connection | None = None) -> int:
         """The id of the run `ref` names: an int or a string of digits is an id, any other
         string a name (names are never all digits). NotFound if there is no such run."""
-        if isinstance(ref, int) or ref.isdigit():
+        if isinstance(ref, int) or is_run_id(ref):
             return int(ref)
         with self.tx(conn) as conn:
             found = conn.execute(queries.text("run_by_name"), {"name": ref}).scalar()

@@ -16,6 +16,7 @@ from sqlalchemy import Connection
 from sqlalchemy.exc import IntegrityError
 
 from workers.wire.enums import DropReason, RunState
+from workers.wire.types import is_run_id
 
 from .. import queries
 from ..errors import Conflict, InvalidInput, RunNotActive
@@ -36,7 +37,7 @@ def check_run_name(name: str) -> None:
     """Names stand in REST paths for ids: all digits would read as an id, a `/` as a path."""
     if not name or len(name) > 200:
         raise InvalidInput("run name must have 1..200 characters")
-    if name.isdigit():
+    if is_run_id(name):
         raise InvalidInput(f"run name {name!r} is all digits: it would read as a run id")
     if "/" in name or name.strip() != name:
         raise InvalidInput(f"run name {name!r} may not contain '/' or start or end with spaces")
