@@ -200,6 +200,5 @@ def cancel(
     api: list[str] | None = API,
     token: str | None = TOKEN,
 ) -> None:
-    """Cancel for good: unfinished work is aborted (reason run_cancelled); enqueue, routing and
-    training are refused from then on."""
+    """Cancel for good: unfinished work is aborted (run_cancelled); then enqueue, routing, training refused."""
     _lifecycle("cancel", "cancelled", run, reason, as_json, api, token)
