@@ -7,6 +7,7 @@ it has one); every other role is allowed only the endpoints that name it.
 from __future__ import annotations
 
 import hashlib
+import hmac
 import os
 import secrets
 import threading
@@ -118,6 +119,24 @@ def ensure_local_token(engine: Engine, home: Path) -> Path:
     os.chmod(tmp, 0o600)
     os.replace(tmp, path)
     return path
+
+
+# The parameter-server keys a role's token receives (workers/trainer/param_auth.py): the PS
+# itself runs with a trainer (or admin) token, as it must verify both roles.
+PS_KEY_ROLES = {
+    Role.ADMIN: (Role.TRAINER, Role.ROLLOUT),
+    Role.TRAINER: (Role.TRAINER, Role.ROLLOUT),
+    Role.ROLLOUT: (Role.ROLLOUT,),
+}
+
+
+def ps_keys(run_secret: bytes, run_id: int, role: Role) -> dict[str, str]:
+    """The run's PS keys for a token of `role` (hex), each HMAC(run secret, run and key's role),
+    so a rollout key reveals nothing of the trainer's."""
+    return {
+        r.value: hmac.new(run_secret, f"staleflow-ps key|{run_id}|{r.value}".encode(), hashlib.sha256).hexdigest()
+        for r in PS_KEY_ROLES.get(role, ())
+    }
 
 
 def check_role(role: Role | str) -> Role:

@@ -87,7 +87,12 @@ def build(args: argparse.Namespace, report: Path, url: str, engine) -> tuple[Sup
     return (
         sup,
         run,
-        {"apis": apis, "ps": None if sim else ps_addr, "checkpoint": None if sim else str(report / "checkpoint")},
+        {
+            "apis": apis,
+            "ps": None if sim else ps_addr,
+            "checkpoint": None if sim else str(report / "checkpoint"),
+            "token": tokens["rollout"],  # reads the PS's weights back at the end
+        },
     )
 
 
@@ -105,7 +110,8 @@ def launch(
     for i, api in enumerate(apis):
         sup.launch(Role(f"api-{i}", "api", ["serve", "--port", api.rsplit(":", 1)[1], "--no-upgrade"]))
     if not sim:
-        sup.launch(Role("ps", "ps", ["ps", "--data-dir", str(report / "ps"), "--port", ps_addr.rsplit(":", 1)[1]]))
+        argv = ["ps", "--run", str(run), "--data-dir", str(report / "ps"), "--port", ps_addr.rsplit(":", 1)[1]]
+        sup.launch(Role("ps", "ps", argv, env={"STALEFLOW_API_URL": apis[0], "STALEFLOW_TOKEN": tokens["trainer"]}))
     _wait_http(sup, apis)
     common = ["--run", str(run)]
     via = lambda i, role: {"STALEFLOW_API_URL": apis[i % 2], "STALEFLOW_TOKEN": tokens[role]}  # noqa: E731
@@ -323,10 +329,14 @@ def check(engine, run: int, where: dict[str, Any]) -> dict[str, Any]:
     problems += [f"v{x}: published checksum {published[x][:12]} != trained {trained_sum[x][:12]}" for x in wrong]
     ps_version = ps_sum = None
     if where["ps"]:  # read the weights back and hash them as the trainer does
+        from workers.client import StaleFlowClient
+        from workers.trainer.param_auth import PSCredentials
         from workers.trainer.param_client import ParamClient
         from workers.trainer.param_store import state_dict_checksum
 
-        sd, ps_version, _ = ParamClient(where["ps"], timeout_s=60).pull()
+        with StaleFlowClient(where["apis"], where["token"]) as api:
+            creds = PSCredentials.fetch(api, run, "rollout")
+        sd, ps_version, _ = ParamClient(where["ps"], timeout_s=60, credentials=creds).pull()
         ps_sum = state_dict_checksum(sd)
         if ps_version != v or ps_sum != published.get(v):
             problems.append(

@@ -536,10 +536,14 @@ def check_kv_stats(eng: Any, prompt: list[int]) -> str:
     eng.abort(sids)
     if not running:
         raise CouldNotRun("every sample ended before 10 tokens")
-    assert st.kv_capacity > 0 and 0 < st.kv_tokens <= st.kv_capacity, st
+    cap = eng.capacity()
+    assert 0 < st.kv_tokens <= cap.kv_capacity and cap.max_running >= 1, (st, cap)
     assert st.running + st.waiting >= 1 and set(st.running_tokens) == running, st
     assert all(n >= len(prompt) + 10 for n in st.running_tokens.values()), st.running_tokens
-    return f"kv {st.kv_tokens}/{st.kv_capacity} tokens, running={st.running}, {st.tokens_per_s:.0f} tok/s"
+    return (
+        f"kv {st.kv_tokens}/{cap.kv_capacity} tokens, running={st.running} of {cap.max_running},"
+        f" {st.tokens_per_s:.0f} tok/s"
+    )
 
 
 class PS:

@@ -159,6 +159,7 @@ def hf_folder(path: Path) -> None:
 
 
 def ps_client(addr: str | None) -> ParamClient | None:
+    """A client of the PS at `addr`, checked before anything starts; `ps_login` gives it its key."""
     if addr is None:
         return None
     need("torch")
@@ -169,6 +170,18 @@ def ps_client(addr: str | None) -> ParamClient | None:
 
     # Long-running workers ride through a PS restart (it reloads its versions from disk).
     return ParamClient((host, int(port)), retry_for=None)
+
+
+def ps_login(pc: ParamClient | None, client: StaleFlowClient, run_id: int, role: str) -> None:
+    """Give `pc` this token's `role` key for the run's PS (the PS refuses a client without)."""
+    if pc is None:
+        return
+    from workers.trainer.param_auth import PSAuthError, PSCredentials
+
+    try:
+        pc.credentials = PSCredentials.fetch(client, run_id, role)
+    except (Forbidden, PSAuthError) as e:
+        raise fail(f"no {role} key for run {run_id}'s parameter server: {e}") from None
 
 
 def on_signals(stop: Callable[[], None], what: str) -> None:

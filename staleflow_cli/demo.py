@@ -141,7 +141,11 @@ def run_demo(cfg: DemoConfig, console: Console) -> dict[str, Any]:
             f"dashboard: {api_url}/ui/login?token={observer}&next=/ui/runs/{run}", highlight=False, soft_wrap=True
         )
         ps_ready = report / "ps.json"
-        cluster.spawn("ps", ["ps", "--data-dir", str(report / "ps"), "--port", "0", "--ready-file", str(ps_ready)])
+        cluster.spawn(
+            "ps",
+            ["ps", "--run", str(run), "--data-dir", str(report / "ps"), "--port", "0", "--ready-file", str(ps_ready)],
+            env={"STALEFLOW_TOKEN": tokens["trainer"]},  # the PS fetches the run's keys with it
+        )
         cluster.wait_file(ps_ready)
         ps = json.loads(ps_ready.read_text())
         ps_addr = f"{ps['host']}:{ps['port']}"

@@ -215,7 +215,7 @@ def _argv(cfg: LaunchConfig, role: str, i: int, run_id: int, workdir: str) -> li
     if role == "api":
         argv = ["serve", "--no-upgrade"]
     elif role == "ps":
-        argv = ["ps", "--data-dir", f"{workdir}/ps"]
+        argv = ["ps", *run, "--data-dir", f"{workdir}/ps"]
     elif role == "coordinator":
         argv = ["coordinator", *run]
     elif role == "reward":
@@ -348,7 +348,8 @@ def start(cfg: LaunchConfig) -> tuple[int, str]:
         for b, member in enumerate(members):
             strategies[member] = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=b)
     actor_cls = ray.remote(RoleProcess)
-    role_token = {"trainer": "trainer", "rollout": "rollout", "reward": "reward"}
+    # the PS fetches the run's keys with the trainer's token (docs/security.md)
+    role_token = {"ps": "trainer", "trainer": "trainer", "rollout": "rollout", "reward": "reward"}
     for role in ROLES:
         rc = cfg.role(role)
         needs_ps = role in ("trainer", "rollout") and getattr(rc, "engine", "sim") != "sim"

@@ -29,6 +29,7 @@ from staleflow_cli.common import (
     on_signals,
     progress,
     ps_client,
+    ps_login,
     run_sampling,
 )
 from workers.client import StaleFlowClient
@@ -137,6 +138,7 @@ def rollout_worker(
         raise fail(
             f"run {run_id} samples with top_p {top_p:g}: the {engine.value} engine samples the whole distribution (use --engine vllm)"
         )
+    ps_login(pc, client, run_id, "rollout")
     weights: WeightSource | None
     if engine is Engine.sim:
         eng, weights = _sim_engine(client, run_id, kv_capacity, max_running, cost, time_scale)
@@ -300,6 +302,8 @@ def _engine(
         # each vLLM worker pulls from the PS itself: no weights pass through this process
         assert isinstance(eng, VLLMEngine)
         eng.ps_addr = f"{pc.addr[0]}:{pc.addr[1]}"
+        if pc.credentials is not None:
+            eng.ps_credentials = [pc.credentials.run_id, pc.credentials.role, pc.credentials.key.hex()]
         with console.status(f"vLLM workers loading the latest committed version from the PS at {eng.ps_addr}"):
             eng.load_from_ps(None, wait_s=ps_wait)
         return eng, eng.weight_source

@@ -28,9 +28,10 @@ from staleflow_cli.common import (
     on_signals,
     progress,
     ps_client,
+    ps_login,
     run_sampling,
 )
-from workers.client import ApiError, StaleFlowClient
+from workers.client import ApiError, Forbidden, StaleFlowClient
 from workers.settings import home_dir
 from workers.trainer.options import SimOptions, TrainerOptions
 
@@ -133,6 +134,7 @@ def trainer(
             "log-probs would not be the engines'; train it with the SDK (Batch.top_p)"
         )
     opts = dataclasses.replace(opts, temperature=run_t)
+    ps_login(ps_addr, client, run_id, "trainer")
     if opts.sim is not None:
         worker: Any = _sim_trainer(client, run_id, opts, opts.sim)
     else:
@@ -235,6 +237,10 @@ def _torch_trainer(
 
 
 def ps(
+    run: str = RUN,
+    api: list[str] | None = API,
+    token: str | None = TOKEN,
+    api_wait: float | None = API_WAIT,
     data_dir: Path = typer.Option(..., "--data-dir", help="where versions are persisted (safetensors)"),
     port: int = typer.Option(8790, "--port", min=0, max=65535, help="control port; 0 picks a free one"),
     host: str = typer.Option("127.0.0.1", "--host", help="address to listen on"),
@@ -244,14 +250,24 @@ def ps(
     ),
     ready_file: Path | None = typer.Option(None, "--ready-file", help="write {host, port, pid} here once serving"),
 ) -> None:
-    """Serve weight versions: the trainer pushes, rollout workers pull (until SIGTERM)."""
+    """Serve the run's weight versions: its trainer pushes, its rollout workers pull (until
+    SIGTERM). Every connection must prove the run's PS key for its role (docs/security.md):
+    the PS gets the keys from the API with a trainer (or admin) token."""
     need("torch")
     import torch
 
+    from workers.trainer.param_auth import PSAuthError, PSKeys
     from workers.trainer.param_server import main
 
     if backend is Backend.nccl and not torch.cuda.is_available():
         raise typer.BadParameter("nccl needs CUDA GPUs; use --backend gloo on CPU", param_hint="--backend")
+    client, run_id = connect(api, token, run, api_wait)
+    try:
+        keys = PSKeys.fetch(client, run_id)
+    except (Forbidden, PSAuthError) as e:
+        raise fail(f"the parameter server needs the run's keys (a trainer or admin token): {e}") from None
+    finally:
+        client.close()
     main(
         data_dir,
         host,
@@ -259,4 +275,5 @@ def ps(
         backend=backend.value,
         device=device or ("cuda" if backend is Backend.nccl else "cpu"),
         ready_file=ready_file,
+        auth=keys,
     )

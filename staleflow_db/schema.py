@@ -20,6 +20,7 @@ from sqlalchemy import (
     ForeignKey,
     Index,
     Integer,
+    LargeBinary,
     MetaData,
     PrimaryKeyConstraint,
     SmallInteger,
@@ -292,6 +293,16 @@ api_tokens = Table(
     Column("name", Text),
     _created(),
     Column("revoked_at", DateTime(timezone=True)),
+)
+
+# Each run's parameter-server secret: the API derives the per-role keys a PS and its clients
+# authenticate with from it (staleflow_db/param_keys.py, api/auth.py); created on first use.
+param_keys = Table(
+    "param_keys",
+    metadata,
+    Column("run_id", BigInteger, ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True),
+    Column("secret", LargeBinary, nullable=False),
+    _created(),
 )
 
 idempotency = Table(

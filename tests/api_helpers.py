@@ -163,7 +163,12 @@ def walk_lifecycle(
     B, N = status.config.batch_size, status.config.group_size
     trainer.enqueue(run_id, [(f"p{i}", [1, 2, 3 + i]) for i in range(B)])
     inst = rollout.register(run_id, "gpu0", 0).instance_id
-    rollout.heartbeat(run_id, inst, 0, {"running": 0, "waiting": 0, "kv_used": 0, "kv_capacity": 4096})
+    rollout.heartbeat(
+        run_id,
+        inst,
+        0,
+        {"running": 0, "waiting": 0, "kv_used": 0, "capacity": {"max_running": 64, "kv_capacity": 4096}},
+    )
     queued = [q.sample_id for q in coord.snapshot(run_id).queued]
     results = coord.route(run_id, [(s, inst) for s in queued])
     assert all(r.outcome == "routed" for r in results), results

@@ -52,22 +52,24 @@ def make_tiny_hf_model(folder: Path, seed: int = 0, tie: bool = True) -> Path:
     return folder
 
 
-def hf_run(engine: Any, folder: Path, name: str, steps: int, task: Any) -> tuple[int, dict[str, str]]:
-    """A run of the repeat task in words for the model folder (B=2, N=2, η=1), its prompts
-    enqueued (twice what `steps` consume), and a token per worker role."""
+def hf_run(
+    engine: Any, folder: Path, name: str, steps: int, task: Any, batch_size: int = 2, group_size: int = 2
+) -> tuple[int, dict[str, str]]:
+    """A run of the repeat task in words for the model folder (B=2, N=2, η=1 by default), its
+    prompts enqueued (twice what `steps` consume), and a token per worker role."""
     from api.auth import create_token
     from staleflow_db.protocol import Prompt, Protocol
     from staleflow_db.types import RunConfig
     from workers.models.hf import load_tokenizer
     from workers.tasks.text import repeat_prompts
 
-    prompts = repeat_prompts(load_tokenizer(folder), 4 * steps * 2, seed=0, prefix=name, task=task)
+    prompts = repeat_prompts(load_tokenizer(folder), 2 * batch_size * steps * 2, seed=0, prefix=name, task=task)
     protocol = Protocol(engine)
     run = protocol.create_run(
         name,
         RunConfig(
-            batch_size=2,
-            group_size=2,
+            batch_size=batch_size,
+            group_size=group_size,
             eta=1,
             max_response_tokens=task.max_response,
             max_prompt_tokens=max(len(t) for _, t, _ in prompts),
@@ -78,10 +80,15 @@ def hf_run(engine: Any, folder: Path, name: str, steps: int, task: Any) -> tuple
     return run, tokens
 
 
-def start_ps(cluster: Any, tmp_path: Path) -> str:
-    """A parameter server in `cluster`; its HOST:PORT once it is ready."""
+def start_ps(cluster: Any, tmp_path: Path, run: int, trainer_token: str) -> str:
+    """`run`'s parameter server in `cluster` (it fetches the run's keys with the trainer
+    token); its HOST:PORT once it is ready."""
     ready = tmp_path / "ps.json"
-    cluster.spawn("ps", ["ps", "--data-dir", str(tmp_path / "ps"), "--port", "0", "--ready-file", str(ready)])
+    cluster.spawn(
+        "ps",
+        ["ps", "--run", str(run), "--data-dir", str(tmp_path / "ps"), "--port", "0", "--ready-file", str(ready)],
+        env={"STALEFLOW_TOKEN": trainer_token},
+    )
     cluster.wait_file(ready, timeout=120)
     ps = json.loads(ready.read_text())
     return f"{ps['host']}:{ps['port']}"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import multiprocessing as mp
+import os
 import time
 from pathlib import Path
 
@@ -44,14 +45,20 @@ def record_published(path: str, version: int, size: int, checksum: str, location
         f.write(json.dumps([version, size, checksum, location]) + "\n")
 
 
-class PSProcess:
-    """A PS in its own (spawned) process, serving on a free port."""
+def _main_logging_to(log: str, *args, **kw) -> None:
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    os.dup2(fd, 2)
+    main(*args, **kw)
 
-    def __init__(self, data_dir: Path, **kw):
+
+class PSProcess:
+    """A PS in its own (spawned) process, serving on a free port; its log in `log` if given."""
+
+    def __init__(self, data_dir: Path, log: Path | None = None, **kw):
         self.ready = data_dir.parent / f"ready-{time.monotonic_ns()}.json"
         self.proc = SPAWN.Process(
-            target=main,
-            args=(str(data_dir),),
+            target=main if log is None else _main_logging_to,
+            args=(str(data_dir),) if log is None else (str(log), str(data_dir)),
             kwargs={"ready_file": str(self.ready), "transfer_timeout_s": WAIT_S, **kw},
         )
         self.proc.start()

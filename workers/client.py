@@ -286,6 +286,10 @@ class StaleFlowClient:
     def run_status(self, run_id: RunRef) -> m.RunStatus:
         return self._call(m.RunStatus, "GET", f"/v1/runs/{_ref(run_id)}")
 
+    def param_secret(self, run_id: RunRef) -> m.ParamSecretOut:
+        """The run's parameter-server keys this token may hold (workers/trainer/param_auth.py)."""
+        return self._call(m.ParamSecretOut, "GET", f"/v1/runs/{_ref(run_id)}/param-secret")
+
     def param_versions(self, run_id: RunRef, limit: int = 10) -> list[m.ParamVersionOut]:
         return self._call(
             m.ParamVersionList, "GET", f"/v1/runs/{_ref(run_id)}/versions", params={"limit": limit}
@@ -312,8 +316,12 @@ class StaleFlowClient:
 
     # ---- rollout instances -----------------------------------------------------------------
 
-    def register(self, run_id: RunRef, name: str, version: int, lease_seconds: float = 30.0) -> m.RegisterOut:
-        body = m.RegisterIn(name=name, version=version, lease_seconds=lease_seconds)
+    def register(
+        self, run_id: RunRef, name: str, version: int, lease_seconds: float = 30.0, capacity: m.Capacity | None = None
+    ) -> m.RegisterOut:
+        """`capacity`: the engine's (docs/coordinator.md#capacity); without it the coordinator
+        routes the instance one request at a time."""
+        body = m.RegisterIn(name=name, version=version, lease_seconds=lease_seconds, capacity=capacity)
         return self._call(m.RegisterOut, "POST", f"/v1/runs/{_ref(run_id)}/instances", body=body, key=True)
 
     def heartbeat(

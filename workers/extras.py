@@ -3,7 +3,8 @@
 The base install (``staleflow[worker]``: the REST client, the reward worker, the sim rollout
 engine and trainer, the SDK's client side) needs none of them. ``staleflow[server]`` brings the
 database and API stack (``staleflow serve``, ``db``, ``coordinator``, ...), ``staleflow[torch]``
-the real engines and trainer, ``staleflow[demo]`` the lot for the tiny-model demo.
+the real engines and trainer, ``staleflow[trl]`` the TRL adapter, ``staleflow[demo]`` the lot
+for the tiny-model demo.
 """
 
 from __future__ import annotations
@@ -21,6 +22,11 @@ EXTRAS = {
     "tokenizers": "hf",
     "ray": "ray",
     "math_verify": "math",
+    # Parquet files and Hugging Face datasets folders for `staleflow enqueue`.
+    "pyarrow": "data",
+    "datasets": "data",
+    "trl": "trl",
+    "accelerate": "trl",
     # The database and the API (the `server` extra).
     "sqlalchemy": "server",
     "psycopg": "server",

@@ -41,6 +41,7 @@ import torch
 
 from workers.client import RunRef, StaleFlowClient
 from workers.trainer.loop import TrainerError, check_start, publish_fenced
+from workers.trainer.param_auth import PSCredentials
 from workers.trainer.param_client import ParamClient
 from workers.trainer.param_store import state_dict_checksum
 from workers.wire.models import BatchOut
@@ -136,13 +137,15 @@ class TrainerClient:
     ):
         self.client = StaleFlowClient(api_url, token)
         self.pad_id, self.poll_s = pad_id, poll_s
-        self.ps = ps if isinstance(ps, ParamClient) or ps is None else ParamClient(ps, retry_for=60.0)
         status = self.client.run_status(run_id)  # a name or an id: the API resolves either
         self.run_id: int = status.run_id
         self.version = status.version  # the next buffer to consume
         config = status.config.model_dump()  # the run's sampling parameters go with each Batch
         self.temperature: float = config["temperature"]
         self.top_p: float = config["top_p"]
+        if ps is not None and not isinstance(ps, ParamClient):  # the run's trainer key, from the API
+            ps = ParamClient(ps, retry_for=60.0, credentials=PSCredentials.fetch(self.client, self.run_id, "trainer"))
+        self.ps = ps
         self._fences: dict[int, int] = {}  # buffer -> its consume fence, until published
 
     def close(self) -> None:

@@ -50,7 +50,13 @@ def register(
 
     def call(conn: Connection) -> RegisterOut:
         iid = state.protocol.register_instance(
-            run_id, body.name, body.version, body.lease_seconds, who.token_id, conn=conn
+            run_id,
+            body.name,
+            body.version,
+            body.lease_seconds,
+            who.token_id,
+            capacity=body.capacity.model_dump() if body.capacity is not None else None,
+            conn=conn,
         )
         return RegisterOut(instance_id=iid, run_id=run_id, lease_seconds=body.lease_seconds)
 

@@ -27,14 +27,16 @@ call() {  # METHOD PATH [JSON]: the response body; fails on an HTTP error, print
 }
 
 version=$(call GET "" | jq -r .version)
-instance=$(call POST /instances "{\"name\": \"shell-$$\", \"version\": $version, \"lease_seconds\": 30}" | jq -r .instance_id)
+# capacity: the most requests this instance runs at once and its KV cache in tokens
+capacity='{"max_running": 8, "kv_capacity": 4096}'
+instance=$(call POST /instances "{\"name\": \"shell-$$\", \"version\": $version, \"lease_seconds\": 30, \"capacity\": $capacity}" | jq -r .instance_id)
 echo "registered instance $instance at version $version" >&2
 trap 'call DELETE "/instances/$instance" > /dev/null || true' EXIT
 
 reported=0
 while [[ $MAX_SAMPLES -eq 0 || $reported -lt $MAX_SAMPLES ]]; do
     call POST "/instances/$instance/heartbeat" \
-        "{\"version\": $version, \"snapshot\": {\"kv_capacity\": 4096, \"throughput\": 100}}" > /dev/null
+        "{\"version\": $version, \"snapshot\": {\"throughput\": 100}}" > /dev/null
     polled=$(call POST "/instances/$instance/poll?wait=2")
     # pull: serve the new version from now on (weights would be loaded here)
     target=$(jq -r '[.commands[] | select(.kind == "pull") | .target_version] | max // empty' <<< "$polled")

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -67,10 +67,13 @@ class RolloutOps(TxMixin):
         lease_seconds: float = 30.0,
         token_id: int | None = None,
         *,
+        capacity: Mapping[str, int] | None = None,
         conn: Connection | None = None,
     ) -> int:
         """A new instance id per process start; a restarted worker never inherits a lease.
-        `token_id`: the API token registering it (the API lets only that token act for it)."""
+        `token_id`: the API token registering it (the API lets only that token act for it).
+        `capacity`: the engine's `max_running` and `kv_capacity` (workers.wire's `Capacity`),
+        kept in the snapshot until a heartbeat reports another; None: not reported."""
         with self.tx(conn) as conn:
             run = load_run(conn, run_id, lock=False)
             check_state(run, "registering an instance")
@@ -78,7 +81,14 @@ class RolloutOps(TxMixin):
                 raise InvalidInput(f"instance version {version} outside 0..{run.version}")
             iid: int = conn.execute(
                 queries.text("register_instance"),
-                {"run": run_id, "name": name, "v": version, "ttl": lease_seconds, "tok": token_id},
+                {
+                    "run": run_id,
+                    "name": name,
+                    "v": version,
+                    "ttl": lease_seconds,
+                    "tok": token_id,
+                    "snap": json.dumps({} if capacity is None else {"capacity": dict(capacity)}),
+                },
             ).scalar_one()
             log_events(
                 conn, run_id, [Event("instance_registered", instance=iid, data={"name": name, "version": version})]
@@ -96,6 +106,7 @@ class RolloutOps(TxMixin):
         conn: Connection | None = None,
     ) -> None:
         """Extend a live lease and store the latest snapshot. Ephemeral: no synchronous commit.
+        A snapshot whose `capacity` is missing or None keeps the capacity last reported.
 
         Every condition sits in the UPDATE itself, re-checked on the row it finally locks: two
         overlapping heartbeats can never move the version backwards (a plain read before the
@@ -104,7 +115,7 @@ class RolloutOps(TxMixin):
             conn.execute(queries.text("heartbeat_ephemeral"))
             updated = conn.execute(
                 queries.text("heartbeat"),
-                {"i": instance_id, "v": version, "snap": json.dumps(snapshot or {}), "ttl": lease_seconds},
+                {"i": instance_id, "v": version, "snap": json.dumps(_keep_capacity(snapshot)), "ttl": lease_seconds},
             ).first()
             if updated is not None:
                 return
@@ -188,6 +199,12 @@ class RolloutOps(TxMixin):
             ]
             cmds = conn.execute(queries.text("deliver_commands"), {"i": instance_id}).all()
             return Poll(work, sorted((Command(**c._mapping) for c in cmds), key=lambda c: c.id))
+
+
+def _keep_capacity(snapshot: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The snapshot as stored: a `capacity` of None is left out, so the stored one stays
+    (the heartbeat statement keeps the capacity a snapshot does not carry)."""
+    return {k: v for k, v in (snapshot or {}).items() if not (k == "capacity" and v is None)}
 
 
 def requeue_fenced(conn: Connection, run_id: int, why: str, instance_ids: Sequence[int] | None = None) -> list[int]:

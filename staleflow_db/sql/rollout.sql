@@ -21,15 +21,18 @@ SELECT id, client_key FROM g
 SELECT id, client_key FROM prompt_groups WHERE run_id = :run AND client_key = ANY(CAST(:keys AS text[]))
 
 -- name: register_instance
-INSERT INTO instances (run_id, name, version, lease_expires_at, token_id)
-VALUES (:run, :name, :v, now() + make_interval(secs => :ttl), :tok) RETURNING id
+INSERT INTO instances (run_id, name, version, lease_expires_at, token_id, snapshot)
+VALUES (:run, :name, :v, now() + make_interval(secs => :ttl), :tok, CAST(:snap AS jsonb)) RETURNING id
 
 -- name: heartbeat_ephemeral
 SET LOCAL synchronous_commit = off
 
 -- name: heartbeat
--- Every condition re-checked on the row the UPDATE finally locks (RolloutOps.heartbeat).
-UPDATE instances i SET version = :v, snapshot = CAST(:snap AS jsonb), snapshot_at = now(),
+-- Every condition re-checked on the row the UPDATE finally locks (RolloutOps.heartbeat). A
+-- snapshot without a capacity keeps the one last reported (at registration or since).
+UPDATE instances i SET version = :v,
+  snapshot = jsonb_strip_nulls(jsonb_build_object('capacity', i.snapshot->'capacity')) || CAST(:snap AS jsonb),
+  snapshot_at = now(),
   lease_expires_at = now() + make_interval(secs => :ttl)
 FROM runs r WHERE i.id = :i AND r.id = i.run_id AND i.state = 'active'
 AND i.lease_expires_at > now() AND i.version <= :v AND :v <= r.version RETURNING i.id

@@ -29,6 +29,7 @@ MATRIX: list[tuple[str, str, Any, set[str], int]] = [
     ("GET", "/v1/runs", None, ALL, 200),  # lists only the token's own run
     ("GET", "/v1/runs/{A}", None, ALL, 403),
     ("GET", "/v1/runs/{A}/versions", None, ALL, 403),
+    ("GET", "/v1/runs/{A}/param-secret", None, ROLLOUT | TRAINER, 403),
     ("POST", "/v1/runs/{A}/prompts", {"prompts": [{"client_key": "k", "prompt_tokens": [1]}]}, TRAINER_COORD, 403),
     ("POST", "/v1/tokens", {"role": "rollout", "run_id": "{A}"}, ADMIN, 403),
     ("GET", "/v1/tokens", None, ADMIN, 200),  # lists only the token's own run

@@ -28,7 +28,9 @@ def test_snapshot_and_route_bodies_are_the_models_json(db_url):
         run = admin.create_run("ser", batch_size=2, group_size=2, eta=1).id
         admin.enqueue(run, [(f"p{i}", [1, 2, 3 + i]) for i in range(3)])
         inst = admin.register(run, "gpu0", 0).instance_id
-        admin.heartbeat(run, inst, 0, {"running": 1, "waiting": 0, "kv_used": 3, "kv_capacity": 64})
+        admin.heartbeat(
+            run, inst, 0, {"running": 1, "waiting": 0, "kv_used": 3, "capacity": {"max_running": 4, "kv_capacity": 64}}
+        )
         queued = [q.sample_id for q in admin.snapshot(run).queued]
 
         key = uuid.uuid4().hex

@@ -100,19 +100,16 @@ def _endpoints(
                     "running": 1,
                     "waiting": 0,
                     "kv_used": 3,
-                    "kv_capacity": 100,
                     "throughput": 2.5,
                     "pulling": False,
                     "routed_seen": 1,
-                    "max_running": 8,
+                    "capacity": {"max_running": 8, "kv_capacity": 100},
                     "running_samples": [{"sample_id": sample, "tokens": 0}],
                 },
             },
             [(("version",), INT), (("lease_seconds",), FLOAT)]
-            + [
-                (("snapshot", k), INT)
-                for k in ("running", "waiting", "kv_used", "kv_capacity", "routed_seen", "max_running")
-            ]
+            + [(("snapshot", k), INT) for k in ("running", "waiting", "kv_used", "routed_seen")]
+            + [(("snapshot", "capacity", k), INT) for k in ("max_running", "kv_capacity")]
             + [
                 (("snapshot", "throughput"), FLOAT),
                 (("snapshot", "pulling"), BOOL),

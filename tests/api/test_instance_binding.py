@@ -46,7 +46,11 @@ def test_another_rollout_token_gets_403_and_changes_nothing(db_url, engine):
         # Polling another's path would hand over its routed work and route token.
         _refused(lambda: other.poll(d.run, inst, wait=0))
         assert d.one("SELECT delivered FROM samples WHERE id = :s", s=s) == (False,)
-        _refused(lambda: other.heartbeat(d.run, inst, 0, {"kv_used": 5, "kv_capacity": 10}, lease_seconds=600))
+        _refused(
+            lambda: other.heartbeat(
+                d.run, inst, 0, {"kv_used": 5, "capacity": {"max_running": 1, "kv_capacity": 10}}, lease_seconds=600
+            )
+        )
         assert _instance(d, inst) == before  # lease not extended, snapshot unchanged
 
         (work,) = owner.poll(d.run, inst, wait=5).work  # the work is still the owner's to take

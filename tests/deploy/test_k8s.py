@@ -213,3 +213,25 @@ def assert_vllm_engine_config(docs: list[dict[str, Any]], rollout: dict[str, Any
     check_vllm(engine, fields=VLLM_ARGS)
     tp = str(engine.get("tensor_parallel_size", 1))
     assert rollout["resources"]["limits"]["nvidia.com/gpu"] == rollout["resources"]["requests"]["nvidia.com/gpu"] == tp
+
+
+def test_the_parameter_server_admits_only_the_runs_trainer_and_rollout_workers(rendered) -> None:
+    """docs/security.md#kubernetes: a cluster-internal Service, a NetworkPolicy admitting only
+    the trainer and rollout-worker pods, and the PS serving one run with the trainer's token."""
+    _, docs = rendered
+    service = named(docs, "Service", "staleflow-ps")
+    assert service["spec"]["clusterIP"] == "None" and service["spec"].get("type", "ClusterIP") == "ClusterIP"
+    ps = named(docs, "StatefulSet", "staleflow-ps")["spec"]["template"]
+    policy = named(docs, "NetworkPolicy", "staleflow-ps")["spec"]
+    assert policy["podSelector"]["matchLabels"].items() <= ps["metadata"]["labels"].items()
+    assert policy["policyTypes"] == ["Ingress"]
+    (rule,) = policy["ingress"]
+    admitted = {p["podSelector"]["matchLabels"]["app.kubernetes.io/name"] for p in rule["from"]}
+    assert admitted == {"staleflow-trainer", "staleflow-rollout-worker"}
+    for name in admitted:  # the selectors match those pods
+        kind = "StatefulSet" if name == "staleflow-trainer" else "Deployment"
+        assert named(docs, kind, name)["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/name"] == name
+    (c,) = ps["spec"]["containers"]
+    assert c["args"][c["args"].index("--run") + 1] == "$(RUN_NAME)"
+    (tok,) = [e for e in c["env"] if e["name"] == "STALEFLOW_TOKEN"]
+    assert tok["valueFrom"]["secretKeyRef"] == {"name": "staleflow-tokens", "key": "trainer"}

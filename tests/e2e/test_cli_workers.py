@@ -90,7 +90,7 @@ def test_the_cli_and_the_sim_trainer_do_not_load_torch():
                 "STALEFLOW_API_URL",
             ],
         ),
-        ("ps", ["--data-dir", "--port", "--backend", "--ready-file"]),
+        ("ps", ["--run", "--data-dir", "--port", "--backend", "--ready-file", "STALEFLOW_TOKEN"]),
         (
             "rollout-worker",
             ["--run", "--engine", "--ps", "--kv-capacity", "--phi-wait", "--model-config", "--vllm-model"]
@@ -122,8 +122,9 @@ def test_help(cmd, options):
             ["rollout-worker", "--run", "1", "--engine", "sim", "--sim-model", "gpt9"],
             ["--sim-model", "no cost model", "qwen_7b"],
         ),
-        (["ps"], ["Missing option '--data-dir'"]),
-        (["ps", "--data-dir", "x", "--backend", "mpi"], ["--backend", "mpi", "gloo", "nccl"]),
+        (["ps", "--data-dir", "x"], ["Missing option '--run'"]),
+        (["ps", "--run", "1"], ["Missing option '--data-dir'"]),
+        (["ps", "--run", "1", "--data-dir", "x", "--backend", "mpi"], ["--backend", "mpi", "gloo", "nccl"]),
         (["reward-worker", "--run", "1", "--verifier", "nope"], ["unknown verifier 'nope'", "math", "repeat"]),
     ],
 )
@@ -135,7 +136,7 @@ def test_nccl_without_gpus_is_refused():
     torch = pytest.importorskip("torch")
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
-    _refused(invoke("ps", "--data-dir", "x", "--backend", "nccl"), "nccl needs CUDA GPUs")
+    _refused(invoke("ps", "--run", "1", "--data-dir", "x", "--backend", "nccl"), "nccl needs CUDA GPUs")
 
 
 def test_unreachable_api_is_refused_when_not_waiting():

@@ -16,7 +16,14 @@ from workers.coordinator.cost_model import get_cost_model
 from workers.coordinator.policies import get_policy
 from workers.coordinator.service import Coordinator
 
-SNAP = {"running": 0, "waiting": 0, "kv_used": 0, "kv_capacity": 100_000, "running_samples": [], "throughput": 0.0}
+SNAP = {
+    "running": 0,
+    "waiting": 0,
+    "kv_used": 0,
+    "capacity": {"max_running": 256, "kv_capacity": 100_000},
+    "running_samples": [],
+    "throughput": 0.0,
+}
 
 
 def _coordinator(engine, run, policy="staleflow", **kw):

@@ -1,6 +1,8 @@
-"""`staleflow dataset arithmetic` and `staleflow enqueue --jsonl` against a real API and
-database: the answer lands in each prompt's metadata, a second run enqueues nothing new, and
-a bad line is refused by number before anything is sent."""
+"""`staleflow dataset arithmetic` and `staleflow enqueue` against a real API and database:
+JSON Lines, Parquet and datasets folders give the same groups; the answer and other columns
+land in each prompt's metadata; a template or a chat template makes the prompt; a second run
+enqueues nothing new; every bad row is listed by file and line before anything is sent (or,
+with --skip-invalid, listed and left out)."""
 
 from __future__ import annotations
 
@@ -66,6 +68,12 @@ def test_enqueue_is_idempotent_and_stores_the_answer(served_run, engine, tmp_pat
         prompt = c.execute(text("SELECT prompt_tokens FROM prompt_groups WHERE client_key = :k"), {"k": lines[0]["id"]})
         assert bytes(prompt.scalar()).decode() == lines[0]["prompt"]  # the byte tokenizer
 
+    # the same problems written as Parquet: the same keys, nothing new
+    parquet = tmp_path / "arith.parquet"
+    assert staleflow("dataset", "arithmetic", "--n", str(N), "--seed", "1", "--out", str(parquet)).returncode == 0
+    out = staleflow(*args[:2], "--data", str(parquet), *args[4:], "--key-field", "id", "--overlong-buffer", "16", **env)
+    assert out.returncode == 0 and f"(0 new, {N} enqueued before)" in " ".join(out.stderr.split()), out.stderr
+
     # without --key-field: keys are content hashes, stable across runs and formatting
     reformatted = tmp_path / "spaced.jsonl"
     reformatted.write_text("\n".join(json.dumps(x, indent=None, separators=(" , ", " : ")) for x in lines[:5]) + "\n\n")
@@ -83,7 +91,7 @@ BAD_LINES = [
     ('{"prompt": "2+2", "answer": NaN}', "line 3: answer field 'answer' is nan"),
     ('{"prompt": "2+2", "answer": 4', "line 3: not valid JSON"),
     ("[1, 2]", "line 3: expected a JSON object, got list"),
-    ('{"prompt": "1+1", "answer": 2}', "line 3: key 'jsonl-"),  # a duplicate of line 1
+    ('{"prompt": "1+1", "answer": 2}', "line 3: key 'row-"),  # a duplicate of line 1
 ]
 
 
@@ -126,11 +134,11 @@ def test_what_the_run_or_the_api_would_refuse_is_refused_up_front(served_run, en
     ],
 )
 def test_bad_model_or_file_is_refused_before_the_api_is_asked(args):
-    """A wrong --model or a non-JSONL file fails at once, no API needed."""
+    """A wrong --model or a file of no known format fails at once, no API needed."""
     out = staleflow(*args, STALEFLOW_API_URL="http://127.0.0.1:9")
     msg = " ".join((out.stdout + out.stderr).split())
     assert out.returncode in (1, 2), msg
-    assert ("not a Hugging Face model" in msg) or ("line 1: not valid JSON" in msg), msg
+    assert ("not a Hugging Face model" in msg) or ("pass --format jsonl or --format parquet" in msg), msg
 
 
 def test_enqueue_tokenizes_with_a_model_folder(served_run, engine, tmp_path):
@@ -152,3 +160,192 @@ def test_enqueue_tokenizes_with_a_model_folder(served_run, engine, tmp_path):
         ).one()
     assert list(tokens) == encode_prompt(load_tokenizer(folder), "Write a exactly 3 times .")  # its chat template
     assert meta == {"answer": "3"}
+
+
+# ---- data formats, templates, chat templates ---------------------------------------------
+
+RECORDS = [{"id": f"q{i}", "question": f"{i} + {i}", "answer": 2 * i, "level": i % 3} for i in range(30)]
+
+
+def _formats(tmp_path) -> dict[str, tuple[str, list[str]]]:
+    """The same records in every format (ids prefixed by the format), and the extra options."""
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    datasets = pytest.importorskip("datasets")
+
+    def records(prefix: str) -> list[dict]:
+        return [{**r, "id": f"{prefix}-{r['id']}"} for r in RECORDS]
+
+    jsonl = tmp_path / "data.jsonl"
+    jsonl.write_text("".join(json.dumps(r) + "\n" for r in records("jsonl")))
+    parquet = tmp_path / "data.parquet"  # several row groups, read batch by batch
+    pq.write_table(pa.Table.from_pylist(records("parquet")), parquet, row_group_size=8)
+    datasets.Dataset.from_list(records("saved")).save_to_disk(tmp_path / "saved")
+    split = records("dict")
+    datasets.DatasetDict(
+        {"train": datasets.Dataset.from_list(split), "test": datasets.Dataset.from_list(split[:2])}
+    ).save_to_disk(tmp_path / "dict")
+    folder = tmp_path / "folder" / "data"  # data files as load_dataset reads them: two shards
+    folder.mkdir(parents=True)
+    shards = records("folder")
+    pq.write_table(pa.Table.from_pylist(shards[:10]), folder / "train-00000-of-00002.parquet")
+    pq.write_table(pa.Table.from_pylist(shards[10:]), folder / "train-00001-of-00002.parquet")
+    return {
+        "jsonl": (str(jsonl), []),
+        "parquet": (str(parquet), []),
+        "saved": (str(tmp_path / "saved"), []),
+        "dict": (str(tmp_path / "dict"), ["--split", "train"]),
+        "folder": (str(tmp_path / "folder"), []),
+    }
+
+
+def test_every_format_enqueues_its_rows_with_the_template_and_meta(served_run, engine, tmp_path):
+    run, env = served_run
+    options = ["--template", "Solve: {question}", "--answer-field", "answer", "--meta-field", "level"]
+    for name, (path, extra) in _formats(tmp_path).items():
+        out = staleflow("enqueue", str(run), "--data", path, *extra, *options, "--key-field", "id", **env)
+        msg = " ".join(out.stderr.split())
+        assert out.returncode == 0, msg
+        assert f"enqueued {len(RECORDS)} prompts" in msg and f"({len(RECORDS)} new, 0 enqueued before)" in msg, msg
+        with engine.connect() as c:
+            got = c.execute(
+                text(
+                    "SELECT client_key, prompt_tokens, meta FROM prompt_groups WHERE run_id = :r AND client_key LIKE :k"
+                ),
+                {"r": run, "k": f"{name}-%"},
+            ).all()
+        by_key = {k: (bytes(t).decode(), m) for k, t, m in got}
+        assert by_key == {
+            f"{name}-{r['id']}": (f"Solve: {r['question']}", {"answer": str(r["answer"]), "level": r["level"]})
+            for r in RECORDS
+        }, name
+    # the Parquet file's rows again, as JSON Lines: their keys are known, nothing new
+    again = tmp_path / "again.jsonl"
+    again.write_text("".join(json.dumps({**r, "id": f"parquet-{r['id']}"}) + "\n" for r in RECORDS))
+    out = staleflow("enqueue", str(run), "--data", str(again), *options, "--key-field", "id", **env)
+    assert out.returncode == 0 and f"(0 new, {len(RECORDS)} enqueued before)" in " ".join(out.stderr.split())
+    assert len(_groups(engine, run)) == 5 * len(RECORDS)
+
+
+def test_chat_template_and_a_column_of_messages_with_a_real_tokenizer(served_run, engine, tmp_path):
+    pytest.importorskip("transformers")
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    from hf_helpers import make_tiny_hf_model
+
+    from workers.models.hf import encode_messages, load_tokenizer
+
+    run, env = served_run
+    folder = make_tiny_hf_model(tmp_path / "model")
+    tok = load_tokenizer(folder)
+    rows = [
+        {
+            "id": "m0",
+            "answer": 3,
+            "messages": [{"role": "system", "content": "Write a"}, {"role": "user", "content": "exactly 3 times ."}],
+        },
+        {"id": "m1", "answer": 4, "messages": [{"role": "user", "content": "Write b exactly 4 times ."}]},
+    ]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "chat.parquet")
+    words = tmp_path / "words.jsonl"
+    words.write_text(json.dumps({"id": "t0", "w": "c", "n": 5, "answer": 5}) + "\n")
+    common = ["--answer-field", "answer", "--key-field", "id", "--tokenizer", str(folder)]
+    for args in (
+        ["--data", str(tmp_path / "chat.parquet"), "--messages-field", "messages"],
+        ["--data", str(words), "--template", "Write {w} exactly {n} times .", "--chat-template"],
+    ):
+        out = staleflow("enqueue", str(run), *args, *common, **env)
+        assert out.returncode == 0, out.stdout + out.stderr
+        assert "chat template" in " ".join(out.stderr.split())
+    with engine.connect() as c:
+        got = dict(
+            c.execute(text("SELECT client_key, prompt_tokens FROM prompt_groups WHERE run_id = :r"), {"r": run}).all()
+        )
+    assert got == {
+        "m0": encode_messages(tok, rows[0]["messages"]),
+        "m1": encode_messages(tok, rows[1]["messages"]),
+        "t0": encode_messages(tok, [{"role": "user", "content": "Write c exactly 5 times ."}]),
+    }
+    # --no-chat-template: the plain text, with the tokenizer's own special tokens
+    out = staleflow(
+        "enqueue",
+        str(run),
+        "--data",
+        str(words),
+        "--template",
+        "Write {w} .",
+        "--no-chat-template",
+        *common[:2],
+        "--tokenizer",
+        str(folder),
+        **env,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    # a column of messages without a tokenizer: refused before anything is read or sent
+    out = staleflow(
+        "enqueue", str(run), "--data", str(tmp_path / "chat.parquet"), "--messages-field", "messages", **env
+    )
+    assert out.returncode == 1 and "--messages-field needs --tokenizer FOLDER" in " ".join(out.stderr.split())
+
+
+BAD_ROWS = [
+    ({"q": "1+1", "a": 2}, None),
+    (
+        {"q": "Compute the sum of all the numbers from one to one hundred.", "a": 5050},
+        "line 2: the prompt is 59 tokens, over the run's max_prompt_tokens (8)",
+    ),
+    ('{"q": "2+2", "a": 4', "line 3: not valid JSON"),
+    ({"q": "2+2"}, "line 4: no answer field 'a' (columns: q); change --answer-field"),
+    ({"q": " ", "a": 1}, "line 5: prompt field 'q' is empty"),
+    ({"q": ["2+2"], "a": 4}, "line 6: prompt field 'q' must be a string or a number, got list"),
+    ({"q": "3+3", "a": 6}, None),
+]
+
+
+def test_every_refusal_is_listed_and_skip_invalid_leaves_out_only_those(served_run, engine, db_url, tmp_path):
+    _, env = served_run
+    run = Protocol(engine).create_run("short", RunConfig(batch_size=2, group_size=2, eta=1, max_prompt_tokens=8))
+    env = {**env, "STALEFLOW_TOKEN": token(db_url, "trainer", run)}
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r, _ in BAD_ROWS))
+    args = ["enqueue", str(run), "--data", str(data), "--prompt-field", "q", "--answer-field", "a"]
+    out = staleflow(*args, **env)
+    msg = " ".join(out.stderr.split())
+    assert out.returncode == 1, msg
+    for _, needle in BAD_ROWS:
+        assert needle is None or f"{data}: {needle}" in msg, (needle, msg)
+    # what to change for a long prompt: the limit, the longest prompt, the setting that takes it
+    assert "longest 59 tokens" in msg and "a run created with max_prompt_tokens of at least 59" in msg, msg
+    assert "5 of 7 rows refused (listed above); nothing was enqueued" in msg, msg
+    assert _groups(engine, run) == []
+
+    out = staleflow(*args, "--skip-invalid", **env)
+    msg = " ".join(out.stderr.split())
+    assert out.returncode == 0, msg
+    for _, needle in BAD_ROWS:
+        assert needle is None or f"skipped {data}: {needle}" in msg, (needle, msg)
+    assert "enqueued 2 prompts" in msg and "(2 new, 0 enqueued before); 5 rows skipped (listed above)" in msg, msg
+    assert [bytes(t).decode() for t in _prompts(engine, run)] == ["1+1", "3+3"]
+
+
+def _prompts(engine, run: int) -> list:
+    with engine.connect() as c:
+        return list(
+            c.execute(
+                text("SELECT prompt_tokens FROM prompt_groups WHERE run_id = :r ORDER BY id"), {"r": run}
+            ).scalars()
+        )
+
+
+def test_a_missing_column_is_refused_before_the_api_is_asked(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    pq.write_table(pa.Table.from_pylist([{"problem": "1+1", "solution": "2"}]), tmp_path / "d.parquet")
+    out = staleflow(
+        "enqueue", "1", "--data", str(tmp_path / "d.parquet"), "--template", "Solve: {question}",
+        "--answer-field", "answer", STALEFLOW_API_URL="http://127.0.0.1:9",
+    )  # fmt: skip
+    msg = " ".join(out.stderr.split())
+    assert out.returncode == 1, msg
+    assert "no column 'question' (named by --template; columns: problem, solution)" in msg, msg
+    assert "no column 'answer' (named by --answer-field; columns: problem, solution)" in msg, msg

@@ -37,7 +37,7 @@ def test_hf_model_folder_runs_the_whole_loop(db_url, engine, tmp_path):
     common = ["--run", str(run)]
     with Cluster(tmp_path, db_url) as cluster:
         cluster.start_api(timeout=120)
-        ps_addr = start_ps(cluster, tmp_path)
+        ps_addr = start_ps(cluster, tmp_path, run, tokens["trainer"])
         checkpoint = tmp_path / "checkpoint"
         cluster.spawn(
             "trainer",

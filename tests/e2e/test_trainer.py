@@ -25,6 +25,7 @@ from staleflow_db.db import make_engine
 from workers.models.tiny_model import TinyConfig, TinyTransformer
 from workers.rollout.engines.base import FinishedEvent
 from workers.rollout.engines.torch_engine import TorchEngine
+from workers.trainer.param_auth import PSCredentials
 from workers.trainer.param_client import ParamClient
 from workers.trainer.torch_trainer import PAUSE_ENV, Trainer, load_checkpoint, read_steps_log
 from workers.wire.models import BatchOut
@@ -49,21 +50,26 @@ def _cli(*args: str) -> list[str]:
 
 
 class PSProcess:
-    """`staleflow ps` as its own process on a free port."""
+    """`staleflow ps` for `run` as its own process on a free port (it fetches the run's keys
+    with a trainer token); `client` holds the trainer's key (tests push and pull with it)."""
 
-    def __init__(self, data_dir: Path):
+    def __init__(self, data_dir: Path, server: ApiServer, run: int):
         self.ready = data_dir.parent / "ps-ready.json"
         self.log = open(data_dir.parent / "ps.log", "wb")
+        trainer = token(server.db_url, "trainer", run)
         self.proc = subprocess.Popen(
-            _cli("ps", "--data-dir", str(data_dir), "--port", "0", "--ready-file", str(self.ready)),
+            _cli("ps", "--run", str(run), "--data-dir", str(data_dir), "--port", "0", "--ready-file", str(self.ready)),
             cwd=REPO,
             stdout=self.log,
             stderr=subprocess.STDOUT,
+            env={**os.environ, "STALEFLOW_API_URL": server.url, "STALEFLOW_TOKEN": trainer},
         )
         _wait(self.ready.exists, "the PS to serve", self.proc)
         info = json.loads(self.ready.read_text())
         self.addr = f"{info['host']}:{info['port']}"
-        self.client = ParamClient(self.addr, timeout_s=WAIT_S)
+        self.client = ParamClient(
+            self.addr, timeout_s=WAIT_S, credentials=PSCredentials.fetch(server.client(trainer), run, "trainer")
+        )
 
     def stop(self) -> None:
         self.proc.send_signal(signal.SIGTERM)
@@ -95,7 +101,7 @@ class ScriptedRollout(threading.Thread):
     def tick(self) -> None:
         c, run = self.client, self.run_id
         v = c.run_status(run).version
-        c.heartbeat(run, self.instance, v, {"kv_capacity": 4096})
+        c.heartbeat(run, self.instance, v, {"capacity": {"max_running": 64, "kv_capacity": 4096}})
         queued = [q.sample_id for q in c.snapshot(run).queued]
         if queued:
             c.route(run, [(s, self.instance) for s in queued])
@@ -135,7 +141,7 @@ def cluster(db_url, tmp_path):
         run = admin.create_run("train", batch_size=B, group_size=N, eta=ETA, max_response_tokens=8).id
         admin.enqueue(run, [(f"p{i}", [1, 2, 3 + i]) for i in range(12)])
         (tmp_path / "ps").mkdir()
-        ps = PSProcess(tmp_path / "ps")
+        ps = PSProcess(tmp_path / "ps", server, run)
         rollout = ScriptedRollout(server, run)
         rollout.start()
         try:

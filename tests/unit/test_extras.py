@@ -23,7 +23,7 @@ def test_require_names_the_extra(monkeypatch):
 def test_commands_needing_an_extra_say_which(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "torch", None)
     monkeypatch.setitem(sys.modules, "matplotlib", None)
-    res = runner.invoke(app, ["ps", "--data-dir", str(tmp_path)])
+    res = runner.invoke(app, ["ps", "--run", "1", "--data-dir", str(tmp_path)])
     assert res.exit_code == 1 and "staleflow[torch]" in res.output, res.output
     res = runner.invoke(app, ["sim", "bench", "--setups", "tiny", "--out", str(tmp_path)])
     assert res.exit_code == 1 and "staleflow[plots]" in res.output, res.output

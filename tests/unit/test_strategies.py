@@ -38,7 +38,7 @@ CAP = 250_000
 
 def inst(iid, version=0, running=0, kv=None, waiting=0, pulling=False, samples=(), cap=CAP, max_running=1 << 30):
     kv = running * 2_000 if kv is None else kv
-    return InstanceView(iid, version, running, waiting, kv, cap, tuple(samples), 0.0, pulling, max_running)
+    return InstanceView(iid, version, running, waiting, kv, cap, tuple(samples), 0.0, pulling, max_running=max_running)
 
 
 def fresh(sid, gid=None, length=300):

@@ -16,6 +16,7 @@ def snap(t, running=0, waiting=0, kv=0, seen=None, version=0, pulling=False, sam
         snapshot_at=t,
         pulling=pulling,
         routed_seen=seen,
+        max_running=1 << 30,
     )
 
 

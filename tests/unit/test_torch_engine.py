@@ -34,7 +34,7 @@ def _check_kv(e: TorchEngine) -> None:
     assert held == sum(n - 1 for n in s.running_tokens.values())
     used_blocks = sum(len(r.cache.blocks) for r in e._running)
     assert used_blocks == e.pool.num_blocks - e.pool.free_blocks
-    assert s.kv_tokens <= s.kv_capacity == e.pool.capacity_tokens
+    assert s.kv_tokens <= e.capacity().kv_capacity == e.pool.capacity_tokens
 
 
 def _run(e: TorchEngine, max_steps: int = 10_000, check=True) -> dict[str, FinishedEvent]:

@@ -139,7 +139,9 @@ class FakeLLM:
         self.front = frontend
         mc = SimpleNamespace(max_model_len=max_model_len)
         self.vllm_config = SimpleNamespace(
-            model_config=mc, cache_config=SimpleNamespace(num_gpu_blocks=8, block_size=16)
+            model_config=mc,
+            cache_config=SimpleNamespace(num_gpu_blocks=8, block_size=16),
+            scheduler_config=SimpleNamespace(max_num_seqs=3),
         )
         self.running: dict[str, list[int]] = {}  # request id -> [max_tokens, produced]
         self.registration = asyncio.Event()
@@ -465,4 +467,23 @@ def test_kv_statistics_come_from_vllms_scheduler_stats():
         scheduler_stats=SchedulerStats(num_running_reqs=3, num_waiting_reqs=1, kv_cache_usage=0.25), iteration_stats=it
     )
     s = eng.stats()
-    assert (s.running, s.waiting, s.kv_capacity, s.kv_tokens, s.preemptions) == (3, 1, 8 * 16, 32, 2)
+    assert (s.running, s.waiting, s.kv_tokens, s.preemptions) == (3, 1, 32, 2)
+    assert (eng.capacity().max_running, eng.capacity().kv_capacity) == (3, 8 * 16)
+
+
+@needs_vllm
+def test_capacity_comes_from_vllms_scheduler_cache_and_parallel_configs():
+    from vllm.config import CacheConfig, ParallelConfig, SchedulerConfig, VllmConfig
+
+    assert {"scheduler_config", "cache_config", "parallel_config"} <= set(VllmConfig.__dataclass_fields__)
+    eng, fake = engine("real")
+    cache = CacheConfig(block_size=16)
+    cache.num_gpu_blocks = 8 * 2  # set by vLLM after profiling, summed over data-parallel engines
+    fake.vllm_config = SimpleNamespace(
+        model_config=fake.vllm_config.model_config,
+        cache_config=cache,
+        scheduler_config=SchedulerConfig(max_num_seqs=5, max_model_len=64, is_encoder_decoder=False),
+        parallel_config=ParallelConfig(data_parallel_size=2),
+    )
+    cap = eng.capacity()
+    assert (cap.max_running, cap.kv_capacity) == (5 * 2, 16 * 16)

@@ -26,6 +26,7 @@ from staleflow_db.errors import Conflict
 from staleflow_db.protocol import Protocol, Snapshot
 from staleflow_db.retry import DATABASE_OUTAGE, is_db_unavailable
 from staleflow_db.rules import BufferCounts
+from staleflow_db.types import RunConfig
 from workers.retry import Outage
 
 from .admission import AdmissionView
@@ -52,9 +53,28 @@ class CycleStats:
     cycle_ms: deque[float] = field(default_factory=lambda: deque(maxlen=CYCLE_HISTORY))
 
 
-def instance_snapshots(snap: Snapshot, now: float) -> list[InstanceSnapshot]:
+# An instance that reported no capacity (docs/coordinator.md#capacity): one request at a time.
+UNREPORTED_MAX_RUNNING = 1
+
+
+def unreported_capacity(config: RunConfig) -> dict[str, int]:
+    """The capacity assumed for an instance that reported none: one request at a time, with KV
+    room for one longest sample of the run (its prompt and response budgets)."""
+    return {
+        "max_running": UNREPORTED_MAX_RUNNING,
+        "kv_capacity": config.max_prompt_tokens + config.max_response_tokens,
+    }
+
+
+def instance_snapshots(snap: Snapshot, now: float, unreported: set[int] | None = None) -> list[InstanceSnapshot]:
     """Database rows to the strategies' view: the heartbeat snapshot, with running samples'
-    progress taken from whichever is fresher (heartbeat or reported segments)."""
+    progress taken from whichever is fresher (heartbeat or reported segments), and the engine's
+    reported capacity (`unreported_capacity` when it reported none; such instances are added
+    to `unreported`, warned about once).
+
+    Requests count at least the samples the database holds running on the instance: a route
+    the engine has not taken in yet, or a finish not reported yet, still occupies a slot, so
+    routing up to `max_running` never puts more than that many samples on the instance."""
     out = []
     for inst in snap.instances:
         hb = inst.snapshot or {}
@@ -63,22 +83,34 @@ def instance_snapshots(snap: Snapshot, now: float) -> list[InstanceSnapshot]:
             RunningSample(sid, max(n, beat.get(sid, 0)), prompt + max(n, beat.get(sid, 0)), v)
             for sid, n, prompt, v in inst.running
         )
+        capacity = hb.get("capacity")
+        if capacity is None:
+            capacity = unreported_capacity(snap.config)
+            if unreported is not None and inst.id not in unreported:
+                unreported.add(inst.id)
+                log.warning(
+                    "instance %s (%s) reported no capacity: routed %s request at a time",
+                    inst.id,
+                    inst.name,
+                    UNREPORTED_MAX_RUNNING,
+                )
+        waiting = int(hb.get("waiting", 0))
         age = inst.snapshot_age_s if inst.snapshot_age_s is not None else 1e9
         out.append(
             InstanceSnapshot(
                 instance_id=inst.id,
                 version=inst.version,
-                running=int(hb.get("running", len(running))),
-                waiting=int(hb.get("waiting", 0)),
+                running=max(int(hb.get("running", 0)), len(running) - waiting),
+                waiting=waiting,
                 kv_used=int(hb.get("kv_used", sum(r.length for r in running))),
-                kv_capacity=int(hb.get("kv_capacity", 0)) or 1,
+                kv_capacity=int(capacity["kv_capacity"]),
                 running_samples=running,
                 throughput=float(hb.get("throughput", 0.0)),
                 heartbeat_at=now - age,
                 snapshot_at=now - age,
                 pulling=bool(hb.get("pulling", False)),
                 routed_seen=hb.get("routed_seen"),
-                max_running=int(hb.get("max_running") or 1 << 30),
+                max_running=int(capacity["max_running"]),
             )
         )
     return out
@@ -149,6 +181,7 @@ class Coordinator:
         self.epoch: int | None = None
         self.spec = SpeculativeState(tolerance=tolerance_s)
         self._queue = QueueReader()
+        self._unreported: set[int] = set()  # instances warned about reporting no capacity
         self.stats = CycleStats()
         self.database = Outage("the database", log)
         self._stop = False
@@ -218,7 +251,7 @@ class Coordinator:
         if snap.state != "active":  # paused or cancelled: no routes, and no interrupts or pulls either
             self.stats.expired += len(self.protocol.expire_instances(self.run_id))
             return
-        instances = instance_snapshots(snap, t1)
+        instances = instance_snapshots(snap, t1, self._unreported)
         live = {i.instance_id for i in instances}
         for gone in [i for i in self.spec.estimates if i not in live]:
             self.spec.forget(gone)

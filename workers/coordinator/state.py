@@ -51,7 +51,9 @@ class InstanceSnapshot:
     snapshot_at: float = 0.0
     pulling: bool = False
     routed_seen: int | None = None  # cumulative routed requests the engine has taken in
-    max_running: int = 1 << 30
+    # the engine's running slots (its reported Capacity, docs/coordinator.md#capacity): no
+    # default, so no view can silently lack the cap
+    max_running: int = field(kw_only=True)
 
     @property
     def requests(self) -> int:
@@ -126,7 +128,7 @@ class InstanceView:
     running_samples: Sequence[RunningSample] = ()
     throughput: float = 0.0
     pulling: bool = False
-    max_running: int = 1 << 30
+    max_running: int = field(kw_only=True)  # as InstanceSnapshot's
 
     @property
     def requests(self) -> int:
@@ -147,7 +149,7 @@ class InstanceView:
             self.running_samples,
             self.throughput,
             self.pulling,
-            self.max_running,
+            max_running=self.max_running,
         )
 
     @classmethod
@@ -162,7 +164,7 @@ class InstanceView:
             s.running_samples,
             s.throughput,
             s.pulling,
-            s.max_running,
+            max_running=s.max_running,
         )
 
 

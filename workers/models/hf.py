@@ -55,8 +55,12 @@ def encode_prompt(tokenizer: Any, text: str) -> list[int]:
     tokens (e.g. BOS). Rendered to text first: `apply_chat_template(tokenize=True)` returns a
     list or a dict depending on the transformers version."""
     if getattr(tokenizer, "chat_template", None):
-        rendered = tokenizer.apply_chat_template(
-            [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
-        )
-        return list(tokenizer(rendered, add_special_tokens=False)["input_ids"])
+        return encode_messages(tokenizer, [{"role": "user", "content": text}])
     return list(tokenizer(text)["input_ids"])
+
+
+def encode_messages(tokenizer: Any, messages: list[dict[str, Any]]) -> list[int]:
+    """A conversation's prompt token ids through the tokenizer's chat template, the generation
+    prompt added (the template's own special tokens, none added again)."""
+    rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return list(tokenizer(rendered, add_special_tokens=False)["input_ids"])

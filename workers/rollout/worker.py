@@ -102,7 +102,9 @@ class RolloutWorker:
 
     def run(self, until: Callable[[], bool] | None = None) -> WorkerStats:
         """Serve until stopped (or `until()` is true); deregisters on the way out."""
-        self.instance_id = self.client.register(self.run_id, self.name, self.engine.version, self.lease_s).instance_id
+        self.instance_id = self.client.register(
+            self.run_id, self.name, self.engine.version, self.lease_s, capacity=self.engine.capacity()
+        ).instance_id
         log.info("instance %s registered at version %s", self.instance_id, self.engine.version)
         inbox = Inbox(self.client, self.run_id, lambda: self.instance_id, self.idle_wait_s)
         inbox.start()
@@ -283,14 +285,13 @@ class RolloutWorker:
             "running": s.running,
             "waiting": s.waiting,
             "kv_used": s.kv_tokens,
-            "kv_capacity": s.kv_capacity,
             # engines count prompt + response; the snapshot carries response tokens
             "running_samples": [
                 {"sample_id": int(k), "tokens": max(0, v - self.held[int(k)].prompt_len)}
                 for k, v in s.running_tokens.items()
                 if int(k) in self.held
             ],
-            "max_running": getattr(self.engine, "max_running", None),
+            "capacity": self.engine.capacity().model_dump(),
             "throughput": s.tokens_per_s,
             "pulling": pulling,
             "routed_seen": self.stats.routed,
@@ -307,5 +308,7 @@ class RolloutWorker:
         self.engine.abort([str(k) for k in self.held])
         self.held.clear()
         self.pending.clear()
-        self.instance_id = self.client.register(self.run_id, self.name, self.engine.version, self.lease_s).instance_id
+        self.instance_id = self.client.register(
+            self.run_id, self.name, self.engine.version, self.lease_s, capacity=self.engine.capacity()
+        ).instance_id
         self._last["heartbeat"] = time.monotonic()

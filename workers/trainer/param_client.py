@@ -12,6 +12,7 @@ import datetime
 import json
 import logging
 import socket
+import weakref
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import TypeVar
@@ -20,6 +21,7 @@ import torch
 from torch.distributed import TCPStore
 
 from workers.retry import PARAM_SERVER, Outage
+from workers.trainer.param_auth import PSAuthError, PSCredentials, connect
 from workers.trainer.param_store import (
     ChecksumError,
     ParamServerError,
@@ -61,10 +63,18 @@ def _transfer() -> Iterator[None]:
 class ParamClient:
     """Talks to a PS at "host:port" (or (host, port)). Thread-safe: no shared state."""
 
-    def __init__(self, addr: str | tuple[str, int], timeout_s: float = 300.0, retry_for: float | None = 0.0):
+    def __init__(
+        self,
+        addr: str | tuple[str, int],
+        timeout_s: float = 300.0,
+        retry_for: float | None = 0.0,
+        credentials: PSCredentials | None = None,
+    ):
         """`retry_for`: seconds to ride through a PS that is down or restarting (connection
         refused or lost mid-transfer), None for ever (long-running workers), 0 for one try.
-        Refusals (unknown version, checksum mismatch) are raised at once."""
+        Refusals (unknown version, checksum mismatch, PSAuthError) are raised at once.
+        `credentials`: the run's PS key for this client's role (`PSCredentials.fetch`); None
+        only talks to a PS that authenticates nobody."""
         if isinstance(addr, str):
             host, port = addr.rsplit(":", 1)
             addr = (host, int(port))
@@ -72,6 +82,9 @@ class ParamClient:
         self.timeout_s = timeout_s
         self.retry_for = retry_for
         self.outage = Outage(f"parameter server {self.addr[0]}:{self.addr[1]}", log)
+        self.credentials = credentials
+        # each connection's session secret, for its transfer's group (_join)
+        self._sessions: weakref.WeakKeyDictionary[socket.socket, str | None] = weakref.WeakKeyDictionary()
 
     def _call(self, fn: Callable[[], _T]) -> _T:
         """One PS request, retried while the PS is unreachable; every request is idempotent
@@ -87,6 +100,12 @@ class ParamClient:
     def _connect(self, req: dict):
         sock = socket.create_connection(self.addr, timeout=self.timeout_s)
         f = sock.makefile("rwb")
+        try:
+            self._sessions[sock] = connect(f, f, self.credentials, f"{self.addr[0]}:{self.addr[1]}").secret
+        except BaseException:
+            f.close()
+            sock.close()
+            raise
         f.write(json.dumps(req).encode() + b"\n")
         f.flush()
         return sock, f
@@ -99,12 +118,15 @@ class ParamClient:
         msg = json.loads(line)
         if "error" in msg:
             err = msg["error"]
+            if err.startswith("PSAuthError"):
+                raise PSAuthError(err)
             raise (ChecksumError if err.startswith("ChecksumError") else ParamServerError)(err)
         return msg
 
     def _join(self, sock: socket.socket, msg: dict):
         store = TCPStore(self.addr[0], msg["store_port"], 2, False, datetime.timedelta(seconds=self.timeout_s))
-        return store, open_group(store, 1, msg["backend"], sock.getsockname()[0], self.timeout_s)
+        secret = self._sessions.get(sock)
+        return store, open_group(store, 1, msg["backend"], sock.getsockname()[0], self.timeout_s, secret)
 
     def latest(self) -> dict | None:
         """{"version", "size", "checksum", "location"} of the latest version, or None."""

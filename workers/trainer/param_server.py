@@ -3,6 +3,9 @@
 Design
   * Control: a small TCP server speaking JSON lines -- `latest`, `pull`, `push`. One
     connection per request; it stays open for the duration of that transfer.
+  * Access: every connection first passes the handshake of workers.trainer.param_auth (the
+    run's PS key for the role its request needs); a refused one is answered, logged and
+    closed before its request is read. Each transfer's group is bound to that session.
   * Data: `torch.distributed` point-to-point. Each transfer gets its own two-rank group
     (PS rank 0, peer rank 1) rendezvousing through a TCPStore the PS opens on a free port.
     Groups are built directly as ProcessGroupGloo/ProcessGroupNCCL objects rather than
@@ -49,6 +52,7 @@ from pathlib import Path
 import torch
 from torch.distributed import TCPStore
 
+from workers.trainer.param_auth import HANDSHAKE_TIMEOUT_S, PSAuthError, PSKeys, Session, accept, authorize
 from workers.trainer.param_store import (
     ChecksumError,
     ParamServerError,
@@ -108,8 +112,14 @@ class ParamServer:
         device: str = "cpu",
         on_published: OnPublished | None = None,
         transfer_timeout_s: float = 300.0,
+        auth: PSKeys | None = None,
+        handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S,
         _tamper_pulls: bool = False,
     ):
+        """`auth`: the run's PS keys (workers.trainer.param_auth); every connection must prove
+        one within `handshake_timeout_s`. None authenticates nobody: for a PS and its clients
+        inside one program only."""
+        self.auth, self.handshake_timeout_s = auth, handshake_timeout_s
         self.data_dir = Path(data_dir)
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self.backend, self.device = backend, torch.device(device)
@@ -185,8 +195,26 @@ class ParamServer:
             h.wfile.flush()
 
         try:
+            session = accept(h.connection, h.rfile, h.wfile, self.auth, self.handshake_timeout_s)
+        except (PSAuthError, OSError) as e:  # nothing of the peer's is read or served
+            # a peer that hangs up before a byte (a TCP probe) is no refusal worth a warning
+            level = logging.WARNING if isinstance(e, PSAuthError) else logging.DEBUG
+            log.log(level, "refused connection from %s: %s", h.client_address[0], e)
+            try:
+                reply({"error": f"PSAuthError: {e}"})
+            except OSError:
+                pass
+            return
+        h.session = session  # type: ignore[attr-defined]  # binds the transfer's group to it
+        try:
             req = json.loads(h.rfile.readline() or b"{}")
             op = req.get("op")
+            try:
+                authorize(session, op)
+            except PSAuthError as e:
+                log.warning("refused %s from %s (%s): %s", op, h.client_address[0], session.role, e)
+                reply({"error": f"PSAuthError: {e}"})
+                return
             if op == "latest":
                 reply({"latest": self.latest()})
             elif op == "pull":
@@ -243,7 +271,7 @@ class ParamServer:
         try:
             store, local = self._open_transfer(h)
             reply({**entry.info(), "meta": _metas_json(entry.metas), "store_port": store.port, "backend": self.backend})
-            pg = open_group(store, 0, self.backend, local, self.timeout_s)
+            pg = open_group(store, 0, self.backend, local, self.timeout_s, _secret(h))
             flat = entry.flat
             if self._tamper_pulls:
                 flat = flat.clone()
@@ -269,7 +297,7 @@ class ParamServer:
             metas = _metas_from_json(req["meta"])
             store, local = self._open_transfer(h)
             reply({"store_port": store.port, "backend": self.backend})
-            pg = open_group(store, 0, self.backend, local, self.timeout_s)
+            pg = open_group(store, 0, self.backend, local, self.timeout_s, _secret(h))
             flat = torch.empty(sum(m.nbytes for m in metas), dtype=torch.uint8, device=self.device)
             hasher = _hasher(metas)
             writer = VersionWriter(self.data_dir, version, metas)
@@ -351,6 +379,11 @@ class ParamServer:
                 p.unlink(missing_ok=True)
 
 
+def _secret(h) -> str | None:
+    session: Session = h.session
+    return session.secret
+
+
 def _mark_committed(data_dir: Path, version: int) -> None:
     """Record the commit in the version's sidecar (atomically), so a restarted PS keeps it."""
     side_path = data_dir / f"v{version}.json"
@@ -375,6 +408,8 @@ def main(
     on_published: OnPublished | None = None,
     ready_file: str | os.PathLike | None = None,
     transfer_timeout_s: float = 300.0,
+    auth: PSKeys | None = None,
+    handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S,
     _tamper_pulls: bool = False,
 ) -> None:
     """Run a PS until SIGTERM/SIGINT. With port=0 the bound address is written to
@@ -388,6 +423,8 @@ def main(
         device=device,
         on_published=on_published,
         transfer_timeout_s=transfer_timeout_s,
+        auth=auth,
+        handshake_timeout_s=handshake_timeout_s,
         _tamper_pulls=_tamper_pulls,
     )
     stop = threading.Event()
@@ -398,6 +435,7 @@ def main(
         tmp = Path(f"{ready_file}.tmp")
         tmp.write_text(json.dumps({"host": h, "port": p, "pid": os.getpid()}))
         os.replace(tmp, ready_file)
-    log.info("PS listening on %s:%d (%s), dir %s", h, p, backend, data_dir)
+    who = f"run {auth.run_id}'s PS keys required" if auth else "NO authentication"
+    log.info("PS listening on %s:%d (%s), dir %s; %s", h, p, backend, data_dir, who)
     stop.wait()
     ps.stop()

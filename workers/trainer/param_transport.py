@@ -1,7 +1,9 @@
 """How a weight version travels between the parameter server and a peer: a private two-rank
 `torch.distributed` group per transfer (PS rank 0, peer rank 1) rendezvousing through a
 TCPStore, and the flat uint8 buffer (workers.trainer.param_store) sent in chunks. The client
-and the server both use it; neither reaches into the other."""
+and the server both use it; neither reaches into the other. A group is bound to its control
+connection's session (workers.trainer.param_auth): its rendezvous keys are named by the
+session's secret and the client's rank proves it before any data moves."""
 
 from __future__ import annotations
 
@@ -11,12 +13,23 @@ from collections.abc import Callable
 import torch
 from torch.distributed import PrefixStore, ProcessGroupGloo, TCPStore
 
+from workers.trainer.param_auth import check_peer, prove_peer
 from workers.trainer.param_store import _CHUNK
 
 
-def open_group(store: TCPStore, rank: int, backend: str, local_host: str, timeout_s: float):
+def open_group(store: TCPStore, rank: int, backend: str, local_host: str, timeout_s: float, secret: str | None = None):
+    """The transfer's group; with the session's `secret`, only a peer that holds it joins."""
+    pg = _group(store, rank, backend, local_host, timeout_s, secret)
+    if rank == 0:
+        check_peer(pg, secret, 1)
+    else:
+        prove_peer(pg, secret, 0)
+    return pg
+
+
+def _group(store: TCPStore, rank: int, backend: str, local_host: str, timeout_s: float, secret: str | None):
     timeout = datetime.timedelta(seconds=timeout_s)
-    prefix = PrefixStore("staleflow-ps", store)
+    prefix = PrefixStore("staleflow-ps" if secret is None else f"staleflow-ps/{secret}", store)
     if backend == "gloo":
         # Private, so not in torch's stubs; the only way to give gloo a timeout and device.
         # Bound since torch 1.x (2.11 and 2.13 both have it); should a release drop it, the

@@ -160,7 +160,8 @@
     const rows = inst.map((i) => {
       const s = i.snapshot || {};
       const running = s.running ?? i.routed, waiting = s.waiting ?? 0;
-      const kvUse = s.kv_capacity ? s.kv_used / s.kv_capacity : null;
+      const kvCap = s.capacity?.kv_capacity;
+      const kvUse = kvCap ? s.kv_used / kvCap : null;
       const state = s.pulling ? "pulling" : running + waiting === 0 ? "idle" : waiting > 0 || (kvUse !== null && kvUse > 0.9) ? "overloaded" : "busy";
       return `<tr class="${state}" data-instance="${i.id}"><td>${i.id}</td><td>${esc(i.name)}</td><td class="num" data-k="version">${i.version}</td>`
         + `<td><span class="tag ${state}">${state}</span></td><td class="num" data-k="running">${running}</td><td class="num" data-k="waiting">${waiting}</td>`

@@ -1,7 +1,8 @@
 """The rollout-engine interface shared by every engine (`torch`, `sim`, `vllm`).
 
-Engine-agnostic on purpose: plain dataclasses, no torch import, so the rollout worker, the
-cost-model `sim` engine and tests can use it without loading a deep-learning stack.
+Engine-agnostic on purpose: plain dataclasses (and the wire's `Capacity`), no torch import,
+so the rollout worker, the cost-model `sim` engine and tests can use it without loading a
+deep-learning stack.
 
 Vocabulary (see SPEC.md): a sample's response is built from *segments*; one call to
 `add_request` ... `Finished`/`interrupt` is one *stretch* on this engine and becomes one
@@ -15,6 +16,8 @@ import abc
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from workers.wire.models.rollout import Capacity
 
 
 @dataclass(frozen=True)
@@ -91,8 +94,7 @@ class EngineStats:
     version: int
     running: int
     waiting: int
-    kv_tokens: int  # tokens whose K/V are held in the cache right now
-    kv_capacity: int  # tokens the cache can hold
+    kv_tokens: int  # tokens whose K/V are held in the cache right now (of `Engine.capacity`'s)
     # per running sample: prompt + response tokens so far (the routing length `l`)
     running_tokens: dict[str, int] = field(default_factory=dict)
     tokens_per_s: float = 0.0  # generated tokens per second over a recent window
@@ -160,6 +162,12 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     def stats(self) -> EngineStats:
         """Current load, for snapshots and the coordinator's cost model."""
+
+    @abc.abstractmethod
+    def capacity(self) -> Capacity:
+        """What the engine holds at once: its running slots and its KV cache in tokens. The
+        rollout worker registers and heartbeats it; the coordinator never routes the instance
+        more requests than `max_running` (docs/coordinator.md#capacity)."""
 
     def has_work(self) -> bool:
         s = self.stats()

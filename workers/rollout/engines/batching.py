@@ -34,6 +34,7 @@ from workers.rollout.engines.base import (
     TokensEvent,
     request_context,
 )
+from workers.wire.models.rollout import Capacity
 
 C = TypeVar("C")  # an engine's per-sample KV handle
 
@@ -197,18 +198,20 @@ class BatchingEngine(Engine, Generic[C]):
 
     def stats(self) -> EngineStats:
         busy = sum(d for d, _ in self._recent)
-        held, capacity = self._kv_usage()
+        held, _ = self._kv_usage()
         return EngineStats(
             version=self._version,
             running=len(self._running),
             waiting=len(self._waiting),
             kv_tokens=held,
-            kv_capacity=capacity,
             running_tokens={r.sample_id: r.seq_len for r in self._running},
             # decode throughput while busy, i.e. n / latency(n, kv) of the cost model
             tokens_per_s=sum(n for _, n in self._recent) / busy if busy > 0 else 0.0,
             preemptions=self._preemptions,
         )
+
+    def capacity(self) -> Capacity:
+        return Capacity(max_running=self.max_running, kv_capacity=self._kv_usage()[1])
 
     # ---- scheduling --------------------------------------------------------------------
     def _make_room_for_decode(self, events: list[EngineEvent]) -> bool:

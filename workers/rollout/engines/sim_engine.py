@@ -28,6 +28,7 @@ from workers.coordinator.cost_model import CostModel, get_cost_model
 from workers.rollout.engines.base import Engine, EngineStats, FinishedEvent, Partial, PreemptedEvent, TokensEvent
 from workers.rollout.engines.timing import BatchModel
 from workers.settings import sim_engine_settings
+from workers.wire.models.rollout import Capacity
 
 MAGIC = 7_777_777  # first prompt token of a sim prompt
 TOKEN, LOGPROB = 1, -1.0  # what the sim "generates"
@@ -98,7 +99,6 @@ class SimEngine(Engine):
     ):
         env = sim_engine_settings()  # STALEFLOW_SIM_*, for what the caller leaves unset
         self.cost = cost or get_cost_model(env.model, env.parallelism)
-        self.kv_capacity, self.max_running = kv_capacity_tokens, max_running
         # wall seconds per simulated second; 0.1 runs ten times faster than the GPUs modelled
         self.time_scale = env.time_scale if time_scale is None else time_scale
         self.max_step_s = max_step_s
@@ -180,6 +180,10 @@ class SimEngine(Engine):
         self.sim_time += self.pull_s
         self._version = version
 
+    def capacity(self) -> Capacity:
+        # the batch model's, as the simulator's instances report it (workers/sim/engine.py)
+        return Capacity(max_running=self.batch.max_running, kv_capacity=self.batch.cap)
+
     def stats(self) -> EngineStats:
         b = self.batch
         return EngineStats(
@@ -187,7 +191,6 @@ class SimEngine(Engine):
             running=b.n,
             waiting=len(b.waiting),
             kv_tokens=b.kv,
-            kv_capacity=self.kv_capacity,
             running_tokens={sid: b.context(sid) for sid in b.run},
             tokens_per_s=self._rate.per_s(time.monotonic()) / max(self.time_scale, 1e-9) if self.time_scale else 0.0,
             preemptions=b.preemptions,

@@ -27,6 +27,8 @@ How the interface maps:
     `mode="keep", clear_cache=True`: running requests are preempted (recomputed on the new
     weights when resumed) and the prefix cache emptied, so no K/V of the old weights is reused.
   * stats -> a stat logger records vLLM's scheduler stats (running, waiting, KV usage).
+  * capacity -> the scheduler config's max_num_seqs and the KV cache's num_gpu_blocks x
+    block_size from the cache config (set once vLLM has profiled the GPU, before we register).
 Not available: PreemptedEvent. vLLM preempts and recomputes internally and does not say
 which request it preempted, so φ_wait migration inside the engine does not apply.
 """
@@ -53,6 +55,7 @@ from workers.rollout.engines.base import (
     TokensEvent,
     request_context,
 )
+from workers.wire.models.rollout import Capacity
 
 INSTALL_HINT = "the vllm engine needs vLLM on a GPU host: pip install 'staleflow[vllm]'"
 # vLLM's finish reason -> ours; "abort" of a stretch we stopped ourselves is no finish at all
@@ -197,6 +200,9 @@ class VLLMEngine(Engine):
         self._SamplingParams, self._tokens_input, self._DELTA = sampling_params, tokens_input, delta
         self._version, self.temperature, self.poll_s, self.ps_addr = version, temperature, poll_s, ps_addr
         self.top_p = top_p  # the run's; processed log-probs are then of the truncated distribution
+        # the workers' PS key (workers/trainer/param_auth.py), as plain values: collective_rpc
+        # carries msgpack; None for a PS that authenticates nobody
+        self.ps_credentials: list | None = None
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="vllm-loop", daemon=True)
         self._thread.start()
@@ -388,9 +394,10 @@ class VLLMEngine(Engine):
         # the new weights when resumed) and empties the prefix cache, or vLLM raises
         await self._llm.pause_generation(mode="keep", clear_cache=True)
         try:
-            got = await self._llm.collective_rpc("staleflow_pull", args=(addr, version, wait_s))
+            creds = () if self.ps_credentials is None else (self.ps_credentials,)
+            got = await self._llm.collective_rpc("staleflow_pull", args=(addr, version, wait_s, *creds))
             if len(set(got)) > 1:  # tensor-parallel ranks raced a commit: all load the newest
-                got = await self._llm.collective_rpc("staleflow_pull", args=(addr, max(got), wait_s))
+                got = await self._llm.collective_rpc("staleflow_pull", args=(addr, max(got), wait_s, *creds))
             if not await self._llm.reset_prefix_cache():
                 raise RuntimeError("vLLM kept prefix-cache blocks of the old weights")
         finally:
@@ -403,9 +410,20 @@ class VLLMEngine(Engine):
         the workers pull the latest committed version here."""
         return None, (self.load_from_ps(None) if target is None else int(target))
 
+    def capacity(self) -> Capacity:
+        """vLLM's running slots and its KV cache in tokens: max_num_seqs per data-parallel
+        engine, and the blocks vLLM allocated after profiling (summed over those engines)
+        times tokens per block."""
+        config = self._llm.vllm_config
+        cache = config.cache_config
+        dp = int(getattr(getattr(config, "parallel_config", None), "data_parallel_size", 1) or 1)
+        return Capacity(
+            max_running=int(config.scheduler_config.max_num_seqs) * dp,
+            kv_capacity=int(cache.num_gpu_blocks or 0) * int(cache.block_size or 0),
+        )
+
     def stats(self) -> EngineStats:
-        cache = self._llm.vllm_config.cache_config
-        capacity = int(cache.num_gpu_blocks or 0) * int(cache.block_size or 0)
+        capacity = self.capacity().kv_capacity
         s = self._sched
         usage = float(getattr(s, "kv_cache_usage", 0.0) or 0.0)
         now = time.monotonic()
@@ -416,7 +434,6 @@ class VLLMEngine(Engine):
             running=int(getattr(s, "num_running_reqs", len(self._live))),
             waiting=int(getattr(s, "num_waiting_reqs", 0)),
             kv_tokens=round(usage * capacity),
-            kv_capacity=capacity,
             running_tokens={sid: st.context_len + len(st.tokens) for sid, st in self._live.items()},
             tokens_per_s=sum(n for _, n in recent) / span if span > 0 else 0.0,
             preemptions=self._preempted,
@@ -434,13 +451,22 @@ class VLLMEngine(Engine):
 class StaleFlowWorkerExtension:
     """Mixed into every vLLM worker (`worker_extension_cls`); called via collective_rpc."""
 
-    def staleflow_pull(self, addr: str, version: int | None, wait_s: float = 0.0) -> int:
+    def staleflow_pull(
+        self, addr: str, version: int | None, wait_s: float = 0.0, credentials: list | None = None
+    ) -> int:
         """Pull `version` from the PS (the latest committed one if it does not serve it: not
-        committed yet, or dropped for a newer one) onto this worker's device and install it."""
+        committed yet, or dropped for a newer one) onto this worker's device and install it.
+        `credentials`: [run id, role, key hex] (VLLMEngine.ps_credentials)."""
+        from workers.trainer.param_auth import PSCredentials
         from workers.trainer.param_client import ParamClient
         from workers.trainer.param_store import ChecksumError, ParamServerError
 
-        pc = ParamClient(addr, retry_for=wait_s)  # rides through a PS that is not up yet
+        creds = (
+            None
+            if credentials is None
+            else PSCredentials(credentials[0], credentials[1], bytes.fromhex(credentials[2]))
+        )
+        pc = ParamClient(addr, retry_for=wait_s, credentials=creds)  # rides through a PS that is not up yet
         deadline = time.monotonic() + wait_s
         while True:
             try:

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from typing import Annotated
 from uuid import UUID
 
-from pydantic import Field
+from pydantic import Field, Strict
 
 from ..enums import SegmentKind
 from .common import (
+    INT32_MAX,
     INT64_MAX,
     Attempt,
     Bool,
@@ -25,11 +27,24 @@ from .common import (
     Version,
 )
 
+Positive = Annotated[int, Strict(), Field(ge=1, le=INT32_MAX)]
+
+
+class Capacity(In):
+    """What an engine holds at once (docs/coordinator.md#capacity). The coordinator routes an
+    instance no more requests than `max_running` and estimates its KV fullness against
+    `kv_capacity`. An instance that reports none is routed one request at a time, with room for
+    one longest sample of the run."""
+
+    max_running: Positive = Field(description="most requests the engine runs at once (vLLM: max_num_seqs)")
+    kv_capacity: Positive = Field(description="tokens the engine's KV cache holds in all")
+
 
 class RegisterIn(In):
     name: Name = Field(description="a label (host, GPU); the id is new on every registration")
     version: Version = Field(description="model version the instance has loaded")
     lease_seconds: LeaseSeconds = 30.0
+    capacity: Capacity | None = Field(None, description="the engine's capacity, known to the first cycle")
 
 
 class RegisterOut(Out):
@@ -49,12 +64,11 @@ class InstanceSnapshotIn(In):
     running: Count = 0
     waiting: Count = 0
     kv_used: Count = Field(0, description="KV-cache tokens held")
-    kv_capacity: Count = Field(0, description="KV-cache tokens available in all")
     running_samples: list[RunningSampleIn] = Field(default_factory=list, max_length=100_000)
     throughput: Number = Field(0.0, ge=0.0, le=1e12, allow_inf_nan=False, description="generated tokens/s")
     pulling: Bool = False
     routed_seen: Int | None = Field(None, ge=0, le=INT64_MAX, description="cumulative routed requests taken in")
-    max_running: Count | None = None
+    capacity: Capacity | None = Field(None, description="the engine's capacity; left out: the latest reported stays")
 
 
 class HeartbeatIn(In):
@@ -130,6 +144,7 @@ class ExpireOut(Out):
 
 
 __all__ = [
+    "Capacity",
     "CommandOut",
     "DeregisterOut",
     "ExpireOut",

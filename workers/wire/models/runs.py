@@ -104,6 +104,14 @@ class ParamVersionList(Out):
     versions: list[ParamVersionOut]
 
 
+class ParamSecretOut(Out):
+    run_id: int
+    keys: dict[str, str] = Field(
+        description="the run's parameter-server keys (hex) by role: rollout for a rollout token; "
+        "trainer and rollout for a trainer or admin token (docs/security.md)"
+    )
+
+
 class PromptIn(In):
     client_key: Key = Field(
         description="the caller's key: enqueueing the same key again returns the same group;"
@@ -154,6 +162,7 @@ __all__ = [
     "Count",
     "EnqueueIn",
     "EnqueueOut",
+    "ParamSecretOut",
     "ParamVersionList",
     "ParamVersionOut",
     "PromptIn",
