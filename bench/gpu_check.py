@@ -25,6 +25,9 @@ Cases (see CHECKS):
   ps_nccl            our parameter server with the NCCL backend: a push from GPU tensors and a
                      pull onto the second GPU return them bit for bit (needs 2 GPUs: NCCL does
                      not put two ranks on one device)
+  pull_buckets       a version pushed from fp32 GPU tensors in bfloat16 streams through the PS
+                     in buckets into the hf engine's bf16 model on the GPU: bit for bit, one
+                     bucket held, peak extra GPU memory (max_memory_allocated) <= one bucket
   weights_in_flight  the hf engine loads new weights while requests are running: they finish,
                      the engine reports the new version, later samples follow the new weights
   logprobs_t07       the engine's log-probs at T = 0.7 against the trainer's (token_logprobs of
@@ -69,6 +72,7 @@ CHECKS = {
     "hf_engine": "the hf engine generates on the GPU (engine arguments from --engine-config keys)",
     "trainer": "a GRPO update on the GPU changes the model's weights",
     "ps_nccl": "parameter server, NCCL backend: GPU push, pull onto another GPU (needs 2 GPUs)",
+    "pull_buckets": "a bf16 push streamed in buckets into the hf engine on the GPU: identical, <= one bucket extra",
     "weights_in_flight": "new weights loaded while requests run; they finish, later samples follow them",
     "logprobs_t07": "engine vs trainer log-probs at T = 0.7 (max abs difference)",
     "interrupt_resume": "an interrupted and resumed sample equals the uninterrupted one",
@@ -301,6 +305,47 @@ def check_ps_nccl(work: Path) -> str:
             assert str(got[k].device) == dst and got[k].dtype == t.dtype, (k, got[k].device, got[k].dtype)
             assert torch.equal(got[k].to("cuda:0"), t), k
         return f"push from cuda:0, pull onto {dst}: {sum(t.numel() for t in sd.values())} values identical"
+    finally:
+        server.stop()
+
+
+def check_pull_buckets(work: Path, folder: Path) -> str:
+    import torch
+
+    from workers.trainer.param_client import ParamClient
+    from workers.trainer.param_server import ParamServer
+    from workers.trainer.param_store import tensors_of
+    from workers.trainer.param_transport import RecvAccount
+
+    eng = hf_engine(folder, dtype="bfloat16")
+    server = ParamServer(work / "ps-buckets")
+    host, port = server.start()
+    try:
+        client = ParamClient((host, port))
+        trained = {k: v.float().to(DEV) for k, v in state_dict(7).items()}  # an fp32 trainer's weights
+        client.commit(1, client.push(trained, 1, dtype=torch.bfloat16))
+        size = sum(t.numel() * 2 for t in trained.values())
+        account = RecvAccount()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        client.pull_into(
+            lambda v, r: eng.install(v, tensors_of(r)),
+            device=DEV,
+            bucket_bytes=max(size // 16, 1 << 16),
+            account=account,
+        )
+        torch.cuda.synchronize()
+        extra = torch.cuda.max_memory_allocated() - base
+        got = eng.model.state_dict()
+        for k, t in trained.items():
+            assert got[k].dtype == torch.bfloat16 and torch.equal(got[k], t.to(torch.bfloat16)), k
+        assert eng.version == 1 and account.buckets > 4 and account.peak_in_flight == 1, account
+        assert extra <= account.buffer_bytes + (1 << 20), f"peak extra {extra} B, bucket {account.buffer_bytes} B"
+        return (
+            f"{account.buckets} buckets of <= {account.buffer_bytes} B into a {size} B bf16 model, identical; "
+            f"peak extra GPU memory {extra} B = {extra / size:.3f} of the model"
+        )
     finally:
         server.stop()
 
@@ -635,6 +680,7 @@ def run_checks(work: Path, results: dict[str, tuple[str, str]]) -> None:
     run("hf_engine", lambda: check_hf_engine(folder, prompt))
     run("trainer", lambda: check_trainer(folder, prompt))
     run("ps_nccl", lambda: check_ps_nccl(work))
+    run("pull_buckets", lambda: check_pull_buckets(work, folder))
     run("weights_in_flight", lambda: check_weights_in_flight(folder, prompt))
     run("logprobs_t07", lambda: check_logprobs_t07(folder, prompt))
     run("interrupt_resume", lambda: check_interrupt_resume(folder, prompt))

@@ -5,7 +5,8 @@
     python bench/policies.py --setups short_many,heavy_tail --out /tmp/pol   # some shapes
 
 Set-ups: the four reference ones (qwen_14b, qwen_32b, qwen_moe_30b, qwen_7b) and the workload
-shapes short_many, heavy_tail, correlated, few_instances, many_instances (workers/sim/setups.py).
+shapes short_many, heavy_tail, correlated, few_instances, many_instances, agentic
+(workers/sim/setups.py).
 For each set-up and η: tokens/s and samples/s of every policy, the ratios staleflow/sync,
 staleflow/one_step and staleflow/strict, the ratio to ideal, rollout idle fraction and the
 staleness histogram; a per-shape staleflow/strict table; an ablation table (η = 2, reference

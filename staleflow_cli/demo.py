@@ -2,9 +2,10 @@
 
 The API, parameter server, trainer, coordinator, reward worker and several `torch` rollout
 workers run as separate processes on the embedded PostgreSQL (or STALEFLOW_DATABASE_URL),
-exactly as they would across machines. The model learns the toy `repeat` task from scratch;
-every step is recorded in PostgreSQL, and the run ends with a per-step table, the audit, and a
-report folder (JSON + PNG plots).
+exactly as they would across machines. The model learns the toy `repeat` task from a warm
+start, or (`--task multiturn`) a multi-turn search with an environment answering each turn
+(workers/tasks/guess.py); every step is recorded in PostgreSQL, and the run ends with a
+per-step table, the audit, and a report folder (JSON + PNG plots).
 """
 
 from __future__ import annotations
@@ -27,16 +28,24 @@ from api.ui.report import dashboard_data, write_report_html
 from staleflow_cli.common import need
 from staleflow_cli.launch import Cluster, ProcessDied
 from staleflow_db import migrate
-from staleflow_db.audit import last_step_reward, step_metrics, summary
+from staleflow_db.audit import last_step_reward, mean_turns, step_metrics, summary
 from staleflow_db.audit import step_accuracy as accuracy_by_step
 from staleflow_db.db import database_url, make_engine
 from staleflow_db.protocol import Prompt, Protocol
 from staleflow_db.types import RunConfig
 from workers.coordinator.policies import POLICY_NAMES
 from workers.extras import require
+from workers.tasks.guess import GuessTask
 from workers.tasks.repeat import RepeatTask
 
+TASKS = ("repeat", "multiturn")
+# the multi-turn task's environment and its text <-> tokens, for the rollout and reward workers
+GUESS_ENV = ["--env", "workers.envs.guess:GuessEnv", "--codec", "workers.tasks.guess:GuessCodec"]
 QUEUE_STEPS = 6  # steps' worth of prompts kept queued (covers eta, filtered groups, in-flight work)
+
+
+MULTITURN_STEPS = 80  # the multi-turn demo's default: a few minutes here
+MULTITURN_LR = 2e-3
 
 
 @dataclass
@@ -66,9 +75,18 @@ class DemoConfig:
     # and the step figures (trained samples only) would leave out exactly the solved groups
     dapo_filter: bool = False
     model: Path | None = None  # a Hugging Face model folder instead of the tiny model
+    task: str = "repeat"  # or "multiturn": the guessing search (workers/tasks/guess.py)
+    guess_noise: float = 0.25  # multiturn warm start: a guess ignores the feedback this often (87% found)
 
 
-def model_config(task: RepeatTask, cfg: DemoConfig) -> dict[str, Any]:
+Task = RepeatTask | GuessTask
+
+
+def make_task(cfg: DemoConfig) -> Task:
+    return GuessTask() if cfg.task == "multiturn" else RepeatTask()
+
+
+def model_config(task: Task, cfg: DemoConfig) -> dict[str, Any]:
     return {
         "vocab_size": task.vocab_size,
         "d_model": cfg.d_model,
@@ -81,9 +99,12 @@ def model_config(task: RepeatTask, cfg: DemoConfig) -> dict[str, Any]:
     }
 
 
-def max_reward(task: RepeatTask) -> float:
+def max_reward(task: Task) -> float:
     """The verifier's reward for an exact answer: accuracy counts the samples that reach it."""
     from workers.tasks.verifiers import repeat_verifier
+
+    if isinstance(task, GuessTask):
+        return 1.0  # the environment's reward for finding the number
 
     _, meta = task.prompt(random.Random(0))
     return repeat_verifier([meta["symbol"]] * meta["count"] + [meta["eos"]], "eos", meta, lambda t: "")
@@ -101,7 +122,7 @@ def final_means(steps: list[dict]) -> tuple[float, float]:
 
 
 def run_demo(cfg: DemoConfig, console: Console) -> dict[str, Any]:
-    task = RepeatTask()
+    task = make_task(cfg)
     url = database_url()
     migrate.upgrade(url)
     engine = make_engine(url)
@@ -173,9 +194,8 @@ def run_demo(cfg: DemoConfig, console: Console) -> dict[str, Any]:
             ],
             env={"STALEFLOW_TOKEN": tokens["trainer"]},
         )
-        cluster.spawn(
-            "reward", ["reward-worker", *common, "--verifier", "repeat"], env={"STALEFLOW_TOKEN": tokens["reward"]}
-        )
+        scoring = GUESS_ENV if cfg.task == "multiturn" else ["--verifier", "repeat"]
+        cluster.spawn("reward", ["reward-worker", *common, *scoring], env={"STALEFLOW_TOKEN": tokens["reward"]})
         for i in range(cfg.instances):
             cluster.spawn(
                 f"rollout-{i}",
@@ -195,6 +215,7 @@ def run_demo(cfg: DemoConfig, console: Console) -> dict[str, Any]:
                     f"cpu-{i}",
                     "--heartbeat",
                     "0.5",
+                    *(GUESS_ENV if cfg.task == "multiturn" else []),
                 ],
                 env={"STALEFLOW_TOKEN": tokens["rollout"]},
             )
@@ -209,7 +230,6 @@ def run_demo(cfg: DemoConfig, console: Console) -> dict[str, Any]:
     audit = summary(engine, run)
     # The dashboard's panels as a static page: the finished run can be looked at without the service.
     write_report_html(report, dashboard_data(protocol.reads, run))
-    engine.dispose()
     result = {
         "run_id": run,
         "name": name,
@@ -224,8 +244,17 @@ def run_demo(cfg: DemoConfig, console: Console) -> dict[str, Any]:
     print_result(result, console)
     console.print(f"report: {report}")
     acc, reward = final_means(steps)
+    task_part = ""
+    if cfg.task == "multiturn":  # mean turns per trajectory over the steps the figures average
+        tail = steps[-max(1, len(steps) // 10) :]
+        turns = mean_turns(engine, run, tail[0]["step"] if tail else 0) or 0.0
+        result["turns"] = turns
+        task_part = f"task=multiturn steps={len(steps)} turns={turns:.2f}"
+    else:
+        task_part = f"steps={len(steps)}"
+    engine.dispose()
     console.print(  # the last line, for scripts
-        f"demo steps={len(steps)} accuracy={acc:.3f} reward={reward:.3f} "
+        f"demo {task_part} accuracy={acc:.3f} reward={reward:.3f} "
         f"max_reward={best:.3f} violations={len(audit['violations'])}",
         highlight=False,
         soft_wrap=True,
@@ -233,7 +262,7 @@ def run_demo(cfg: DemoConfig, console: Console) -> dict[str, Any]:
     return result
 
 
-def _learning_options(task: RepeatTask, cfg: DemoConfig, report: Path) -> list[str]:
+def _learning_options(task: Task, cfg: DemoConfig, report: Path) -> list[str]:
     """The trainer's options that make the demo learn: PPO epochs, lr decay, one thread (the
     CPU is shared with the rollout workers), and (tiny model) the warm-start weights for
     version 0, computed here in seconds."""
@@ -246,14 +275,20 @@ def _learning_options(task: RepeatTask, cfg: DemoConfig, report: Path) -> list[s
     from workers.tasks.warm_start import warm_start
 
     model = TinyTransformer(TinyConfig(**model_config(task, cfg)), seed=cfg.seed)
-    warm_start(model, task, cfg.warm_start_steps, seed=cfg.seed, noise=cfg.warm_start_noise)
+    if isinstance(task, GuessTask):
+        guess = task  # bound for the closure (mypy narrows the name only here)
+        warm_start(
+            model, RepeatTask(), cfg.warm_start_steps, seed=cfg.seed, demo=lambda rng: guess.demo(rng, cfg.guess_noise)
+        )
+    else:
+        warm_start(model, task, cfg.warm_start_steps, seed=cfg.seed, noise=cfg.warm_start_noise)
     report.mkdir(parents=True, exist_ok=True)
     torch.save(model.state_dict(), report / "warm_start.pt")
     return [*out, "--init-weights", str(report / "warm_start.pt")]
 
 
-def _prompts(task: RepeatTask, cfg: DemoConfig, n: int, name: str) -> list[tuple[str, list[int], dict]]:
-    if cfg.model is None:
+def _prompts(task: Task, cfg: DemoConfig, n: int, name: str) -> list[tuple[str, list[int], dict]]:
+    if cfg.model is None or isinstance(task, GuessTask):
         return task.prompts(n, seed=cfg.seed, prefix=name)
     from workers.models.hf import load_tokenizer
     from workers.tasks.text import repeat_prompts
@@ -404,13 +439,20 @@ def write_report(folder: Path, result: dict[str, Any]) -> None:
 
 
 def demo(
-    steps: int = typer.Option(DemoConfig.steps, min=1, help="Training steps (versions) to run."),
+    task: str = typer.Option(
+        "repeat", "--task", help=f"The toy task: {', '.join(TASKS)} (an environment, many turns)."
+    ),
+    steps: int | None = typer.Option(
+        None, min=1, help=f"Training steps (versions) to run [repeat {DemoConfig.steps}, multiturn {MULTITURN_STEPS}]."
+    ),
     instances: int = typer.Option(3, min=1, help="torch rollout workers."),
     policy: str = typer.Option("staleflow", help=f"Coordinator policy: {', '.join(POLICY_NAMES)}."),
     eta: int = typer.Option(1, min=0, help="Staleness bound."),
     batch_size: int = typer.Option(8, min=1, help="B: prompt groups per step."),
     group_size: int = typer.Option(DemoConfig.group_size, min=2, help="N: responses per prompt."),
-    lr: float = typer.Option(DemoConfig.lr, min=0.0, help="Learning rate."),
+    lr: float | None = typer.Option(
+        None, min=0.0, help=f"Learning rate [repeat {DemoConfig.lr:g}, multiturn {MULTITURN_LR:g}]."
+    ),
     seed: int = typer.Option(0, help="Seed of the prompts and the initial weights."),
     report_dir: Path = typer.Option(Path("reports"), help="Where the report folder goes."),
     timeout: float = typer.Option(1200.0, min=1.0, help="Give up after this many seconds."),
@@ -421,16 +463,21 @@ def demo(
     """Train a tiny model from scratch with asynchronous RL: every process real, every step in PostgreSQL."""
     if policy not in POLICY_NAMES:
         raise typer.BadParameter(f"unknown policy {policy!r}; known: {', '.join(POLICY_NAMES)}", param_hint="--policy")
+    if task not in TASKS:
+        raise typer.BadParameter(f"unknown task {task!r}; known: {', '.join(TASKS)}", param_hint="--task")
+    if task == "multiturn" and model is not None:
+        raise typer.BadParameter("--task multiturn trains the tiny model (its own tokens)", param_hint="--model")
     need("torch", "matplotlib", *(["transformers"] if model else []))  # before a cluster starts
     console = Console()
     cfg = DemoConfig(
-        steps=steps,
+        task=task,
+        steps=steps or (MULTITURN_STEPS if task == "multiturn" else DemoConfig.steps),
         instances=instances,
         policy=policy,
         eta=eta,
         batch_size=batch_size,
         group_size=group_size,
-        lr=lr,
+        lr=lr if lr is not None else (MULTITURN_LR if task == "multiturn" else DemoConfig.lr),
         seed=seed,
         report_dir=report_dir,
         timeout_s=timeout,

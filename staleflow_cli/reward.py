@@ -27,6 +27,15 @@ def reward_worker(
     reward_batch: bool = typer.Option(
         False, "--reward-batch", help="--reward's function takes a list of samples and returns a list of rewards"
     ),
+    env: str | None = typer.Option(
+        None,
+        "--env",
+        help="a multi-turn environment, module:ClassOrFactory: the reward is the sum of its rewards, "
+        "the trajectory's turns replayed through it (as `rollout-worker --env`)",
+    ),
+    codec: str | None = typer.Option(
+        None, "--codec", help="--env's text <-> tokens, module:ClassOrFactory (default: UTF-8 bytes)"
+    ),
     reward_url: str | None = typer.Option(
         None, "--reward-url", help="a reward service: POST URL with the samples as JSON (docs/integration.md)"
     ),
@@ -60,9 +69,15 @@ def reward_worker(
     from workers.reward.worker import RewardWorker, verifier_source
     from workers.tasks.verifiers import bytes_detokenize
 
-    chosen = [o for o, v in (("--verifier", verifier), ("--reward", reward), ("--reward-url", reward_url)) if v]
+    chosen = [
+        o
+        for o, v in (("--verifier", verifier), ("--reward", reward), ("--reward-url", reward_url), ("--env", env))
+        if v
+    ]
     if len(chosen) != 1:
-        raise typer.BadParameter("give exactly one of --verifier, --reward, --reward-url", param_hint="--verifier")
+        raise typer.BadParameter(
+            "give exactly one of --verifier, --reward, --reward-url, --env", param_hint="--verifier"
+        )
     if reward_batch and not reward:
         raise typer.BadParameter("--reward-batch goes with --reward", param_hint="--reward-batch")
     detokenize = bytes_detokenize
@@ -80,6 +95,14 @@ def reward_worker(
             raise typer.BadParameter(str(e), param_hint="--verifier") from None
         except MissingExtra as e:
             raise fail(f"--verifier {verifier}: {e}") from None
+    elif env:
+        from workers.envs.base import load_codec, load_env
+        from workers.envs.reward import EnvReward
+
+        try:
+            source = EnvReward(load_env(env), load_codec(codec), name=env, timeout_s=timeout)
+        except Exception as e:  # the user's module may fail to import in any way
+            raise typer.BadParameter(f"{env}: {type(e).__name__}: {e}", param_hint="--env") from None
     elif reward:
         try:
             fn = load_function(reward)

@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import typer
-from tenacity import RetryCallState
 
 from staleflow_cli.common import (
     API,
@@ -33,11 +32,8 @@ from staleflow_cli.common import (
     run_sampling,
 )
 from workers.client import StaleFlowClient
-from workers.retry import PS_FIRST_VERSION
 
 if TYPE_CHECKING:  # torch-backed or heavy: imported where used
-    import torch
-
     from workers.coordinator.cost_model import CostModel
     from workers.models.tiny_model import TinyConfig
     from workers.rollout.engines.base import Engine as BaseEngine
@@ -109,8 +105,26 @@ def rollout_worker(
         "--engine-arg",
         help="vllm, hf: KEY=VALUE (a TOML scalar) on top of --engine-config; repeatable",
     ),
+    env: str | None = typer.Option(
+        None,
+        "--env",
+        help="multi-turn: an environment, module:ClassOrFactory (reset/step, docs/integration.md), "
+        "stepped after each of the model's turns",
+    ),
+    codec: str | None = typer.Option(
+        None, "--codec", help="--env's text <-> tokens, module:ClassOrFactory (default: UTF-8 bytes)"
+    ),
+    env_timeout: float = typer.Option(
+        10.0, "--env-timeout", min=0.01, help="seconds an environment call may take; then env_timeout drops it"
+    ),
     heartbeat: float = typer.Option(1.0, "--heartbeat", min=0.05, help="seconds between snapshots"),
     ps_wait: float = typer.Option(120.0, "--ps-wait", min=0.0, help="seconds to wait for the PS's first version"),
+    pull_bucket_mb: float = typer.Option(
+        256.0,
+        "--pull-bucket-mb",
+        min=0.001,
+        help="MiB a weight pull holds at a time (per GPU): weights stream into the engine in buckets of this size",
+    ),
 ) -> None:
     """Serve routed samples on one engine; report segments; pull weights when told."""
     from workers.rollout.worker import RolloutWorker
@@ -130,6 +144,15 @@ def rollout_worker(
         if model is None:
             raise typer.BadParameter("--engine hf needs --model", param_hint="--model")
         hf_folder(model)
+    turns = None
+    if env:
+        from workers.envs.base import load_codec, load_env
+        from workers.rollout.turns import Turns
+
+        try:
+            turns = Turns(load_env(env), load_codec(codec), env_timeout)
+        except Exception as e:  # the user's module may fail to import in any way
+            raise typer.BadParameter(f"{env}: {type(e).__name__}: {e}", param_hint="--env") from None
     cost = _cost_model(sim_model, sim_parallelism) if engine is Engine.sim else None
     pc = ps_client(ps)
     client, run_id = connect(api, token, run, api_wait)
@@ -155,7 +178,8 @@ def rollout_worker(
             vllm_model or (str(model) if model else None),
             ps_wait,
             engine_kw,
-            top_p,
+            int(pull_bucket_mb * (1 << 20)),
+            top_p=top_p,
         )
     worker = RolloutWorker(
         client,
@@ -165,6 +189,7 @@ def rollout_worker(
         weights=weights,
         phi_wait=phi_wait,
         heartbeat_s=heartbeat,
+        turns=turns,
     )
     on_signals(worker.stop, "flushing reports and deregistering")
     with progress(None, f"rollout run {run_id}: starting") as (bar, task):
@@ -262,6 +287,7 @@ def _engine(
     model: str | None,
     ps_wait: float,
     engine_kw: dict[str, Any] | None = None,
+    bucket_bytes: int | None = None,
     top_p: float = 1.0,
 ) -> tuple[BaseEngine, WeightSource | None]:
     """(engine, weight source) for the torch, hf and vllm engines (`model`: hf and vllm;
@@ -298,51 +324,26 @@ def _engine(
     if pc is None:
         console.print("[yellow]no --ps: serving the initial weights; pull commands change nothing")
         return eng, None
+    # the engine pulls from the PS itself, streaming each version into its model in buckets
+    # (vLLM: its workers do): no weights pass through this process
+    from workers.trainer.param_store import ChecksumError, ParamServerError
+
+    where = f"{pc.addr[0]}:{pc.addr[1]}"
     if kind is Engine.vllm:
-        # each vLLM worker pulls from the PS itself: no weights pass through this process
-        assert isinstance(eng, VLLMEngine)
-        eng.ps_addr = f"{pc.addr[0]}:{pc.addr[1]}"
+        eng.ps_addr = where  # type: ignore[attr-defined]
         if pc.credentials is not None:
-            eng.ps_credentials = [pc.credentials.run_id, pc.credentials.role, pc.credentials.key.hex()]
-        with console.status(f"vLLM workers loading the latest committed version from the PS at {eng.ps_addr}"):
+            eng.ps_credentials = [pc.credentials.run_id, pc.credentials.role, pc.credentials.key.hex()]  # type: ignore[attr-defined]
+    else:
+        eng.ps = pc  # type: ignore[attr-defined]  # the torch and hf engines
+    eng.bucket_bytes = bucket_bytes
+    with console.status(f"loading the latest committed version from the PS at {where}"):
+        try:
             eng.load_from_ps(None, wait_s=ps_wait)
-        return eng, eng.weight_source
-    eng.load_weights(*_first_weights(pc, ps_wait))
-    return eng, lambda target: _pull(pc, target)
-
-
-def _first_weights(pc: ParamClient, wait_s: float) -> tuple[dict[str, torch.Tensor], int]:
-    """The latest COMMITTED version: the PS serves plain pulls only from committed weights."""
-    from workers.trainer.param_store import ChecksumError, ParamServerError
-
-    def give_up(state: RetryCallState) -> None:
-        raise fail(
-            f"the PS at {pc.addr[0]}:{pc.addr[1]} served no committed version within "
-            f"{wait_s:.0f}s (the trainer pushes and commits version 0 when it starts)"
-        )
-
-    def nothing_yet(e: BaseException) -> bool:
-        # A ParamServerError other than a checksum mismatch means nothing is committed yet.
-        return isinstance(e, ParamServerError) and not isinstance(e, ChecksumError)
-
-    with console.status(f"waiting for the PS at {pc.addr[0]}:{pc.addr[1]} to serve a committed version"):
-        # pc.pull() itself waits while the PS is not listening yet.
-        policy = PS_FIRST_VERSION.but(retry_for=wait_s)
-        sd, version, _ = policy.retrying(retryable=nothing_yet, give_up=give_up)(pc.pull)
-        return sd, version
-
-
-def _pull(pc: ParamClient, target: int | None) -> tuple[dict[str, torch.Tensor], int]:
-    """Weights for a pull command. The PS serves `target` only once it is committed (its
-    checksum is the published one); before that -- or once the PS dropped it for a newer
-    one -- the latest committed version, so an instance never loads unpublished weights
-    (e.g. a fenced trainer's push under a published number, before the winner's commit)."""
-    from workers.trainer.param_store import ChecksumError, ParamServerError
-
-    try:
-        sd, version, _ = pc.pull(target)
-    except ChecksumError:
-        raise
-    except ParamServerError:
-        sd, version, _ = pc.pull()
-    return sd, version
+        except ParamServerError as e:
+            if isinstance(e, ChecksumError):
+                raise
+            raise fail(
+                f"the PS at {where} served no committed version within {ps_wait:.0f}s "
+                f"(the trainer pushes and commits version 0 when it starts): {e}"
+            ) from None
+    return eng, eng.weight_source

@@ -81,6 +81,12 @@ def trainer(
     ),
     lr_end: float = typer.Option(1.0, "--lr-end", min=0.0, help="lr multiplier reached linearly at --steps"),
     device: str = typer.Option("cpu", "--device"),
+    push_dtype: str = typer.Option(
+        "auto",
+        "--push-dtype",
+        help="what weights travel to the PS as: auto (bfloat16 on a GPU, the parameters' dtype on a CPU), "
+        "bfloat16, float16 or float32; never wider than the parameters",
+    ),
     threads: int = typer.Option(0, "--threads", min=0, help="torch CPU threads (0: torch's default)"),
     wait: float = typer.Option(5.0, "--wait", min=0.1, help="long-poll seconds per consume"),
     metrics_file: Path | None = typer.Option(None, "--metrics-file", help="append each step's metrics (JSONL)"),
@@ -111,6 +117,7 @@ def trainer(
             ppo_epochs=ppo_epochs,
             minibatches=minibatches,
             device=device,
+            push_dtype=push_dtype,
             threads=threads,
             sim=SimOptions(time_scale, sim_overhead, sim_s_per_token) if sim else None,
         )
@@ -230,6 +237,7 @@ def _torch_trainer(
         ppo_epochs=opts.ppo_epochs,
         minibatches=opts.minibatches,
         lr_scale=opts.lr_scale(),
+        push_dtype=getattr(torch, name) if (name := opts.push_dtype_name()) else None,
     )
 
 

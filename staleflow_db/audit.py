@@ -133,3 +133,10 @@ def last_step_reward(engine: Engine, run_id: int) -> float | None:
     with engine.connect() as c:
         got = c.execute(queries.text("last_step_reward"), {"r": run_id}).scalar()
     return None if got is None else float(got)
+
+
+def mean_turns(engine: Engine, run_id: int, from_step: int = 0) -> float | None:
+    """Mean turns per trajectory trained at steps >= `from_step` (None before the first)."""
+    with engine.connect() as c:
+        got = c.execute(queries.text("mean_turns"), {"r": run_id, "from": from_step}).scalar()
+    return None if got is None else float(got)

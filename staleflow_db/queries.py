@@ -197,3 +197,12 @@ def composed(statement: str) -> TextClause:
 def ddl() -> list[Query]:
     """The views and functions, in file order (a view after what it selects from)."""
     return [q for q in QUERIES.values() if q.is_ddl]
+
+
+def ddl_statements(frozen_views: str | None = None) -> list[str]:
+    """What a migration applies: every named view and function; with `frozen_views` (a frozen
+    `*_v<N>.sql` file), audit.sql's views as that file defines them instead, after the rest."""
+    current = [q.sql for q in ddl() if frozen_views is None or q.file != "audit.sql"]
+    if frozen_views is None:
+        return current
+    return current + [q.sql for q in parse((SQL_DIR / frozen_views).read_text(encoding="utf-8"), frozen_views)]

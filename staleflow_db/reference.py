@@ -211,6 +211,8 @@ class ReferenceProtocol:
                 )
                 continue
             assert s.v_traj is not None  # running: routed at a version
+            if r.version is None:  # the model covers single-turn trajectories (no observations)
+                raise InvalidInput(f"sample {r.sample_id}: the reference model has no observations")
             last = s.segments[-1].version if s.segments else s.v_traj
             if not (max(last, s.v_traj) <= r.version <= self.version):
                 raise InvalidInput(f"sample {r.sample_id}: segment version {r.version} outside {last}..{self.version}")
@@ -222,7 +224,7 @@ class ReferenceProtocol:
         for r in reports:
             s = self.samples[r.sample_id]
             if r.tokens:
-                assert s.instance_id is not None  # running on the reporting instance
+                assert s.instance_id is not None and r.version is not None  # running; generated (above)
                 s.segments.append(RefSegment(r.version, s.instance_id, list(r.tokens), list(r.logprobs)))
             if r.kind == SegmentKind.FINISHED:
                 s.state = SampleState.FINISHED

@@ -178,15 +178,18 @@ segments = Table(
     Column("sample_id", BigInteger, ForeignKey("samples.id", ondelete="CASCADE"), nullable=False),
     Column("seq", Integer, nullable=False),
     Column("run_id", BigInteger, nullable=False),
-    Column("version", Integer, nullable=False),
+    Column("version", Integer),  # the model version that generated it; NULL for an observation
     Column("instance_id", BigInteger, nullable=False),
     Column("attempt", Integer, nullable=False),
     Column("token_ids", ARRAY(Integer), nullable=False),
     Column("logprobs", ARRAY(REAL), nullable=False),
     Column("finish_reason", Text),
+    # the loss mask of its tokens: false for an environment observation (multi-turn)
+    Column("generated", Boolean, nullable=False, server_default=text("true")),
     _created(),
     PrimaryKeyConstraint("sample_id", "seq"),
     CheckConstraint("cardinality(token_ids) = cardinality(logprobs)", name="aligned"),
+    CheckConstraint("generated = (version IS NOT NULL)", name="observation_unversioned"),
 )
 
 buffers = Table(

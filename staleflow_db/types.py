@@ -45,18 +45,35 @@ class Report:
 
     sample_id: int
     attempt: int
-    version: int
+    version: int | None  # the model version that generated the tokens; None for an observation
     tokens: list[int]
     logprobs: list[float]
     kind: SegmentKind = SegmentKind.FINISHED
     finish_reason: str | None = None
+    # False: an environment observation appended between turns (multi-turn): no version, no
+    # log-probs (stored as 0), loss mask 0
+    generated: bool = True
     _: KW_ONLY
     instance_id: int
     route_token: str
 
     def check_shape(self) -> None:
+        if not self.generated:
+            if self.version is not None or self.logprobs or not self.tokens:
+                raise InvalidInput(
+                    f"sample {self.sample_id}: an observation has tokens and neither a version nor log-probs"
+                )
+            if self.kind == SegmentKind.FINISHED:
+                raise InvalidInput(f"sample {self.sample_id}: an observation cannot finish a trajectory")
+            return
+        if self.version is None:
+            raise InvalidInput(f"sample {self.sample_id}: a generated segment needs the version that generated it")
         if len(self.tokens) != len(self.logprobs):
             raise InvalidInput(f"sample {self.sample_id}: {len(self.tokens)} tokens but {len(self.logprobs)} log-probs")
+
+    def stored_logprobs(self) -> list[float]:
+        """What the segment keeps: an observation's tokens were not sampled (log-prob 0)."""
+        return self.logprobs if self.generated else [0.0] * len(self.tokens)
 
     def route_token_uuid(self) -> uuid.UUID:
         try:

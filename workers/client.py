@@ -370,6 +370,18 @@ class StaleFlowClient:
         path = f"/v1/runs/{_ref(run_id)}/instances/{instance_id}/segments"
         return self._call(m.ReportsOut, "POST", path, body=body, key=True).applied
 
+    def drop_trajectories(
+        self, run_id: int, instance_id: int, drops: Sequence[m.TrajectoryDropIn | dict | tuple], reason: str
+    ) -> list[int]:
+        """Abort samples routed to `instance_id` whose environment failed (`env_failed`) or hung
+        (`env_timeout`); `drops`: (sample_id, attempt, route_token) each. Returns the samples
+        aborted by this call."""
+        body = m.TrajectoryDropsIn.model_validate(
+            {"drops": [_as(m.TrajectoryDropIn, d) for d in drops], "reason": reason}
+        )
+        path = f"/v1/runs/{run_id}/instances/{instance_id}/drops"
+        return self._call(m.TrajectoryDropsOut, "POST", path, body=body, key=True).dropped
+
     # ---- reward and trainer ----------------------------------------------------------------
 
     def claim(

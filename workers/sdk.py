@@ -22,7 +22,8 @@ its own checkpoint of the model at the run's version (`TrainerClient.version`).
 
 Layout of a `Batch` (S samples, T = the longest prompt + response, right-padded):
 position t of a sample holds token `input_ids[t]`; `response_mask[t]` is 1 where that token was
-generated, and `logprobs[t]` is the generating model's log-probability of it (0 elsewhere).
+generated (the loss mask: 0 on the prompt, padding and, in multi-turn trajectories, the
+environment's observations), and `logprobs[t]` is the generating model's log-probability of it (0 elsewhere).
 To compare with the trainer's own log-probs, take `log_softmax(logits[:, :-1])` gathered at
 `input_ids[:, 1:]` against `logprobs[:, 1:]` and `response_mask[:, 1:]` (see
 docs/examples/train_hf_sdk.py). The engines' log-probs are of softmax(logits / T) at the run's
@@ -43,7 +44,7 @@ from workers.client import RunRef, StaleFlowClient
 from workers.trainer.loop import TrainerError, check_start, publish_fenced
 from workers.trainer.param_auth import PSCredentials
 from workers.trainer.param_client import ParamClient
-from workers.trainer.param_store import state_dict_checksum
+from workers.trainer.param_store import cast_dtype, state_dict_checksum
 from workers.wire.models import BatchOut
 
 __all__ = ["Batch", "TrainerClient", "TrainerError", "to_batch"]
@@ -58,7 +59,7 @@ class Batch:
     consume_fence: int  # what `publish` quotes (kept for you by TrainerClient)
     input_ids: torch.Tensor  # [S, T] long: prompt + response, right-padded with pad_id
     attention_mask: torch.Tensor  # [S, T] long: 1 on real tokens
-    response_mask: torch.Tensor  # [S, T] float: 1 on generated tokens
+    response_mask: torch.Tensor  # [S, T] float: 1 on generated tokens (the loss mask; 0 on observations)
     logprobs: torch.Tensor  # [S, T] float: the generating model's log-prob of each generated token
     rewards: torch.Tensor  # [S] float
     versions: torch.Tensor  # [S] long: V_traj, the oldest model version that generated the sample
@@ -78,27 +79,27 @@ class Batch:
 
 def to_batch(out: BatchOut, pad_id: int = 0, temperature: float = 1.0, top_p: float = 1.0) -> Batch:
     """The API's batch as right-padded tensors (see `Batch`), with the run's sampling parameters."""
-    rows: list[tuple[Sequence[int], Sequence[int], Sequence[float]]] = []
+    rows: list[tuple[Sequence[int], Sequence[int], Sequence[float], Sequence[int]]] = []
     rewards, versions, groups, metas = [], [], [], []
     for g in out.groups:
         for s in g.samples:
             if len(s.logprobs) != len(s.tokens):
                 raise TrainerError(f"sample {s.sample_id}: {len(s.tokens)} tokens but {len(s.logprobs)} log-probs")
-            rows.append((g.prompt_tokens, s.tokens, s.logprobs))
+            rows.append((g.prompt_tokens, s.tokens, s.logprobs, s.loss_mask))
             rewards.append(s.reward)
             versions.append(s.v_traj)
             groups.append(g.group_id)
             metas.append(g.meta)
-    n, width = len(rows), max((len(p) + len(r) for p, r, _ in rows), default=0)
+    n, width = len(rows), max((len(p) + len(r) for p, r, _, _ in rows), default=0)
     ids = torch.full((n, width), pad_id, dtype=torch.long)
     attention = torch.zeros((n, width), dtype=torch.long)
     response = torch.zeros((n, width))
     logprobs = torch.zeros((n, width))
-    for i, (prompt, tokens, lps) in enumerate(rows):
+    for i, (prompt, tokens, lps, mask) in enumerate(rows):
         p, r = len(prompt), len(tokens)
         ids[i, : p + r] = torch.tensor([*prompt, *tokens], dtype=torch.long)
         attention[i, : p + r] = 1
-        response[i, p : p + r] = 1.0
+        response[i, p : p + r] = torch.tensor(mask, dtype=torch.float32)  # 0 on observations
         logprobs[i, p : p + r] = torch.tensor(lps, dtype=torch.float32)
     v = torch.tensor(versions, dtype=torch.long)
     return Batch(
@@ -112,7 +113,7 @@ def to_batch(out: BatchOut, pad_id: int = 0, temperature: float = 1.0, top_p: fl
         versions=v,
         staleness=out.version - v,
         group_ids=torch.tensor(groups, dtype=torch.long),
-        prompt_lengths=torch.tensor([len(p) for p, _, _ in rows], dtype=torch.long),
+        prompt_lengths=torch.tensor([len(p) for p, _, _, _ in rows], dtype=torch.long),
         meta=metas,
         raw=out,
         temperature=temperature,
@@ -123,7 +124,9 @@ def to_batch(out: BatchOut, pad_id: int = 0, temperature: float = 1.0, top_p: fl
 class TrainerClient:
     """A trainer's view of one run over the REST API (a token of role `trainer`) and of the
     parameter server (`ps`: "HOST:PORT" of `staleflow ps`, or None when the rollout engines
-    get weights some other way; then `publish` only records the version)."""
+    get weights some other way; then `publish` only records the version). `push_dtype`: what
+    the weights travel as (floating tensors, never wider than their own; None: as given),
+    e.g. torch.bfloat16 for a model trained in fp32 on a GPU."""
 
     def __init__(
         self,
@@ -134,8 +137,10 @@ class TrainerClient:
         ps: str | tuple[str, int] | ParamClient | None = None,
         pad_id: int = 0,
         poll_s: float = 10.0,
+        push_dtype: torch.dtype | None = None,
     ):
         self.client = StaleFlowClient(api_url, token)
+        self.push_dtype = push_dtype
         self.pad_id, self.poll_s = pad_id, poll_s
         status = self.client.run_status(run_id)  # a name or an id: the API resolves either
         self.run_id: int = status.run_id
@@ -166,7 +171,7 @@ class TrainerClient:
         `allow_fresh` (train on from these weights anyway, e.g. a deliberate reset)."""
         if self.version > 0 and not allow_fresh:
             published = self._published_checksum()
-            mine = state_dict_checksum(_detached(state_dict))
+            mine = state_dict_checksum(_detached(state_dict), self.push_dtype)  # as the PS got it
             check_start(
                 self.run_id,
                 self.version,
@@ -184,7 +189,7 @@ class TrainerClient:
             return
         if self.version != 0:
             raise TrainerError(f"the run is at version {self.version} but the PS does not serve it")
-        self.ps.commit(0, self.ps.push(_detached(state_dict), 0))
+        self.ps.commit(0, self.ps.push(_detached(state_dict), 0, dtype=self.push_dtype))
 
     def _published_checksum(self) -> str | None:
         """The checksum published with the run's current version (None if none was recorded)."""
@@ -224,10 +229,10 @@ class TrainerClient:
         if version not in self._fences:
             raise TrainerError(f"buffer {version} was not consumed by this client (call next_batch first)")
         sd = _detached(state_dict)
-        size = sum(t.numel() * t.element_size() for t in sd.values())
+        size = sum(t.numel() * cast_dtype(t, self.push_dtype).itemsize for t in sd.values())
         checksum, location = None, None
         if self.ps is not None:
-            checksum = self.ps.push(sd, version + 1)
+            checksum = self.ps.push(sd, version + 1, dtype=self.push_dtype)
             location = f"ps://{self.ps.addr[0]}:{self.ps.addr[1]}/v{version + 1}"
         new = publish_fenced(
             self.client,

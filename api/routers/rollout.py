@@ -20,6 +20,8 @@ from workers.wire.models import (
     RegisterOut,
     ReportsIn,
     ReportsOut,
+    TrajectoryDropsIn,
+    TrajectoryDropsOut,
     errors,
 )
 from workers.wire.models.common import Limit
@@ -28,7 +30,7 @@ from ..auth import Principal
 from ..body import ModelBodyRoute
 from ..deps import IdempotencyKey, InstanceId, RunId, State, Wait, allow_run, long_poll
 from ..errors import error_body
-from ..notify import REWARDS, instance_topic
+from ..notify import BATCH, REWARDS, WORK, instance_topic
 from ..service import dump, respond, respond_json, scoped_key
 
 router = APIRouter(
@@ -134,7 +136,8 @@ def report(
     who: Principal = Rollout,
 ) -> Response:
     """Report segments (finished, interrupted or partial) of samples routed to this instance,
-    each quoting the attempt and route token it was delivered with. All or nothing: 409 naming
+    each quoting the attempt and route token it was delivered with; a segment with
+    `generated: false` is an environment observation (multi-turn: no version, loss mask 0). All or nothing: 409 naming
     the samples whose route this instance does not hold (another instance's sample, a stale
     attempt, a wrong route token, a sample no longer running) or, for every sample, when the
     instance itself is fenced (instance lease lapsed or expired: register again)."""
@@ -148,6 +151,7 @@ def report(
             r.logprobs,
             SegmentKind(r.kind),
             r.finish_reason,
+            r.generated,
             instance_id=instance_id,
             route_token=str(r.route_token),
         )
@@ -160,6 +164,35 @@ def report(
     out, replayed = state.protocol.once(scoped_key(key, f"inst{instance_id}"), "report", body, call, ReportsOut)
     if not replayed and any(r.kind == SegmentKind.FINISHED for r in reports):
         state.notifier.publish(run_id, REWARDS)
+    return respond(out)
+
+
+@router.post("/instances/{instance_id}/drops", response_model=TrajectoryDropsOut, responses=errors(409, 413))
+def drop_trajectories(
+    run_id: RunId,
+    instance_id: InstanceId,
+    body: TrajectoryDropsIn,
+    state: State,
+    key: IdempotencyKey = None,
+    who: Principal = Rollout,
+) -> Response:
+    """Give up on samples routed to this instance whose environment failed (`env_failed`) or
+    hung (`env_timeout`): each is aborted with `reason`, fenced by its attempt and route token
+    like a report (409 when the route or the instance's lease was lost; all or nothing). A
+    group left with fewer than N live members is aborted too. A drop already done at that
+    attempt is skipped, so a retry changes nothing."""
+    state.instance_in_run(run_id, instance_id, who)
+    drops = [(d.sample_id, d.attempt, str(d.route_token)) for d in body.drops]
+
+    def call(conn: Connection) -> TrajectoryDropsOut:
+        dropped = state.protocol.drop_trajectories(run_id, instance_id, drops, body.reason, conn=conn)
+        return TrajectoryDropsOut(dropped=dropped)
+
+    key_scope = scoped_key(key, f"inst{instance_id}")
+    out, replayed = state.protocol.once(key_scope, "trajectory_drop", body, call, TrajectoryDropsOut)
+    if not replayed and out.dropped:
+        # a dropped group frees its reservation: rollout work and, through a cascade, batches
+        state.notifier.publish(run_id, BATCH, WORK)
     return respond(out)
 
 

@@ -8,8 +8,9 @@ stay as they were (history, reading frozen `*_v<N>.sql` copies where they read f
 
 A later change to a view or function edits its named DDL, freezes the definition it replaces
 in a `*_v<N>.sql` file for its downgrade, and adds a migration that applies the named DDL
-again (`apply_named_ddl`). This one applies the files as they are when it runs, so every
-named definition must only need tables and columns that exist at 0007.
+again (`apply_named_ddl`). This one applies the audit views as they were here (the frozen
+`audit_views_v1.sql`: a later definition may need a later column) and the functions from the
+files as they are (each only needs what exists at 0007).
 
 Revision ID: 0008
 Revises: 0007
@@ -23,17 +24,20 @@ branch_labels = None
 depends_on = None
 
 
-def apply_named_ddl() -> None:
+AUDIT_VIEWS = "audit_views_v1.sql"  # frozen: the audit views as 0008 applied them
+
+
+def apply_named_ddl(frozen_views: str | None = None) -> None:
     import sqlalchemy as sa
 
     from staleflow_db import queries
 
-    for q in queries.ddl():
-        op.execute(sa.text(q.sql))
+    for statement in queries.ddl_statements(frozen_views):
+        op.execute(sa.text(statement))
 
 
 def upgrade() -> None:
-    apply_named_ddl()
+    apply_named_ddl(AUDIT_VIEWS)
 
 
 def downgrade() -> None:

@@ -35,6 +35,9 @@ class Work:
     prefix_tokens: list[int]
     prefix_logprobs: list[float]
     max_new_tokens: int
+    # per prefix token: 1 generated, 0 an environment observation's (multi-turn); empty prefix: []
+    prefix_mask: list[int] = field(default_factory=list)
+    meta: dict[str, Any] = field(default_factory=dict)  # the prompt's (an environment's reset reads it)
 
 
 @dataclass
@@ -193,6 +196,8 @@ class RolloutOps(TxMixin):
                     list(w.tokens),
                     list(w.logprobs),
                     row.max_response_tokens - w.n_tokens,
+                    list(w.mask),
+                    w.meta or {},
                 )
                 for w in rows
                 if w.id is not None
@@ -304,9 +309,14 @@ def _check_reports(
         if why:
             conflicts.append((r.sample_id, why))
             continue
-        floor = s.last_version if s.last_version is not None else s.v_traj
-        if not floor <= r.version <= run.version:
-            raise InvalidInput(f"sample {r.sample_id}: segment version {r.version} outside {floor}..{run.version}")
+        if not r.generated:
+            if s.last_generated is False:
+                raise InvalidInput(f"sample {r.sample_id}: one observation per turn (the last segment is one)")
+        else:
+            floor = s.last_version if s.last_version is not None else s.v_traj
+            assert r.version is not None  # check_shape
+            if not floor <= r.version <= run.version:
+                raise InvalidInput(f"sample {r.sample_id}: segment version {r.version} outside {floor}..{run.version}")
         if s.n_tokens + len(r.tokens) > run.max_response_tokens:
             raise TooLarge(f"sample {r.sample_id}: response over {run.max_response_tokens} tokens")
     if conflicts:
@@ -322,10 +332,11 @@ def _write_reports(conn: Connection, run_id: int, reports: Sequence[Report], row
     events has no such part."""
     events = [
         Event(
-            f"sample_{SegmentKind(r.kind).value}",
+            # an observation ending a turn sends the trajectory back to the queue: not an interrupt
+            f"sample_{SegmentKind(r.kind).value}" if r.generated else "sample_observed",
             sample=r.sample_id,
             instance=r.instance_id,
-            data={"n": len(r.tokens), "v": r.version},
+            data={"n": len(r.tokens), "v": r.version, "generated": r.generated},
         )
         for r in reports
         if r.kind != SegmentKind.PARTIAL
@@ -351,8 +362,9 @@ def _write_reports(conn: Connection, run_id: int, reports: Sequence[Report], row
                     "i": r.instance_id,
                     "a": r.attempt,
                     "t": r.tokens,
-                    "l": r.logprobs,
+                    "l": r.stored_logprobs(),
                     "f": r.finish_reason,
+                    "g": r.generated,
                 }
                 for r in segs
             ]

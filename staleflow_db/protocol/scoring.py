@@ -46,6 +46,7 @@ class RewardTask:
     response_tokens: list[int]
     finish_reason: str | None
     meta: dict[str, Any] = field(default_factory=dict)
+    response_mask: list[int] = field(default_factory=list)  # per response token: 1 generated, 0 observed
 
 
 class RewardedGroup(NamedTuple):
@@ -90,7 +91,14 @@ class ScoringOps(TxMixin):
                 load_run(conn, run_id, lock=False)
             return [
                 RewardTask(
-                    r.id, r.reward_attempt, r.group_id, list(r.prompt_tokens), list(r.response), r.finish_reason, r.meta
+                    r.id,
+                    r.reward_attempt,
+                    r.group_id,
+                    list(r.prompt_tokens),
+                    list(r.response),
+                    r.finish_reason,
+                    r.meta,
+                    list(r.mask),
                 )
                 for r in rows
             ]

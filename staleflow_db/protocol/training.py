@@ -23,9 +23,10 @@ from .events import Event
 @dataclass
 class SegmentInfo:
     seq: int
-    version: int
+    version: int | None  # None for an environment observation
     instance_id: int
     n_tokens: int
+    generated: bool = True
 
 
 @dataclass
@@ -38,6 +39,7 @@ class TrainSample:
     reward: float
     finish_reason: str | None
     segments: list[SegmentInfo]
+    loss_mask: list[int]  # per token: 1 generated (trained on), 0 an environment observation's
 
 
 @dataclass
@@ -97,7 +99,8 @@ class TrainingOps(TxMixin):
                         [lp for p in parts for lp in p.logprobs],
                         s.reward,
                         s.finish_reason,
-                        [SegmentInfo(p.seq, p.version, p.instance_id, len(p.token_ids)) for p in parts],
+                        [SegmentInfo(p.seq, p.version, p.instance_id, len(p.token_ids), p.generated) for p in parts],
+                        [int(p.generated) for p in parts for _ in p.token_ids],
                     )
                 )
             return Batch(run_id, version, fence, list(groups.values()))

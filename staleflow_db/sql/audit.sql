@@ -379,7 +379,7 @@ WHERE e.kind = 'group_enqueued'
 --                    came from the instance route k sent it to.
 --   segment_count    a sample's counters agree with its segments: n_segments is their number
 --                    (the next report writes seq n_segments, so a drifted counter never lets the
---                    sample finish) and last_version the version of the last one.
+--                    sample finish) and last_version the version of the last generated one.
 --   group_version    the group version is min(V_traj) over its live members: a group's recorded
 --                    version (`min_version`, as of its latest route; live members only leave or
 --                    keep their V_traj after it) is never above a live member's V_traj.
@@ -433,7 +433,7 @@ LEFT JOIN (SELECT run_id, sample_id, array_agg(instance_id ORDER BY id) AS route
        ON rt.run_id = s.run_id AND rt.sample_id = s.id
 LEFT JOIN (  -- narrow columns only (no token data), in seq order
     SELECT run_id, sample_id, count(*) AS n, min(seq) AS first_seq, max(seq) AS last_seq,
-           (array_agg(version ORDER BY seq DESC))[1] AS last_version,
+           (array_agg(version ORDER BY seq DESC) FILTER (WHERE generated))[1] AS last_version,
            array_agg(attempt ORDER BY seq) AS attempts, array_agg(instance_id ORDER BY seq) AS instances
     FROM segments GROUP BY run_id, sample_id
 ) x ON x.run_id = s.run_id AND x.sample_id = s.id
@@ -462,10 +462,60 @@ JOIN (SELECT run_id, group_id, min(v_traj) AS v, (array_agg(id ORDER BY v_traj, 
   ON m.run_id = g.run_id AND m.group_id = g.id
 WHERE g.min_version IS NULL OR g.min_version > m.v;
 
+-- name: view_turn_violations
+-- The per-turn checks of multi-turn trajectories (docs/protocol.md, "Multi-turn"), as (run_id,
+-- invariant, subject, detail). A trajectory's segments are generated turns (generated, at a
+-- version) and environment observations (not generated: no version, loss mask 0; a CHECK
+-- constraint ties the two). staleness_violations_v2's segment_version compares neighbouring
+-- segments only, so a version going down across an observation is caught here:
+--   turn_version   every generated segment is at a version >= the generated segment before it,
+--                  across observations: the staleness bound holds per trajectory, all turns.
+--   observation    an observation carries log-prob 0 for each token (loss mask 0, nothing
+--                  sampled), follows a generated turn or the prompt (never another observation:
+--                  one observation per turn), and a finished trajectory ends with a generated
+--                  turn (the environment ended it after the model's turn).
+-- Same shape as lineage_violations: run_id from a base table in every branch.
+CREATE OR REPLACE VIEW turn_violations AS
+SELECT w.run_id, 'turn_version' AS invariant, 'sample ' || w.sample_id AS subject,
+       format('generated segment %s at version %s after an observation, the generated segment before it at version %s',
+              w.seq, w.version, w.prev_generated) AS detail
+FROM (SELECT run_id, sample_id, seq, version, generated,
+             lag(generated) OVER (PARTITION BY run_id, sample_id ORDER BY seq) AS prev_is_generated,
+             max(version) OVER (PARTITION BY run_id, sample_id ORDER BY seq
+                                ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING) AS prev_generated
+      FROM segments) w
+WHERE w.generated AND w.prev_is_generated = false AND w.version < w.prev_generated
+UNION ALL
+SELECT o.run_id, 'observation', 'sample ' || o.sample_id,
+       format('observation segment %s: %s', o.seq,
+              CASE WHEN o.logprob_sum <> 0 THEN 'log-probs are not 0 (it was not sampled)'
+                   WHEN o.prev_is_generated = false THEN 'follows another observation'
+                   ELSE format('ends the %s trajectory', s.state) END)
+FROM (SELECT run_id, sample_id, seq, generated,
+             (SELECT coalesce(sum(abs(z)), 0) FROM unnest(logprobs) AS z) AS logprob_sum,
+             lag(generated) OVER (PARTITION BY run_id, sample_id ORDER BY seq) AS prev_is_generated,
+             lead(seq) OVER (PARTITION BY run_id, sample_id ORDER BY seq) AS next_seq
+      FROM segments) o
+JOIN samples s ON s.id = o.sample_id AND s.run_id = o.run_id
+WHERE NOT o.generated
+  AND (o.logprob_sum <> 0 OR o.prev_is_generated = false
+       OR (o.next_seq IS NULL AND s.state IN ('finished', 'scoring', 'rewarded')))
+
 -- name: view_staleness_violations
--- Every broken invariant: the spec's and conservation's (staleness_violations_v2) and the
--- lineage checks. What `staleflow audit`, /v1/audit/violations and the dashboard read.
+-- Every broken invariant: the spec's and conservation's (staleness_violations_v2), the lineage
+-- checks and the per-turn checks. What `staleflow audit`, /v1/audit/violations and the
+-- dashboard read.
 CREATE OR REPLACE VIEW staleness_violations AS
 SELECT run_id, invariant, subject, detail FROM staleness_violations_v2
 UNION ALL
 SELECT run_id, invariant, subject, detail FROM lineage_violations
+UNION ALL
+SELECT run_id, invariant, subject, detail FROM turn_violations
+
+-- name: mean_turns
+-- Mean turns per trajectory trained at steps >= :from: its environment's observations + 1
+-- (a multi-turn trajectory ends with the model's turn; a single-turn one has 1).
+SELECT avg(1 + coalesce(o.n, 0)) FROM trained_samples t
+LEFT JOIN (SELECT sample_id, count(*) AS n FROM segments WHERE run_id = :r AND NOT generated GROUP BY sample_id) o
+  ON o.sample_id = t.sample_id
+WHERE t.run_id = :r AND t.step >= :from

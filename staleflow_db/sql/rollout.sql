@@ -68,7 +68,8 @@ WHERE x.id = f.id RETURNING x.id, f.instance_id
 
 -- name: poll_work
 -- One statement checks the instance and delivers (RolloutOps.poll_work). The response so far
--- is the sample's segments' token_ids / logprobs concatenated in order.
+-- is the sample's segments' token_ids / logprobs concatenated in order, with each token's loss
+-- mask (1 generated, 0 an environment observation's).
 WITH inst AS MATERIALIZED (SELECT i.state::text AS state, i.lease_expires_at > now() AS live,
   r.max_response_tokens FROM instances i JOIN runs r ON r.id = i.run_id WHERE i.id = :i
   FOR SHARE OF i),
@@ -78,11 +79,12 @@ u AS (UPDATE samples s SET delivered = true FROM d WHERE s.id = d.id
   RETURNING s.id, s.attempt, s.route_token, s.group_id, s.v_traj, s.n_tokens)
 SELECT inst.state, inst.live, inst.max_response_tokens, w.* FROM inst LEFT JOIN (
   SELECT u.id, u.attempt, u.route_token::text AS route_token, u.group_id, u.v_traj, u.n_tokens, g.prompt_tokens,
-  coalesce((SELECT array_agg(z.e ORDER BY x.seq, z.o) FROM segments x,
-    unnest(x.token_ids) WITH ORDINALITY AS z(e, o) WHERE x.sample_id = u.id), '{}') AS tokens,
-  coalesce((SELECT array_agg(z.e ORDER BY x.seq, z.o) FROM segments x,
-    unnest(x.logprobs) WITH ORDINALITY AS z(e, o) WHERE x.sample_id = u.id), '{}') AS logprobs
-  FROM u JOIN prompt_groups g ON g.id = u.group_id) w ON true ORDER BY w.id
+  coalesce(p.tokens, '{}') AS tokens, coalesce(p.logprobs, '{}') AS logprobs, coalesce(p.mask, '{}') AS mask, g.meta
+  FROM u JOIN prompt_groups g ON g.id = u.group_id LEFT JOIN LATERAL (
+    SELECT array_agg(z.e ORDER BY x.seq, z.o) AS tokens, array_agg(z.l ORDER BY x.seq, z.o) AS logprobs,
+      array_agg(x.generated::int ORDER BY x.seq, z.o) AS mask FROM segments x,
+      unnest(x.token_ids, x.logprobs) WITH ORDINALITY AS z(e, l, o) WHERE x.sample_id = u.id) p ON true) w
+  ON true ORDER BY w.id
 
 -- name: deliver_commands
 UPDATE commands SET state = 'delivered', delivered_at = now()
@@ -142,23 +144,26 @@ WHERE runs.id = :run
 
 -- name: report_lock_running
 -- Only the running rows are locked: a stale report must not wait on another sample's lock.
-SELECT id, state, attempt, v_traj, last_version, n_tokens, n_segments, instance_id, route_token FROM samples
-WHERE run_id = :run AND id = ANY(CAST(:ids AS bigint[])) AND state = 'running'
+-- last_generated: whether its last segment is a generated one (NULL: none yet).
+SELECT id, state, attempt, v_traj, last_version, n_tokens, n_segments, instance_id, route_token,
+  (SELECT x.generated FROM segments x WHERE x.sample_id = samples.id AND x.seq = samples.n_segments - 1) AS last_generated
+FROM samples WHERE run_id = :run AND id = ANY(CAST(:ids AS bigint[])) AND state = 'running'
 ORDER BY id FOR UPDATE
 
 -- name: report_read_others
-SELECT id, state, attempt, v_traj, last_version, n_tokens, n_segments, instance_id, route_token FROM samples
-WHERE run_id = :run AND id = ANY(CAST(:ids AS bigint[]))
+SELECT id, state, attempt, v_traj, last_version, n_tokens, n_segments, instance_id, route_token,
+  NULL::boolean AS last_generated FROM samples WHERE run_id = :run AND id = ANY(CAST(:ids AS bigint[]))
 
 -- name: report_segments
 -- A part of `report_samples`' statement (`with_parts`): the segments.
+-- An observation (g false) has no version.
 INSERT INTO segments (sample_id, seq, run_id, version, instance_id, attempt, token_ids, logprobs,
-  finish_reason) SELECT x.s, x.q, :run, x.v, x.i, x.a, x.t, x.l, x.f FROM jsonb_to_recordset(CAST(:p AS jsonb))
-AS x(s bigint, q int, v int, i bigint, a int, t int[], l real[], f text)
+  finish_reason, generated) SELECT x.s, x.q, :run, x.v, x.i, x.a, x.t, x.l, x.f, x.g
+FROM jsonb_to_recordset(CAST(:p AS jsonb)) AS x(s bigint, q int, v int, i bigint, a int, t int[], l real[], f text, g boolean)
 
 -- name: report_samples
 UPDATE samples s SET n_tokens = s.n_tokens + u.n, n_segments = s.n_segments + (u.n > 0)::int,
-  last_version = CASE WHEN u.n > 0 THEN u.v ELSE s.last_version END,
+  last_version = CASE WHEN u.n > 0 AND u.v IS NOT NULL THEN u.v ELSE s.last_version END,
   state = CAST(u.st AS sample_state), instance_id = CASE WHEN u.st = 'running' THEN s.instance_id END,
   finish_reason = coalesce(u.f, s.finish_reason), updated_at = now()
 FROM unnest(CAST(:ids AS bigint[]), CAST(:ns AS int[]), CAST(:vs AS int[]), CAST(:sts AS text[]),

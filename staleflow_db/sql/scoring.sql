@@ -9,22 +9,37 @@ SELECT id FROM samples WHERE run_id = :run AND state = 'scoring' AND reward_dead
 ORDER BY id FOR UPDATE SKIP LOCKED)
 
 -- name: claim_rewards
--- Claim up to :n finished samples; the response is the segments' token_ids in order.
+-- Claim up to :n finished samples; the response is the segments' token_ids in order, with
+-- each token's loss mask (1 generated, 0 an environment observation's).
 WITH c AS MATERIALIZED (SELECT id FROM samples WHERE run_id = :run AND state = 'finished'
   ORDER BY id LIMIT :n FOR UPDATE SKIP LOCKED),
 u AS (UPDATE samples s SET state = 'scoring', reward_attempt = s.reward_attempt + 1,
   reward_deadline = now() + make_interval(secs => :ttl), updated_at = now()
   FROM c WHERE s.id = c.id RETURNING s.id, s.reward_attempt, s.group_id, s.finish_reason)
 SELECT u.id, u.reward_attempt, u.group_id, g.prompt_tokens,
-  coalesce((SELECT array_agg(z.e ORDER BY x.seq, z.o) FROM segments x,
-    unnest(x.token_ids) WITH ORDINALITY AS z(e, o) WHERE x.sample_id = u.id), '{}') AS response,
-  u.finish_reason, g.meta
-FROM u JOIN prompt_groups g ON g.id = u.group_id ORDER BY u.id
+  coalesce(p.response, '{}') AS response, coalesce(p.mask, '{}') AS mask, u.finish_reason, g.meta
+FROM u JOIN prompt_groups g ON g.id = u.group_id LEFT JOIN LATERAL (
+  SELECT array_agg(z.e ORDER BY x.seq, z.o) AS response, array_agg(x.generated::int ORDER BY x.seq, z.o) AS mask
+  FROM segments x, unnest(x.token_ids) WITH ORDINALITY AS z(e, o) WHERE x.sample_id = u.id) p ON true
+ORDER BY u.id
 
 -- name: abort_candidates
 SELECT s.id, s.group_id, s.state, g.state AS group_state
 FROM samples s JOIN prompt_groups g ON g.id = s.group_id
 WHERE s.run_id = :run AND s.id = ANY(CAST(:ids AS bigint[]))
+
+-- name: trajectory_drop_instance
+-- The instance dropping trajectories (`drop_trajectories`), FOR SHARE: it stays active and
+-- live until the drop commits.
+SELECT state::text AS state, lease_expires_at > now() AS live FROM instances
+WHERE id = :i AND run_id = :run FOR SHARE
+
+-- name: trajectory_drop_candidates
+-- The samples an instance drops, with their route, locked in id order (under the run lock).
+SELECT s.id, s.group_id, s.state::text AS state, s.attempt, s.instance_id, s.route_token, s.reason,
+  g.state::text AS group_state
+FROM samples s JOIN prompt_groups g ON g.id = s.group_id
+WHERE s.run_id = :run AND s.id = ANY(CAST(:ids AS bigint[])) ORDER BY s.id FOR UPDATE OF s
 
 -- name: live_members
 SELECT group_id, count(*) FROM samples WHERE group_id = ANY(CAST(:g AS bigint[]))

@@ -56,6 +56,13 @@ MATRIX: list[tuple[str, str, Any, set[str], int]] = [
         ROLLOUT,
         403,
     ),
+    (
+        "POST",
+        "/v1/runs/{A}/instances/{I}/drops",
+        {"drops": [{"sample_id": 1, "attempt": 1, "route_token": "00000000-0000-4000-8000-000000000000"}]},
+        ROLLOUT,
+        403,
+    ),
     ("POST", "/v1/runs/{A}/segments", None, ROLLOUT, 403),  # gone (410) for those who may report
     ("POST", "/v1/runs/{A}/rewards/claim?wait=0", {"limit": 1}, REWARD, 403),
     ("POST", "/v1/runs/{A}/rewards", {"rewards": [{"sample_id": 1, "reward_attempt": 1, "reward": 1.0}]}, REWARD, 403),

@@ -255,7 +255,6 @@ def test_a_rollout_workers_pull_lands_on_the_committed_checksum(db_url, engine, 
     import time
 
     from staleflow_cli.common import ps_client
-    from staleflow_cli.rollout import _pull
     from workers.models.tiny_model import TinyConfig, TinyTransformer
     from workers.rollout.engines.torch_engine import TorchEngine
     from workers.rollout.worker import RolloutWorker
@@ -271,15 +270,10 @@ def test_a_rollout_workers_pull_lands_on_the_committed_checksum(db_url, engine, 
     assert d.p.publish(d.run, 0, d.p.consume(d.run, 0).consume_fence, size_bytes=1, checksum=winner_sum) == 1
 
     pc = ps_client(f"{c.addr[0]}:{c.addr[1]}")
-    answered: list[int] = []
-
-    def weights(target):
-        sd, version = _pull(pc, target)
-        answered.append(version)
-        return sd, version
+    answered: list[int] = []  # what each of the engine's pulls from the PS installed
 
     def pull_and_wait(n: int, loaded: int) -> None:
-        # the weight source answers before the engine loads: wait for both
+        # the engine pulls on the worker's thread: wait for the pull and its version
         admin.pull(d.run, [worker.instance_id], target_version=1)
         deadline = time.monotonic() + 60
         while len(answered) < n or eng.version != loaded:
@@ -289,8 +283,16 @@ def test_a_rollout_workers_pull_lands_on_the_committed_checksum(db_url, engine, 
     with ApiServer(db_url) as server:
         admin = server.client(token(db_url, "admin"))
         eng = TorchEngine(cfg, model_seed=0, kv_capacity_tokens=1024)
+        eng.ps = pc  # as `rollout-worker --ps` sets it: the engine streams versions itself
+        load_from_ps = eng.load_from_ps
+
+        def recorded(version=None, wait_s=0.0):
+            answered.append(load_from_ps(version, wait_s))
+            return answered[-1]
+
+        eng.load_from_ps = recorded  # type: ignore[method-assign]
         worker = RolloutWorker(
-            server.client(token(db_url, "rollout", d.run)), d.run, eng, weights=weights, heartbeat_s=0.2
+            server.client(token(db_url, "rollout", d.run)), d.run, eng, weights=eng.weight_source, heartbeat_s=0.2
         )
         t = threading.Thread(target=worker.run, daemon=True)
         t.start()

@@ -70,3 +70,17 @@ def test_sdk_names_runs_carries_sampling_and_refuses_fresh_weights(db_url, engin
             with pytest.raises(TrainerError, match="at version 1 but these weights are not its published version 1"):
                 sf.start(fresh)
             sf.start(fresh, allow_fresh=True)
+
+
+def test_sdk_pushes_in_its_push_dtype(db_url, engine, start_ps):
+    """An fp32 model published through the SDK with push_dtype=bfloat16 travels and is served
+    in bf16 (what a GPU trainer wants: half the bytes); integer tensors stay as they are."""
+    run = Protocol(engine).create_run("sdk-dtype", RunConfig(batch_size=1, group_size=2, eta=1))
+    ps = start_ps().client
+    weights = {"w": torch.randn(8, 4), "step": torch.tensor([3])}
+    with ApiServer(db_url) as api:
+        with TrainerClient(api.url, token(db_url, "trainer", run), run, ps=ps, push_dtype=torch.bfloat16) as sdk:
+            sdk.start(weights)
+    got, version, _ = ps.pull()
+    assert version == 0 and got["w"].dtype == torch.bfloat16 and torch.equal(got["w"], weights["w"].bfloat16())
+    assert torch.equal(got["step"], weights["step"])

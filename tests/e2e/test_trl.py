@@ -36,7 +36,7 @@ def test_trl_example_trains_an_hf_model(db_url, engine, tmp_path):
     protocol = Protocol(engine)
     with Cluster(tmp_path, db_url) as cluster:
         api = cluster.start_api(timeout=120)
-        ps_addr = start_ps(cluster, tmp_path)
+        ps_addr = start_ps(cluster, tmp_path, run, tokens["trainer"])
         log = tmp_path / "trainer.log"
         with log.open("wb") as out:
             trainer = subprocess.Popen(

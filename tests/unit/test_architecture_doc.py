@@ -22,6 +22,7 @@ NODES = {
     "sim": "workers.sim",
     "rollout": "workers.rollout",
     "reward": "workers.reward",
+    "envs": "workers.envs",
     "trainer": "workers.trainer",
     "sdk": "workers.sdk",
     "models": "workers.models",

@@ -165,3 +165,23 @@ def test_update_takes_epochs_times_minibatches_steps_and_moves_further():
     # later passes see a policy that moved: π/π_old differs from 1, and the clip engages
     assert m1["ratio_mean"] == pytest.approx(1.0) and m1["clip_frac"] == 0.0
     assert m4["ratio_mean"] != pytest.approx(1.0, abs=1e-4)
+
+
+def test_the_loss_mask_trains_on_generated_tokens_only():
+    """A multi-turn response: its observation tokens (mask 0) weigh nothing: whatever log-probs
+    they carry, the update is the same, and it differs once they count."""
+    cfg = TinyConfig(vocab_size=16, d_model=32, n_layers=1, n_heads=2, max_seq=16)
+    seqs = [[3, 4, 5, 13, 14, 6], [3, 4, 8, 13, 14, 9]]
+    masks = [[1, 0, 0, 1], [1, 0, 0, 1]]
+
+    def update(observed_logprob: float, loss_masks):
+        model = TinyTransformer(cfg, seed=1).requires_grad_(True)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        rollout = [[-2.7, observed_logprob, observed_logprob, -2.7]] * 2
+        loss, m = grpo_update(
+            model, opt, seqs, [2, 2], rollout, [0, 0], [1.0, 0.0], GRPOConfig(tis_cap=2.0), loss_masks=loss_masks
+        )
+        return loss, m["mismatch_mean"]
+
+    assert update(0.0, masks) == update(-9.0, masks)
+    assert update(0.0, None) != update(-9.0, None)

@@ -182,6 +182,7 @@ def test_reward_service_contract(service):
         "response": "c",
         "finish_reason": "eos",
         "meta": {"answer": "a"},
+        "response_mask": [],  # per response token in a multi-turn trajectory (none given here)
     }
 
 

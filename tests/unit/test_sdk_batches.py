@@ -10,8 +10,9 @@ from workers.sdk import TrainerError, to_batch
 from workers.wire.models import BatchOut
 
 
-def _sample(sid, tokens, v_traj, reward):
+def _sample(sid, tokens, v_traj, reward, mask=None):
     return {
+        "loss_mask": mask or [1] * len(tokens),
         "sample_id": sid,
         "idx": 0,
         "v_traj": v_traj,
@@ -51,3 +52,13 @@ def test_to_batch_refuses_misaligned_logprobs():
     out.groups[0].samples[0].logprobs.pop()
     with pytest.raises(TrainerError, match="sample 1: 3 tokens but 2 log-probs"):
         to_batch(out)
+
+
+def test_to_batch_masks_an_environments_observations_out_of_the_loss():
+    """A multi-turn sample: turn [5], observation [40, 41], turn [6, 0]: only turns train."""
+    groups = [
+        {"group_id": 7, "group_version": 3, "prompt_tokens": [1, 2], "meta": {},
+         "samples": [_sample(1, [5, 40, 41, 6, 0], 3, 1.0, mask=[1, 0, 0, 1, 1])]},
+    ]  # fmt: skip
+    b = to_batch(BatchOut.model_validate({"run_id": 1, "version": 4, "consume_fence": 2, "groups": groups}))
+    assert b.response_mask.tolist() == [[0, 0, 1, 0, 0, 1, 1]]

@@ -60,3 +60,12 @@ def test_the_command_refuses_lr_end_without_steps_before_reaching_the_api():
 
 def test_sim_options_are_frozen_values():
     assert SimOptions(2.0, None, 0.5) == SimOptions(time_scale=2.0, s_per_token=0.5)
+
+
+def test_push_dtype_is_bf16_on_a_gpu_the_parameters_own_on_a_cpu_unless_named():
+    assert TrainerOptions(device="cuda").push_dtype_name() == "bfloat16"
+    assert TrainerOptions(device="cuda:1").push_dtype_name() == "bfloat16"
+    assert TrainerOptions(device="cpu").push_dtype_name() is None
+    assert TrainerOptions(device="cuda", push_dtype="float32").push_dtype_name() == "float32"
+    with pytest.raises(ValueError, match="--push-dtype 'int8'"):
+        TrainerOptions(push_dtype="int8")

@@ -329,14 +329,14 @@ def test_weight_load_pauses_pulls_on_every_worker_and_checks_the_cache():
     assert eng.version == 3
     assert fake.calls == [
         ("pause", "keep", True),
-        ("rpc", "staleflow_pull", ("10.0.0.1:7000", 3, 0.0)),
+        ("rpc", "staleflow_pull", ("10.0.0.1:7000", 3, 0.0, None, None)),
         ("reset",),
         ("resume",),
     ]
     # two tensor-parallel ranks raced a commit: both load the newer one
     fake.calls, fake.rpc_results = [], [[4, 5], [5, 5]]
     assert eng.weight_source(None) == (None, 5) and eng.version == 5
-    assert fake.calls[2] == ("rpc", "staleflow_pull", ("10.0.0.1:7000", 5, 0.0))
+    assert fake.calls[2] == ("rpc", "staleflow_pull", ("10.0.0.1:7000", 5, 0.0, None, None))
     assert eng.weight_source(7) == (None, 7)  # the rollout worker then calls load_weights
     fake.calls, fake.rpc_results, fake.reset_ok = [], [[6, 6]], False
     with pytest.raises(RuntimeError, match="prefix-cache"):

@@ -3,7 +3,9 @@
     latency(n, kv) = attn_b + attn_k·kv + max(other_threshold, other_b + other_k·n)
     T(n, kv)       = n / latency(n, kv)        tokens per second
 
-`n` is the number of running samples, `kv` the KV-cache tokens they hold. Coefficients are
+`n` is the number of running samples, `kv` the KV-cache tokens they hold — decoding ones only:
+a multi-turn trajectory waiting for its environment between turns holds no decode slot, and
+its wait is not decode time (`Remaining` keeps the two apart). Coefficients are
 fitted offline per (model, GPU, parallelism); `cost_models.json` ships inside this package
 (a copy of the project's ``shared/cost_models.json``, which is used when the packaged copy is
 missing). `fit` recovers coefficients from engine logs.
@@ -26,6 +28,20 @@ PACKAGED_PATH = Path(__file__).resolve().parent / "cost_models.json"
 SHARED_PATH = Path(__file__).resolve().parents[3] / "shared" / "cost_models.json"
 
 _FIELDS = ("other_threshold", "other_b", "other_k", "attn_b", "attn_k")
+
+
+@dataclass(frozen=True)
+class Remaining:
+    """A trajectory's expected time to an end, split by what it holds while it waits: decode
+    time holds a decode slot and KV on its instance (it loads the batch); environment time
+    holds no GPU (tool calls, sandboxes between turns) and loads nothing."""
+
+    decode_s: float
+    env_s: float = 0.0
+
+    @property
+    def total(self) -> float:
+        return self.decode_s + self.env_s
 
 
 @dataclass(frozen=True)
@@ -66,6 +82,11 @@ class CostModel:
     def throughput_array(self, n: np.ndarray, kv: np.ndarray) -> np.ndarray:
         n = np.asarray(n, dtype=float)
         return np.where(n > 0, n / self.latency_array(n, np.asarray(kv, dtype=float)), 0.0)
+
+    def remaining(self, n: float, kv: float, decode_tokens: float, env_s: float = 0.0) -> Remaining:
+        """`decode_tokens` more tokens at the current iteration time of an instance at (n, kv),
+        plus `env_s` seconds of environment latency, kept apart (not decode time)."""
+        return Remaining(max(0.0, decode_tokens) * self.latency(n, kv), max(0.0, env_s))
 
     def iterations_time(self, n: int, kv: float, k: int) -> float:
         """Seconds for `k` decode iterations starting at (n, kv); each one adds n KV tokens."""

@@ -31,10 +31,26 @@ from typing import NamedTuple
 
 
 class RunningSample(NamedTuple):
+    """A trajectory an instance holds: decoding (or queued in the engine), or — multi-turn —
+    between two turns, waiting for its environment (`env_since` set). One waiting for its
+    environment holds no decode slot and no KV the batch counts (its context may sit in the
+    engine's prefix cache): it is not in the instance's `running`, `waiting` or `kv_used`, and
+    the coordinator never counts its wait as decode load (docs/coordinator.md, "Multi-turn")."""
+
     sample_id: int
-    tokens: int  # response tokens generated so far (all segments)
-    length: int  # prompt + tokens: the KV tokens it holds
+    tokens: int  # response tokens generated so far (all segments, all turns)
+    length: int  # context: prompt + observations + tokens (the KV it holds, or needs to resume)
     v_traj: int
+    turn_tokens: int | None = None  # tokens of its current turn so far (None: single-turn, = tokens)
+    env_since: float | None = None  # waiting for its environment since then (None: not waiting)
+
+    @property
+    def in_env(self) -> bool:
+        return self.env_since is not None
+
+    @property
+    def current_turn_tokens(self) -> int:
+        return self.tokens if self.turn_tokens is None else self.turn_tokens
 
 
 @dataclass(frozen=True)
@@ -54,6 +70,8 @@ class InstanceSnapshot:
     # the engine's running slots (its reported Capacity, docs/coordinator.md#capacity): no
     # default, so no view can silently lack the cap
     max_running: int = field(kw_only=True)
+    # trajectories it holds between turns, waiting for their environment
+    env_waiting: int = field(default=0, kw_only=True)
 
     @property
     def requests(self) -> int:
@@ -129,6 +147,8 @@ class InstanceView:
     throughput: float = 0.0
     pulling: bool = False
     max_running: int = field(kw_only=True)  # as InstanceSnapshot's
+    # held between turns: no decode slot, not in `running` nor `kv_used`
+    env_waiting: int = field(default=0, kw_only=True)
 
     @property
     def requests(self) -> int:
@@ -150,6 +170,7 @@ class InstanceView:
             self.throughput,
             self.pulling,
             max_running=self.max_running,
+            env_waiting=self.env_waiting,
         )
 
     @classmethod
@@ -165,6 +186,7 @@ class InstanceView:
             s.throughput,
             s.pulling,
             max_running=s.max_running,
+            env_waiting=s.env_waiting,
         )
 
 
@@ -253,7 +275,7 @@ class SpeculativeState:
     def on_pull(self, instance_id: int, version: int, now: float) -> None:
         est = self.estimates[instance_id]
         v = est.view
-        v.running = v.waiting = v.kv_used = 0
+        v.running = v.waiting = v.kv_used = v.env_waiting = 0
         v.running_samples = ()
         v.throughput = 0.0
         v.pulling = True
@@ -262,13 +284,16 @@ class SpeculativeState:
         est.last_change_at = max(est.last_change_at, now)
 
     def on_interrupt(self, instance_id: int, sample_ids: Sequence[int], now: float, tokens: int | None = None) -> None:
-        """-1 request (and -its length) per interrupted sample; `tokens` overrides the KV drop."""
+        """-1 request (and -its length) per interrupted sample; `tokens` overrides the KV drop.
+        A trajectory waiting for its environment held neither: it leaves `env_waiting`."""
         est = self.estimates[instance_id]
         v = est.view
         ids = set(sample_ids)
         known = [s for s in v.running_samples if s.sample_id in ids]
-        drop = tokens if tokens is not None else sum(s.length for s in known)
-        v.running = max(0, v.running - len(ids))
+        in_env = sum(1 for s in known if s.env_since is not None)
+        drop = tokens if tokens is not None else sum(s.length for s in known if s.env_since is None)
+        v.running = max(0, v.running - (len(ids) - in_env))
+        v.env_waiting = max(0, v.env_waiting - in_env)
         v.kv_used = max(0, v.kv_used - drop)
         if known:
             v.running_samples = tuple(s for s in v.running_samples if s.sample_id not in ids)

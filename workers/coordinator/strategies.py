@@ -127,31 +127,38 @@ def sync_status_based(
 
 
 def oldest_running_version(instances: Sequence[InstanceView]) -> int | None:
-    """The smallest V_traj among the running samples the views list (None: none listed)."""
+    """The smallest V_traj among the trajectories the views list, decoding or between turns
+    (None: none listed)."""
     return min((r.v_traj for i in instances for r in i.running_samples), default=None)
 
 
 def finishing_oldest(
     instances: Sequence[InstanceView], cost: CostModel, max_response: int | None, horizon: float
 ) -> set[int]:
-    """Instances whose samples of the oldest running V_traj all end within `horizon` seconds
-    at the most: (max_response - tokens) iterations at the instance's current iteration time.
+    """Instances whose decoding samples of the oldest V_traj all end their turn within
+    `horizon` seconds at the most: the decode part of `cost.remaining` for (max_response -
+    tokens of the current turn) at the instance's current iteration time (`max_response` caps
+    one turn; a single-turn sample's turn is its response).
 
     Those samples hold back the next buffer, so the trainer. A pull would interrupt them: their
     re-prefill, the pull and, under a shared PS, the other pulls' queue would all be added to
     the trainer's wait, to save at most `horizon` seconds of a lightly loaded instance. A
     sample that may still run long (a long-tailed workload) is interrupted as before: keeping
-    an instance on it would idle most of the instance for minutes. No bound without
-    `max_response` (None): nothing is kept."""
+    an instance on it would idle most of the instance for minutes. A trajectory waiting for its
+    environment between turns keeps nothing: it holds no decode slot, so a pull costs it its
+    prefix cache only and overlaps its wait. No bound without `max_response` (None): nothing
+    is kept."""
     oldest = oldest_running_version(instances)
     if oldest is None or max_response is None:
         return set()
     keep = set()
     for i in instances:
-        old = [r for r in i.running_samples if r.v_traj <= oldest]
+        old = [r for r in i.running_samples if r.v_traj <= oldest and r.env_since is None]
         if old and i.running:
-            step = cost.latency(i.running, i.kv_used)
-            if all((max_response - r.tokens) * step <= horizon for r in old):
+            if all(
+                cost.remaining(i.running, i.kv_used, max_response - r.current_turn_tokens).decode_s <= horizon
+                for r in old
+            ):
                 keep.add(i.instance_id)
     return keep
 
@@ -166,14 +173,15 @@ def sync_all_idle(
     ps_version: int,
     routable: Mapping[int, bool] | Callable[[int], bool],
 ) -> list[PullDecision]:
-    """Whole-batch version, no partial rollout: once no instance runs or waits on anything and
-    nothing is routable at its version, every instance behind the PS pulls together."""
+    """Whole-batch version, no partial rollout: once no instance runs, waits on anything or
+    holds a trajectory between turns, and nothing is routable at its version, every instance
+    behind the PS pulls together."""
     is_routable = routable if callable(routable) else (lambda v: routable.get(v, False))
     live = [i for i in instances if not i.pulling]
     if not any(i.version < ps_version for i in live):
         return []
     for i in live:
-        if i.running or i.waiting or is_routable(i.version):
+        if i.running or i.waiting or i.env_waiting or is_routable(i.version):
             return []
     return [PullDecision(i.instance_id, ps_version) for i in live if i.version < ps_version]
 
@@ -185,7 +193,7 @@ def apply_pulls(instances: Sequence[InstanceView], pulls: Sequence[PullDecision]
         i = i.copy()
         p = by_id.get(i.instance_id)
         if p is not None:
-            i.running = i.waiting = i.kv_used = 0
+            i.running = i.waiting = i.kv_used = i.env_waiting = 0
             i.running_samples = ()
             i.pulling, i.version = True, p.version
         out.append(i)
@@ -212,6 +220,9 @@ def migrate_throughput_ratio(
     version) whose throughput is less than 1/ψ of a loaded instance's (same or older version,
     so the starved one may continue the loaded one's samples). T is the cost model's
     T(n, kv), or the measured throughput with `use_measured`.
+
+    `running`, `kv_used` and the candidates to move are decoding samples only: trajectories
+    waiting for their environment between turns are no decode load (cost_model.Remaining).
 
     Move: the loaded instance's longest samples (most tokens so far: under long-tailed
     lengths, the most left to generate) are interrupted so the next routing spreads them —
@@ -280,8 +291,10 @@ def _best_move(s: InstanceView, ld: InstanceView, cost: CostModel, min_gain: flo
     kmax = (ld.running - s.running) // 2
     room = s.kv_capacity - s.kv_used
     before = cost.throughput(ld.running, ld.kv_used) + cost.throughput(s.running, s.kv_used)
+    # only decoding samples load `ld` (one between turns holds no slot: moving it gains nothing)
     candidates = sorted(
-        (r for r in ld.running_samples if r.v_traj <= s.version), key=lambda r: (-r.tokens, r.sample_id)
+        (r for r in ld.running_samples if r.v_traj <= s.version and r.env_since is None),
+        key=lambda r: (-r.tokens, r.sample_id),
     )
     chosen: list[int] = []
     moved_kv = 0

@@ -37,6 +37,8 @@ class RewardSample:
     response: str
     finish_reason: str | None  # "eos" or "length"
     meta: dict[str, Any] = field(default_factory=dict)  # the prompt's metadata (e.g. the answer)
+    # per response token: 1 generated, 0 an environment observation's (multi-turn)
+    response_mask: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

@@ -97,6 +97,7 @@ class RewardWorker:
             response=self.detokenize(t.response_tokens),
             finish_reason=t.finish_reason,
             meta=dict(t.meta),
+            response_mask=list(getattr(t, "response_mask", [])),
         )
 
     async def score(self, samples: Sequence[RewardSample]) -> dict[int, Outcome]:

@@ -5,7 +5,9 @@ a command arrives while the engine steps), step the engine, report finished and
 interrupted stretches as segments (batched, fenced by instance, attempt and route token),
 checkpoint long stretches as partial segments so a crash loses little, heartbeat a snapshot, and pull new weights
 when the coordinator says so. A lost route (409) drops the sample locally: its late result
-is never applied.
+is never applied. With an environment (`turns`, turns.py), a finished stretch ends a turn:
+the environment answers, and the trajectory either ends or goes back to the queue with the
+observation appended; a failed or hung environment drops it through the API with the reason.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from workers.client import Conflict, StaleFlowClient
+from workers.envs.base import EnvFailed
 from workers.rollout.engines.base import (
     Engine,
     FinishedEvent,
@@ -24,6 +27,7 @@ from workers.rollout.engines.base import (
     TokensEvent,
     engine_should_interrupt_preempted,
 )
+from workers.rollout.turns import Turns, turn_start
 from workers.rollout.worker_inbox import Delivery, Inbox
 
 log = logging.getLogger("staleflow.rollout")
@@ -43,6 +47,8 @@ class _Held:
     reported: int = 0  # tokens of this stretch already sent as partial segments
     tokens: list[int] = field(default_factory=list)  # this stretch so far, from TokensEvents
     logprobs: list[float] = field(default_factory=list)
+    turn_prefix: list[int] = field(default_factory=list)  # multi-turn: the current turn's tokens before this stretch
+    budget: int = 0  # response tokens this stretch may still add (turn and observations)
 
 
 @dataclass
@@ -55,6 +61,8 @@ class WorkerStats:
     lost: int = 0  # reports refused with 409: route lost
     tokens: int = 0
     commands: int = 0
+    turns: int = 0  # multi-turn: turns answered by the environment, the trajectory going on
+    env_dropped: int = 0  # multi-turn: trajectories dropped because their environment failed
     # seconds commands waited in the inbox for the engine's step to end, summed
     command_wait_s: float = 0.0
     extra: dict[str, float] = field(default_factory=dict)
@@ -75,6 +83,7 @@ class RolloutWorker:
         report_every_s: float = 0.05,
         checkpoint_every_s: float = 5.0,
         idle_wait_s: float = 1.0,
+        turns: Turns | None = None,
     ):
         self.client, self.run_id, self.engine, self.name = client, run_id, engine, name
         self.weights, self.phi_wait = weights, phi_wait
@@ -82,6 +91,7 @@ class RolloutWorker:
         self.report_every_s, self.checkpoint_every_s = report_every_s, checkpoint_every_s
         self.idle_wait_s = idle_wait_s  # also the inbox's long-poll wait
         self.instance_id: int | None = None
+        self.turns = turns
         self.held: dict[int, _Held] = {}
         self.pending: list[dict] = []  # reports not sent yet
         self.stats = WorkerStats()
@@ -158,16 +168,29 @@ class RolloutWorker:
         assert d.out is not None
         out = d.out
         for w in out.work:
+            prefix, logprobs, budget = list(w.prefix_tokens), list(w.prefix_logprobs), w.max_new_tokens
+            held = _Held(w.attempt, w.route_token, len(prefix), len(w.prompt_tokens), budget=budget)
+            self.held[w.sample_id] = held
+            self.stats.routed += 1
+            if self.turns is not None:
+                try:
+                    first = self.turns.start(w.sample_id, w.prompt_tokens, prefix, w.prefix_mask, w.meta)
+                except EnvFailed as e:
+                    self._drop(w.sample_id, e)
+                    continue
+                if first:  # the reset observation opens the trajectory
+                    self._observe(w.sample_id, first, "partial")
+                    prefix, logprobs, budget = first, [0.0] * len(first), budget - len(first)
+                    held.budget, held.prefix_len = budget, len(first)
+                held.turn_prefix = prefix[turn_start(list(w.prefix_mask) + [0] * len(first)) :]
             self.engine.add_request(
                 str(w.sample_id),
                 w.prompt_tokens,
-                w.prefix_tokens,
-                w.prefix_logprobs,
-                max_new_tokens=w.max_new_tokens,
+                prefix,
+                logprobs,
+                max_new_tokens=budget,
                 seed=w.sample_id,
             )
-            self.held[w.sample_id] = _Held(w.attempt, w.route_token, len(w.prefix_tokens), len(w.prompt_tokens))
-            self.stats.routed += 1
         now = time.monotonic()
         for c in out.commands:
             self.stats.commands += 1
@@ -176,13 +199,15 @@ class RolloutWorker:
                 self._interrupt([c.sample_id])
             elif c.kind == "abort" and c.sample_id in self.held and self.held[c.sample_id].attempt == c.attempt:
                 self.engine.abort([str(c.sample_id)])
-                del self.held[c.sample_id]
+                self._release(c.sample_id)
             elif c.kind == "pull":
                 self._pull(c.target_version)
 
     def _handle(self, events: list) -> None:
         for e in events:
-            if isinstance(e, FinishedEvent):
+            if isinstance(e, FinishedEvent) and self.turns is not None:
+                self._end_turn(int(e.sample_id), e)
+            elif isinstance(e, FinishedEvent):
                 self._queue(int(e.sample_id), e.tokens, e.logprobs, "finished", e.finish_reason)
                 self.stats.finished += 1
             elif isinstance(e, PreemptedEvent) and engine_should_interrupt_preempted(e.waiting, self.phi_wait):
@@ -195,6 +220,73 @@ class RolloutWorker:
                 if held is not None:
                     held.tokens.extend(e.tokens)
                     held.logprobs.extend(e.logprobs)
+
+    def _end_turn(self, sid: int, e: FinishedEvent) -> None:
+        """The environment answers the turn: the trajectory ends (done, or no room for another
+        turn) or goes back to the queue with the observation appended."""
+        held = self.held.get(sid)
+        if held is None or self.turns is None:
+            return
+        try:
+            turn = self.turns.end(sid, held.turn_prefix + list(e.tokens))
+        except EnvFailed as x:
+            self._queue(sid, e.tokens, e.logprobs, "partial", None)  # what was generated is kept
+            self._drop(sid, x)
+            return
+        # the next turn needs room for a token after the observation, in the run's response
+        # limit and in the engine's context (a trajectory never ends on an observation)
+        room = held.budget - len(e.tokens) - len(turn.observation)
+        max_seq = getattr(self.engine, "max_seq", None)
+        context = held.prompt_len + held.prefix_len + len(e.tokens) + len(turn.observation)
+        if turn.step.done or e.finish_reason == "length" or room <= 0 or (max_seq and context >= max_seq):
+            self._queue(sid, e.tokens, e.logprobs, "finished", e.finish_reason)
+            self.stats.finished += 1
+            return
+        self._queue(sid, e.tokens, e.logprobs, "partial", None)
+        self._observe(sid, turn.observation, "interrupted")
+        self._release(sid)
+        self.stats.turns += 1
+
+    def _observe(self, sid: int, tokens: list[int], kind: str) -> None:
+        """Queue an environment observation: not generated (no version, loss mask 0)."""
+        held = self.held[sid]
+        self.pending.append(
+            {
+                "sample_id": sid,
+                "attempt": held.attempt,
+                "route_token": held.route_token,
+                "version": None,
+                "tokens": list(tokens),
+                "logprobs": [],
+                "kind": kind,
+                "finish_reason": None,
+                "generated": False,
+            }
+        )
+
+    def _drop(self, sid: int, err: EnvFailed) -> None:
+        """Drop a trajectory whose environment failed, with the reason, through the API (after
+        what is pending for it: the route must still hold). A lost route drops nothing."""
+        held = self.held.get(sid)
+        if held is None:
+            return
+        log.warning("sample %d: dropping its trajectory (%s)", sid, err)
+        self._flush(force=True)
+        try:
+            self.client.drop_trajectories(
+                self.run_id, self._instance, [(sid, held.attempt, held.route_token)], err.reason
+            )
+            self.stats.env_dropped += 1
+        except Conflict:
+            self.stats.lost += 1
+        self.engine.abort([str(sid)])
+        self._release(sid)
+
+    def _release(self, sid: int) -> None:
+        """The sample is no longer this instance's to generate."""
+        self.held.pop(sid, None)
+        if self.turns is not None:
+            self.turns.forget(sid)
 
     def _interrupt(self, sample_ids: list[int]) -> None:
         for p in self.engine.interrupt([str(s) for s in sample_ids]):
@@ -234,7 +326,7 @@ class RolloutWorker:
         if kind == "partial":
             held.reported += len(new_t)
         else:
-            del self.held[sid]
+            self._release(sid)
 
     def _checkpoint(self) -> None:
         """Partial segments for long stretches: after a crash the queue resumes from here."""
@@ -246,21 +338,31 @@ class RolloutWorker:
     def _flush(self, force: bool = False) -> None:
         if not self.pending or (not force and time.monotonic() - self._last["report"] < self.report_every_s):
             return
-        batch, self.pending = self.pending, []
-        while batch:
-            try:
-                self.client.report(self.run_id, self._instance, batch)
-                break
-            except Conflict as e:  # lost routes: drop those samples, send the rest
-                lost = {item["id"] for item in e.items}
-                if not lost:
-                    raise
-                self.stats.lost += len({r["sample_id"] for r in batch if r["sample_id"] in lost})
-                for sid in lost:
-                    if sid in self.held:
-                        self.engine.abort([str(sid)])
-                        del self.held[sid]
-                batch = [r for r in batch if r["sample_id"] not in lost]
+        pending, self.pending = self.pending, []
+        while pending:
+            # one report per sample per batch: a turn and its observation go in two, in order
+            batch: list[dict] = []
+            later: list[dict] = []
+            seen: set[int] = set()
+            for r in pending:
+                (later if r["sample_id"] in seen else batch).append(r)
+                seen.add(r["sample_id"])
+            while batch:
+                try:
+                    self.client.report(self.run_id, self._instance, batch)
+                    break
+                except Conflict as e:  # lost routes: drop those samples, send the rest
+                    lost = {item["id"] for item in e.items}
+                    if not lost:
+                        raise
+                    self.stats.lost += len({r["sample_id"] for r in batch if r["sample_id"] in lost})
+                    for sid in lost:
+                        if sid in self.held:
+                            self.engine.abort([str(sid)])
+                            self._release(sid)
+                    batch = [r for r in batch if r["sample_id"] not in lost]
+                    later = [r for r in later if r["sample_id"] not in lost]
+            pending = later
         self._last["report"] = time.monotonic()
 
     # ---- weights and snapshots --------------------------------------------------------------
@@ -274,7 +376,7 @@ class RolloutWorker:
         self._heartbeat(pulling=True)
         state, version = self.weights(target)
         if version > self.engine.version:
-            self.engine.load_weights(state or {}, version)
+            self.engine.load_weights(state, version)  # None: the engine pulls `version` itself
             self.stats.pulls += 1
             log.info("instance %s pulled version %s", self.instance_id, version)
         self._heartbeat()
@@ -306,7 +408,8 @@ class RolloutWorker:
         """Fenced (lease lapsed or expired): the sweep requeues our samples; start over as a new instance."""
         log.warning("instance %s lost its lease; registering again", self.instance_id)
         self.engine.abort([str(k) for k in self.held])
-        self.held.clear()
+        for sid in list(self.held):
+            self._release(sid)
         self.pending.clear()
         self.instance_id = self.client.register(
             self.run_id, self.name, self.engine.version, self.lease_s, capacity=self.engine.capacity()

@@ -10,14 +10,29 @@ admission (context tokens / prefill rate; decoding pauses meanwhile), interrupts
 leaves with the tokens it has) and pulls (interrupt everything, load weights for
 `pull_time`, resume at the new version).
 
+Multi-turn trajectories (an agentic workload): the batch model runs one turn at a time — a
+sample's `target` is the end of its current turn. When a turn ends with more to come, the
+trajectory leaves the batch and waits for its environment on this instance, holding no decode
+slot and no KV the batch counts: its context stays in the engine's prefix cache (vLLM's
+automatic prefix caching, SGLang's radix cache keep a finished request's blocks as evictable).
+When the environment answers, the observation is appended to the context and the trajectory
+rejoins the waiting queue for its next turn; admission then prefills only the observation (and
+its attention over the cached context) if the cache is still valid here — same instance, same
+weights — and the whole context otherwise (it was interrupted or migrated between turns, or a
+pull reset the cache). Eviction under memory pressure is not modelled (an optimistic cache,
+the same for every policy). A pull or an interrupt takes waiting trajectories off the engine
+too; their environment call goes on, and the simulator queues them once it answers.
+
 Sample data live in a shared `SampleTable` (plain lists indexed by sample id), so engines,
 the simulator and reports read the same numbers.
 """
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections.abc import Sequence
+from typing import Any
 
 from workers.coordinator.cost_model import CostModel
 from workers.coordinator.state import InstanceSnapshot, RunningSample
@@ -26,25 +41,29 @@ from workers.rollout.engines.timing import BatchModel
 
 class _LazyRunning(Sequence):
     """Per-running-sample details of a snapshot, built only if someone reads them (the
-    migration strategy, rarely): the snapshot keeps the engine's (immutable) records."""
+    migration strategy, rarely): the snapshot keeps the engine's (immutable) records, and the
+    trajectories waiting for their environment (id -> (since, tokens, context, turn tokens)),
+    listed after the decoding ones."""
 
-    __slots__ = ("_items", "_it", "_vtraj", "_cache")
+    __slots__ = ("_items", "_it", "_vtraj", "_turn0", "_env", "_cache")
 
-    def __init__(self, items: tuple, it: int, vtraj: list):
+    def __init__(self, items: tuple, it: int, vtraj: list, turn0: list, env: tuple = ()):
         self._items: tuple | None = items
-        self._it, self._vtraj = it, vtraj
+        self._it, self._vtraj, self._turn0, self._env = it, vtraj, turn0, env
         self._cache: tuple[RunningSample, ...] | None = None
 
     def _get(self) -> tuple[RunningSample, ...]:
         if self._cache is None:
-            it, vt = self._it, self._vtraj
-            cache = tuple(RunningSample(sid, r[2] + it, r[1] + it, vt[sid]) for sid, r in self._items or ())
+            it, vt, t0 = self._it, self._vtraj, self._turn0
+            cache = tuple(
+                RunningSample(sid, r[2] + it, r[1] + it, vt[sid], r[2] + it - t0[sid]) for sid, r in self._items or ()
+            ) + tuple(RunningSample(sid, g, c, vt[sid], tt, since) for sid, (since, g, c, tt) in self._env)
             self._cache, self._items = cache, None
             return cache
         return self._cache
 
     def __len__(self) -> int:
-        return len(self._items or ()) if self._cache is None else len(self._cache)
+        return len(self._items or ()) + len(self._env) if self._cache is None else len(self._cache)
 
     def __getitem__(self, i):
         return self._get()[i]
@@ -68,11 +87,20 @@ class SampleTable:
         self.seg_version = [0]
         self.last_version: list[int | None] = [None]  # version of the latest segment with tokens
         self.ran_on = [0]  # instance of its latest segment
+        # multi-turn (module docstring): `prompt` grows by each observation, `target` is the end
+        # of the current turn
+        self.plan: list[tuple | None] = [None]  # (turn tokens, observation tokens, env seconds)
+        self.turn = [0]  # index of its current turn
+        self.turn0 = [0]  # `gen` when its current turn started
+        self.env_ready = [0.0]  # when its environment answers (0: not waiting for one)
+        self.turn_end = [0.0]  # when its latest turn ended
+        self.env_wait = [0.0]  # seconds it has waited for environments in all
+        self.cache_at = [(0, -1, 0)]  # its context in a prefix cache: (instance, version, tokens)
 
-    def add(self, sid: int, group: int, prompt: int, target: int) -> None:
+    def add(self, sid: int, group: int, prompt: int, target: int, plan: tuple | None = None) -> None:
         if sid != len(self.group):
             raise ValueError(f"sample ids must be contiguous: got {sid}, expected {len(self.group)}")
-        cols: tuple[tuple[list, int | None], ...] = (
+        cols: tuple[tuple[list, Any], ...] = (
             (self.group, group),
             (self.prompt, prompt),
             (self.target, target),
@@ -84,9 +112,41 @@ class SampleTable:
             (self.seg_version, 0),
             (self.last_version, None),
             (self.ran_on, 0),
+            (self.plan, plan),
+            (self.turn, 0),
+            (self.turn0, 0),
+            (self.env_ready, 0.0),
+            (self.turn_end, 0.0),
+            (self.env_wait, 0.0),
+            (self.cache_at, (0, -1, 0)),
         )
         for lst, v in cols:
             lst.append(v)
+
+    def more_turns(self, sid: int) -> bool:
+        plan = self.plan[sid]
+        return plan is not None and self.turn[sid] < len(plan[0]) - 1
+
+    def end_turn(self, sid: int, now: float, instance: int, version: int) -> float:
+        """Its turn ended at `now` on `instance` (context cached there): when the environment answers."""
+        plan = self.plan[sid]
+        assert plan is not None
+        self.turn_end[sid] = now
+        self.env_ready[sid] = ready = now + plan[2][self.turn[sid]]
+        self.cache_at[sid] = (instance, version, self.prompt[sid] + self.gen[sid])
+        return ready
+
+    def env_answer(self, sid: int) -> None:
+        """The environment answered: its observation joins the context, the next turn starts."""
+        plan = self.plan[sid]
+        assert plan is not None
+        t = self.turn[sid]
+        self.env_wait[sid] += plan[2][t]
+        self.prompt[sid] += plan[1][t]
+        self.turn[sid] = t + 1
+        self.turn0[sid] = self.gen[sid]
+        self.target[sid] = self.gen[sid] + plan[0][t + 1]
+        self.env_ready[sid] = 0.0
 
 
 class SimInstance:
@@ -119,6 +179,11 @@ class SimInstance:
         self.finished: list[int] = []
         self.interrupted: list[int] = []  # by the φ_wait rule
         self.pulled = False
+        self.turned = False  # a turn ended or an environment answered (the snapshot changed)
+        # trajectories waiting for their environment between turns: sid -> answer time
+        self.env: dict[int, float] = {}
+        self._env_heap: list[tuple[float, int]] = []
+        self._cached: set[int] = set()  # waiting samples whose context is in this engine's cache
         # metrics
         self.busy = 0.0  # decoding or prefilling
         self.idle = 0.0
@@ -160,15 +225,20 @@ class SimInstance:
         self.received += 1
 
     def interrupt(self, sids, now: float) -> list[int]:
-        """Take samples off the engine with the tokens they have; returns those it held."""
+        """Take samples off the engine with the tokens they have (trajectories waiting for
+        their environment too); returns those it held."""
+        sids = list(sids)
         out = self.batch.remove(sids)
+        if self.env:
+            out += [sid for sid in sids if self.env.pop(sid, None) is not None]
         for sid in out:
             self.table.instance[sid] = 0
+            self._cached.discard(sid)
         return out
 
     def start_pull(self, now: float, version: int, duration: float) -> list[int]:
         """Interrupt everything, then load `version` for `duration` seconds."""
-        out = self.interrupt(list(self.batch.run) + list(self.batch.waiting), now)
+        out = self.interrupt(list(self.batch.run) + list(self.batch.waiting) + list(self.env), now)
         if self.t < now:
             # the iteration in flight is lost; the time since the last boundary was spent
             self.busy += now - self.t
@@ -180,8 +250,58 @@ class SimInstance:
 
     # ---- the clock -------------------------------------------------------------------------
 
+    def _next_answer(self) -> float:
+        """When the next environment answers (inf: none pending)."""
+        heap, env = self._env_heap, self.env
+        while heap:
+            ready, sid = heap[0]
+            if env.get(sid) == ready:
+                return ready
+            heapq.heappop(heap)
+        return math.inf
+
+    def _answers(self) -> None:
+        """Trajectories whose environment has answered by now rejoin the queue for their next turn."""
+        heap, env, tbl = self._env_heap, self.env, self.table
+        while heap and heap[0][0] <= self.t:
+            ready, sid = heapq.heappop(heap)
+            if env.get(sid) != ready:
+                continue
+            del env[sid]
+            tbl.env_answer(sid)
+            inst, ver, _ = tbl.cache_at[sid]
+            if inst == self.id and ver == self.version:
+                self._cached.add(sid)
+            self.batch.waiting.append(sid)
+            self.turned = True
+
+    def _end_turns(self, done: list[int]) -> list[int]:
+        """Of the samples whose target was reached, those that wait for their environment
+        now; returns the ones that finished."""
+        tbl, finished = self.table, []
+        for sid in done:
+            if tbl.more_turns(sid):
+                ready = tbl.end_turn(sid, self.t, self.id, self.version)
+                self.env[sid] = ready
+                heapq.heappush(self._env_heap, (ready, sid))
+                self.turned = True
+            else:
+                finished.append(sid)
+        return finished
+
     def _admit(self) -> None:
-        prefill = self.batch.admit()
+        b = self.batch
+        queue = list(b.waiting) if self._cached else None
+        prefill = b.admit()
+        if queue is not None:
+            # admitted from the front: a turn whose context is still cached here prefills only
+            # its observation (module docstring)
+            attn, tbl = b.attn_coef, self.table
+            for sid in queue[: len(queue) - len(b.waiting)]:
+                if sid in self._cached:
+                    self._cached.discard(sid)
+                    c = tbl.cache_at[sid][2]
+                    prefill -= c + attn * c * c
         if prefill:
             start = self.stall_until if self.stall_until > self.t else self.t
             self.stall_until = start + prefill / self.prefill_rate
@@ -207,6 +327,8 @@ class SimInstance:
                 self.version = self.pull_version
                 self.pulling_until = None
                 self.pulled = True
+            if self.env:
+                self._answers()
             if b.waiting:
                 self._admit()
             if self.stall_until > self.t:
@@ -217,7 +339,12 @@ class SimInstance:
                 self.busy += self.stall_until - self.t
                 self.t = self.stall_until
             n = len(b.run)
+            answer = self._next_answer() if self.env else math.inf
             if n == 0:
+                if answer <= T:  # idle until an environment answers
+                    self.idle += answer - self.t
+                    self.t = answer
+                    continue
                 if T > self.t:
                     self.idle += T - self.t
                     self.t = T
@@ -228,20 +355,26 @@ class SimInstance:
                 continue
             k_fin = b.to_finish()
             k = k_fin if k_fin < k_kv else k_kv
-            budget = T - self.t
+            stop = answer if answer < T else T  # an answer joins at the next iteration boundary
+            budget = stop - self.t
             dt = b.time(k)
             partial = False
             if dt > budget:
                 k = b.within(budget)
                 if k <= 0:
-                    return
+                    if stop == T or b.time(1) > T - self.t:
+                        return
+                    k = 1  # the answer lands within this iteration
                 dt = b.time(k)
-                partial = True
+                partial = stop == T
             self.t += dt
             self.busy += dt
             self.tokens += k * n
             done = b.decode(k)
             if done:
+                plan = self.table.plan
+                if any(plan[sid] is not None for sid in done):
+                    done = self._end_turns(done)
                 instance = self.table.instance
                 for sid in done:
                     instance[sid] = 0
@@ -254,14 +387,16 @@ class SimInstance:
         if self.pulling_until is not None:
             return self.pulling_until
         b = self.batch
+        answer = self._next_answer() if self.env else math.inf
         if not b.run:
-            return self.t if b.waiting else math.inf
+            return self.t if b.waiting else answer
         k = b.to_finish()
         k_kv = b.room()
         if k_kv < k:
             k = max(k_kv, 1)
         start = self.stall_until if self.stall_until > self.t else self.t
-        return start + b.time(k)
+        t = start + b.time(k)
+        return t if t < answer else max(answer, self.t)
 
     # ---- reporting -------------------------------------------------------------------------
 
@@ -273,8 +408,14 @@ class SimInstance:
         n = len(b.run)
         it = b.it
         samples: Sequence[RunningSample] = ()
-        if detail and n:
-            samples = _LazyRunning(tuple(b.run.items()), it, self.table.v_traj)
+        tbl = self.table
+        if detail and (n or self.env):
+            gen, ctx0 = tbl.gen, tbl.prompt
+            env = tuple(
+                (sid, (tbl.turn_end[sid], gen[sid], ctx0[sid] + gen[sid], gen[sid] - tbl.turn0[sid]))
+                for sid in self.env
+            )
+            samples = _LazyRunning(tuple(b.run.items()), it, tbl.v_traj, tbl.turn0, env)
         dt = now - self._hb_t
         thr = (self.tokens - self._hb_tokens) / dt if dt > 0 else 0.0
         self._hb_t, self._hb_tokens = now, self.tokens
@@ -292,4 +433,5 @@ class SimInstance:
             pulling=self.pulling_until is not None,
             routed_seen=self.received,
             max_running=self.max_running,
+            env_waiting=len(self.env),
         )

@@ -50,7 +50,7 @@ class Setup:
     parallelism: str
     batch_size: int  # B prompts per step
     group_size: int  # N responses per prompt
-    max_response: int
+    max_response: int  # tokens of one response (multi-turn: of one turn)
     instances: int
     tp: int
     etas: tuple[int, ...]
@@ -274,7 +274,27 @@ SETUPS["few_instances"] = SETUPS["qwen_moe_30b"].scaled(  # 128 samples per inst
 SETUPS["many_instances"] = SETUPS["qwen_14b"].scaled(  # 8 samples per instance per batch
     name="many_instances", batch_size=32, group_size=8
 )
-SHAPE_SETUPS = ("short_many", "heavy_tail", "correlated", "few_instances", "many_instances")
+# Agentic: multi-turn trajectories with tool calls between turns (workload.py): 4 turns on
+# average (1 to 8), short answers per turn (median 300 tokens, at most 2K), observations of
+# median 300 tokens appended to the context, environment latency of median 1.5 s with a long
+# tail (log-spread 1.3: p99 ≈ 30 s, cut at a 60-s timeout); many prompts (256 × 8).
+SETUPS["agentic"] = SETUPS["qwen_14b"].scaled(
+    name="agentic",
+    batch_size=256,
+    group_size=8,
+    max_response=2_000,
+    workload=WorkloadShape(
+        max_response=2_000,
+        median_fraction=0.15,
+        max_turns=8,
+        mean_turns=4.0,
+        obs_median=300,
+        env_median=1.5,
+        env_sigma=1.3,
+        env_timeout=60.0,
+    ),
+)
+SHAPE_SETUPS = ("short_many", "heavy_tail", "correlated", "few_instances", "many_instances", "agentic")
 
 
 def get_setup(name: str | Setup, **changes) -> Setup:

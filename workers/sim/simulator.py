@@ -20,6 +20,11 @@ trainer done, a heartbeat that confirms an unconfirmed estimate) or at most `idl
 seconds ahead. Engines jump between their own events in closed form, so the cost of a run is
 the number of events, not the number of tokens.
 
+Multi-turn workloads: an instance keeps a trajectory between its turns while the environment
+answers (`SimInstance`); a trajectory taken off its instance meanwhile (a pull, an interrupt)
+is reported like any interrupted segment, and the simulator holds it back (`env_pending`)
+until its environment answers, then queues it for routing like any partial sample.
+
 Simplifications, all policy-neutral: rewards are instantaneous (one reward worker that
 never lags), commands reach engines instantly (snapshot lag is modelled by the heartbeat
 period instead), a segment is reported to the protocol as one placeholder token (the
@@ -29,6 +34,7 @@ counts live in the `SampleTable`).
 
 from __future__ import annotations
 
+import heapq
 import math
 import time
 from collections import Counter
@@ -84,7 +90,7 @@ class Simulator:
         su = self.setup
         self.cost = su.cost
         self.workload = Workload(su.workload, seed)
-        if su.kv_capacity < su.workload.prompt_max + su.max_response:
+        if su.kv_capacity < su.workload.max_context:
             raise ValueError(f"{su.name}: KV capacity {su.kv_capacity} cannot hold one longest sample")
         cfg = RunConfig(
             batch_size=su.batch_size,
@@ -130,6 +136,9 @@ class Simulator:
             self.spec.observe(e.snapshot(0.0, self.detail))
             self.next_hb[iid] = float(rng.uniform(0, heartbeat_period))
         self.queued: dict[int, QueuedSample] = {}  # insertion order = FIFO
+        # trajectories off any instance, waiting for their environment: sid -> answer time
+        self.env_pending: dict[int, float] = {}
+        self._env_heap: list[tuple[float, int]] = []
         self.route_tokens: dict[int, str] = {}  # sample -> token of its latest route (reports quote it)
         self.fresh_groups: set[int] = set()
         self.group_index = 0
@@ -153,7 +162,9 @@ class Simulator:
             draw = self.workload.group(k, self.n_prime)
             gid = self.p.enqueue(f"g{k}", [1] * draw.prompt_len)
             for j, sid in enumerate(self.p.groups[gid].sample_ids):
-                self.table.add(sid, gid, draw.prompt_len, int(draw.lengths[j]))
+                plan = draw.plan(j)
+                target = int(draw.lengths[j]) if plan is None else plan[0][0]  # multi-turn: the first turn's end
+                self.table.add(sid, gid, draw.prompt_len, target, plan)
                 self.queued[sid] = QueuedSample(sid, gid, draw.prompt_len, None, 0)
             self.fresh_groups.add(gid)
             added = True
@@ -185,16 +196,41 @@ class Simulator:
         tbl = self.table
         for sid in sids:
             tbl.instance[sid] = 0
-            g = tbl.gen[sid]
-            self.queued[sid] = QueuedSample(
-                sid,
-                tbl.group[sid],
-                tbl.prompt[sid] + g,
-                tbl.v_traj[sid],
-                g,
-                tbl.last_version[sid],
-                tbl.ran_on[sid] or None,
-            )
+            ready = tbl.env_ready[sid]
+            if ready > self.now:  # between turns: it is routable once its environment answers
+                self.env_pending[sid] = ready
+                heapq.heappush(self._env_heap, (ready, sid))
+                self.commands["between_turns"] += 1  # taken off its instance while its environment works
+                continue
+            if ready:
+                tbl.env_answer(sid)
+            self._queue(sid)
+
+    def _queue(self, sid: int) -> None:
+        tbl = self.table
+        g = tbl.gen[sid]
+        self.queued[sid] = QueuedSample(
+            sid,
+            tbl.group[sid],
+            tbl.prompt[sid] + g,
+            tbl.v_traj[sid],
+            g,
+            tbl.last_version[sid],
+            tbl.ran_on[sid] or None,
+        )
+
+    def _env_answers(self) -> bool:
+        """Queue the held-back trajectories whose environment has answered; True if any."""
+        heap, pending, got = self._env_heap, self.env_pending, False
+        while heap and heap[0][0] <= self.now:
+            ready, sid = heapq.heappop(heap)
+            if pending.get(sid) != ready:
+                continue
+            del pending[sid]
+            self.table.env_answer(sid)
+            self._queue(sid)
+            got = True
+        return got
 
     def _drop_aborted(self, group_ids) -> None:
         """Samples the protocol aborted (surplus, dropped groups) leave engines and queue."""
@@ -203,6 +239,7 @@ class Simulator:
                 if self.p.samples[sid].state != SampleState.ABORTED:
                     continue
                 self.queued.pop(sid, None)
+                self.env_pending.pop(sid, None)
                 iid = self.table.instance[sid]
                 if iid:
                     self.engines[iid].interrupt([sid], self.now)
@@ -246,6 +283,9 @@ class Simulator:
         if e.interrupted:
             interrupted.extend(e.interrupted)
             e.interrupted.clear()
+            self.engine_changed.add(e.id)
+        if e.turned:  # a turn ended or an environment answered: the snapshot changed
+            e.turned = False
             self.engine_changed.add(e.id)
         if e.pulled:
             # the worker reports the new version as soon as the weights are loaded: that is a
@@ -396,6 +436,11 @@ class Simulator:
                 t = te
         if self.trainer.until is not None and self.trainer.until < t:
             t = self.trainer.until
+        if self.env_pending:
+            while self._env_heap and self.env_pending.get(self._env_heap[0][1]) != self._env_heap[0][0]:
+                heapq.heappop(self._env_heap)
+            if self._env_heap and self._env_heap[0][0] < t:
+                t = self._env_heap[0][0]
         for iid, hb in self.next_hb.items():
             if hb < t:
                 est = self.spec.estimates[iid]
@@ -439,6 +484,8 @@ class Simulator:
             if self._trainer():
                 dirty = True
             if self._top_up():
+                dirty = True
+            if self.env_pending and self._env_answers():
                 dirty = True
             next_tick_now = False
             if dirty or now - self.last_coord >= self.idle_cycle - 1e-9:

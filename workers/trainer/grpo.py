@@ -137,10 +137,16 @@ def summarize(sums: dict[str, float]) -> dict[str, float]:
 
 
 def _pad(
-    seqs: list[list[int]], starts: list[int], rollout: list[list[float]], idx: list[int]
+    seqs: list[list[int]],
+    starts: list[int],
+    rollout: list[list[float]],
+    idx: list[int],
+    loss_masks: list[list[int]] | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """Inputs, targets, response mask and rollout log-probs of the rows `idx`, right-padded
-    (causal attention never looks ahead, so padding needs no attention mask)."""
+    (causal attention never looks ahead, so padding needs no attention mask). The response
+    mask is 1 on generated tokens only: `loss_masks[i]` (per response token, 0 on an
+    environment's observations) when given, else all of the response."""
     width = max(len(seqs[i]) for i in idx) - 1  # inputs are seq[:-1], targets seq[1:]
     inp = torch.zeros(len(idx), width, dtype=torch.long)
     tgt = torch.zeros(len(idx), width, dtype=torch.long)
@@ -151,7 +157,7 @@ def _pad(
         inp[row, : len(toks) - 1] = torch.tensor(toks[:-1])
         tgt[row, : len(toks) - 1] = torch.tensor(toks[1:])
         # response token t sits at sequence position p + t, predicted from p + t - 1
-        mask[row, p - 1 : p - 1 + n] = 1.0
+        mask[row, p - 1 : p - 1 + n] = 1.0 if loss_masks is None else torch.tensor(loss_masks[i], dtype=mask.dtype)
         rlp[row, p - 1 : p - 1 + n] = torch.tensor(rollout[i])
     return inp, tgt, mask, rlp
 
@@ -182,6 +188,7 @@ def grpo_update(
     minibatches: int = 1,
     micro_batch_tokens: int = 16384,
     max_grad_norm: float | None = 1.0,
+    loss_masks: list[list[int]] | None = None,
 ) -> tuple[float, dict[str, float]]:
     """GRPO/DAPO on one batch: `epochs` passes, each split into `minibatches` optimizer steps
     (by prompt group). Sequence i is prompt + response, the response starting at `starts[i]`
@@ -190,7 +197,9 @@ def grpo_update(
     One step (1 x 1) is the plain on-policy update. More steps reuse each rollout several
     times (PPO epochs and minibatches): π_old is the model as it entered this call, its
     log-probs computed once before the first step, and the clip bounds how far the policy
-    moves from it. Returns (mean loss per optimizer step, per-token metrics)."""
+    moves from it. `loss_masks[i]` (per response token) leaves out the tokens the model did not
+    generate (multi-turn: the environment's observations). Returns (mean loss per optimizer
+    step, per-token metrics)."""
     adv = group_advantages(torch.tensor(rewards, dtype=torch.float64), torch.tensor(groups), cfg.adv_eps)
     dev = next(model.parameters()).device
     gids = sorted(set(groups))
@@ -205,7 +214,7 @@ def grpo_update(
         prepared: list[Prepared] = []
         for sub in micro_batches([len(seqs[i]) for i in rows], micro_batch_tokens):
             idx = [rows[j] for j in sub]
-            inp, tgt, mask, rlp = (t.to(dev) for t in _pad(seqs, starts, rollout, idx))
+            inp, tgt, mask, rlp = (t.to(dev) for t in _pad(seqs, starts, rollout, idx, loss_masks))
             old = None
             if reuse:
                 with torch.no_grad():

@@ -13,6 +13,9 @@ if TYPE_CHECKING:
     from workers.trainer.grpo import GRPOConfig
 
 
+PUSH_DTYPES = ("auto", "bfloat16", "float16", "float32")
+
+
 @dataclass(frozen=True)
 class SimOptions:
     """`--sim`: no weights; each step sleeps (overhead_s + s_per_token · tokens) · time_scale."""
@@ -44,12 +47,23 @@ class TrainerOptions:
     minibatches: int = 1
     # where it runs
     device: str = "cpu"
+    # what the weights travel as: "auto" = bfloat16 on a GPU, the parameters' own dtype on a
+    # CPU; or a floating dtype's name (never wider than the parameters: see param_store)
+    push_dtype: str = "auto"
     threads: int = 0  # torch CPU threads (0: torch's default)
     sim: SimOptions | None = None  # set: the sim trainer, no torch
 
     def __post_init__(self) -> None:
         if self.lr_end != 1.0 and self.steps is None:
             raise ValueError("--lr-end decays over --steps: give --steps")
+        if self.push_dtype not in PUSH_DTYPES:
+            raise ValueError(f"--push-dtype {self.push_dtype!r}: one of {', '.join(PUSH_DTYPES)}")
+
+    def push_dtype_name(self) -> str | None:
+        """The torch dtype name the trainer pushes in; None: the parameters' own."""
+        if self.push_dtype == "auto":
+            return "bfloat16" if self.device.startswith("cuda") else None
+        return self.push_dtype
 
     def grpo(self) -> GRPOConfig:
         from workers.trainer.grpo import GRPOConfig

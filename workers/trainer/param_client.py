@@ -3,7 +3,9 @@ pull weight versions (the protocol is described in workers.trainer.param_server)
 
 Each transfer builds its own two-rank `torch.distributed` group (PS rank 0, peer rank 1)
 through a TCPStore the PS opens for it; a state dict travels as one flat uint8 buffer
-(workers.trainer.param_store). The client rides through a PS restart when asked to (`retry_for`).
+(workers.trainer.param_store), in the pusher's dtype. Pullers that install weights stream
+them in buckets straight into their loader (`pull_into`), holding one bucket at a time. The
+client rides through a PS restart when asked to (`retry_for`).
 """
 
 from __future__ import annotations
@@ -15,30 +17,36 @@ import socket
 import weakref
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 from torch.distributed import TCPStore
 
-from workers.retry import PARAM_SERVER, Outage
+from workers.retry import PARAM_SERVER, PS_FIRST_VERSION, Outage
 from workers.trainer.param_auth import PSAuthError, PSCredentials, connect
 from workers.trainer.param_store import (
+    DEFAULT_BUCKET_BYTES,
+    Bucket,
     ChecksumError,
     ParamServerError,
     _hasher,
     _metas_from_json,
     _metas_json,
     _update,
+    buckets,
     flatten,
-    unflatten,
+    tensors_of,
 )
-from workers.trainer.param_transport import open_group, recv_flat, send_flat
+from workers.trainer.param_transport import RecvAccount, open_group, recv_buckets, send_flat
 
 log = logging.getLogger("staleflow.ps")
 
 
 # ---- client ------------------------------------------------------------------------------
 _T = TypeVar("_T")
+# load(version, received): installs a streamed version from its (bucket, bytes) pairs, e.g.
+# by copying param_store.tensors_of(received) into a model (see ParamClient.pull_into)
+Loader = Callable[[int, Iterator[tuple[Bucket, torch.Tensor]]], None]
 
 
 class PSUnavailable(ParamServerError):
@@ -147,15 +155,16 @@ class ParamClient:
         with sock, f:
             return self._read(f)
 
-    def push(self, state_dict: Mapping[str, torch.Tensor], version: int) -> str:
-        """Send a new version; returns its checksum once the PS has verified, persisted and
-        published it. Re-pushing the published version with the same weights is a no-op."""
-        return self._call(lambda: self._push(state_dict, version))
+    def push(self, state_dict: Mapping[str, torch.Tensor], version: int, dtype: torch.dtype | None = None) -> str:
+        """Send a new version, floating tensors cast to `dtype` (None: as they are); returns
+        its checksum once the PS has verified, persisted and published it. Re-pushing the
+        published version with the same weights is a no-op."""
+        return self._call(lambda: self._push(state_dict, version, dtype))
 
-    def _push(self, state_dict: Mapping[str, torch.Tensor], version: int) -> str:
+    def _push(self, state_dict: Mapping[str, torch.Tensor], version: int, dtype: torch.dtype | None) -> str:
         first = next(iter(state_dict.values()), None)
         dev = first.device if first is not None and first.is_cuda else "cpu"
-        flat, metas = flatten(state_dict, dev)  # a snapshot: training may go on meanwhile
+        flat, metas = flatten(state_dict, dev, dtype)  # a snapshot: training may go on meanwhile
         sock, f = self._connect({"op": "push", "version": int(version), "meta": _metas_json(metas)})
         with sock, f:
             msg = self._read(f)
@@ -179,40 +188,126 @@ class ParamClient:
         _on_reply: Callable[[dict], None] | None = None,
         checksum: str | None = None,
     ) -> tuple[dict[str, torch.Tensor], int, str]:
-        """Fetch `version`: (state_dict, version, checksum). The tensors are views into one
-        buffer. Without `checksum` only committed weights are served: `version` if it is
-        committed, the latest committed one if None; ParamServerError otherwise (e.g. in the
-        window between a push and its commit). With `checksum` (the published one) `version`
-        (the latest pushed if None) is served only if it holds exactly those weights, else
-        ChecksumError. ChecksumError also if the received bytes do not match."""
-        return self._call(lambda: self._pull(version, device, verify, _on_reply, checksum))
+        """Fetch `version` whole: (state_dict, version, checksum). The tensors are views into
+        one buffer (a full copy of the model: loaders use pull_into). Without `checksum` only
+        committed weights are served: `version` if it is committed, the latest committed one
+        if None; ParamServerError otherwise (e.g. in the window between a push and its
+        commit). With `checksum` (the published one) `version` (the latest pushed if None) is
+        served only if it holds exactly those weights, else ChecksumError. ChecksumError also
+        if the received bytes do not match."""
+        out: dict[str, torch.Tensor] = {}
+        got, checksum = self._call(
+            lambda: self._stream(
+                version,
+                checksum,
+                device,
+                verify,
+                None,
+                lambda v, received: out.update(tensors_of(received)),
+                None,
+                _on_reply,
+            )
+        )
+        return out, got, checksum
 
-    def _pull(
+    def pull_into(
+        self,
+        load: Loader,
+        version: int | None = None,
+        *,
+        device: str | torch.device = "cpu",
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        verify: bool = True,
+        checksum: str | None = None,
+        account: RecvAccount | None = None,
+    ) -> tuple[int, str]:
+        """Stream `version` (served as for pull) into `load(version, received)`, bucket by
+        bucket: `received` yields (bucket, its bytes on `device`) -- param_store.tensors_of
+        turns that into (name, tensor) in the pushed dtype -- and reuses the one buffer for
+        the next bucket, so the loader copies what it keeps. At most one bucket of
+        `bucket_bytes` (or one tensor, if larger) is held at a time; `account` records what
+        was. The iterator raises ChecksumError at its end if the bytes do not match the
+        published checksum, so a loader that installs a version only once it has run out
+        installs neither a torn nor a tampered one. Returns (version, checksum)."""
+        return self._call(lambda: self._stream(version, checksum, device, verify, bucket_bytes, load, account, None))
+
+    def pull_served(
+        self, load: Loader, version: int | None = None, *, wait_s: float = 0.0, **kw: Any
+    ) -> tuple[int, str]:
+        """pull_into `version`, or the latest committed one if the PS does not serve it (not
+        committed yet, or dropped for a newer one); waits up to `wait_s` for the first
+        committed version. What a rollout instance loads on a pull command."""
+        if version is not None:
+            try:
+                return self.pull_into(load, version, **kw)
+            except ChecksumError:
+                raise
+            except ParamServerError:
+                pass  # not served: the latest committed one instead
+
+        def nothing_yet(e: BaseException) -> bool:
+            return isinstance(e, ParamServerError) and not isinstance(e, ChecksumError)
+
+        fn = lambda: self.pull_into(load, None, **kw)  # noqa: E731
+        if wait_s <= 0:
+            return fn()
+        return PS_FIRST_VERSION.but(retry_for=wait_s).retrying(retryable=nothing_yet)(fn)
+
+    def _stream(
         self,
         version: int | None,
+        checksum: str | None,
         device: str | torch.device,
         verify: bool,
+        bucket_bytes: int | None,
+        load: Loader,
+        account: RecvAccount | None,
         _on_reply: Callable[[dict], None] | None,
-        checksum: str | None,
-    ) -> tuple[dict[str, torch.Tensor], int, str]:
-        sock, f = self._connect({"op": "pull", "version": version, "checksum": checksum})
+    ) -> tuple[int, str]:
+        req: dict[str, Any] = {"op": "pull", "version": version, "checksum": checksum}
+        if bucket_bytes is not None:
+            req["bucket_bytes"] = int(bucket_bytes)
+        buckets([], bucket_bytes)  # a bad bucket size fails here, before the PS is asked
+        sock, f = self._connect(req)
         with sock, f:
             msg = self._read(f)
             if _on_reply is not None:
                 _on_reply(msg)  # test hook: hold the transfer in flight
             metas = _metas_from_json(msg["meta"])
+            plan = buckets(metas, bucket_bytes)
             store, pg = self._join(sock, msg)
-            recv_dev = device if msg["backend"] == "nccl" else "cpu"
-            flat = torch.empty(msg["size"], dtype=torch.uint8, device=recv_dev)
             hasher = _hasher(metas)
-            with _transfer():
-                recv_flat(pg, flat, 0, on_chunk=(lambda c: _update(hasher, c)) if verify else None)
+            recv_dev = torch.device(device if msg["backend"] == "nccl" else "cpu")
+            received = recv_buckets(
+                pg,
+                0,
+                [(b.start, b.end) for b in plan],
+                recv_dev,
+                account if account is not None else RecvAccount(),
+                on_chunk=(lambda c: _update(hasher, c)) if verify else None,
+            )
+            # gloo into a GPU model: each bucket is copied into ONE reused device buffer, so the
+            # GPU holds one bucket too (a fresh copy per bucket would overlap the previous one)
+            staging = None
+            if recv_dev != torch.device(device) and plan:
+                staging = torch.empty(max(b.nbytes for b in plan), dtype=torch.uint8, device=device)
+
+            def stream() -> Iterator[tuple[Bucket, torch.Tensor]]:
+                while True:
+                    with _transfer():
+                        item = next(received, None)
+                    if item is None:
+                        break
+                    i, data = item
+                    yield plan[i], data if staging is None else staging[: data.numel()].copy_(data)
+                if verify and (got := hasher.hexdigest()) != msg["checksum"]:
+                    raise ChecksumError(f"pulled v{msg['version']}: {got[:12]} != published {msg['checksum'][:12]}")
+
+            it = stream()
+            load(msg["version"], it)
+            for _ in it:  # what the loader left: received (and checked) all the same
+                pass
             f.write(b'{"ack": true}\n')
             f.flush()
             del pg, store
-        if verify:
-            got = hasher.hexdigest()
-            if got != msg["checksum"]:
-                raise ChecksumError(f"pulled v{msg['version']}: {got[:12]} != published {msg['checksum'][:12]}")
-        flat = flat.to(device)
-        return unflatten(flat, metas), msg["version"], msg["checksum"]
+        return msg["version"], msg["checksum"]

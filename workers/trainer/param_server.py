@@ -27,6 +27,8 @@ Design
     refused -- so pullers never get a zombie trainer's weights under a published version.
     Pullers may also name the checksum they expect (the published one); the PS refuses a
     pull whose weights differ.
+  * Pulls in buckets: a pull may name a bucket size; the PS then sends the version as
+    buckets of whole tensors (param_store.buckets) so the puller holds one at a time.
   * Serving: a pull that names no checksum gets only COMMITTED weights -- the latest
     committed version, or the requested one only if it is committed -- so no puller loads a
     provisional version (possibly a zombie's) in the window between a push and its commit.
@@ -62,6 +64,7 @@ from workers.trainer.param_store import (
     _metas_from_json,
     _metas_json,
     _update,
+    buckets,
     load_version,
 )
 from workers.trainer.param_transport import open_group, recv_flat, send_flat
@@ -269,6 +272,8 @@ class ParamServer:
                 return
             entry.pulls += 1
         try:
+            # a puller that streams into its loader names its bucket size: same plan both ends
+            spans = [(b.start, b.end) for b in buckets(entry.metas, req.get("bucket_bytes"))]
             store, local = self._open_transfer(h)
             reply({**entry.info(), "meta": _metas_json(entry.metas), "store_port": store.port, "backend": self.backend})
             pg = open_group(store, 0, self.backend, local, self.timeout_s, _secret(h))
@@ -276,7 +281,7 @@ class ParamServer:
             if self._tamper_pulls:
                 flat = flat.clone()
                 flat[flat.numel() // 2] ^= 0x5A
-            send_flat(pg, flat, 1)
+            send_flat(pg, flat, 1, spans=spans)
             h.rfile.readline()  # the peer's ack: it has everything, tear down is safe
             del pg
         finally:

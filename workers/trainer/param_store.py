@@ -5,6 +5,11 @@
     (element size descending, then name, so every tensor is naturally aligned and can be
     viewed in place). The same bytes are the data section of the safetensors file the PS
     persists, so nothing is re-packed between disk, memory and wire.
+  * Buckets: a pull may stream in buckets -- runs of whole tensors in canonical order, each
+    at most a bucket size unless one tensor alone is larger (it then travels alone) -- so a
+    puller holds one bucket at a time (`buckets`, used by both ends of a transfer).
+  * Dtype: `flatten(..., dtype=)` casts floating tensors as it packs them (the trainer pushes
+    in its push dtype, never wider than the parameters), with no intermediate copy.
   * Integrity: checksum = sha256(canonical header JSON + flat bytes), i.e. over every
     tensor's name, dtype, shape and bytes in canonical order. ChecksumError on a mismatch.
   * On disk: `<dir>/v{version}.safetensors` plus `<dir>/v{version}.json` (version, size,
@@ -20,7 +25,7 @@ import math
 import os
 import struct
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,6 +50,9 @@ _BY_NAME = {v: k for k, v in _DTYPES.items()}
 # overlaps the transfer of chunk k+1, large enough that per-message overhead is noise
 _CHUNK = 16 << 20
 _FLUSH_EVERY = 128 << 20  # bytes written between background fdatasync calls on the PS
+# what a puller holds at a time by default: ~3% of a 7B bf16 model, and large enough that a
+# bucket's many chunk messages keep the link busy
+DEFAULT_BUCKET_BYTES = 256 << 20
 
 
 class ParamServerError(RuntimeError):
@@ -79,6 +87,46 @@ def layout(specs: Mapping[str, tuple[torch.dtype, tuple[int, ...]]]) -> list[Ten
     return metas
 
 
+@dataclass(frozen=True)
+class Bucket:
+    """Bytes [start, end) of the flat buffer: the whole tensors `metas`."""
+
+    start: int
+    end: int
+    metas: tuple[TensorMeta, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.start
+
+
+def buckets(metas: list[TensorMeta], bucket_bytes: int | None) -> list[Bucket]:
+    """Cut the canonical layout into buckets of consecutive whole tensors, each at most
+    `bucket_bytes` unless one tensor alone is larger (it is then a bucket of its own);
+    None: one bucket of everything. Whole tensors, so every loader (vLLM's included) gets
+    complete tensors; a model's largest tensor (the embedding) is a few % of it."""
+    if bucket_bytes is not None and (not isinstance(bucket_bytes, int) or bucket_bytes <= 0):
+        raise ValueError(f"bucket_bytes must be a positive integer, not {bucket_bytes!r}")
+    out: list[Bucket] = []
+    cur: list[TensorMeta] = []
+    start = 0
+    for m in metas:
+        if cur and bucket_bytes is not None and m.offset + m.nbytes - start > bucket_bytes:
+            out.append(Bucket(start, m.offset, tuple(cur)))
+            cur, start = [], m.offset
+        cur.append(m)
+    if cur:
+        out.append(Bucket(start, cur[-1].offset + cur[-1].nbytes, tuple(cur)))
+    return out
+
+
+def tensors_of(received: Iterable[tuple[Bucket, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, view) of every tensor of each (bucket, its bytes), in order: no copy."""
+    for b, data in received:
+        for m in b.metas:
+            yield m.name, data[m.offset - b.start : m.offset - b.start + m.nbytes].view(_BY_NAME[m.dtype]).view(m.shape)
+
+
 def _metas_json(metas: list[TensorMeta]) -> list:
     return [[m.name, m.dtype, list(m.shape)] for m in metas]
 
@@ -91,15 +139,25 @@ def _header(metas: list[TensorMeta]) -> bytes:
     return json.dumps(_metas_json(metas), separators=(",", ":")).encode()
 
 
+def cast_dtype(t: torch.Tensor, dtype: torch.dtype | None) -> torch.dtype:
+    """What `t` travels as: `dtype` for floating tensors unless that is wider than their own
+    (never upcast: it would only double the bytes), their own otherwise or if None."""
+    if dtype is None or not t.is_floating_point() or dtype.itemsize > t.dtype.itemsize:
+        return t.dtype
+    return dtype
+
+
 def flatten(
-    state_dict: Mapping[str, torch.Tensor], device: str | torch.device = "cpu"
+    state_dict: Mapping[str, torch.Tensor], device: str | torch.device = "cpu", dtype: torch.dtype | None = None
 ) -> tuple[torch.Tensor, list[TensorMeta]]:
-    metas = layout({n: (t.dtype, tuple(t.shape)) for n, t in state_dict.items()})
+    """The flat buffer of `state_dict`, floating tensors cast to `dtype` (None: kept) while
+    they are copied in: no second copy of the state dict in either dtype."""
+    metas = layout({n: (cast_dtype(t, dtype), tuple(t.shape)) for n, t in state_dict.items()})
     flat = torch.empty(sum(m.nbytes for m in metas), dtype=torch.uint8, device=device)
     for m in metas:
         if m.nbytes:
-            src = state_dict[m.name].detach().contiguous().reshape(-1).view(torch.uint8)
-            flat[m.offset : m.offset + m.nbytes].copy_(src)
+            # canonical offsets are aligned to the element size, so the bytes view as it
+            flat[m.offset : m.offset + m.nbytes].view(_BY_NAME[m.dtype]).copy_(state_dict[m.name].detach().reshape(-1))
     return flat, metas
 
 
@@ -132,9 +190,9 @@ def flat_checksum(flat: torch.Tensor, metas: list[TensorMeta]) -> str:
     return h.hexdigest()
 
 
-def state_dict_checksum(state_dict: Mapping[str, torch.Tensor]) -> str:
-    """The checksum the PS publishes for this state dict."""
-    return flat_checksum(*flatten(state_dict))
+def state_dict_checksum(state_dict: Mapping[str, torch.Tensor], dtype: torch.dtype | None = None) -> str:
+    """The checksum the PS publishes for this state dict (pushed in `dtype`, see flatten)."""
+    return flat_checksum(*flatten(state_dict, dtype=dtype))
 
 
 # ---- persistence (safetensors format, written and read without copies) --------------------

@@ -59,7 +59,7 @@ from workers.trainer.loop import (
     run_steps,
 )
 from workers.trainer.param_client import ParamClient
-from workers.trainer.param_store import ParamServerError, state_dict_checksum
+from workers.trainer.param_store import ParamServerError, cast_dtype, state_dict_checksum
 from workers.wire.models import BatchOut
 
 log = logging.getLogger("staleflow.trainer")
@@ -123,7 +123,10 @@ class Trainer:
         ppo_epochs: int = 1,
         minibatches: int = 1,
         lr_scale: Callable[[int], float] | None = None,
+        push_dtype: torch.dtype | None = None,
     ):
+        """`push_dtype`: what the weights travel to the PS as (floating tensors; never wider
+        than the parameters; None: their own dtype), e.g. bfloat16 beside fp32 training."""
         self.client, self.run_id, self.model, self.optimizer = client, run_id, model, optimizer
         self.ps, self.dir = ps, Path(checkpoint_dir)
         self.grpo, self.wait_s = grpo, wait_s
@@ -132,6 +135,7 @@ class Trainer:
         # lr of version v = base lr x lr_scale(v); the base is read before a resume can
         # load an optimizer state that holds a scaled lr
         self.lr_scale = lr_scale
+        self.push_dtype = push_dtype
         self._base_lrs = [float(g["lr"]) for g in optimizer.param_groups]
         self.extra_state = extra_state or {}  # e.g. the model config, kept in the checkpoint
         self.model.requires_grad_(True)
@@ -303,7 +307,7 @@ class Trainer:
 
     def train_batch(self, batch: BatchOut) -> tuple[float, dict[str, float]]:
         """GRPO on the batch (`ppo_epochs` x `minibatches` optimizer steps); returns (loss, metrics)."""
-        seqs, starts, rollout, groups, rewards = [], [], [], [], []
+        seqs, starts, rollout, groups, rewards, masks = [], [], [], [], [], []
         max_seq = _max_seq(self.model)
         for gi, g in enumerate(batch.groups):
             for s in g.samples:
@@ -315,6 +319,7 @@ class Trainer:
                 seqs.append(seq)
                 starts.append(len(g.prompt_tokens))
                 rollout.append(list(s.logprobs))
+                masks.append(list(s.loss_mask))  # 0 on an environment's observations: not trained on
                 groups.append(gi)
                 rewards.append(s.reward)
         return grpo_update(
@@ -330,6 +335,7 @@ class Trainer:
             minibatches=self.minibatches,
             micro_batch_tokens=self.micro_batch_tokens,
             max_grad_norm=self.max_grad_norm,
+            loss_masks=masks,
         )
 
     # ---- weights, checkpoint, log ------------------------------------------------------------
@@ -338,10 +344,10 @@ class Trainer:
         return {k: v.detach() for k, v in self.model.state_dict().items()}
 
     def _checkpoint(self, version: int) -> None:
-        sd = self._state_dict()
+        sd = self._state_dict()  # checkpointed as trained; pushed (and checksummed) in push_dtype
         self._weights = {
-            "size": sum(t.numel() * t.element_size() for t in sd.values()),
-            "checksum": state_dict_checksum(sd),
+            "size": sum(t.numel() * cast_dtype(t, self.push_dtype).itemsize for t in sd.values()),
+            "checksum": state_dict_checksum(sd, self.push_dtype),
         }
         save_checkpoint(
             self.dir,
@@ -358,7 +364,7 @@ class Trainer:
 
     def _push(self, version: int) -> None:
         assert self.ps is not None
-        checksum = self.ps.push(self._state_dict(), version)
+        checksum = self.ps.push(self._state_dict(), version, dtype=self.push_dtype)
         if checksum != self._weights["checksum"]:
             raise TrainerError(
                 f"PS reports checksum {checksum[:12]} for v{version}, expected {self._weights['checksum'][:12]}"

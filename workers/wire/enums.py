@@ -81,6 +81,8 @@ class DropReason(str, enum.Enum):
     USER = "user"  # aborted on request
     REWARD_FAILED = "reward_failed"  # its reward function raised, returned no valid reward or timed out
     RUN_CANCELLED = "run_cancelled"  # its run was cancelled before it finished
+    ENV_FAILED = "env_failed"  # its environment raised or answered with no step (multi-turn)
+    ENV_TIMEOUT = "env_timeout"  # its environment did not answer in time (multi-turn)
 
 
 TERMINAL_GROUP_STATES = frozenset({GroupState.CONSUMED, GroupState.FILTERED, GroupState.ABORTED})

@@ -123,6 +123,8 @@ class Engine(abc.ABC):
     continued elsewhere with the same weights yields the same sequence.
     """
 
+    bucket_bytes: int | None = None  # what a pull from the PS holds at a time (None: the client's default)
+
     @property
     @abc.abstractmethod
     def version(self) -> int:
@@ -155,9 +157,22 @@ class Engine(abc.ABC):
         """Drop samples without returning anything (unknown ids are ignored)."""
 
     @abc.abstractmethod
-    def load_weights(self, state_dict: Mapping[str, Any], version: int) -> None:
-        """Install new weights. Running samples keep going on them; callers that want
-        one version per segment interrupt first."""
+    def load_weights(self, state_dict: Mapping[str, Any] | None, version: int) -> None:
+        """Install new weights (None: the engine streams `version` from the parameter server,
+        see load_from_ps). Running samples keep going on them; callers that want one version
+        per segment interrupt first."""
+
+    def load_from_ps(self, version: int | None = None, wait_s: float = 0.0) -> int:
+        """Stream `version` (the latest committed if None or not served) from the parameter
+        server into the model and install it; returns the version loaded. `wait_s`: how long
+        to wait for a PS that is not up or has nothing committed yet (the first load)."""
+        raise NotImplementedError(f"{type(self).__name__} does not load weights from a parameter server")
+
+    def weight_source(self, target: int | None) -> tuple[None, int]:
+        """The rollout worker's weight source for an engine that pulls from the PS itself: no
+        tensors cross the worker, load_weights(None, target) streams `target`. Without a
+        target the latest committed version is loaded here."""
+        return None, (self.load_from_ps(None) if target is None else int(target))
 
     @abc.abstractmethod
     def stats(self) -> EngineStats:

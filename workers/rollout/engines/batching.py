@@ -17,7 +17,7 @@ from __future__ import annotations
 import abc
 import collections
 import time
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
@@ -34,6 +34,7 @@ from workers.rollout.engines.base import (
     TokensEvent,
     request_context,
 )
+from workers.trainer.param_store import tensors_of
 from workers.wire.models.rollout import Capacity
 
 C = TypeVar("C")  # an engine's per-sample KV handle
@@ -76,6 +77,7 @@ class BatchingEngine(Engine, Generic[C]):
     """The scheduling half of an in-process engine; see the module docstring."""
 
     model: Any  # loaded by `load_weights` by state-dict name
+    ps: Any = None  # a ParamClient: load_weights(None, v) streams v from it (the CLI sets it)
 
     def __init__(
         self,
@@ -98,6 +100,7 @@ class BatchingEngine(Engine, Generic[C]):
         self._finished_early: list[FinishedEvent] = []
         self._preemptions = 0
         self._recent: collections.deque[tuple[float, int]] = collections.deque(maxlen=32)
+        self._torn = False  # a load began and did not complete: no step runs on such weights
 
     # ---- what an engine supplies ---------------------------------------------------------
     @abc.abstractmethod
@@ -156,6 +159,8 @@ class BatchingEngine(Engine, Generic[C]):
         self._waiting.append(Request(sample_id, context, len(prefix_tokens), max_new_tokens, seed))
 
     def step(self) -> list[EngineEvent]:
+        if self._torn:
+            raise RuntimeError(f"weights torn by a failed load (still version {self._version}): load a version first")
         t0 = time.perf_counter()
         events: list[EngineEvent] = list(self._finished_early)
         self._finished_early.clear()
@@ -190,11 +195,46 @@ class BatchingEngine(Engine, Generic[C]):
         for sid in sample_ids:
             self._drop(sid)
 
-    def load_weights(self, state_dict: Mapping[str, Any], version: int) -> None:
-        # by state-dict name, as the trainer pushes them (device/dtype conversion included);
-        # K/V already cached stay as computed by the old weights, as in vLLM
-        self.model.load_state_dict(dict(state_dict), strict=True)
+    def load_weights(self, state_dict: Mapping[str, Any] | None, version: int) -> None:
+        """Install `state_dict` as `version`; None: stream `version` from the PS (`ps`)."""
+        if state_dict is None:
+            self.load_from_ps(version)
+        else:
+            self.install(int(version), iter(state_dict.items()))
+
+    def install(self, version: int, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
+        """Copy each (name, tensor) into the model's parameter or buffer of that state-dict
+        name, in place, as it comes (device and dtype conversion included): no second copy
+        of the model. `version` becomes the engine's only once `tensors` ran out and every
+        name arrived; until then the weights are torn and step() refuses to run, so a load
+        that fails is retried or ends the worker, and nothing is generated on torn weights.
+        K/V already cached stay as computed by the old weights, as in vLLM."""
+        targets = self.model.state_dict(keep_vars=True)
+        missing = set(targets)
+        self._torn = True
+        with torch.no_grad():
+            for name, t in tensors:
+                dst = targets.get(name)
+                if dst is None:
+                    raise KeyError(f"weight {name!r}: the model has no such parameter or buffer")
+                if dst.shape != t.shape:  # copy_ would broadcast
+                    raise ValueError(f"weight {name!r}: shape {tuple(t.shape)}, the model's is {tuple(dst.shape)}")
+                dst.copy_(t)
+                missing.discard(name)
+        if missing:
+            raise KeyError(f"version {version} lacks weights of the model: {sorted(missing)[:5]}")
         self._version = int(version)
+        self._torn = False
+
+    def load_from_ps(self, version: int | None = None, wait_s: float = 0.0) -> int:
+        if self.ps is None:
+            raise RuntimeError("no parameter server to load weights from: set the engine's ps")
+        kw = {} if self.bucket_bytes is None else {"bucket_bytes": self.bucket_bytes}
+        device = next(iter(self.model.state_dict().values())).device
+        got, _ = self.ps.pull_served(
+            lambda v, received: self.install(v, tensors_of(received)), version, wait_s=wait_s, device=device, **kw
+        )
+        return int(got)
 
     def stats(self) -> EngineStats:
         busy = sum(d for d, _ in self._recent)

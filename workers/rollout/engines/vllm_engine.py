@@ -20,10 +20,12 @@ How the interface maps:
   * interrupt/abort -> mark the stretch stopping and `abort` it once vLLM has registered it
     (a stretch still being registered aborts itself right after), then wait for its task to
     end: vLLM's final "abort" output carries the tokens not yet read, which the partial keeps.
-  * load_weights / load_from_ps -> each vLLM worker pulls the version from the parameter
-    server itself (the worker extension below) and installs it with `reload_weights` (vLLM's
-    post-load processing runs); tensors passed through `collective_rpc` would arrive as plain
-    lists (vLLM's msgpack decodes them untyped). Around it generation is paused with
+  * load_weights / load_from_ps -> the vLLM workers pull the version from the parameter
+    server themselves (the worker extension below), streamed in buckets into `reload_weights`
+    (vLLM's post-load processing runs): rank 0 of the tensor-parallel group receives and
+    broadcasts each bucket to the other ranks (tp_pull), so the PS sends the model once per
+    instance and each GPU holds one bucket beside the model; tensors passed through
+    `collective_rpc` would arrive as plain lists (vLLM's msgpack decodes them untyped). Around it generation is paused with
     `mode="keep", clear_cache=True`: running requests are preempted (recomputed on the new
     weights when resumed) and the prefix cache emptied, so no K/V of the old weights is reused.
   * stats -> a stat logger records vLLM's scheduler stats (running, waiting, KV usage).
@@ -42,7 +44,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -394,21 +396,16 @@ class VLLMEngine(Engine):
         # the new weights when resumed) and empties the prefix cache, or vLLM raises
         await self._llm.pause_generation(mode="keep", clear_cache=True)
         try:
-            creds = () if self.ps_credentials is None else (self.ps_credentials,)
-            got = await self._llm.collective_rpc("staleflow_pull", args=(addr, version, wait_s, *creds))
-            if len(set(got)) > 1:  # tensor-parallel ranks raced a commit: all load the newest
-                got = await self._llm.collective_rpc("staleflow_pull", args=(addr, max(got), wait_s, *creds))
+            args = (addr, version, wait_s, self.ps_credentials, self.bucket_bytes)
+            got = await self._llm.collective_rpc("staleflow_pull", args=args)
+            if len(set(got)) > 1:  # pipeline stages (one pull each) raced a commit: all load the newest
+                args = (addr, max(got), wait_s, self.ps_credentials, self.bucket_bytes)
+                got = await self._llm.collective_rpc("staleflow_pull", args=args)
             if not await self._llm.reset_prefix_cache():
                 raise RuntimeError("vLLM kept prefix-cache blocks of the old weights")
         finally:
             await self._llm.resume_generation()
         return int(got[0])
-
-    def weight_source(self, target: int | None) -> tuple[None, int]:
-        """The rollout worker's weight source for this engine: no tensors cross into this
-        process, load_weights(None, target) has the workers pull `target`. Without a target
-        the workers pull the latest committed version here."""
-        return None, (self.load_from_ps(None) if target is None else int(target))
 
     def capacity(self) -> Capacity:
         """vLLM's running slots and its KV cache in tokens: max_num_seqs per data-parallel
@@ -452,38 +449,52 @@ class StaleFlowWorkerExtension:
     """Mixed into every vLLM worker (`worker_extension_cls`); called via collective_rpc."""
 
     def staleflow_pull(
-        self, addr: str, version: int | None, wait_s: float = 0.0, credentials: list | None = None
+        self,
+        addr: str,
+        version: int | None,
+        wait_s: float = 0.0,
+        credentials: list | None = None,
+        bucket_bytes: int | None = None,
     ) -> int:
-        """Pull `version` from the PS (the latest committed one if it does not serve it: not
-        committed yet, or dropped for a newer one) onto this worker's device and install it.
-        `credentials`: [run id, role, key hex] (VLLMEngine.ps_credentials)."""
+        """Stream `version` from the PS (the latest committed one if it does not serve it: not
+        committed yet, or dropped for a newer one) into this worker's model, bucket by bucket:
+        rank 0 of the tensor-parallel group pulls and broadcasts each bucket to the others
+        (tp_pull). `credentials`: [run id, role, key hex] (VLLMEngine.ps_credentials);
+        `bucket_bytes`: what a rank holds at a time (None: the client's default). Returns the
+        version installed."""
+        from workers.rollout.engines.tp_pull import pull_shared
         from workers.trainer.param_auth import PSCredentials
         from workers.trainer.param_client import ParamClient
-        from workers.trainer.param_store import ChecksumError, ParamServerError
 
         creds = (
             None
             if credentials is None
             else PSCredentials(credentials[0], credentials[1], bytes.fromhex(credentials[2]))
         )
-        pc = ParamClient(addr, retry_for=wait_s, credentials=creds)  # rides through a PS that is not up yet
-        deadline = time.monotonic() + wait_s
-        while True:
-            try:
-                sd, got, _ = pc.pull(version, device=self.device)  # type: ignore[attr-defined]
-                break
-            except ChecksumError:
-                raise
-            except ParamServerError:
-                if version is not None:
-                    version = None
-                elif time.monotonic() >= deadline:  # nothing committed yet: the trainer commits v0 at start
-                    raise
-                else:
-                    time.sleep(0.5)
-        weights = iter(sd.items())
+        kw = {} if bucket_bytes is None else {"bucket_bytes": int(bucket_bytes)}
+
+        def pull(load: Any) -> int:
+            pc = ParamClient(addr, retry_for=wait_s, credentials=creds)  # rides through a PS that is not up yet
+            got, _ = pc.pull_served(load, version, wait_s=wait_s, device=self.device, **kw)  # type: ignore[attr-defined]
+            return got
+
+        return pull_shared(_tp_group(), pull, self._staleflow_install, self.device)  # type: ignore[attr-defined]
+
+    def _staleflow_install(self, version: int, tensors: Iterator[tuple[str, Any]]) -> None:
+        # clones: vLLM's in-place reload keeps a layer's tensors until the layer is complete,
+        # while the bucket they come from is reused for the next one (a layer's tensors are
+        # adjacent in the PS's name order, so about one layer is held beside the bucket)
+        weights = ((name, t.clone()) for name, t in tensors)
         if hasattr(self, "reload_weights"):  # the worker's own path: post-load processing runs
             self.reload_weights(weights_iterator=weights)
         else:
             self.model_runner.model.load_weights(weights=weights)  # type: ignore[attr-defined]
-        return int(got)
+
+
+def _tp_group() -> Any:
+    """This worker's tensor-parallel group (vLLM's GroupCoordinator); None outside vLLM."""
+    try:
+        from vllm.distributed import parallel_state
+    except ImportError:
+        return None
+    return parallel_state.get_tp_group() if parallel_state.model_parallel_is_initialized() else None

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 from uuid import UUID
 
 from pydantic import Field, Strict
 
-from ..enums import SegmentKind
+from ..enums import DropReason, SegmentKind
 from .common import (
     INT32_MAX,
     INT64_MAX,
@@ -101,6 +101,11 @@ class WorkOut(Out):
     prefix_tokens: list[int]
     prefix_logprobs: list[float]
     max_new_tokens: int
+    prefix_mask: list[int] = Field(
+        default_factory=list,
+        description="per prefix token: 1 generated, 0 an environment observation's (multi-turn trajectories)",
+    )
+    meta: dict[str, Any] = Field(default_factory=dict, description="the prompt's metadata (an environment reads it)")
 
 
 class CommandOut(Out):
@@ -124,11 +129,18 @@ class ReportIn(In):
     sample_id: Id
     attempt: Attempt
     route_token: UUID = Field(description="the route token delivered with the work by poll")
-    version: Version = Field(description="model version that generated these tokens")
+    version: Version | None = Field(
+        None, description="model version that generated these tokens; none for an observation"
+    )
     tokens: list[TokenId]
-    logprobs: list[LogProb]
+    logprobs: list[LogProb] = Field(default_factory=list, description="one per token; none for an observation")
     kind: SegmentKind = SegmentKind.FINISHED
     finish_reason: Name | None = None
+    generated: Bool = Field(
+        True,
+        description="false: an environment observation appended between turns (no version, loss mask 0; "
+        "its kind partial or interrupted)",
+    )
 
 
 class ReportsIn(In):
@@ -137,6 +149,24 @@ class ReportsIn(In):
 
 class ReportsOut(Out):
     applied: int
+
+
+class TrajectoryDropIn(In):
+    sample_id: Id
+    attempt: Attempt = Field(description="the route's attempt: fences the drop like a report")
+    route_token: UUID = Field(description="the route token delivered with the work by poll")
+
+
+class TrajectoryDropsIn(In):
+    drops: list[TrajectoryDropIn] = Field(min_length=1)
+    reason: DropReason = Field(
+        DropReason.ENV_FAILED,
+        description="recorded on each sample dropped: env_failed or env_timeout, the ones a rollout instance may give",
+    )
+
+
+class TrajectoryDropsOut(Out):
+    dropped: list[int] = Field(description="samples aborted by this call (a retry of a drop returns none)")
 
 
 class ExpireOut(Out):
@@ -159,5 +189,8 @@ __all__ = [
     "ReportsIn",
     "ReportsOut",
     "RunningSampleIn",
+    "TrajectoryDropIn",
+    "TrajectoryDropsIn",
+    "TrajectoryDropsOut",
     "WorkOut",
 ]

@@ -27,6 +27,10 @@ class RewardTaskOut(Out):
     response_tokens: list[int]
     finish_reason: str | None
     meta: dict[str, Any]
+    response_mask: list[int] = Field(
+        default_factory=list,
+        description="per response token: 1 generated, 0 an environment observation's (multi-turn trajectories)",
+    )
 
 
 class ClaimOut(Out):
@@ -77,9 +81,10 @@ class RewardsOut(Out):
 
 class SegmentInfoOut(Out):
     seq: int
-    version: int
+    version: int | None = Field(description="the model version that generated it; none for an observation")
     instance_id: int
     n_tokens: int
+    generated: bool = Field(True, description="false: an environment observation (multi-turn), loss mask 0")
 
 
 class TrainSampleOut(Out):
@@ -91,6 +96,9 @@ class TrainSampleOut(Out):
     reward: float
     finish_reason: str | None
     segments: list[SegmentInfoOut]
+    loss_mask: list[int] = Field(
+        description="per token of `tokens`: 1 generated (train on it), 0 an environment observation's"
+    )
 
 
 class TrainGroupOut(Out):

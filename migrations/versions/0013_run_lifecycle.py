@@ -2,15 +2,15 @@
 sampling parameters the rollout engines use (temperature, top_p; max tokens is
 max_response_tokens). Existing runs are active and sampled at temperature 1, top_p 1.
 
-Revision ID: 0012
-Revises: 0014 (the head when this branch met main; the merger renumbers)
+Revision ID: 0013
+Revises: 0012 (param_keys, after 0011_turns; the merger renumbers)
 """
 
 import sqlalchemy as sa
 from alembic import op
 
-revision = "0012"
-down_revision = "0014"
+revision = "0013"
+down_revision = "0012"
 branch_labels = None
 depends_on = None
 

@@ -1,0 +1,1 @@
+"""Environments for multi-turn rollouts (docs/integration.md, "Your environment")."""
