@@ -12,7 +12,8 @@ segments each.
 
 Service level of a step: 0 errors, p99 <= 250 ms on every endpoint that is not a long-poll,
 command (pull) delivery p99 <= 250 ms when pulls happened in the window, no lease lapsed (every
-heartbeat accepted). The ramp doubles from `--start` until a step fails or `--max-instances`.
+heartbeat accepted). The ramp doubles from `--start` until a step fails (or, with `--keep-going`, on) up to
+`--max-instances`.
 
 Per step: instances, calls/s, calls per finished sample, p50/p99 per endpoint, CPU per call of
 the PostgreSQL processes, of the API replicas and of the load generator (psutil, microseconds
@@ -36,7 +37,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -313,6 +313,7 @@ def main() -> None:
     ap.add_argument(
         "--quick", action="store_true", help="smoke test: 4 then 8 instances of short_many, 1 replica, ~1 min"
     )
+    ap.add_argument("--keep-going", action="store_true", help="ramp on past a step outside the service level")
     ap.add_argument("--report-dir", type=Path, default=Path("reports"))
     args = ap.parse_args()
     if args.quick:
@@ -393,7 +394,7 @@ def ramp(args, cad: dict, report: Path) -> list[dict]:
             step = run_step(args, cad, bases, admin, report, n, cpus)
             show(step)
             steps.append(step)
-            if not step["ok"]:
+            if not step["ok"] and not args.keep_going:
                 break
             n *= 2
         admin.close()
