@@ -358,6 +358,11 @@ def main() -> None:
             f"{s['worst_p99_ms']:>10.0f}{d:>9}{s['db_us']:>7.0f}{s['api_us']:>7.0f}{s['load_us']:>8.0f}"
             f"{s['connections']:>6}{s['errors']:>7}  {'yes' if s['ok'] else 'no'}"
         )
+    report.mkdir(parents=True, exist_ok=True)
+    (report / "capacity.json").write_text(
+        json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "cadence": cad, "steps": steps}, indent=1)
+    )
+    print(f"steps in {report / 'capacity.json'}")
     passed = [s for s in steps if s["ok"]]
     best = passed[-1] if passed else steps[0]
     print(
