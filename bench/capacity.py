@@ -8,7 +8,7 @@ The instances follow the real rollout worker's cadence at the sample rate the co
 the set-up (`--setup`, workers/sim/setups.py): per instance `slots` samples held (the engine's
 running count: min(max_running, KV capacity / mean context)), each decoding at T(n, kv)/n
 tokens/s, so partial segments carry real token counts. `--turns K` makes samples agentic: K
-segments each.
+turns each, every turn routed, generated and reported, an observation between turns.
 
 Service level of a step: 0 errors, p99 <= 250 ms on every endpoint that is not a long-poll,
 command (pull) delivery p99 <= 250 ms when pulls happened in the window, no lease lapsed (every
@@ -157,6 +157,7 @@ def run_step(args, cad: dict, bases: list[str], admin: StaleFlowClient, report: 
             report_s=0.05,
             checkpoint_s=5.0,
             idle_wait_s=1.0,
+            observation_tokens=32,  # an environment's answer between turns
             coordinator_s=0.1,  # the staleflow policy's cycle_period
             enqueue_groups=max(4, math.ceil(instances * cad["slots"] / g / 4)),
             train_s=args.train_seconds,
@@ -299,7 +300,9 @@ def main() -> None:
     ap.add_argument(
         "--setup", default=None, help="set-up whose cost model gives the cadence (qwen_14b; --quick: short_many)"
     )
-    ap.add_argument("--turns", type=int, default=1, help="segments per sample (agentic: several turns)")
+    ap.add_argument(
+        "--turns", type=int, default=1, help="turns per sample (agentic: routed again per turn, an observation between)"
+    )
     ap.add_argument("--slots", type=int, default=None, help="samples held per instance (default: the engine's)")
     ap.add_argument("--start", type=int, default=16)
     ap.add_argument("--max-instances", type=int, default=1024)

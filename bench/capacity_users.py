@@ -8,7 +8,9 @@ cadence over REST, with the requests and responses built from the `workers.wire`
   interrupts what it holds, reports it and heartbeats the new version. Instead of an engine it
   holds `slots` samples, each generating `tokens_per_s` tokens (the cost model's per-sample decode
   rate) for an exponentially drawn lifetime whose mean keeps the instance at the cost model's
-  sample rate; an agentic sample ends `turns - 1` turns with a partial segment (a tool call).
+  sample rate; an agentic sample (`turns` > 1) ends each turn but the last as the real worker with an
+  environment does: a partial segment, the observation (not generated), and back to the queue
+  to be routed again for the next turn.
 * `Coordinator` (one, in the first load process): keeps prompts queued, routes queued samples
   to instances with free slots (from the run's snapshot) and sends a pull to every instance when
   the trainer publishes a version; records when it sent each pull, so command delivery is
@@ -106,7 +108,7 @@ class Instance(Api):
         self.capacity = m.Capacity(max_running=c["slots"], kv_capacity=c["kv_capacity"])
         self.version = SHARED["version"]
         self.held: dict[int, dict] = {}
-        self.pending: dict[int, dict] = {}  # one report per sample per batch, as the real worker
+        self.pending: list[dict] = []  # report items not sent yet, batched as the real worker
         self.inbox: list[m.PollOut] = []
         if not self.register():
             gevent.sleep(1)
@@ -168,6 +170,8 @@ class Instance(Api):
         c = CFG
         for w in out.work:
             life = min(random.expovariate(c["sample_rate"] / c["slots"]), c["max_tokens"] / c["tokens_per_s"])
+            # turns answered so far: one observation (a run of mask-0 tokens) each
+            done_turns = sum(1 for a, b in zip([1, *w.prefix_mask], w.prefix_mask, strict=False) if a and not b)
             self.held[w.sample_id] = {
                 "attempt": w.attempt,
                 "token": w.route_token,
@@ -175,7 +179,7 @@ class Instance(Api):
                 "done": len(w.prefix_tokens),
                 "turn_len": life / c["turns"],
                 "turn_end": now + life / c["turns"],
-                "turns_left": c["turns"],
+                "turns_left": max(1, c["turns"] - done_turns),
             }
         for cmd in out.commands:
             if cmd.kind == "pull":  # one version per segment: interrupt all, report, load, heartbeat
@@ -189,26 +193,41 @@ class Instance(Api):
                 self.segment(cmd.sample_id, now, "interrupted" if cmd.kind == "interrupt" else None)
 
     def end_turn(self, sid: int, now: float):
+        """As the real worker with an environment: a turn that is not the last reports what it
+        generated (partial), then the observation (not generated), and goes back to the queue."""
         h = self.held[sid]
-        h["turns_left"] -= 1
-        if h["turns_left"] > 0:  # an agentic turn: the tool's result comes back as the next turn
-            self.segment(sid, now, "partial")
-            h["turn_end"] = now + h["turn_len"]
-        else:
+        room = CFG["max_tokens"] - h["done"] - CFG["observation_tokens"] - 2
+        if h["turns_left"] <= 1 or room <= 0:  # a trajectory never ends on an observation
             self.segment(sid, now, "finished")
+            return
+        self.segment(sid, now, "partial", least=1)
+        self.pending.append(
+            {
+                "sample_id": sid,
+                "attempt": h["attempt"],
+                "route_token": h["token"],
+                "version": None,
+                "tokens": [5] * CFG["observation_tokens"],
+                "logprobs": [],
+                "kind": "interrupted",
+                "finish_reason": None,
+                "generated": False,
+            }
+        )
+        del self.held[sid]
 
-    def segment(self, sid: int, now: float, kind: str | None):
+    def segment(self, sid: int, now: float, kind: str | None, least: int = 0):
         """Queue what `sid` generated since its last segment; kind None: aborted, nothing sent."""
         h = self.held[sid]
         n = int((now - h["since"]) * CFG["tokens_per_s"])
-        n = max(1 if kind == "finished" else 0, min(n, CFG["max_tokens"] - h["done"]))
+        n = max(1 if kind == "finished" else least, min(n, CFG["max_tokens"] - h["done"]))
         h["since"], h["done"] = now, h["done"] + n
         if kind != "partial":
             del self.held[sid]
         if kind is None:
-            self.pending.pop(sid, None)
+            self.pending = [r for r in self.pending if r["sample_id"] != sid]
             return
-        prev = self.pending.get(sid)
+        prev = next((r for r in reversed(self.pending) if r["sample_id"] == sid), None)
         if prev is not None and prev["kind"] == "partial" and prev["version"] == self.version:
             prev["tokens"] += [7] * n
             prev["logprobs"] += [-0.5] * n
@@ -216,25 +235,32 @@ class Instance(Api):
             return
         if n == 0 and kind == "partial":
             return
-        self.pending[sid] = {
-            "sample_id": sid,
-            "attempt": h["attempt"],
-            "route_token": h["token"],
-            "version": self.version,
-            "tokens": [7] * n,
-            "logprobs": [-0.5] * n,
-            "kind": kind,
-            "finish_reason": "stop" if kind == "finished" else None,
-        }
+        self.pending.append(
+            {
+                "sample_id": sid,
+                "attempt": h["attempt"],
+                "route_token": h["token"],
+                "version": self.version,
+                "tokens": [7] * n,
+                "logprobs": [-0.5] * n,
+                "kind": kind,
+                "finish_reason": "stop" if kind == "finished" else None,
+            }
+        )
 
     def flush(self):
         if not self.pending:
             return
-        items = list(self.pending.values())
-        self.pending.clear()
-        body = m.ReportsIn(reports=[m.ReportIn.model_validate(r) for r in items])
-        if self.call("report", f"/instances/{self.instance}/segments", body, m.ReportsOut, key=True) is not None:
-            SHARED["finished"] += sum(r["kind"] == "finished" for r in items)
+        items, self.pending = self.pending, []
+        while items:  # one report per sample per batch: a turn and its observation go in two, in order
+            batch, later, seen = [], [], set()
+            for r in items:
+                (later if r["sample_id"] in seen else batch).append(r)
+                seen.add(r["sample_id"])
+            body = m.ReportsIn(reports=[m.ReportIn.model_validate(r) for r in batch])
+            if self.call("report", f"/instances/{self.instance}/segments", body, m.ReportsOut, key=True) is not None:
+                SHARED["finished"] += sum(r["kind"] == "finished" for r in batch)
+            items = later
 
     def heartbeat(self, pulling: bool = False):
         c = CFG
