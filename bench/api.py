@@ -33,8 +33,7 @@ import psycopg
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from server_stats import backend_cpu
-
+from bench.server_stats import backend_cpu
 from staleflow_db import migrate
 from staleflow_db.db import database_url, make_engine, with_database
 from staleflow_db.protocol import Prompt, Protocol

@@ -1,0 +1,406 @@
+"""The load of `bench/capacity.py`: Locust users (gevent greenlets) that follow the real workers'
+cadence over REST, with the requests and responses built from the `workers.wire` models.
+
+* `Instance` is a rollout instance as `workers/rollout/worker.py` runs one: it registers with its
+  capacity, keeps a long-poll open for work and commands (the inbox greenlet), heartbeats a
+  snapshot every second (the lease renewal), reports finished segments at most every 50 ms
+  (batched), checkpoints every held sample as a partial segment every 5 s, and on a pull command
+  interrupts what it holds, reports it and heartbeats the new version. Instead of an engine it
+  holds `slots` samples, each generating `tokens_per_s` tokens (the cost model's per-sample decode
+  rate) for an exponentially drawn lifetime whose mean keeps the instance at the cost model's
+  sample rate; an agentic sample (`turns` > 1) ends each turn but the last as the real worker with an
+  environment does: a partial segment, the observation (not generated), and back to the queue
+  to be routed again for the next turn.
+* `Coordinator` (one, in the first load process): keeps prompts queued, routes queued samples
+  to instances with free slots (from the run's snapshot) and sends a pull to every instance when
+  the trainer publishes a version; records when it sent each pull, so command delivery is
+  measured as (instance's poll returned) - (pull sent), across processes on one clock.
+* `Rewarder` claims (long-poll) and records rewards; `Trainer` consumes (long-poll), trains for
+  `train_seconds` and publishes.
+
+Run as a child of bench/capacity.py (one per load process):
+
+    python bench/capacity_users.py CONFIG.json OUT.json
+
+CONFIG: hosts, tokens by role, run, counts, the cadence figures, `start_at`/`end_at` (epoch
+seconds: the stats are reset at start_at and written at end_at). OUT: per endpoint
+{calls, failures, response_times histogram (ms)}, command deliveries, lapses, finished samples.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import random
+import sys
+import time
+import uuid
+from pathlib import Path
+
+from gevent import monkey
+
+monkey.patch_all()
+
+import gevent
+from locust import FastHttpUser, constant, task
+from locust.env import Environment
+
+_HERE = Path(__file__).resolve().parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE] + [str(_HERE.parent)]
+
+from workers.wire import models as m
+
+CFG: dict = {}
+SHARED = {
+    "version": 0,
+    "pulled": 0,
+    "pulls": {},
+    "deliveries": [],
+    "lapses": 0,
+    "finished": 0,
+    "errors": [],
+    "crashes": 0,
+}
+_HOSTS = itertools.count()
+
+
+class Api(FastHttpUser):
+    """One simulated process of a role: its own token, spread over the replicas in turn."""
+
+    abstract = True
+    role = "admin"
+    wait_time = constant(0)
+    concurrency = 4  # the inbox greenlet and the main loop share the connection pool
+
+    def __init__(self, environment):
+        hosts = CFG["hosts"]
+        self.host = hosts[next(_HOSTS) % len(hosts)]
+        super().__init__(environment)
+        self.run_id = CFG["run"]
+        self.auth = {"Authorization": f"Bearer {CFG['tokens'][self.role]}"}
+
+    def call(self, name: str, path: str, body=None, out=None, params: str = "", key: bool = False, method="POST"):
+        """One REST call; the parsed `out` model, or None when it failed (counted by Locust)."""
+        headers = dict(self.auth)
+        if key:
+            headers["Idempotency-Key"] = uuid.uuid4().hex
+        data = None
+        if body is not None:
+            data = body.model_dump_json(exclude_none=True).encode()
+            headers["Content-Type"] = "application/json"
+        url = f"/v1/runs/{self.run_id}{path}{params}"
+        with self.client.request(method, url, data=data, headers=headers, name=name, catch_response=True) as r:
+            if r.status_code >= 400 or r.status_code == 0:
+                text = (r.text or "")[:200] if r.status_code else str(r.error)
+                r.failure(f"{r.status_code} {text}")
+                if len(SHARED["errors"]) < 10:
+                    SHARED["errors"].append(f"{name}: {r.status_code} {text}")
+                return None
+            return out.model_validate_json(r.content) if out is not None else True
+
+
+class Instance(Api):
+    role = "rollout"
+
+    @task
+    def serve(self):
+        c = CFG
+        self.capacity = m.Capacity(max_running=c["slots"], kv_capacity=c["kv_capacity"])
+        self.version = SHARED["version"]
+        self.held: dict[int, dict] = {}
+        self.pending: list[dict] = []  # report items not sent yet, batched as the real worker
+        self.inbox: list[m.PollOut] = []
+        if not self.register():
+            gevent.sleep(1)
+            return
+        now = time.monotonic()
+        last = {"heartbeat": 0.0, "report": 0.0, "checkpoint": now + random.uniform(0, c["checkpoint_s"])}
+        poller = gevent.spawn(self.poll_loop)
+        try:
+            while True:
+                gevent.sleep(0.01)  # an engine step
+                now = time.monotonic()
+                for out in self.inbox:
+                    self.deliver(out, now)
+                self.inbox.clear()
+                for sid, h in list(self.held.items()):
+                    if now >= h["turn_end"]:
+                        self.end_turn(sid, now)
+                if now - last["checkpoint"] >= c["checkpoint_s"]:
+                    last["checkpoint"] = now
+                    for sid in list(self.held):
+                        self.segment(sid, now, "partial")
+                if self.pending and now - last["report"] >= c["report_s"]:
+                    last["report"] = now
+                    self.flush()
+                if now - last["heartbeat"] >= c["heartbeat_s"]:
+                    last["heartbeat"] = now
+                    self.heartbeat()
+        finally:
+            poller.kill()
+
+    def register(self) -> bool:
+        body = m.RegisterIn(name="capacity", version=self.version, lease_seconds=CFG["lease_s"], capacity=self.capacity)
+        got = self.call("register", "/instances", body, m.RegisterOut, key=True)
+        if got is None:
+            return False
+        self.instance = got.instance_id
+        return True
+
+    def poll_loop(self):
+        while True:
+            out = self.call(
+                "poll (long-poll)",
+                f"/instances/{self.instance}/poll",
+                None,
+                m.PollOut,
+                params=f"?wait={CFG['idle_wait_s']}&limit=1000",
+                key=True,
+            )
+            if out is None:
+                gevent.sleep(0.1)
+            elif out.work or out.commands:
+                at = time.time()
+                for cmd in out.commands:
+                    if cmd.kind == "pull" and cmd.target_version is not None:
+                        SHARED["deliveries"].append((cmd.target_version, self.instance, at))
+                self.inbox.append(out)
+
+    def deliver(self, out: m.PollOut, now: float):
+        c = CFG
+        for w in out.work:
+            life = min(random.expovariate(c["sample_rate"] / c["slots"]), c["max_tokens"] / c["tokens_per_s"])
+            # turns answered so far: one observation (a run of mask-0 tokens) each
+            done_turns = sum(1 for a, b in zip([1, *w.prefix_mask], w.prefix_mask, strict=False) if a and not b)
+            self.held[w.sample_id] = {
+                "attempt": w.attempt,
+                "token": w.route_token,
+                "since": now,  # tokens since the last segment accrue from here
+                "done": len(w.prefix_tokens),
+                "turn_len": life / c["turns"],
+                "turn_end": now + life / c["turns"],
+                "turns_left": max(1, c["turns"] - done_turns),
+            }
+        for cmd in out.commands:
+            if cmd.kind == "pull":  # one version per segment: interrupt all, report, load, heartbeat
+                for sid in list(self.held):
+                    self.segment(sid, now, "interrupted")
+                self.flush()
+                self.heartbeat(pulling=True)
+                self.version = max(self.version, cmd.target_version or 0)
+                self.heartbeat()
+            elif cmd.sample_id in self.held and self.held[cmd.sample_id]["attempt"] == cmd.attempt:
+                self.segment(cmd.sample_id, now, "interrupted" if cmd.kind == "interrupt" else None)
+
+    def end_turn(self, sid: int, now: float):
+        """As the real worker with an environment: a turn that is not the last reports what it
+        generated (partial), then the observation (not generated), and goes back to the queue."""
+        h = self.held[sid]
+        room = CFG["max_tokens"] - h["done"] - CFG["observation_tokens"] - 2
+        if h["turns_left"] <= 1 or room <= 0:  # a trajectory never ends on an observation
+            self.segment(sid, now, "finished")
+            return
+        self.segment(sid, now, "partial", least=1)
+        self.pending.append(
+            {
+                "sample_id": sid,
+                "attempt": h["attempt"],
+                "route_token": h["token"],
+                "version": None,
+                "tokens": [5] * CFG["observation_tokens"],
+                "logprobs": [],
+                "kind": "interrupted",
+                "finish_reason": None,
+                "generated": False,
+            }
+        )
+        del self.held[sid]
+
+    def segment(self, sid: int, now: float, kind: str | None, least: int = 0):
+        """Queue what `sid` generated since its last segment; kind None: aborted, nothing sent."""
+        h = self.held[sid]
+        n = int((now - h["since"]) * CFG["tokens_per_s"])
+        n = max(1 if kind == "finished" else least, min(n, CFG["max_tokens"] - h["done"]))
+        h["since"], h["done"] = now, h["done"] + n
+        if kind != "partial":
+            del self.held[sid]
+        if kind is None:
+            self.pending = [r for r in self.pending if r["sample_id"] != sid]
+            return
+        prev = next((r for r in reversed(self.pending) if r["sample_id"] == sid), None)
+        if prev is not None and prev["kind"] == "partial" and prev["version"] == self.version:
+            prev["tokens"] += [7] * n
+            prev["logprobs"] += [-0.5] * n
+            prev["kind"] = kind
+            return
+        if n == 0 and kind == "partial":
+            return
+        self.pending.append(
+            {
+                "sample_id": sid,
+                "attempt": h["attempt"],
+                "route_token": h["token"],
+                "version": self.version,
+                "tokens": [7] * n,
+                "logprobs": [-0.5] * n,
+                "kind": kind,
+                "finish_reason": "stop" if kind == "finished" else None,
+            }
+        )
+
+    def flush(self):
+        if not self.pending:
+            return
+        items, self.pending = self.pending, []
+        while items:  # one report per sample per batch: a turn and its observation go in two, in order
+            batch, later, seen = [], [], set()
+            for r in items:
+                (later if r["sample_id"] in seen else batch).append(r)
+                seen.add(r["sample_id"])
+            body = m.ReportsIn(reports=[m.ReportIn.model_validate(r) for r in batch])
+            if self.call("report", f"/instances/{self.instance}/segments", body, m.ReportsOut, key=True) is not None:
+                SHARED["finished"] += sum(r["kind"] == "finished" for r in batch)
+            items = later
+
+    def heartbeat(self, pulling: bool = False):
+        c = CFG
+        running = [m.RunningSampleIn(sample_id=s, tokens=h["done"]) for s, h in self.held.items()]
+        kv = sum(h["done"] + c["prompt_tokens"] for h in self.held.values())
+        snap = m.InstanceSnapshotIn(
+            running=len(self.held),
+            kv_used=kv,
+            running_samples=running,
+            capacity=self.capacity,
+            throughput=c["tokens_per_s"] * len(self.held),
+            pulling=pulling,
+        )
+        body = m.HeartbeatIn(version=self.version, snapshot=snap, lease_seconds=c["lease_s"])
+        if self.call("heartbeat", f"/instances/{self.instance}/heartbeat", body, m.HeartbeatOut) is None:
+            SHARED["lapses"] += 1  # a refused heartbeat: the lease lapsed (409) or the call failed
+
+
+class Coordinator(Api):
+    role = "coordinator"
+    fixed_count = 1
+
+    @task
+    def cycle(self):
+        c = CFG
+        snap = self.call("snapshot", "/snapshot", None, m.ClusterSnapshotOut, method="GET")
+        if snap is None:
+            gevent.sleep(0.2)
+            return
+        if snap.version > SHARED["pulled"]:  # a new version: every instance behind it pulls
+            SHARED["pulled"] = snap.version
+            ids = [i.instance_id for i in snap.instances if i.version < snap.version]
+            for k in range(0, len(ids), 1000):
+                SHARED["pulls"][snap.version] = time.time()
+                body = m.PullIn(instance_ids=ids[k : k + 1000], target_version=snap.version)
+                self.call("pull", "/commands/pull", body, m.CommandsOut, key=True)
+        if len(snap.queued) < c["slots"] * max(1, len(snap.instances)) // 4:
+            prompts = [
+                m.PromptIn(client_key=uuid.uuid4().hex, prompt_tokens=[1 + i % 97] * c["prompt_tokens"])
+                for i in range(c["enqueue_groups"])
+            ]
+            self.call("enqueue", "/prompts", m.EnqueueIn(prompts=prompts), m.EnqueueOut)
+        free = {
+            i.instance_id: c["slots"] - len(i.running)
+            for i in snap.instances
+            if i.version == snap.version and not i.snapshot.get("pulling")
+        }
+        pairs = []
+        slots = [iid for iid, n in free.items() for _ in range(max(0, n))]
+        random.shuffle(slots)
+        for q, iid in zip(snap.queued, slots, strict=False):
+            pairs.append({"sample_id": q.sample_id, "instance_id": iid})
+        for k in range(0, len(pairs), 2000):
+            body = m.RouteIn.model_validate({"routes": pairs[k : k + 2000]})
+            self.call("route", "/routes", body, m.RouteOut, key=True)
+        gevent.sleep(c["coordinator_s"])
+
+
+class Rewarder(Api):
+    role = "reward"
+    fixed_count = 0  # set from the config
+
+    @task
+    def score(self):
+        body = m.ClaimIn(limit=256, claim_seconds=60.0)
+        got = self.call("claim (long-poll)", "/rewards/claim", body, m.ClaimOut, params="?wait=1.0", key=True)
+        if got and got.tasks:
+            rewards = [
+                m.RewardIn(sample_id=t.sample_id, reward_attempt=t.reward_attempt, reward=t.sample_id % 2)
+                for t in got.tasks
+            ]
+            self.call("reward", "/rewards", m.RewardsIn(rewards=rewards), m.RewardsOut, key=True)
+
+
+class Trainer(Api):
+    role = "trainer"
+    fixed_count = 1
+
+    @task
+    def train(self):
+        v = SHARED["version"]
+        got = self.call("consume (long-poll)", f"/batches/{v}/consume", None, m.ConsumeOut, params="?wait=2.0")
+        if got is not None and got.batch is not None:
+            gevent.sleep(CFG["train_s"])
+            out = self.call(
+                "publish", f"/batches/{v}/publish", m.PublishIn(consume_fence=got.batch.consume_fence), m.PublishOut
+            )
+            if out is not None:
+                SHARED["version"] = max(SHARED["version"], out.version)
+
+
+def main() -> None:
+    cfg_path, out_path = Path(sys.argv[1]), Path(sys.argv[2])
+    CFG.update(json.loads(cfg_path.read_text()))
+    classes: list[type[Api]] = [Instance]
+    control = 0
+    if CFG["control"]:
+        Rewarder.fixed_count = CFG["rewarders"]
+        classes += [Coordinator, Trainer, Rewarder]
+        control = 2 + CFG["rewarders"]
+    env = Environment(user_classes=classes)
+
+    def crashed(user_instance, exception, tb):  # a user's code raised: an error of the step
+        SHARED["crashes"] += 1
+        if len(SHARED["errors"]) < 10:
+            SHARED["errors"].append(f"{type(user_instance).__name__} raised {exception!r}")
+
+    env.events.user_error.add_listener(crashed)
+    runner = env.create_local_runner()
+    users = CFG["instances"] + control
+    runner.start(users, spawn_rate=max(1.0, users / max(1.0, CFG["spawn_s"])))
+    gevent.sleep(max(0.0, CFG["start_at"] - time.time()))
+    env.stats.reset_all()
+    SHARED.update(deliveries=[], lapses=0, finished=0, crashes=0)
+    started = time.time()
+    gevent.sleep(max(0.0, CFG["end_at"] - time.time()))
+    seconds = time.time() - started
+    stats = {
+        name: {
+            "calls": e.num_requests,
+            "failures": e.num_failures,
+            "ms": {str(k): v for k, v in e.response_times.items()},
+        }
+        for (name, _method), e in env.stats.entries.items()
+    }
+    pulls = {str(k): v for k, v in SHARED["pulls"].items()}
+    out = dict(
+        stats=stats,
+        seconds=seconds,
+        pulls=pulls,
+        deliveries=SHARED["deliveries"],
+        lapses=SHARED["lapses"],
+        finished=SHARED["finished"],
+        crashes=SHARED["crashes"],
+        errors=SHARED["errors"],
+        users=runner.user_count,
+    )
+    out_path.write_text(json.dumps(out))
+    runner.quit()
+
+
+if __name__ == "__main__":
+    main()

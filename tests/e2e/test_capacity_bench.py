@@ -1,0 +1,49 @@
+"""bench/capacity.py --quick: Locust-driven simulated instances, reward workers and a trainer
+against a real API replica on a private embedded PostgreSQL. Every call must succeed, samples
+must finish, pulls must reach the instances, and the last line must have its shape; the figures
+themselves depend on the machine and are not asserted."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+# found, not imported: importing locust monkey-patches this process with gevent
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.embedded,
+    pytest.mark.skipif(importlib.util.find_spec("locust") is None, reason="locust (the dev extra) is not installed"),
+]
+
+
+def test_quick_capacity_run_has_no_errors(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env.pop("STALEFLOW_DATABASE_URL", None)  # its own private server, never the test one
+    out = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "capacity.py"), "--quick", "--report-dir", str(tmp_path)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    tail = out.stdout[-6000:] + out.stderr[-3000:]
+    assert out.returncode == 0, tail
+    lines = out.stdout.strip().splitlines()
+    assert re.fullmatch(
+        r"capacity instances=\d+ calls_per_s=\d+ p99_ms=\d+ db_us_per_call=\d+ api_us_per_call=\d+", lines[-1]
+    ), tail
+    steps = [ln.split() for ln in lines if re.match(r"\s+\d+\s+\d+\s+[\d.]+\s", ln)]
+    assert steps, tail
+    for row in steps:  # instances calls/s calls/sample p99 worst pull db api load conns errors ok
+        assert int(row[0]) > 0 and float(row[2]) > 0 and row[10] == "0", tail
+    assert re.search(r"command delivery p99 \d+ ms \(\d+ pulls\)", out.stdout), tail
+    assert "error:" not in out.stdout, tail
