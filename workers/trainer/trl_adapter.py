@@ -57,20 +57,27 @@ def grpo_inputs(
     """A StaleFlow batch as the inputs of TRL's GRPO loss: prompts left-padded, completions
     right-padded, `old_per_token_logps` the behaviour policy's log-prob of each completion token,
     advantages GRPO's (reward - group mean) / (std + 1e-4) as TRL computes them (`scale_rewards`:
-    "group", "batch" or "none"); groups may differ in size."""
+    "group", "batch" or "none"); groups may differ in size.
+
+    Multi-turn trajectories: the completion is the whole response, observations included (the
+    model attends to them: `completion_mask` 1), and `tool_mask` is the batch's loss mask over
+    it (0 on observations), which TRL multiplies into the completion mask in the loss;
+    `num_items_in_batch` counts the tokens of that product, the ones trained on."""
     n = len(batch)
     plen = batch.prompt_lengths.tolist()
-    rlen = batch.response_mask.sum(dim=1).long().tolist()
+    rlen = (batch.attention_mask.sum(dim=1) - batch.prompt_lengths).tolist()
     prompt_ids = torch.full((n, max(plen, default=0)), pad_id, dtype=torch.long)
     prompt_mask = torch.zeros_like(prompt_ids)
     completion_ids = torch.full((n, max(rlen, default=0)), pad_id, dtype=torch.long)
     completion_mask = torch.zeros_like(completion_ids)
+    tool_mask = torch.ones_like(completion_ids)  # padding 1, as TRL pads it: completion_mask masks it
     behaviour = torch.zeros(completion_ids.shape)
     for i, (p, r) in enumerate(zip(plen, rlen, strict=True)):
         prompt_ids[i, prompt_ids.shape[1] - p :] = batch.input_ids[i, :p]
         prompt_mask[i, prompt_ids.shape[1] - p :] = 1
         completion_ids[i, :r] = batch.input_ids[i, p : p + r]
         completion_mask[i, :r] = 1
+        tool_mask[i, :r] = batch.response_mask[i, p : p + r].long()
         behaviour[i, :r] = batch.logprobs[i, p : p + r]
     if mask_truncated:  # TRL's mask_truncated_completions: no loss on responses cut at the budget
         finished = [s.finish_reason != "length" for g in batch.raw.groups for s in g.samples]
@@ -94,7 +101,8 @@ def grpo_inputs(
         "advantages": advantages,
         "old_per_token_logps": behaviour,
         "sampling_per_token_logps": behaviour,  # what TRL's off-policy sequence mask compares with
-        "num_items_in_batch": completion_mask.sum(),
+        "tool_mask": tool_mask,
+        "num_items_in_batch": (completion_mask * tool_mask).sum(),
     }
 
 
