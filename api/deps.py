@@ -16,6 +16,7 @@ from starlette.concurrency import run_in_threadpool
 from staleflow_db.errors import NotFound
 from staleflow_db.protocol import InstanceOwner
 from workers.wire.enums import Role
+from workers.wire.types import is_run_id
 
 from .auth import Principal, TokenCache
 from .metrics import Metrics
@@ -40,6 +41,8 @@ class AppState:
     # without expiry. (A deleted token's instances keep their cached owner: nobody can
     # present a deleted token anyway.)
     instance_owners: dict[int, InstanceOwner] = field(default_factory=dict)
+    # run name -> id: names are unique and never change, and runs are never deleted
+    run_names: dict[str, int] = field(default_factory=dict)
 
     def instance_in_run(self, run_id: int, instance_id: int, who: Principal) -> None:
         """404 unless the instance is in the run; 403 unless `who` registered it or is an
@@ -68,7 +71,37 @@ State = Annotated[AppState, Depends(get_state)]
 
 _bearer = HTTPBearer(auto_error=False, description="a token from `staleflow token create`")
 
-RunId = Annotated[int, Path(ge=1, le=2**63 - 1, description="run id")]
+
+async def resolve_run(
+    state: State,
+    run_id: Annotated[str, Path(min_length=1, max_length=200, description="run id or name")],
+    creds: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
+) -> int:
+    """`{run_id}` in a path: the run's id, or its name (names are never all digits, so digits
+    are an id), resolved once per request (FastAPI caches a dependency within a request). A
+    name no run has is 404 -- after the token's checks, so that a run-scoped token learns
+    nothing about other runs (403, as for an id)."""
+    if is_run_id(run_id):
+        if not 1 <= int(run_id) <= 2**63 - 1:
+            raise HTTPException(422, f"run id {run_id} out of range 1..{2**63 - 1}")
+        return int(run_id)
+    found = state.run_names.get(run_id)
+    if found is None:  # the lookup blocks: in the thread pool
+        try:
+            found = await run_in_threadpool(state.protocol.reads.run_id, run_id)
+        except NotFound:
+            if creds is not None:
+                who = await principal(state, creds)  # 401 for a bad token
+                if who.run_id is not None:
+                    raise HTTPException(403, f"this token is limited to run {who.run_id}") from None
+            raise
+        if len(state.run_names) > 100_000:
+            state.run_names.clear()
+        state.run_names[run_id] = found
+    return found
+
+
+RunId = Annotated[int, Depends(resolve_run)]
 InstanceId = Annotated[int, Path(ge=1, le=2**63 - 1, description="instance id")]
 IdempotencyKey = Annotated[
     str | None,

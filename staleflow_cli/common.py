@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import signal
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -33,6 +34,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn
 
 from workers.client import Forbidden, NotFound, StaleFlowClient, Unauthorized, Unavailable
 from workers.extras import MissingExtra, require
+from workers.wire.types import is_run_id
 
 if TYPE_CHECKING:
     from workers.models.tiny_model import TinyConfig
@@ -109,26 +111,31 @@ def connect(
             param_hint="--token",
         )
     try:
-        run_id = int(run) if run.isdigit() else _run_by_name(client, run)
-        client.run_status(run_id)
+        run_id = client.run_status(run).run_id  # an id or a name: the API resolves either
     except Unauthorized:
         raise typer.BadParameter(f"the API at {url} refused the token", param_hint="--token") from None
     except NotFound:
-        raise typer.BadParameter(f"no run {run!r}", param_hint="--run") from None
+        named = "" if is_run_id(run) else "named "
+        raise typer.BadParameter(f"no run {named}{run!r}", param_hint="--run") from None
     except Forbidden as e:
         raise typer.BadParameter(f"this token may not use run {run!r}: {e.message}", param_hint="--run") from None
     return client, run_id
 
 
-def _run_by_name(client: StaleFlowClient, name: str) -> int:
-    try:
-        runs = client.list_runs(limit=1000)
-    except Forbidden:
-        raise typer.BadParameter("this token may not list runs: pass the run id", param_hint="--run") from None
-    for r in runs:
-        if r.name == name:
-            return r.id
-    raise typer.BadParameter(f"no run named {name!r}", param_hint="--run")
+def run_sampling(client: StaleFlowClient, run_id: int, temperature: float | None) -> tuple[float, float]:
+    """The run's sampling parameters (temperature, top_p), recorded when it was created: they
+    are authoritative for every engine and trainer of the run (the engines' log-probs and the
+    trainer's must be of the same distribution), so a `--temperature` given that differs is
+    refused rather than silently used or silently ignored."""
+    config = client.run_status(run_id).config.model_dump()
+    run_t, top_p = float(config["temperature"]), float(config["top_p"])
+    if temperature is not None and not math.isclose(temperature, run_t):
+        raise typer.BadParameter(
+            f"run {run_id} samples at temperature {run_t:g} (set by `staleflow run create "
+            f"--temperature`); {temperature:g} conflicts: leave --temperature out",
+            param_hint="--temperature",
+        )
+    return run_t, top_p
 
 
 def model_config(spec: str | None) -> TinyConfig:

@@ -29,6 +29,7 @@ COMMANDS = {
     "audit": "staleflow_cli.audit:audit",
     "coordinator": "staleflow_cli.coordinator:coordinator",
     "demo": "staleflow_cli.demo:demo",
+    "run": "staleflow_cli.runs:app",
     "enqueue": "staleflow_cli.enqueue:enqueue",
     "trainer": "staleflow_cli.trainer:trainer",
     "ps": "staleflow_cli.trainer:ps",

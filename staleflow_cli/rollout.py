@@ -29,6 +29,7 @@ from staleflow_cli.common import (
     progress,
     ps_client,
     ps_login,
+    run_sampling,
 )
 from workers.client import StaleFlowClient
 
@@ -74,7 +75,10 @@ def rollout_worker(
     ),
     max_running: int | None = typer.Option(None, "--max-running", min=1, help="[STALEFLOW_ENGINE_MAX_RUNNING, 256]"),
     temperature: float | None = typer.Option(
-        None, "--temperature", min=0.0, help="[STALEFLOW_ENGINE_TEMPERATURE, 1.0]"
+        None,
+        "--temperature",
+        min=0.0,
+        help="the run's temperature is used; a different one here is refused [STALEFLOW_ENGINE_TEMPERATURE]",
     ),
     model_config_: str | None = MODEL_CONFIG,
     model_seed: int = MODEL_SEED,
@@ -130,7 +134,7 @@ def rollout_worker(
     kv_capacity = kv_capacity if kv_capacity is not None else es.kv_capacity
     phi_wait = phi_wait if phi_wait is not None else es.phi_wait
     max_running = max_running if max_running is not None else es.max_running
-    temperature = temperature if temperature is not None else es.temperature
+    temperature = temperature if temperature is not None else es.temperature  # None: the run's
     device = device if device is not None else es.device
     engine_kw = _engine_kwargs(engine, engine_config_, engine_arg or [])  # checked before any model loads
     cfg = model_config(model_config_) if engine is Engine.torch else None
@@ -152,6 +156,11 @@ def rollout_worker(
     cost = _cost_model(sim_model, sim_parallelism) if engine is Engine.sim else None
     pc = ps_client(ps)
     client, run_id = connect(api, token, run, api_wait)
+    temperature, top_p = run_sampling(client, run_id, temperature)
+    if top_p < 1 and engine in (Engine.torch, Engine.hf):
+        raise fail(
+            f"run {run_id} samples with top_p {top_p:g}: the {engine.value} engine samples the whole distribution (use --engine vllm)"
+        )
     ps_login(pc, client, run_id, "rollout")
     weights: WeightSource | None
     if engine is Engine.sim:
@@ -170,6 +179,7 @@ def rollout_worker(
             ps_wait,
             engine_kw,
             int(pull_bucket_mb * (1 << 20)),
+            top_p=top_p,
         )
     worker = RolloutWorker(
         client,
@@ -278,6 +288,7 @@ def _engine(
     ps_wait: float,
     engine_kw: dict[str, Any] | None = None,
     bucket_bytes: int | None = None,
+    top_p: float = 1.0,
 ) -> tuple[BaseEngine, WeightSource | None]:
     """(engine, weight source) for the torch, hf and vllm engines (`model`: hf and vllm;
     `engine_kw`: their checked engine arguments, see _engine_kwargs)."""
@@ -307,7 +318,7 @@ def _engine(
         try:
             from workers.rollout.engines.engine_config import vllm_kwargs
 
-            eng = VLLMEngine(model, temperature=temperature, **vllm_kwargs(engine_kw, max_running))
+            eng = VLLMEngine(model, temperature=temperature, top_p=top_p, **vllm_kwargs(engine_kw, max_running))
         except VLLMUnavailable as e:
             raise fail(str(e)) from None
     if pc is None:

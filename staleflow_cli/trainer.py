@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import json
 from pathlib import Path
@@ -28,6 +29,7 @@ from staleflow_cli.common import (
     progress,
     ps_client,
     ps_login,
+    run_sampling,
 )
 from workers.client import ApiError, Forbidden, StaleFlowClient
 from workers.settings import home_dir
@@ -64,7 +66,9 @@ def trainer(
     clip_low: float = typer.Option(0.2, "--clip-low", min=0.0, max=0.999, help="PPO ε_low"),
     clip_high: float = typer.Option(0.28, "--clip-high", min=0.0, help="PPO ε_high (clip-higher)"),
     tis_cap: float = typer.Option(2.0, "--tis-cap", min=0.0, help="truncated-IS cap; 0 disables TIS"),
-    temperature: float = typer.Option(1.0, "--temperature", min=1e-6, help="the rollout's sampling temperature"),
+    temperature: float | None = typer.Option(
+        None, "--temperature", min=1e-6, help="the run's sampling temperature is used; a different one is refused"
+    ),
     max_grad_norm: float = typer.Option(1.0, "--max-grad-norm", min=0.0, help="0 disables clipping"),
     micro_batch_tokens: int = typer.Option(16384, "--micro-batch-tokens", min=1),
     ppo_epochs: int = typer.Option(1, "--ppo-epochs", min=1, help="passes over each batch (PPO epochs)"),
@@ -109,7 +113,6 @@ def trainer(
             clip_low=clip_low,
             clip_high=clip_high,
             tis_cap=tis_cap,
-            temperature=temperature,
             micro_batch_tokens=micro_batch_tokens,
             ppo_epochs=ppo_epochs,
             minibatches=minibatches,
@@ -131,6 +134,13 @@ def trainer(
         torch.set_num_threads(opts.threads)
     ps_addr = ps_client(ps) if opts.sim is None else None
     client, run_id = connect(api, token, run, api_wait)
+    run_t, top_p = run_sampling(client, run_id, temperature)
+    if top_p < 1 and opts.sim is None:
+        raise fail(
+            f"run {run_id} samples with top_p {top_p:g}: this trainer's loss has no nucleus truncation, so its "
+            "log-probs would not be the engines'; train it with the SDK (Batch.top_p)"
+        )
+    opts = dataclasses.replace(opts, temperature=run_t)
     ps_login(ps_addr, client, run_id, "trainer")
     if opts.sim is not None:
         worker: Any = _sim_trainer(client, run_id, opts, opts.sim)

@@ -11,15 +11,14 @@ from sqlalchemy import Connection, Engine
 
 from . import queries
 from .errors import NotFound
+from .protocol.reads import ProtocolReads
 
 
 def find_run(engine: Engine, run: str | int) -> int:
-    """A run by id or by name."""
-    with engine.connect() as c:
-        row = c.execute(queries.text("find_run"), {"r": str(run)}).first()
-    if row is None:
-        raise NotFound(f"run {run}")
-    run_id: int = row[0]
+    """A run by id or by name (the rule of `ProtocolReads.run_id`); NotFound if none."""
+    reads = ProtocolReads(engine)
+    run_id = reads.run_id(run)
+    reads.get_run(run_id)  # NotFound for an id that is no run
     return run_id
 
 

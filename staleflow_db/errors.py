@@ -1,7 +1,7 @@
 """Refusals of protocol operations. Each one leaves the database unchanged.
 
 The API maps them to HTTP: InvalidInput 422, NotFound 404, Conflict 409 (Corrupted too, code
-`corrupted`), TooLarge 413.
+`corrupted`; RunNotActive, code `run_not_active`), TooLarge 413.
 """
 
 from __future__ import annotations
@@ -41,3 +41,17 @@ class Corrupted(Conflict):
     the event log says was placed, and trained, elsewhere. A 409, with its own code."""
 
     code = "corrupted"
+
+
+class RunNotActive(Conflict):
+    """The run is cancelled (or paused, for what a pause stops): the operation is refused, its
+    message naming the state. A 409, with its own code."""
+
+    code = "run_not_active"
+
+    def __init__(self, run_id: int, message: str):
+        super().__init__([(run_id, message)])
+        self.args = (message,)
+
+    def __str__(self) -> str:
+        return str(self.args[0])

@@ -32,7 +32,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects.postgresql import ARRAY, JSONB, REAL, UUID
 
-from workers.wire.enums import CommandKind, CommandState, GroupState, InstanceState, Role, SampleState
+from workers.wire.enums import CommandKind, CommandState, GroupState, InstanceState, Role, RunState, SampleState
 
 metadata = MetaData(
     naming_convention={
@@ -55,6 +55,7 @@ instance_state = _enum(InstanceState, "instance_state")
 command_kind = _enum(CommandKind, "command_kind")
 command_state = _enum(CommandState, "command_state")
 role = _enum(Role, "token_role")
+run_state = _enum(RunState, "run_state")
 
 
 def _created() -> Column[datetime]:
@@ -74,11 +75,17 @@ runs = Table(
     Column("max_response_tokens", Integer, nullable=False),
     Column("max_prompt_tokens", Integer, nullable=False),
     Column("dapo_filter", Boolean, nullable=False),
+    Column("temperature", Double, nullable=False, server_default="1"),
+    Column("top_p", Double, nullable=False, server_default="1"),
     Column("version", Integer, nullable=False, server_default="0"),
     _created(),
+    Column("state", run_state, nullable=False, server_default=RunState.ACTIVE.value),
+    Column("state_reason", Text),  # why it was paused or cancelled (by whom, as the caller said)
     CheckConstraint("batch_size >= 1 AND group_size >= 1 AND eta >= 0", name="positive"),
     CheckConstraint("buffer_capacity >= batch_size AND samples_per_group >= group_size", name="redundancy"),
     CheckConstraint("version >= 0", name="version"),
+    CheckConstraint("temperature > 0 AND top_p > 0 AND top_p <= 1", name="sampling"),
+    CheckConstraint("state <> 'cancelled' OR state_reason IS NOT NULL", name="cancel_has_reason"),
 )
 
 prompt_groups = Table(
@@ -317,4 +324,5 @@ ENUM_TYPES = {
     "command_kind": CommandKind,
     "command_state": CommandState,
     "token_role": Role,
+    "run_state": RunState,
 }

@@ -1,6 +1,7 @@
 """Typed client of the StaleFlow REST API, used by every worker.
 
-- One method per endpoint; requests and responses are the API's own pydantic models.
+- One method per endpoint; requests and responses are the API's own pydantic models. Every
+  method that takes a run takes its id or its name (`RunRef`; a name is URL-quoted).
 - Retries with capped exponential backoff and jitter on connection errors and 502/503/504
   (the database is down, a replica restarts), for up to `retry_for` seconds, or forever with
   `retry_for=None` (what long-running workers use). One log line when the API becomes
@@ -24,6 +25,7 @@ import dataclasses
 import functools
 import logging
 import ssl
+import urllib.parse
 import uuid
 from collections.abc import Iterable, Sequence
 from typing import Any, TypeVar
@@ -38,6 +40,7 @@ from workers.wire import models as m
 log = logging.getLogger(__name__)
 
 T = TypeVar("T", bound=BaseModel)
+RunRef = int | str  # a run's id or its name: every method that takes a run takes either
 RETRY_STATUSES = {502, 503, 504}
 
 
@@ -265,27 +268,37 @@ class StaleFlowClient:
 
     def create_run(self, name: str, **config: Any) -> m.RunOut:
         """`config`: batch_size, group_size, eta and optionally buffer_capacity,
-        samples_per_group, max_response_tokens, max_prompt_tokens, dapo_filter."""
+        samples_per_group, max_response_tokens, max_prompt_tokens, dapo_filter, temperature,
+        top_p (workers.wire.run_config.RunConfig)."""
         body = m.RunCreate(name=name, config=m.RunConfigIn(**config))
         return self._call(m.RunOut, "POST", "/v1/runs", body=body, key=True)
+
+    def set_run_state(self, run_id: RunRef, action: str, reason: str | None = None) -> m.RunStateOut:
+        """`action`: pause, resume or cancel (admin); each is a no-op when already done."""
+        if action not in ("pause", "resume", "cancel"):
+            raise ValueError(f"action {action!r}: pause, resume or cancel")
+        body = m.RunStateIn(reason=reason)
+        return self._call(m.RunStateOut, "POST", f"/v1/runs/{_ref(run_id)}/{action}", body=body)
 
     def list_runs(self, limit: int = 100, offset: int = 0) -> list[m.RunOut]:
         return self._call(m.RunList, "GET", "/v1/runs", params={"limit": limit, "offset": offset}).runs
 
-    def run_status(self, run_id: int) -> m.RunStatus:
-        return self._call(m.RunStatus, "GET", f"/v1/runs/{run_id}")
+    def run_status(self, run_id: RunRef) -> m.RunStatus:
+        return self._call(m.RunStatus, "GET", f"/v1/runs/{_ref(run_id)}")
 
-    def param_secret(self, run_id: int) -> m.ParamSecretOut:
+    def param_secret(self, run_id: RunRef) -> m.ParamSecretOut:
         """The run's parameter-server keys this token may hold (workers/trainer/param_auth.py)."""
-        return self._call(m.ParamSecretOut, "GET", f"/v1/runs/{run_id}/param-secret")
+        return self._call(m.ParamSecretOut, "GET", f"/v1/runs/{_ref(run_id)}/param-secret")
 
-    def param_versions(self, run_id: int, limit: int = 10) -> list[m.ParamVersionOut]:
-        return self._call(m.ParamVersionList, "GET", f"/v1/runs/{run_id}/versions", params={"limit": limit}).versions
+    def param_versions(self, run_id: RunRef, limit: int = 10) -> list[m.ParamVersionOut]:
+        return self._call(
+            m.ParamVersionList, "GET", f"/v1/runs/{_ref(run_id)}/versions", params={"limit": limit}
+        ).versions
 
-    def enqueue(self, run_id: int, prompts: Iterable[m.PromptIn | dict | tuple]) -> list[int]:
+    def enqueue(self, run_id: RunRef, prompts: Iterable[m.PromptIn | dict | tuple]) -> list[int]:
         """Idempotent by each prompt's client_key (no request id needed)."""
         body = m.EnqueueIn(prompts=[_as(m.PromptIn, p) for p in prompts])
-        return self._call(m.EnqueueOut, "POST", f"/v1/runs/{run_id}/prompts", body=body).group_ids
+        return self._call(m.EnqueueOut, "POST", f"/v1/runs/{_ref(run_id)}/prompts", body=body).group_ids
 
     def create_token(self, role: str, run_id: int | None = None, name: str | None = None) -> m.TokenCreated:
         return self._call(
@@ -304,16 +317,16 @@ class StaleFlowClient:
     # ---- rollout instances -----------------------------------------------------------------
 
     def register(
-        self, run_id: int, name: str, version: int, lease_seconds: float = 30.0, capacity: m.Capacity | None = None
+        self, run_id: RunRef, name: str, version: int, lease_seconds: float = 30.0, capacity: m.Capacity | None = None
     ) -> m.RegisterOut:
         """`capacity`: the engine's (docs/coordinator.md#capacity); without it the coordinator
         routes the instance one request at a time."""
         body = m.RegisterIn(name=name, version=version, lease_seconds=lease_seconds, capacity=capacity)
-        return self._call(m.RegisterOut, "POST", f"/v1/runs/{run_id}/instances", body=body, key=True)
+        return self._call(m.RegisterOut, "POST", f"/v1/runs/{_ref(run_id)}/instances", body=body, key=True)
 
     def heartbeat(
         self,
-        run_id: int,
+        run_id: RunRef,
         instance_id: int,
         version: int,
         snapshot: m.InstanceSnapshotIn | dict | None = None,
@@ -321,25 +334,27 @@ class StaleFlowClient:
     ) -> m.HeartbeatOut:
         snap = _as(m.InstanceSnapshotIn, snapshot or {})
         body = m.HeartbeatIn(version=version, snapshot=snap, lease_seconds=lease_seconds)
-        return self._call(m.HeartbeatOut, "POST", f"/v1/runs/{run_id}/instances/{instance_id}/heartbeat", body=body)
+        return self._call(
+            m.HeartbeatOut, "POST", f"/v1/runs/{_ref(run_id)}/instances/{instance_id}/heartbeat", body=body
+        )
 
-    def deregister(self, run_id: int, instance_id: int) -> list[int]:
-        return self._call(m.DeregisterOut, "DELETE", f"/v1/runs/{run_id}/instances/{instance_id}").requeued
+    def deregister(self, run_id: RunRef, instance_id: int) -> list[int]:
+        return self._call(m.DeregisterOut, "DELETE", f"/v1/runs/{_ref(run_id)}/instances/{instance_id}").requeued
 
-    def poll(self, run_id: int, instance_id: int, wait: float | None = None, limit: int = 1000) -> m.PollOut:
+    def poll(self, run_id: RunRef, instance_id: int, wait: float | None = None, limit: int = 1000) -> m.PollOut:
         """Long-poll for routed work and commands; empty after `wait` seconds. Each work item
         carries its `attempt` and secret `route_token`: reports on it must quote both."""
         wait = self.wait if wait is None else wait
         return self._call(
             m.PollOut,
             "POST",
-            f"/v1/runs/{run_id}/instances/{instance_id}/poll",
+            f"/v1/runs/{_ref(run_id)}/instances/{instance_id}/poll",
             params={"wait": wait, "limit": limit},
             key=True,
             wait=wait,
         )
 
-    def report(self, run_id: int, instance_id: int, reports: Sequence[m.ReportIn | dict | Any]) -> int:
+    def report(self, run_id: RunRef, instance_id: int, reports: Sequence[m.ReportIn | dict | Any]) -> int:
         """Segments of samples routed to `instance_id`, each with its attempt and route token.
         A staleflow_db.types.Report may be passed as is (its instance must be `instance_id`)."""
         items = []
@@ -352,7 +367,7 @@ class StaleFlowClient:
                     raise ValueError(f"sample {r.get('sample_id')}: a report of another instance")
             items.append(_as(m.ReportIn, r))
         body = m.ReportsIn(reports=items)
-        path = f"/v1/runs/{run_id}/instances/{instance_id}/segments"
+        path = f"/v1/runs/{_ref(run_id)}/instances/{instance_id}/segments"
         return self._call(m.ReportsOut, "POST", path, body=body, key=True).applied
 
     def drop_trajectories(
@@ -370,40 +385,42 @@ class StaleFlowClient:
     # ---- reward and trainer ----------------------------------------------------------------
 
     def claim(
-        self, run_id: int, limit: int = 100, claim_seconds: float = 60.0, wait: float | None = None
+        self, run_id: RunRef, limit: int = 100, claim_seconds: float = 60.0, wait: float | None = None
     ) -> list[m.RewardTaskOut]:
         wait = self.wait if wait is None else wait
         body = m.ClaimIn(limit=limit, claim_seconds=claim_seconds)
         return self._call(
             m.ClaimOut,
             "POST",
-            f"/v1/runs/{run_id}/rewards/claim",
+            f"/v1/runs/{_ref(run_id)}/rewards/claim",
             body=body,
             params={"wait": wait},
             key=True,
             wait=wait,
         ).tasks
 
-    def record_rewards(self, run_id: int, rewards: Sequence[m.RewardIn | dict | tuple]) -> list[m.GroupOutcomeOut]:
+    def record_rewards(self, run_id: RunRef, rewards: Sequence[m.RewardIn | dict | tuple]) -> list[m.GroupOutcomeOut]:
         """`rewards`: (sample_id, reward_attempt, reward) or (..., reward, metrics) each."""
         body = m.RewardsIn(rewards=[_as(m.RewardIn, r) for r in rewards])
-        return self._call(m.RewardsOut, "POST", f"/v1/runs/{run_id}/rewards", body=body, key=True).groups
+        return self._call(m.RewardsOut, "POST", f"/v1/runs/{_ref(run_id)}/rewards", body=body, key=True).groups
 
     def drop_rewards(
-        self, run_id: int, drops: Sequence[m.RewardDropIn | dict | tuple], reason: str = "reward_failed"
+        self, run_id: RunRef, drops: Sequence[m.RewardDropIn | dict | tuple], reason: str = "reward_failed"
     ) -> list[int]:
         """Abort claimed samples whose reward failed; `drops`: (sample_id, reward_attempt) each.
         Returns the samples aborted by this call."""
         body = m.RewardDropsIn.model_validate({"drops": [_as(m.RewardDropIn, d) for d in drops], "reason": reason})
-        return self._call(m.RewardDropsOut, "POST", f"/v1/runs/{run_id}/rewards/drop", body=body, key=True).dropped
+        return self._call(
+            m.RewardDropsOut, "POST", f"/v1/runs/{_ref(run_id)}/rewards/drop", body=body, key=True
+        ).dropped
 
-    def consume(self, run_id: int, version: int, wait: float | None = None) -> m.BatchOut | None:
+    def consume(self, run_id: RunRef, version: int, wait: float | None = None) -> m.BatchOut | None:
         """The whole batch of buffer `version` once it is ready; None if not ready within `wait`."""
         wait = self.wait if wait is None else wait
         out = self._call(
             m.ConsumeOut,
             "POST",
-            f"/v1/runs/{run_id}/batches/{version}/consume",
+            f"/v1/runs/{_ref(run_id)}/batches/{version}/consume",
             params={"wait": wait},
             wait=wait,
         )
@@ -411,7 +428,7 @@ class StaleFlowClient:
 
     def publish(
         self,
-        run_id: int,
+        run_id: RunRef,
         version: int,
         consume_fence: int,
         size_bytes: int | None = None,
@@ -420,49 +437,53 @@ class StaleFlowClient:
     ) -> int:
         """Publish `version + 1` (buffer `version` trained); returns the run's new version."""
         body = m.PublishIn(consume_fence=consume_fence, size_bytes=size_bytes, checksum=checksum, location=location)
-        return self._call(m.PublishOut, "POST", f"/v1/runs/{run_id}/batches/{version}/publish", body=body).version
+        return self._call(m.PublishOut, "POST", f"/v1/runs/{_ref(run_id)}/batches/{version}/publish", body=body).version
 
     # ---- coordinator -----------------------------------------------------------------------
 
-    def snapshot(self, run_id: int) -> m.ClusterSnapshotOut:
-        return self._call(m.ClusterSnapshotOut, "GET", f"/v1/runs/{run_id}/snapshot")
+    def snapshot(self, run_id: RunRef) -> m.ClusterSnapshotOut:
+        return self._call(m.ClusterSnapshotOut, "GET", f"/v1/runs/{_ref(run_id)}/snapshot")
 
-    def route(self, run_id: int, pairs: Sequence[tuple[int, int]], epoch: int | None = None) -> list[m.RouteResultOut]:
+    def route(
+        self, run_id: RunRef, pairs: Sequence[tuple[int, int]], epoch: int | None = None
+    ) -> list[m.RouteResultOut]:
         """`pairs`: (sample_id, instance_id) each."""
         # One validation of the whole body (in Rust), not a model built per pair in Python: 2,000
         # pairs 2.4 -> 1.95 ms of the coordinator thread's CPU.
         routes = [{"sample_id": s, "instance_id": i} for s, i in pairs]
         body = m.RouteIn.model_validate({"routes": routes, "epoch": epoch})
-        return self._call(m.RouteOut, "POST", f"/v1/runs/{run_id}/routes", body=body, key=True).results
+        return self._call(m.RouteOut, "POST", f"/v1/runs/{_ref(run_id)}/routes", body=body, key=True).results
 
-    def interrupt(self, run_id: int, sample_ids: Sequence[int], epoch: int | None = None) -> int:
+    def interrupt(self, run_id: RunRef, sample_ids: Sequence[int], epoch: int | None = None) -> int:
         body = m.InterruptIn(sample_ids=list(sample_ids), epoch=epoch)
-        return self._call(m.CommandsOut, "POST", f"/v1/runs/{run_id}/commands/interrupt", body=body, key=True).commands
+        return self._call(
+            m.CommandsOut, "POST", f"/v1/runs/{_ref(run_id)}/commands/interrupt", body=body, key=True
+        ).commands
 
     def pull(
-        self, run_id: int, instance_ids: Sequence[int], target_version: int | None = None, epoch: int | None = None
+        self, run_id: RunRef, instance_ids: Sequence[int], target_version: int | None = None, epoch: int | None = None
     ) -> int:
         body = m.PullIn(instance_ids=list(instance_ids), target_version=target_version, epoch=epoch)
-        return self._call(m.CommandsOut, "POST", f"/v1/runs/{run_id}/commands/pull", body=body, key=True).commands
+        return self._call(m.CommandsOut, "POST", f"/v1/runs/{_ref(run_id)}/commands/pull", body=body, key=True).commands
 
     def abort_samples(
-        self, run_id: int, sample_ids: Sequence[int], reason: str = "user", epoch: int | None = None
+        self, run_id: RunRef, sample_ids: Sequence[int], reason: str = "user", epoch: int | None = None
     ) -> list[int]:
         # model_validate: the str `reason` becomes the DropReason enum.
         body = m.AbortSamplesIn.model_validate({"sample_ids": list(sample_ids), "reason": reason, "epoch": epoch})
-        return self._call(m.AbortedOut, "POST", f"/v1/runs/{run_id}/samples/abort", body=body, key=True).aborted
+        return self._call(m.AbortedOut, "POST", f"/v1/runs/{_ref(run_id)}/samples/abort", body=body, key=True).aborted
 
-    def abort_group(self, run_id: int, group_id: int, reason: str = "user", epoch: int | None = None) -> bool:
+    def abort_group(self, run_id: RunRef, group_id: int, reason: str = "user", epoch: int | None = None) -> bool:
         body = m.AbortGroupIn.model_validate({"reason": reason, "epoch": epoch})
         return self._call(
-            m.AbortGroupOut, "POST", f"/v1/runs/{run_id}/groups/{group_id}/abort", body=body, key=True
+            m.AbortGroupOut, "POST", f"/v1/runs/{_ref(run_id)}/groups/{group_id}/abort", body=body, key=True
         ).aborted
 
-    def abort_after_ready(self, run_id: int) -> list[int]:
-        return self._call(m.DroppedGroupsOut, "POST", f"/v1/runs/{run_id}/abort-after-ready").groups
+    def abort_after_ready(self, run_id: RunRef) -> list[int]:
+        return self._call(m.DroppedGroupsOut, "POST", f"/v1/runs/{_ref(run_id)}/abort-after-ready").groups
 
-    def expire_instances(self, run_id: int) -> list[int]:
-        return self._call(m.ExpireOut, "POST", f"/v1/runs/{run_id}/instances/expire").expired
+    def expire_instances(self, run_id: RunRef) -> list[int]:
+        return self._call(m.ExpireOut, "POST", f"/v1/runs/{_ref(run_id)}/instances/expire").expired
 
     # ---- audit and health ------------------------------------------------------------------
 
@@ -488,6 +509,11 @@ class StaleFlowClient:
 
     def metrics(self) -> str:
         return self.request("GET", "/metrics").text
+
+
+def _ref(run: RunRef) -> str:
+    """A run in a path: its id, or its name quoted (names are never all digits)."""
+    return str(run) if isinstance(run, int) else urllib.parse.quote(run, safe="")
 
 
 def _page(run_id: int | None, limit: int, offset: int) -> dict[str, Any]:

@@ -5,7 +5,7 @@ trainer decides *how*. Three calls connect them::
 
     from workers.sdk import TrainerClient
 
-    sf = TrainerClient("http://api:8000", token, run_id, ps="ps-host:29600")
+    sf = TrainerClient("http://api:8000", token, "my-run", ps="ps-host:29600")  # a run's name or id
     sf.start(model.state_dict())           # version 0 on the parameter server, if not there yet
     while True:
         batch = sf.next_batch(timeout=600)  # the next ready buffer, as tensors
@@ -26,7 +26,9 @@ generated (the loss mask: 0 on the prompt, padding and, in multi-turn trajectori
 environment's observations), and `logprobs[t]` is the generating model's log-probability of it (0 elsewhere).
 To compare with the trainer's own log-probs, take `log_softmax(logits[:, :-1])` gathered at
 `input_ids[:, 1:]` against `logprobs[:, 1:]` and `response_mask[:, 1:]` (see
-docs/examples/train_hf_sdk.py).
+docs/examples/train_hf_sdk.py). The engines' log-probs are of softmax(logits / T) at the run's
+sampling temperature T (`Batch.temperature`): divide the logits by it too, or the ratio is
+biased at T != 1.
 """
 
 from __future__ import annotations
@@ -38,11 +40,11 @@ from typing import Any
 
 import torch
 
-from workers.client import StaleFlowClient
-from workers.trainer.loop import TrainerError, publish_fenced
+from workers.client import RunRef, StaleFlowClient
+from workers.trainer.loop import TrainerError, check_start, publish_fenced
 from workers.trainer.param_auth import PSCredentials
 from workers.trainer.param_client import ParamClient
-from workers.trainer.param_store import cast_dtype
+from workers.trainer.param_store import cast_dtype, state_dict_checksum
 from workers.wire.models import BatchOut
 
 __all__ = ["Batch", "TrainerClient", "TrainerError", "to_batch"]
@@ -66,13 +68,17 @@ class Batch:
     prompt_lengths: torch.Tensor  # [S] long
     meta: list[dict[str, Any]]  # per sample: its prompt's metadata (e.g. the reference answer)
     raw: BatchOut  # everything the API returned (sample ids, segments, finish reasons)
+    # the run's sampling parameters: `logprobs` are of softmax(logits / temperature) (top_p
+    # then truncates what was sampled from), so the trainer's own log-probs must divide too
+    temperature: float = 1.0
+    top_p: float = 1.0
 
     def __len__(self) -> int:
         return int(self.input_ids.shape[0])
 
 
-def to_batch(out: BatchOut, pad_id: int = 0) -> Batch:
-    """The API's batch as right-padded tensors (see `Batch`)."""
+def to_batch(out: BatchOut, pad_id: int = 0, temperature: float = 1.0, top_p: float = 1.0) -> Batch:
+    """The API's batch as right-padded tensors (see `Batch`), with the run's sampling parameters."""
     rows: list[tuple[Sequence[int], Sequence[int], Sequence[float], Sequence[int]]] = []
     rewards, versions, groups, metas = [], [], [], []
     for g in out.groups:
@@ -110,6 +116,8 @@ def to_batch(out: BatchOut, pad_id: int = 0) -> Batch:
         prompt_lengths=torch.tensor([len(p) for p, _, _, _ in rows], dtype=torch.long),
         meta=metas,
         raw=out,
+        temperature=temperature,
+        top_p=top_p,
     )
 
 
@@ -124,7 +132,7 @@ class TrainerClient:
         self,
         api_url: str | Sequence[str] | None,
         token: str | None,
-        run_id: int,
+        run_id: RunRef,
         *,
         ps: str | tuple[str, int] | ParamClient | None = None,
         pad_id: int = 0,
@@ -133,11 +141,16 @@ class TrainerClient:
     ):
         self.client = StaleFlowClient(api_url, token)
         self.push_dtype = push_dtype
-        self.run_id, self.pad_id, self.poll_s = run_id, pad_id, poll_s
+        self.pad_id, self.poll_s = pad_id, poll_s
+        status = self.client.run_status(run_id)  # a name or an id: the API resolves either
+        self.run_id: int = status.run_id
+        self.version = status.version  # the next buffer to consume
+        config = status.config.model_dump()  # the run's sampling parameters go with each Batch
+        self.temperature: float = config["temperature"]
+        self.top_p: float = config["top_p"]
         if ps is not None and not isinstance(ps, ParamClient):  # the run's trainer key, from the API
-            ps = ParamClient(ps, retry_for=60.0, credentials=PSCredentials.fetch(self.client, run_id, "trainer"))
+            ps = ParamClient(ps, retry_for=60.0, credentials=PSCredentials.fetch(self.client, self.run_id, "trainer"))
         self.ps = ps
-        self.version = self.client.run_status(run_id).version  # the next buffer to consume
         self._fences: dict[int, int] = {}  # buffer -> its consume fence, until published
 
     def close(self) -> None:
@@ -149,9 +162,26 @@ class TrainerClient:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
-    def start(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+    def start(self, state_dict: Mapping[str, torch.Tensor], *, allow_fresh: bool = False) -> None:
         """Serve the initial weights as version 0 (rollout workers wait for them), unless the
-        parameter server already has the run's current version (a restarted trainer)."""
+        parameter server already has the run's current version (a restarted trainer).
+
+        A run past version 0 trains on from its published weights: `state_dict` must be them
+        (its checksum is compared with the published one), else TrainerError, unless
+        `allow_fresh` (train on from these weights anyway, e.g. a deliberate reset)."""
+        if self.version > 0 and not allow_fresh:
+            published = self._published_checksum()
+            mine = state_dict_checksum(_detached(state_dict), self.push_dtype)  # as the PS got it
+            check_start(
+                self.run_id,
+                self.version,
+                published == mine,
+                f"these weights are not its published version {self.version} (checksum {mine[:12]}, "
+                f"published {(published or 'none recorded')[:12]})",
+                "start from your checkpoint of that version (with a parameter server, "
+                "TrainerClient.published_weights() fetches it), or pass allow_fresh=True to train "
+                "on from these weights",
+            )
         if self.ps is None:
             return
         latest = self.ps.latest()
@@ -160,6 +190,20 @@ class TrainerClient:
         if self.version != 0:
             raise TrainerError(f"the run is at version {self.version} but the PS does not serve it")
         self.ps.commit(0, self.ps.push(_detached(state_dict), 0, dtype=self.push_dtype))
+
+    def _published_checksum(self) -> str | None:
+        """The checksum published with the run's current version (None if none was recorded)."""
+        latest = self.client.param_versions(self.run_id, 1)
+        return latest[0].checksum if latest and latest[0].version == self.version else None
+
+    def published_weights(self, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+        """The run's current version's weights from the parameter server (checked against the
+        published checksum): what a trainer restarted without a checkpoint loads before `start`."""
+        if self.ps is None:
+            raise TrainerError("no parameter server (ps=...) to fetch the published weights from")
+        published = self._published_checksum()
+        state_dict, _, _ = self.ps.pull(self.version, device, checksum=published)
+        return state_dict
 
     def next_batch(self, timeout: float | None = None) -> Batch | None:
         """Consume the ready buffer of the current version, waiting up to `timeout` seconds
@@ -176,7 +220,7 @@ class TrainerClient:
             if left is not None and left <= 0:
                 return None
         self._fences[out.version] = out.consume_fence
-        return to_batch(out, self.pad_id)
+        return to_batch(out, self.pad_id, self.temperature, self.top_p)
 
     def publish(self, version: int, state_dict: Mapping[str, torch.Tensor]) -> int:
         """Publish `version + 1`, trained on buffer `version` (the batch's `version`): push the

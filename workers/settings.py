@@ -180,8 +180,8 @@ class EngineSettings(StaleFlowSettings):
     kv_capacity: int | None = Field(None, ge=16)
     # Most samples decoding at once.
     max_running: int = Field(256, ge=1)
-    # Sampling temperature; log-probs are of the tempered distribution the trainer expects.
-    temperature: float = Field(1.0, ge=0.0)
+    # Sampling temperature: the run's is used (unset); set to another, the worker refuses to start.
+    temperature: float | None = Field(None, ge=0.0)
     # torch and hf engines: torch device, e.g. cpu or cuda:0.
     device: str = "cpu"
     # Interrupt a preempted sample back to the queue when more than this many wait (unset: never).

@@ -9,7 +9,7 @@ from sqlalchemy import Connection
 
 from staleflow_db.protocol import Prompt
 from staleflow_db.types import RunConfig
-from workers.wire.enums import Role
+from workers.wire.enums import Role, RunState
 from workers.wire.models import (
     EnqueueIn,
     EnqueueOut,
@@ -18,6 +18,8 @@ from workers.wire.models import (
     RunCreate,
     RunList,
     RunOut,
+    RunStateIn,
+    RunStateOut,
     RunStatus,
     TokenCreate,
     TokenCreated,
@@ -69,6 +71,41 @@ def list_runs(
 def run_status(run_id: RunId, state: State, who: Principal = Depends(allow_run(*RUN_ROLES))) -> RunStatus:
     """Version, buffers with their states, sample and group counts, queue by version."""
     return RunStatus.model_validate(state.protocol.reads.status(run_id))
+
+
+def _set_state(state: State, run_id: int, to: RunState, body: RunStateIn | None) -> RunStateOut:
+    aborted = state.protocol.set_state(run_id, to, body.reason if body else None)
+    run = from_data(RunOut, state.protocol.reads.get_run(run_id))
+    return RunStateOut(run=run, aborted_groups=len(aborted))
+
+
+@router.post("/runs/{run_id}/pause", response_model=RunStateOut, responses=errors(404, 409), tags=["runs"])
+def pause_run(
+    run_id: RunId, state: State, body: RunStateIn | None = None, who: Principal = Depends(allow_run())
+) -> RunStateOut:
+    """Pause (admin): nothing new is routed, so instances get no new work; in-flight samples
+    finish, are scored and train. Enqueue, consume and publish go on. Pausing again is a no-op;
+    a cancelled run answers 409."""
+    return _set_state(state, run_id, RunState.PAUSED, body)
+
+
+@router.post("/runs/{run_id}/resume", response_model=RunStateOut, responses=errors(404, 409), tags=["runs"])
+def resume_run(
+    run_id: RunId, state: State, body: RunStateIn | None = None, who: Principal = Depends(allow_run())
+) -> RunStateOut:
+    """Resume a paused run (admin); resuming an active run is a no-op, a cancelled one 409."""
+    return _set_state(state, run_id, RunState.ACTIVE, body)
+
+
+@router.post("/runs/{run_id}/cancel", response_model=RunStateOut, responses=errors(404, 409), tags=["runs"])
+def cancel_run(
+    run_id: RunId, state: State, body: RunStateIn | None = None, who: Principal = Depends(allow_run())
+) -> RunStateOut:
+    """Cancel (admin), for good: every unfinished group and its live samples end aborted with the
+    reason `run_cancelled` (running ones get an abort command); finished groups waiting in a
+    buffer stay, never trained. From then on enqueue, routing, registering, consume and publish
+    answer 409 (code `run_not_active`). Cancelling again is a no-op."""
+    return _set_state(state, run_id, RunState.CANCELLED, body)
 
 
 @router.get("/runs/{run_id}/versions", response_model=ParamVersionList, responses=errors(404), tags=["runs"])

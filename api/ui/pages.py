@@ -43,7 +43,8 @@ def login_page(message: str = "", next: str = "/ui") -> str:
 def runs_page(runs: list[dict[str, Any]]) -> str:
     rows = "".join(
         f'<tr><td><a href="/ui/runs/{r["id"]}">{r["id"]}</a></td><td><a href="/ui/runs/{r["id"]}">'
-        f"{html.escape(r['name'])}</a></td><td>{r['version']}</td><td>{r['config']['eta']}</td>"
+        f"{html.escape(r['name'])}</a></td><td>{html.escape(r['state'])}</td><td>{r['version']}</td>"
+        f"<td>{r['config']['eta']}</td>"
         f"<td>{r['config']['batch_size']}</td><td>{html.escape(str(r['created_at'])[:19])}</td></tr>"
         for r in runs
     )

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # A rollout "engine" in shell (curl + jq): the REST API is language-neutral.
 #
-#   STALEFLOW_API_URL=http://127.0.0.1:8000 STALEFLOW_TOKEN=sf_... docs/examples/rollout.sh RUN [MAX_SAMPLES]
+#   STALEFLOW_API_URL=http://127.0.0.1:8000 STALEFLOW_TOKEN=sf_... docs/examples/rollout.sh RUN [MAX_SAMPLES]   # RUN: the run's id or name
 #
 # It registers an instance, then loops: heartbeat (keeps the instance lease, tells the coordinator
 # how loaded it is), long-poll for routed work, "generate" a canned response for each sample

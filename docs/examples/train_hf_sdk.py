@@ -5,7 +5,12 @@ samples; this script is the whole trainer: a GRPO loss written out below, an Ada
 three SDK calls (`start`, `next_batch`, `publish`). Replace the loss or the loop with your
 own trainer (FSDP, TRL, ...): only those three calls touch StaleFlow.
 
-    python docs/examples/train_hf_sdk.py --run 1 --model ./my-model --ps 127.0.0.1:29600 --steps 100
+    python docs/examples/train_hf_sdk.py --run my-run --model ./my-model --ps 127.0.0.1:29600 --steps 100
+
+A run past version 0 (this script restarted) trains on from its published weights: pass
+--resume to load them from the parameter server (the optimizer state starts afresh); without
+it `start` refuses the folder's weights rather than train on from them as if they were the
+run's.
 
 The token (role `trainer`) comes from --token or STALEFLOW_TOKEN; --api from STALEFLOW_API_URL.
 The rollout workers must run the same folder: `staleflow rollout-worker --engine hf --model`.
@@ -33,7 +38,8 @@ def grpo_loss(model: torch.nn.Module, batch: Batch, clip: float = 0.2) -> tuple[
         adv[rows] = (r - r.mean()) / (r.std(unbiased=False) + 1e-6)
     logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1].float()
     # position t predicts token t + 1: shift the targets, the mask and the old log-probs alike
-    logp = torch.log_softmax(logits, dim=-1).gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1)
+    # the engines' log-probs are of softmax(logits / T) at the run's sampling temperature
+    logp = torch.log_softmax(logits / batch.temperature, dim=-1).gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1)
     mask, old = batch.response_mask[:, 1:], batch.logprobs[:, 1:]
     ratio = torch.exp((logp - old) * mask)
     a = adv[:, None]
@@ -46,11 +52,12 @@ def grpo_loss(model: torch.nn.Module, batch: Batch, clip: float = 0.2) -> tuple[
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--run", type=int, required=True)
+    ap.add_argument("--run", required=True, help="the run's name or id")
     ap.add_argument("--model", required=True, help="a Hugging Face model folder")
     ap.add_argument("--api", default=os.environ.get("STALEFLOW_API_URL") or None)
     ap.add_argument("--token", default=os.environ.get("STALEFLOW_TOKEN") or None)
     ap.add_argument("--ps", default=None, help="HOST:PORT of `staleflow ps` (where rollout workers pull weights)")
+    ap.add_argument("--resume", action="store_true", help="a run past version 0: load its published weights")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--lr", type=float, default=1e-5)
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for a batch")
@@ -62,7 +69,9 @@ def main() -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     pad = model.config.pad_token_id if model.config.pad_token_id is not None else 0
     with TrainerClient(args.api, args.token, args.run, ps=args.ps, pad_id=pad) as sf:
-        sf.start(model.state_dict())  # version 0 for the rollout workers
+        if args.resume and sf.version > 0:
+            model.load_state_dict(sf.published_weights())
+        sf.start(model.state_dict())  # version 0 for the rollout workers; refuses fresh weights past it
         for _ in range(args.steps):
             batch = sf.next_batch(timeout=args.timeout)
             if batch is None:

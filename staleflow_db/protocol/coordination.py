@@ -69,6 +69,7 @@ class Snapshot:
     queued_rows: list[list[Any]]
     latest_params: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    state: str = "active"  # the run's lifecycle state: a coordinator routes only an active run
 
     @cached_property
     def queued(self) -> list[QueuedView]:
@@ -177,6 +178,7 @@ class CoordinationOps(TxMixin):
             [InstanceView(i, n, v, snap or {}, age, running.get(i, [])) for i, n, v, snap, age in got[2] or ()],
             got[4] or [],
             got[5],
+            state=run.state,
         )
 
     @transactional

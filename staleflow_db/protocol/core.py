@@ -20,11 +20,11 @@ from typing import Any, NamedTuple
 
 from sqlalchemy import Connection, Engine
 
-from workers.wire.enums import DropReason
+from workers.wire.enums import DropReason, RunState
 from workers.wire.run_config import CONFIG_FIELDS, RunConfig
 
 from .. import idempotency, queries
-from ..errors import Conflict, InvalidInput, NotFound, TooLarge
+from ..errors import Conflict, InvalidInput, NotFound, RunNotActive, TooLarge
 from ..rules import BufferCounts, Limits, Reservation, apply_moves, cascade_moves
 from ..types import Report
 from . import driver
@@ -45,10 +45,12 @@ def dumps(value: Any) -> str:
 @dataclass(frozen=True, kw_only=True)
 class RunRow(RunConfig):
     """A run as the protocol reads it: its configuration (`RunConfig`, the one definition of
-    its fields), its id and its version (a derived view, no field of its own but these two)."""
+    its fields), its id, its version and its lifecycle state (a derived view, no field of its
+    own but these three)."""
 
     id: int
     version: int
+    state: str = RunState.ACTIVE.value
 
     @property
     def limits(self) -> Limits:
@@ -67,7 +69,7 @@ class RunRow(RunConfig):
 
 # The run's columns as the named queries select them (load_run, list_runs, snapshot ...):
 # tests/unit/test_run_config.py checks them against the queries and the `runs` table.
-RUN_COLUMNS: tuple[str, ...] = ("id", "version", *CONFIG_FIELDS)
+RUN_COLUMNS: tuple[str, ...] = ("id", "version", "state", *CONFIG_FIELDS)
 
 
 def load_run(conn: Connection, run_id: int, *, lock: bool) -> RunRow:
@@ -79,6 +81,14 @@ def load_run(conn: Connection, run_id: int, *, lock: bool) -> RunRow:
     if row is None:
         raise NotFound(f"run {run_id}")
     return RunRow(**row._mapping)
+
+
+def check_state(run: RunRow, doing: str, *, paused_ok: bool = True) -> None:
+    """A cancelled run refuses `doing` (409 naming its state); a paused one too unless
+    `paused_ok` (consume and publish: in-flight work may finish and train)."""
+    if run.state == RunState.CANCELLED or (run.state == RunState.PAUSED and not paused_ok):
+        hint = " (`staleflow run resume` resumes it)" if run.state == RunState.PAUSED else ""
+        raise RunNotActive(run.id, f"run {run.id} is {run.state}: {doing} refused{hint}")
 
 
 def read_buffers(conn: Connection, run_id: int, first: int) -> list[BufferCounts]:

@@ -12,6 +12,8 @@ from typing import Any, NamedTuple
 
 from sqlalchemy import Connection, Row
 
+from workers.wire.types import is_run_id
+
 from .. import queries
 from ..errors import NotFound
 from ..idempotency import transactional
@@ -25,7 +27,9 @@ class RunInfo:
     name: str
     version: int
     created_at: datetime
-    config: dict[str, int | bool]
+    config: dict[str, int | bool | float]
+    state: str  # active, paused or cancelled (workers.wire.enums.RunState)
+    state_reason: str | None  # why it was paused or cancelled
 
 
 @dataclass(frozen=True)
@@ -67,7 +71,7 @@ AUDIT_VIEWS = ("trained", "dropped", "violations")
 
 def _run_info(row: Row[Any]) -> RunInfo:
     run = RunRow.of(row._mapping)
-    return RunInfo(run.id, row.name, run.version, row.created_at, run.as_dict())
+    return RunInfo(run.id, row.name, run.version, row.created_at, run.as_dict(), run.state, row.state_reason)
 
 
 # ---- the dashboard (api/routers/ui.py): one panel per read, each a read-only transaction ------
@@ -107,6 +111,18 @@ class ProtocolReads(TxMixin):
         with self.tx(conn) as conn:
             rows = conn.execute(queries.text("list_runs"), {"run": run_id, "n": limit, "o": offset}).all()
         return [_run_info(r) for r in rows]
+
+    @transactional
+    def run_id(self, ref: int | str, *, conn: Connection | None = None) -> int:
+        """The id of the run `ref` names: an int or a string of digits is an id, any other
+        string a name (names are never all digits). NotFound if there is no such run."""
+        if isinstance(ref, int) or is_run_id(ref):
+            return int(ref)
+        with self.tx(conn) as conn:
+            found = conn.execute(queries.text("run_by_name"), {"name": ref}).scalar()
+        if found is None:
+            raise NotFound(f"run {ref!r}")
+        return int(found)
 
     @transactional
     def get_run(self, run_id: int, *, conn: Connection | None = None) -> RunInfo:
@@ -167,7 +183,8 @@ class ProtocolReads(TxMixin):
         """Versions, buffers and in-flight counts, from one consistent read-only view."""
         with self.engine.connect() as conn, conn.begin():
             conn.execute(queries.text("read_only_snapshot"))
-            run = load_run(conn, run_id, lock=False)
+            info = self.get_run(run_id, conn=conn)
+            run = RunRow.of({"id": info.id, "version": info.version, "state": info.state, **info.config})
             buffers = read_buffers(conn, run_id, max(0, run.version - 1))
             by_run = {"run": run_id}
             samples: dict[str, int] = dict(conn.execute(queries.text("status_samples"), by_run).all())
@@ -176,6 +193,9 @@ class ProtocolReads(TxMixin):
             instances = conn.execute(queries.text("status_instances"), by_run).scalar()
         return {
             "run_id": run_id,
+            "name": info.name,
+            "state": info.state,
+            "state_reason": info.state_reason,
             "version": run.version,
             "config": run.as_dict(),
             "buffers": [
@@ -196,7 +216,13 @@ class ProtocolReads(TxMixin):
             run = load_run(c, run_id, lock=False)
             row = c.execute(queries.text("dashboard_run"), {"run": run_id}).one()
             out: dict[str, Any] = {
-                "run": {"id": run.id, "name": row.name, "created_at": row.created_at, "version": run.version}
+                "run": {
+                    "id": run.id,
+                    "name": row.name,
+                    "created_at": row.created_at,
+                    "version": run.version,
+                    "state": run.state,
+                }
                 | run.as_dict()
             }
             for panel in panels:

@@ -18,7 +18,7 @@ from .. import queries
 from ..errors import Conflict, InvalidInput, NotFound, TooLarge
 from ..idempotency import transactional
 from ..types import Report
-from .core import RunRow, TxMixin, check_batch, check_live, load_run, route_lost
+from .core import RunRow, TxMixin, check_batch, check_live, check_state, load_run, route_lost
 from .events import Event, events_params, log_events
 
 
@@ -79,6 +79,7 @@ class RolloutOps(TxMixin):
         kept in the snapshot until a heartbeat reports another; None: not reported."""
         with self.tx(conn) as conn:
             run = load_run(conn, run_id, lock=False)
+            check_state(run, "registering an instance")
             if not 0 <= version <= run.version:
                 raise InvalidInput(f"instance version {version} outside 0..{run.version}")
             iid: int = conn.execute(

@@ -16,7 +16,7 @@ from ..errors import InvalidInput, NotFound
 from ..idempotency import transactional
 from ..rules import group_version, route_decision
 from ..types import RouteResult
-from .core import LockedRead, RunTx, TxMixin, check_batch, under_run_lock
+from .core import LockedRead, RunTx, TxMixin, check_batch, check_state, under_run_lock
 from .events import Event
 
 
@@ -114,6 +114,7 @@ def route_tokens(n: int) -> list[str]:
 
 def route_in(rtx: RunTx, pairs: Sequence[tuple[int, int]], tokens: Sequence[str] | None = None) -> list[RouteResult]:
     """Route the batch; `tokens`: one route token per pair (`route_tokens`), else drawn here."""
+    check_state(rtx.run, "routing", paused_ok=False)
     sample_ids = [p[0] for p in pairs]
     if len(set(sample_ids)) != len(sample_ids):
         raise InvalidInput("a sample appears twice in one route batch")

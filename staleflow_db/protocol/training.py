@@ -16,7 +16,7 @@ from .. import queries
 from ..errors import Conflict, Corrupted, InvalidInput
 from ..idempotency import transactional
 from ..rules import reserve_target
-from .core import RunTx, TxMixin, load_run
+from .core import RunTx, TxMixin, check_state, load_run
 from .events import Event
 
 
@@ -73,6 +73,7 @@ class TrainingOps(TxMixin):
             if waiting:
                 return None
             run = load_run(conn, run_id, lock=True)
+            check_state(run, "consume")
             if version != run.version:
                 raise Conflict([(version, f"run {run_id} is at version {run.version}")])
             fence = conn.execute(queries.text("consume_fence"), {"run": run_id, "v": version}).scalar()
@@ -165,6 +166,7 @@ class TrainingOps(TxMixin):
                 )
             if version != run.version:
                 raise Conflict([(version, f"run {run_id} is at version {run.version}")])
+            check_state(run, "publish")
             buf = conn.execute(queries.text("publish_buffer"), {"run": run_id, "v": version}).first()
             if buf is None or buf.occupied < buf.batch_size:
                 raise Conflict([(version, f"buffer {version} is not ready")])

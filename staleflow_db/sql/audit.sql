@@ -1,10 +1,6 @@
 -- The audit (staleflow_db/audit.py): its reads, and the views it reads (created by the
 -- migrations from the definitions here: docs/data-layer.md, "Audit views").
 
--- name: find_run
--- A run by id or by name.
-SELECT id FROM runs WHERE id::text = :r OR name = :r ORDER BY (id::text = :r) DESC LIMIT 1
-
 -- name: audit_run
 SELECT name, version, eta, batch_size, group_size FROM runs WHERE id = :r
 

@@ -38,8 +38,8 @@ SELECT instance_id FROM t ORDER BY id
 -- published version, as one JSON array. Rows are arrays in the field order of the views they
 -- become. The instances' filter is read once (CTE i) for them and their running samples. A
 -- queued sample never routed (no V_traj: most of a queue) has no segments to look up.
-WITH r AS MATERIALIZED (SELECT id, version, batch_size, buffer_capacity, group_size, samples_per_group, eta,
-  max_response_tokens, max_prompt_tokens, dapo_filter FROM runs WHERE id = :run),
+WITH r AS MATERIALIZED (SELECT id, version, state, batch_size, buffer_capacity, group_size, samples_per_group, eta,
+  max_response_tokens, max_prompt_tokens, dapo_filter, temperature, top_p FROM runs WHERE id = :run),
 i AS MATERIALIZED (SELECT id, name, version, snapshot, extract(epoch FROM now() - snapshot_at)::float8 AS age
   FROM instances WHERE run_id = :run AND state = 'active' AND lease_expires_at > now())
 SELECT json_build_array(

@@ -4,13 +4,17 @@
 
 -- name: list_runs
 -- Runs by id; only :run when it is not null.
-SELECT id, version, batch_size, buffer_capacity, group_size, samples_per_group, eta,
-  max_response_tokens, max_prompt_tokens, dapo_filter, name, created_at FROM runs
+SELECT id, version, state, batch_size, buffer_capacity, group_size, samples_per_group, eta,
+  max_response_tokens, max_prompt_tokens, dapo_filter, temperature, top_p, name, created_at, state_reason FROM runs
 WHERE (CAST(:run AS bigint) IS NULL OR id = :run) ORDER BY id LIMIT :n OFFSET :o
 
+-- name: run_by_name
+-- A run's id by its name (names are unique; REST paths and the clients name runs by either).
+SELECT id FROM runs WHERE name = :name
+
 -- name: get_run
-SELECT id, version, batch_size, buffer_capacity, group_size, samples_per_group, eta,
-  max_response_tokens, max_prompt_tokens, dapo_filter, name, created_at FROM runs WHERE id = :run
+SELECT id, version, state, batch_size, buffer_capacity, group_size, samples_per_group, eta,
+  max_response_tokens, max_prompt_tokens, dapo_filter, temperature, top_p, name, created_at, state_reason FROM runs WHERE id = :run
 
 -- name: param_versions
 SELECT version, size_bytes, checksum, location, created_at FROM param_versions
@@ -49,8 +53,8 @@ SELECT 1
 SET TRANSACTION READ ONLY
 
 -- name: metrics_runs
-SELECT id, version, batch_size, buffer_capacity, group_size, samples_per_group, eta,
-  max_response_tokens, max_prompt_tokens, dapo_filter FROM runs ORDER BY id DESC LIMIT :n
+SELECT id, version, state, batch_size, buffer_capacity, group_size, samples_per_group, eta,
+  max_response_tokens, max_prompt_tokens, dapo_filter, temperature, top_p FROM runs ORDER BY id DESC LIMIT :n
 
 -- name: metrics_queued
 SELECT run_id, v_traj, count(*) AS n FROM samples WHERE state = 'queued'

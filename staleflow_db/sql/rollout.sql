@@ -4,8 +4,8 @@
 
 -- name: create_run
 INSERT INTO runs (name, batch_size, buffer_capacity, group_size, samples_per_group,
-  eta, max_response_tokens, max_prompt_tokens, dapo_filter)
-VALUES (:name, :B, :Bc, :N, :Nc, :eta, :mr, :mp, :f) RETURNING id
+  eta, max_response_tokens, max_prompt_tokens, dapo_filter, temperature, top_p)
+VALUES (:name, :B, :Bc, :N, :Nc, :eta, :mr, :mp, :f, :t, :p) RETURNING id
 
 -- name: enqueue_groups
 -- The groups (a client key seen before is skipped) and their members, in one statement.
@@ -136,8 +136,8 @@ WHERE g.id = u.id AND g.id = ANY(CAST(:ids AS bigint[]))
 -- name: report_run_and_instances
 -- The run and the reporting instances, FOR SHARE in id order; a run with no such instance
 -- still gives its one row.
-SELECT id, version, batch_size, buffer_capacity, group_size, samples_per_group, eta,
-  max_response_tokens, max_prompt_tokens, dapo_filter, i.iid, i.istate, i.live FROM runs LEFT JOIN LATERAL (
+SELECT id, version, state, batch_size, buffer_capacity, group_size, samples_per_group, eta,
+  max_response_tokens, max_prompt_tokens, dapo_filter, temperature, top_p, i.iid, i.istate, i.live FROM runs LEFT JOIN LATERAL (
   SELECT x.id AS iid, x.state::text AS istate, x.lease_expires_at > now() AS live FROM instances x
   WHERE x.run_id = runs.id AND x.id = ANY(CAST(:ids AS bigint[])) ORDER BY x.id FOR SHARE) i ON true
 WHERE runs.id = :run

@@ -2,14 +2,14 @@
 -- the run row, buffer counters, reservations, the flush's parts, drops and commands.
 
 -- name: load_run
-SELECT id, version, batch_size, buffer_capacity, group_size, samples_per_group, eta,
-  max_response_tokens, max_prompt_tokens, dapo_filter FROM runs WHERE id = :run
+SELECT id, version, state, batch_size, buffer_capacity, group_size, samples_per_group, eta,
+  max_response_tokens, max_prompt_tokens, dapo_filter, temperature, top_p FROM runs WHERE id = :run
 
 -- name: load_run_locked
 -- NO KEY UPDATE, not UPDATE: it serializes run-locked transactions just the same, but leaves
 -- FOR KEY SHARE free, which every FK check on runs takes (see load_run in base.py).
-SELECT id, version, batch_size, buffer_capacity, group_size, samples_per_group, eta,
-  max_response_tokens, max_prompt_tokens, dapo_filter FROM runs WHERE id = :run FOR NO KEY UPDATE
+SELECT id, version, state, batch_size, buffer_capacity, group_size, samples_per_group, eta,
+  max_response_tokens, max_prompt_tokens, dapo_filter, temperature, top_p FROM runs WHERE id = :run FOR NO KEY UPDATE
 
 -- name: read_buffers
 SELECT idx, occupied, reserved, consumed_at IS NOT NULL AS consumed FROM buffers
@@ -114,3 +114,11 @@ BEGIN
         FROM buffers WHERE run_id = p_run AND idx >= (r ->> 'version')::int));
 END
 $$
+
+-- name: set_run_state
+-- A lifecycle change (`RunOps.set_state`), under the run lock taken before.
+UPDATE runs SET state = CAST(:state AS run_state), state_reason = :reason WHERE id = :run
+
+-- name: unfinished_groups
+-- What a cancel aborts: the run's groups not yet finished (queued or reserved), in id order.
+SELECT id FROM prompt_groups WHERE run_id = :run AND state IN ('queued', 'reserved') ORDER BY id

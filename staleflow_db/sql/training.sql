@@ -2,8 +2,9 @@
 -- run status (read by protocol/reads.py).
 
 -- name: consume_waiting
--- Whether the trainer is still waiting for buffer :v (answered without the run lock).
-SELECT r.version = :v AND coalesce(b.occupied < b.batch_size, true) FROM runs r
+-- Whether the trainer is still waiting for buffer :v (answered without the run lock); a
+-- cancelled run is not waited for (the locked path refuses it).
+SELECT r.version = :v AND r.state <> 'cancelled' AND coalesce(b.occupied < b.batch_size, true) FROM runs r
 LEFT JOIN buffers b ON b.run_id = r.id AND b.idx = :v WHERE r.id = :run
 
 -- name: consume_fence

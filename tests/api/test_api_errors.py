@@ -176,7 +176,8 @@ def test_bad_input_is_a_clear_4xx_that_changes_nothing(world):
         422,
         "invalid_input",
     )
-    expect(http.get("/v1/runs/abc"), 422)
+    expect(http.get("/v1/runs/abc"), 404, "not_found")  # a name no run has
+    expect(http.get(f"/v1/runs/{2**63}"), 422)  # digits are an id: out of range
     expect(http.put(f"/v1/runs/{run}"), 405, "method_not_allowed")
     expect(http.get("/v1/nothing-here"), 404, "not_found")
     expect(http.post(seg, json=report(world), headers={"Idempotency-Key": "has space"}), 422)

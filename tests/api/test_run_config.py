@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 
 import pytest
-from sqlalchemy import Boolean, Integer, text
+from sqlalchemy import Boolean, Double, Integer, text
 
 from staleflow_db import queries, schema
 from staleflow_db.errors import InvalidInput
@@ -22,7 +22,9 @@ from workers.wire.models import RunConfigIn, RunConfigOut
 
 FIELDS = run_config.CONFIG_FIELDS
 # the runs table's own columns, not the configuration's
-RUN_ONLY = {"id", "name", "version", "created_at"}
+RUN_ONLY = {"id", "name", "version", "created_at", "state", "state_reason"}
+SQL_TYPES = {bool: Boolean, int: Integer, float: Double}
+JSON_TYPES = {bool: "boolean", int: "integer", float: "number"}
 
 
 def test_the_runs_table_holds_exactly_the_configuration():
@@ -30,8 +32,7 @@ def test_the_runs_table_holds_exactly_the_configuration():
     assert set(columns) - RUN_ONLY == set(FIELDS)
     assert [c for c in columns if c in FIELDS] == list(FIELDS)  # the same order
     for f in FIELDS:
-        want = Boolean if run_config.FIELD_TYPES[f] is bool else Integer
-        assert isinstance(columns[f].type, want), f
+        assert isinstance(columns[f].type, SQL_TYPES[run_config.FIELD_TYPES[f]]), f
         assert not columns[f].nullable, f
 
 
@@ -52,13 +53,13 @@ def test_create_run_inserts_every_field():
 
 
 def test_run_row_and_limits_are_views_of_the_configuration():
-    row = {"id": 7, "version": 3, "name": "x"} | {
+    row = {"id": 7, "version": 3, "state": "paused", "name": "x"} | {
         f: (True if f == "dapo_filter" else 2 + i) for i, f in enumerate(FIELDS)
     }
     run = RunRow.of(row)
     assert isinstance(run, RunConfig) and run.limits is run and Limits is RunConfig
     assert run.as_dict() == {f: row[f] for f in FIELDS}
-    assert (run.id, run.version) == (7, 3)
+    assert (run.id, run.version, run.state) == (7, 3, "paused")
     assert buffer_state(None, RunConfig(batch_size=1, group_size=1, eta=0)) == "waiting"
 
 
@@ -88,7 +89,7 @@ def test_openapi_publishes_the_configuration(db_url):
     for f in FIELDS:
         spec, prop = run_config.SPECS[f], request["properties"][f]
         published = prop["anyOf"][0] if spec.defaults_to else prop  # optional: int or null
-        assert published["type"] == ("boolean" if run_config.FIELD_TYPES[f] is bool else "integer"), f
+        assert published["type"] == JSON_TYPES[run_config.FIELD_TYPES[f]], f
         assert published.get("minimum") == spec.ge and published.get("maximum") == spec.le, f
         assert prop["description"] == spec.description == response["properties"][f]["description"]
         if spec.defaults_to:

@@ -41,6 +41,37 @@ def test_sdk_batches_and_fencing(db_url, engine):
         second.close()
 
 
+def test_sdk_names_runs_carries_sampling_and_refuses_fresh_weights(db_url, engine):
+    """By name: the batch carries the run's temperature and top_p; restarted on the run at
+    version 1, `start` refuses weights that are not the published version's (the check
+    `staleflow trainer` makes, workers.trainer.loop.check_start) unless `allow_fresh`."""
+    Protocol(engine).create_run("tempered", RunConfig(batch_size=1, group_size=2, eta=1, temperature=0.5, top_p=0.95))
+    with ApiServer(db_url) as api:
+        admin = api.client(token(db_url, "admin"))
+        run = admin.run_status("tempered").run_id
+        roles = {r: api.client(token(db_url, r, run)) for r in ("rollout", "reward", "trainer", "coordinator")}
+        trainer = token(db_url, "trainer", run)
+        fresh = {"w": torch.zeros(2)}
+        with TrainerClient(api.url, trainer, "tempered") as sf:
+            assert (sf.run_id, sf.version, sf.temperature, sf.top_p) == (run, 0, 0.5, 0.95)
+            sf.start(fresh)  # version 0: any weights start it
+            got: dict[str, Batch] = {}
+
+            def consume():
+                batch = sf.next_batch(timeout=5)
+                assert batch is not None
+                got["batch"] = batch
+                return batch.raw
+
+            walk_lifecycle(admin, roles, run, consume)  # publishes version 1 (checksum "sha256:0")
+        assert (got["batch"].temperature, got["batch"].top_p) == (0.5, 0.95)
+        with TrainerClient(api.url, trainer, "tempered") as sf:
+            assert sf.version == 1
+            with pytest.raises(TrainerError, match="at version 1 but these weights are not its published version 1"):
+                sf.start(fresh)
+            sf.start(fresh, allow_fresh=True)
+
+
 def test_sdk_pushes_in_its_push_dtype(db_url, engine, start_ps):
     """An fp32 model published through the SDK with push_dtype=bfloat16 travels and is served
     in bf16 (what a GPU trainer wants: half the bytes); integer tensors stay as they are."""

@@ -64,7 +64,8 @@ def test_panels_pages_and_report(db_url, tmp_path):
             r = browser.get(f"/ui/login?token={observer}&next=//evil.example")
             assert r.status_code == 303 and r.headers["location"] == "/ui"
             assert "httponly" in r.headers["set-cookie"].lower()
-            assert f'href="/ui/runs/{run}"' in browser.get("/ui").text
+            listed = browser.get("/ui").text
+            assert f'href="/ui/runs/{run}"' in listed and "<td>active</td>" in listed  # the run's state
             assert "dashboard.js" in browser.get(f"/ui/runs/{run}").text
             assert browser.get(f"/v1/runs/{run}/dashboard/steps").status_code == 200
             assert browser.get("/ui/static/dashboard.js").status_code == 200

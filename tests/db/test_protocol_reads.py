@@ -55,6 +55,7 @@ def test_every_read_runs_on_a_read_only_session(engine, read_only):
     calls = {
         "list_runs": lambda r: r.list_runs(None, 10, 0),
         "get_run": lambda r: r.get_run(run),
+        "run_id": lambda r: r.run_id(r.get_run(run).name),
         "param_versions": lambda r: r.param_versions(run, 10),
         "instance_owner": lambda r: r.instance_owner(inst),
         "audit": lambda r: [r.audit(v, run, 10, 0) for v in ("trained", "dropped", "violations")],

@@ -116,3 +116,25 @@ def test_standby_takes_over_from_a_killed_leader(engine, db_url):
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
                 p.wait(timeout=20)
+
+
+def test_a_paused_run_routes_nothing_until_resumed(engine):
+    """Paused, the coordinator's cycles route, interrupt and pull nothing (and write no cycle
+    row); resumed, it routes as before."""
+    from workers.wire.enums import RunState
+
+    d = Driver(engine, batch_size=1, group_size=2, eta=1)
+    a = d.p.register_instance(d.run, "a", 0)
+    d.p.heartbeat(a, 0, SNAP)
+    d.enqueue(2)
+    d.p.set_state(d.run, RunState.PAUSED, "maintenance")
+    c = _coordinator(engine, d.run)
+    assert c.lead()
+    for _ in range(3):
+        c.cycle()
+    assert d.scalars("SELECT count(*) FROM samples WHERE run_id = :r AND state <> 'queued'") == [0]
+    assert d.scalars("SELECT count(*) FROM coordinator_cycles WHERE run_id = :r") == [0]
+    d.p.set_state(d.run, RunState.ACTIVE)
+    c.cycle()
+    assert d.scalars("SELECT count(*) FROM samples WHERE run_id = :r AND state = 'running'") == [4]
+    assert d.violations() == []

@@ -57,9 +57,26 @@ def test_sdk_example_trains_an_hf_model(db_url, engine, tmp_path):
                 trainer.wait()
         output = log.read_text()
         assert trainer.returncode == 0, output[-3000:]
+        _sdk_refuses_fresh_weights(api, tokens["trainer"], protocol.reads.get_run(run).name, ps_addr, folder)
     assert [line.split(":")[0] for line in output.splitlines() if line.startswith("v")] == [
         "v0->v1",
         "v1->v2",
         "v2->v3",
     ]
     assert_trained_hf_run(engine, run, folder, STEPS)
+
+
+def _sdk_refuses_fresh_weights(api: str, token: str, name: str, ps: str, folder) -> None:
+    """Restarted on the run at version STEPS (named by its name), the SDK refuses the folder's
+    fresh weights, takes the published ones (the PS's, checked against the published
+    checksum), and trains on from fresh ones only when told to."""
+    from workers.models.hf import load_model
+    from workers.sdk import TrainerClient, TrainerError
+
+    fresh = load_model(str(folder)).state_dict()
+    with TrainerClient(api, token, name, ps=ps) as sf:
+        assert sf.version == STEPS
+        with pytest.raises(TrainerError, match=f"at version {STEPS} but these weights are not its published"):
+            sf.start(fresh)
+        sf.start(sf.published_weights())
+        sf.start(fresh, allow_fresh=True)

@@ -270,6 +270,9 @@ class Coordinator:
         t0 = time.monotonic()
         snap = self.protocol.snapshot(self.run_id)
         t1 = time.monotonic()
+        if snap.state != "active":  # paused or cancelled: no routes, and no interrupts or pulls either
+            self.stats.expired += len(self.protocol.expire_instances(self.run_id))
+            return
         instances = instance_snapshots(snap, t1, self._unreported)
         live = {i.instance_id for i in instances}
         for gone in [i for i in self.spec.estimates if i not in live]:

@@ -24,6 +24,15 @@ class TrainerError(RuntimeError):
     """The trainer cannot continue safely (state mismatch); the message says why."""
 
 
+def check_start(run_id: int, run_version: int, has_run_weights: bool, missing: str, remedy: str) -> None:
+    """The rule every trainer applies before its first step (`staleflow trainer`, the SDK): a
+    run past version 0 trains on from the weights of its version, never from fresh ones, which
+    would publish version r + 1 trained from scratch as if it followed r. `missing` says what
+    is not there, `remedy` what to do."""
+    if run_version > 0 and not has_run_weights:
+        raise TrainerError(f"run {run_id} is at version {run_version} but {missing}: {remedy}")
+
+
 @dataclass
 class StepMetrics:
     version: int  # the buffer trained: model `version` -> `version + 1`

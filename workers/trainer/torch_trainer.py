@@ -52,6 +52,7 @@ from workers.trainer.loop import (
     StepMetrics,
     TrainerError,
     batch_metrics,
+    check_start,
     consume_ready,
     publish_fenced,
     record_step,
@@ -154,11 +155,13 @@ class Trainer:
         r = self.client.run_status(self.run_id).version
         ck = load_checkpoint(self.dir)
         if ck is None:
-            if r != 0:
-                raise TrainerError(
-                    f"run {self.run_id} is at version {r} but {self.dir} holds no trainer checkpoint: "
-                    "point --checkpoint-dir at this run's trainer checkpoint"
-                )
+            check_start(
+                self.run_id,
+                r,
+                False,
+                f"{self.dir} holds no trainer checkpoint",
+                "point --checkpoint-dir at this run's trainer checkpoint",
+            )
             self._checkpoint(0)  # before the push of v0, as for every version
             k = 0
         else:

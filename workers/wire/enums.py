@@ -27,6 +27,14 @@ class GroupState(str, enum.Enum):
     ABORTED = "aborted"
 
 
+class RunState(str, enum.Enum):
+    """A run's lifecycle (docs/api.md, "Run lifecycle")."""
+
+    ACTIVE = "active"
+    PAUSED = "paused"  # nothing new is routed; in-flight work finishes, is scored and trains
+    CANCELLED = "cancelled"  # terminal: unfinished work aborted; enqueue, route, consume refused
+
+
 class InstanceState(str, enum.Enum):
     ACTIVE = "active"
     EXPIRED = "expired"
@@ -72,6 +80,7 @@ class DropReason(str, enum.Enum):
     INSUFFICIENT_MEMBERS = "insufficient_members"  # too many members aborted to reach N
     USER = "user"  # aborted on request
     REWARD_FAILED = "reward_failed"  # its reward function raised, returned no valid reward or timed out
+    RUN_CANCELLED = "run_cancelled"  # its run was cancelled before it finished
     ENV_FAILED = "env_failed"  # its environment raised or answered with no step (multi-turn)
     ENV_TIMEOUT = "env_timeout"  # its environment did not answer in time (multi-turn)
 

@@ -27,8 +27,8 @@ class Spec:
     process) it takes that field's value."""
 
     description: str
-    ge: int | None = None
-    le: int | None = None
+    ge: float | None = None  # an int for int fields
+    le: float | None = None
     symbol: str = ""  # the paper's letter (B, N ...), named in refusals
     defaults_to: str | None = None
 
@@ -62,6 +62,14 @@ class RunConfig:
     max_response_tokens: int = field(default=1024, metadata=_spec("response tokens per sample", ge=1, le=INT32_MAX))
     max_prompt_tokens: int = field(default=1024, metadata=_spec("prompt tokens per group", ge=1, le=INT32_MAX))
     dapo_filter: bool = field(default=False, metadata=_spec("drop groups whose N rewards are all equal (DAPO)"))
+    # sampling: the rollout engines sample with these and the trainers take the log-probs of
+    # logits / temperature (the engines' log-probs are of that distribution)
+    temperature: float = field(
+        default=1.0, metadata=_spec("sampling temperature (> 0; the log-probs are of logits / T)", ge=0.01, le=100.0)
+    )
+    top_p: float = field(
+        default=1.0, metadata=_spec("nucleus sampling: the smallest token set of this mass", ge=0.01, le=1.0)
+    )
 
     def __post_init__(self) -> None:
         # B' and N' left out (0, or None as the API passes them) are B and N, filled in here so
@@ -95,14 +103,14 @@ class RunConfig:
         if problems:
             raise ValueError("; ".join(problems))
 
-    def as_dict(self) -> dict[str, int | bool]:
+    def as_dict(self) -> dict[str, int | bool | float]:
         """The configuration's fields by name (a subclass's own fields left out)."""
         return {f: getattr(self, f) for f in CONFIG_FIELDS}
 
 
 CONFIG_FIELDS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(RunConfig))
 SPECS: dict[str, Spec] = {f.name: f.metadata["spec"] for f in dataclasses.fields(RunConfig)}
-TYPES: dict[str, type] = {"int": int, "bool": bool}
+TYPES: dict[str, type] = {"int": int, "bool": bool, "float": float}
 FIELD_TYPES: dict[str, type] = {f.name: TYPES[str(f.type)] for f in dataclasses.fields(RunConfig)}
 REQUIRED: frozenset[str] = frozenset(
     f.name

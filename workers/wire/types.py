@@ -5,6 +5,12 @@ from __future__ import annotations
 import enum
 
 
+def is_run_id(ref: str) -> bool:
+    """Whether a run reference (a path segment, a --run value) is an id: ASCII digits only
+    (`str.isdigit` also takes '²'). Anything else is a name; names are never all digits."""
+    return ref.isascii() and ref.isdigit()
+
+
 class RouteOutcome(str, enum.Enum):
     ROUTED = "routed"
     NOT_QUEUED = "not_queued"  # already routed, finished or aborted

@@ -159,6 +159,7 @@ class VLLMEngine(Engine):
         *,
         version: int = 0,
         temperature: float = 1.0,
+        top_p: float = 1.0,
         max_num_seqs: int = 256,
         poll_s: float = 0.01,
         ps_addr: str | None = None,
@@ -178,6 +179,7 @@ class VLLMEngine(Engine):
             RequestOutputKind.DELTA,
             version=version,
             temperature=temperature,
+            top_p=top_p,
             poll_s=poll_s,
             ps_addr=ps_addr,
         )
@@ -193,11 +195,13 @@ class VLLMEngine(Engine):
         temperature: float,
         poll_s: float,
         ps_addr: str | None,
+        top_p: float = 1.0,
     ) -> None:
         """Everything but importing vLLM: the event-loop thread, the engine that `create()`
         builds on it, our bookkeeping. Unit tests pass stand-ins for vLLM's names here."""
         self._SamplingParams, self._tokens_input, self._DELTA = sampling_params, tokens_input, delta
         self._version, self.temperature, self.poll_s, self.ps_addr = version, temperature, poll_s, ps_addr
+        self.top_p = top_p  # the run's; processed log-probs are then of the truncated distribution
         # the workers' PS key (workers/trainer/param_auth.py), as plain values: collective_rpc
         # carries msgpack; None for a PS that authenticates nobody
         self.ps_credentials: list | None = None
@@ -332,6 +336,7 @@ class VLLMEngine(Engine):
         params = self._SamplingParams(
             n=1,
             temperature=self.temperature,
+            top_p=self.top_p,
             max_tokens=min(max_new_tokens, self._max_len - len(context)),
             seed=seed,
             logprobs=0,

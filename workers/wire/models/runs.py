@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 from pydantic import BaseModel, Field, Strict, create_model
 
 from .. import run_config
-from ..enums import Role
+from ..enums import Role, RunState
 from .common import Count, Id, In, Key, Location, Meta, Name, Out, TokenId, Version
 
 
@@ -49,10 +49,21 @@ class RunOut(Out):
     version: int
     config: RunConfigOut
     created_at: datetime
+    state: RunState
+    state_reason: str | None = Field(description="why it was paused or cancelled")
 
 
 class RunList(Out):
     runs: list[RunOut]
+
+
+class RunStateIn(In):
+    reason: str | None = Field(None, min_length=1, max_length=1000, description="why (kept with the run)")
+
+
+class RunStateOut(Out):
+    run: RunOut
+    aborted_groups: int = Field(0, description="groups a cancel aborted (reason `run_cancelled`)")
 
 
 class BufferOut(Out):
@@ -69,6 +80,9 @@ class QueuedByVersion(Out):
 
 class RunStatus(Out):
     run_id: int
+    name: str
+    state: RunState
+    state_reason: str | None = Field(description="why it was paused or cancelled")
     version: int
     config: RunConfigOut
     buffers: list[BufferOut]
@@ -159,6 +173,8 @@ __all__ = [
     "RunCreate",
     "RunList",
     "RunOut",
+    "RunStateIn",
+    "RunStateOut",
     "RunStatus",
     "TokenCreate",
     "TokenCreated",
