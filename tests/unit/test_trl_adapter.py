@@ -14,9 +14,9 @@ trl = pytest.importorskip("trl")
 
 from hf_helpers import make_tiny_hf_model
 
-from workers.sdk import to_batch
+from workers.sdk import TrainerError, to_batch
 from workers.trainer.grpo import token_logprobs
-from workers.trainer.trl_adapter import StaleFlowGRPOTrainer, grpo_inputs
+from workers.trainer.trl_adapter import StaleFlowGRPOTrainer, check_temperature, grpo_inputs
 from workers.wire.models import BatchOut
 
 T = 0.7  # the rollout's sampling temperature
@@ -76,7 +76,7 @@ def _batch(policy, pad_id, finish=("eos",) * 5, masks=None):
             )
             k += 1
         groups.append({"group_id": gid, "group_version": 0, "prompt_tokens": prompt, "meta": {}, "samples": samples})
-    return to_batch(BatchOut(run_id=1, version=1, consume_fence=1, groups=groups), pad_id)
+    return to_batch(BatchOut(run_id=1, version=1, consume_fence=1, groups=groups), pad_id, temperature=T)
 
 
 def _trl_logps(trainer, inputs):
@@ -157,6 +157,15 @@ def test_observation_tokens_are_attended_to_but_not_trained_on(setup):
     # the observation's tokens (log-prob 0: ratio far from 1) would change it, were they trained on
     whole = inputs["completion_mask"].float()
     assert abs(loss.item() - ((per_token * whole).sum() / whole.sum()).item()) > 1e-3
+
+
+def test_a_batch_sampled_at_another_temperature_is_refused(setup):
+    trainer, tok, _ = setup
+    batch = _batch(trainer.model, tok.pad_token_id)
+    check_temperature(batch, trainer.temperature)  # the run's (0.7) is the trainer's
+    batch.temperature = 1.0
+    with pytest.raises(TrainerError, match=r"buffer 1 was sampled at temperature 1 but the trainer's is 0\.7"):
+        check_temperature(batch, trainer.temperature)
 
 
 def test_advantages_are_grpo_per_group(setup):

@@ -23,8 +23,8 @@ per-token log-probs, those of the policy that actually sampled each token, so th
 importance weight against the behaviour policy and TRL's clip (`epsilon`, `epsilon_high`,
 `delta`), sequence-level IS (`importance_sampling_level="sequence"`) and off-policy masking
 (`off_policy_mask_threshold`) all act on the true off-policyness. TRL divides logits by
-`args.temperature`: set it to the rollout workers' sampling temperature (their log-probs are
-of logits / T), else every ratio is off.
+`args.temperature`: it must be the run's sampling temperature (the rollout's log-probs are of
+logits / T), else every ratio is off, so a batch sampled at another temperature is refused.
 
 One process only (no DDP/FSDP ranks yet), training mode only (TRL's evaluation generates).
 Needs the `trl` extra.
@@ -32,6 +32,7 @@ Needs the `trl` extra.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -44,11 +45,21 @@ _GRPOTrainer: Any = require("trl").GRPOTrainer
 _TrainerCallback: Any = require("transformers").TrainerCallback
 _Dataset: Any = require("datasets").Dataset
 
-__all__ = ["StaleFlowGRPOTrainer", "grpo_inputs"]
+__all__ = ["StaleFlowGRPOTrainer", "check_temperature", "grpo_inputs"]
 
 # Arguments of GRPOTrainer that StaleFlow replaces: the run's queue holds the prompts, the
 # reward workers score, the rollout workers generate.
 _REPLACED = ("reward_funcs", "train_dataset", "eval_dataset", "rollout_func", "tools", "environment_factory")
+
+
+def check_temperature(batch: Batch, temperature: float) -> None:
+    """Refuse a batch sampled at another temperature than the trainer's: TRL's log-probs (of
+    logits / `temperature`) would not be comparable with the rollout's."""
+    if not math.isclose(batch.temperature, temperature, rel_tol=1e-6):
+        raise TrainerError(
+            f"buffer {batch.version} was sampled at temperature {batch.temperature:g} but the trainer's is "
+            f"{temperature:g}: set GRPOConfig(temperature={batch.temperature:g}), the run's sampling temperature"
+        )
 
 
 def grpo_inputs(
@@ -155,6 +166,7 @@ class StaleFlowGRPOTrainer(_GRPOTrainer):
                 f"no ready buffer for version {self.staleflow.version} within {self.batch_timeout}s "
                 "(are the rollout and reward workers running?)"
             )
+        check_temperature(batch, self.temperature)
         if len(batch) % self.args.steps_per_generation:
             raise TrainerError(
                 f"buffer {batch.version} has {len(batch)} samples, not a multiple of steps_per_generation "
