@@ -10,8 +10,9 @@ parameter server, so generation runs ahead asynchronously, at most the run's η 
     python docs/examples/train_trl.py --run 1 --model ./my-model --ps 127.0.0.1:29600 --steps 100
 
 The token (role `trainer`) comes from --token or STALEFLOW_TOKEN; --api from STALEFLOW_API_URL.
-The rollout workers must run the same folder (`staleflow rollout-worker --engine hf --model`)
-at the same temperature as --temperature here. Needs the `trl` extra.
+The rollout workers must run the same folder (`staleflow rollout-worker --engine hf --model`);
+TRL's temperature is the run's sampling temperature (the adapter refuses a batch sampled at
+another). Needs the `trl` extra.
 """
 
 from __future__ import annotations
@@ -37,28 +38,27 @@ def main() -> None:
     ap.add_argument("--ps", default=None, help="HOST:PORT of `staleflow ps` (where rollout workers pull weights)")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--lr", type=float, default=1e-5)
-    ap.add_argument("--temperature", type=float, default=1.0, help="the rollout workers' sampling temperature")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for a batch")
     ap.add_argument("--out", default=None, help="TRL's output_dir (default: a temporary folder)")
     args = ap.parse_args()
 
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     gpu = torch.cuda.is_available()
-    config = GRPOConfig(
-        output_dir=args.out or tempfile.mkdtemp(prefix="trl-"),
-        max_steps=args.steps,
-        learning_rate=args.lr,
-        lr_scheduler_type="constant",
-        temperature=args.temperature,
-        bf16=gpu,
-        use_cpu=not gpu,
-        save_strategy="no",
-        report_to=[],
-        logging_steps=1,
-        disable_tqdm=True,
-        seed=0,
-    )
     with TrainerClient(args.api, args.token, args.run, ps=args.ps, pad_id=tokenizer.pad_token_id or 0) as sf:
+        config = GRPOConfig(
+            output_dir=args.out or tempfile.mkdtemp(prefix="trl-"),
+            max_steps=args.steps,
+            learning_rate=args.lr,
+            lr_scheduler_type="constant",
+            temperature=sf.temperature,  # the run's: the rollout's log-probs are of logits / T
+            bf16=gpu,
+            use_cpu=not gpu,
+            save_strategy="no",
+            report_to=[],
+            logging_steps=1,
+            disable_tqdm=True,
+            seed=0,
+        )
         trainer = StaleFlowGRPOTrainer(
             args.model, sf, args=config, processing_class=tokenizer, batch_timeout=args.timeout
         )

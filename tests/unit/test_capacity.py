@@ -20,7 +20,7 @@ from workers.coordinator.cycle import Applied, run_cycle
 from workers.coordinator.policies import POLICY_NAMES, CyclePlan, get_policy
 from workers.coordinator.routing import route_request_count, route_waterfall
 from workers.coordinator.service import UNREPORTED_MAX_RUNNING, instance_snapshots
-from workers.coordinator.state import InstanceSnapshot, QueuedSample, SpeculativeState
+from workers.coordinator.state import InstanceSnapshot, QueuedSample, RunningSample, SpeculativeState
 from workers.rollout.engines.sim_engine import SimEngine
 from workers.wire.models import Capacity
 
@@ -109,6 +109,40 @@ def test_samples_the_database_holds_running_count_even_before_the_engine_sees_th
     st = SpeculativeState()
     st.observe(snap)
     assert route_request_count(st.views(), [QueuedSample(9, 9, 10)]) == []
+
+
+def test_trajectories_waiting_for_their_environment_hold_no_slot_in_the_service_view():
+    """The heartbeat's multi-turn fields map onto RunningSample / InstanceSnapshot: a sample
+    the database holds here that the heartbeat saw waiting for its environment is not counted
+    against max_running (nor KV); its wait is on the coordinator's clock (snapshot time - wait)."""
+    hb = {
+        "running": 1,
+        "waiting": 0,
+        "kv_used": 40,
+        "env_waiting": 1,
+        "capacity": {"max_running": 2, "kv_capacity": 1_000},
+        "running_samples": [
+            {"sample_id": 5, "tokens": 30, "turn_tokens": 4, "env_waited_s": None},
+            {"sample_id": 6, "tokens": 12, "turn_tokens": 2, "env_waited_s": 1.5},
+            {"sample_id": 7, "tokens": 9, "turn_tokens": 9, "env_waited_s": 0.5},  # answered since: not held
+        ],
+    }
+    row = InstanceRow(1, "a", 0, hb, 0.25, [RunningRow(5, 20, 10, 0), RunningRow(6, 12, 10, 0)])
+    (snap,) = instance_snapshots(_snapshot([row]), 10.0)
+    by_id = {r.sample_id: r for r in snap.running_samples}
+    assert set(by_id) == {5, 6}
+    assert by_id[5] == RunningSample(5, 30, 40, 0, turn_tokens=4, env_since=None)
+    assert by_id[6] == RunningSample(6, 12, 22, 0, turn_tokens=2, env_since=10.0 - 0.25 - 1.5)
+    assert (snap.running, snap.waiting, snap.env_waiting, snap.kv_used) == (1, 0, 1, 40)
+    # one free slot: the trajectory between turns does not take it
+    st = SpeculativeState()
+    st.observe(snap)
+    assert [r.sample_id for r in route_request_count(st.views(), [QueuedSample(9, 9, 10)])] == [9]
+    # a heartbeat without the fields (single-turn worker): both held samples count
+    row = InstanceRow(1, "a", 0, {**hb, "running": 0, "running_samples": []}, 0.25, list(row.running))
+    (snap,) = instance_snapshots(_snapshot([row]), 10.0)
+    assert (snap.running, snap.env_waiting) == (2, 0)
+    assert all(r.turn_tokens is None and not r.in_env for r in snap.running_samples)
 
 
 @pytest.mark.parametrize("field", ["max_running", "kv_capacity"])

@@ -125,6 +125,34 @@ def test_split_turns_cuts_at_observations():
     assert split_turns(text, [], []) == []
 
 
+def _end(turns, sid, turn):
+    """A turn handed to the environment, and its answer once the step is done."""
+    turns.begin(sid, turn, 0.0)
+    turns.calls[sid][0].result(timeout=30)
+    return turns.answer(sid, 0.0)
+
+
+def test_a_turn_waits_for_its_environment_in_the_background_until_answer_or_timeout():
+    """`begin` returns at once; `answer` is None while the environment works (the trajectory
+    waits for it: `env_since`), then its reply, or env_timeout once the wait passes the limit."""
+    from workers.rollout.turns import Turns
+    from workers.tasks.guess import EOS, NUMBER0, GuessCodec
+
+    release = threading.Event()
+    turns = Turns(lambda: Hangs(release), GuessCodec(), timeout_s=5.0)
+    turns.start(1, [1, 2], [], [], {})
+    turns.begin(1, [NUMBER0 + 3, EOS], 100.0)
+    assert turns.env_since(1) == 100.0 and turns.env_since(2) is None
+    assert turns.answer(1, 104.9) is None  # working, within the limit
+    with pytest.raises(EnvFailed) as e:
+        turns.answer(1, 105.0)
+    assert e.value.reason == "env_timeout"
+    release.set()
+    turns.forget(1)
+    assert turns.calls == {}
+    turns.close()
+
+
 def test_turns_rebuild_an_environment_from_a_prefix_and_end_each_turn():
     """The rollout side (workers/rollout/turns.py): a trajectory taken over between turns or
     within one replays exactly its completed turns; each ended turn gets the environment's
@@ -137,14 +165,14 @@ def test_turns_rebuild_an_environment_from_a_prefix_and_end_each_turn():
     turns = Turns(GuessEnv, GuessCodec())
     meta = {"target": 5}
     assert turns.start(1, [1, 2], [], [], meta) == []  # fresh: reset observes nothing
-    turn = turns.end(1, [seven, EOS])
+    turn = _end(turns, 1, [seven, EOS])
     assert (turn.step.done, turn.observation) == (False, [LOWER])
     # taken over between turns: the prefix ends with the observation; one turn replayed
     turns.start(2, [1, 2], [seven, EOS, LOWER], [1, 1, 0], meta)
-    assert turns.end(2, [three, EOS]).observation == [HIGHER]  # its second turn
+    assert _end(turns, 2, [three, EOS]).observation == [HIGHER]  # its second turn
     # taken over within turn 2 (a partial "3" generated): only turn 1 is replayed
     turns.start(3, [1, 2], [seven, EOS, LOWER, three], [1, 1, 0, 1], meta)
-    assert turns.end(3, [three, EOS]).step.info == {} and turns.envs[3].turns == 2
-    turn = turns.end(3, [NUMBER0 + 5, EOS])
+    assert _end(turns, 3, [three, EOS]).step.info == {} and turns.envs[3].turns == 2
+    turn = _end(turns, 3, [NUMBER0 + 5, EOS])
     assert (turn.step.done, turn.step.reward, turn.observation) == (True, 1.0, [])
     turns.close()

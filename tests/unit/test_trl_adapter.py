@@ -14,9 +14,9 @@ trl = pytest.importorskip("trl")
 
 from hf_helpers import make_tiny_hf_model
 
-from workers.sdk import to_batch
+from workers.sdk import TrainerError, to_batch
 from workers.trainer.grpo import token_logprobs
-from workers.trainer.trl_adapter import StaleFlowGRPOTrainer, grpo_inputs
+from workers.trainer.trl_adapter import StaleFlowGRPOTrainer, check_temperature, grpo_inputs
 from workers.wire.models import BatchOut
 
 T = 0.7  # the rollout's sampling temperature
@@ -43,10 +43,12 @@ def setup(tmp_path_factory):
     return trainer, tokenizer, folder
 
 
-def _batch(policy, pad_id, finish=("eos",) * 5):
+def _batch(policy, pad_id, finish=("eos",) * 5, masks=None):
     """Two groups (prompts of 5 and 8 tokens, 2 and 3 samples, responses of 3..5 tokens) with
     the log-probs `policy` gives the responses at temperature T, each row computed unpadded as
-    a rollout engine would."""
+    a rollout engine would. `masks`: sample id -> its loss mask (0: an environment observation,
+    which has no log-prob: 0, as the API sends it); the others are all generated."""
+    masks = masks or {}
     g = torch.Generator().manual_seed(0)
     groups, k = [], 0
     for gid, (plen, n) in enumerate([(5, 2), (8, 3)]):
@@ -57,13 +59,16 @@ def _batch(policy, pad_id, finish=("eos",) * 5):
             ids = torch.tensor([prompt + resp])
             with torch.no_grad():
                 lp, _ = token_logprobs(policy(ids).logits[:, :-1], ids[:, 1:], T)
+            mask = masks.get(k, [1] * len(resp))
+            lps = [x if m else 0.0 for x, m in zip(lp[0, plen - 1 :].tolist(), mask, strict=True)]
             samples.append(
                 {
                     "sample_id": k,
                     "idx": j,
                     "v_traj": 0,
                     "tokens": resp,
-                    "logprobs": lp[0, plen - 1 :].tolist(),
+                    "logprobs": lps,
+                    "loss_mask": mask,
                     "reward": float(j * (gid + 1)),
                     "finish_reason": finish[k],
                     "segments": [],
@@ -71,7 +76,7 @@ def _batch(policy, pad_id, finish=("eos",) * 5):
             )
             k += 1
         groups.append({"group_id": gid, "group_version": 0, "prompt_tokens": prompt, "meta": {}, "samples": samples})
-    return to_batch(BatchOut(run_id=1, version=1, consume_fence=1, groups=groups), pad_id)
+    return to_batch(BatchOut(run_id=1, version=1, consume_fence=1, groups=groups), pad_id, temperature=T)
 
 
 def _trl_logps(trainer, inputs):
@@ -118,6 +123,49 @@ def test_the_loss_weights_against_the_stale_behaviour_policy(setup):
     assert loss.item() == pytest.approx(expected.item(), abs=1e-5)
     on_policy = (-(a * torch.ones_like(ratio)) * mask).sum() / mask.sum()
     assert abs(loss.item() - on_policy.item()) > 1e-4  # the importance weights changed it
+
+
+def test_observation_tokens_are_attended_to_but_not_trained_on(setup):
+    """A multi-turn sample (an observation inside its response): the completion keeps the
+    observation (the model attends to it), `tool_mask` is the loss mask, and TRL's loss and
+    token count leave the observation's tokens out — checked against a hand computation."""
+    from transformers import AutoModelForCausalLM
+
+    trainer, tok, folder = setup
+    older = AutoModelForCausalLM.from_pretrained(folder)
+    with torch.no_grad():
+        for p in older.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    observed = [1, 0, 0, 1, 1]  # sample 4 (5 tokens): a turn, a 2-token observation, a turn
+    inputs = grpo_inputs(_batch(older, tok.pad_token_id, masks={4: observed}), tok.pad_token_id)
+    assert inputs["completion_mask"].sum(1).tolist() == [3, 4, 3, 4, 5]  # observations are context
+    assert inputs["tool_mask"][4].tolist() == observed
+    train = inputs["completion_mask"] * inputs["tool_mask"]
+    assert train.sum(1).tolist() == [3, 4, 3, 4, 3]
+    assert inputs["num_items_in_batch"].item() == 17
+    logp = _trl_logps(trainer, inputs)
+    ratio = torch.exp(logp - inputs["old_per_token_logps"])
+    a = inputs["advantages"][:, None]
+    eps = trainer.epsilon_low
+    per_token = -torch.minimum(ratio * a, ratio.clamp(1 - eps, 1 + trainer.epsilon_high) * a)
+    expected = (per_token * train).sum() / 17
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 1
+    with torch.no_grad():
+        loss = trainer._compute_loss(trainer.model, inputs)
+    assert loss.item() == pytest.approx(expected.item(), abs=1e-5)
+    # the observation's tokens (log-prob 0: ratio far from 1) would change it, were they trained on
+    whole = inputs["completion_mask"].float()
+    assert abs(loss.item() - ((per_token * whole).sum() / whole.sum()).item()) > 1e-3
+
+
+def test_a_batch_sampled_at_another_temperature_is_refused(setup):
+    trainer, tok, _ = setup
+    batch = _batch(trainer.model, tok.pad_token_id)
+    check_temperature(batch, trainer.temperature)  # the run's (0.7) is the trainer's
+    batch.temperature = 1.0
+    with pytest.raises(TrainerError, match=r"buffer 1 was sampled at temperature 1 but the trainer's is 0\.7"):
+        check_temperature(batch, trainer.temperature)
 
 
 def test_advantages_are_grpo_per_group(setup):

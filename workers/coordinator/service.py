@@ -74,15 +74,16 @@ def instance_snapshots(snap: Snapshot, now: float, unreported: set[int] | None =
 
     Requests count at least the samples the database holds running on the instance: a route
     the engine has not taken in yet, or a finish not reported yet, still occupies a slot, so
-    routing up to `max_running` never puts more than that many samples on the instance."""
+    routing up to `max_running` never puts more than that many samples on the instance —
+    except those the heartbeat reports waiting for their environment (`env_waiting`): they
+    hold no slot (docs/coordinator.md, "Multi-turn trajectories")."""
     out = []
     for inst in snap.instances:
         hb = inst.snapshot or {}
-        beat = {r["sample_id"]: r["tokens"] for r in hb.get("running_samples", [])}
-        running = tuple(
-            RunningSample(sid, max(n, beat.get(sid, 0)), prompt + max(n, beat.get(sid, 0)), v)
-            for sid, n, prompt, v in inst.running
-        )
+        age = inst.snapshot_age_s if inst.snapshot_age_s is not None else 1e9
+        at = now - age
+        beat = {r["sample_id"]: r for r in hb.get("running_samples", [])}
+        running = tuple(_running_sample(sid, n, prompt, v, beat.get(sid), at) for sid, n, prompt, v in inst.running)
         capacity = hb.get("capacity")
         if capacity is None:
             capacity = unreported_capacity(snap.config)
@@ -95,25 +96,46 @@ def instance_snapshots(snap: Snapshot, now: float, unreported: set[int] | None =
                     UNREPORTED_MAX_RUNNING,
                 )
         waiting = int(hb.get("waiting", 0))
-        age = inst.snapshot_age_s if inst.snapshot_age_s is not None else 1e9
+        # of the samples the database holds here, those the heartbeat saw waiting for their
+        # environment: no slot, no KV (a trajectory answered since is back in the queue)
+        env_waiting = sum(1 for r in running if r.in_env)
         out.append(
             InstanceSnapshot(
                 instance_id=inst.id,
                 version=inst.version,
-                running=max(int(hb.get("running", 0)), len(running) - waiting),
+                running=max(int(hb.get("running", 0)), len(running) - waiting - env_waiting),
                 waiting=waiting,
-                kv_used=int(hb.get("kv_used", sum(r.length for r in running))),
+                kv_used=int(hb.get("kv_used", sum(r.length for r in running if not r.in_env))),
                 kv_capacity=int(capacity["kv_capacity"]),
                 running_samples=running,
                 throughput=float(hb.get("throughput", 0.0)),
-                heartbeat_at=now - age,
-                snapshot_at=now - age,
+                heartbeat_at=at,
+                snapshot_at=at,
                 pulling=bool(hb.get("pulling", False)),
                 routed_seen=hb.get("routed_seen"),
                 max_running=int(capacity["max_running"]),
+                env_waiting=env_waiting,
             )
         )
     return out
+
+
+def _running_sample(sid: int, n: int, prompt: int, v: int, beat: dict[str, Any] | None, at: float) -> RunningSample:
+    """A sample the database holds on an instance (`n` response tokens reported in segments),
+    with the heartbeat's fresher progress: tokens, the current turn's tokens and, while it
+    waits for its environment, since when (the heartbeat's wait, on the coordinator's clock)."""
+    if beat is None:
+        return RunningSample(sid, n, prompt + n, v)
+    tokens = max(n, int(beat.get("tokens", 0)))
+    waited = beat.get("env_waited_s")
+    return RunningSample(
+        sid,
+        tokens,
+        prompt + tokens,
+        v,
+        turn_tokens=beat.get("turn_tokens"),
+        env_since=None if waited is None else at - float(waited),
+    )
 
 
 @dataclass

@@ -94,22 +94,26 @@ def as_step(got: Any) -> Step:
 class Runner:
     """Calls an environment beside the engine, each call bounded by `timeout_s`: an exception,
     a bad answer or a timeout is an EnvFailed (`env_failed` / `env_timeout`). A hung call's
-    thread is abandoned (Python cannot kill it); the trajectory is dropped either way."""
+    thread is abandoned (Python cannot kill it); the trajectory is dropped either way. A step
+    may run in the background (`step_async` / `step_answer`) while the engine decodes others;
+    the pool is wide enough that a call seldom waits for a thread (its wait counts)."""
 
-    def __init__(self, factory: EnvFactory, timeout_s: float = 10.0, max_workers: int = 4):
+    def __init__(self, factory: EnvFactory, timeout_s: float = 10.0, max_workers: int = 32):
         self.factory, self.timeout_s = factory, timeout_s
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers, thread_name_prefix="env")
 
-    def _call(self, fn: Callable[[], Any]) -> Any:
-        fut = self._pool.submit(fn)
+    def _result(self, fut: concurrent.futures.Future[Any], timeout: float) -> Any:
         try:
-            return fut.result(timeout=self.timeout_s)
+            return fut.result(timeout=timeout)
         except concurrent.futures.TimeoutError:
             raise EnvFailed("env_timeout", f"no answer in {self.timeout_s:g} s") from None
         except EnvFailed:
             raise
         except Exception as e:
             raise EnvFailed("env_failed", f"{type(e).__name__}: {e}"[:500]) from e
+
+    def _call(self, fn: Callable[[], Any]) -> Any:
+        return self._result(self._pool.submit(fn), self.timeout_s)
 
     def start(self, prompt: str, meta: dict[str, Any], turns: Sequence[str]) -> tuple[Env, str, float]:
         """A fresh environment replayed through the earlier `turns`: (env, reset observation,
@@ -126,8 +130,21 @@ class Runner:
         got: tuple[Env, str, float] = self._call(build)
         return got
 
+    def step_async(self, env: Env, turn: str) -> concurrent.futures.Future[Step]:
+        """Start a step in the background; `step_answer` collects it."""
+        return self._pool.submit(lambda: as_step(env.step(turn)))
+
+    def step_answer(self, fut: concurrent.futures.Future[Step], waited_s: float) -> Step | None:
+        """The step's answer, or None while it runs within `timeout_s` (raises EnvFailed)."""
+        if not fut.done() and waited_s < self.timeout_s:
+            return None
+        return self._checked(self._result(fut, 0.0))
+
     def step(self, env: Env, turn: str) -> Step:
-        step: Step = self._call(lambda: as_step(env.step(turn)))
+        return self._checked(self._result(self.step_async(env, turn), self.timeout_s))
+
+    @staticmethod
+    def _checked(step: Step) -> Step:
         if not step.done and not step.observation:
             raise EnvFailed("env_failed", "a step that is not done must answer with an observation")
         return step

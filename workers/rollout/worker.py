@@ -6,8 +6,10 @@ interrupted stretches as segments (batched, fenced by instance, attempt and rout
 checkpoint long stretches as partial segments so a crash loses little, heartbeat a snapshot, and pull new weights
 when the coordinator says so. A lost route (409) drops the sample locally: its late result
 is never applied. With an environment (`turns`, turns.py), a finished stretch ends a turn:
-the environment answers, and the trajectory either ends or goes back to the queue with the
-observation appended; a failed or hung environment drops it through the API with the reason.
+the environment steps in the background while the engine decodes the others (the heartbeat
+reports the trajectory as waiting for it, outside the engine's counts), then the trajectory
+either ends or goes back to the queue with the observation appended; a failed or hung
+environment drops it through the API with the reason.
 """
 
 from __future__ import annotations
@@ -27,10 +29,11 @@ from workers.rollout.engines.base import (
     TokensEvent,
     engine_should_interrupt_preempted,
 )
-from workers.rollout.turns import Turns, turn_start
+from workers.rollout.turns import Turn, Turns, turn_start
 from workers.rollout.worker_inbox import Delivery, Inbox
 
 log = logging.getLogger("staleflow.rollout")
+ENV_POLL_S = 0.005  # idle engine, environment calls in flight: how often to look for answers
 
 # (target version) -> (state dict, version); None for engines without weights (sim)
 WeightSource = Callable[[int | None], tuple[Mapping[str, Any] | None, int]]
@@ -49,6 +52,8 @@ class _Held:
     logprobs: list[float] = field(default_factory=list)
     turn_prefix: list[int] = field(default_factory=list)  # multi-turn: the current turn's tokens before this stretch
     budget: int = 0  # response tokens this stretch may still add (turn and observations)
+    ended: FinishedEvent | None = None  # multi-turn: the turn its environment is answering
+    ended_version: int = 0  # the version that generated that turn (a pull may come meanwhile)
 
 
 @dataclass
@@ -143,12 +148,16 @@ class RolloutWorker:
             if self.pending:
                 due = min(due, self._last["report"] + self.report_every_s)
             wait = min(self.idle_wait_s, max(0.0, due - time.monotonic()))
+            if self.turns is not None and self.turns.calls:
+                wait = min(wait, ENV_POLL_S)
         for delivery in inbox.get(wait):
             self._deliver(delivery)
         if self.engine.has_work():
             self._handle(self.engine.step())
             for delivery in inbox.get(0.0):  # what arrived during the step: before its reports go out
                 self._deliver(delivery)
+        if self.turns is not None:
+            self._answer_turns()
         if time.monotonic() - self._last["checkpoint"] >= self.checkpoint_every_s > 0:
             self._checkpoint()
         self._flush()
@@ -222,27 +231,44 @@ class RolloutWorker:
                     held.logprobs.extend(e.logprobs)
 
     def _end_turn(self, sid: int, e: FinishedEvent) -> None:
-        """The environment answers the turn: the trajectory ends (done, or no room for another
-        turn) or goes back to the queue with the observation appended."""
+        """The turn goes to the environment; the instance holds the trajectory (no decode slot)
+        until it answers."""
         held = self.held.get(sid)
         if held is None or self.turns is None:
             return
-        try:
-            turn = self.turns.end(sid, held.turn_prefix + list(e.tokens))
-        except EnvFailed as x:
-            self._queue(sid, e.tokens, e.logprobs, "partial", None)  # what was generated is kept
-            self._drop(sid, x)
-            return
+        held.ended, held.ended_version = e, self.engine.version
+        self.turns.begin(sid, held.turn_prefix + list(e.tokens), time.monotonic())
+
+    def _answer_turns(self) -> None:
+        """Environments that answered: each trajectory ends (done, or no room for another
+        turn) or goes back to the queue with the observation appended."""
+        assert self.turns is not None
+        for sid in list(self.turns.calls):
+            held = self.held.get(sid)
+            if held is None or held.ended is None:
+                self.turns.forget(sid)
+                continue
+            try:
+                turn = self.turns.answer(sid, time.monotonic())
+            except EnvFailed as x:
+                self._queue(sid, held.ended.tokens, held.ended.logprobs, "partial", None, held.ended_version)
+                self._drop(sid, x)  # what was generated is kept
+                continue
+            if turn is not None:
+                self._turn_answered(sid, held, held.ended, turn)
+
+    def _turn_answered(self, sid: int, held: _Held, e: FinishedEvent, turn: Turn) -> None:
+        v = held.ended_version  # the turn's segment: the version that generated it
         # the next turn needs room for a token after the observation, in the run's response
         # limit and in the engine's context (a trajectory never ends on an observation)
         room = held.budget - len(e.tokens) - len(turn.observation)
         max_seq = getattr(self.engine, "max_seq", None)
         context = held.prompt_len + held.prefix_len + len(e.tokens) + len(turn.observation)
         if turn.step.done or e.finish_reason == "length" or room <= 0 or (max_seq and context >= max_seq):
-            self._queue(sid, e.tokens, e.logprobs, "finished", e.finish_reason)
+            self._queue(sid, e.tokens, e.logprobs, "finished", e.finish_reason, v)
             self.stats.finished += 1
             return
-        self._queue(sid, e.tokens, e.logprobs, "partial", None)
+        self._queue(sid, e.tokens, e.logprobs, "partial", None, v)
         self._observe(sid, turn.observation, "interrupted")
         self._release(sid)
         self.stats.turns += 1
@@ -289,22 +315,28 @@ class RolloutWorker:
             self.turns.forget(sid)
 
     def _interrupt(self, sample_ids: list[int]) -> None:
+        # a trajectory waiting for its environment is not in the engine: it goes back to the
+        # queue when the environment answers
         for p in self.engine.interrupt([str(s) for s in sample_ids]):
             self._queue(int(p.sample_id), p.tokens, p.logprobs, "interrupted", None)
             self.stats.interrupted += 1
 
-    def _queue(self, sid: int, tokens: list[int], logprobs: list[float], kind: str, reason: str | None) -> None:
-        """Queue what is new since the last checkpoint of this stretch as one segment."""
+    def _queue(
+        self, sid: int, tokens: list[int], logprobs: list[float], kind: str, reason: str | None, v: int | None = None
+    ) -> None:
+        """Queue what is new since the last checkpoint of this stretch as one segment, at
+        version `v` (None: the engine's)."""
         held = self.held.get(sid)
         if held is None:
             return
+        version = self.engine.version if v is None else v
         new_t, new_lp = tokens[held.reported :], logprobs[held.reported :]
         last = next((r for r in reversed(self.pending) if r["sample_id"] == sid), None)
         if (
             last is not None
             and last["kind"] == "partial"
             and last["attempt"] == held.attempt
-            and last["version"] == self.engine.version
+            and last["version"] == version
         ):
             # one report per sample per batch: extend the unsent checkpoint instead
             last["tokens"] += list(new_t)
@@ -316,7 +348,7 @@ class RolloutWorker:
                     "sample_id": sid,
                     "attempt": held.attempt,
                     "route_token": held.route_token,
-                    "version": self.engine.version,
+                    "version": version,
                     "tokens": list(new_t),
                     "logprobs": list(new_lp),
                     "kind": kind,
@@ -332,7 +364,7 @@ class RolloutWorker:
         """Partial segments for long stretches: after a crash the queue resumes from here."""
         self._last["checkpoint"] = time.monotonic()
         for sid, held in list(self.held.items()):
-            if len(held.tokens) > held.reported:
+            if held.ended is None and len(held.tokens) > held.reported:  # an ended turn goes out once answered
                 self._queue(sid, held.tokens, held.logprobs, "partial", None)
 
     def _flush(self, force: bool = False) -> None:
@@ -383,13 +415,14 @@ class RolloutWorker:
 
     def _heartbeat(self, pulling: bool = False) -> None:
         s = self.engine.stats()
-        snapshot = {
+        # the engine's counts leave out trajectories waiting for their environment: it finished them
+        snapshot: dict[str, Any] = {
             "running": s.running,
             "waiting": s.waiting,
             "kv_used": s.kv_tokens,
             # engines count prompt + response; the snapshot carries response tokens
             "running_samples": [
-                {"sample_id": int(k), "tokens": max(0, v - self.held[int(k)].prompt_len)}
+                self._progress(int(k), max(0, v - self.held[int(k)].prompt_len))
                 for k, v in s.running_tokens.items()
                 if int(k) in self.held
             ],
@@ -398,11 +431,31 @@ class RolloutWorker:
             "pulling": pulling,
             "routed_seen": self.stats.routed,
         }
+        if self.turns is not None:
+            now = time.monotonic()
+            env = [(sid, h) for sid, h in self.held.items() if h.ended is not None and sid in self.turns.calls]
+            snapshot["running_samples"] += [
+                self._progress(sid, h.prefix_len + len(h.ended.tokens), now - self.turns.calls[sid][1])
+                for sid, h in env
+                if h.ended is not None
+            ]
+            snapshot["env_waiting"] = len(env)
         try:
             self.client.heartbeat(self.run_id, self._instance, s.version, snapshot, self.lease_s)
         except Conflict:
             self._register_again()
         self._last["heartbeat"] = time.monotonic()
+
+    def _progress(self, sid: int, tokens: int, env_s: float | None = None) -> dict[str, Any]:
+        """A trajectory's entry in the heartbeat: response tokens so far; multi-turn, also the
+        current turn's and, while it waits for its environment, how long it has waited."""
+        entry: dict[str, Any] = {"sample_id": sid, "tokens": tokens}
+        if self.turns is not None:
+            held = self.held[sid]
+            entry["turn_tokens"] = max(0, len(held.turn_prefix) + tokens - held.prefix_len)
+        if env_s is not None:
+            entry["env_waited_s"] = round(env_s, 3)
+        return entry
 
     def _register_again(self) -> None:
         """Fenced (lease lapsed or expired): the sweep requeues our samples; start over as a new instance."""

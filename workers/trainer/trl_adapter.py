@@ -23,8 +23,8 @@ per-token log-probs, those of the policy that actually sampled each token, so th
 importance weight against the behaviour policy and TRL's clip (`epsilon`, `epsilon_high`,
 `delta`), sequence-level IS (`importance_sampling_level="sequence"`) and off-policy masking
 (`off_policy_mask_threshold`) all act on the true off-policyness. TRL divides logits by
-`args.temperature`: set it to the rollout workers' sampling temperature (their log-probs are
-of logits / T), else every ratio is off.
+`args.temperature`: it must be the run's sampling temperature (the rollout's log-probs are of
+logits / T), else every ratio is off, so a batch sampled at another temperature is refused.
 
 One process only (no DDP/FSDP ranks yet), training mode only (TRL's evaluation generates).
 Needs the `trl` extra.
@@ -32,6 +32,7 @@ Needs the `trl` extra.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -44,11 +45,21 @@ _GRPOTrainer: Any = require("trl").GRPOTrainer
 _TrainerCallback: Any = require("transformers").TrainerCallback
 _Dataset: Any = require("datasets").Dataset
 
-__all__ = ["StaleFlowGRPOTrainer", "grpo_inputs"]
+__all__ = ["StaleFlowGRPOTrainer", "check_temperature", "grpo_inputs"]
 
 # Arguments of GRPOTrainer that StaleFlow replaces: the run's queue holds the prompts, the
 # reward workers score, the rollout workers generate.
 _REPLACED = ("reward_funcs", "train_dataset", "eval_dataset", "rollout_func", "tools", "environment_factory")
+
+
+def check_temperature(batch: Batch, temperature: float) -> None:
+    """Refuse a batch sampled at another temperature than the trainer's: TRL's log-probs (of
+    logits / `temperature`) would not be comparable with the rollout's."""
+    if not math.isclose(batch.temperature, temperature, rel_tol=1e-6):
+        raise TrainerError(
+            f"buffer {batch.version} was sampled at temperature {batch.temperature:g} but the trainer's is "
+            f"{temperature:g}: set GRPOConfig(temperature={batch.temperature:g}), the run's sampling temperature"
+        )
 
 
 def grpo_inputs(
@@ -57,20 +68,27 @@ def grpo_inputs(
     """A StaleFlow batch as the inputs of TRL's GRPO loss: prompts left-padded, completions
     right-padded, `old_per_token_logps` the behaviour policy's log-prob of each completion token,
     advantages GRPO's (reward - group mean) / (std + 1e-4) as TRL computes them (`scale_rewards`:
-    "group", "batch" or "none"); groups may differ in size."""
+    "group", "batch" or "none"); groups may differ in size.
+
+    Multi-turn trajectories: the completion is the whole response, observations included (the
+    model attends to them: `completion_mask` 1), and `tool_mask` is the batch's loss mask over
+    it (0 on observations), which TRL multiplies into the completion mask in the loss;
+    `num_items_in_batch` counts the tokens of that product, the ones trained on."""
     n = len(batch)
     plen = batch.prompt_lengths.tolist()
-    rlen = batch.response_mask.sum(dim=1).long().tolist()
+    rlen = (batch.attention_mask.sum(dim=1) - batch.prompt_lengths).tolist()
     prompt_ids = torch.full((n, max(plen, default=0)), pad_id, dtype=torch.long)
     prompt_mask = torch.zeros_like(prompt_ids)
     completion_ids = torch.full((n, max(rlen, default=0)), pad_id, dtype=torch.long)
     completion_mask = torch.zeros_like(completion_ids)
+    tool_mask = torch.ones_like(completion_ids)  # padding 1, as TRL pads it: completion_mask masks it
     behaviour = torch.zeros(completion_ids.shape)
     for i, (p, r) in enumerate(zip(plen, rlen, strict=True)):
         prompt_ids[i, prompt_ids.shape[1] - p :] = batch.input_ids[i, :p]
         prompt_mask[i, prompt_ids.shape[1] - p :] = 1
         completion_ids[i, :r] = batch.input_ids[i, p : p + r]
         completion_mask[i, :r] = 1
+        tool_mask[i, :r] = batch.response_mask[i, p : p + r].long()
         behaviour[i, :r] = batch.logprobs[i, p : p + r]
     if mask_truncated:  # TRL's mask_truncated_completions: no loss on responses cut at the budget
         finished = [s.finish_reason != "length" for g in batch.raw.groups for s in g.samples]
@@ -94,7 +112,8 @@ def grpo_inputs(
         "advantages": advantages,
         "old_per_token_logps": behaviour,
         "sampling_per_token_logps": behaviour,  # what TRL's off-policy sequence mask compares with
-        "num_items_in_batch": completion_mask.sum(),
+        "tool_mask": tool_mask,
+        "num_items_in_batch": (completion_mask * tool_mask).sum(),
     }
 
 
@@ -147,6 +166,7 @@ class StaleFlowGRPOTrainer(_GRPOTrainer):
                 f"no ready buffer for version {self.staleflow.version} within {self.batch_timeout}s "
                 "(are the rollout and reward workers running?)"
             )
+        check_temperature(batch, self.temperature)
         if len(batch) % self.args.steps_per_generation:
             raise TrainerError(
                 f"buffer {batch.version} has {len(batch)} samples, not a multiple of steps_per_generation "

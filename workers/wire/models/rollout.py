@@ -56,14 +56,24 @@ class RegisterOut(Out):
 class RunningSampleIn(In):
     sample_id: Id
     tokens: Count = Field(description="response tokens generated so far (all segments)")
+    turn_tokens: Count | None = Field(None, description="multi-turn: tokens of its current turn so far")
+    env_waited_s: Number | None = Field(
+        None,
+        ge=0.0,
+        le=1e9,
+        allow_inf_nan=False,
+        description="multi-turn: seconds it has waited for its environment at the snapshot (absent: not waiting)",
+    )
 
 
 class InstanceSnapshotIn(In):
     """What the coordinator needs to route (docs/coordinator.md): load, KV cache, per-sample progress."""
 
+    # running and waiting: in the engine (not the trajectories waiting for their environment)
     running: Count = 0
     waiting: Count = 0
-    kv_used: Count = Field(0, description="KV-cache tokens held")
+    kv_used: Count = Field(0, description="KV-cache tokens held (trajectories waiting for their environment: none)")
+    env_waiting: Count = Field(0, description="trajectories held between turns, waiting for their environment")
     running_samples: list[RunningSampleIn] = Field(default_factory=list, max_length=100_000)
     throughput: Number = Field(0.0, ge=0.0, le=1e12, allow_inf_nan=False, description="generated tokens/s")
     pulling: Bool = False
