@@ -186,6 +186,7 @@ def test_trainer_scores_exactly_the_tokens_the_engine_sampled(tmp_path):
                     "reward": float(s % 2),
                     "finish_reason": done[s].finish_reason,
                     "segments": [],
+                    "loss_mask": [1] * len(done[s].tokens),
                 }
                 for s in (2 * g - 1, 2 * g)
             ],

@@ -162,6 +162,7 @@ def test_the_trainer_sees_the_engines_logprobs(folder, prompts, tmp_path):
                     "reward": float(j),
                     "finish_reason": done[f"s{2 * g + j}"].finish_reason,
                     "segments": [],
+                    "loss_mask": [1] * len(done[f"s{2 * g + j}"].tokens),
                 }
                 for j in (0, 1)
             ],
