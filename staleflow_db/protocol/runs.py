@@ -68,7 +68,9 @@ class RunOps(TxMixin):
                         },
                     ).scalar_one()
             except IntegrityError:
-                raise Conflict([(0, f"a run named {name!r} exists already")]) from None
+                # The item names the existing run (id 0 would name none).
+                existing = conn.execute(queries.text("run_by_name"), {"name": name}).scalar_one()
+                raise Conflict([(existing, f"a run named {name!r} exists already")]) from None
             log_events(conn, run_id, [Event("run_created", data={"name": name})])
             return run_id
 

@@ -73,7 +73,7 @@ def test_run_commands_for_a_new_user(db_url, engine, tmp_path):
         assert made["config"]["max_response_tokens"] == 64 and made["config"]["buffer_capacity"] == 2
         _refused(
             staleflow("run", "create", "math-1", "-B", "1", "-N", "1", "--eta", "0", env=env),
-            "a run named 'math-1' exists already",
+            f"create run 'math-1': {made['id']}: a run named 'math-1' exists already",  # the existing run's id
         )
         _refused(staleflow("run", "create", "42", "-B", "1", "-N", "1", "--eta", "0", env=env), "all digits")
 

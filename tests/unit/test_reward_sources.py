@@ -55,8 +55,20 @@ def test_load_function_imports_module_colon_function():
     for bad, why in [("json", "module:function"), ("json:nope", "no nope"), ("json:__name__", "not callable")]:
         with pytest.raises(ValueError, match=why):
             load_function(bad)
-    with pytest.raises(ImportError):
+    # The module missing: where it is looked for, and how a file in the current folder gets there.
+    with pytest.raises(
+        ModuleNotFoundError, match=r"no module 'no_such_module_here' on the Python path.*PYTHONPATH=\$PWD"
+    ):
         load_function("no_such_module_here:f")
+    with pytest.raises(ModuleNotFoundError, match="no module 'json.no_such' on the Python path"):
+        load_function("json.no_such:f")
+
+
+def test_load_function_names_what_the_users_module_fails_to_import(tmp_path, monkeypatch):
+    (tmp_path / "needs_more.py").write_text("import no_such_dependency_here\n\ndef f(s):\n    return 1.0\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ModuleNotFoundError, match="No module named 'no_such_dependency_here'"):
+        load_function("needs_more:f")
 
 
 def test_function_rewards_sync_async_and_failures():

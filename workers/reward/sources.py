@@ -129,7 +129,19 @@ def load_function(spec: str) -> Callable[..., Any]:
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
         raise ValueError(f"--reward takes module:function, got {spec!r}")
-    obj: Any = importlib.import_module(module_name)
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        # The module itself is missing (not one it imports): most often a file in the current
+        # folder, which a console script does not put on sys.path as `python -m` would.
+        parts = module_name.split(".")
+        if e.name not in {".".join(parts[: i + 1]) for i in range(len(parts))}:
+            raise
+        raise ModuleNotFoundError(
+            f"no module {module_name!r} on the Python path; for {module_name.replace('.', '/')}.py in the "
+            "current folder: export PYTHONPATH=$PWD",
+            name=e.name,
+        ) from None
     for part in attr.split("."):
         try:
             obj = getattr(obj, part)
