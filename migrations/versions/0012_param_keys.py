@@ -3,15 +3,15 @@ server and its clients authenticate with (docs/security.md).
 
 `param_keys` (run_id primary key, cascading with the run; secret bytea; created_at).
 
-Revision ID: 0014
-Revises: 0010
+Revision ID: 0012
+Revises: 0011
 """
 
 import sqlalchemy as sa
 from alembic import op
 
-revision = "0014"
-down_revision = "0010"
+revision = "0012"
+down_revision = "0011"
 branch_labels = None
 depends_on = None
 
