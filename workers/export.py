@@ -139,6 +139,8 @@ def export(
         raise ValueError(f"format must be one of {', '.join(FORMATS)}, not {fmt!r}")
     out.mkdir(parents=True, exist_ok=True)
     manifest = Manifest.load(out, fmt, trained)
+    for left in out.glob("*.tmp"):  # an interrupted run's unrecorded chunk
+        left.unlink()
     _replace(out / RUN, json.dumps(run, indent=2, default=_jsonable).encode())
     files = manifest.files if manifest.files is not None else []
     manifest.files = files

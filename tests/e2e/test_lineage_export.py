@@ -68,8 +68,37 @@ def test_lineage_and_export(db_url, tmp_path: Path):
         staleflow("export", "lineage", "--out", str(trained), "--trained", "--chunk", "3", env=_env(db_url))
         staleflow("export", "lineage", "--out", str(every), "--all", "--format", "jsonl", env=_env(db_url))
         _check_loads(trained, every, db_url, run.id, out)
+
+        # the same files through the REST API (keyset pages of GET /v1/runs/{run}/export)
+        rest = tmp_path / "rest"
+        env = {**_env(db_url), "STALEFLOW_API_URL": server.url, "STALEFLOW_TOKEN": token(db_url, "observer", run.id)}
+        staleflow("export", str(run.id), "--out", str(rest), "--trained", "--chunk", "3", "--via-api", env=env)
+        for name in ("part-00000.parquet", "part-00001.parquet"):
+            assert (rest / name).read_bytes() == (trained / name).read_bytes(), name
+
+        # refusals name the problem
+        bad = staleflow("export", "lineage", "--out", str(trained), "--all", env=_env(db_url), check=False)
+        assert bad.returncode == 2 and "use another folder" in bad.stderr
+        for params in ({"step": -1}, {}, {"step": 0, "sample": 0}):
+            assert (
+                httpx.get(
+                    f"{server.url}/v1/runs/{run.id}/lineage", params=params, headers=_auth(db_url, run.id)
+                ).status_code
+                == 422
+            )
+        assert (
+            httpx.get(
+                f"{server.url}/v1/runs/{run.id}/export", params={"limit": 1001}, headers=_auth(db_url, run.id)
+            ).status_code
+            == 422
+        )
+        assert httpx.get(f"{server.url}/v1/runs/99/export", headers=_auth(db_url, None)).status_code == 404
     finally:
         server.stop()
+
+
+def _auth(db_url: str, run_id: int | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token(db_url, 'observer', run_id)}"}
 
 
 def _env(db_url: str) -> dict[str, str]:
@@ -140,7 +169,7 @@ def test_interrupted_export_continues_to_the_same_files(engine, tmp_path: Path):
     resumed = export(source, part, run, page=2, chunk=3)
     assert resumed.rows == total
     names = sorted(p.name for p in whole.iterdir())
-    assert sorted(p.name for p in part.iterdir() if not p.name.endswith(".tmp")) == names
+    assert sorted(p.name for p in part.iterdir()) == names
     for name in names:
         assert (part / name).read_bytes() == (whole / name).read_bytes(), name
     export(source, part, run, page=2, chunk=3)  # again: nothing new, nothing duplicated
