@@ -27,6 +27,8 @@ from workers.extras import missing_extra
 COMMANDS = {
     "serve": "staleflow_cli.serve:serve",
     "audit": "staleflow_cli.audit:audit",
+    "lineage": "staleflow_cli.lineage:lineage",
+    "export": "staleflow_cli.export:export",
     "coordinator": "staleflow_cli.coordinator:coordinator",
     "demo": "staleflow_cli.demo:demo",
     "run": "staleflow_cli.runs:app",

@@ -158,6 +158,8 @@ samples = Table(
     Column("updated_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
     # the reward's extra metrics as the reward worker posted them ({"name": number}); NULL: none
     Column("reward_metrics", JSONB),
+    # the API token that posted the reward (the lineage's scorer); NULL: recorded in-process
+    Column("reward_token_id", BigInteger, ForeignKey("api_tokens.id", ondelete="SET NULL")),
     UniqueConstraint("group_id", "idx"),
     CheckConstraint("(state = 'running') = (instance_id IS NOT NULL)", name="running_has_instance"),
     CheckConstraint("state <> 'aborted' OR reason IS NOT NULL", name="abort_has_reason"),

@@ -500,6 +500,14 @@ class StaleFlowClient:
     def violations(self, run_id: int | None = None, limit: int = 1000, offset: int = 0) -> list[m.ViolationRow]:
         return self._call(m.Violations, "GET", "/v1/audit/violations", params=_page(run_id, limit, offset)).rows
 
+    def lineage(self, run_id: int, step: int, sample_id: int | None = None) -> list[m.LineageRow]:
+        params: dict[str, Any] = {"step": step} | ({} if sample_id is None else {"sample": sample_id})
+        return self._call(m.LineageOut, "GET", f"/v1/runs/{run_id}/lineage", params=params).rows
+
+    def export_page(self, run_id: int, after: int = 0, limit: int = 100, trained: bool = False) -> m.ExportPage:
+        params = {"after": after, "limit": limit, "trained": trained}
+        return self._call(m.ExportPage, "GET", f"/v1/runs/{run_id}/export", params=params)
+
     def healthz(self) -> bool:
         return self.http.get("/healthz").status_code == 200
 

@@ -87,7 +87,7 @@ def record_rewards(
     rewards = [(r.sample_id, r.reward_attempt, r.reward, r.metrics) for r in body.rewards]
 
     def call(conn: Connection) -> RewardsOut:
-        groups = state.protocol.record_rewards(run_id, rewards, conn=conn)
+        groups = state.protocol.record_rewards(run_id, rewards, scorer=who.token_id, conn=conn)
         return from_data(RewardsOut, {"groups": groups})
 
     out, replayed = state.protocol.once(scoped_key(key, f"run{run_id}"), "reward", body, call, RewardsOut)

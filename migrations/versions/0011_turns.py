@@ -19,6 +19,7 @@ branch_labels = None
 depends_on = None
 
 AUDIT_VIEWS = "audit_views_v1.sql"  # frozen: the audit views before this migration
+AUDIT_VIEWS_AFTER = "audit_views_v2.sql"  # frozen: the audit views as this migration applies them
 
 
 def _apply(frozen_views: str | None) -> None:
@@ -34,7 +35,7 @@ def upgrade() -> None:
     op.create_check_constraint(
         op.f("ck_segments_observation_unversioned"), "segments", "generated = (version IS NOT NULL)"
     )
-    _apply(None)
+    _apply(AUDIT_VIEWS_AFTER)
 
 
 def downgrade() -> None:

@@ -159,6 +159,37 @@ class ProtocolReads(TxMixin):
             rows = conn.execute(queries.text(name), {"run": run_id, "n": limit, "o": offset}).all()
         return [dict(r._mapping) for r in rows]
 
+    @transactional
+    def lineage(
+        self, run_id: int, step: int, sample_id: int | None = None, *, conn: Connection | None = None
+    ) -> list[dict[str, Any]]:
+        """`trained_lineage` rows of a trained step (one sample's, when given): per segment its
+        version, instance, published checksum and the reward with its scorer. NotFound for a
+        step (or a sample of it) that did not train."""
+        with self.tx(conn) as conn:
+            load_run(conn, run_id, lock=False)
+            rows = _rows(conn, "lineage_of_step", run=run_id, step=step, sample=sample_id)
+        if not rows:
+            what = f"step {step} of run {run_id}" if sample_id is None else f"sample {sample_id} at step {step}"
+            raise NotFound(f"trained {what}")
+        return rows
+
+    @transactional
+    def export_page(
+        self, run_id: int, after: int, limit: int, trained: bool, *, conn: Connection | None = None
+    ) -> list[dict[str, Any]]:
+        """Up to `limit` of a run's samples with id > `after`, in id order, each with its tokens,
+        log-probs, loss mask, versions, reward and timings (`export_samples`)."""
+        with self.tx(conn) as conn:
+            load_run(conn, run_id, lock=False)
+            return _rows(conn, "export_samples", run=run_id, after=after, n=limit, trained=trained)
+
+    @transactional
+    def export_count(self, run_id: int, trained: bool, *, conn: Connection | None = None) -> int:
+        with self.tx(conn) as conn:
+            load_run(conn, run_id, lock=False)
+            return int(conn.execute(queries.text("export_count"), {"run": run_id, "trained": trained}).scalar_one())
+
     def schema_revision(self) -> str | None:
         """The migration the database is at (readiness: it must be the newest one)."""
         with self.engine.connect() as c:

@@ -110,16 +110,19 @@ class ScoringOps(TxMixin):
         rewards: Sequence[Reward],
         request_id: str | None = None,
         *,
+        scorer: int | None = None,
         conn: Connection | None = None,
     ) -> list[GroupOutcome]:
         """Store rewards, fenced by the claim attempt; groups that reach N rewarded members are
         placed (Occupy) or filtered. All or nothing. Each reward is (sample, attempt, reward) or
-        (sample, attempt, reward, metrics): metrics a {name: finite number} kept with it."""
+        (sample, attempt, reward, metrics): metrics a {name: finite number} kept with it.
+        `scorer` is the API token posting them (the lineage's "who scored it"; None in-process)."""
         check_batch(rewards, "rewards")
+        read = rewards_read(rewards, scorer)
         outcomes: list[GroupOutcome] = self.idempotent(
             request_id,
             "reward",
-            under_run_lock(run_id, lambda rtx: rewards_in(rtx, rewards), rewards_read(rewards)),
+            under_run_lock(run_id, lambda rtx: rewards_in(rtx, rewards, read), read),
             lambda stored: [GroupOutcome(**{**o, "state": GroupState(o["state"])}) for o in stored],
             body=[run_id, rewards],
             conn=conn,
@@ -216,7 +219,7 @@ def reward_metrics(sid: int, reward: Sequence[Any]) -> dict[str, float] | None:
     return {k: float(v) for k, v in metrics.items()}
 
 
-def rewards_read(rewards: Sequence[Reward]) -> LockedRead:
+def rewards_read(rewards: Sequence[Reward], scorer: int | None = None) -> LockedRead:
     """The read of `rewards_in`, which stores the rewards: so the batch is checked first,
     before the lock (a caller's transaction may go on after the refusal)."""
     ids = [r[0] for r in rewards]
@@ -236,15 +239,16 @@ def rewards_read(rewards: Sequence[Reward]) -> LockedRead:
             "attempts": [r[1] for r in rewards],
             "rewards": [float(r[2]) for r in rewards],
             "metrics": metrics,
+            "scorer": [scorer],  # a locked read's parameters are lists
         },
     )
 
 
-def rewards_in(rtx: RunTx, rewards: Sequence[Reward]) -> list[GroupOutcome]:
+def rewards_in(rtx: RunTx, rewards: Sequence[Reward], read: LockedRead) -> list[GroupOutcome]:
     """Record a batch checked by `rewards_read`, whose result `RunTx.open` sent with the lock."""
     run = rtx.run
     got: dict[str, list[dict[str, Any]]] = {"s": [], "g": [], "m": [], "r": []}
-    for kind, row in rtx.locked_read(rewards_read(rewards)):
+    for kind, row in rtx.locked_read(read):
         got[kind].append(row)
     rows = {r["id"]: r for r in got["s"]}
     # the run's reservations, for Occupy's plan: the batch's own update changes no member's

@@ -512,6 +512,33 @@ SELECT run_id, invariant, subject, detail FROM lineage_violations
 UNION ALL
 SELECT run_id, invariant, subject, detail FROM turn_violations
 
+-- name: view_trained_lineage
+-- The lineage of every trained token (docs/data-layer.md, "Lineage"): one row per segment of a
+-- trained sample, in seq order. A generated segment names the model version and instance that
+-- generated it, that version's published checksum and location (version v was published by
+-- training step v - 1; version 0 is the initial model, published by nobody) and the route
+-- attempt; an observation (multi-turn) has no version. The sample's reward, its metrics, its
+-- claim attempt and the API token that posted it (the scorer; NULL when recorded in-process)
+-- repeat on each of its rows. The complete audit proves the chain: segment_version keeps every
+-- generated version between V_traj and the training step, and contiguity gives every step
+-- below the run's version a published version.
+CREATE OR REPLACE VIEW trained_lineage AS
+SELECT s.run_id, g.buffer AS step, s.id AS sample_id, s.group_id, s.idx, s.v_traj,
+       g.buffer - s.v_traj AS staleness,
+       x.seq, x.generated, x.version, x.instance_id, i.name AS instance_name, x.attempt,
+       cardinality(x.token_ids) AS n_tokens, x.finish_reason, x.created_at AS segment_at,
+       pv.checksum, pv.location, pv.created_at AS published_at,
+       CASE WHEN x.version > 0 THEN x.version - 1 END AS published_by_step,
+       s.reward, s.reward_metrics, s.reward_attempt,
+       s.reward_token_id AS scorer_token_id, t.name AS scorer_name, t.role::text AS scorer_role
+FROM samples s
+JOIN prompt_groups g ON g.id = s.group_id AND g.state = 'consumed'
+JOIN segments x ON x.sample_id = s.id
+LEFT JOIN instances i ON i.id = x.instance_id
+LEFT JOIN param_versions pv ON pv.run_id = s.run_id AND pv.version = x.version
+LEFT JOIN api_tokens t ON t.id = s.reward_token_id
+WHERE s.state = 'rewarded'
+
 -- name: mean_turns
 -- Mean turns per trajectory trained at steps >= :from: its environment's observations + 1
 -- (a multi-turn trajectory ends with the model's turn; a single-turn one has 1).

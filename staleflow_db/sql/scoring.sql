@@ -60,13 +60,15 @@ WHERE s.run_id = :run AND s.id = ANY(CAST(:ids AS bigint[])) ORDER BY s.id FOR U
 -- claim and store the rewards only if all hold, then lock their groups and read the members
 -- and the run's reservations (as `reservations` in runs.sql). See protocol/scoring.py for the
 -- lock order and the index lookups. :samples the batch's sample ids (no duplicates), :attempts
--- their claim attempts, :rewards their rewards, :metrics their extra metrics (JSON text or NULL).
+-- their claim attempts, :rewards their rewards, :metrics their extra metrics (JSON text or NULL),
+-- :scorer {the API token posting them} ({NULL} in-process).
 WITH s AS MATERIALIZED (SELECT x.id, x.state::text AS state, x.group_id,
   x.state = 'scoring' AND x.reward_attempt = (CAST(:attempts AS int[]))[array_position(CAST(:samples AS bigint[]), x.id)] AS holds,
   (CAST(:rewards AS float8[]))[array_position(CAST(:samples AS bigint[]), x.id)] AS r,
   CAST((CAST(:metrics AS text[]))[array_position(CAST(:samples AS bigint[]), x.id)] AS jsonb) AS mx FROM samples x
   WHERE x.run_id = CAST(:run AS bigint) AND x.id = ANY(CAST(:samples AS bigint[])) ORDER BY x.id FOR UPDATE),
-w AS (UPDATE samples x SET state = 'rewarded', reward = s.r, reward_metrics = s.mx, reward_deadline = NULL, updated_at = now()
+w AS (UPDATE samples x SET state = 'rewarded', reward = s.r, reward_metrics = s.mx,
+  reward_token_id = (CAST(:scorer AS bigint[]))[1], reward_deadline = NULL, updated_at = now()
   FROM s WHERE x.id = s.id AND (SELECT count(*) FILTER (WHERE holds) FROM s) = cardinality(CAST(:samples AS bigint[]))),
 g AS MATERIALIZED (SELECT id, state::text AS state, client_key, prompt_tokens, meta FROM prompt_groups
   WHERE id = ANY(ARRAY(SELECT group_id FROM s)) ORDER BY id FOR UPDATE),

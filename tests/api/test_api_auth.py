@@ -84,6 +84,8 @@ MATRIX: list[tuple[str, str, Any, set[str], int]] = [
     ("GET", "/v1/audit/trained?run_id={A}", None, AUDITORS, 403),
     ("GET", "/v1/audit/dropped?run_id={A}", None, AUDITORS, 403),
     ("GET", "/v1/audit/violations?run_id={A}", None, AUDITORS, 403),
+    ("GET", "/v1/runs/{A}/lineage?step=0", None, {"admin", "observer"}, 403),
+    ("GET", "/v1/runs/{A}/export", None, {"admin", "observer"}, 403),
     ("GET", "/v1/runs/{A}/dashboard", None, ALL, 403),
     ("GET", "/v1/runs/{A}/dashboard/steps", None, ALL, 403),
     # last: a cancel answers the calls after it with 409, which is past auth all the same

@@ -63,6 +63,9 @@ def test_every_read_runs_on_a_read_only_session(engine, read_only):
         "metrics_rows": lambda r: r.metrics_rows(),
         "status": lambda r: r.status(run),
         "dashboard": lambda r: r.dashboard(run, (*DASHBOARD_PANELS, "audit")),
+        "lineage": lambda r: r.lineage(run, 0),
+        "export_page": lambda r: r.export_page(run, 0, 10, False),
+        "export_count": lambda r: r.export_count(run, True),
     }
     public = {n for n, f in inspect.getmembers(ProtocolReads, inspect.isfunction) if not n.startswith("_")}
     public -= {"tx", "run_tx", "idempotent"}  # the transaction plumbing every capability class has
