@@ -25,6 +25,7 @@ import dataclasses
 import functools
 import logging
 import ssl
+import time
 import urllib.parse
 import uuid
 from collections.abc import Iterable, Sequence
@@ -167,6 +168,9 @@ class StaleFlowClient:
         self.urls = [str(h.base_url).rstrip("/") for h in self.replicas]
         self._current = 0  # the replica that answered last
         self.api = Outage(f"the StaleFlow API ({', '.join(self.urls)})", log)
+        # A monotonic time after which calls stop retrying through an outage (one attempt each):
+        # a process that is stopping bounds its last calls, whatever `retry_for` says.
+        self.give_up_at: float | None = None
 
     @property
     def http(self) -> httpx.Client:
@@ -177,6 +181,9 @@ class StaleFlowClient:
     def url(self) -> str:
         """The base URL of the replica in use."""
         return self.urls[self._current]
+
+    def _giving_up(self) -> bool:
+        return self.give_up_at is not None and time.monotonic() >= self.give_up_at
 
     def close(self) -> None:
         for h in self.replicas:
@@ -217,7 +224,7 @@ class StaleFlowClient:
                 jitter=self.backoff,
                 retry_for=self.retry_for if retry_for is True else retry_for,
             )
-            for attempt in policy.retrying(self.api, _retryable):
+            for attempt in policy.retrying(self.api, _retryable, stopping=self._giving_up):
                 with attempt:
                     r = self._attempt(method, path, kw)
         except httpx.TransportError as exc:

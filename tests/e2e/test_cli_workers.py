@@ -338,3 +338,29 @@ def test_sigterm_exits_cleanly_and_deregisters(served, tmp_path):
             if p.poll() is None:
                 p.kill()
     assert admin.run_status(run).active_instances == 0  # both deregistered on the way out
+
+
+def test_sigterm_with_the_api_gone_gives_up_after_a_lease(served):
+    """A worker stopped after its API went away does not retry for ever: within a lease (15 s
+    by default) its lease has lapsed anyway, so it logs what it could not send and exits."""
+    server, admin = served
+    run = admin.create_run("term-gone", batch_size=1, group_size=1, eta=0).id
+    env = _env(STALEFLOW_API_URL=server.url, STALEFLOW_TOKEN=token(server.db_url, "admin"))
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "staleflow_cli.main", "rollout-worker", "--run", str(run), "--engine", "sim"],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        _until(lambda: admin.run_status(run).active_instances == 1, worker, "the rollout worker to register")
+        server.stop()
+        worker.send_signal(signal.SIGTERM)
+        out, _ = worker.communicate(timeout=WAIT_S)
+        assert worker.returncode == 0, out
+        assert "deregister failed" in out
+    finally:
+        if worker.poll() is None:
+            worker.kill()

@@ -20,7 +20,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from workers.client import Conflict, StaleFlowClient
+from workers.client import Conflict, StaleFlowClient, Unavailable
 from workers.envs.base import EnvFailed
 from workers.rollout.engines.base import (
     Engine,
@@ -106,7 +106,12 @@ class RolloutWorker:
     # ---- lifecycle -------------------------------------------------------------------------
 
     def stop(self) -> None:
+        """Finish the step, flush reports and deregister. Through an API outage the calls left
+        give up after a lease's time: by then the instance lease has lapsed and its samples are
+        requeued anyway, so the process exits instead of retrying for ever."""
         self._stop = True
+        if self.client.give_up_at is None:
+            self.client.give_up_at = time.monotonic() + self.lease_s
 
     @property
     def _instance(self) -> int:
@@ -126,6 +131,10 @@ class RolloutWorker:
         try:
             while not self._stop and not (until and until()):
                 self.tick(inbox)
+        except Unavailable:
+            if not self._stop:
+                raise
+            log.warning("stopping with the API unavailable")
         finally:
             inbox.close()
             if self.stats.commands:
@@ -134,11 +143,15 @@ class RolloutWorker:
                     self.stats.commands,
                     self.stats.command_wait_s / self.stats.commands * 1000,
                 )
-            self._flush(force=True)
+            if self.client.give_up_at is None:  # stopped by `until`: the same bound (see stop)
+                self.client.give_up_at = time.monotonic() + self.lease_s
             try:
+                self._flush(force=True)
                 self.client.deregister(self.run_id, self.instance_id)
-            except Exception as e:  # the run may be gone; the lease expires anyway
-                log.warning("deregister failed: %s", e)
+            except Exception as e:  # the run or the API may be gone; the lease expires anyway
+                log.warning("deregister failed (unsent work is requeued when the lease lapses): %s", e)
+            finally:
+                self.client.give_up_at = None
         return self.stats
 
     def tick(self, inbox: Inbox) -> None:
