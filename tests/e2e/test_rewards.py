@@ -275,7 +275,9 @@ def test_a_reward_service_trains_a_run(engine, db_url, tmp_path):
         "response",
         "finish_reason",
         "meta",
+        "response_mask",
     }
+    assert sample["response_mask"] == [1] * len(sample["response_tokens"])  # single-turn: all generated
     assert sample["meta"]["answer"] in ("0", "1", "2")
     assert summary(engine, run)["violations"] == []
 
