@@ -168,37 +168,28 @@ def _lifecycle(action: str, done: str, run: str, reason: str | None, as_json: bo
     _print(out, as_json, _run_line(out.run))
 
 
-@app.command()
-def pause(
-    run: str = RUN_ARG,
-    reason: str | None = REASON,
-    as_json: bool = JSON,
-    api: list[str] | None = API,
-    token: str | None = TOKEN,
-) -> None:
-    """Pause: nothing new is routed; in-flight samples finish, are scored and train."""
-    _lifecycle("pause", "paused", run, reason, as_json, api, token)
+def _lifecycle_command(action: str, done: str, help_text: str) -> None:
+    """`staleflow run ACTION RUN [--reason R]`: one command per lifecycle change."""
+
+    def command(
+        run: str = RUN_ARG,
+        reason: str | None = REASON,
+        as_json: bool = JSON,
+        api: list[str] | None = API,
+        token: str | None = TOKEN,
+    ) -> None:
+        _lifecycle(action, done, run, reason, as_json, api, token)
+
+    app.command(name=action, help=help_text)(command)
 
 
-@app.command()
-def resume(
-    run: str = RUN_ARG,
-    reason: str | None = REASON,
-    as_json: bool = JSON,
-    api: list[str] | None = API,
-    token: str | None = TOKEN,
-) -> None:
-    """Resume a paused run."""
-    _lifecycle("resume", "resumed", run, reason, as_json, api, token)
-
-
-@app.command()
-def cancel(
-    run: str = RUN_ARG,
-    reason: str | None = REASON,
-    as_json: bool = JSON,
-    api: list[str] | None = API,
-    token: str | None = TOKEN,
-) -> None:
-    """Cancel for good: unfinished work is aborted (run_cancelled); then enqueue, routing, training refused."""
-    _lifecycle("cancel", "cancelled", run, reason, as_json, api, token)
+for _verb, _past, _text in (
+    ("pause", "paused", "Pause: nothing new is routed; in-flight samples finish, are scored and train."),
+    ("resume", "resumed", "Resume a paused run."),
+    (
+        "cancel",
+        "cancelled",
+        "Cancel for good: unfinished work is aborted (run_cancelled); then enqueue, routing, training refused.",
+    ),
+):
+    _lifecycle_command(_verb, _past, _text)
