@@ -26,6 +26,7 @@ from workers.coordinator.strategies import (
     routable_versions,
     route_request_count,
     route_waterfall,
+    stagger_pulls,
     sync_all_idle,
     sync_greedy,
     sync_status_based,
@@ -336,6 +337,29 @@ def test_waterfall_kv_fill_fills_to_the_steady_state_kv_target():
     # where the slot limit binds before the KV cache, filling is off and μ alone decides
     capped = [inst(1, running=20, kv=100_000, max_running=40), inst(2, running=20, kv=100_000, max_running=40)]
     assert route_waterfall(capped, q, COST, mu=0.5, kv_fill=0.9) == route_waterfall(capped, q, COST, mu=0.5)
+
+
+def test_pulls_are_staggered_to_the_ps_streams_least_loaded_first():
+    views = [
+        inst(1, running=5),
+        inst(2, running=0),
+        inst(3, running=2),
+        inst(4, pulling=True),
+        inst(5, running=2, kv=1),
+    ]
+    pulls = [PullDecision(i, 1) for i in (1, 2, 3, 5)]
+    assert stagger_pulls(views, pulls, None) == pulls  # capacity not known: no limit
+    assert stagger_pulls(views, pulls, 10) == pulls
+    # 3 streams, one held by instance 4: two more, the emptiest instances first (KV breaks the tie)
+    assert stagger_pulls(views, pulls, 3) == [PullDecision(2, 1), PullDecision(5, 1)]
+    assert stagger_pulls(views, pulls, 1) == []  # every stream busy: all wait
+    assert stagger_pulls(views, pulls, 1, depth=2) == [PullDecision(2, 1)]  # one more per stream
+    # the staleflow plan defers the rest (2 per stream); strict (greedy) pulls everyone at once
+    behind = [inst(i, version=0) for i in range(1, 7)]
+    assert len(get_policy("staleflow").plan(behind, [], COST, ps_version=1, pull_streams=2).pulls) == 4
+    assert len(get_policy("staleflow").plan(behind, [], COST, ps_version=1).pulls) == 6
+    assert len(get_policy("staleflow", pull_depth=None).plan(behind, [], COST, ps_version=1, pull_streams=2).pulls) == 6
+    assert len(get_policy("strict").plan(behind, [], COST, ps_version=1, pull_streams=2).pulls) == 6
 
 
 def test_greedy_pull_is_naive_and_all_idle_waits_for_everyone():

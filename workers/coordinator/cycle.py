@@ -56,6 +56,7 @@ def run_cycle(
     admission: Admission,
     group_versions: Mapping[int, int],
     max_response: int | None = None,
+    pull_streams: int | None = None,
 ) -> CycleOutcome:
     """Decide one cycle's routes, pulls and interrupts, `apply` them, and record in `spec` what
     was applied (routes the protocol accepted, the samples actually interrupted) at `Applied.at`."""
@@ -70,6 +71,7 @@ def run_cycle(
         admission=admission,
         group_versions=group_versions,
         max_response=max_response,
+        pull_streams=pull_streams,
     )
     decide_s = time.perf_counter() - t0
     applied = apply(plan)

@@ -38,6 +38,7 @@ from .strategies import (
     routable_versions,
     route_request_count,
     route_waterfall,
+    stagger_pulls,
     sync_all_idle,
     sync_greedy,
     sync_status_based,
@@ -74,6 +75,7 @@ class Policy:
     pull_for_new_work: bool = True  # status-based: a busy instance pulls only when new-version work waits
     keep_oldest: bool = True  # status-based: an instance finishing the oldest in-flight samples does not pull
     keep_horizon: float = 30.0  # keep_oldest: ... if they end within this many seconds at the most
+    pull_depth: int | None = 2  # status-based: pulls in flight per PS stream (strategies.stagger_pulls; None: off)
     cycle_period: float = 0.1  # seconds between coordinator cycles
     block_scope: str = "instance"  # see strategies.route_waterfall
     max_requests: int | None = None  # request-count routing: cap per instance (None: its max_running)
@@ -110,6 +112,7 @@ class Policy:
         admission: Admission | None = None,
         group_versions: Mapping[int, int] | None = None,
         max_response: int | None = None,
+        pull_streams: int | None = None,
     ) -> CyclePlan:
         admission = admission or AlwaysAdmit()
         queued = list(queued)
@@ -174,6 +177,8 @@ class Policy:
                     new_work=new_work,
                     keep=finishing_oldest(after, cost, max_response, self.keep_horizon) if self.keep_oldest else (),
                 )
+                if self.pull_depth is not None:
+                    pulls = stagger_pulls(after, pulls, pull_streams, self.pull_depth)
             elif not got_work:
                 pulls = sync_all_idle(after, ps_version, routable)
         interrupts: list[InterruptDecision] = []

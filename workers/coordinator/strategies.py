@@ -64,6 +64,7 @@ __all__ = [
     "sync_all_idle",
     "sync_greedy",
     "sync_status_based",
+    "stagger_pulls",
     "oldest_running_version",
     "finishing_oldest",
 ]
@@ -161,6 +162,28 @@ def finishing_oldest(
             ):
                 keep.add(i.instance_id)
     return keep
+
+
+def stagger_pulls(
+    instances: Sequence[InstanceView], pulls: Sequence[PullDecision], streams: int | None, depth: int = 1
+) -> list[PullDecision]:
+    """At most `depth` pulls in flight per PS stream (`streams`: the pulls the PS's egress carries
+    at full rate); the rest wait for a later cycle. Instances that pull together share the
+    egress and all idle until the last transfer ends, while one whose pull is deferred keeps
+    decoding what it runs. `depth` 2: a pull holds its stream for its transfer, not its
+    reload, and the views show the whole pull, so one more pull per stream waits at most one
+    transfer and keeps the egress busy. Those with the least work (running samples, then KV)
+    pull first, as a pull interrupts it. `streams` None: no limit (the PS's capacity unknown)."""
+    if streams is None or not pulls:
+        return list(pulls)
+    free = depth * streams - sum(1 for i in instances if i.pulling)
+    if free >= len(pulls):
+        return list(pulls)
+    if free <= 0:
+        return []
+    by_id = {i.instance_id: i for i in instances}
+    order = sorted(pulls, key=lambda p: (by_id[p.instance_id].running, by_id[p.instance_id].kv_used, p.instance_id))
+    return order[:free]
 
 
 def sync_greedy(instances: Sequence[InstanceView], ps_version: int) -> list[PullDecision]:

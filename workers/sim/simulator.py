@@ -353,6 +353,7 @@ class Simulator:
             ),
             group_versions={gid: g.min_version or 0 for gid, g in reserved.items()},
             max_response=self.setup.max_response,
+            pull_streams=self.setup.ps_streams,
         )
         if self.on_cycle is not None:
             wall, cpu = time.perf_counter() - t0 - self.apply_s, time.thread_time() - c0 - self.apply_cpu_s
