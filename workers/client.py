@@ -387,7 +387,7 @@ class StaleFlowClient:
             {"drops": [_as(m.TrajectoryDropIn, d) for d in drops], "reason": reason}
         )
         path = f"/v1/runs/{run_id}/instances/{instance_id}/drops"
-        return self._call(m.TrajectoryDropsOut, "POST", path, body=body, key=True).dropped
+        return self._call(m.DropsOut, "POST", path, body=body, key=True).dropped
 
     # ---- reward and trainer ----------------------------------------------------------------
 
@@ -417,9 +417,7 @@ class StaleFlowClient:
         """Abort claimed samples whose reward failed; `drops`: (sample_id, reward_attempt) each.
         Returns the samples aborted by this call."""
         body = m.RewardDropsIn.model_validate({"drops": [_as(m.RewardDropIn, d) for d in drops], "reason": reason})
-        return self._call(
-            m.RewardDropsOut, "POST", f"/v1/runs/{_ref(run_id)}/rewards/drop", body=body, key=True
-        ).dropped
+        return self._call(m.DropsOut, "POST", f"/v1/runs/{_ref(run_id)}/rewards/drop", body=body, key=True).dropped
 
     def consume(self, run_id: RunRef, version: int, wait: float | None = None) -> m.BatchOut | None:
         """The whole batch of buffer `version` once it is ready; None if not ready within `wait`."""

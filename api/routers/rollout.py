@@ -13,6 +13,7 @@ from staleflow_db.types import Report
 from workers.wire.enums import Role, SegmentKind
 from workers.wire.models import (
     DeregisterOut,
+    DropsOut,
     HeartbeatIn,
     HeartbeatOut,
     PollOut,
@@ -21,7 +22,6 @@ from workers.wire.models import (
     ReportsIn,
     ReportsOut,
     TrajectoryDropsIn,
-    TrajectoryDropsOut,
     errors,
 )
 from workers.wire.models.common import Limit
@@ -167,7 +167,7 @@ def report(
     return respond(out)
 
 
-@router.post("/instances/{instance_id}/drops", response_model=TrajectoryDropsOut, responses=errors(409, 413))
+@router.post("/instances/{instance_id}/drops", response_model=DropsOut, responses=errors(409, 413))
 def drop_trajectories(
     run_id: RunId,
     instance_id: InstanceId,
@@ -184,12 +184,12 @@ def drop_trajectories(
     state.instance_in_run(run_id, instance_id, who)
     drops = [(d.sample_id, d.attempt, str(d.route_token)) for d in body.drops]
 
-    def call(conn: Connection) -> TrajectoryDropsOut:
+    def call(conn: Connection) -> DropsOut:
         dropped = state.protocol.drop_trajectories(run_id, instance_id, drops, body.reason, conn=conn)
-        return TrajectoryDropsOut(dropped=dropped)
+        return DropsOut(dropped=dropped)
 
     key_scope = scoped_key(key, f"inst{instance_id}")
-    out, replayed = state.protocol.once(key_scope, "trajectory_drop", body, call, TrajectoryDropsOut)
+    out, replayed = state.protocol.once(key_scope, "trajectory_drop", body, call, DropsOut)
     if not replayed and out.dropped:
         # a dropped group frees its reservation: rollout work and, through a cascade, batches
         state.notifier.publish(run_id, BATCH, WORK)

@@ -16,10 +16,10 @@ from workers.wire.models import (
     ClaimIn,
     ClaimOut,
     ConsumeOut,
+    DropsOut,
     PublishIn,
     PublishOut,
     RewardDropsIn,
-    RewardDropsOut,
     RewardsIn,
     RewardsOut,
     errors,
@@ -97,7 +97,7 @@ def record_rewards(
     return respond(out)
 
 
-@router.post("/rewards/drop", response_model=RewardDropsOut, responses=errors(409, 413), tags=["reward"])
+@router.post("/rewards/drop", response_model=DropsOut, responses=errors(409, 413), tags=["reward"])
 def drop_rewards(
     run_id: RunId,
     body: RewardDropsIn,
@@ -111,10 +111,10 @@ def drop_rewards(
     drop already done at that attempt is skipped, so a retry changes nothing."""
     drops = [(d.sample_id, d.reward_attempt) for d in body.drops]
 
-    def call(conn: Connection) -> RewardDropsOut:
-        return RewardDropsOut(dropped=state.protocol.drop_rewards(run_id, drops, body.reason, conn=conn))
+    def call(conn: Connection) -> DropsOut:
+        return DropsOut(dropped=state.protocol.drop_rewards(run_id, drops, body.reason, conn=conn))
 
-    out, replayed = state.protocol.once(scoped_key(key, f"run{run_id}"), "reward_drop", body, call, RewardDropsOut)
+    out, replayed = state.protocol.once(scoped_key(key, f"run{run_id}"), "reward_drop", body, call, DropsOut)
     if not replayed and out.dropped:
         # a dropped group frees its reservation: rollout work and, through a cascade, batches
         state.notifier.publish(run_id, BATCH, WORK)

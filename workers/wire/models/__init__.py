@@ -1,5 +1,6 @@
 """Pydantic models for every request and response of the REST API (shared with the client)."""
 
+from .common import DropsOut as DropsOut
 from .common import ErrorOut as ErrorOut
 from .common import Id as Id
 from .common import Version as Version

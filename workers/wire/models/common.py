@@ -110,3 +110,9 @@ class ErrorOut(Out):
 def errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
     """OpenAPI `responses` for the error statuses an endpoint can answer."""
     return {s: {"model": ErrorOut} for s in statuses}
+
+
+class DropsOut(Out):
+    """The reply to a drop (a rollout instance's env drop or a reward worker's reward drop)."""
+
+    dropped: list[int] = Field(description="samples aborted by this call (a retry of a drop returns none)")

@@ -175,10 +175,6 @@ class TrajectoryDropsIn(In):
     )
 
 
-class TrajectoryDropsOut(Out):
-    dropped: list[int] = Field(description="samples aborted by this call (a retry of a drop returns none)")
-
-
 class ExpireOut(Out):
     expired: list[int]
 
@@ -201,6 +197,5 @@ __all__ = [
     "RunningSampleIn",
     "TrajectoryDropIn",
     "TrajectoryDropsIn",
-    "TrajectoryDropsOut",
     "WorkOut",
 ]

@@ -63,10 +63,6 @@ class RewardDropsIn(In):
     )
 
 
-class RewardDropsOut(Out):
-    dropped: list[int] = Field(description="samples aborted by this call (a retry of a drop returns none)")
-
-
 class GroupOutcomeOut(Out):
     group_id: int
     state: GroupState
@@ -143,7 +139,6 @@ __all__ = [
     "PublishOut",
     "RewardDropIn",
     "RewardDropsIn",
-    "RewardDropsOut",
     "RewardIn",
     "RewardTaskOut",
     "RewardsIn",
