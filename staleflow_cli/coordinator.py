@@ -48,6 +48,9 @@ def coordinator(
     period: float = typer.Option(None, help="Seconds between cycles (default: the policy's, 0.1)."),
     lease: float = typer.Option(None, help="Leader lease in seconds; a standby takes over after it lapses (3)."),
     duration: float = typer.Option(None, help="Stop after this many seconds (default: until SIGTERM)."),
+    ps_streams: int = typer.Option(
+        None, min=1, help="Pulls the parameter server carries at full rate at once; unset: pulls not staggered."
+    ),
     set_: list[str] = typer.Option([], "--set", help="Policy parameter override NAME=VALUE (repeatable)."),
 ) -> None:
     """Route, pull and migrate for one run: snapshot -> speculative state -> commands, every cycle.
@@ -58,6 +61,7 @@ def coordinator(
     parallelism = parallelism or env.parallelism
     period = env.period if period is None else period
     lease = env.lease if lease is None else lease
+    ps_streams = env.ps_streams if ps_streams is None else ps_streams
     if policy not in POLICY_NAMES:
         raise typer.BadParameter(f"unknown policy {policy!r}; known: {', '.join(POLICY_NAMES)}", param_hint="--policy")
     try:
@@ -86,7 +90,9 @@ def coordinator(
             log.info("stopped while waiting for the database")
             return
         raise
-    service = Coordinator(Protocol(engine), run_id, chosen, cost, lease_s=lease, period_s=period)
+    service = Coordinator(
+        Protocol(engine), run_id, chosen, cost, lease_s=lease, period_s=period, pull_streams=ps_streams
+    )
     signal.signal(signal.SIGTERM, lambda *_: service.stop())
     started = time.monotonic()
     last = [started]

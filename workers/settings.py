@@ -152,6 +152,9 @@ class CoordinatorSettings(StaleFlowSettings):
     period: float | None = Field(None, gt=0.0)
     # Leader lease in seconds; a standby takes over after it lapses.
     lease: float = Field(3.0, gt=0.0)
+    # Pulls the parameter server carries at full rate at once (its egress streams): the
+    # staleflow policy keeps at most `pull_depth` pulls in flight per stream; unset: not staggered.
+    ps_streams: int | None = Field(None, ge=1)
 
 
 class SimEngineSettings(StaleFlowSettings):

@@ -195,8 +195,10 @@ class Coordinator:
         lease_s: float = 3.0,
         period_s: float | None = None,
         tolerance_s: float = 0.05,
+        pull_streams: int | None = None,
     ):
         self.protocol, self.run_id, self.policy, self.cost = protocol, run_id, policy, cost
+        self.pull_streams = pull_streams  # the PS's streams (strategies.stagger_pulls); None: unknown
         self.holder = holder or f"{socket.gethostname()}:{os.getpid()}"
         self.lease_s, self.period_s = lease_s, period_s or policy.cycle_period
         self.tolerance_s = tolerance_s
@@ -297,6 +299,7 @@ class Coordinator:
             admission=admission,
             group_versions=queue.group_versions,
             max_response=cfg.max_response_tokens,
+            pull_streams=self.pull_streams,
         )
         if out.applied is None:
             return  # deposed
