@@ -79,7 +79,15 @@ def test_rewards_read_reaches_rows_by_index(backlog, plan_mode):  # noqa: F811
     # no metrics (a text[] of NULLs): the plan does not depend on them
     metrics = ["NULL"] * 64
     plan = explain(
-        engine, "rewards_read", run, plan_mode, samples=ids, attempts=attempts, rewards=[1.0] * 64, metrics=metrics
+        engine,
+        "rewards_read",
+        run,
+        plan_mode,
+        samples=ids,
+        attempts=attempts,
+        rewards=[1.0] * 64,
+        metrics=metrics,
+        scorer=["NULL"],  # in-process: no scoring token
     )
     assert_no_full_scans(plan)
 
