@@ -386,9 +386,9 @@ def ramp(args, cad: dict, report: Path) -> list[dict]:
         "STALEFLOW_MAX_OVERFLOW": str(args.overflow),
         "STALEFLOW_HOME": str(report / "home"),
     }
-    with psycopg.connect(args.url, autocommit=True) as c:
+    with psycopg.connect(args.url, autocommit=True) as c:  # the backend lives while connected
         backend = c.execute("SELECT pg_backend_pid()").fetchone()[0]
-    postmaster = psutil.Process(backend).parent().pid  # the server on this machine
+        postmaster = psutil.Process(backend).parent().pid  # the server on this machine
     steps: list[dict] = []
     with Cluster(report, args.url, env=env) as cluster:
         bases = [cluster.start_api() for _ in range(args.replicas)]
