@@ -68,6 +68,8 @@ MODEL_CONFIG = typer.Option(
     help="tiny-model config as JSON or a path to a JSON file (TinyConfig fields); "
     "must match between trainer and rollout workers",
 )
+# The text <-> tokens of a multi-turn environment (`--env`), for the rollout and reward workers.
+ENV_CODEC = typer.Option(None, "--codec", help="--env's text <-> tokens, module:ClassOrFactory (default: UTF-8 bytes)")
 MODEL_SEED = typer.Option(0, "--model-seed", help="seed of the initial weights (the same everywhere)")
 HF_MODEL = typer.Option(
     None,

@@ -7,7 +7,19 @@ from pathlib import Path
 
 import typer
 
-from staleflow_cli.common import API, API_WAIT, RUN, TOKEN, connect, console, fail, hf_folder, on_signals, progress
+from staleflow_cli.common import (
+    API,
+    API_WAIT,
+    ENV_CODEC,
+    RUN,
+    TOKEN,
+    connect,
+    console,
+    fail,
+    hf_folder,
+    on_signals,
+    progress,
+)
 from workers.client import ApiError
 
 # ---- reward worker ----------------------------------------------------------------------------
@@ -33,9 +45,7 @@ def reward_worker(
         help="a multi-turn environment, module:ClassOrFactory: the reward is the sum of its rewards, "
         "the trajectory's turns replayed through it (as `rollout-worker --env`)",
     ),
-    codec: str | None = typer.Option(
-        None, "--codec", help="--env's text <-> tokens, module:ClassOrFactory (default: UTF-8 bytes)"
-    ),
+    codec: str | None = ENV_CODEC,
     reward_url: str | None = typer.Option(
         None, "--reward-url", help="a reward service: POST URL with the samples as JSON (docs/integration.md)"
     ),

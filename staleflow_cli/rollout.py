@@ -15,6 +15,7 @@ import typer
 from staleflow_cli.common import (
     API,
     API_WAIT,
+    ENV_CODEC,
     HF_MODEL,
     MODEL_CONFIG,
     MODEL_SEED,
@@ -111,9 +112,7 @@ def rollout_worker(
         help="multi-turn: an environment, module:ClassOrFactory (reset/step, docs/integration.md), "
         "stepped after each of the model's turns",
     ),
-    codec: str | None = typer.Option(
-        None, "--codec", help="--env's text <-> tokens, module:ClassOrFactory (default: UTF-8 bytes)"
-    ),
+    codec: str | None = ENV_CODEC,
     env_timeout: float = typer.Option(
         10.0, "--env-timeout", min=0.01, help="seconds an environment call may take; then env_timeout drops it"
     ),
