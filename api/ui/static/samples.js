@@ -25,7 +25,7 @@
 
   // ---- the list ---------------------------------------------------------------------------
 
-  const FIELDS = ["step", "reward_min", "reward_max", "staleness_min", "staleness_max", "length_min", "length_max"];
+  const FIELDS = ["step", "reward_min", "reward_max", "staleness_min", "staleness_max", "length_min", "length_max", "limit"];
 
   function formToParams(form) {
     const q = new URLSearchParams();
