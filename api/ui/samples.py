@@ -44,6 +44,8 @@ def _event_text(e: dict[str, Any]) -> tuple[str, str]:
         return "drop", f"dropped: {data.get('reason', '')}"
     if kind == "sample_rewarded":
         return "reward", f"rewarded {data.get('reward')}"
+    if kind == "published":
+        return "reward", f"trained at step {e['buffer']}: version {data.get('version')} published"
     if kind == "group_enqueued":
         return "group", "group enqueued"
     if kind == "group_reserved":

@@ -49,7 +49,8 @@ class SampleReads(TxMixin):
 
     @transactional
     def sample(self, run_id: int, sample_id: int, *, conn: Connection | None = None) -> dict[str, Any]:
-        """The sample with `segments`, `events` (its own and its group's) and `commands`."""
+        """The sample with `segments`, `events` (its own, its group's, the publish of the step it
+        trained in) and `commands`."""
         with self.tx(conn) as conn:
             rows = _rows(conn, "sample_one", run=run_id, sample=sample_id)
             if not rows:
@@ -57,6 +58,9 @@ class SampleReads(TxMixin):
                 raise NotFound(f"sample {sample_id} of run {run_id}")
             found = rows[0]
             found["segments"] = _rows(conn, "sample_segments", sample=sample_id)
-            found["events"] = _rows(conn, "sample_events", run=run_id, sample=sample_id, group=found["group_id"])
+            trained = found["step"] if found["status"] == "trained" else None
+            found["events"] = _rows(
+                conn, "sample_events", run=run_id, sample=sample_id, group=found["group_id"], step=trained
+            )
             found["commands"] = _rows(conn, "sample_commands", run=run_id, sample=sample_id)
         return found

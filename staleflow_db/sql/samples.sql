@@ -57,10 +57,13 @@ FROM segments x LEFT JOIN instances i ON i.id = x.instance_id
 WHERE x.sample_id = :sample ORDER BY x.seq
 
 -- name: sample_events
--- The events of a sample and of its group, oldest first.
+-- The events of a sample and of its group, and the publish of the step it trained in (:step
+-- NULL: none), oldest first.
 SELECT e.id, e.at, e.kind, e.sample_id, e.group_id, e.buffer, e.instance_id, i.name AS instance_name, e.data
 FROM events e LEFT JOIN instances i ON i.id = e.instance_id
-WHERE e.run_id = :run AND (e.sample_id = :sample OR e.group_id = :group) ORDER BY e.id
+WHERE e.run_id = :run AND (e.sample_id = :sample OR e.group_id = :group
+  OR (e.kind = 'published' AND e.buffer = CAST(:step AS int)))
+ORDER BY e.id
 
 -- name: sample_commands
 -- The coordinator's commands about a sample (interrupts, aborts, pulls), oldest first.

@@ -95,6 +95,8 @@ def test_one_sample_has_its_turns_versions_timeline_and_scorer(world):
     kinds = [e["kind"] for e in body["timeline"]]
     assert {"command_interrupt", "sample_interrupted", "migration", "observation", "sample_rewarded"} <= set(kinds)
     assert kinds.index("sample_interrupted") < kinds.index("migration") < kinds.index("observation")
+    assert kinds[-1] == "published" and body["timeline"][-1]["text"] == "trained at step 1: version 2 published"
+    assert kinds.count("published") == 1
     (migration,) = [e for e in body["timeline"] if e["kind"] == "migration"]
     assert migration["text"] == "migrated from gpu-0 to gpu-1"
     s = body["sample"]
