@@ -58,7 +58,9 @@ def browse(
     limit: Annotated[int, Query(ge=1, le=500)] = 50,
 ) -> dict[str, Any]:
     """A page of the run's samples, newest first (keyset: pass the previous page's
-    `next_before` as `before`; null on the last page). Status: `trained`, `rewarded` (waiting
+    `next_before` as `before`; null on the last page). A page looks at the 10 000 samples below
+    `before` at most: a rare filter may give fewer rows than `limit` with a `next_before` to go
+    on from. Status: `trained`, `rewarded` (waiting
     to train), `in_flight` (queued, running, finished or being scored), `dropped`. The ranges
     are inclusive; a `_min` above its `_max` is a 422 naming it."""
     _ordered(reward_min, reward_max, "reward")
@@ -74,9 +76,8 @@ def browse(
         length_min=length_min,
         length_max=length_max,
     )
-    rows = _reads(state).browse(run_id, where, before, limit)
-    nxt = rows[-1]["sample_id"] if len(rows) == limit else None
-    body: dict[str, Any] = jsonable_encoder({"run_id": run_id, "rows": rows, "next_before": nxt})
+    page = _reads(state).browse(run_id, where, before, limit)
+    body: dict[str, Any] = jsonable_encoder({"run_id": run_id, "rows": page.rows, "next_before": page.next_before})
     return body
 
 

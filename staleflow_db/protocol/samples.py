@@ -15,6 +15,15 @@ from ..idempotency import transactional
 from .core import TxMixin, load_run
 
 STATUSES = ("trained", "rewarded", "in_flight", "dropped")
+SCAN = 10_000  # the samples one page request looks at, at most
+
+
+@dataclass(frozen=True)
+class SamplePage:
+    """`next_before`: where the next (older) page starts; None when there is none."""
+
+    rows: list[dict[str, Any]]
+    next_before: int | None
 
 
 @dataclass(frozen=True)
@@ -39,13 +48,27 @@ def _rows(conn: Connection, name: str, **params: Any) -> list[dict[str, Any]]:
 class SampleReads(TxMixin):
     @transactional
     def browse(
-        self, run_id: int, where: SampleFilter, before: int | None, limit: int, *, conn: Connection | None = None
-    ) -> list[dict[str, Any]]:
-        """Up to `limit` of the run's samples matching `where` with id < `before`, newest first."""
+        self,
+        run_id: int,
+        where: SampleFilter,
+        before: int | None,
+        limit: int,
+        scan: int = SCAN,
+        *,
+        conn: Connection | None = None,
+    ) -> SamplePage:
+        """Up to `limit` of the run's samples matching `where` with id < `before`, newest first,
+        among the `scan` newest of those (so one request reads a bounded number of samples)."""
         params = asdict(where) | {"statuses": None if where.statuses is None else list(where.statuses)}
         with self.tx(conn) as conn:
             load_run(conn, run_id, lock=False)
-            return _rows(conn, "sample_browse", run=run_id, before=before, n=limit, **params)
+            # one more than a page: a last page that happens to be full says so
+            rows = _rows(conn, "sample_browse", run=run_id, before=before, n=limit + 1, scan=scan, **params)
+            if len(rows) > limit:
+                return SamplePage(rows[:limit], rows[limit - 1]["sample_id"])
+            window = conn.execute(queries.text("sample_window"), {"run": run_id, "before": before, "scan": scan}).one()
+        # fewer matched than a page: go on below a full window; a window not full reached the end
+        return SamplePage(rows, window.oldest if window.scanned == scan else None)
 
     @transactional
     def sample(self, run_id: int, sample_id: int, *, conn: Connection | None = None) -> dict[str, Any]:

@@ -9,8 +9,10 @@
 
 -- name: sample_browse
 -- A page of a run's samples, newest first, with id < :before (keyset on the primary key: a page
--- costs the same at any depth, no OFFSET). Every filter is optional (NULL: any); :statuses is
--- an array of the statuses above.
+-- costs the same at any depth, no OFFSET), looking at no more than the :scan newest of them (a
+-- filter that matches few samples does not read the whole run in one request: the caller
+-- continues below the window, `sample_window`). Every filter is optional (NULL: any);
+-- :statuses is an array of the statuses above.
 SELECT b.* FROM (
   SELECT s.id AS sample_id, s.group_id, s.idx, s.state::text AS state, g.state::text AS group_state,
     CASE WHEN s.state = 'aborted' OR g.state IN ('filtered', 'aborted') THEN 'dropped'
@@ -21,6 +23,7 @@ SELECT b.* FROM (
     s.reward, s.n_tokens, s.n_segments, s.last_version, s.finish_reason, s.instance_id, s.updated_at
   FROM samples s JOIN prompt_groups g ON g.id = s.group_id
   WHERE s.run_id = :run AND (CAST(:before AS bigint) IS NULL OR s.id < CAST(:before AS bigint))
+  ORDER BY s.id DESC LIMIT :scan
 ) b
 WHERE (CAST(:statuses AS text[]) IS NULL OR b.status = ANY(CAST(:statuses AS text[])))
   AND (CAST(:step AS int) IS NULL OR b.step = CAST(:step AS int))
@@ -31,6 +34,15 @@ WHERE (CAST(:statuses AS text[]) IS NULL OR b.status = ANY(CAST(:statuses AS tex
   AND (CAST(:length_min AS int) IS NULL OR b.n_tokens >= CAST(:length_min AS int))
   AND (CAST(:length_max AS int) IS NULL OR b.n_tokens <= CAST(:length_max AS int))
 ORDER BY b.sample_id DESC LIMIT :n
+
+-- name: sample_window
+-- How many samples `sample_browse`'s window held (at most :scan) and the oldest of them: where
+-- the next page starts when fewer than a page matched in a full window.
+SELECT count(*) AS scanned, min(w.id) AS oldest FROM (
+  SELECT s.id FROM samples s
+  WHERE s.run_id = :run AND (CAST(:before AS bigint) IS NULL OR s.id < CAST(:before AS bigint))
+  ORDER BY s.id DESC LIMIT :scan
+) w
 
 -- name: sample_one
 -- One sample of a run with its prompt, status, step, staleness, reward and the token that

@@ -63,8 +63,10 @@
       try {
         const page = await getJSON(`/v1/runs/${SF.run}/samples?${q}`);
         problem("");
-        body.innerHTML = page.rows.map(row).join("") || '<tr><td colspan="11" class="empty">no samples match</td></tr>';
         next = page.next_before;
+        // a page looks at a bounded window of samples: none matching in it is not the end
+        const none = next === null ? "no samples match" : `none match above sample ${next}: older → to look further`;
+        body.innerHTML = page.rows.map(row).join("") || `<tr><td colspan="11" class="empty">${none}</td></tr>`;
         $("#next").disabled = next === null;
         $("#count").textContent = `${page.rows.length} shown`;
         document.body.dataset.loaded = String(Date.now());
