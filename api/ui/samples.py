@@ -94,23 +94,25 @@ def _timeline(sample: dict[str, Any], segments: list[dict[str, Any]]) -> list[di
         if e["sample_id"] not in (None, sample["sample_id"]) or e["kind"] in _SEGMENT_EVENTS:
             continue  # a sibling's event of the same group, or a segment's (shown as the segment)
         cls, text = _event_text(e)
-        add(e["at"], 0, cls, text, kind=e["kind"], instance=e.get("instance_name"))
+        add(e["at"], 2, cls, text, kind=e["kind"], instance=e.get("instance_name"))
     for c in sample["commands"]:
         target = f" (to version {c['target_version']})" if c["target_version"] is not None else ""
         cls = "interrupt" if c["kind"] in ("interrupt", "pull") else "drop"
-        add(c["created_at"], 1, cls, f"{c['kind']} command to {c['instance_name']}{target}: {c['state']}",
+        add(c["created_at"], 3, cls, f"{c['kind']} command to {c['instance_name']}{target}: {c['state']}",
             kind=f"command_{c['kind']}", instance=c["instance_name"])  # fmt: skip
     for s in segments:
         inst = s["instance_name"] or s["instance_id"]
         if s["migrated_from"] is not None:
-            add(s["created_at"], 2, "migration", f"migrated from {s['migrated_from']} to {inst}",
+            add(s["created_at"], 0, "migration", f"migrated from {s['migrated_from']} to {inst}",
                 kind="migration", instance=inst, seq=s["seq"])  # fmt: skip
         if s["generated"]:
             text = f"turn {s['turn']}: segment {s['seq']} on {inst} at version {s['version']} ({s['n_tokens']} tokens)"
-            add(s["created_at"], 3, "segment", text, kind="segment", instance=inst, seq=s["seq"], version=s["version"])
+            add(s["created_at"], 1, "segment", text, kind="segment", instance=inst, seq=s["seq"], version=s["version"])
         else:
             text = f"observation after turn {s['after_turn']} ({s['n_tokens']} tokens)"
-            add(s["created_at"], 3, "observation", text, kind="observation", instance=inst, seq=s["seq"])
+            add(s["created_at"], 1, "observation", text, kind="observation", instance=inst, seq=s["seq"])
+    # one transaction's entries share its time: a migration, then the segment, then the events
+    # the report logged (an interruption after the tokens it kept), then commands
     entries.sort(key=lambda x: (x[0], x[1]))
     return [e for _, _, e in entries]
 

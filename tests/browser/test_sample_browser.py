@@ -197,7 +197,7 @@ def test_pages_refuse_without_a_token_and_page_through_the_list(served, page):
         assert response.status == 401
         assert page.locator("input[name=token]").is_visible()
     assert page.request.get(f"{url}/v1/runs/{run}/samples").status == 401
-    # signed in again, the list pages through one sample at a time
+    # signed in again: the whole list is one page
     page.goto(f"{url}/ui/login?token={served['observer']}&next=/ui/runs/{run}/samples")
     page.wait_for_url(re.compile(rf".*/ui/runs/{run}/samples$"))
     page.wait_for_selector("#samples tbody tr[data-sample]", timeout=WAIT_MS)
