@@ -21,7 +21,7 @@ from .deps import AppState
 from .errors import error_body
 from .metrics import LatencyMiddleware, Metrics
 from .notify import Notifier
-from .routers import audit, coordinator, health, lineage, param_keys, rollout, runs, training, ui
+from .routers import audit, coordinator, health, lineage, param_keys, rollout, runs, samples, training, ui
 from .service import ApiProtocol
 from .settings import ApiSettings
 
@@ -81,7 +81,7 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
     app.state.staleflow = state
     app.state.database_watch = watch  # outage log and counter (errors.py, /readyz)
     errors.install(app, settings.retry_after)
-    for module in (runs, rollout, training, param_keys, coordinator, audit, lineage, health, ui):
+    for module in (runs, rollout, training, param_keys, coordinator, audit, lineage, samples, health, ui):
         app.include_router(module.router)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     app.add_middleware(LatencyMiddleware, metrics=metrics)

@@ -12,7 +12,7 @@ from typing import Any
 
 HERE = Path(__file__).parent
 STATIC = HERE / "static"
-ASSETS = ("dashboard.js", "dashboard.css")
+ASSETS = ("dashboard.js", "dashboard.css", "samples.js", "samples.css")
 
 
 @cache
@@ -71,5 +71,25 @@ def run_page(run_id: int, name: str, data: Any | None = None) -> str:
             f"<script>window.SF = {{live: false, run: {run_id}, data: {_inline_json(data)}}};</script>"
             f"<script>{asset('dashboard.js')}</script>"
         )
-    body = _template("run.html").substitute(run_id=run_id, name=html.escape(name), script=script)
+    # the sample browser needs the service: a static report has no link to it
+    links = f'<a href="/ui/runs/{run_id}/samples" id="samples-link">samples</a>' if data is None else ""
+    body = _template("run.html").substitute(run_id=run_id, name=html.escape(name), script=script, links=links)
     return _page(f"StaleFlow: run {name}", body, head)
+
+
+def _browser_page(template: str, title: str, run_id: int, name: str, sf: dict[str, Any]) -> str:
+    head = _linked_assets() + '<link rel="stylesheet" href="/ui/static/samples.css">'
+    script = f'<script>window.SF = {_inline_json(sf)};</script><script src="/ui/static/samples.js"></script>'
+    body = _template(template).substitute(run_id=run_id, name=html.escape(name), script=script, **sf)
+    return _page(title, body, head)
+
+
+def samples_page(run_id: int, name: str) -> str:
+    """The sample browser of a run: filters and a keyset-paged list (samples.js fills it)."""
+    return _browser_page("samples.html", f"StaleFlow: samples of {name}", run_id, name, {"run": run_id, "page": "list"})
+
+
+def sample_page(run_id: int, name: str, sample_id: int) -> str:
+    """One sample: text, turns, versions, timeline and reward (samples.js fills it)."""
+    sf = {"run": run_id, "page": "sample", "sample": sample_id}
+    return _browser_page("sample.html", f"StaleFlow: sample {sample_id} of {name}", run_id, name, sf)

@@ -88,6 +88,8 @@ MATRIX: list[tuple[str, str, Any, set[str], int]] = [
     ("GET", "/v1/runs/{A}/export", None, {"admin", "observer"}, 403),
     ("GET", "/v1/runs/{A}/dashboard", None, ALL, 403),
     ("GET", "/v1/runs/{A}/dashboard/steps", None, ALL, 403),
+    ("GET", "/v1/runs/{A}/samples", None, ALL, 403),
+    ("GET", "/v1/runs/{A}/samples/999999", None, ALL, 403),
     # last: a cancel answers the calls after it with 409, which is past auth all the same
     ("POST", "/v1/runs/{A}/pause", None, ADMIN, 403),
     ("POST", "/v1/runs/{A}/resume", {"reason": "matrix"}, ADMIN, 403),
