@@ -87,10 +87,13 @@ def apply_group(engine: Engine, items: Sequence[Item]) -> list[Outcome]:
                 try:
                     outcomes[i].value = items[i].apply(conn)
                 except Exception as exc:
-                    if is_retryable(exc):  # the transaction is the victim: rerun it whole
+                    # a deadlock victim reruns whole; a lost connection fails the whole group
+                    if is_retryable(exc) or conn.invalidated:
                         raise
-                    # Raises in turn when the connection is gone: the group fails as a whole.
-                    savepoint.rollback()
+                    try:
+                        savepoint.rollback()
+                    except Exception:
+                        raise exc from None  # the transaction is unusable: the item's error for all
                     outcomes[i].error = exc
                 else:
                     savepoint.commit()
