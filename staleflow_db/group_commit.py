@@ -2,6 +2,11 @@
 applied in ONE transaction, each under its own SAVEPOINT, so that a refused item refuses only
 itself and every caller gets exactly the outcome its own transaction would have given.
 
+Savepoints cost two round trips and a subtransaction per item, and refusals are rare: a group
+runs first without them, and only when an item refuses is it rolled back whole and run again,
+each item under its savepoint (a group of one is then simply its own refused transaction).
+Outcomes are those of the run that committed.
+
 Items run in lock order (`Item.order`): the run lock first (rewards, by run id), then the
 instances (reports, then heartbeats, by instance id), the order the protocol's own
 transactions take them in (runs -> instances -> samples). Heartbeats come last: their exclusive
@@ -62,6 +67,14 @@ def lease(instance_id: int) -> tuple[int, int]:
     return (INSTANCE_LAST, instance_id)
 
 
+class _Refused(Exception):
+    """An item refused in a group run without savepoints: the group runs again with them."""
+
+    def __init__(self, error: Exception):
+        super().__init__(str(error))
+        self.error = error
+
+
 @dataclass
 class Outcome:
     """An item's result, or what it raised (then `value` is None)."""
@@ -79,24 +92,35 @@ def apply_group(engine: Engine, items: Sequence[Item]) -> list[Outcome]:
     order = sorted(range(len(items)), key=lambda i: items[i].order)
 
     def attempt() -> list[Outcome]:
+        try:
+            return run(savepoints=False)
+        except _Refused as refused:
+            if len(items) == 1:  # its own transaction, rolled back: its own refusal
+                return [Outcome(error=refused.error)]
+        return run(savepoints=True)
+
+    def run(savepoints: bool) -> list[Outcome]:
         outcomes = [Outcome() for _ in items]
         with engine.begin() as conn:
             durable = False
             for i in order:
-                savepoint = conn.begin_nested()
+                savepoint = conn.begin_nested() if savepoints else None
                 try:
                     outcomes[i].value = items[i].apply(conn)
                 except Exception as exc:
                     # a deadlock victim reruns whole; a lost connection fails the whole group
                     if is_retryable(exc) or conn.invalidated:
                         raise
+                    if savepoint is None:
+                        raise _Refused(exc) from exc  # rolled back whole: again, with savepoints
                     try:
                         savepoint.rollback()
                     except Exception:
                         raise exc from None  # the transaction is unusable: the item's error for all
                     outcomes[i].error = exc
                 else:
-                    savepoint.commit()
+                    if savepoint is not None:
+                        savepoint.commit()
                     durable = durable or not items[i].ephemeral
             if durable and any(it.ephemeral for it in items):
                 # an ephemeral item's SET LOCAL synchronous_commit=off must not make the
