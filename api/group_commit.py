@@ -54,7 +54,7 @@ class GroupCommit:
         enabled: bool = True,
         window: float = 0.0,
         max_items: int = 32,
-        lanes: int = 1,
+        lanes: int = 4,
     ):
         if not 1 <= max_items <= group_commit.MAX_ITEMS:
             raise ValueError(f"max_items must be in 1..{group_commit.MAX_ITEMS}")

@@ -44,7 +44,7 @@ class ApiSettings(StaleFlowSettings):
     # Calls per group transaction at most (one subtransaction each: PostgreSQL caches 64).
     group_commit_max: int = Field(32, ge=1, le=60)
     # Group transactions in flight at once per process.
-    group_commit_lanes: int = Field(1, ge=1, le=64)
+    group_commit_lanes: int = Field(4, ge=1, le=64)
     # `staleflow serve`: where to listen, how many uvicorn worker processes (--host, --port,
     # --workers and --access-log win).
     host: str = "127.0.0.1"
