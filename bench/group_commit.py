@@ -130,7 +130,7 @@ def measure(args, url: str, workdir: Path, mode: bool, postmaster: int) -> dict:
     with Cluster(workdir / ("on" if mode else "off"), url, env=env) as cluster:
         base = cluster.start_api()
         api_pid = cluster.procs[-1].popen.pid
-        run, token, owned = setup(url, base, args.callers, f"gc-{'on' if mode else 'off'}")
+        run, token, owned = setup(url, base, args.callers, f"gc-{workdir.name}-{'on' if mode else 'off'}")
         q, go, stop_at = SPAWN.Queue(), SPAWN.Event(), SPAWN.Value("d", 0.0)
         shares = np.array_split(np.arange(len(owned)), args.processes)
         procs = [
