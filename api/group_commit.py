@@ -51,7 +51,7 @@ class GroupCommit:
         protocol: ApiProtocol,
         metrics: Metrics | None = None,
         *,
-        enabled: bool = True,
+        enabled: bool = False,
         window: float = 0.0,
         max_items: int = 32,
         lanes: int = 4,

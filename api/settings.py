@@ -36,8 +36,10 @@ class ApiSettings(StaleFlowSettings):
     # While the database is down, it is probed this often until it answers again.
     probe_interval: float = Field(0.5, ge=0.05, le=60.0)
     # Group commit (docs/scaling.md): concurrent lease renewals, segment reports and rewards
-    # of one replica share one database transaction, each call still its own outcome.
-    group_commit: bool = True
+    # of one replica share one database transaction, each call still its own outcome. Off by
+    # default: on a shared 2-core machine it cut transactions per call ~6x but not the CPU per
+    # call, and lowered calls/s (docs/benchmarks.md, "Group commit").
+    group_commit: bool = False
     # A group's leader waits this long for company before it runs (0: never; a group forms
     # from the calls that arrive while the previous one's transaction is in flight).
     group_commit_window: float = Field(0.0, ge=0.0, le=1.0)

@@ -76,7 +76,7 @@ def test_each_caller_in_a_group_gets_what_its_own_transaction_gives(db_url, engi
         assert metric(plain.url, CALLS + "_count") == 0  # nothing went through a group
     assert {k: v[0] for k, v in alone.items()} == EXPECTED, alone
 
-    with ApiServer(db_url, STALEFLOW_API_GROUP_COMMIT_LANES="1") as server:
+    with ApiServer(db_url, STALEFLOW_API_GROUP_COMMIT="true", STALEFLOW_API_GROUP_COMMIT_LANES="1") as server:
         gc, gcalls = build(engine, server.url, "grouped", 20_000)
         count0, sum0 = metric(server.url, CALLS + "_count"), metric(server.url, CALLS + "_sum")
         lock, plug, plugged = _plug(gc, server.url, db_url)
@@ -99,7 +99,7 @@ def test_each_caller_in_a_group_gets_what_its_own_transaction_gives(db_url, engi
 
 
 def test_a_group_killed_mid_batch_applies_nothing_and_its_retries_apply_once(db_url, engine):
-    with ApiServer(db_url, STALEFLOW_API_GROUP_COMMIT_LANES="1") as server:
+    with ApiServer(db_url, STALEFLOW_API_GROUP_COMMIT="true", STALEFLOW_API_GROUP_COMMIT_LANES="1") as server:
         sc, calls = build(engine, server.url, "kills", 30_000)
         # the plug instance's own heartbeat: last in lock order, it waits on the row lock after
         # every other item of the group was applied in its savepoint
