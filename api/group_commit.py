@@ -33,13 +33,12 @@ M = TypeVar("M", bound=BaseModel)
 
 
 class _Caller:
-    __slots__ = ("item", "outcome", "done", "lead")
+    __slots__ = ("item", "outcome", "done")
 
     def __init__(self, item: Item):
         self.item = item
         self.outcome: Outcome | None = None
-        self.done = threading.Event()
-        self.lead = False  # woken to lead the next group, not with its outcome
+        self.done = threading.Event()  # set with its outcome, or without one: lead the next group
 
 
 class GroupCommit:
@@ -159,10 +158,8 @@ class GroupCommit:
                     c.outcome = Outcome(error=RuntimeError("group commit interrupted"))
             with self._mutex:
                 successor = self._queue[0] if self._queue else None
-                if successor is not None:
-                    successor.lead = True  # the lane passes on: _leaders stays
-                else:
-                    self._leaders -= 1
+                if successor is None:
+                    self._leaders -= 1  # else the lane passes on to it: _leaders stays
             for c in group:
                 c.done.set()
             if successor is not None:
