@@ -19,6 +19,7 @@ from .auth import TokenCache
 from .database_watch import DatabaseWatch
 from .deps import AppState
 from .errors import error_body
+from .group_commit import GroupCommit
 from .metrics import LatencyMiddleware, Metrics
 from .notify import Notifier
 from .routers import audit, coordinator, health, lineage, param_keys, rollout, runs, samples, training, ui
@@ -53,6 +54,14 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
         notifier=Notifier(engine, url, settings.notify_debounce, settings.listen),
         tokens=TokenCache(engine, settings.token_cache_seconds),
         metrics=metrics,
+        writes=GroupCommit(
+            protocol,
+            metrics,
+            enabled=settings.group_commit,
+            window=settings.group_commit_window,
+            max_items=settings.group_commit_max,
+            lanes=settings.group_commit_lanes,
+        ),
         url=url,
         schema_head=migrate.head(),
     )

@@ -19,6 +19,7 @@ from workers.wire.enums import Role
 from workers.wire.types import is_run_id
 
 from .auth import Principal, TokenCache
+from .group_commit import GroupCommit
 from .metrics import Metrics
 from .notify import Notifier, wait_for
 from .service import ApiProtocol
@@ -35,6 +36,8 @@ class AppState:
     notifier: Notifier
     tokens: TokenCache
     metrics: Metrics
+    # the writes that may share a transaction with other calls' (api/group_commit.py)
+    writes: GroupCommit
     url: str | None = None
     schema_head: str | None = None
     # instance -> (run, registering token) never changes once registered, so it is cached

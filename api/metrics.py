@@ -43,6 +43,7 @@ PHASES = ("snapshot", "decide", "write")
 COMMANDS = ("routed", "interrupted", "pulled", "migrated")
 # always exported (zero when none wait): row locks (the per-run lock among them) and advisory locks (idempotency keys)
 LOCK_TYPES = ("relation", "tuple", "transactionid", "advisory")
+GROUP_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 60)
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 
@@ -81,6 +82,19 @@ class Metrics:
             ("topic",),
             registry=self.registry,
             multiprocess_mode="livesum",  # the processes alive now, not the ones that exited
+        )
+        # group commit (api/group_commit.py): calls per database transaction, callers waiting
+        self.group_calls = Histogram(
+            "staleflow_group_commit_transaction_calls",
+            "API calls applied per group-commit database transaction (its count: the transactions)",
+            registry=self.registry,
+            buckets=GROUP_BUCKETS,
+        )
+        self.group_queued = Gauge(
+            "staleflow_group_commit_queued",
+            "API calls waiting for their group-commit transaction now (in flight included)",
+            registry=self.registry,
+            multiprocess_mode="livesum",
         )
         database = _DatabaseCollector(read, cache_seconds)
         if self.multiproc_dir is None:

@@ -8,6 +8,7 @@ from fastapi.responses import JSONResponse, Response
 from sqlalchemy import Connection
 from starlette.concurrency import run_in_threadpool
 
+from staleflow_db import group_commit
 from staleflow_db.protocol.rollout import Poll
 from staleflow_db.types import Report
 from workers.wire.enums import Role, SegmentKind
@@ -77,7 +78,12 @@ def heartbeat(
 ) -> Response:
     """Extend the instance lease and store the snapshot. 409: the lease expired (register again)."""
     state.instance_in_run(run_id, instance_id, who)
-    state.protocol.heartbeat(instance_id, body.version, body.snapshot.model_dump(), body.lease_seconds)
+    snapshot = body.snapshot.model_dump()
+
+    def call(conn: Connection | None) -> None:
+        state.protocol.heartbeat(instance_id, body.version, snapshot, body.lease_seconds, conn=conn)
+
+    state.writes.write("heartbeat", call, group_commit.lease(instance_id), ephemeral=True)
     return respond(HeartbeatOut(instance_id=instance_id, lease_seconds=body.lease_seconds))
 
 
@@ -161,7 +167,8 @@ def report(
     def call(conn: Connection) -> ReportsOut:
         return ReportsOut(applied=state.protocol.report(run_id, reports, conn=conn))
 
-    out, replayed = state.protocol.once(scoped_key(key, f"inst{instance_id}"), "report", body, call, ReportsOut)
+    skey = scoped_key(key, f"inst{instance_id}")
+    out, replayed = state.writes.once(skey, "report", body, call, ReportsOut, group_commit.instance(instance_id))
     if not replayed and any(r.kind == SegmentKind.FINISHED for r in reports):
         state.notifier.publish(run_id, REWARDS)
     return respond(out)

@@ -9,6 +9,7 @@ from fastapi import APIRouter, Depends, Path, Request, Response
 from sqlalchemy import Connection
 from typing_extensions import TypedDict
 
+from staleflow_db import group_commit
 from staleflow_db.protocol.scoring import RewardTask
 from staleflow_db.protocol.training import Batch
 from workers.wire.enums import Role
@@ -90,7 +91,8 @@ def record_rewards(
         groups = state.protocol.record_rewards(run_id, rewards, scorer=who.token_id, conn=conn)
         return from_data(RewardsOut, {"groups": groups})
 
-    out, replayed = state.protocol.once(scoped_key(key, f"run{run_id}"), "reward", body, call, RewardsOut)
+    skey = scoped_key(key, f"run{run_id}")
+    out, replayed = state.writes.once(skey, "reward", body, call, RewardsOut, group_commit.run_lock(run_id))
     if not replayed and out.groups:
         # Occupied groups may make a buffer ready; surplus members get abort commands.
         state.notifier.publish(run_id, BATCH, WORK)

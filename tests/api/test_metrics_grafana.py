@@ -185,7 +185,7 @@ def check_conventions(families: dict[str, Any]) -> None:
         else:
             assert not f.name.endswith("_total"), f"{f.name} is a {f.type}, not a counter"
         if f.type == "histogram":
-            assert f.name.endswith(("_seconds", "_versions")), f"{f.name}: a histogram names its unit"
+            assert f.name.endswith(("_seconds", "_versions", "_calls")), f"{f.name}: a histogram names its unit"
         values: dict[str, set[str]] = {}
         for s in f.samples:
             for k, v in s.labels.items():
