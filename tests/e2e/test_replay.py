@@ -32,7 +32,10 @@ pytestmark = pytest.mark.slow  # a trainer process, an export and an offline tra
 STEPS = 3
 # two optimizer steps per batch and a decaying lr: the replay must get the optimizer state,
 # the lr of the step and the minibatch split right, not only the first forward pass
-TRAIN_ARGS = ("--model-config", json.dumps(CFG.to_dict()), "--lr", "1e-2", "--lr-end", "0.5", "--minibatches", "2")
+TRAIN_ARGS = (
+    *("--model-config", json.dumps(CFG.to_dict()), "--steps", str(STEPS)),
+    *("--lr", "1e-2", "--lr-end", "0.5", "--minibatches", "2"),
+)
 
 
 @pytest.fixture
@@ -48,7 +51,7 @@ def trained(db_url, tmp_path):
             ckpt = tmp_path / "ckpt"
             env = {**os.environ, "STALEFLOW_API_URL": server.url, "STALEFLOW_TOKEN": token(db_url, "trainer", run)}
             staleflow(
-                "trainer", "--run", str(run), "--checkpoint-dir", str(ckpt), "--steps", str(STEPS),
+                "trainer", "--run", str(run), "--checkpoint-dir", str(ckpt),
                 "--save-every", "1", "--wait", "1", *TRAIN_ARGS, env=env,
             )  # fmt: skip
         finally:
@@ -96,8 +99,7 @@ def test_replay_recomputes_the_logged_loss_and_offline_training_the_weights(trai
 
     # offline: the same trainer on the export's batches, from the same initial weights
     offline = staleflow(
-        "trainer", "--offline", str(out), "--checkpoint-dir", str(offline_ckpt), "--steps", str(STEPS),
-        *TRAIN_ARGS, env=dict(os.environ),
+        "trainer", "--offline", str(out), "--checkpoint-dir", str(offline_ckpt), *TRAIN_ARGS, env=dict(os.environ),
     )  # fmt: skip
     assert f"{STEPS} step(s) trained offline" in offline.stderr, offline.stderr
     ck = load_checkpoint(offline_ckpt)
@@ -109,8 +111,9 @@ def test_replay_recomputes_the_logged_loss_and_offline_training_the_weights(trai
     # the same batches, settings and start: the same weights as the live trainer's, step by step
     assert [e["checksum"] for e in lines] == [logged[s]["checksum"] for s in range(STEPS)]
     again = staleflow(
-        "trainer", "--offline", str(out), "--checkpoint-dir", str(offline_ckpt), *TRAIN_ARGS, env=dict(os.environ)
-    )
+        "trainer", "--offline", str(out), "--checkpoint-dir", str(offline_ckpt), *TRAIN_ARGS,
+        env=dict(os.environ),
+    )  # fmt: skip
     assert "0 step(s) trained offline" in again.stderr  # every step is trained: nothing left
 
     # a live trainer does not resume from an offline checkpoint, nor the offline one from a live one
@@ -133,7 +136,7 @@ def _refusals(run: int, ckpt: Path, out: Path, tmp_path: Path) -> None:
     """Each names what does not fit: a step the export lacks, a checkpoint of another version,
     run or model, a file that is no checkpoint."""
     export = Export(out)
-    env = dict(os.environ)
+    env = {**os.environ, "COLUMNS": "250"}  # refusals on one line
 
     missing = staleflow(
         "replay", str(out), "--step", "7", "--checkpoint", str(version_checkpoint(ckpt, 1)), env=env, check=False
