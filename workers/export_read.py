@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from workers.export import MANIFEST, RUN
+from workers.export import MANIFEST, RUN, STEPS
 from workers.extras import require
 from workers.wire.models import BatchOut, SegmentInfoOut, TrainGroupOut, TrainSampleOut
 
@@ -59,6 +59,18 @@ class Export:
     @property
     def config(self) -> dict[str, Any]:
         return dict(self.run.get("config") or {})
+
+    def published(self, step: int) -> dict[str, Any] | None:
+        """The version step `step` published (steps.jsonl: its checksum and `train_metrics`,
+        what the trainer reported of the step); None if the export has no record of it."""
+        path = self.dir / STEPS
+        if not path.is_file():
+            return None
+        with path.open(encoding="utf-8") as f:
+            for line in f:
+                if line.strip() and (rec := json.loads(line))["step"] == step:
+                    return rec
+        return None
 
     def _rows(self, step: int | None = None) -> Iterator[dict[str, Any]]:
         """Every trained row (a step), or those of `step`, file by file."""

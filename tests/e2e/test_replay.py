@@ -71,6 +71,13 @@ def test_replay_recomputes_the_logged_loss_and_offline_training_the_weights(trai
     assert export.steps() == list(range(STEPS))
     logged = {e["buffer"]: e for e in read_steps_log(ckpt) if e["event"] == "trained"}
     assert sorted(logged) == list(range(STEPS))
+    # each published version carries its step's loss into the export (param_versions.train_metrics)
+    published = [json.loads(line) for line in (out / "steps.jsonl").read_text().splitlines()]
+    assert [p["step"] for p in published] == list(range(STEPS))
+    for p in published:
+        assert (
+            p["train_metrics"]["loss"] == logged[p["step"]]["loss"] and p["checksum"] == logged[p["step"]]["checksum"]
+        )
 
     # the documented command: step 1 from the checkpoint step 1 started from
     cli = staleflow(
@@ -84,12 +91,14 @@ def test_replay_recomputes_the_logged_loss_and_offline_training_the_weights(trai
     line = staleflow(
         "replay", str(out), "--step", "1", "--checkpoint", str(version_checkpoint(ckpt, 1)), env=dict(os.environ)
     )
-    assert "logged" in line.stdout and "same as trained v2" in line.stdout
+    assert "(export)" in line.stdout and "same as v2's" in line.stdout, line.stdout
 
-    for step in range(STEPS):  # every step, in process
+    for step in range(STEPS):  # every step, in process; the logged loss from the export, then the trainer's log
         r = replay(export, step, version_checkpoint(ckpt, step))
-        assert r.matches(rel=1e-6) and r.checksum == logged[step]["checksum"], r.line()
+        assert r.matches(rel=1e-6) and r.checksum == logged[step]["checksum"] and r.logged_in == "export", r.line()
         assert r.samples == 4 and r.metrics["optimizer_steps"] == 2
+        from_log = replay(export, step, version_checkpoint(ckpt, step), steps_log=ckpt / "steps.jsonl")
+        assert from_log.logged_in == str(ckpt / "steps.jsonl") and from_log.loss == r.loss
 
     # the batch alone, as consumed
     described = staleflow("replay", str(out), "--step", "0", env=dict(os.environ)).stdout

@@ -4,11 +4,11 @@ started from, with the trainer's own code (`Trainer.train_batch`, i.e. grpo.grpo
 Step S trains model version S into S + 1. Its checkpoint (`versions/vS.pt`, kept by
 `staleflow trainer --save-every`) holds the weights and optimizer state the step started
 from and how it trains (`train`: the GRPO settings, lr, epochs x minibatches, micro-batch
-budget); the export holds the batch (workers/export_read.py); `steps.jsonl` beside the
-checkpoints holds the loss the trainer logged and the checksum of the version it trained. The
-replay runs the whole update again on a copy, so with several optimizer steps per batch (their
-mean is the logged loss) it is exact too, and the checksum of the weights it ends with must
-equal the logged one."""
+budget); the export holds the batch (workers/export_read.py) and, in steps.jsonl, what the
+trainer published with version S + 1: its checksum and the step's loss (the trainer's own
+steps.jsonl beside its checkpoints has both too: `--steps-log`). The replay runs the whole
+update again on a copy, so with several optimizer steps per batch (their mean is the logged
+loss) it is exact too, and the weights it ends with must have the published checksum."""
 
 from __future__ import annotations
 
@@ -42,6 +42,7 @@ class Replayed:
     checksum: str  # of the weights the replayed update ends with
     logged_checksum: str | None
     metrics: dict[str, float]
+    logged_in: str | None = None  # where the logged loss was read
 
     @property
     def diff(self) -> float | None:
@@ -49,13 +50,13 @@ class Replayed:
 
     def line(self) -> str:
         if self.logged_loss is None:
-            logged = " logged loss: none (no trained line for this step in the steps log)"
+            logged = " logged loss: none (neither the export nor a steps log beside the checkpoint has it)"
         else:
-            logged = f" logged {self.logged_loss:+.8f} diff {self.diff:+.2e}"
+            logged = f" logged {self.logged_loss:+.8f} diff {self.diff:+.2e} ({self.logged_in})"
         weights = ""
         if self.logged_checksum is not None:
             same = "same as" if self.checksum == self.logged_checksum else "DIFFERENT from"
-            weights = f"; weights after {self.checksum[:12]} {same} trained v{self.step + 1}"
+            weights = f"; weights after {self.checksum[:12]} {same} v{self.step + 1}'s"
         return f"step {self.step}: {self.samples} samples, loss {self.loss:+.8f}{logged}{weights}"
 
     def matches(self, rel: float = 1e-5, abs_: float = 1e-6) -> bool:
@@ -133,7 +134,7 @@ def replay(export: Export, step: int, checkpoint: Path, steps_log: Path | None =
         minibatches=train["minibatches"],
     )
     loss, metrics = trainer.train_batch(batch)
-    logged = _logged(steps_log or _default_log(checkpoint), step, steps_log is not None)
+    logged, logged_in = _logged(export, step, steps_log or _default_log(checkpoint), steps_log is not None)
     return Replayed(
         step=step,
         samples=sum(len(g.samples) for g in batch.groups),
@@ -143,6 +144,7 @@ def replay(export: Export, step: int, checkpoint: Path, steps_log: Path | None =
         checksum=state_dict_checksum(model.state_dict(), push_dtype),
         logged_checksum=None if logged is None else logged.get("checksum"),
         metrics=metrics,
+        logged_in=logged_in,
     )
 
 
@@ -165,12 +167,19 @@ def _default_log(checkpoint: Path) -> Path:
     return here.parent / STEPS_LOG if here.name == VERSIONS else here / STEPS_LOG
 
 
-def _logged(log: Path, step: int, named: bool) -> dict[str, Any] | None:
-    """The trainer's trained line for `step` (the last one, should a log hold several)."""
+def _logged(export: Export, step: int, log: Path, named: bool) -> tuple[dict[str, Any] | None, str | None]:
+    """The loss the trainer logged for `step` and the checksum of the version it trained, and
+    where they were read: the export (published with the version) unless a steps log is
+    named; else the trainer's steps.jsonl beside the checkpoint."""
+    published = None if named else export.published(step)
+    if published is not None and (published.get("train_metrics") or {}).get("loss") is not None:
+        return {"loss": published["train_metrics"]["loss"], "checksum": published["checksum"]}, "export"
     if not log.is_file():
         if named:
             raise ReplayError(f"no steps log at {log}")
-        return None
+        return None, None
     lines = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
     trained = [e for e in lines if e.get("event") == "trained" and e.get("buffer") == step]
-    return trained[-1] if trained and "loss" in trained[-1] else None
+    if not trained or trained[-1].get("loss") is None:
+        return None, None
+    return trained[-1], str(log)

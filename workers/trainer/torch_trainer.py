@@ -41,6 +41,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import os
 import shutil
 import threading
@@ -321,6 +322,22 @@ class Trainer:
             }
         )
 
+    def _reported(self, v: int, m: StepMetrics) -> dict[str, float] | None:
+        """The step's loss and metrics, published with its version (an export carries them to
+        `staleflow replay`); a resumed publish reports the ones its trained line logged. Only
+        finite numbers travel: the others are named in a warning (they stay in steps.jsonl)."""
+        if m.loss is not None:
+            sent: dict[str, Any] = {"loss": m.loss, **m.extra}
+        else:
+            trained = [e for e in read_steps_log(self.dir) if e["event"] == "trained" and e["buffer"] == v]
+            if not trained or trained[-1].get("loss") is None:
+                return None
+            sent = {"loss": trained[-1]["loss"], **trained[-1].get("metrics", {})}
+        bad = sorted(k for k, x in sent.items() if not math.isfinite(x))
+        if bad:
+            log.warning("step %s: %s not finite: published without them", v, ", ".join(bad))
+        return {k: float(x) for k, x in sent.items() if k not in bad}
+
     def _publish(self, batch: BatchOut, m: StepMetrics) -> None:
         v = batch.version
         t0 = time.monotonic()
@@ -336,6 +353,7 @@ class Trainer:
             size_bytes=self._weights["size"],
             checksum=self._weights["checksum"],
             location=location,
+            metrics=self._reported(v, m),
         )
         self._commit_pushed(v + 1)
         m.publish_s = time.monotonic() - t0
