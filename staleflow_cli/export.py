@@ -38,7 +38,8 @@ def export(
     and drop reason) in sample id order, one file per chunk, with run.json (the run's
     configuration) and manifest.json (what is written: running the command again continues
     after it), and steps.jsonl (each published version's step, checksum and the loss and
-    metrics its trainer reported: what `staleflow replay` compares with). Loads with `datasets.load_dataset("parquet", data_files=...)` and pandas."""
+    metrics its trainer reported: what `staleflow replay` compares with). Loads with
+    `datasets.load_dataset("parquet", data_files=...)` and pandas."""
     if fmt not in FORMATS:
         raise typer.BadParameter(f"one of {', '.join(FORMATS)}", param_hint="--format")
     with _source(run, trained, via_api, api, token) as (source, info, total, versions):
