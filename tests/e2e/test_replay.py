@@ -60,6 +60,10 @@ def trained(db_url, tmp_path):
         yield server, run, ckpt, tmp_path / "export", offline_ckpt
 
 
+def _env() -> dict[str, str]:
+    return {**os.environ, "COLUMNS": "250"}  # messages on one line
+
+
 def _export(db_url: str, run: int, out: Path) -> None:
     staleflow("export", str(run), "--out", str(out), "--trained", env={**os.environ, "STALEFLOW_DATABASE_URL": db_url})
 
@@ -82,15 +86,13 @@ def test_replay_recomputes_the_logged_loss_and_offline_training_the_weights(trai
     # the documented command: step 1 from the checkpoint step 1 started from
     cli = staleflow(
         "replay", str(out), "--step", "1", "--checkpoint", str(version_checkpoint(ckpt, 1)), "--json",
-        env=dict(os.environ),
+        env=_env(),
     )  # fmt: skip
     got = json.loads(cli.stdout)
     assert got["logged_loss"] == logged[1]["loss"] and math.isfinite(got["loss"])
     assert got["loss"] == pytest.approx(logged[1]["loss"], rel=1e-6, abs=1e-7)
     assert got["checksum"] == logged[1]["checksum"]  # the whole update replayed: the weights of v2
-    line = staleflow(
-        "replay", str(out), "--step", "1", "--checkpoint", str(version_checkpoint(ckpt, 1)), env=dict(os.environ)
-    )
+    line = staleflow("replay", str(out), "--step", "1", "--checkpoint", str(version_checkpoint(ckpt, 1)), env=_env())
     assert "(export)" in line.stdout and "same as v2's" in line.stdout, line.stdout
 
     for step in range(STEPS):  # every step, in process; the logged loss from the export, then the trainer's log
@@ -101,14 +103,14 @@ def test_replay_recomputes_the_logged_loss_and_offline_training_the_weights(trai
         assert from_log.logged_in == str(ckpt / "steps.jsonl") and from_log.loss == r.loss
 
     # the batch alone, as consumed
-    described = staleflow("replay", str(out), "--step", "0", env=dict(os.environ)).stdout
+    described = staleflow("replay", str(out), "--step", "0", env=_env()).stdout
     assert "step 0: 2 groups, 4 samples" in described
-    batch = json.loads(staleflow("replay", str(out), "--step", "0", "--json", env=dict(os.environ)).stdout)
+    batch = json.loads(staleflow("replay", str(out), "--step", "0", "--json", env=_env()).stdout)
     assert [g["group_id"] for g in batch["groups"]] == logged[0]["groups"]
 
     # offline: the same trainer on the export's batches, from the same initial weights
     offline = staleflow(
-        "trainer", "--offline", str(out), "--checkpoint-dir", str(offline_ckpt), *TRAIN_ARGS, env=dict(os.environ),
+        "trainer", "--offline", str(out), "--checkpoint-dir", str(offline_ckpt), *TRAIN_ARGS, env=_env(),
     )  # fmt: skip
     assert f"{STEPS} step(s) trained offline" in offline.stderr, offline.stderr
     ck = load_checkpoint(offline_ckpt)
@@ -121,7 +123,7 @@ def test_replay_recomputes_the_logged_loss_and_offline_training_the_weights(trai
     assert [e["checksum"] for e in lines] == [logged[s]["checksum"] for s in range(STEPS)]
     again = staleflow(
         "trainer", "--offline", str(out), "--checkpoint-dir", str(offline_ckpt), *TRAIN_ARGS,
-        env=dict(os.environ),
+        env=_env(),
     )  # fmt: skip
     assert "0 step(s) trained offline" in again.stderr  # every step is trained: nothing left
 
@@ -134,7 +136,7 @@ def test_replay_recomputes_the_logged_loss_and_offline_training_the_weights(trai
     with pytest.raises(TrainerError, match="trained offline"):
         live.resume()
     bad = staleflow(
-        "trainer", "--offline", str(out), "--checkpoint-dir", str(ckpt), *TRAIN_ARGS, env=dict(os.environ), check=False
+        "trainer", "--offline", str(out), "--checkpoint-dir", str(ckpt), *TRAIN_ARGS, env=_env(), check=False
     )
     assert bad.returncode == 1 and "live trainer's checkpoint" in bad.stderr
 
@@ -145,7 +147,7 @@ def _refusals(run: int, ckpt: Path, out: Path, tmp_path: Path) -> None:
     """Each names what does not fit: a step the export lacks, a checkpoint of another version,
     run or model, a file that is no checkpoint."""
     export = Export(out)
-    env = {**os.environ, "COLUMNS": "250"}  # refusals on one line
+    env = _env()
 
     missing = staleflow(
         "replay", str(out), "--step", "7", "--checkpoint", str(version_checkpoint(ckpt, 1)), env=env, check=False
