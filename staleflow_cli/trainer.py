@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import click
 import typer
 from rich.markup import escape
 
@@ -132,6 +133,10 @@ def trainer(
         )
     except ValueError as e:
         raise typer.BadParameter(str(e)) from None
+    if opts.offline is not None and (run is not None or ps is not None):
+        raise typer.BadParameter("an --offline trainer reaches no run: no --run, no --ps", param_hint="--offline")
+    if opts.offline is None and run is None:
+        raise click.MissingParameter("(or --offline EXPORT)", param_hint="'--run'", param_type="option")
     cfg = None if sim or model is not None else model_config(model_config_)
     if model is not None:
         hf_folder(model)
@@ -146,9 +151,8 @@ def trainer(
 
         train_offline(opts, cfg, model, model_seed, init_weights, temperature)
         return
-    if run is None:
-        raise typer.BadParameter("a run to train: --run RUN (or --offline EXPORT)", param_hint="--run")
     ps_addr = ps_client(ps) if opts.sim is None else None
+    assert run is not None  # refused above without --offline
     client, run_id = connect(api, token, run, api_wait)
     run_t, top_p = run_sampling(client, run_id, temperature)
     if top_p < 1 and opts.sim is None:

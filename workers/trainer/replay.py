@@ -100,6 +100,7 @@ def build_model(ck: dict[str, Any], device: str = "cpu") -> nn.Module:
 
 def replay(export: Export, step: int, checkpoint: Path, steps_log: Path | None = None, device: str = "cpu") -> Replayed:
     """Train step `step` of the export again from `checkpoint` (on a copy: nothing is written)."""
+    batch = export.batch(step)
     ck = load_step_checkpoint(checkpoint)
     if int(ck["run_id"]) != export.run_id:
         raise ReplayError(f"{checkpoint} is a checkpoint of run {ck['run_id']}, the export is of run {export.run_id}")
@@ -111,7 +112,6 @@ def replay(export: Export, step: int, checkpoint: Path, steps_log: Path | None =
     train = ck.get("train")
     if train is None:
         raise ReplayError(f"{checkpoint} does not say how its step trains (a checkpoint of an older trainer)")
-    batch = export.batch(step)
     push_dtype = getattr(torch, train["push_dtype"]) if train.get("push_dtype") else None
     model = build_model(ck, device)
     if state_dict_checksum(model.state_dict(), push_dtype) != ck["checksum"]:
