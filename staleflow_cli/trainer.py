@@ -8,7 +8,6 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import click
 import typer
 from rich.markup import escape
 
@@ -136,7 +135,7 @@ def trainer(
     if opts.offline is not None and (run is not None or ps is not None):
         raise typer.BadParameter("an --offline trainer reaches no run: no --run, no --ps", param_hint="--offline")
     if opts.offline is None and run is None:
-        raise click.MissingParameter("(or --offline EXPORT)", param_hint="'--run'", param_type="option")
+        raise typer.BadParameter("Missing option '--run' (or --offline EXPORT)", param_hint="--run")
     cfg = None if sim or model is not None else model_config(model_config_)
     if model is not None:
         hf_folder(model)
