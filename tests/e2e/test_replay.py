@@ -176,6 +176,10 @@ def _refusals(run: int, ckpt: Path, out: Path, tmp_path: Path) -> None:
     torch.save({**ck, "run_id": run + 100}, other_run)
     with pytest.raises(ReplayError, match=f"checkpoint of run {run + 100}, the export is of run {run}"):
         replay(export, 1, other_run)
+    other_weights = tmp_path / "other-weights.pt"  # v2's weights posing as v1
+    torch.save({**torch.load(version_checkpoint(ckpt, 2), weights_only=True), "version": 1}, other_weights)
+    with pytest.raises(ReplayError, match="not those published as version 1"):
+        replay(export, 1, other_weights)
     other_model = tmp_path / "other-model.pt"
     bigger = TinyConfig(**{**CFG.to_dict(), "d_model": 64})
     torch.save({**ck, "model_config": bigger.to_dict()}, other_model)

@@ -116,6 +116,12 @@ def replay(export: Export, step: int, checkpoint: Path, steps_log: Path | None =
     model = build_model(ck, device)
     if state_dict_checksum(model.state_dict(), push_dtype) != ck["checksum"]:
         raise ReplayError(f"{checkpoint}: its weights do not match its own checksum (a damaged file)")
+    published = export.published(step - 1) if step > 0 and not ck.get("offline") else None
+    if published is not None and published.get("checksum") not in (None, ck["checksum"]):
+        raise ReplayError(
+            f"{checkpoint} holds weights {ck['checksum'][:12]}, not those published as version {step} "
+            f"({published['checksum'][:12]}): a checkpoint of another trainer or model"
+        )
     optimizer = getattr(torch.optim, train["optimizer"])(model.parameters())
     optimizer.load_state_dict(ck["optimizer"])  # lr, betas, weight decay and moments as trained
     if train.get("lrs") is not None:
