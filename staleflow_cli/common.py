@@ -129,7 +129,11 @@ def run_sampling(client: StaleFlowClient, run_id: int, temperature: float | None
     are authoritative for every engine and trainer of the run (the engines' log-probs and the
     trainer's must be of the same distribution), so a `--temperature` given that differs is
     refused rather than silently used or silently ignored."""
-    config = client.run_status(run_id).config.model_dump()
+    return sampling_of(client.run_status(run_id).config.model_dump(), run_id, temperature)
+
+
+def sampling_of(config: dict[str, Any], run_id: int, temperature: float | None) -> tuple[float, float]:
+    """`run_sampling` of a run configuration at hand (an export's run.json)."""
     run_t, top_p = float(config["temperature"]), float(config["top_p"])
     if temperature is not None and not math.isclose(temperature, run_t):
         raise typer.BadParameter(

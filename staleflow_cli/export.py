@@ -17,6 +17,8 @@ from workers.export import export as write_export
 
 from .common import API, TOKEN, connect
 
+API_VERSIONS = 10_000  # the most GET /v1/runs/{run}/versions lists
+
 
 def export(
     run: str = typer.Argument(..., help="Run id or name."),
@@ -35,10 +37,12 @@ def export(
     versions and loss mask, segment boundaries, reward and metrics, staleness, timings, state
     and drop reason) in sample id order, one file per chunk, with run.json (the run's
     configuration) and manifest.json (what is written: running the command again continues
-    after it). Loads with `datasets.load_dataset("parquet", data_files=...)` and pandas."""
+    after it), and steps.jsonl (each published version's step, checksum and the loss and
+    metrics its trainer reported: what `staleflow replay` compares with). Loads with
+    `datasets.load_dataset("parquet", data_files=...)` and pandas."""
     if fmt not in FORMATS:
         raise typer.BadParameter(f"one of {', '.join(FORMATS)}", param_hint="--format")
-    with _source(run, trained, via_api, api, token) as (source, info, total):
+    with _source(run, trained, via_api, api, token) as (source, info, total, versions):
         with Progress(
             TextColumn("export"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(), console=Console(stderr=True)
         ) as bar:
@@ -53,6 +57,7 @@ def export(
                     page=page,
                     chunk=chunk,
                     progress=lambda n: bar.advance(task, n),
+                    versions=versions,
                 )
             except ValueError as e:
                 raise typer.BadParameter(str(e), param_hint="--out") from None
@@ -62,16 +67,23 @@ def export(
 @contextmanager
 def _source(
     run: str, trained: bool, via_api: bool, api: list[str] | None, token: str | None
-) -> Iterator[tuple[PageSource, dict[str, Any], int | None]]:
-    """The pages (keyset reads), the run's description for run.json and the number of samples
-    (None through the API: the bar then counts without a total)."""
+) -> Iterator[tuple[PageSource, dict[str, Any], int | None, list[dict[str, Any]]]]:
+    """The pages (keyset reads), the run's description for run.json, the number of samples
+    (None through the API: the bar then counts without a total) and the published versions,
+    oldest first."""
     if via_api:
         client, run_id = connect(api, token, run, wait_s=0)
         try:
+            versions = [v.model_dump(mode="json") for v in client.param_versions(run_id, API_VERSIONS)]
+            if len(versions) == API_VERSIONS:
+                Console(stderr=True).print(
+                    f"the API lists the newest {API_VERSIONS} versions: steps.jsonl holds those steps only"
+                )
             yield (
                 lambda after, n: [r.model_dump() for r in client.export_page(run_id, after, n, trained).rows],
                 client.run_status(run_id).model_dump(mode="json"),
                 None,
+                versions[::-1],
             )
         finally:
             client.close()
@@ -93,6 +105,7 @@ def _source(
             lambda after, n: reads.export_page(run_id, after, n, trained),
             asdict(reads.get_run(run_id)),
             reads.export_count(run_id, trained),
+            [asdict(v) for v in reversed(reads.param_versions(run_id, 2**31 - 1))],
         )
     finally:
         engine.dispose()

@@ -52,7 +52,7 @@ class Backend(str, enum.Enum):
 
 
 def trainer(
-    run: str = RUN,
+    run: str | None = typer.Option(None, "--run", help="run id or name (an --offline trainer trains without one)"),
     api: list[str] | None = API,
     token: str | None = TOKEN,
     api_wait: float | None = API_WAIT,
@@ -90,12 +90,19 @@ def trainer(
     threads: int = typer.Option(0, "--threads", min=0, help="torch CPU threads (0: torch's default)"),
     wait: float = typer.Option(5.0, "--wait", min=0.1, help="long-poll seconds per consume"),
     metrics_file: Path | None = typer.Option(None, "--metrics-file", help="append each step's metrics (JSONL)"),
+    save_every: int = typer.Option(
+        0, "--save-every", min=0, help="keep the checkpoint of every N-th version (versions/vN.pt, for replay)"
+    ),
+    offline: Path | None = typer.Option(
+        None, "--offline", help="train on an export's batches in step order (no API, no PS, nothing published)"
+    ),
     sim: bool = typer.Option(False, "--sim", help="no weights, no torch: sleep (a + b·tokens)·scale per step"),
     time_scale: float = typer.Option(1.0, "--time-scale", min=0.0, help="--sim: multiplies every step time"),
     sim_overhead: float | None = typer.Option(None, "--sim-overhead", min=0.0, help="--sim: a, seconds per step"),
     sim_s_per_token: float | None = typer.Option(None, "--sim-s-per-token", min=0.0, help="--sim: b"),
 ) -> None:
-    """Consume ready batches in version order, train (GRPO/DAPO + TIS), push, publish."""
+    """Consume ready batches in version order, train (GRPO/DAPO + TIS), push, publish; or, with
+    --offline EXPORT, train on an export's batches in step order (no run needed)."""
     if model is not None and (sim or model_config_):
         raise typer.BadParameter(
             "--model trains a Hugging Face model: no --sim, no --model-config", param_hint="--model"
@@ -106,6 +113,8 @@ def trainer(
             wait_s=wait,
             checkpoint_dir=checkpoint_dir,
             metrics_file=metrics_file,
+            save_every=save_every,
+            offline=offline,
             lr=lr,
             lr_end=lr_end,
             weight_decay=weight_decay,
@@ -123,6 +132,10 @@ def trainer(
         )
     except ValueError as e:
         raise typer.BadParameter(str(e)) from None
+    if opts.offline is not None and (run is not None or ps is not None):
+        raise typer.BadParameter("an --offline trainer reaches no run: no --run, no --ps", param_hint="--offline")
+    if opts.offline is None and run is None:
+        raise typer.BadParameter("Missing option '--run' (or --offline EXPORT)", param_hint="--run")
     cfg = None if sim or model is not None else model_config(model_config_)
     if model is not None:
         hf_folder(model)
@@ -132,7 +145,13 @@ def trainer(
         # on a CPU shared with rollout workers, extra threads spin against them: measured
         # 4-8x slower GRPO updates with 2 threads than with 1 on a loaded 2-core machine
         torch.set_num_threads(opts.threads)
+    if opts.offline is not None:
+        from staleflow_cli.trainer_offline import train_offline
+
+        train_offline(opts, cfg, model, model_seed, init_weights, temperature)
+        return
     ps_addr = ps_client(ps) if opts.sim is None else None
+    assert run is not None  # refused above without --offline
     client, run_id = connect(api, token, run, api_wait)
     run_t, top_p = run_sampling(client, run_id, temperature)
     if top_p < 1 and opts.sim is None:
@@ -238,6 +257,7 @@ def _torch_trainer(
         minibatches=opts.minibatches,
         lr_scale=opts.lr_scale(),
         push_dtype=getattr(torch, name) if (name := opts.push_dtype_name()) else None,
+        save_every=opts.save_every,
     )
 
 

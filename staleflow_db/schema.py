@@ -241,6 +241,8 @@ param_versions = Table(
     Column("checksum", Text),
     Column("location", Text),
     _created(),
+    # what the trainer reported of the step that trained this version (loss, metrics)
+    Column("train_metrics", JSONB),
     PrimaryKeyConstraint("run_id", "version"),
 )
 

@@ -439,9 +439,12 @@ class StaleFlowClient:
         size_bytes: int | None = None,
         checksum: str | None = None,
         location: str | None = None,
+        metrics: dict[str, float] | None = None,
     ) -> int:
         """Publish `version + 1` (buffer `version` trained); returns the run's new version."""
-        body = m.PublishIn(consume_fence=consume_fence, size_bytes=size_bytes, checksum=checksum, location=location)
+        body = m.PublishIn(
+            consume_fence=consume_fence, size_bytes=size_bytes, checksum=checksum, location=location, metrics=metrics
+        )
         return self._call(m.PublishOut, "POST", f"/v1/runs/{_ref(run_id)}/batches/{version}/publish", body=body).version
 
     # ---- coordinator -----------------------------------------------------------------------

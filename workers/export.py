@@ -1,7 +1,8 @@
 """Write a run's rollouts to a folder (`staleflow export`): one file per chunk of samples, in
 sample id order, Parquet (row groups of one page each, through pyarrow's ParquetWriter) or
-JSON lines, plus `run.json` (the run and its configuration) and `manifest.json` (the files
-written and the last sample id in them).
+JSON lines, plus `run.json` (the run and its configuration), `steps.jsonl` (each published
+version: the step that trained it, its checksum and what the trainer reported of the step, its
+loss among them) and `manifest.json` (the files written and the last sample id in them).
 
 Constant memory: one page of samples is held at a time. Resumable: a chunk is written under a
 temporary name and renamed, then the manifest (also renamed into place) records it, so an
@@ -26,6 +27,7 @@ PageSource = Callable[[int, int], list[dict[str, Any]]]
 
 MANIFEST = "manifest.json"
 RUN = "run.json"
+STEPS = "steps.jsonl"
 FORMATS = ("parquet", "jsonl")
 
 
@@ -71,6 +73,11 @@ def _record(row: dict[str, Any]) -> dict[str, Any]:
     """A row as written: reward metrics as JSON text (keys sorted, so files are reproducible)."""
     metrics = row.get("reward_metrics")
     return {**row, "reward_metrics": None if metrics is None else json.dumps(metrics, sort_keys=True)}
+
+
+def _step(version: dict[str, Any]) -> dict[str, Any]:
+    """A published version as the step that trained it (version v: step v - 1)."""
+    return {"step": version["version"] - 1, **version}
 
 
 def _jsonable(v: Any) -> Any:
@@ -132,9 +139,11 @@ def export(
     page: int = 500,
     chunk: int = 10_000,
     progress: Callable[[int], None] = lambda n: None,
+    versions: list[dict[str, Any]] | None = None,
 ) -> Manifest:
     """Write (or continue writing) the export into `out`; `progress(n)` after each page of n
-    rows. Returns the final manifest."""
+    rows; `versions`: the run's published versions (ParamVersion's fields), for steps.jsonl.
+    Returns the final manifest."""
     if fmt not in FORMATS:
         raise ValueError(f"format must be one of {', '.join(FORMATS)}, not {fmt!r}")
     out.mkdir(parents=True, exist_ok=True)
@@ -142,6 +151,8 @@ def export(
     for left in out.glob("*.tmp"):  # an interrupted run's unrecorded chunk
         left.unlink()
     _replace(out / RUN, json.dumps(run, indent=2, default=_jsonable).encode())
+    if versions is not None:
+        _replace(out / STEPS, "".join(json.dumps(_step(v), default=_jsonable) + "\n" for v in versions).encode())
     files = manifest.files if manifest.files is not None else []
     manifest.files = files
     while True:

@@ -174,6 +174,8 @@ def publish(
     """Buffer `version` is trained: mark it consumed and make `version + 1` the run's version,
     with the new parameters' size, checksum and location. Only with the latest consume fence
     and in version order (409 otherwise); publishing the same version again is a no-op."""
-    new = state.protocol.publish(run_id, version, body.consume_fence, body.size_bytes, body.checksum, body.location)
+    new = state.protocol.publish(
+        run_id, version, body.consume_fence, body.size_bytes, body.checksum, body.location, body.metrics
+    )
     state.notifier.publish(run_id, BATCH, WORK)
     return respond(PublishOut(version=new))

@@ -39,6 +39,7 @@ class ParamVersion:
     checksum: str | None
     location: str | None
     created_at: datetime
+    train_metrics: dict[str, float] | None  # what the trainer reported of the step (loss ...)
 
 
 class InstanceOwner(NamedTuple):

@@ -206,16 +206,21 @@ MAX_METRICS = 64
 def reward_metrics(sid: int, reward: Sequence[Any]) -> dict[str, float] | None:
     """The reward's metrics checked: at most MAX_METRICS names (1..200 characters, no NUL),
     each a finite number."""
-    metrics = reward[3] if len(reward) > 3 else None
+    return checked_metrics(f"sample {sid}", reward[3] if len(reward) > 3 else None)
+
+
+def checked_metrics(what: str, metrics: Any) -> dict[str, float] | None:
+    """Metrics (a reward's, a trained step's) checked: at most MAX_METRICS names (1..200
+    characters, no NUL), each a finite number; `what` names their owner in a refusal."""
     if metrics is None:
         return None
     if not isinstance(metrics, dict) or len(metrics) > MAX_METRICS:
-        raise InvalidInput(f"sample {sid}: metrics must be an object of at most {MAX_METRICS} numbers")
+        raise InvalidInput(f"{what}: metrics must be an object of at most {MAX_METRICS} numbers")
     for k, v in metrics.items():
         if not isinstance(k, str) or not 1 <= len(k) <= 200 or "\x00" in k:
-            raise InvalidInput(f"sample {sid}: a metric name must be 1..200 characters without NUL")
+            raise InvalidInput(f"{what}: a metric name must be 1..200 characters without NUL")
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or abs(v) > 1e300:
-            raise InvalidInput(f"sample {sid}: metric {k!r} must be a finite number")
+            raise InvalidInput(f"{what}: metric {k!r} must be a finite number")
     return {k: float(v) for k, v in metrics.items()}
 
 

@@ -4,6 +4,7 @@ publish (buffer consumed and the run's version +1, atomically)."""
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,6 +19,7 @@ from ..idempotency import transactional
 from ..rules import reserve_target
 from .core import RunTx, TxMixin, check_state, load_run
 from .events import Event
+from .scoring import checked_metrics
 
 
 @dataclass
@@ -143,12 +145,14 @@ class TrainingOps(TxMixin):
         size_bytes: int | None = None,
         checksum: str | None = None,
         location: str | None = None,
+        metrics: dict[str, float] | None = None,
         *,
         conn: Connection | None = None,
     ) -> int:
         """Mark buffer `version` consumed and move the run to `version + 1`; returns the new
         version. Only from the expected version and consume fence. A repeated publish with the
-        fence that published (and the same checksum, when given) is a no-op; any other is 409."""
+        fence that published (and the same checksum, when given) is a no-op; any other is 409.
+        `metrics`: what the trainer reports of the step (its loss ...), kept with the version."""
         with self.run_tx(run_id, conn) as rtx:
             conn, run = rtx.conn, rtx.run
             if version == run.version - 1:
@@ -174,12 +178,20 @@ class TrainingOps(TxMixin):
                 raise Conflict([(version, f"consume fence {consume_fence} lost (the latest is {buf.consume_fence})")])
             if size_bytes is not None and size_bytes < 0:
                 raise InvalidInput("size_bytes must be >= 0")
+            metrics = checked_metrics(f"step {version}", metrics)
             conn.execute(queries.text("publish_consume_buffer"), {"run": run_id, "v": version})
             conn.execute(queries.text("publish_consume_groups"), {"run": run_id, "v": version})
             conn.execute(queries.text("publish_version"), {"run": run_id})
             conn.execute(
                 queries.text("publish_params"),
-                {"run": run_id, "v": version + 1, "size": size_bytes, "sum": checksum, "loc": location},
+                {
+                    "run": run_id,
+                    "v": version + 1,
+                    "size": size_bytes,
+                    "sum": checksum,
+                    "loc": location,
+                    "metrics": None if metrics is None else json.dumps(metrics),
+                },
             )
             rtx.run = dataclasses.replace(run, version=version + 1)
             rtx.buffers[version].consumed = True

@@ -17,7 +17,7 @@ SELECT id, version, state, batch_size, buffer_capacity, group_size, samples_per_
   max_response_tokens, max_prompt_tokens, dapo_filter, temperature, top_p, name, created_at, state_reason FROM runs WHERE id = :run
 
 -- name: param_versions
-SELECT version, size_bytes, checksum, location, created_at FROM param_versions
+SELECT version, size_bytes, checksum, location, created_at, train_metrics FROM param_versions
 WHERE run_id = :run ORDER BY version DESC LIMIT :n
 
 -- name: instance_owner

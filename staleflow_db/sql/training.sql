@@ -45,8 +45,8 @@ WHERE run_id = :run AND state = 'occupied' AND buffer = :v
 UPDATE runs SET version = version + 1 WHERE id = :run
 
 -- name: publish_params
-INSERT INTO param_versions (run_id, version, size_bytes, checksum, location)
-VALUES (:run, :v, :size, :sum, :loc)
+INSERT INTO param_versions (run_id, version, size_bytes, checksum, location, train_metrics)
+VALUES (:run, :v, :size, :sum, :loc, CAST(:metrics AS jsonb))
 
 -- name: publish_replay
 -- The consume fence and checksum that published version :v + 1 (a retried publish must match them).

@@ -87,6 +87,8 @@ def test_the_cli_and_the_sim_trainer_do_not_load_torch():
                 "--model-config",
                 "--tis-cap",
                 "--clip-high",
+                "--save-every",
+                "--offline",
                 "STALEFLOW_API_URL",
             ],
         ),
@@ -110,6 +112,8 @@ def test_help(cmd, options):
     "args, needles",
     [
         (["trainer"], ["Missing option '--run'"]),
+        (["trainer", "--offline", "x", "--run", "1"], ["--offline", "no --run"]),
+        (["trainer", "--offline", "/nonexistent"], ["--offline", "is not an export"]),
         (["trainer", "--run", "1", "--steps", "0"], ["--steps", "greater than or equal to 1"]),
         (["trainer", "--run", "1", "--ps", "nohostport"], ["--ps", "is not HOST:PORT"]),
         (["trainer", "--run", "1", "--model-config", "{nope"], ["--model-config"]),

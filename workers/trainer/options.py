@@ -31,6 +31,8 @@ class TrainerOptions:
     wait_s: float = 5.0  # long-poll seconds per consume
     checkpoint_dir: Path | None = None  # None: $STALEFLOW_HOME/trainer/run-ID
     metrics_file: Path | None = None  # each step's metrics appended as JSON lines
+    save_every: int = 0  # keep the checkpoint of every N-th version (versions/vK.pt); 0: only the latest
+    offline: Path | None = None  # an export folder: train on its batches, no run, nothing published
     # optimizer
     lr: float = 1e-3
     lr_end: float = 1.0  # lr multiplier reached linearly at `steps`
@@ -56,6 +58,8 @@ class TrainerOptions:
     def __post_init__(self) -> None:
         if self.lr_end != 1.0 and self.steps is None:
             raise ValueError("--lr-end decays over --steps: give --steps")
+        if self.offline is not None and self.sim is not None:
+            raise ValueError("--offline trains the torch trainer: no --sim")
         if self.push_dtype not in PUSH_DTYPES:
             raise ValueError(f"--push-dtype {self.push_dtype!r}: one of {', '.join(PUSH_DTYPES)}")
 

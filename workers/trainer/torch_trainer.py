@@ -29,14 +29,21 @@ Pushing before the checkpoint would be wrong: a crash between the two would leav
 holding v+1 while a restarted trainer retrains buffer v into *different* weights.
 
 `steps.jsonl` beside the checkpoint logs one line per trained and per published version
-(audit trail; tests check no version is trained twice).
+(audit trail; tests check no version is trained twice); a trained line carries the step's loss
+and metrics. Every checkpoint also records how its next step trains (`train`: the GRPO
+settings, lr, batch use), and with `save_every` N the checkpoint of every N-th version is kept
+as `versions/vK.pt`: the weights and optimizer state step K started from, which is what
+`staleflow replay` needs to recompute step K's loss (workers/trainer/replay.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
+import math
 import os
+import shutil
 import threading
 import time
 from collections.abc import Callable
@@ -66,6 +73,7 @@ log = logging.getLogger("staleflow.trainer")
 
 CHECKPOINT = "trainer.pt"
 STEPS_LOG = "steps.jsonl"
+VERSIONS = "versions"  # kept checkpoints, one per saved version (save_every)
 # Test hook: after checkpointing model version N, create `paused-vN` in the checkpoint
 # directory and hang (before push and publish), so a test can SIGKILL us right there.
 PAUSE_ENV = "STALEFLOW_TEST_PAUSE_AFTER_CHECKPOINT"
@@ -89,6 +97,23 @@ def save_checkpoint(directory: Path, state: dict[str, Any]) -> Path:
     os.replace(tmp, path)
     _fsync_dir(directory)
     return path
+
+
+def version_checkpoint(directory: Path, version: int) -> Path:
+    """Where `save_every` keeps the checkpoint of model version `version`."""
+    return Path(directory) / VERSIONS / f"v{version}.pt"
+
+
+def _keep(path: Path, kept: Path) -> None:
+    """`kept` becomes a copy of the checkpoint just written: a hard link where the file system
+    has them (the next checkpoint replaces trainer.pt by rename, so the link keeps this one)."""
+    kept.parent.mkdir(parents=True, exist_ok=True)
+    kept.unlink(missing_ok=True)
+    try:
+        os.link(path, kept)
+    except OSError:
+        shutil.copyfile(path, kept)
+    _fsync_dir(kept.parent)
 
 
 def load_checkpoint(directory: Path) -> dict[str, Any] | None:
@@ -124,9 +149,11 @@ class Trainer:
         minibatches: int = 1,
         lr_scale: Callable[[int], float] | None = None,
         push_dtype: torch.dtype | None = None,
+        save_every: int = 0,
     ):
         """`push_dtype`: what the weights travel to the PS as (floating tensors; never wider
-        than the parameters; None: their own dtype), e.g. bfloat16 beside fp32 training."""
+        than the parameters; None: their own dtype), e.g. bfloat16 beside fp32 training.
+        `save_every` N > 0 keeps the checkpoint of every N-th version (`versions/vK.pt`)."""
         self.client, self.run_id, self.model, self.optimizer = client, run_id, model, optimizer
         self.ps, self.dir = ps, Path(checkpoint_dir)
         self.grpo, self.wait_s = grpo, wait_s
@@ -136,6 +163,7 @@ class Trainer:
         # load an optimizer state that holds a scaled lr
         self.lr_scale = lr_scale
         self.push_dtype = push_dtype
+        self.save_every = save_every
         self._base_lrs = [float(g["lr"]) for g in optimizer.param_groups]
         self.extra_state = extra_state or {}  # e.g. the model config, kept in the checkpoint
         self.model.requires_grad_(True)
@@ -167,6 +195,11 @@ class Trainer:
         else:
             if ck.get("run_id") != self.run_id:
                 raise TrainerError(f"{self.dir / CHECKPOINT} belongs to run {ck.get('run_id')}, not {self.run_id}")
+            if ck.get("offline"):
+                raise TrainerError(
+                    f"{self.dir / CHECKPOINT} was trained offline from {ck['offline']}: its versions were never "
+                    "published; give this trainer another --checkpoint-dir"
+                )
             self.model.load_state_dict(ck["model"])
             self.optimizer.load_state_dict(ck["optimizer"])
             self._weights = {"size": ck["size_bytes"], "checksum": ck["checksum"]}
@@ -269,6 +302,13 @@ class Trainer:
         m.train_s = time.monotonic() - t0
         self._checkpoint(v + 1)
         m.checksum = self._weights["checksum"]
+        self._log_trained(batch, m)
+        _maybe_pause(self.dir, v + 1)
+        self._publish(batch, m)
+        return m
+
+    def _log_trained(self, batch: BatchOut, m: StepMetrics, **more: Any) -> None:
+        v = batch.version
         self._log(
             {
                 "event": "trained",
@@ -276,11 +316,27 @@ class Trainer:
                 "version": v + 1,
                 "checksum": m.checksum,
                 "groups": [g.group_id for g in batch.groups],
+                "loss": m.loss,
+                "metrics": m.extra,
+                **more,
             }
         )
-        _maybe_pause(self.dir, v + 1)
-        self._publish(batch, m)
-        return m
+
+    def _reported(self, v: int, m: StepMetrics) -> dict[str, float] | None:
+        """The step's loss and metrics, published with its version (an export carries them to
+        `staleflow replay`); a resumed publish reports the ones its trained line logged. Only
+        finite numbers travel: the others are named in a warning (they stay in steps.jsonl)."""
+        if m.loss is not None:
+            sent: dict[str, Any] = {"loss": m.loss, **m.extra}
+        else:
+            trained = [e for e in read_steps_log(self.dir) if e["event"] == "trained" and e["buffer"] == v]
+            if not trained or trained[-1].get("loss") is None:
+                return None
+            sent = {"loss": trained[-1]["loss"], **trained[-1].get("metrics", {})}
+        bad = sorted(k for k, x in sent.items() if not math.isfinite(x))
+        if bad:
+            log.warning("step %s: %s not finite: published without them", v, ", ".join(bad))
+        return {k: float(x) for k, x in sent.items() if k not in bad}
 
     def _publish(self, batch: BatchOut, m: StepMetrics) -> None:
         v = batch.version
@@ -297,6 +353,7 @@ class Trainer:
             size_bytes=self._weights["size"],
             checksum=self._weights["checksum"],
             location=location,
+            metrics=self._reported(v, m),
         )
         self._commit_pushed(v + 1)
         m.publish_s = time.monotonic() - t0
@@ -358,9 +415,28 @@ class Trainer:
                 "optimizer": self.optimizer.state_dict(),
                 "size_bytes": self._weights["size"],
                 "checksum": self._weights["checksum"],
+                "train": self.train_settings(version),
                 **self.extra_state,
             },
         )
+        if self.save_every and version % self.save_every == 0:
+            _keep(self.dir / CHECKPOINT, version_checkpoint(self.dir, version))
+
+    def train_settings(self, version: int) -> dict[str, Any]:
+        """How the step from model `version` trains, beside the checkpoint of that version (the
+        optimizer's own settings travel in its state dict): enough to train it again exactly."""
+        scale = self.lr_scale(version) if self.lr_scale is not None else None
+        return {
+            "optimizer": type(self.optimizer).__name__,  # a torch.optim class
+            "grpo": dataclasses.asdict(self.grpo),
+            "ppo_epochs": self.ppo_epochs,
+            "minibatches": self.minibatches,
+            "micro_batch_tokens": self.micro_batch_tokens,
+            "max_grad_norm": self.max_grad_norm,
+            # None: the optimizer state's lr (no schedule moves it)
+            "lrs": None if scale is None else [base * scale for base in self._base_lrs],
+            "push_dtype": None if self.push_dtype is None else str(self.push_dtype).removeprefix("torch."),
+        }
 
     def _push(self, version: int) -> None:
         assert self.ps is not None

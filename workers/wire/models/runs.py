@@ -98,6 +98,7 @@ class ParamVersionOut(Out):
     checksum: str | None
     location: str | None
     created_at: datetime
+    train_metrics: dict[str, float] | None = Field(None, description="what the trainer reported of the step")
 
 
 class ParamVersionList(Out):

@@ -123,6 +123,9 @@ class PublishIn(In):
     size_bytes: Int | None = Field(None, ge=0, le=INT64_MAX)
     checksum: Name | None = None
     location: Location | None = Field(None, description="where instances pull the parameters from")
+    metrics: Metrics | None = Field(
+        None, description="what the trainer reports of the step (its loss ...), kept with the version"
+    )
 
 
 class PublishOut(Out):
