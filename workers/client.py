@@ -13,6 +13,9 @@
 - Every write that is not idempotent by itself gets one request id (Idempotency-Key) per
   logical call, reused on each retry, so a retried call returns the stored outcome.
 - Long-polls (`poll`, `claim`, `consume`) set the read timeout above the server's wait.
+- Token ids and log-probs in request bodies (reports) go packed (workers.wire.packed: base64 of
+  little-endian int32 / float32), less to encode, send and parse than JSON lists of numbers;
+  `packed=False` sends the lists (a server that predates packed arrays takes only those).
 
 Configuration: arguments, else workers.settings.ClientSettings (STALEFLOW_API_URL, default
 http://127.0.0.1:8000; STALEFLOW_TOKEN, else the file `$STALEFLOW_HOME/token` that `staleflow
@@ -37,6 +40,7 @@ from pydantic import BaseModel
 from workers.retry import API_OUTAGE, Outage
 from workers.settings import DEFAULT_URL, client_settings, home_dir
 from workers.wire import models as m
+from workers.wire.packed import PACKED_CONTEXT
 
 log = logging.getLogger(__name__)
 
@@ -146,8 +150,10 @@ class StaleFlowClient:
         max_backoff: float | None = None,
         wait: float | None = None,
         http: httpx.Client | None = None,
+        packed: bool = True,
     ):
-        """Unset arguments come from ClientSettings; `retry_for=True` too (None: retry forever)."""
+        """Unset arguments come from ClientSettings; `retry_for=True` too (None: retry forever).
+        `packed`: send token ids and log-probs as packed arrays (False: JSON lists)."""
         cfg = client_settings()
         self.token = token if token is not None else default_token()
         self.timeout = cfg.timeout if timeout is None else timeout
@@ -155,6 +161,7 @@ class StaleFlowClient:
         self.backoff = cfg.backoff if backoff is None else backoff
         self.max_backoff = cfg.max_backoff if max_backoff is None else max_backoff
         self.wait = cfg.wait if wait is None else wait  # default long-poll wait
+        self.packed = packed
         timeout = self.timeout
         headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
         if http is not None:  # e.g. starlette's TestClient for an in-process app
@@ -213,7 +220,8 @@ class StaleFlowClient:
         raises ApiError for any other error status, Unavailable when retries ran out."""
         headers = {"Idempotency-Key": uuid.uuid4().hex} if key else {}
         timeout = httpx.Timeout(self.timeout + (wait or 0.0), connect=min(self.timeout, 10.0))
-        content = body.model_dump_json(exclude_none=True).encode() if body is not None else None
+        context = PACKED_CONTEXT if self.packed else None
+        content = body.model_dump_json(exclude_none=True, context=context).encode() if body is not None else None
         if content is not None:
             headers["Content-Type"] = "application/json"
         kw = dict(content=content, params=params, headers=headers, timeout=timeout)
