@@ -100,8 +100,8 @@ def test_bad_packed_arrays_are_422_naming_the_field(routed, engine):
         )
         assert r.status_code == 422, r.text
         details = r.json()["error"]["details"]
-        assert details and all([str(x) for x in d["loc"][:4]] == ["body", "reports", "1", field] for d in details)
-        assert any(fragment in d["msg"] for d in details), details
+        assert [d["loc"] for d in details] == [["body", "reports", "1", field]], details  # the packed branch only
+        assert fragment in details[0]["msg"], details
     assert _stored(engine, work[2].sample_id) == [] and _stored(engine, work[3].sample_id) == []
 
 

@@ -31,6 +31,8 @@ from pydantic_core import CoreSchema, core_schema
 LOGPROB_BOUND = 3.0e38
 PACKED_CONTEXT = {"packed": True}  # model_dump_json(context=...) sends arrays packed
 
+# the union's branches, named in the locations of validation errors (see `untagged`)
+LIST_TAG, PACKED_TAG = "[list]", "[packed]"
 # packed: the float32 nearest the bound, so every log-prob the JSON form takes packs to one taken
 _F32_BOUND = array("f", [LOGPROB_BOUND])[0]
 _I32 = next(code for code in "ilh" if array(code).itemsize == 4)
@@ -105,7 +107,7 @@ class _Packed:
         listed = handler(source)
         packed = core_schema.no_info_after_validator_function(self.unpack, core_schema.str_schema(strict=True))
         return core_schema.union_schema(
-            [(listed, "list"), (packed, "packed")],
+            [(listed, LIST_TAG), (packed, PACKED_TAG)],
             mode="left_to_right",  # a list is tried first: the JSON-list form costs what it did
             serialization=core_schema.plain_serializer_function_ser_schema(
                 self._serialize, info_arg=True, when_used="json"
@@ -128,3 +130,21 @@ class _Packed:
 # Annotated metadata: `Annotated[list[TokenId], PACKED_TOKEN_IDS]` (models.common.TokenIds)
 PACKED_TOKEN_IDS = _Packed("int32", unpack_token_ids, pack_int32)
 PACKED_LOGPROBS = _Packed("float32", unpack_logprobs, pack_float32)
+
+
+def untagged(errors: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Validation errors as they read without the packed form: a list's errors located as
+    before (`tokens.3`, not `tokens.[list].3`), and the branch the input was not written in
+    (the string branch of a list, the list branch of a string) left out."""
+    out = []
+    for e in errors:
+        loc = tuple(e.get("loc", ()))
+        if LIST_TAG in loc or PACKED_TAG in loc:
+            value = e.get("input")
+            if PACKED_TAG in loc and e.get("type") == "string_type" and isinstance(value, list):
+                continue
+            if LIST_TAG in loc and e.get("type") == "list_type" and isinstance(value, str):
+                continue
+            e = {**e, "loc": tuple(p for p in loc if p not in (LIST_TAG, PACKED_TAG))}
+        out.append(e)
+    return out
