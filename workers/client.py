@@ -456,13 +456,15 @@ class StaleFlowClient:
         return self._call(m.DropsOut, "POST", f"/v1/runs/{_ref(run_id)}/rewards/drop", body=body, key=True).dropped
 
     def consume(self, run_id: RunRef, version: int, wait: float | None = None) -> m.BatchOut | None:
-        """The whole batch of buffer `version` once it is ready; None if not ready within `wait`."""
+        """The whole batch of buffer `version` once it is ready; None if not ready within `wait`.
+        Asked for with its arrays packed (`packed`); a server that predates that sends lists."""
         wait = self.wait if wait is None else wait
+        params: dict[str, Any] = {"wait": wait} | ({"packed": "true"} if self.packed else {})
         out = self._call(
             m.ConsumeOut,
             "POST",
             f"/v1/runs/{_ref(run_id)}/batches/{version}/consume",
-            params={"wait": wait},
+            params=params,
             wait=wait,
         )
         return out.batch

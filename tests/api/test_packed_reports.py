@@ -115,3 +115,36 @@ def test_packed_counts_that_differ_are_422(routed, engine):
     assert r.status_code == 422, r.text
     assert "3 tokens but 2 log-probs" in r.json()["error"]["message"]
     assert _stored(engine, work[0].sample_id) == []
+
+
+def test_a_packed_batch_is_the_listed_batch(routed):
+    server, admin, run, inst, work = routed
+    ids = [[3 + i, 40_000, 0, 2**31 - 1][: i + 1] for i in range(4)]
+    reports = [_report(w, t, [-0.5 - j / 7 for j in range(len(t))], kind="finished") for w, t in zip(work, ids)]
+    assert admin.report(run, inst, reports) == 4
+    tasks = admin.claim(run, limit=4, wait=0)
+    admin.record_rewards(run, [(t.sample_id, t.reward_attempt, float(t.sample_id % 2)) for t in tasks])
+    sent: list[httpx.Request] = []
+    admin.http.event_hooks["request"].append(sent.append)
+    packed = admin.consume(run, 0, wait=0)
+    assert sent[-1].url.params["packed"] == "true"
+    listed = server.client(admin.token, packed=False).consume(run, 0, wait=0)
+    assert packed is not None and listed is not None
+    assert packed.consume_fence + 1 == listed.consume_fence
+    # the same float4 log-probs: packed exactly, listed as their shortest decimals
+    for g in (*packed.groups, *listed.groups):
+        for s in g.samples:
+            s.logprobs = [f32(x) for x in s.logprobs]
+    assert packed.groups == listed.groups
+    samples = {s.sample_id: s for g in packed.groups for s in g.samples}
+    assert [samples[w.sample_id].tokens for w in work] == ids
+    assert packed.groups[0].prompt_tokens == [1, 2, 3]
+    # on the wire: strings, not lists
+    raw = httpx.post(
+        f"{server.url}/v1/runs/{run}/batches/0/consume",
+        params={"packed": "true"},
+        headers={"Authorization": f"Bearer {admin.token}"},
+    ).json()
+    sample = raw["batch"]["groups"][0]["samples"][0]
+    assert isinstance(sample["tokens"], str) and isinstance(sample["logprobs"], str)
+    assert isinstance(sample["loss_mask"], list)
