@@ -13,7 +13,10 @@ clock, and barely move with the load of a shared machine. The API's idle CPU (it
 tasks) is measured first and taken out. Bytes are each request's and response's body.
 
 `--wire json` makes the client send JSON lists of numbers (the form older clients send) where
-it sends packed arrays by default, so both forms can be compared by the same code.
+it sends packed arrays by default. `--compare DIR` runs three targets side by side, a phase of
+each in turn so that all see the same load: this code's server with a packed client and with a
+JSON-list client, and the server and client of the code in DIR (say `git archive` of main) with
+JSON lists; the last line is then the first target's.
 
 Last line: ``call_cost heartbeat_api_us=H report_api_us=R poll_api_us=P heartbeat_client_us=C
 report_client_us=RC report_req_bytes=B``.
@@ -23,10 +26,12 @@ from __future__ import annotations
 
 import argparse
 import os
+import subprocess
 import sys
 import time
+import uuid
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +41,6 @@ import psutil
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from bench.api import start_server
 from bench.server_stats import backend_cpu, scratch_database
 from staleflow_db.db import database_url, make_engine
 
@@ -111,9 +115,12 @@ class Meter:
         return getattr(ph, what) / max(ph.calls, 1)
 
 
-def workload(c: Any, meter: Meter, args: argparse.Namespace) -> None:
+def workload(c: Any, meter: Meter, args: argparse.Namespace) -> Iterator[None]:
+    """The calls, a phase at a time (it yields after each, so targets can take turns)."""
     B, N = args.batch, args.group
-    run = c.create_run("call-cost", batch_size=B, group_size=N, eta=0, max_response_tokens=10_000_000).id
+    run = c.create_run(
+        f"call-cost-{uuid.uuid4().hex[:8]}", batch_size=B, group_size=N, eta=0, max_response_tokens=10_000_000
+    ).id
     inst = c.register(run, "gpu0", 0).instance_id
     prompt = list(range(1, args.prompt_tokens + 1))
     tokens = [(7 * i) % 50_000 for i in range(args.segment_tokens)]
@@ -130,7 +137,9 @@ def workload(c: Any, meter: Meter, args: argparse.Namespace) -> None:
         running = [{"sample_id": s, "tokens": 0} for s, _, _ in routes]
         snap = {"running": len(running), "kv_used": 1000, "running_samples": running, "throughput": 1234.5}
         meter.phase("heartbeat", [lambda: c.heartbeat(run, inst, rnd, snap)] * args.calls)
+        yield
         meter.phase("poll (empty)", [lambda: c.poll(run, inst, wait=0)] * args.calls)
+        yield
 
         def segments(i: int, kind: str = "partial") -> list[dict[str, Any]]:
             picked = [routes[(i * args.segments + k) % len(routes)] for k in range(args.segments)]
@@ -142,16 +151,56 @@ def workload(c: Any, meter: Meter, args: argparse.Namespace) -> None:
 
         reports = [lambda i=i: c.report(run, inst, segments(i)) for i in range(args.calls // 2)]
         meter.phase("report (partial)", reports)
+        yield
         last = [
             {"sample_id": s, "attempt": a, "route_token": t, "version": rnd, "tokens": tokens, "logprobs": logprobs}
             for s, a, t in routes
         ]
         meter.phase("report (finished)", [lambda r=r: c.report(run, inst, [r]) for r in last])
+        yield
         tasks = meter.phase("claim (1 task)", [lambda: c.claim(run, limit=1, wait=0)] * len(routes))
+        yield
         rewards = [(t[0].sample_id, t[0].reward_attempt, float(t[0].sample_id % 2)) for t in tasks]
         meter.phase("reward (1)", [lambda r=r: c.record_rewards(run, [r]) for r in rewards])
+        yield
         batches = meter.phase("consume (batch)", [lambda: c.consume(run, rnd, wait=0)] * args.consumes)
         c.publish(run, rnd, batches[-1].consume_fence)
+        yield
+
+
+class Target:
+    """One API server process and a client of it (its own run), with its meter."""
+
+    def __init__(self, name: str, proc: subprocess.Popen, base: str, token: str, url: str, packed: bool):
+        from workers.client import StaleFlowClient
+
+        self.name, self.proc = name, proc
+        self.meter = Meter(proc.pid, url)
+        self.client = StaleFlowClient(base, token, timeout=60)
+        if hasattr(self.client, "packed"):
+            self.client.packed = packed
+        self.client.http.event_hooks["response"].append(self.meter.on_response)
+
+
+def serve(url: str, repo: Path) -> tuple[subprocess.Popen, str]:
+    """`staleflow serve` of the code in `repo` against `url`, once it answers."""
+    from staleflow_cli.launch import free_port
+
+    port = free_port()
+    env = {**os.environ, "STALEFLOW_DATABASE_URL": url, "PYTHONPATH": str(repo)}
+    cmd = [sys.executable, "-m", "staleflow_cli.main", "serve", "--port", str(port), "--no-upgrade"]
+    proc = subprocess.Popen(cmd, cwd=repo, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    base = f"http://127.0.0.1:{port}"
+    with httpx.Client(timeout=1) as http:
+        for _ in range(600):
+            try:
+                if http.get(base + "/readyz").status_code == 200:
+                    return proc, base
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+    proc.kill()
+    raise RuntimeError(f"the API server of {repo} did not start")
 
 
 def main() -> None:
@@ -165,39 +214,55 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=64)
     ap.add_argument("--consumes", type=int, default=5, help="consumes of each ready batch (each a new fence)")
     ap.add_argument("--wire", choices=("packed", "json"), default="packed", help="how the client sends token arrays")
+    ap.add_argument(
+        "--compare",
+        type=Path,
+        default=None,
+        help="a checkout of other code (e.g. `git archive` of main): its server with JSON lists, this code's"
+        " with JSON lists and packed, taking turns phase by phase, so all see the same load",
+    )
     args = ap.parse_args()
 
     from api.auth import create_token
-    from workers.client import StaleFlowClient
 
     server_url = os.environ.get("STALEFLOW_DATABASE_URL") or database_url()
+    targets: list[Target] = []
     with scratch_database(server_url, "sf_callcost") as url:
         engine = make_engine(url)
         token = create_token(engine, "admin")["token"]
         engine.dispose()
-        proc, base = start_server(url, 1)
         try:
-            meter = Meter(proc.pid, url)
-            c = StaleFlowClient(base, token, timeout=60)
-            if hasattr(c, "packed"):
-                c.packed = args.wire == "packed"
-            elif args.wire == "packed":
-                print("(this client has no packed form: it sends JSON lists)")
-            c.http.event_hooks["response"].append(meter.on_response)
-            c.healthz()
-            meter.idle()
+            proc, base = serve(url, REPO)
+            if args.compare is None:
+                targets.append(Target(f"wire={args.wire}", proc, base, token, url, args.wire == "packed"))
+            else:
+                targets.append(Target("this code, packed", proc, base, token, url, True))
+                targets.append(Target("this code, JSON lists", proc, base, token, url, False))
+                other, other_base = serve(url, args.compare.resolve())
+                targets.append(Target(f"{args.compare}, JSON lists", other, other_base, token, url, False))
+            time.sleep(1.0)
+            for t in targets:
+                t.meter.idle()
             load = os.getloadavg()[0]
-            workload(c, meter, args)
-            c.close()
+            runs = [workload(t.client, t.meter, args) for t in targets]
+            while runs:  # a phase of each in turn
+                for r in list(runs):
+                    if next(r, StopIteration) is StopIteration:
+                        runs.remove(r)
         finally:
-            proc.terminate()
-            proc.wait(10)
+            for t in targets:
+                t.client.close()
+            for p in {t.proc for t in targets}:
+                p.terminate()
+                p.wait(10)
     print(
-        f"rounds={args.rounds} B={args.batch} N={args.group} segments/report={args.segments}x{args.segment_tokens} tokens"
-        f" wire={args.wire if hasattr(c, 'packed') else 'json'} load1={load:.1f} on {os.cpu_count()} cores"
-        f" (API idle CPU {meter.idle_api_per_s * 1e3:.1f} ms/s taken out)"
+        f"rounds={args.rounds} B={args.batch} N={args.group} segments/report={args.segments}x{args.segment_tokens}"
+        f" tokens; load1={load:.1f} on {os.cpu_count()} cores (the API's idle CPU taken out)"
     )
-    meter.table()
+    for t in targets:
+        print(f"{t.name}:")
+        t.meter.table()
+    meter = targets[0].meter
     us = {
         "heartbeat_api_us": meter.per_call("heartbeat", "api"),
         "report_api_us": meter.per_call("report (partial)", "api"),
