@@ -115,18 +115,23 @@ class Meter:
         return getattr(ph, what) / max(ph.calls, 1)
 
 
+LEASE = 3600.0  # the other targets take their turns between this one's phases
+
+
 def workload(c: Any, meter: Meter, args: argparse.Namespace) -> Iterator[None]:
     """The calls, a phase at a time (it yields after each, so targets can take turns)."""
     B, N = args.batch, args.group
     run = c.create_run(
         f"call-cost-{uuid.uuid4().hex[:8]}", batch_size=B, group_size=N, eta=0, max_response_tokens=10_000_000
     ).id
-    inst = c.register(run, "gpu0", 0).instance_id
+    inst = c.register(run, "gpu0", 0, lease_seconds=LEASE).instance_id
     prompt = list(range(1, args.prompt_tokens + 1))
     tokens = [(7 * i) % 50_000 for i in range(args.segment_tokens)]
     logprobs = [-(i % 97) / 13.0 - 0.001 for i in range(args.segment_tokens)]  # not round in binary
     for rnd in range(args.rounds):
-        c.heartbeat(run, inst, rnd)  # the instance holds version rnd (it pulled what was published)
+        c.heartbeat(
+            run, inst, rnd, lease_seconds=LEASE
+        )  # the instance holds version rnd (it pulled what was published)
         c.enqueue(run, [(f"r{rnd}p{g}", prompt) for g in range(B)])
         queued = [q.sample_id for q in c.snapshot(run).queued]
         outcomes = [r.outcome for r in c.route(run, [(s, inst) for s in queued])]
@@ -136,7 +141,7 @@ def workload(c: Any, meter: Meter, args: argparse.Namespace) -> Iterator[None]:
         routes = [(w.sample_id, w.attempt, w.route_token) for w in work]
         running = [{"sample_id": s, "tokens": 0} for s, _, _ in routes]
         snap = {"running": len(running), "kv_used": 1000, "running_samples": running, "throughput": 1234.5}
-        meter.phase("heartbeat", [lambda: c.heartbeat(run, inst, rnd, snap)] * args.calls)
+        meter.phase("heartbeat", [lambda: c.heartbeat(run, inst, rnd, snap, LEASE)] * args.calls)
         yield
         meter.phase("poll (empty)", [lambda: c.poll(run, inst, wait=0)] * args.calls)
         yield
