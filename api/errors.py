@@ -19,6 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from staleflow_db.errors import Conflict, InvalidInput, NotFound, ProtocolError, TooLarge
 from staleflow_db.retry import is_db_unavailable
+from workers.wire.packed import untagged
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +63,7 @@ def install(app: FastAPI, retry_after: int) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def validation(_: Request, exc: RequestValidationError) -> JSONResponse:
-        errors = exc.errors()
+        errors = untagged(exc.errors())
         shown = "; ".join(f"{_location(e.get('loc', ()))}: {e.get('msg', 'invalid')}" for e in errors[:5])
         more = f" (+{len(errors) - 5} more)" if len(errors) > 5 else ""
         details = [{"loc": [str(p) for p in e.get("loc", ())], "msg": str(e.get("msg", ""))} for e in errors[:20]]

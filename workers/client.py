@@ -13,6 +13,9 @@
 - Every write that is not idempotent by itself gets one request id (Idempotency-Key) per
   logical call, reused on each retry, so a retried call returns the stored outcome.
 - Long-polls (`poll`, `claim`, `consume`) set the read timeout above the server's wait.
+- Token ids and log-probs in request bodies (reports) go packed (workers.wire.packed: base64 of
+  little-endian int32 / float32), less to encode, send and parse than JSON lists of numbers;
+  `packed=False` sends the lists (a server that predates packed arrays takes only those).
 
 Configuration: arguments, else workers.settings.ClientSettings (STALEFLOW_API_URL, default
 http://127.0.0.1:8000; STALEFLOW_TOKEN, else the file `$STALEFLOW_HOME/token` that `staleflow
@@ -37,6 +40,7 @@ from pydantic import BaseModel
 from workers.retry import API_OUTAGE, Outage
 from workers.settings import DEFAULT_URL, client_settings, home_dir
 from workers.wire import models as m
+from workers.wire.packed import PACKED_CONTEXT
 
 log = logging.getLogger(__name__)
 
@@ -134,6 +138,22 @@ def _ssl_context() -> ssl.SSLContext:
     return httpx.create_ssl_context()
 
 
+class _NoCookies(httpx.Cookies):
+    """The API sets no cookies: httpx's pass over each response for them (an urllib request
+    and the cookie jar's header scan) was ~15% of a call's client CPU."""
+
+    def extract_cookies(self, response: httpx.Response) -> None:
+        return None
+
+
+def _without_cookies(http: httpx.Client) -> httpx.Client:
+    # httpx keeps the jar in `_cookies` (its `cookies` setter would copy it into a plain one);
+    # a version that keeps it elsewhere just goes on extracting
+    if isinstance(getattr(http, "_cookies", None), httpx.Cookies):
+        http._cookies = _NoCookies()
+    return http
+
+
 class StaleFlowClient:
     def __init__(
         self,
@@ -146,8 +166,10 @@ class StaleFlowClient:
         max_backoff: float | None = None,
         wait: float | None = None,
         http: httpx.Client | None = None,
+        packed: bool = True,
     ):
-        """Unset arguments come from ClientSettings; `retry_for=True` too (None: retry forever)."""
+        """Unset arguments come from ClientSettings; `retry_for=True` too (None: retry forever).
+        `packed`: send token ids and log-probs as packed arrays (False: JSON lists)."""
         cfg = client_settings()
         self.token = token if token is not None else default_token()
         self.timeout = cfg.timeout if timeout is None else timeout
@@ -155,6 +177,7 @@ class StaleFlowClient:
         self.backoff = cfg.backoff if backoff is None else backoff
         self.max_backoff = cfg.max_backoff if max_backoff is None else max_backoff
         self.wait = cfg.wait if wait is None else wait  # default long-poll wait
+        self.packed = packed
         timeout = self.timeout
         headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
         if http is not None:  # e.g. starlette's TestClient for an in-process app
@@ -162,7 +185,7 @@ class StaleFlowClient:
             self.replicas = [http]
         else:
             self.replicas = [
-                httpx.Client(base_url=u, headers=headers, timeout=timeout, verify=_ssl_context())
+                _without_cookies(httpx.Client(base_url=u, headers=headers, timeout=timeout, verify=_ssl_context()))
                 for u in api_urls(base_url)
             ]
         self.urls = [str(h.base_url).rstrip("/") for h in self.replicas]
@@ -213,24 +236,37 @@ class StaleFlowClient:
         raises ApiError for any other error status, Unavailable when retries ran out."""
         headers = {"Idempotency-Key": uuid.uuid4().hex} if key else {}
         timeout = httpx.Timeout(self.timeout + (wait or 0.0), connect=min(self.timeout, 10.0))
-        content = body.model_dump_json(exclude_none=True).encode() if body is not None else None
+        context = PACKED_CONTEXT if self.packed else None
+        content = body.model_dump_json(exclude_none=True, context=context).encode() if body is not None else None
         if content is not None:
             headers["Content-Type"] = "application/json"
         kw = dict(content=content, params=params, headers=headers, timeout=timeout)
+        started = time.monotonic()
+        # The first attempt outside the retry controller (building one cost ~15% of a call's
+        # client CPU); a failure enters it as its first attempt, so waits and logs are the same.
+        first: Exception | None = None
         try:
-            policy = API_OUTAGE.but(
-                initial=self.backoff,
-                cap=self.max_backoff,
-                jitter=self.backoff,
-                retry_for=self.retry_for if retry_for is True else retry_for,
-            )
-            for attempt in policy.retrying(self.api, _retryable, stopping=self._giving_up):
-                with attempt:
-                    r = self._attempt(method, path, kw)
-        except httpx.TransportError as exc:
-            raise Unavailable(0, "unreachable", f"{method} {path}: {exc!r}") from exc
-        except _RetryableStatus as exc:
-            raise self._error(exc.response, Unavailable) from None
+            r = self._attempt(method, path, kw)
+        except (httpx.TransportError, _RetryableStatus) as exc:
+            first = exc
+        if first is not None:
+            retry_for = self.retry_for if retry_for is True else retry_for
+            if retry_for is not None:  # the time of the first attempt counts
+                retry_for = max(0.0, retry_for - (time.monotonic() - started))
+            try:
+                policy = API_OUTAGE.but(
+                    initial=self.backoff, cap=self.max_backoff, jitter=self.backoff, retry_for=retry_for
+                )
+                for attempt in policy.retrying(self.api, _retryable, stopping=self._giving_up):
+                    with attempt:
+                        if first is not None:
+                            failed, first = first, None
+                            raise failed
+                        r = self._attempt(method, path, kw)
+            except httpx.TransportError as exc:
+                raise Unavailable(0, "unreachable", f"{method} {path}: {exc!r}") from exc
+            except _RetryableStatus as exc:
+                raise self._error(exc.response, Unavailable) from None
         self.api.ok()
         if r.status_code >= 400:
             raise self._error(r)
@@ -420,13 +456,15 @@ class StaleFlowClient:
         return self._call(m.DropsOut, "POST", f"/v1/runs/{_ref(run_id)}/rewards/drop", body=body, key=True).dropped
 
     def consume(self, run_id: RunRef, version: int, wait: float | None = None) -> m.BatchOut | None:
-        """The whole batch of buffer `version` once it is ready; None if not ready within `wait`."""
+        """The whole batch of buffer `version` once it is ready; None if not ready within `wait`.
+        Asked for with its arrays packed (`packed`); a server that predates that sends lists."""
         wait = self.wait if wait is None else wait
+        params: dict[str, Any] = {"wait": wait} | ({"packed": "true"} if self.packed else {})
         out = self._call(
             m.ConsumeOut,
             "POST",
             f"/v1/runs/{_ref(run_id)}/batches/{version}/consume",
-            params={"wait": wait},
+            params=params,
             wait=wait,
         )
         return out.batch

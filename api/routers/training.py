@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, Path, Request, Response
+from fastapi import APIRouter, Depends, Path, Query, Request, Response
 from sqlalchemy import Connection
 from typing_extensions import TypedDict
 
@@ -30,6 +30,7 @@ from ..auth import Principal
 from ..body import ModelBodyRoute
 from ..deps import IdempotencyKey, RunId, State, Wait, allow_run, long_poll
 from ..notify import BATCH, REWARDS, WORK
+from ..packed_batch import consumed_json
 from ..service import dump, from_data, respond, respond_json, scoped_key
 
 router = APIRouter(route_class=ModelBodyRoute, prefix="/v1/runs/{run_id}", responses=errors(401, 403, 404, 422, 503))
@@ -135,16 +136,22 @@ async def consume(
     version: VersionPath,
     state: State,
     wait: Wait = 0.0,
+    packed: Annotated[bool, Query(description="token ids and log-probs as packed arrays (base64 strings)")] = False,
     who: Principal = Trainer,
 ) -> Response:
     """Long-poll until buffer `version` is ready, then take a new consume fence on it and return the
     whole batch. 409 when the run is not at `version`. A repeated consume takes a new fence
-    (fencing the earlier one), so a retry after a lost response is safe without a request id."""
+    (fencing the earlier one), so a retry after a lost response is safe without a request id.
+    `packed`: `prompt_tokens`, `tokens` and `logprobs` as base64 of little-endian int32 / float32."""
 
     def fetch() -> bytes | None:
         # The batch (every token and log-prob of B x N samples) serialised from the dataclasses.
         batch = state.protocol.consume(run_id, version)
-        return None if batch is None else dump(_ConsumeJson, {"ready": True, "version": version, "batch": batch})
+        if batch is None:
+            return None
+        if packed:
+            return consumed_json(version, batch)
+        return dump(_ConsumeJson, {"ready": True, "version": version, "batch": batch})
 
     out = await long_poll(request, state, run_id, BATCH, wait, fetch, lambda o: o is not None)
     return respond_json(out or dump(_ConsumeJson, {"ready": False, "version": version, "batch": None}))

@@ -286,11 +286,9 @@ def test_the_schema_states_bounds_and_reserved_keys_in_json_schema_terms(world):
     spec = http.get("/openapi.json").json()
     assert {"ge", "le"}.isdisjoint(_keys(spec))  # pydantic's names, which schema tools ignore
     schemas = spec["components"]["schemas"]
-    assert schemas["ReportIn"]["properties"]["logprobs"]["items"] == {
-        "type": "number",
-        "minimum": -3.0e38,
-        "maximum": 3.0e38,
-    }
+    listed, packed = schemas["ReportIn"]["properties"]["logprobs"]["anyOf"]  # a JSON list or packed
+    assert listed["items"] == {"type": "number", "minimum": -3.0e38, "maximum": 3.0e38}
+    assert (packed["type"], packed["contentEncoding"]) == ("string", "base64")
     ttl = schemas["HeartbeatIn"]["properties"]["lease_seconds"]
     assert (ttl["type"], ttl["minimum"], ttl["maximum"]) == ("number", 1.0, 3600.0)
     reward = schemas["RewardIn"]["properties"]["reward"]

@@ -19,11 +19,11 @@ from .common import (
     In,
     Int,
     LeaseSeconds,
-    LogProb,
+    LogProbs,
     Name,
     Number,
     Out,
-    TokenId,
+    TokenIds,
     Version,
 )
 
@@ -142,8 +142,11 @@ class ReportIn(In):
     version: Version | None = Field(
         None, description="model version that generated these tokens; none for an observation"
     )
-    tokens: list[TokenId]
-    logprobs: list[LogProb] = Field(default_factory=list, description="one per token; none for an observation")
+    tokens: TokenIds = Field(description="token ids: a JSON list, or packed (base64 of little-endian int32)")
+    logprobs: LogProbs = Field(
+        default_factory=list,
+        description="one per token, none for an observation: a JSON list, or packed (base64 of little-endian float32)",
+    )
     kind: SegmentKind = SegmentKind.FINISHED
     finish_reason: Name | None = None
     generated: Bool = Field(

@@ -7,7 +7,12 @@ from typing import Annotated, Any
 from pydantic import Field
 
 from ..enums import DropReason, GroupState
+from ..packed import PACKED_LOGPROBS, PACKED_TOKEN_IDS
 from .common import INT64_MAX, Attempt, ClaimSeconds, Finite, Id, In, Int, Location, Name, Out
+
+# Arrays of a batch: JSON lists, or packed strings (consume?packed=true) read into lists
+TokenList = Annotated[list[int], PACKED_TOKEN_IDS]
+FloatList = Annotated[list[float], PACKED_LOGPROBS]
 
 # A reward's extra metrics: {name: finite number}, at most 64 (staleflow_db.protocol.scoring).
 MetricName = Annotated[str, Field(min_length=1, max_length=200, pattern=r"^[^\x00]*$")]
@@ -87,8 +92,8 @@ class TrainSampleOut(Out):
     sample_id: int
     idx: int
     v_traj: int
-    tokens: list[int]
-    logprobs: list[float]
+    tokens: TokenList
+    logprobs: FloatList
     reward: float
     finish_reason: str | None
     segments: list[SegmentInfoOut]
@@ -100,7 +105,7 @@ class TrainSampleOut(Out):
 class TrainGroupOut(Out):
     group_id: int
     group_version: int
-    prompt_tokens: list[int]
+    prompt_tokens: TokenList
     meta: dict[str, Any]
     samples: list[TrainSampleOut]
 

@@ -1,0 +1,143 @@
+"""The packed-array codec (workers.wire.packed) and the report model's two forms: round trips
+of token ids and log-probs, and the refusals (bad base64, a length that is not whole 4-byte
+elements, negative ids, non-finite or out-of-range log-probs), each naming the field."""
+
+from __future__ import annotations
+
+import base64
+import json
+import math
+import struct
+
+import pytest
+from pydantic import ValidationError
+
+from workers.wire.models import ReportIn, ReportsIn
+from workers.wire.packed import (
+    LIST_TAG,
+    LOGPROB_BOUND,
+    PACKED_CONTEXT,
+    pack_float32,
+    pack_int32,
+    unpack_logprobs,
+    unpack_token_ids,
+    untagged,
+)
+
+ROUTE = "12345678-1234-1234-1234-123456789012"
+
+
+def f32(x: float) -> float:
+    return struct.unpack("<f", struct.pack("<f", x))[0]
+
+
+def b64(raw: bytes) -> str:
+    return base64.b64encode(raw).decode()
+
+
+def test_token_ids_round_trip_little_endian():
+    ids = [0, 1, 255, 256, 65_535, 2**31 - 1, 7]
+    packed = pack_int32(ids)
+    assert base64.b64decode(packed) == struct.pack(f"<{len(ids)}i", *ids)
+    assert unpack_token_ids(packed) == ids
+    assert unpack_token_ids("") == [] and pack_int32([]) == ""
+
+
+def test_logprobs_round_trip_as_float32():
+    values = [0.0, -0.0, -0.5, -1e-40, -123.456, -3.0e38, 3.0e38, f32(-0.1)]
+    packed = pack_float32(values)
+    assert base64.b64decode(packed) == struct.pack(f"<{len(values)}f", *values)
+    assert unpack_logprobs(packed) == [f32(v) for v in values]  # rounded as a float4 column keeps them
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("not base64!", "not base64"),
+        ("AAAA=AAA", "not base64"),
+        ("AAA", "not base64"),  # bad padding
+        ("é", "not base64"),
+        (b64(b"\x00" * 7), "7 bytes is not a whole number of 4-byte int32 values"),
+        (b64(struct.pack("<3i", 5, -1, 6)), "token id -1 is negative"),
+        (b64(struct.pack("<i", -(2**31))), "is negative"),
+    ],
+)
+def test_token_ids_refused(text, message):
+    with pytest.raises(ValueError, match=message):
+        unpack_token_ids(text)
+
+
+@pytest.mark.parametrize(
+    "values, message",
+    [
+        ([-0.5, math.nan], "finite"),
+        ([math.inf], "finite"),
+        ([-math.inf, -0.5], "finite"),
+        ([-0.5, 3.2e38], "outside"),
+        ([-3.3e38], "outside"),
+    ],
+)
+def test_logprobs_refused(values, message):
+    with pytest.raises(ValueError, match=message):
+        unpack_logprobs(b64(struct.pack(f"<{len(values)}f", *values)))
+
+
+def test_logprobs_near_the_bound_are_checked_exactly():
+    # high byte 0x7f / 0xff but finite and inside the bound: the slow path takes them
+    assert unpack_logprobs(pack_float32([2.0e38, -2.9e38])) == [f32(2.0e38), f32(-2.9e38)]
+    with pytest.raises(ValueError, match="multiple|whole number"):
+        unpack_logprobs(b64(b"\x00" * 6))
+
+
+def _report(**kw):
+    return {"sample_id": 1, "attempt": 0, "route_token": ROUTE, "version": 0, **kw}
+
+
+def test_report_takes_either_form_and_sends_packed_on_request():
+    ids, lps = [3, 4, 5], [f32(-0.25), f32(-1.5), f32(-0.1)]
+    listed = ReportIn.model_validate(_report(tokens=ids, logprobs=lps))
+    packed = ReportIn.model_validate_json(json.dumps(_report(tokens=pack_int32(ids), logprobs=pack_float32(lps))))
+    assert listed.tokens == packed.tokens == ids and listed.logprobs == packed.logprobs == lps
+    # JSON lists unless asked: what older readers take; packed with the context
+    assert json.loads(listed.model_dump_json())["tokens"] == ids
+    sent = json.loads(listed.model_dump_json(context=PACKED_CONTEXT))
+    assert sent["tokens"] == pack_int32(ids) and sent["logprobs"] == pack_float32(lps)
+    assert ReportIn.model_validate_json(listed.model_dump_json(context=PACKED_CONTEXT)) == listed
+    assert listed.model_dump()["tokens"] == ids  # Python mode: lists
+
+
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("tokens", "***", "not base64"),
+        ("tokens", b64(b"\x01\x00\x00\x00\x02"), "not a whole number"),
+        ("tokens", b64(struct.pack("<i", -3)), "negative"),
+        ("logprobs", b64(struct.pack("<f", math.nan)), "finite"),
+        ("logprobs", 5, "valid array"),  # neither a list nor a string
+    ],
+)
+def test_report_refusals_name_the_field(field, value, message):
+    body = {"reports": [_report(tokens=[1], logprobs=[-0.5]) | {field: value}]}
+    with pytest.raises(ValidationError) as err:
+        ReportsIn.model_validate_json(json.dumps(body))
+    errors = err.value.errors()
+    assert all(e["loc"][:3] == ("reports", 0, field) for e in errors)
+    assert any(message in e["msg"] for e in errors)
+
+
+def test_list_form_keeps_its_element_checks():
+    with pytest.raises(ValidationError) as err:
+        ReportsIn.model_validate_json(json.dumps({"reports": [_report(tokens=[1, -2], logprobs=[-0.5, -0.5])]}))
+    errors = err.value.errors()
+    assert ("reports", 0, "tokens", LIST_TAG, 1) in [e["loc"] for e in errors]
+    # as the API shows them: located as without the packed form, the string branch left out
+    assert [e["loc"] for e in untagged(errors)] == [("reports", 0, "tokens", 1)]
+
+
+def test_json_schema_publishes_both_forms():
+    tokens = ReportIn.model_json_schema()["properties"]["tokens"]
+    kinds = {c.get("type"): c for c in tokens["anyOf"]}
+    assert kinds["array"]["items"]["minimum"] == 0
+    assert kinds["string"]["contentEncoding"] == "base64"
+    assert "int32" in kinds["string"]["description"]
+    assert LOGPROB_BOUND == 3.0e38
