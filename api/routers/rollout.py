@@ -75,7 +75,9 @@ def heartbeat(
     state: State,
     who: Principal = Rollout,
 ) -> Response:
-    """Extend the instance lease and store the snapshot. 409: the lease expired (register again)."""
+    """Extend the instance lease and store the snapshot. 409: the lease expired (register again).
+    Any poll or report of the instance extends the lease too: a busy instance heartbeats only
+    when its snapshot changed and no report carried it."""
     state.instance_in_run(run_id, instance_id, who)
     state.protocol.heartbeat(instance_id, body.version, body.snapshot.model_dump(), body.lease_seconds)
     return respond(HeartbeatOut(instance_id=instance_id, lease_seconds=body.lease_seconds))
@@ -99,7 +101,7 @@ async def poll(
     limit: Limit = 1000,
     who: Principal = Rollout,
 ) -> Response:
-    """Long-poll: one reply shape, `work` (newly routed samples, with the tokens and log-probs
+    """Long-poll (it renews the instance's lease): one reply shape, `work` (newly routed samples, with the tokens and log-probs
     to continue from) and `commands` (interrupt, abort, pull), each empty when there is none.
     Returns as soon as either part has something, or both empty after `wait` seconds. Delivery is once: send an Idempotency-Key so a retry after a lost response
     gets the same delivery back."""
@@ -140,7 +142,9 @@ def report(
     `generated: false` is an environment observation (multi-turn: no version, loss mask 0). All or nothing: 409 naming
     the samples whose route this instance does not hold (another instance's sample, a stale
     attempt, a wrong route token, a sample no longer running) or, for every sample, when the
-    instance itself is fenced (instance lease lapsed or expired: register again)."""
+    instance itself is fenced (instance lease lapsed or expired: register again). A report
+    renews the instance's lease as a heartbeat does; its `snapshot`, when sent, is stored as a
+    heartbeat's (the version is the heartbeat's to change)."""
     state.instance_in_run(run_id, instance_id, who)
     reports = [
         Report(
@@ -158,8 +162,10 @@ def report(
         for r in body.reports
     ]
 
+    snapshot = body.snapshot.model_dump() if body.snapshot is not None else None
+
     def call(conn: Connection) -> ReportsOut:
-        return ReportsOut(applied=state.protocol.report(run_id, reports, conn=conn))
+        return ReportsOut(applied=state.protocol.report(run_id, reports, snapshot=snapshot, conn=conn))
 
     out, replayed = state.protocol.once(scoped_key(key, f"inst{instance_id}"), "report", body, call, ReportsOut)
     if not replayed and any(r.kind == SegmentKind.FINISHED for r in reports):
