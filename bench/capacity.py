@@ -154,6 +154,7 @@ def run_step(args, cad: dict, bases: list[str], admin: StaleFlowClient, report: 
             rewarders=args.reward_workers,
             lease_s=15.0,
             report_s=0.05,
+            heartbeat_s=1.0,  # the least time between two snapshots a report carries
             checkpoint_s=5.0,
             snapshot_every_s=5.0,  # the worker's default: a third of the lease
             poll_wait_s=5.0,

@@ -5,10 +5,11 @@ cadence over REST, with the requests and responses built from the `workers.wire`
   capacity, keeps a long-poll open for work and commands (the inbox greenlet, `poll_wait_s`),
   reports when a segment ends (coalesced over 50 ms, one call for all its samples) or a
   checkpoint is due (every held sample as a partial segment every 5 s; half due, it rides a
-  report that goes anyway), each report carrying the snapshot; polls and reports renew the
-  lease, so it heartbeats only when nothing carried a snapshot for `snapshot_every_s` (or no
-  call at all went for that long), and on a pull command interrupts what it holds, reports it
-  and heartbeats the new version. Instead of an engine it
+  report that goes anyway), a report carrying the snapshot at most once a `heartbeat_s`. Polls
+  and reports renew the lease, so it heartbeats only for a snapshot a report left out (a second
+  later), none sent for `snapshot_every_s` while it holds samples, or no call at all for that
+  long; on a pull command it interrupts what it holds, reports it and heartbeats the new
+  version. Instead of an engine it
   holds `slots` samples, each generating `tokens_per_s` tokens (the cost model's per-sample decode
   rate) for an exponentially drawn lifetime whose mean keeps the instance at the cost model's
   sample rate; an agentic sample (`turns` > 1) ends each turn but the last as the real worker with an
@@ -122,6 +123,7 @@ class Instance(Api):
         now = time.monotonic()
         # registration sent the capacity: the first snapshot; checkpoints spread over the interval
         self.last = {"heartbeat": now, "report": 0.0, "snapshot": now, "poll": now}
+        self.owed = False  # a report went without the snapshot
         checkpoint = now - random.uniform(0, c["checkpoint_s"])
         poller = gevent.spawn(self.poll_loop)
         try:
@@ -145,8 +147,9 @@ class Instance(Api):
                 # a heartbeat only for what nothing else carried (the worker's `_heartbeat_due`;
                 # no preemption or environment wait here, so no unpredictable change)
                 quiet = now - max(self.last["report"], self.last["heartbeat"], self.last["poll"])
-                stale = now - self.last["snapshot"] >= c["snapshot_every_s"] and bool(self.held)
-                if quiet >= c["snapshot_every_s"] or stale:
+                since = now - self.last["snapshot"]
+                stale = since >= c["snapshot_every_s"] and bool(self.held)
+                if quiet >= c["snapshot_every_s"] or stale or (self.owed and since >= c["heartbeat_s"]):
                     self.heartbeat()
         finally:
             poller.kill()
@@ -270,12 +273,18 @@ class Instance(Api):
             for r in items:
                 (later if r["sample_id"] in seen else batch).append(r)
                 seen.add(r["sample_id"])
-            snap = None if later else self.snapshot()  # the last call carries the snapshot
+            # the last call carries the snapshot when one is due (at most one a heartbeat_s)
+            due = time.monotonic() - self.last["snapshot"] >= CFG["heartbeat_s"]
+            snap = self.snapshot() if not later and due else None
             body = m.ReportsIn(reports=[m.ReportIn.model_validate(r) for r in batch], snapshot=snap)
             if self.call("report", f"/instances/{self.instance}/segments", body, m.ReportsOut, key=True) is not None:
                 SHARED["finished"] += sum(r["kind"] == "finished" for r in batch)
             items = later
-        self.last["report"] = self.last["snapshot"] = time.monotonic()
+            if snap is not None:
+                self.last["snapshot"], self.owed = time.monotonic(), False
+            elif not later:
+                self.owed = True  # a report went without it: one is owed within heartbeat_s
+        self.last["report"] = time.monotonic()
 
     def snapshot(self, pulling: bool = False) -> m.InstanceSnapshotIn:
         c = CFG
@@ -294,6 +303,7 @@ class Instance(Api):
         body = m.HeartbeatIn(version=self.version, snapshot=self.snapshot(pulling), lease_seconds=CFG["lease_s"])
         self.call("heartbeat", f"/instances/{self.instance}/heartbeat", body, m.HeartbeatOut)
         self.last["heartbeat"] = self.last["snapshot"] = time.monotonic()
+        self.owed = False
 
 
 class Coordinator(Api):

@@ -11,10 +11,12 @@ so a busy instance needs no heartbeat for it. A report goes when a segment ends 
 interrupted, a turn answered) or a checkpoint is due, one call for every sample's pending
 segments (coalesced over `report_every_s`); a report that goes anyway takes the checkpoint with
 it once half its interval has passed, and a checkpoint is never later than `checkpoint_every_s`
-(what a killed worker loses). Every report carries the instance's snapshot. A heartbeat goes
-alone only for what no report carried: a change the coordinator cannot predict (a sample
-preempted to waiting, a trajectory gone to its environment, a new version: at most one per
-`heartbeat_s`), progress unsent for `snapshot_every_s` while the engine works, or no call at
+(what a killed worker loses). A report carries the instance's snapshot when one is due (at
+most one a `heartbeat_s`, sooner for a change the coordinator cannot predict). A heartbeat goes
+alone only for what no report carried, at most one a `heartbeat_s`: a change the coordinator
+cannot predict (a sample preempted to waiting, a trajectory gone to its environment, a new
+version), the snapshot a report left out (the next report within `heartbeat_s` usually takes
+it), progress unsent for `snapshot_every_s` while the engine works, or no call at
 all for `snapshot_every_s` (an idle instance's polls renew its lease, so it rarely needs one).
 The inbox's long-poll waits `poll_wait_s` and polls only while this loop ticks: an engine
 that hangs stops renewing the lease, which lapses and requeues its samples. A lost route (409) drops the sample locally: its late result
@@ -123,6 +125,7 @@ class RolloutWorker:
         # last heartbeat, report, checkpoint, snapshot sent (with either) and loop tick
         self._last = {"heartbeat": 0.0, "report": 0.0, "checkpoint": now, "snapshot": 0.0, "tick": now}
         self._sent: tuple[int, ...] | None = None  # the unpredictable counts of the last snapshot sent
+        self._owed = False  # a report went without the snapshot: one is owed within heartbeat_s
         self._inbox: Inbox | None = None
 
     # ---- lifecycle -------------------------------------------------------------------------
@@ -428,7 +431,7 @@ class RolloutWorker:
             for r in pending:
                 (later if r["sample_id"] in seen else batch).append(r)
                 seen.add(r["sample_id"])
-            if not later:  # the last call carries the snapshot, taken after every segment queued
+            if not later and self._snapshot_due():  # on the last call: after every segment queued
                 snapshot = self._snapshot()
             while batch:
                 try:
@@ -449,6 +452,8 @@ class RolloutWorker:
         self._last["report"] = time.monotonic()
         if snapshot is not None:
             self._sent_snapshot(snapshot)
+        else:
+            self._owed = True
 
     # ---- weights and snapshots --------------------------------------------------------------
 
@@ -485,10 +490,16 @@ class RolloutWorker:
             return True  # no call at all lately
         if since < self.heartbeat_s:
             return False
-        return self._unpredictable() != self._sent or (since >= self.snapshot_every_s and bool(self.held))
+        return self._owed or self._unpredictable() != self._sent or (since >= self.snapshot_every_s and bool(self.held))
+
+    def _snapshot_due(self) -> bool:
+        """Whether a report carries the snapshot: at most one a `heartbeat_s` (as heartbeats once
+        did), sooner for an unpredictable change. A report without one takes the instance row
+        only FOR SHARE (a renewal aside), so it never waits on a route to the instance."""
+        return time.monotonic() - self._last["snapshot"] >= self.heartbeat_s or self._unpredictable() != self._sent
 
     def _sent_snapshot(self, snapshot: dict[str, Any]) -> None:
-        self._last["snapshot"] = time.monotonic()
+        self._last["snapshot"], self._owed = time.monotonic(), False
         self._sent = self._unpredictable()
 
     def _heartbeat(self, pulling: bool = False) -> None:
