@@ -4,27 +4,30 @@ Loop: take routed samples and commands from the inbox (a thread long-polling for
 a command arrives while the engine steps), step the engine, report finished and
 interrupted stretches as segments (batched, fenced by instance, attempt and route token),
 checkpoint long stretches as partial segments so a crash loses little, and pull new weights
-when the coordinator says so.
+when the coordinator says so. A lost route (409) drops the sample locally: its late result
+is never applied.
 
-Calls follow transitions, not timers. Any call of the instance (poll, report) renews its lease,
-so a busy instance needs no heartbeat for it. A report goes when a segment ends (finished,
-interrupted, a turn answered) or a checkpoint is due, one call for every sample's pending
-segments (coalesced over `report_every_s`); a report that goes anyway takes the checkpoint with
-it once half its interval has passed, and a checkpoint is never later than `checkpoint_every_s`
-(what a killed worker loses). A report carries the instance's snapshot when one is due (at
-most one a `heartbeat_s`, sooner for a change the coordinator cannot predict). A heartbeat goes
-alone only for what no report carried, at most one a `heartbeat_s`: a change the coordinator
-cannot predict (a sample preempted to waiting, a trajectory gone to its environment, a new
-version), the snapshot a report left out (the next report within `heartbeat_s` usually takes
-it), progress unsent for `snapshot_every_s` while the engine works, or no call at
-all for `snapshot_every_s` (an idle instance's polls renew its lease, so it rarely needs one).
-The inbox's long-poll waits `poll_wait_s` and polls only while this loop ticks: an engine
-that hangs stops renewing the lease, which lapses and requeues its samples. A lost route (409) drops the sample locally: its late result
-is never applied. With an environment (`turns`, turns.py), a finished stretch ends a turn:
-the environment steps in the background while the engine decodes the others (the heartbeat
-reports the trajectory as waiting for it, outside the engine's counts), then the trajectory
-either ends or goes back to the queue with the observation appended; a failed or hung
-environment drops it through the API with the reason.
+Calls follow transitions, not timers. Any call of the instance (poll, report) renews its
+lease, so a busy instance needs no heartbeat for it. A report goes when a segment ends
+(finished, interrupted, a turn answered) or a checkpoint is due: one call for every sample's
+pending segments, coalesced over `report_every_s`. A report that goes anyway takes the
+checkpoint along once half its interval has passed; a checkpoint is never later than
+`checkpoint_every_s` (what a killed worker loses). A report carries the instance's snapshot
+when one is due: at most one a `heartbeat_s` (the snapshot's staleness, as when heartbeats
+came once a second), sooner for a change the coordinator cannot predict. A heartbeat goes
+alone, at most one a `heartbeat_s`, only for what no report carried: such a change (a sample
+preempted to waiting, a trajectory gone to its environment, a new version), a snapshot a
+report left out (the next report usually takes it first), progress unsent for
+`snapshot_every_s` while it holds samples, or no call at all for `snapshot_every_s`. An idle
+instance's long-polls (`poll_wait_s`) renew its lease; the inbox polls only while this loop
+ticks, so an engine that hangs stops renewing it, and the lease lapses and requeues its
+samples.
+
+With an environment (`turns`, turns.py), a finished stretch ends a turn: the environment
+steps in the background while the engine decodes the others (the snapshot reports the
+trajectory as waiting for it, outside the engine's counts), then the trajectory either ends
+or goes back to the queue with the observation appended; a failed or hung environment drops
+it through the API with the reason.
 """
 
 from __future__ import annotations
