@@ -333,7 +333,7 @@ def main() -> None:
         f"cadence ({cad['setup']}): {cad['slots']} samples held per instance (engine runs {cad['engine_running']}), "
         f"{cad['tokens_per_s']:.1f} tokens/s each, {cad['sample_rate']:.3f} samples/s per instance, "
         f"{cad['turns']} turn(s) per sample; reports when a segment ends (coalesced over 50 ms), checkpoints every 5 s "
-        "(riding a report once half due), long-poll 5 s, polls and reports renew the lease, a heartbeat "
+        "(riding a report once 80% due), long-poll 5 s, polls and reports renew the lease, a heartbeat "
         "only when no snapshot went for 5 s"
     )
     print(

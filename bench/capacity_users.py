@@ -4,7 +4,7 @@ cadence over REST, with the requests and responses built from the `workers.wire`
 * `Instance` is a rollout instance as `workers/rollout/worker.py` runs one: it registers with its
   capacity, keeps a long-poll open for work and commands (the inbox greenlet, `poll_wait_s`),
   reports when a segment ends (coalesced over 50 ms, one call for all its samples) or a
-  checkpoint is due (every held sample as a partial segment every 5 s; half due, it rides a
+  checkpoint is due (every held sample as a partial segment every 5 s; 80% due, it rides a
   report that goes anyway), a report carrying the snapshot at most once a `heartbeat_s`. Polls
   and reports renew the lease, so it heartbeats only for a snapshot a report left out (a second
   later), none sent for `snapshot_every_s` while it holds samples, or no call at all for that
@@ -138,8 +138,8 @@ class Instance(Api):
                         self.end_turn(sid, now)
                 since = now - checkpoint
                 reporting = bool(self.pending) and now - self.last["report"] >= c["report_s"]
-                if since >= c["checkpoint_s"] or (reporting and since >= c["checkpoint_s"] / 2):
-                    checkpoint = now  # due, or half due and a report goes anyway: it rides along
+                if since >= c["checkpoint_s"] or (reporting and since >= c["checkpoint_s"] * 0.8):
+                    checkpoint = now  # due, or nearly and a report goes anyway: it rides along
                     for sid in list(self.held):
                         self.segment(sid, now, "partial")
                 if self.pending and now - self.last["report"] >= c["report_s"]:

@@ -107,6 +107,15 @@ def test_reports_and_polls_renew_a_live_lease_and_never_a_lapsed_one(routed):
     assert [q.sample_id for q in admin.snapshot(run).queued] == [work.sample_id]
 
 
+def test_a_trajectory_drop_renews_the_lease_too(routed):
+    admin, rollout, run, iid, work, db = routed
+    db.set_lease_left(iid, 2.0)
+    assert rollout.drop_trajectories(run, iid, [(work.sample_id, work.attempt, work.route_token)], "env_failed") == [
+        work.sample_id
+    ]
+    assert db.lease_left(iid) > LEASE - 5
+
+
 def test_a_report_carries_the_snapshot_the_coordinator_reads(routed, db_url):
     admin, rollout, run, iid, work, db = routed
     snap = {"running": 1, "kv_used": 40, "running_samples": [{"sample_id": work.sample_id, "tokens": 37}]}
