@@ -7,8 +7,8 @@ cadence over REST, with the requests and responses built from the `workers.wire`
   checkpoint is due (every held sample as a partial segment every 5 s; 80% due, it rides a
   report that goes anyway), a report carrying the snapshot at most once a `heartbeat_s`. Polls
   and reports renew the lease, so it heartbeats only for a snapshot a report left out (a second
-  later), none sent for `snapshot_every_s` while it holds samples, or no call at all for that
-  long; on a pull command it interrupts what it holds, reports it and heartbeats the new
+  later), none sent for `snapshot_every_s` while it holds samples, or no call at all for half
+  a lease; on a pull command it interrupts what it holds, reports it and heartbeats the new
   version. Instead of an engine it
   holds `slots` samples, each generating `tokens_per_s` tokens (the cost model's per-sample decode
   rate) for an exponentially drawn lifetime whose mean keeps the instance at the cost model's
@@ -149,7 +149,7 @@ class Instance(Api):
                 quiet = now - max(self.last["report"], self.last["heartbeat"], self.last["poll"])
                 since = now - self.last["snapshot"]
                 stale = since >= c["snapshot_every_s"] and bool(self.held)
-                if quiet >= c["snapshot_every_s"] or stale or (self.owed and since >= c["heartbeat_s"]):
+                if quiet >= c["lease_s"] / 2 or stale or (self.owed and since >= c["heartbeat_s"]):
                     self.heartbeat()
         finally:
             poller.kill()

@@ -18,7 +18,7 @@ came once a second), sooner for a change the coordinator cannot predict. A heart
 alone, at most one a `heartbeat_s`, only for what no report carried: such a change (a sample
 preempted to waiting, a trajectory gone to its environment, a new version), a snapshot a
 report left out (the next report usually takes it first), progress unsent for
-`snapshot_every_s` while it holds samples, or no call at all for `snapshot_every_s`. An idle
+`snapshot_every_s` while it holds samples, or no call at all for half a lease. An idle
 instance's long-polls (`poll_wait_s`) renew its lease; the inbox polls only while this loop
 ticks, so an engine that hangs stops renewing it, and the lease lapses and requeues its
 samples.
@@ -118,7 +118,8 @@ class RolloutWorker:
         self.heartbeat_s, self.lease_s = heartbeat_s, lease_s
         self.report_every_s, self.checkpoint_every_s = report_every_s, checkpoint_every_s
         self.idle_wait_s = idle_wait_s
-        # a third of the lease: calls come often enough that one renews it well before it lapses
+        # a third of the lease: the longest a held sample's progress goes unsent, and an idle
+        # long-poll (each renews the lease well before it lapses)
         self.snapshot_every_s = lease_s / 3 if snapshot_every_s is None else snapshot_every_s
         self.poll_wait_s = lease_s / 3 if poll_wait_s is None else poll_wait_s
         self.instance_id: int | None = None
@@ -492,8 +493,8 @@ class RolloutWorker:
         """A heartbeat goes alone only for what nothing else carried (see the module docstring)."""
         since = now - self._last["snapshot"]
         polled = self._inbox.last_poll if self._inbox is not None else 0.0
-        if now - max(self._last["report"], self._last["heartbeat"], polled) >= self.snapshot_every_s:
-            return True  # no call at all lately
+        if now - max(self._last["report"], self._last["heartbeat"], polled) >= self.lease_s / 2:
+            return True  # no call at all for half a lease (a poll stuck in flight): renew it
         if since < self.heartbeat_s:
             return False
         return self._owed or self._unpredictable() != self._sent or (since >= self.snapshot_every_s and bool(self.held))
