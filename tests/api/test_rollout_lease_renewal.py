@@ -146,6 +146,7 @@ class _Hanging(SimEngine):
         return super().step()
 
 
+@pytest.mark.slow
 def test_a_busy_worker_holds_its_lease_without_heartbeats_until_its_engine_hangs(db_url):
     with ApiServer(db_url) as server:
         admin = server.client(token(db_url, "admin"))
@@ -155,9 +156,9 @@ def test_a_busy_worker_holds_its_lease_without_heartbeats_until_its_engine_hangs
         client = server.client(token(db_url, "rollout", run))
         client.http.event_hooks["request"].append(lambda r: sent.append(r.url.path.rsplit("/", 1)[-1]))
         engine = _Hanging(max_running=4, time_scale=1.0)
-        # a 5-s lease and no heartbeat unless nothing at all was sent for an hour
+        # a 10-s lease, renewed by its reports and 1-s polls: no heartbeat unless no call went for 5 s
         worker = RolloutWorker(
-            client, run, engine, name="busy", lease_s=5.0, heartbeat_s=3600, snapshot_every_s=3600, poll_wait_s=1.0
+            client, run, engine, name="busy", lease_s=10.0, heartbeat_s=3600, snapshot_every_s=3600, poll_wait_s=1.0
         )
         t = threading.Thread(target=worker.run, daemon=True)
         t.start()
