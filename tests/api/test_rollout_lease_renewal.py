@@ -44,6 +44,13 @@ class Db:
                 {"i": iid},
             ).scalar_one()
 
+    def age(self, iid: int) -> float:
+        """Seconds since the instance registered (the database's clock)."""
+        with self.engine.connect() as c:
+            return c.execute(
+                text("SELECT extract(epoch FROM now() - created_at)::float8 FROM instances WHERE id = :i"), {"i": iid}
+            ).scalar_one()
+
     def set_lease_left(self, iid: int, seconds: float) -> None:
         with self.engine.begin() as c:
             c.execute(
@@ -150,8 +157,8 @@ class _Hanging(SimEngine):
 def test_a_busy_worker_holds_its_lease_without_heartbeats_until_its_engine_hangs(db_url):
     with ApiServer(db_url) as server:
         admin = server.client(token(db_url, "admin"))
-        run = admin.create_run("busy", batch_size=8, group_size=2, eta=0, max_response_tokens=48).id
-        admin.enqueue(run, [(f"p{i}", [1, 2, 3 + i]) for i in range(8)])
+        run = admin.create_run("busy", batch_size=40, group_size=2, eta=0, max_response_tokens=100).id
+        admin.enqueue(run, [(f"p{i}", [1, 2, 3 + i]) for i in range(40)])
         sent: list[str] = []
         client = server.client(token(db_url, "rollout", run))
         client.http.event_hooks["request"].append(lambda r: sent.append(r.url.path.rsplit("/", 1)[-1]))
@@ -167,18 +174,24 @@ def test_a_busy_worker_holds_its_lease_without_heartbeats_until_its_engine_hangs
             _wait(lambda: worker.instance_id is not None, "registered")
             first = worker.instance_id
             queued = [q.sample_id for q in admin.snapshot(run).queued]
-            assert len(queued) == 16
-            for k in range(0, 12, 4):  # four at a time: the engine stays busy for several leases
-                admin.route(run, [(s, first) for s in queued[k : k + 4]])
-                _wait(lambda k=k: worker.stats.finished >= k + 4, "the samples finished", 120)
+            done = 0
+            # four at a time, until the worker has been busy for longer than its lease
+            while db.age(first) < 12.0:
+                batch, queued = queued[:4], queued[4:]
+                assert len(batch) == 4, "the samples ran out before a lease passed"
+                admin.route(run, [(s, first) for s in batch])
+                done += 4
+                _wait(lambda done=done: worker.stats.finished >= done, "the samples finished", 120)
             assert worker.instance_id == first and worker.stats.lost == 0  # never fenced
+            assert db.lease_left(first) > 0  # renewed: it would have lapsed by now
             assert "heartbeat" not in sent and "segments" in sent and "poll" in sent
             # the engine hangs: the loop stops, the inbox stops polling, the lease lapses
             engine.hang.set()
-            admin.route(run, [(s, first) for s in queued[12:]])
+            hung = queued[:4]
+            admin.route(run, [(s, first) for s in hung])
             _wait(lambda: db.lease_left(first) < 0, "the lease to lapse", 60)
             assert admin.expire_instances(run) == [first]
-            assert {q.sample_id for q in admin.snapshot(run).queued} == set(queued[12:])
+            assert set(hung) <= {q.sample_id for q in admin.snapshot(run).queued}
         finally:
             engine.release.set()
             worker.stop()
