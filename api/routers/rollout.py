@@ -186,7 +186,7 @@ def drop_trajectories(
     hung (`env_timeout`): each is aborted with `reason`, fenced by its attempt and route token
     like a report (409 when the route or the instance's lease was lost; all or nothing). A
     group left with fewer than N live members is aborted too. A drop already done at that
-    attempt is skipped, so a retry changes nothing."""
+    attempt is skipped, so a retry changes nothing. Like a report, it renews the lease."""
     state.instance_in_run(run_id, instance_id, who)
     drops = [(d.sample_id, d.attempt, str(d.route_token)) for d in body.drops]
 
