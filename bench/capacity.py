@@ -11,8 +11,8 @@ tokens/s, so partial segments carry real token counts. `--turns K` makes samples
 turns each, every turn routed, generated and reported, an observation between turns.
 
 Service level of a step: 0 errors, p99 <= 250 ms on every endpoint that is not a long-poll,
-command (pull) delivery p99 <= 250 ms when pulls happened in the window, no lease lapsed (every
-heartbeat accepted). The ramp doubles from `--start` until a step fails (or, with `--keep-going`, on) up to
+command (pull) delivery p99 <= 250 ms when pulls happened in the window, no lease lapsed (no
+call of an instance refused with 409). The ramp doubles from `--start` until a step fails (or, with `--keep-going`, on) up to
 `--max-instances`.
 
 Per step: instances, calls/s, calls per finished sample, p50/p99 per endpoint, CPU per call of
@@ -153,10 +153,11 @@ def run_step(args, cad: dict, bases: list[str], admin: StaleFlowClient, report: 
             control=k == 0,
             rewarders=args.reward_workers,
             lease_s=15.0,
-            heartbeat_s=1.0,
             report_s=0.05,
+            heartbeat_s=1.0,  # the least time between two snapshots a report carries
             checkpoint_s=5.0,
-            idle_wait_s=1.0,
+            snapshot_every_s=5.0,  # the worker's default: a third of the lease
+            poll_wait_s=5.0,
             observation_tokens=32,  # an environment's answer between turns
             coordinator_s=0.1,  # the staleflow policy's cycle_period
             enqueue_groups=max(4, math.ceil(instances * cad["slots"] / g / 4)),
@@ -331,7 +332,9 @@ def main() -> None:
     print(
         f"cadence ({cad['setup']}): {cad['slots']} samples held per instance (engine runs {cad['engine_running']}), "
         f"{cad['tokens_per_s']:.1f} tokens/s each, {cad['sample_rate']:.3f} samples/s per instance, "
-        f"{cad['turns']} turn(s) per sample; heartbeat 1 s, reports every 50 ms, checkpoints every 5 s, long-poll 1 s"
+        f"{cad['turns']} turn(s) per sample; reports when a segment ends (coalesced over 50 ms), checkpoints every 5 s "
+        "(riding a report once 80% due), long-poll 5 s, polls and reports renew the lease, a heartbeat "
+        "only when no snapshot went for 5 s"
     )
     print(
         f"load: {args.processes} Locust process(es) of gevent users on this machine's {os.cpu_count()} cores, "

@@ -2,10 +2,14 @@
 cadence over REST, with the requests and responses built from the `workers.wire` models.
 
 * `Instance` is a rollout instance as `workers/rollout/worker.py` runs one: it registers with its
-  capacity, keeps a long-poll open for work and commands (the inbox greenlet), heartbeats a
-  snapshot every second (the lease renewal), reports finished segments at most every 50 ms
-  (batched), checkpoints every held sample as a partial segment every 5 s, and on a pull command
-  interrupts what it holds, reports it and heartbeats the new version. Instead of an engine it
+  capacity, keeps a long-poll open for work and commands (the inbox greenlet, `poll_wait_s`),
+  reports when a segment ends (coalesced over 50 ms, one call for all its samples) or a
+  checkpoint is due (every held sample as a partial segment every 5 s; 80% due, it rides a
+  report that goes anyway), a report carrying the snapshot at most once a `heartbeat_s`. Polls
+  and reports renew the lease, so it heartbeats only for a snapshot a report left out (a second
+  later), none sent for `snapshot_every_s` while it holds samples, or no call at all for half
+  a lease; on a pull command it interrupts what it holds, reports it and heartbeats the new
+  version. Instead of an engine it
   holds `slots` samples, each generating `tokens_per_s` tokens (the cost model's per-sample decode
   rate) for an exponentially drawn lifetime whose mean keeps the instance at the cost model's
   sample rate; an agentic sample (`turns` > 1) ends each turn but the last as the real worker with an
@@ -24,7 +28,8 @@ Run as a child of bench/capacity.py (one per load process):
 
 CONFIG: hosts, tokens by role, run, counts, the cadence figures, `start_at`/`end_at` (epoch
 seconds: the stats are reset at start_at and written at end_at). OUT: per endpoint
-{calls, failures, response_times histogram (ms)}, command deliveries, lapses, finished samples.
+{calls, failures, response_times histogram (ms)}, command deliveries, lapses (an instance's call
+refused with 409: its lease lapsed), finished samples.
 """
 
 from __future__ import annotations
@@ -90,6 +95,8 @@ class Api(FastHttpUser):
             headers["Content-Type"] = "application/json"
         url = f"/v1/runs/{self.run_id}{path}{params}"
         with self.client.request(method, url, data=data, headers=headers, name=name, catch_response=True) as r:
+            if r.status_code == 409 and self.role == "rollout":
+                SHARED["lapses"] += 1  # an instance's call refused: its lease lapsed
             if r.status_code >= 400 or r.status_code == 0:
                 text = (r.text or "")[:200] if r.status_code else str(r.error)
                 r.failure(f"{r.status_code} {text}")
@@ -114,7 +121,10 @@ class Instance(Api):
             gevent.sleep(1)
             return
         now = time.monotonic()
-        last = {"heartbeat": 0.0, "report": 0.0, "checkpoint": now + random.uniform(0, c["checkpoint_s"])}
+        # registration sent the capacity: the first snapshot; checkpoints spread over the interval
+        self.last = {"heartbeat": now, "report": 0.0, "snapshot": now, "poll": now}
+        self.owed = False  # a report went without the snapshot
+        checkpoint = now - random.uniform(0, c["checkpoint_s"])
         poller = gevent.spawn(self.poll_loop)
         try:
             while True:
@@ -126,15 +136,20 @@ class Instance(Api):
                 for sid, h in list(self.held.items()):
                     if now >= h["turn_end"]:
                         self.end_turn(sid, now)
-                if now - last["checkpoint"] >= c["checkpoint_s"]:
-                    last["checkpoint"] = now
+                since = now - checkpoint
+                reporting = bool(self.pending) and now - self.last["report"] >= c["report_s"]
+                if since >= c["checkpoint_s"] or (reporting and since >= c["checkpoint_s"] * 0.8):
+                    checkpoint = now  # due, or nearly and a report goes anyway: it rides along
                     for sid in list(self.held):
                         self.segment(sid, now, "partial")
-                if self.pending and now - last["report"] >= c["report_s"]:
-                    last["report"] = now
+                if self.pending and now - self.last["report"] >= c["report_s"]:
                     self.flush()
-                if now - last["heartbeat"] >= c["heartbeat_s"]:
-                    last["heartbeat"] = now
+                # a heartbeat only for what nothing else carried (the worker's `_heartbeat_due`;
+                # no preemption or environment wait here, so no unpredictable change)
+                quiet = now - max(self.last["report"], self.last["heartbeat"], self.last["poll"])
+                since = now - self.last["snapshot"]
+                stale = since >= c["snapshot_every_s"] and bool(self.held)
+                if quiet >= c["lease_s"] / 2 or stale or (self.owed and since >= c["heartbeat_s"]):
                     self.heartbeat()
         finally:
             poller.kill()
@@ -149,12 +164,13 @@ class Instance(Api):
 
     def poll_loop(self):
         while True:
+            self.last["poll"] = time.monotonic()
             out = self.call(
                 "poll (long-poll)",
                 f"/instances/{self.instance}/poll",
                 None,
                 m.PollOut,
-                params=f"?wait={CFG['idle_wait_s']}&limit=1000",
+                params=f"?wait={CFG['poll_wait_s']}&limit=1000",
                 key=True,
             )
             if out is None:
@@ -257,16 +273,24 @@ class Instance(Api):
             for r in items:
                 (later if r["sample_id"] in seen else batch).append(r)
                 seen.add(r["sample_id"])
-            body = m.ReportsIn(reports=[m.ReportIn.model_validate(r) for r in batch])
+            # the last call carries the snapshot when one is due (at most one a heartbeat_s)
+            due = time.monotonic() - self.last["snapshot"] >= CFG["heartbeat_s"]
+            snap = self.snapshot() if not later and due else None
+            body = m.ReportsIn(reports=[m.ReportIn.model_validate(r) for r in batch], snapshot=snap)
             if self.call("report", f"/instances/{self.instance}/segments", body, m.ReportsOut, key=True) is not None:
                 SHARED["finished"] += sum(r["kind"] == "finished" for r in batch)
             items = later
+            if snap is not None:
+                self.last["snapshot"], self.owed = time.monotonic(), False
+            elif not later:
+                self.owed = True  # a report went without it: one is owed within heartbeat_s
+        self.last["report"] = time.monotonic()
 
-    def heartbeat(self, pulling: bool = False):
+    def snapshot(self, pulling: bool = False) -> m.InstanceSnapshotIn:
         c = CFG
         running = [m.RunningSampleIn(sample_id=s, tokens=h["done"]) for s, h in self.held.items()]
         kv = sum(h["done"] + c["prompt_tokens"] for h in self.held.values())
-        snap = m.InstanceSnapshotIn(
+        return m.InstanceSnapshotIn(
             running=len(self.held),
             kv_used=kv,
             running_samples=running,
@@ -274,9 +298,12 @@ class Instance(Api):
             throughput=c["tokens_per_s"] * len(self.held),
             pulling=pulling,
         )
-        body = m.HeartbeatIn(version=self.version, snapshot=snap, lease_seconds=c["lease_s"])
-        if self.call("heartbeat", f"/instances/{self.instance}/heartbeat", body, m.HeartbeatOut) is None:
-            SHARED["lapses"] += 1  # a refused heartbeat: the lease lapsed (409) or the call failed
+
+    def heartbeat(self, pulling: bool = False):
+        body = m.HeartbeatIn(version=self.version, snapshot=self.snapshot(pulling), lease_seconds=CFG["lease_s"])
+        self.call("heartbeat", f"/instances/{self.instance}/heartbeat", body, m.HeartbeatOut)
+        self.last["heartbeat"] = self.last["snapshot"] = time.monotonic()
+        self.owed = False
 
 
 class Coordinator(Api):

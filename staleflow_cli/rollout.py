@@ -116,7 +116,9 @@ def rollout_worker(
     env_timeout: float = typer.Option(
         10.0, "--env-timeout", min=0.01, help="seconds an environment call may take; then env_timeout drops it"
     ),
-    heartbeat: float = typer.Option(1.0, "--heartbeat", min=0.05, help="seconds between snapshots"),
+    heartbeat: float = typer.Option(
+        1.0, "--heartbeat", min=0.05, help="least seconds between two snapshots (polls and reports renew the lease)"
+    ),
     ps_wait: float = typer.Option(120.0, "--ps-wait", min=0.0, help="seconds to wait for the PS's first version"),
     pull_bucket_mb: float = typer.Option(
         256.0,

@@ -125,6 +125,8 @@ instances = Table(
     Column("state", instance_state, nullable=False, server_default=InstanceState.ACTIVE.value),
     Column("version", Integer, nullable=False),
     Column("lease_expires_at", DateTime(timezone=True), nullable=False),
+    # seconds a renewal extends the lease by (registration, heartbeat; any poll or report renews)
+    Column("lease_s", Double, nullable=False, server_default=text("30")),
     Column("snapshot", JSONB, nullable=False, server_default=text("'{}'::jsonb")),
     Column("snapshot_at", DateTime(timezone=True)),
     # The API token that registered it (NULL: registered in-process); only it (or an admin of

@@ -397,9 +397,16 @@ class StaleFlowClient:
             wait=wait,
         )
 
-    def report(self, run_id: RunRef, instance_id: int, reports: Sequence[m.ReportIn | dict | Any]) -> int:
+    def report(
+        self,
+        run_id: RunRef,
+        instance_id: int,
+        reports: Sequence[m.ReportIn | dict | Any],
+        snapshot: m.InstanceSnapshotIn | dict | None = None,
+    ) -> int:
         """Segments of samples routed to `instance_id`, each with its attempt and route token.
-        A staleflow_db.types.Report may be passed as is (its instance must be `instance_id`)."""
+        A staleflow_db.types.Report may be passed as is (its instance must be `instance_id`).
+        The report renews the instance's lease; `snapshot` travels with it (as a heartbeat's)."""
         items = []
         for r in reports:
             if dataclasses.is_dataclass(r) and not isinstance(r, type):
@@ -409,7 +416,7 @@ class StaleFlowClient:
                 if r.pop("instance_id") != instance_id:
                     raise ValueError(f"sample {r.get('sample_id')}: a report of another instance")
             items.append(_as(m.ReportIn, r))
-        body = m.ReportsIn(reports=items)
+        body = m.ReportsIn(reports=items, snapshot=None if snapshot is None else _as(m.InstanceSnapshotIn, snapshot))
         path = f"/v1/runs/{_ref(run_id)}/instances/{instance_id}/segments"
         return self._call(m.ReportsOut, "POST", path, body=body, key=True).applied
 

@@ -76,7 +76,9 @@ def heartbeat(
     state: State,
     who: Principal = Rollout,
 ) -> Response:
-    """Extend the instance lease and store the snapshot. 409: the lease expired (register again)."""
+    """Extend the instance lease and store the snapshot. 409: the lease expired (register again).
+    Any poll or report of the instance extends the lease too: a busy instance heartbeats only
+    when its snapshot changed and no report carried it."""
     state.instance_in_run(run_id, instance_id, who)
     snapshot = body.snapshot.model_dump()
 
@@ -105,7 +107,7 @@ async def poll(
     limit: Limit = 1000,
     who: Principal = Rollout,
 ) -> Response:
-    """Long-poll: one reply shape, `work` (newly routed samples, with the tokens and log-probs
+    """Long-poll (it renews the instance's lease): one reply shape, `work` (newly routed samples, with the tokens and log-probs
     to continue from) and `commands` (interrupt, abort, pull), each empty when there is none.
     Returns as soon as either part has something, or both empty after `wait` seconds. Delivery is once: send an Idempotency-Key so a retry after a lost response
     gets the same delivery back."""
@@ -146,7 +148,9 @@ def report(
     `generated: false` is an environment observation (multi-turn: no version, loss mask 0). All or nothing: 409 naming
     the samples whose route this instance does not hold (another instance's sample, a stale
     attempt, a wrong route token, a sample no longer running) or, for every sample, when the
-    instance itself is fenced (instance lease lapsed or expired: register again)."""
+    instance itself is fenced (instance lease lapsed or expired: register again). A report
+    renews the instance's lease as a heartbeat does; its `snapshot`, when sent, is stored as a
+    heartbeat's (the version is the heartbeat's to change)."""
     state.instance_in_run(run_id, instance_id, who)
     reports = [
         Report(
@@ -164,8 +168,10 @@ def report(
         for r in body.reports
     ]
 
+    snapshot = body.snapshot.model_dump() if body.snapshot is not None else None
+
     def call(conn: Connection) -> ReportsOut:
-        return ReportsOut(applied=state.protocol.report(run_id, reports, conn=conn))
+        return ReportsOut(applied=state.protocol.report(run_id, reports, snapshot=snapshot, conn=conn))
 
     skey = scoped_key(key, f"inst{instance_id}")
     out, replayed = state.writes.once(skey, "report", body, call, ReportsOut, group_commit.instance(instance_id))
@@ -187,7 +193,7 @@ def drop_trajectories(
     hung (`env_timeout`): each is aborted with `reason`, fenced by its attempt and route token
     like a report (409 when the route or the instance's lease was lost; all or nothing). A
     group left with fewer than N live members is aborted too. A drop already done at that
-    attempt is skipped, so a retry changes nothing."""
+    attempt is skipped, so a retry changes nothing. Like a report, it renews the lease."""
     state.instance_in_run(run_id, instance_id, who)
     drops = [(d.sample_id, d.attempt, str(d.route_token)) for d in body.drops]
 

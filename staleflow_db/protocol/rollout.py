@@ -1,6 +1,8 @@
 """Rollout side of the protocol: instances and their leases (register, heartbeat, deregister,
 the expiry sweep), work delivery (poll) and segment reports, each fenced by the instance's
-lease and, for a report, by the route's attempt and secret route token."""
+lease and, for a report, by the route's attempt and secret route token. A poll or a report
+renews the instance's live lease by its `lease_s` in the same statement: a busy instance needs
+no heartbeat to keep it."""
 
 from __future__ import annotations
 
@@ -160,23 +162,32 @@ class RolloutOps(TxMixin):
 
     @transactional
     def report(
-        self, run_id: int, reports: Sequence[Report], request_id: str | None = None, *, conn: Connection | None = None
+        self,
+        run_id: int,
+        reports: Sequence[Report],
+        request_id: str | None = None,
+        *,
+        snapshot: Mapping[str, Any] | None = None,
+        conn: Connection | None = None,
     ) -> int:
         """Append segments, each fenced by its reporting instance (routed to it, lease live),
-        attempt and route token; all or nothing. Returns the number applied."""
+        attempt and route token; all or nothing. Returns the number applied. The report renews
+        its instances' live leases; `snapshot` (as a heartbeat's) is stored on them with it."""
         check_batch(reports, "reports")
+        body: list[Any] = [run_id, reports] if snapshot is None else [run_id, reports, dict(snapshot)]
         applied: int = self.idempotent(
-            request_id, "report", lambda c: report_in(c, run_id, reports), int, body=[run_id, reports], conn=conn
+            request_id, "report", lambda c: report_in(c, run_id, reports, snapshot), int, body=body, conn=conn
         )
         return applied
 
     @transactional
     def poll_work(self, instance_id: int, limit: int = 1000, *, conn: Connection | None = None) -> Poll:
-        """Deliver newly routed samples (with any prefix to continue from) and pending commands."""
+        """Deliver newly routed samples (with any prefix to continue from) and pending commands;
+        renews the instance's live lease."""
         with self.tx(conn) as conn:
-            # One statement checks the instance and delivers. FOR SHARE: the instance stays
-            # active and live until this delivery commits (an expiry waits for it, then requeues
-            # what was delivered). Its check is a one-time filter on the samples' scan, so it is
+            # One statement renews or checks the instance and delivers. Locked (renewed or FOR
+            # SHARE): the instance stays active and live until this delivery commits (an expiry
+            # waits for it, then requeues what was delivered). Its check is a one-time filter on the samples' scan, so it is
             # locked before any sample (lock order instances -> samples) and a fenced instance
             # gets nothing. One row per delivered sample, or one with no sample at all; none
             # when there is no such instance.
@@ -228,9 +239,11 @@ def requeue_fenced(conn: Connection, run_id: int, why: str, instance_ids: Sequen
 # ---- segment reports ---------------------------------------------------------------------
 
 
-def report_in(conn: Connection, run_id: int, reports: Sequence[Report]) -> int:
+def report_in(
+    conn: Connection, run_id: int, reports: Sequence[Report], snapshot: Mapping[str, Any] | None = None
+) -> int:
     """Apply a report batch (`RolloutOps.report`): all or nothing."""
-    run, quoted_tokens, fenced = _reporting_instances(conn, run_id, reports)
+    run, quoted_tokens, fenced = _reporting_instances(conn, run_id, reports, snapshot)
     rows = _reported_samples(conn, run_id, [r.sample_id for r in reports])
     _check_reports(run, reports, rows, quoted_tokens, fenced)
     _write_reports(conn, run_id, reports, rows)
@@ -238,16 +251,20 @@ def report_in(conn: Connection, run_id: int, reports: Sequence[Report]) -> int:
 
 
 def _reporting_instances(
-    conn: Connection, run_id: int, reports: Sequence[Report]
+    conn: Connection, run_id: int, reports: Sequence[Report], snapshot: Mapping[str, Any] | None = None
 ) -> tuple[RunRow, dict[int, uuid.UUID], dict[int, str]]:
     """The run, the route token each report quotes (by sample; the batch checked: shape, kind,
     token syntax) and why each fenced reporting instance is fenced. The run and the instances in one round trip; the instances
-    FOR SHARE in id order (lock order instances -> samples, as route and expiry): each must stay
-    active with a live lease until this report commits. A run with no such instance still
-    gives its one row."""
+    locked (renewed or FOR SHARE) before any sample (lock order instances -> samples, as route
+    and expiry): each must stay active with a live lease until this report commits. A run with
+    no such instance still gives its one row."""
     run_and_instances = conn.execute(
         queries.text("report_run_and_instances"),
-        {"run": run_id, "ids": sorted({r.instance_id for r in reports})},
+        {
+            "run": run_id,
+            "ids": sorted({r.instance_id for r in reports}),
+            "snap": None if snapshot is None else json.dumps(_keep_capacity(snapshot)),
+        },
     ).all()
     if not run_and_instances:
         raise NotFound(f"run {run_id}")

@@ -21,8 +21,8 @@ SELECT id, client_key FROM g
 SELECT id, client_key FROM prompt_groups WHERE run_id = :run AND client_key = ANY(CAST(:keys AS text[]))
 
 -- name: register_instance
-INSERT INTO instances (run_id, name, version, lease_expires_at, token_id, snapshot)
-VALUES (:run, :name, :v, now() + make_interval(secs => :ttl), :tok, CAST(:snap AS jsonb)) RETURNING id
+INSERT INTO instances (run_id, name, version, lease_expires_at, lease_s, token_id, snapshot)
+VALUES (:run, :name, :v, now() + make_interval(secs => :ttl), :ttl, :tok, CAST(:snap AS jsonb)) RETURNING id
 
 -- name: heartbeat_ephemeral
 SET LOCAL synchronous_commit = off
@@ -33,7 +33,7 @@ SET LOCAL synchronous_commit = off
 UPDATE instances i SET version = :v,
   snapshot = jsonb_strip_nulls(jsonb_build_object('capacity', i.snapshot->'capacity')) || CAST(:snap AS jsonb),
   snapshot_at = now(),
-  lease_expires_at = now() + make_interval(secs => :ttl)
+  lease_expires_at = now() + make_interval(secs => :ttl), lease_s = :ttl
 FROM runs r WHERE i.id = :i AND r.id = i.run_id AND i.state = 'active'
 AND i.lease_expires_at > now() AND i.version <= :v AND :v <= r.version RETURNING i.id
 
@@ -69,10 +69,17 @@ WHERE x.id = f.id RETURNING x.id, f.instance_id
 -- name: poll_work
 -- One statement checks the instance and delivers (RolloutOps.poll_work). The response so far
 -- is the sample's segments' token_ids / logprobs concatenated in order, with each token's loss
--- mask (1 generated, 0 an environment observation's).
-WITH inst AS MATERIALIZED (SELECT i.state::text AS state, i.lease_expires_at > now() AS live,
+-- mask (1 generated, 0 an environment observation's). The poll renews the instance's live
+-- lease (`renew`, see report_run_and_instances for why it runs first and writes only once a
+-- quarter of the lease has passed); otherwise the instance is read FOR SHARE.
+WITH renew AS MATERIALIZED (UPDATE instances SET lease_expires_at = now() + make_interval(secs => lease_s)
+  WHERE id = :i AND state = 'active' AND lease_expires_at > now()
+  AND lease_expires_at < now() + make_interval(secs => 0.75 * lease_s) RETURNING run_id),
+held AS MATERIALIZED (SELECT i.state::text AS state, i.lease_expires_at > now() AS live,
   r.max_response_tokens FROM instances i JOIN runs r ON r.id = i.run_id WHERE i.id = :i
-  FOR SHARE OF i),
+  AND NOT EXISTS (SELECT 1 FROM renew) FOR SHARE OF i),
+inst AS MATERIALIZED (SELECT * FROM held UNION ALL
+  SELECT 'active', true, r.max_response_tokens FROM renew JOIN runs r ON r.id = renew.run_id),
 d AS MATERIALIZED (SELECT id FROM samples WHERE instance_id = :i AND state = 'running'
   AND NOT delivered AND (SELECT state = 'active' AND live FROM inst) ORDER BY id LIMIT :n FOR UPDATE),
 u AS (UPDATE samples s SET delivered = true FROM d WHERE s.id = d.id
@@ -134,12 +141,28 @@ FROM unnest(CAST(:ids AS bigint[]), CAST(:bs AS int[]), CAST(:mvs AS int[])) AS 
 WHERE g.id = u.id AND g.id = ANY(CAST(:ids AS bigint[]))
 
 -- name: report_run_and_instances
--- The run and the reporting instances, FOR SHARE in id order; a run with no such instance
--- still gives its one row.
+-- The run and the reporting instances; a run with no such instance still gives its one row.
+-- A report renews the live leases of its instances (`renew`): only once a quarter of the lease
+-- has passed, so a busy instance writes its row a few times a lease, not once a report; with a
+-- snapshot (:snap not NULL, as a heartbeat's without the version) always, storing it. The
+-- other instances are read FOR SHARE, in id order. `renew` runs first (the uncorrelated NOT
+-- EXISTS is a one-time filter evaluated before the scan): a row it updated is never also
+-- share-locked (`held`), so two calls of one instance never both hold a share lock and then
+-- wait to upgrade it. A lapsed lease is not renewed: `live` stays false, the report is refused.
+WITH renew AS MATERIALIZED (UPDATE instances x SET lease_expires_at = now() + make_interval(secs => x.lease_s),
+  snapshot = CASE WHEN CAST(:snap AS jsonb) IS NULL THEN x.snapshot
+    ELSE jsonb_strip_nulls(jsonb_build_object('capacity', x.snapshot->'capacity')) || CAST(:snap AS jsonb) END,
+  snapshot_at = CASE WHEN CAST(:snap AS jsonb) IS NULL THEN x.snapshot_at ELSE now() END
+  WHERE x.id IN (SELECT id FROM instances WHERE run_id = :run AND id = ANY(CAST(:ids AS bigint[]))
+    AND state = 'active' AND lease_expires_at > now() AND (CAST(:snap AS jsonb) IS NOT NULL
+    OR lease_expires_at < now() + make_interval(secs => 0.75 * lease_s)) ORDER BY id FOR NO KEY UPDATE)
+  RETURNING x.id),
+held AS MATERIALIZED (SELECT x.id AS iid, x.state::text AS istate, x.lease_expires_at > now() AS live
+  FROM instances x WHERE x.run_id = :run AND x.id = ANY(CAST(:ids AS bigint[]))
+  AND x.id <> ALL(ARRAY(SELECT id FROM renew)) ORDER BY x.id FOR SHARE)
 SELECT id, version, state, batch_size, buffer_capacity, group_size, samples_per_group, eta,
   max_response_tokens, max_prompt_tokens, dapo_filter, temperature, top_p, i.iid, i.istate, i.live FROM runs LEFT JOIN LATERAL (
-  SELECT x.id AS iid, x.state::text AS istate, x.lease_expires_at > now() AS live FROM instances x
-  WHERE x.run_id = runs.id AND x.id = ANY(CAST(:ids AS bigint[])) ORDER BY x.id FOR SHARE) i ON true
+  SELECT * FROM held UNION ALL SELECT id, 'active', true FROM renew) i ON true
 WHERE runs.id = :run
 
 -- name: report_lock_running

@@ -29,10 +29,15 @@ FROM samples s JOIN prompt_groups g ON g.id = s.group_id
 WHERE s.run_id = :run AND s.id = ANY(CAST(:ids AS bigint[]))
 
 -- name: trajectory_drop_instance
--- The instance dropping trajectories (`drop_trajectories`), FOR SHARE: it stays active and
--- live until the drop commits.
-SELECT state::text AS state, lease_expires_at > now() AS live FROM instances
-WHERE id = :i AND run_id = :run FOR SHARE
+-- The instance dropping trajectories (`drop_trajectories`): its live lease renewed as a report
+-- renews it (`renew` first; see rollout.sql, report_run_and_instances), else FOR SHARE: it
+-- stays active and live until the drop commits.
+WITH renew AS MATERIALIZED (UPDATE instances SET lease_expires_at = now() + make_interval(secs => lease_s)
+  WHERE id = :i AND run_id = :run AND state = 'active' AND lease_expires_at > now()
+  AND lease_expires_at < now() + make_interval(secs => 0.75 * lease_s) RETURNING id),
+held AS MATERIALIZED (SELECT state::text AS state, lease_expires_at > now() AS live FROM instances
+  WHERE id = :i AND run_id = :run AND NOT EXISTS (SELECT 1 FROM renew) FOR SHARE)
+SELECT state, live FROM held UNION ALL SELECT 'active', true FROM renew
 
 -- name: trajectory_drop_candidates
 -- The samples an instance drops, with their route, locked in id order (under the run lock).

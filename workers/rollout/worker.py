@@ -3,13 +3,31 @@
 Loop: take routed samples and commands from the inbox (a thread long-polling for them, so
 a command arrives while the engine steps), step the engine, report finished and
 interrupted stretches as segments (batched, fenced by instance, attempt and route token),
-checkpoint long stretches as partial segments so a crash loses little, heartbeat a snapshot, and pull new weights
+checkpoint long stretches as partial segments so a crash loses little, and pull new weights
 when the coordinator says so. A lost route (409) drops the sample locally: its late result
-is never applied. With an environment (`turns`, turns.py), a finished stretch ends a turn:
-the environment steps in the background while the engine decodes the others (the heartbeat
-reports the trajectory as waiting for it, outside the engine's counts), then the trajectory
-either ends or goes back to the queue with the observation appended; a failed or hung
-environment drops it through the API with the reason.
+is never applied.
+
+Calls follow transitions, not timers. Any call of the instance (poll, report) renews its
+lease, so a busy instance needs no heartbeat for it. A report goes when a segment ends
+(finished, interrupted, a turn answered) or a checkpoint is due: one call for every sample's
+pending segments, coalesced over `report_every_s`. A report that goes anyway takes the
+checkpoint along once 80% of its interval has passed; a checkpoint is never later than
+`checkpoint_every_s` (what a killed worker loses). A report carries the instance's snapshot
+when one is due: at most one a `heartbeat_s` (the snapshot's staleness, as when heartbeats
+came once a second), sooner for a change the coordinator cannot predict. A heartbeat goes
+alone, at most one a `heartbeat_s`, only for what no report carried: such a change (a sample
+preempted to waiting, a trajectory gone to its environment, a new version), a snapshot a
+report left out (the next report usually takes it first), progress unsent for
+`snapshot_every_s` while it holds samples, or no call at all for half a lease. An idle
+instance's long-polls (`poll_wait_s`) renew its lease; the inbox polls only while this loop
+ticks, so an engine that hangs stops renewing it, and the lease lapses and requeues its
+samples.
+
+With an environment (`turns`, turns.py), a finished stretch ends a turn: the environment
+steps in the background while the engine decodes the others (the snapshot reports the
+trajectory as waiting for it, outside the engine's counts), then the trajectory either ends
+or goes back to the queue with the observation appended; a failed or hung environment drops
+it through the API with the reason.
 """
 
 from __future__ import annotations
@@ -34,6 +52,9 @@ from workers.rollout.worker_inbox import Delivery, Inbox
 
 log = logging.getLogger("staleflow.rollout")
 ENV_POLL_S = 0.005  # idle engine, environment calls in flight: how often to look for answers
+# a report that goes anyway takes the checkpoint along once this much of its interval passed:
+# a call saved, at most 1/0.8 the partial segments (rows) of checkpoints on their own timer
+CHECKPOINT_RIDES_AT = 0.8
 
 # (target version) -> (state dict, version); None for engines without weights (sim)
 WeightSource = Callable[[int | None], tuple[Mapping[str, Any] | None, int]]
@@ -89,19 +110,30 @@ class RolloutWorker:
         checkpoint_every_s: float = 5.0,
         idle_wait_s: float = 1.0,
         turns: Turns | None = None,
+        snapshot_every_s: float | None = None,
+        poll_wait_s: float | None = None,
     ):
         self.client, self.run_id, self.engine, self.name = client, run_id, engine, name
         self.weights, self.phi_wait = weights, phi_wait
         self.heartbeat_s, self.lease_s = heartbeat_s, lease_s
         self.report_every_s, self.checkpoint_every_s = report_every_s, checkpoint_every_s
-        self.idle_wait_s = idle_wait_s  # also the inbox's long-poll wait
+        self.idle_wait_s = idle_wait_s
+        # a third of the lease: the longest a held sample's progress goes unsent, and an idle
+        # long-poll (each renews the lease well before it lapses)
+        self.snapshot_every_s = lease_s / 3 if snapshot_every_s is None else snapshot_every_s
+        self.poll_wait_s = lease_s / 3 if poll_wait_s is None else poll_wait_s
         self.instance_id: int | None = None
         self.turns = turns
         self.held: dict[int, _Held] = {}
         self.pending: list[dict] = []  # reports not sent yet
         self.stats = WorkerStats()
         self._stop = False
-        self._last = {"heartbeat": 0.0, "report": 0.0, "checkpoint": time.monotonic()}
+        now = time.monotonic()
+        # last heartbeat, report, checkpoint, snapshot sent (with either) and loop tick
+        self._last = {"heartbeat": 0.0, "report": 0.0, "checkpoint": now, "snapshot": 0.0, "tick": now}
+        self._sent: tuple[int, ...] | None = None  # the unpredictable counts of the last snapshot sent
+        self._owed = False  # a report went without the snapshot: one is owed within heartbeat_s
+        self._inbox: Inbox | None = None
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -126,7 +158,10 @@ class RolloutWorker:
             self.run_id, self.name, self.engine.version, self.lease_s, capacity=self.engine.capacity()
         ).instance_id
         log.info("instance %s registered at version %s", self.instance_id, self.engine.version)
-        inbox = Inbox(self.client, self.run_id, lambda: self.instance_id, self.idle_wait_s)
+        self._last["heartbeat"] = self._last["snapshot"] = time.monotonic()  # registration: the capacity
+        self._sent = self._unpredictable()
+        inbox = Inbox(self.client, self.run_id, lambda: self.instance_id, self.poll_wait_s, self._looping)
+        self._inbox = inbox
         inbox.start()
         try:
             while not self._stop and not (until and until()):
@@ -154,10 +189,15 @@ class RolloutWorker:
                 self.client.give_up_at = None
         return self.stats
 
+    def _looping(self) -> bool:
+        """Whether this loop ticked lately: the inbox polls (renewing the lease) only then."""
+        return time.monotonic() - self._last["tick"] < self.lease_s / 2
+
     def tick(self, inbox: Inbox) -> None:
+        self._last["tick"] = time.monotonic()
         wait = 0.0
         if not self.engine.has_work():  # idle: until work arrives or a heartbeat or report is due
-            due = self._last["heartbeat"] + self.heartbeat_s
+            due = self._last["snapshot"] + self.heartbeat_s
             if self.pending:
                 due = min(due, self._last["report"] + self.report_every_s)
             wait = min(self.idle_wait_s, max(0.0, due - time.monotonic()))
@@ -171,10 +211,15 @@ class RolloutWorker:
                 self._deliver(delivery)
         if self.turns is not None:
             self._answer_turns()
-        if time.monotonic() - self._last["checkpoint"] >= self.checkpoint_every_s > 0:
-            self._checkpoint()
+        now = time.monotonic()
+        since = now - self._last["checkpoint"]
+        reporting = bool(self.pending) and now - self._last["report"] >= self.report_every_s
+        if self.checkpoint_every_s > 0 and (
+            since >= self.checkpoint_every_s or (reporting and since >= self.checkpoint_every_s * CHECKPOINT_RIDES_AT)
+        ):
+            self._checkpoint()  # due, or nearly and a report goes anyway: it rides along
         self._flush()
-        if time.monotonic() - self._last["heartbeat"] >= self.heartbeat_s:
+        if self._heartbeat_due(time.monotonic()):
             self._heartbeat()
 
     # ---- work and commands -----------------------------------------------------------------
@@ -384,6 +429,7 @@ class RolloutWorker:
         if not self.pending or (not force and time.monotonic() - self._last["report"] < self.report_every_s):
             return
         pending, self.pending = self.pending, []
+        snapshot: dict[str, Any] | None = None
         while pending:
             # one report per sample per batch: a turn and its observation go in two, in order
             batch: list[dict] = []
@@ -392,9 +438,11 @@ class RolloutWorker:
             for r in pending:
                 (later if r["sample_id"] in seen else batch).append(r)
                 seen.add(r["sample_id"])
+            if not later and self._snapshot_due():  # on the last call: after every segment queued
+                snapshot = self._snapshot()
             while batch:
                 try:
-                    self.client.report(self.run_id, self._instance, batch)
+                    self.client.report(self.run_id, self._instance, batch, snapshot if not later else None)
                     break
                 except Conflict as e:  # lost routes: drop those samples, send the rest
                     lost = {item["id"] for item in e.items}
@@ -409,6 +457,10 @@ class RolloutWorker:
                     later = [r for r in later if r["sample_id"] not in lost]
             pending = later
         self._last["report"] = time.monotonic()
+        if snapshot is not None:
+            self._sent_snapshot(snapshot)
+        else:
+            self._owed = True
 
     # ---- weights and snapshots --------------------------------------------------------------
 
@@ -426,7 +478,48 @@ class RolloutWorker:
             log.info("instance %s pulled version %s", self.instance_id, version)
         self._heartbeat()
 
+    def _unpredictable(self) -> tuple[int, ...]:
+        """What the coordinator cannot foresee from its own commands and our reports: samples
+        the engine preempted to waiting, trajectories waiting for their environment, the version.
+        (Routed samples taken in it counted when it routed them; finishes and interrupts travel
+        with their report, and the snapshot with it.)"""
+        s = self.engine.stats()
+        env = 0
+        if self.turns is not None:
+            env = sum(1 for sid, h in self.held.items() if h.ended is not None and sid in self.turns.calls)
+        return (s.waiting, env, s.version)
+
+    def _heartbeat_due(self, now: float) -> bool:
+        """A heartbeat goes alone only for what nothing else carried (see the module docstring)."""
+        since = now - self._last["snapshot"]
+        polled = self._inbox.last_poll if self._inbox is not None else 0.0
+        if now - max(self._last["report"], self._last["heartbeat"], polled) >= self.lease_s / 2:
+            return True  # no call at all for half a lease (a poll stuck in flight): renew it
+        if since < self.heartbeat_s:
+            return False
+        return self._owed or self._unpredictable() != self._sent or (since >= self.snapshot_every_s and bool(self.held))
+
+    def _snapshot_due(self) -> bool:
+        """Whether a report carries the snapshot: at most one a `heartbeat_s` (as heartbeats once
+        did), sooner for an unpredictable change. A report without one takes the instance row
+        only FOR SHARE (a renewal aside), so it never waits on a route to the instance."""
+        return time.monotonic() - self._last["snapshot"] >= self.heartbeat_s or self._unpredictable() != self._sent
+
+    def _sent_snapshot(self, snapshot: dict[str, Any]) -> None:
+        self._last["snapshot"], self._owed = time.monotonic(), False
+        self._sent = self._unpredictable()
+
     def _heartbeat(self, pulling: bool = False) -> None:
+        snapshot = self._snapshot(pulling)
+        try:
+            self.client.heartbeat(self.run_id, self._instance, self.engine.stats().version, snapshot, self.lease_s)
+        except Conflict:
+            self._register_again()
+        self._last["heartbeat"] = time.monotonic()
+        self._sent_snapshot(snapshot)
+
+    def _snapshot(self, pulling: bool = False) -> dict[str, Any]:
+        """What the coordinator reads: the engine's load, per-sample progress, the capacity."""
         s = self.engine.stats()
         # the engine's counts leave out trajectories waiting for their environment: it finished them
         snapshot: dict[str, Any] = {
@@ -453,11 +546,7 @@ class RolloutWorker:
                 if h.ended is not None
             ]
             snapshot["env_waiting"] = len(env)
-        try:
-            self.client.heartbeat(self.run_id, self._instance, s.version, snapshot, self.lease_s)
-        except Conflict:
-            self._register_again()
-        self._last["heartbeat"] = time.monotonic()
+        return snapshot
 
     def _progress(self, sid: int, tokens: int, env_s: float | None = None) -> dict[str, Any]:
         """A trajectory's entry in the heartbeat: response tokens so far; multi-turn, also the
@@ -480,4 +569,4 @@ class RolloutWorker:
         self.instance_id = self.client.register(
             self.run_id, self.name, self.engine.version, self.lease_s, capacity=self.engine.capacity()
         ).instance_id
-        self._last["heartbeat"] = time.monotonic()
+        self._last["heartbeat"] = self._last["snapshot"] = time.monotonic()

@@ -4,7 +4,8 @@ The worker's own thread is busy stepping the engine (a step is tens of milliseco
 between steps delivers a command only after the step, the reports and the poll's own round trip.
 Long-polling from a thread of its own, the worker receives a command as soon as the coordinator's
 NOTIFY wakes the API; the worker applies it at its next step boundary. Only this thread polls;
-the engine is touched by the worker's thread alone.
+the engine is touched by the worker's thread alone. A poll renews the instance's lease, so it
+polls only while `alive()` (the worker's loop ticks): a hung engine lets its lease lapse.
 """
 
 from __future__ import annotations
@@ -33,8 +34,16 @@ class Delivery:
 
 
 class Inbox:
-    def __init__(self, client: StaleFlowClient, run_id: int, instance: Callable[[], int | None], wait_s: float):
-        self.client, self.run_id, self.instance, self.wait_s = client, run_id, instance, wait_s
+    def __init__(
+        self,
+        client: StaleFlowClient,
+        run_id: int,
+        instance: Callable[[], int | None],
+        wait_s: float,
+        alive: Callable[[], bool] = lambda: True,
+    ):
+        self.client, self.run_id, self.instance, self.wait_s, self.alive = client, run_id, instance, wait_s, alive
+        self.last_poll = 0.0  # monotonic time the latest poll was sent
         self._q: queue.SimpleQueue[Delivery] = queue.SimpleQueue()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="rollout-poll", daemon=True)
@@ -60,9 +69,10 @@ class Inbox:
     def _loop(self) -> None:
         while not self._stop.is_set():
             inst = self.instance()
-            if inst is None:
+            if inst is None or not self.alive():
                 self._stop.wait(0.01)
                 continue
+            self.last_poll = time.monotonic()
             try:
                 out = self.client.poll(self.run_id, inst, wait=self.wait_s)
             except Conflict as exc:  # fenced: the worker registers again; poll the new instance then

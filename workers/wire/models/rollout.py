@@ -158,6 +158,9 @@ class ReportIn(In):
 
 class ReportsIn(In):
     reports: list[ReportIn] = Field(min_length=1)
+    snapshot: InstanceSnapshotIn | None = Field(
+        None, description="the instance's snapshot now, stored as a heartbeat's (its version unchanged)"
+    )
 
 
 class ReportsOut(Out):
