@@ -43,7 +43,7 @@ from sqlalchemy import text
 from staleflow_db.db import make_engine
 from staleflow_db.settings import to_libpq_url
 
-RUN = dict(batch_size=16, group_size=8, eta=2, max_response_tokens=4096, max_prompt_tokens=512)
+RUN: dict[str, int] = dict(batch_size=16, group_size=8, eta=2, max_response_tokens=4096, max_prompt_tokens=512)
 INSTANCES = 4
 CHECKPOINT = 128  # tokens per PARTIAL report
 VOCAB = 150_000
@@ -71,7 +71,7 @@ def workload(url: str, tokens: int, seed: int, offload_store: str | None) -> dic
     rng = random.Random(seed)
     engine = make_engine(url)
     p = Protocol(engine)
-    run = p.create_run(f"storage-{seed}-{int(time.time())}", RunConfig(**RUN))
+    run = p.create_run(f"storage-{seed}-{int(time.time())}", RunConfig(**RUN))  # type: ignore[arg-type]
     B, N = RUN["batch_size"], RUN["group_size"]
     groups_needed = int(tokens / (N * 700)) + 4 * B
     p.enqueue(run, [Prompt(f"p{i}", [rng.randrange(VOCAB) for _ in range(64)]) for i in range(groups_needed)])

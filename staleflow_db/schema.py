@@ -30,7 +30,7 @@ from sqlalchemy import (
     func,
     text,
 )
-from sqlalchemy.dialects.postgresql import ARRAY, JSONB, REAL, UUID
+from sqlalchemy.dialects.postgresql import ARRAY, JSONB, UUID
 
 from workers.wire.enums import CommandKind, CommandState, GroupState, InstanceState, Role, RunState, SampleState
 
@@ -183,14 +183,19 @@ segments = Table(
     Column("version", Integer),  # the model version that generated it; NULL for an observation
     Column("instance_id", BigInteger, nullable=False),
     Column("attempt", Integer, nullable=False),
-    Column("token_ids", ARRAY(Integer), nullable=False),
-    Column("logprobs", ARRAY(REAL), nullable=False),
+    # packed little-endian int32 / float32, 4 bytes per token (staleflow_db/payloads.py)
+    Column("token_ids", LargeBinary, nullable=False),
+    Column("logprobs", LargeBinary, nullable=False),
+    Column("n_tokens", Integer, nullable=False),
     Column("finish_reason", Text),
     # the loss mask of its tokens: false for an environment observation (multi-turn)
     Column("generated", Boolean, nullable=False, server_default=text("true")),
     _created(),
     PrimaryKeyConstraint("sample_id", "seq"),
-    CheckConstraint("cardinality(token_ids) = cardinality(logprobs)", name="aligned"),
+    CheckConstraint(
+        "n_tokens >= 0 AND octet_length(token_ids) = 4 * n_tokens AND octet_length(logprobs) = 4 * n_tokens",
+        name="aligned",
+    ),
     CheckConstraint("generated = (version IS NOT NULL)", name="observation_unversioned"),
 )
 
