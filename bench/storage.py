@@ -75,7 +75,8 @@ def workload(url: str, tokens: int, seed: int, offload_store: str | None) -> dic
     B, N = RUN["batch_size"], RUN["group_size"]
     groups_needed = int(tokens / (N * 700)) + 4 * B
     p.enqueue(run, [Prompt(f"p{i}", [rng.randrange(VOCAB) for _ in range(64)]) for i in range(groups_needed)])
-    insts = [p.register_instance(run, f"storage-{k}", 0) for k in range(INSTANCES)]
+    # a long lease: on a loaded machine one pass over the instances can outlast the default 30 s
+    insts = [p.register_instance(run, f"storage-{k}", 0, lease_seconds=3600) for k in range(INSTANCES)]
     target: dict[int, int] = {}  # sample id -> its response length
     interrupt_at: dict[int, int] = {}  # sample id -> where it is interrupted once
     generated, version, steps, spent = 0, 0, 0, 0.0
@@ -89,7 +90,7 @@ def workload(url: str, tokens: int, seed: int, offload_store: str | None) -> dic
         c.commit()
     while True:
         for inst in insts:
-            p.heartbeat(inst, version)
+            p.heartbeat(inst, version, lease_seconds=3600)
         with engine.connect() as c:
             queued = (
                 c.execute(

@@ -29,6 +29,7 @@ COMMANDS = {
     "audit": "staleflow_cli.audit:audit",
     "lineage": "staleflow_cli.lineage:lineage",
     "export": "staleflow_cli.export:export",
+    "offload": "staleflow_cli.offload:offload",
     "coordinator": "staleflow_cli.coordinator:coordinator",
     "demo": "staleflow_cli.demo:demo",
     "run": "staleflow_cli.runs:app",

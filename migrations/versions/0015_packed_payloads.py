@@ -1,8 +1,17 @@
-"""Packed segment payloads: `segments.token_ids` and `segments.logprobs` become `bytea`
-(little-endian int32 / float32, 4 bytes per token: `staleflow_db/payloads.py`) with the count
-in `segments.n_tokens`; CHECK `aligned` is now both 4 × n_tokens bytes. Existing rows are
-converted in place (one table rewrite each way). The audit views read `n_tokens` and the packed
-log-probs (audit_views_v4.sql); the downgrade converts back and restores audit_views_v3.sql.
+"""Packed segment payloads and the payload store.
+
+`segments.token_ids` and `segments.logprobs` become `bytea` (little-endian int32 / float32,
+4 bytes per token: `staleflow_db/payloads.py`) with the count in `segments.n_tokens`; CHECK
+`aligned` is now both 4 × n_tokens bytes. Existing rows are converted in place (one table
+rewrite each way). The audit views read `n_tokens` and the packed log-probs
+(audit_views_v4.sql); the downgrade converts back and restores audit_views_v3.sql.
+
+A finished segment's payload may move to the payload store (`staleflow_db/payload_store.py`):
+`payload_objects` (one row per object: URL, size, SHA-256) and `segments.payload_object` /
+`payload_offset`; CHECK `placed`: a payload is in the row or in an object, never both or
+neither. The segments' append-only trigger now allows exactly that one update (payload to
+NULL, the object set, every other column unchanged); `ix_segments_resident` finds the payloads
+still in the table. The downgrade is refused while a payload is in the store.
 
 Revision ID: 0015
 Revises: 0014
@@ -66,6 +75,74 @@ DROP FUNCTION staleflow_m15_word(bytea, int);
 """
 
 
+# Rows never change, except that a payload may move to the payload store once.
+OFFLOAD_ONLY = r"""
+CREATE FUNCTION staleflow_segments_offload_only() RETURNS trigger LANGUAGE plpgsql AS $$
+DECLARE
+    moved CONSTANT text[] := '{token_ids,logprobs,payload_object,payload_offset}';
+BEGIN
+    IF TG_OP = 'UPDATE' AND OLD.token_ids IS NOT NULL AND OLD.payload_object IS NULL
+       AND NEW.token_ids IS NULL AND NEW.logprobs IS NULL AND NEW.payload_object IS NOT NULL
+       AND to_jsonb(NEW) - moved = to_jsonb(OLD) - moved THEN
+        RETURN NEW;
+    END IF;
+    RAISE EXCEPTION '% is append-only (only a payload may move to the payload store)', TG_TABLE_NAME
+        USING ERRCODE = 'restrict_violation';
+END $$;
+DROP TRIGGER segments_append_only ON segments;
+CREATE TRIGGER segments_append_only BEFORE UPDATE OR DELETE ON segments
+    FOR EACH ROW WHEN (pg_trigger_depth() = 0) EXECUTE FUNCTION staleflow_segments_offload_only();
+"""
+APPEND_ONLY = """
+DROP TRIGGER segments_append_only ON segments;
+CREATE TRIGGER segments_append_only BEFORE UPDATE OR DELETE ON segments
+    FOR EACH ROW WHEN (pg_trigger_depth() = 0) EXECUTE FUNCTION staleflow_append_only();
+DROP FUNCTION staleflow_segments_offload_only();
+"""
+
+
+def _store_upgrade() -> None:
+    op.create_table(
+        "payload_objects",
+        sa.Column("id", sa.BigInteger(), autoincrement=True, nullable=False),
+        sa.Column("run_id", sa.BigInteger(), nullable=False),
+        sa.Column("url", sa.Text(), nullable=False),
+        sa.Column("size_bytes", sa.BigInteger(), nullable=False),
+        sa.Column("sha256", sa.Text(), nullable=False),
+        sa.Column("created_at", sa.DateTime(timezone=True), server_default=sa.text("now()"), nullable=False),
+        sa.ForeignKeyConstraint(["run_id"], ["runs.id"], name=op.f("fk_payload_objects_run_id"), ondelete="CASCADE"),
+        sa.PrimaryKeyConstraint("id", name=op.f("pk_payload_objects")),
+        sa.UniqueConstraint("url", name=op.f("uq_payload_objects_url")),
+    )
+    op.add_column("segments", sa.Column("payload_object", sa.BigInteger()))
+    op.add_column("segments", sa.Column("payload_offset", sa.BigInteger()))
+    op.create_foreign_key(op.f("fk_segments_payload_object"), "segments", "payload_objects", ["payload_object"], ["id"])
+    op.alter_column("segments", "token_ids", nullable=True)
+    op.alter_column("segments", "logprobs", nullable=True)
+    op.create_check_constraint(
+        op.f("ck_segments_placed"),
+        "segments",
+        "(token_ids IS NULL) = (payload_object IS NOT NULL) AND (logprobs IS NULL) = (token_ids IS NULL)"
+        " AND (payload_offset IS NULL) = (payload_object IS NULL) AND coalesce(payload_offset, 0) >= 0",
+    )
+    op.create_index(
+        "ix_segments_resident", "segments", ["run_id", "sample_id"], postgresql_where=sa.text("token_ids IS NOT NULL")
+    )
+    op.execute(OFFLOAD_ONLY)
+
+
+def _store_downgrade() -> None:
+    op.alter_column("segments", "token_ids", nullable=False)  # refused while a payload is in the store
+    op.alter_column("segments", "logprobs", nullable=False)
+    op.execute(APPEND_ONLY)
+    op.drop_index("ix_segments_resident", table_name="segments", postgresql_where=sa.text("token_ids IS NOT NULL"))
+    op.drop_constraint(op.f("ck_segments_placed"), "segments", type_="check")
+    op.drop_constraint(op.f("fk_segments_payload_object"), "segments", type_="foreignkey")
+    op.drop_column("segments", "payload_offset")
+    op.drop_column("segments", "payload_object")
+    op.drop_table("payload_objects")
+
+
 def _apply(frozen_views: str) -> None:
     from staleflow_db import queries
 
@@ -91,10 +168,12 @@ def upgrade() -> None:
         "ALTER TABLE segments ADD CONSTRAINT ck_segments_aligned CHECK (n_tokens >= 0"
         " AND octet_length(token_ids) = 4 * n_tokens AND octet_length(logprobs) = 4 * n_tokens)"
     )
+    _store_upgrade()
     _apply(AUDIT_VIEWS_AFTER)
 
 
 def downgrade() -> None:
+    _store_downgrade()
     op.execute(f"DROP VIEW {VIEWS}")
     op.execute("ALTER TABLE segments DROP CONSTRAINT ck_segments_aligned")
     op.execute(UNPACK)
