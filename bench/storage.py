@@ -1,6 +1,6 @@
 """Storage per generated token: what a run's rollouts cost the database on disk and in WAL.
 
-    python bench/storage.py [--tokens 2000000] [--url URL] [--offload [STORE_URL]]
+    python bench/storage.py [--tokens 1500000] [--warmup 500000] [--url URL] [--offload [STORE_URL]]
 
 A realistic workload runs in-process through the real protocol (`staleflow_db.protocol`) on a
 private embedded PostgreSQL (its WAL is this workload's alone; --url: a scratch database on
@@ -10,7 +10,10 @@ tokens: PARTIAL reports), a quarter of them interrupted once (INTERRUPTED, route
 continued from the prefix), then FINISHED; then claimed, rewarded, trained (consume + publish).
 Token ids are random in a 150k vocabulary and log-probs random floats (nothing compressible
 that real ones would not have). It stops after the first published step past --tokens
-generated tokens.
+generated tokens. The figures are the growth from the first published step past --warmup
+generated tokens to the end, per token generated in between: the steady state of a long run
+(in-flight samples, and with --offload the payloads not yet offloaded and the space a vacuum
+has yet to free, are a fixed amount that the warm-up already holds).
 
 --offload: after each published step, the run's finished segments' payloads move to the
 payload store (`staleflow_db.payload_store`; default a temporary `file://` folder) and the
@@ -31,6 +34,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 _REPO = Path(__file__).resolve().parent.parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _REPO / "bench"]
@@ -63,7 +67,7 @@ def sizes(url: str) -> dict[str, int]:
     return dict(zip(("table", "index", "events", "db", "wal"), (int(v) for v in row), strict=True))
 
 
-def workload(url: str, tokens: int, seed: int, offload_store: str | None) -> dict[str, float]:
+def workload(url: str, tokens: int, warmup: int, seed: int, offload_store: str | None) -> dict[str, Any]:
     from staleflow_db.protocol import Prompt, Protocol
     from staleflow_db.types import Report, RunConfig
     from workers.wire.enums import SegmentKind
@@ -80,6 +84,7 @@ def workload(url: str, tokens: int, seed: int, offload_store: str | None) -> dic
     target: dict[int, int] = {}  # sample id -> its response length
     interrupt_at: dict[int, int] = {}  # sample id -> where it is interrupted once
     generated, version, steps, spent = 0, 0, 0, 0.0
+    start: tuple[int, dict[str, int]] | None = None  # (generated, sizes) after the warm-up
     store = None
     if offload_store is not None:
         from staleflow_db.payload_store import offload_run, open_store
@@ -157,22 +162,26 @@ def workload(url: str, tokens: int, seed: int, offload_store: str | None) -> dic
                     with psycopg.connect(to_libpq_url(url), autocommit=True) as c:
                         c.execute("VACUUM segments")
             progress(f"step {steps}: {generated} tokens generated")
-        if generated >= tokens and published:
+            if start is None and generated >= warmup:
+                start = (generated, sizes(url))
+        if generated >= tokens and published and start is not None and generated > start[0]:
             break
     engine.dispose()
-    return {"generated": generated, "steps": steps, "report_cpu_s": spent}
+    assert start is not None
+    return {"generated": generated, "steps": steps, "report_cpu_s": spent, "start": start}
 
 
-def measure(url: str, tokens: int, seed: int, offload_store: str | None) -> dict[str, float]:
+def measure(url: str, tokens: int, warmup: int, seed: int, offload_store: str | None) -> dict[str, Any]:
     with psycopg.connect(to_libpq_url(url), autocommit=True) as c:
         c.execute("CHECKPOINT")
-    before = sizes(url)
-    got = workload(url, tokens, seed, offload_store)
+    got = workload(url, tokens, warmup, seed, offload_store)
     after = sizes(url)
-    n = got["generated"]
+    at, before = got.pop("start")
+    n = got["generated"] - at
     per = {k: (after[k] - before[k]) / n for k in before}
     return {
         **got,
+        "measured_tokens": n,
         **{f"{k}_bytes_per_token": round(v, 2) for k, v in per.items()},
         "db_mb_per_million_tokens": round(per["db"], 1),  # bytes/token x 1e6 tokens / 1e6 bytes/MB
     }
@@ -180,7 +189,8 @@ def measure(url: str, tokens: int, seed: int, offload_store: str | None) -> dict
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tokens", type=int, default=2_000_000)
+    ap.add_argument("--tokens", type=int, default=1_500_000)
+    ap.add_argument("--warmup", type=int, default=500_000, help="generated tokens before the measurement starts")
     ap.add_argument("--url", help="a server to make a scratch database on (default: a private embedded one)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(
@@ -197,12 +207,12 @@ def main() -> None:
             from bench.server_stats import scratch_database
 
             with scratch_database(to_libpq_url(args.url), "sf_storage") as url:
-                r = measure(url, args.tokens, args.seed, store)
+                r = measure(url, args.tokens, args.warmup, args.seed, store)
         else:
             from bench.harness import private_postgres
 
             with private_postgres(Path(tmp, "pg")) as url:
-                r = measure(url, args.tokens, args.seed, store)
+                r = measure(url, args.tokens, args.warmup, args.seed, store)
     for k, v in r.items():
         print(f"{k:28s} {v}")
     print(

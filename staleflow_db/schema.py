@@ -216,7 +216,8 @@ segments = Table(
         " AND (payload_offset IS NULL) = (payload_object IS NULL) AND coalesce(payload_offset, 0) >= 0",
         name="placed",
     ),
-    Index("ix_segments_resident", "run_id", "sample_id", postgresql_where=text("token_ids IS NOT NULL")),
+    # one key per run: B-tree deduplication keeps an entry to a few bytes per resident segment
+    Index("ix_segments_resident", "run_id", postgresql_where=text("token_ids IS NOT NULL")),
     CheckConstraint("generated = (version IS NOT NULL)", name="observation_unversioned"),
 )
 
