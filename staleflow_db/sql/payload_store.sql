@@ -27,11 +27,3 @@ WHERE x.sample_id = u.s AND x.seq = u.q AND x.token_ids IS NOT NULL
 SELECT x.sample_id, x.seq, x.n_tokens, x.generated, x.payload_offset, o.id AS object_id, o.url, o.size_bytes, o.sha256
 FROM segments x JOIN payload_objects o ON o.id = x.payload_object
 WHERE x.run_id = :r ORDER BY o.id, x.payload_offset
-
--- name: payload_store_usage
--- Where a run's payloads are: segments and bytes in the table and in the store.
-SELECT count(*) FILTER (WHERE token_ids IS NOT NULL) AS resident_segments,
-  coalesce(sum(8 * n_tokens) FILTER (WHERE token_ids IS NOT NULL), 0) AS resident_bytes,
-  count(*) FILTER (WHERE payload_object IS NOT NULL) AS stored_segments,
-  coalesce(sum(8 * n_tokens) FILTER (WHERE payload_object IS NOT NULL), 0) AS stored_bytes
-FROM segments WHERE run_id = :r
