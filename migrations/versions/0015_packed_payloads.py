@@ -125,9 +125,7 @@ def _store_upgrade() -> None:
         "(token_ids IS NULL) = (payload_object IS NOT NULL) AND (logprobs IS NULL) = (token_ids IS NULL)"
         " AND (payload_offset IS NULL) = (payload_object IS NULL) AND coalesce(payload_offset, 0) >= 0",
     )
-    op.create_index(
-        "ix_segments_resident", "segments", ["run_id"], postgresql_where=sa.text("token_ids IS NOT NULL")
-    )
+    op.create_index("ix_segments_resident", "segments", ["run_id"], postgresql_where=sa.text("token_ids IS NOT NULL"))
     op.execute(OFFLOAD_ONLY)
 
 
