@@ -243,3 +243,18 @@ def test_offload_to_an_s3_compatible_server(engine, tmp_path, s3_server, monkeyp
         urls = c.execute(text("SELECT url FROM payload_objects WHERE run_id = :r"), {"r": h.run}).scalars().all()
     assert urls and all(u.startswith("s3://staleflow-test/payloads/run-") for u in urls)
     assert os.environ["STALEFLOW_PAYLOAD_STORE_ENDPOINT"] == s3_server
+
+
+def test_the_offload_command_reads_its_store_from_the_setting(db_url, engine, tmp_path):
+    from tests.e2e.test_cli import staleflow
+
+    h = healthy_run(engine)
+    store = tmp_path / "by-setting"
+    env = {**os.environ, "STALEFLOW_DATABASE_URL": db_url, "STALEFLOW_PAYLOAD_STORE": store.as_uri()}
+    out = staleflow("offload", "healthy", env=env).stdout
+    assert f"offload run {h.run}: " in out and store.as_uri() in out
+    assert _where(engine, h.run)[1] > 0 and list(store.rglob("*.seg"))
+    assert "0 segments" in staleflow("offload", str(h.run), env=env).stdout  # nothing left: idempotent
+    bad = staleflow("offload", "healthy", "--store", "nosuchscheme://x", env=env, check=False)
+    assert bad.returncode == 2 and "nosuchscheme" in bad.stderr
+    assert violations(engine, h.run) == []
