@@ -32,6 +32,7 @@ from sqlalchemy import text
 
 from bench.backend_kills_workers import expected, killer_main, worker_main
 from staleflow_db.db import make_engine
+from staleflow_db.payloads import unpack_tokens
 from staleflow_db.protocol import Prompt, Protocol
 from staleflow_db.types import RunConfig
 
@@ -100,7 +101,7 @@ def check(engine, run: int, logs: dict[str, Any]) -> dict[str, Any]:
         "SELECT sample_id, seq, attempt, token_ids FROM segments WHERE run_id = :r ORDER BY sample_id, seq",
         r=run,
     ):
-        segs[sid].append((att, tuple(toks)))
+        segs[sid].append((att, tuple(unpack_tokens(toks))))
     have = lambda sid, att, toks: (att, tuple(toks)) in segs.get(sid, [])  # noqa: E731
 
     def present(c: dict) -> list[bool]:

@@ -30,6 +30,7 @@ COMMANDS = {
     "lineage": "staleflow_cli.lineage:lineage",
     "export": "staleflow_cli.export:export",
     "replay": "staleflow_cli.replay:replay",
+    "offload": "staleflow_cli.offload:offload",
     "coordinator": "staleflow_cli.coordinator:coordinator",
     "demo": "staleflow_cli.demo:demo",
     "run": "staleflow_cli.runs:app",

@@ -11,6 +11,7 @@ from sqlalchemy import Connection, Engine
 
 from . import queries
 from .errors import NotFound
+from .payload_store import payload_violations
 from .protocol.reads import ProtocolReads
 
 
@@ -71,7 +72,12 @@ def violations(engine: Engine, run_id: int) -> list[dict[str, str]]:
 
 def _violations(conn: Connection, run_id: int) -> list[dict[str, str]]:
     rows = conn.execute(queries.text("audit_run_violations"), {"r": run_id}).all()
-    return [{"invariant": i, "subject": s, "detail": d} for i, s, d in rows]
+    found = [{"invariant": i, "subject": s, "detail": d} for i, s, d in rows]
+    # the checks that need the payloads of offloaded segments, read through the payload store
+    stored = payload_violations(conn, run_id)
+    if not stored:
+        return found
+    return sorted(found + stored, key=lambda v: (v["invariant"], v["subject"], v["detail"]))
 
 
 def step_metrics(engine: Engine, run_id: int) -> list[dict[str, Any]]:

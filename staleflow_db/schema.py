@@ -30,7 +30,7 @@ from sqlalchemy import (
     func,
     text,
 )
-from sqlalchemy.dialects.postgresql import ARRAY, JSONB, REAL, UUID
+from sqlalchemy.dialects.postgresql import ARRAY, JSONB, UUID
 
 from workers.wire.enums import CommandKind, CommandState, GroupState, InstanceState, Role, RunState, SampleState
 
@@ -176,6 +176,18 @@ samples = Table(
     postgresql_with={"fillfactor": "70"},
 )
 
+# One object of the payload store: finished segments' packed payloads (staleflow_db/payload_store.py).
+payload_objects = Table(
+    "payload_objects",
+    metadata,
+    Column("id", BigInteger, primary_key=True, autoincrement=True),
+    Column("run_id", BigInteger, ForeignKey("runs.id", ondelete="CASCADE"), nullable=False),
+    Column("url", Text, nullable=False, unique=True),
+    Column("size_bytes", BigInteger, nullable=False),
+    Column("sha256", Text, nullable=False),
+    _created(),
+)
+
 segments = Table(
     "segments",
     metadata,
@@ -185,14 +197,29 @@ segments = Table(
     Column("version", Integer),  # the model version that generated it; NULL for an observation
     Column("instance_id", BigInteger, nullable=False),
     Column("attempt", Integer, nullable=False),
-    Column("token_ids", ARRAY(Integer), nullable=False),
-    Column("logprobs", ARRAY(REAL), nullable=False),
+    # packed little-endian int32 / float32, 4 bytes per token (staleflow_db/payloads.py); NULL
+    # once moved to the payload store (staleflow_db/payload_store.py)
+    Column("token_ids", LargeBinary),
+    Column("logprobs", LargeBinary),
+    Column("n_tokens", Integer, nullable=False),
+    Column("payload_object", BigInteger, ForeignKey("payload_objects.id")),
+    Column("payload_offset", BigInteger),
     Column("finish_reason", Text),
     # the loss mask of its tokens: false for an environment observation (multi-turn)
     Column("generated", Boolean, nullable=False, server_default=text("true")),
     _created(),
     PrimaryKeyConstraint("sample_id", "seq"),
-    CheckConstraint("cardinality(token_ids) = cardinality(logprobs)", name="aligned"),
+    CheckConstraint(
+        "n_tokens >= 0 AND octet_length(token_ids) = 4 * n_tokens AND octet_length(logprobs) = 4 * n_tokens",
+        name="aligned",
+    ),
+    CheckConstraint(
+        "(token_ids IS NULL) = (payload_object IS NOT NULL) AND (logprobs IS NULL) = (token_ids IS NULL)"
+        " AND (payload_offset IS NULL) = (payload_object IS NULL) AND coalesce(payload_offset, 0) >= 0",
+        name="placed",
+    ),
+    # one key per run: B-tree deduplication keeps an entry to a few bytes per resident segment
+    Index("ix_segments_resident", "run_id", postgresql_where=text("token_ids IS NOT NULL")),
     CheckConstraint("generated = (version IS NOT NULL)", name="observation_unversioned"),
 )
 

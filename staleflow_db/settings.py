@@ -75,6 +75,11 @@ class Settings(HomeSettings):
     pool_size: int = Field(10, ge=0)
     # -1: no limit (SQLAlchemy's convention).
     max_overflow: int = Field(10, ge=-1)
+    # Where `staleflow offload` moves finished segments' payloads (staleflow_db/payload_store.py):
+    # a file:// folder or s3://bucket/prefix; unset: file://<home>/payloads. The endpoint of an
+    # S3-compatible store other than AWS's (MinIO, Ceph, moto ...).
+    payload_store: str | None = None
+    payload_store_endpoint: str | None = None
 
     @field_validator("database_url")
     @classmethod

@@ -18,9 +18,10 @@ branch_labels = None
 depends_on = None
 
 AUDIT_VIEWS = "audit_views_v2.sql"  # frozen: the audit views before this migration
+AUDIT_VIEWS_AFTER = "audit_views_v3.sql"  # frozen: the audit views as this migration applies them
 
 
-def _apply(frozen_views: str | None) -> None:
+def _apply(frozen_views: str) -> None:
     from staleflow_db import queries
 
     for statement in queries.ddl_statements(frozen_views):
@@ -37,7 +38,7 @@ def upgrade() -> None:
         ["id"],
         ondelete="SET NULL",
     )
-    _apply(None)
+    _apply(AUDIT_VIEWS_AFTER)
 
 
 def downgrade() -> None:

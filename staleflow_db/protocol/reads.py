@@ -14,7 +14,7 @@ from sqlalchemy import Connection, Row
 
 from workers.wire.types import is_run_id
 
-from .. import queries
+from .. import payloads, queries
 from ..errors import NotFound
 from ..idempotency import transactional
 from ..rules import buffer_state
@@ -103,6 +103,25 @@ def _rows(conn: Connection, name: str, **params: Any) -> list[dict[str, Any]]:
     return [dict(r._mapping) for r in conn.execute(queries.text(name), params).all()]
 
 
+def _export_row(row: dict[str, Any]) -> dict[str, Any]:
+    """An `export_samples` row with its segments' packed payloads as per-token lists."""
+    lengths, packed_tokens, packed_logprobs = row["seg_lengths"], row.pop("seg_tokens"), row.pop("seg_logprobs")
+    for k in ("seg_urls", "seg_sizes", "seg_sums", "seg_offsets"):
+        del row[k]
+    per_token = {
+        "response_tokens": payloads.unpack_tokens(b"".join(packed_tokens)),
+        "logprobs": payloads.unpack_logprobs(b"".join(packed_logprobs)),
+        "loss_mask": payloads.per_token(lengths, [int(g) for g in row.pop("seg_generated")]),
+        "token_versions": payloads.per_token(lengths, row["seg_versions"]),
+    }
+    out: dict[str, Any] = {}
+    for k, v in row.items():  # the per-token lists before the segments', as ExportRow has them
+        if k == "seg_lengths":
+            out.update(per_token)
+        out[k] = v
+    return out
+
+
 class ProtocolReads(TxMixin):
     @transactional
     def list_runs(
@@ -183,7 +202,12 @@ class ProtocolReads(TxMixin):
         log-probs, loss mask, versions, reward and timings (`export_samples`)."""
         with self.tx(conn) as conn:
             load_run(conn, run_id, lock=False)
-            return _rows(conn, "export_samples", run=run_id, after=after, n=limit, trained=trained)
+            rows = _rows(conn, "export_samples", run=run_id, after=after, n=limit, trained=trained)
+        if any(url is not None for r in rows for url in r["seg_urls"]):  # read through the payload store
+            from ..payload_store import fill_offloaded
+
+            fill_offloaded(rows)
+        return [_export_row(r) for r in rows]
 
     @transactional
     def export_count(self, run_id: int, trained: bool, *, conn: Connection | None = None) -> int:

@@ -16,7 +16,7 @@ from sqlalchemy import Connection, Row
 
 from workers.wire.enums import SegmentKind
 
-from .. import queries
+from .. import payloads, queries
 from ..errors import Conflict, InvalidInput, NotFound, TooLarge
 from ..idempotency import transactional
 from ..types import Report
@@ -204,10 +204,10 @@ class RolloutOps(TxMixin):
                     w.group_id,
                     w.v_traj,
                     list(w.prompt_tokens),
-                    list(w.tokens),
-                    list(w.logprobs),
+                    payloads.unpack_tokens(w.tokens),
+                    payloads.unpack_logprobs(w.logprobs),
                     row.max_response_tokens - w.n_tokens,
-                    list(w.mask),
+                    payloads.per_token(w.lengths, [int(g) for g in w.generated or ()]),
                     w.meta or {},
                 )
                 for w in rows
@@ -378,14 +378,15 @@ def _write_reports(conn: Connection, run_id: int, reports: Sequence[Report], row
                     "v": r.version,
                     "i": r.instance_id,
                     "a": r.attempt,
-                    "t": r.tokens,
-                    "l": r.stored_logprobs(),
+                    "n": len(r.tokens),
                     "f": r.finish_reason,
                     "g": r.generated,
                 }
                 for r in segs
             ]
         )
+        params["pt"] = [payloads.pack_tokens(r.tokens) for r in segs]
+        params["pl"] = [payloads.pack_logprobs(r.stored_logprobs()) for r in segs]
     if events:
         ctes.append(queries.prefixed("events_insert", "e_"))
         params.update(events_params(run_id, events, "e_"))

@@ -15,7 +15,7 @@ from sqlalchemy import Connection
 
 from workers.wire.enums import DropReason, GroupState
 
-from .. import queries
+from .. import payloads, queries
 from ..errors import Conflict, InvalidInput, NotFound
 from ..idempotency import transactional
 from ..rules import occupy_plan, replacement_key
@@ -95,10 +95,10 @@ class ScoringOps(TxMixin):
                     r.reward_attempt,
                     r.group_id,
                     list(r.prompt_tokens),
-                    list(r.response),
+                    payloads.unpack_tokens(r.response),
                     r.finish_reason,
                     r.meta,
-                    list(r.mask),
+                    payloads.per_token(r.lengths, [int(g) for g in r.generated or ()]),
                 )
                 for r in rows
             ]

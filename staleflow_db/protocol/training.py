@@ -13,7 +13,7 @@ from sqlalchemy import Connection, Row
 
 from workers.wire.enums import DropReason
 
-from .. import queries
+from .. import payloads, queries
 from ..errors import Conflict, Corrupted, InvalidInput
 from ..idempotency import transactional
 from ..rules import reserve_target
@@ -97,12 +97,12 @@ class TrainingOps(TxMixin):
                         s.id,
                         s.idx,
                         s.v_traj,
-                        [t for p in parts for t in p.token_ids],
-                        [lp for p in parts for lp in p.logprobs],
+                        payloads.unpack_tokens(b"".join(p.token_ids for p in parts)),
+                        payloads.unpack_logprobs(b"".join(p.logprobs for p in parts)),
                         s.reward,
                         s.finish_reason,
-                        [SegmentInfo(p.seq, p.version, p.instance_id, len(p.token_ids), p.generated) for p in parts],
-                        [int(p.generated) for p in parts for _ in p.token_ids],
+                        [SegmentInfo(p.seq, p.version, p.instance_id, p.n_tokens, p.generated) for p in parts],
+                        [int(p.generated) for p in parts for _ in range(p.n_tokens)],
                     )
                 )
             return Batch(run_id, version, fence, list(groups.values()))

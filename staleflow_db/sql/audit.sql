@@ -265,7 +265,7 @@ LEFT JOIN (  -- narrow rows (no token data) in seq order: versions, and whether 
 ) v ON v.run_id = s.run_id AND v.sample_id = s.id
 LEFT JOIN (  -- token counts
     SELECT run_id, sample_id, count(*) AS n, min(seq) AS first_seq, max(seq) AS last_seq,
-           sum(cardinality(token_ids)) AS n_tokens
+           sum(n_tokens) AS n_tokens
     FROM segments GROUP BY run_id, sample_id
 ) x ON x.run_id = s.run_id AND x.sample_id = s.id
 CROSS JOIN LATERAL (VALUES
@@ -488,17 +488,17 @@ WHERE w.generated AND w.prev_is_generated = false AND w.version < w.prev_generat
 UNION ALL
 SELECT o.run_id, 'observation', 'sample ' || o.sample_id,
        format('observation segment %s: %s', o.seq,
-              CASE WHEN o.logprob_sum <> 0 THEN 'log-probs are not 0 (it was not sampled)'
+              CASE WHEN o.logprob_nonzero THEN 'log-probs are not 0 (it was not sampled)'
                    WHEN o.prev_is_generated = false THEN 'follows another observation'
                    ELSE format('ends the %s trajectory', s.state) END)
 FROM (SELECT run_id, sample_id, seq, generated,
-             (SELECT coalesce(sum(abs(z)), 0) FROM unnest(logprobs) AS z) AS logprob_sum,
+             ltrim(logprobs, '\x00'::bytea) <> ''::bytea AS logprob_nonzero,  -- packed float32: 0.0 is 4 zero bytes
              lag(generated) OVER (PARTITION BY run_id, sample_id ORDER BY seq) AS prev_is_generated,
              lead(seq) OVER (PARTITION BY run_id, sample_id ORDER BY seq) AS next_seq
       FROM segments) o
 JOIN samples s ON s.id = o.sample_id AND s.run_id = o.run_id
 WHERE NOT o.generated
-  AND (o.logprob_sum <> 0 OR o.prev_is_generated = false
+  AND (o.logprob_nonzero OR o.prev_is_generated = false
        OR (o.next_seq IS NULL AND s.state IN ('finished', 'scoring', 'rewarded')))
 
 -- name: view_staleness_violations
@@ -526,7 +526,7 @@ CREATE OR REPLACE VIEW trained_lineage AS
 SELECT s.run_id, g.buffer AS step, s.id AS sample_id, s.group_id, s.idx, s.v_traj,
        g.buffer - s.v_traj AS staleness,
        x.seq, x.generated, x.version, x.instance_id, i.name AS instance_name, x.attempt,
-       cardinality(x.token_ids) AS n_tokens, x.finish_reason, x.created_at AS segment_at,
+       x.n_tokens, x.finish_reason, x.created_at AS segment_at,
        pv.checksum, pv.location, pv.created_at AS published_at,
        CASE WHEN x.version > 0 THEN x.version - 1 END AS published_by_step,
        s.reward, s.reward_metrics, s.reward_attempt,

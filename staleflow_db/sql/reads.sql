@@ -190,32 +190,35 @@ ORDER BY sample_id, seq
 
 -- name: export_samples
 -- A page of a run's rollouts for `staleflow export`, by sample id after :after (keyset: the
--- primary key, so a page costs the same at any depth); :trained only those trained. Tokens,
--- log-probs, loss mask and versions are per response token in segment order (an observation's
--- version is NULL); the segment boundaries are seg_lengths with seg_versions.
+-- primary key, so a page costs the same at any depth); :trained only those trained. Per
+-- segment in seq order: its length, version (NULL for an observation), instance, whether it
+-- was generated, and its packed token ids and log-probs, or (NULL there) the payload store's
+-- object, size, SHA-256 and offset that hold them (`ProtocolReads.export_page` reads those
+-- through the store and makes per-token lists: tokens, log-probs, loss mask, versions).
 SELECT s.id AS sample_id, s.group_id, s.idx, g.client_key, g.prompt_tokens,
   s.state::text AS state, s.reason, g.state::text AS group_state,
   CASE WHEN g.state = 'consumed' AND s.state = 'rewarded' THEN g.buffer END AS step,
   s.v_traj,
   CASE WHEN g.state = 'consumed' AND s.state = 'rewarded' THEN g.buffer - s.v_traj END AS staleness,
   s.reward, s.reward_metrics, s.reward_token_id, s.finish_reason, s.n_tokens,
-  coalesce(tk.tokens, '{}') AS response_tokens, coalesce(tk.logprobs, '{}') AS logprobs,
-  coalesce(tk.mask, '{}') AS loss_mask, coalesce(tk.versions, '{}') AS token_versions,
   coalesce(sg.lengths, '{}') AS seg_lengths, coalesce(sg.versions, '{}') AS seg_versions,
-  coalesce(sg.instances, '{}') AS seg_instances,
+  coalesce(sg.instances, '{}') AS seg_instances, coalesce(sg.generated, '{}') AS seg_generated,
+  coalesce(sg.tokens, '{}') AS seg_tokens, coalesce(sg.logprobs, '{}') AS seg_logprobs,
+  coalesce(sg.urls, '{}') AS seg_urls, coalesce(sg.sizes, '{}') AS seg_sizes, coalesce(sg.sums, '{}') AS seg_sums,
+  coalesce(sg.offsets, '{}') AS seg_offsets,
   g.created_at AS enqueued_at, sg.first_at AS first_segment_at, sg.last_at AS last_segment_at,
   g.finished_at AS group_finished_at, s.updated_at
 FROM samples s
 JOIN prompt_groups g ON g.id = s.group_id
 LEFT JOIN LATERAL (
-  SELECT array_agg(cardinality(x.token_ids) ORDER BY x.seq) AS lengths,
+  SELECT array_agg(x.n_tokens ORDER BY x.seq) AS lengths,
          array_agg(x.version ORDER BY x.seq) AS versions, array_agg(x.instance_id ORDER BY x.seq) AS instances,
+         array_agg(x.generated ORDER BY x.seq) AS generated,
+         array_agg(x.token_ids ORDER BY x.seq) AS tokens, array_agg(x.logprobs ORDER BY x.seq) AS logprobs,
+         array_agg(o.url ORDER BY x.seq) AS urls, array_agg(o.size_bytes ORDER BY x.seq) AS sizes,
+         array_agg(o.sha256 ORDER BY x.seq) AS sums, array_agg(x.payload_offset ORDER BY x.seq) AS offsets,
          min(x.created_at) AS first_at, max(x.created_at) AS last_at
-  FROM segments x WHERE x.sample_id = s.id) sg ON true
-LEFT JOIN LATERAL (
-  SELECT array_agg(z.t ORDER BY x.seq, z.o) AS tokens, array_agg(z.l ORDER BY x.seq, z.o) AS logprobs,
-         array_agg(x.generated::int ORDER BY x.seq, z.o) AS mask, array_agg(x.version ORDER BY x.seq, z.o) AS versions
-  FROM segments x, unnest(x.token_ids, x.logprobs) WITH ORDINALITY AS z(t, l, o) WHERE x.sample_id = s.id) tk ON true
+  FROM segments x LEFT JOIN payload_objects o ON o.id = x.payload_object WHERE x.sample_id = s.id) sg ON true
 WHERE s.run_id = :run AND s.id > :after
   AND (NOT :trained OR (s.state = 'rewarded' AND g.state = 'consumed'))
 ORDER BY s.id LIMIT :n

@@ -68,10 +68,11 @@ WHERE x.id = f.id RETURNING x.id, f.instance_id
 
 -- name: poll_work
 -- One statement checks the instance and delivers (RolloutOps.poll_work). The response so far
--- is the sample's segments' token_ids / logprobs concatenated in order, with each token's loss
--- mask (1 generated, 0 an environment observation's). The poll renews the instance's live
--- lease (`renew`, see report_run_and_instances for why it runs first and writes only once a
--- quarter of the lease has passed); otherwise the instance is read FOR SHARE.
+-- is the sample's segments' packed token_ids / logprobs concatenated in order, with each
+-- segment's length and whether it was generated (the loss mask: 1 generated, 0 an environment
+-- observation's). The poll renews the instance's live lease (`renew`, see
+-- report_run_and_instances for why it runs first and writes only once a quarter of the lease
+-- has passed); otherwise the instance is read FOR SHARE.
 WITH renew AS MATERIALIZED (UPDATE instances SET lease_expires_at = now() + make_interval(secs => lease_s)
   WHERE id = :i AND state = 'active' AND lease_expires_at > now()
   AND lease_expires_at < now() + make_interval(secs => 0.75 * lease_s) RETURNING run_id),
@@ -86,11 +87,12 @@ u AS (UPDATE samples s SET delivered = true FROM d WHERE s.id = d.id
   RETURNING s.id, s.attempt, s.route_token, s.group_id, s.v_traj, s.n_tokens)
 SELECT inst.state, inst.live, inst.max_response_tokens, w.* FROM inst LEFT JOIN (
   SELECT u.id, u.attempt, u.route_token::text AS route_token, u.group_id, u.v_traj, u.n_tokens, g.prompt_tokens,
-  coalesce(p.tokens, '{}') AS tokens, coalesce(p.logprobs, '{}') AS logprobs, coalesce(p.mask, '{}') AS mask, g.meta
+  p.tokens, p.logprobs, p.lengths, p.generated, g.meta
   FROM u JOIN prompt_groups g ON g.id = u.group_id LEFT JOIN LATERAL (
-    SELECT array_agg(z.e ORDER BY x.seq, z.o) AS tokens, array_agg(z.l ORDER BY x.seq, z.o) AS logprobs,
-      array_agg(x.generated::int ORDER BY x.seq, z.o) AS mask FROM segments x,
-      unnest(x.token_ids, x.logprobs) WITH ORDINALITY AS z(e, l, o) WHERE x.sample_id = u.id) p ON true) w
+    SELECT string_agg(x.token_ids, ''::bytea ORDER BY x.seq) AS tokens,
+      string_agg(x.logprobs, ''::bytea ORDER BY x.seq) AS logprobs,
+      array_agg(x.n_tokens ORDER BY x.seq) AS lengths, array_agg(x.generated ORDER BY x.seq) AS generated
+    FROM segments x WHERE x.sample_id = u.id) p ON true) w
   ON true ORDER BY w.id
 
 -- name: deliver_commands
@@ -178,11 +180,13 @@ SELECT id, state, attempt, v_traj, last_version, n_tokens, n_segments, instance_
   NULL::boolean AS last_generated FROM samples WHERE run_id = :run AND id = ANY(CAST(:ids AS bigint[]))
 
 -- name: report_segments
--- A part of `report_samples`' statement (`with_parts`): the segments.
+-- A part of `report_samples`' statement (`with_parts`): the segments. Their packed token ids
+-- and log-probs (staleflow_db/payloads.py) come as two bytea arrays in the order of :p's rows.
 -- An observation (g false) has no version.
 INSERT INTO segments (sample_id, seq, run_id, version, instance_id, attempt, token_ids, logprobs,
-  finish_reason, generated) SELECT x.s, x.q, :run, x.v, x.i, x.a, x.t, x.l, x.f, x.g
-FROM jsonb_to_recordset(CAST(:p AS jsonb)) AS x(s bigint, q int, v int, i bigint, a int, t int[], l real[], f text, g boolean)
+  n_tokens, finish_reason, generated) SELECT x.s, x.q, :run, x.v, x.i, x.a, x.t, x.l, x.n, x.f, x.g
+FROM ROWS FROM (jsonb_to_recordset(CAST(:p AS jsonb)) AS (s bigint, q int, v int, i bigint, a int, n int, f text, g boolean),
+  unnest(CAST(:pt AS bytea[])), unnest(CAST(:pl AS bytea[]))) AS x(s, q, v, i, a, n, f, g, t, l)
 
 -- name: report_samples
 UPDATE samples s SET n_tokens = s.n_tokens + u.n, n_segments = s.n_segments + (u.n > 0)::int,

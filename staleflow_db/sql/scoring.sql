@@ -9,18 +9,20 @@ SELECT id FROM samples WHERE run_id = :run AND state = 'scoring' AND reward_dead
 ORDER BY id FOR UPDATE SKIP LOCKED)
 
 -- name: claim_rewards
--- Claim up to :n finished samples; the response is the segments' token_ids in order, with
--- each token's loss mask (1 generated, 0 an environment observation's).
+-- Claim up to :n finished samples; the response is the segments' packed token_ids in order,
+-- with each segment's length and whether it was generated (the loss mask: 1 generated, 0 an
+-- environment observation's).
 WITH c AS MATERIALIZED (SELECT id FROM samples WHERE run_id = :run AND state = 'finished'
   ORDER BY id LIMIT :n FOR UPDATE SKIP LOCKED),
 u AS (UPDATE samples s SET state = 'scoring', reward_attempt = s.reward_attempt + 1,
   reward_deadline = now() + make_interval(secs => :ttl), updated_at = now()
   FROM c WHERE s.id = c.id RETURNING s.id, s.reward_attempt, s.group_id, s.finish_reason)
 SELECT u.id, u.reward_attempt, u.group_id, g.prompt_tokens,
-  coalesce(p.response, '{}') AS response, coalesce(p.mask, '{}') AS mask, u.finish_reason, g.meta
+  p.response, p.lengths, p.generated, u.finish_reason, g.meta
 FROM u JOIN prompt_groups g ON g.id = u.group_id LEFT JOIN LATERAL (
-  SELECT array_agg(z.e ORDER BY x.seq, z.o) AS response, array_agg(x.generated::int ORDER BY x.seq, z.o) AS mask
-  FROM segments x, unnest(x.token_ids) WITH ORDINALITY AS z(e, o) WHERE x.sample_id = u.id) p ON true
+  SELECT string_agg(x.token_ids, ''::bytea ORDER BY x.seq) AS response,
+    array_agg(x.n_tokens ORDER BY x.seq) AS lengths, array_agg(x.generated ORDER BY x.seq) AS generated
+  FROM segments x WHERE x.sample_id = u.id) p ON true
 ORDER BY u.id
 
 -- name: abort_candidates

@@ -23,7 +23,7 @@ SELECT group_id, buffer FROM events
 WHERE run_id = :run AND kind = 'group_occupied' AND group_id = ANY(CAST(:g AS bigint[])) ORDER BY id
 
 -- name: consume_segments
-SELECT x.sample_id, x.seq, x.version, x.instance_id, x.token_ids, x.logprobs, x.generated
+SELECT x.sample_id, x.seq, x.version, x.instance_id, x.token_ids, x.logprobs, x.n_tokens, x.generated
 FROM segments x JOIN samples s ON s.id = x.sample_id
 WHERE s.group_id = ANY(CAST(:g AS bigint[])) AND s.state = 'rewarded' ORDER BY x.sample_id, x.seq
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from api.auth import create_token
+from staleflow_db.payloads import unpack_tokens
 from tests.api_helpers import ApiServer
 from tests.protocol_helpers import Driver
 from workers.client import Forbidden
@@ -19,7 +20,8 @@ def _instance(d: Driver, inst: int):
 
 
 def _segments(d: Driver) -> list:
-    return d.rows("SELECT sample_id, instance_id, attempt, token_ids FROM segments WHERE run_id = :r ORDER BY 1, seq")
+    rows = d.rows("SELECT sample_id, instance_id, attempt, token_ids FROM segments WHERE run_id = :r ORDER BY 1, seq")
+    return [(*r[:3], unpack_tokens(r[3])) for r in rows]
 
 
 def _refused(call) -> None:

@@ -1,12 +1,14 @@
 """The lineage endpoint on a multi-turn trajectory: its generated turns and the observation
 between them, the version of each turn with the checksum step 0 published for it, and the
 reward with its metrics and the token that posted it over REST; the export page carries the
-same trajectory's loss mask and per-token versions."""
+same trajectory's loss mask and per-token versions, also once its payloads are in the payload
+store."""
 
 from __future__ import annotations
 
 from api.auth import create_token
 from staleflow_db.audit import violations
+from staleflow_db.payload_store import offload_run, open_store
 from staleflow_db.protocol import Prompt, Protocol
 from staleflow_db.types import Report, RunConfig
 from tests.api.test_api_errors import expect
@@ -34,7 +36,7 @@ def _routed(p: Protocol, run: int, sid: int, inst: int) -> int:
     return r.attempt
 
 
-def test_lineage_of_a_trajectory_of_turns_over_rest(db_url, engine):
+def test_lineage_of_a_trajectory_of_turns_over_rest(db_url, engine, tmp_path):
     p = Protocol(engine)
     run = p.create_run("turns", RunConfig(batch_size=1, group_size=1, samples_per_group=1, eta=1))
     first, second = p.enqueue(run, [Prompt("a", [1, 2]), Prompt("b", [3])])
@@ -110,3 +112,9 @@ def test_lineage_of_a_trajectory_of_turns_over_rest(db_url, engine):
             0,
         )
         assert row["logprobs"][2] == 0.0 and row["reward_token_id"] == reward["id"]
+
+        # the payloads moved to the payload store: the API's export reads through it, the same row
+        offload_run(engine, open_store(tmp_path.as_uri()), run)
+        (again,) = http.get(f"/v1/runs/{run}/export", params={"after": s0, "trained": True}).json()["rows"]
+        assert again == row
+        assert violations(engine, run) == []

@@ -16,6 +16,7 @@ from api_helpers import ApiServer, token
 from sqlalchemy import text
 
 from staleflow_db.db import make_engine
+from staleflow_db.payloads import unpack_logprobs, unpack_tokens
 from workers.models.tiny_model import TinyConfig
 from workers.rollout.engines.base import FinishedEvent
 from workers.rollout.engines.torch_engine import TorchEngine
@@ -103,8 +104,8 @@ def test_worker_generates_reports_and_continues_interrupted_samples(served):
     assert a.stats.lost == b.stats.lost == 0
     segs = _segments(server.db_url, victim)
     tokens, logprobs = expected[victim]
-    assert [t for s in segs for t in s.token_ids] == tokens
-    assert [lp for s in segs for lp in s.logprobs] == pytest.approx(logprobs, abs=1e-4)
+    assert [t for s in segs for t in unpack_tokens(s.token_ids)] == tokens
+    assert [lp for s in segs for lp in unpack_logprobs(s.logprobs)] == pytest.approx(logprobs, abs=1e-4)
     assert {s.instance_id for s in segs} == {a.instance_id, b.instance_id}
     assert len(admin.claim(run, limit=100, wait=0)) == 12  # every sample finished, ready for reward
 

@@ -125,8 +125,9 @@ INSERT INTO events (run_id, kind, group_id, buffer, data)
 SELECT run_id, 'group_occupied', id, buffer, jsonb_build_object('version', group_version) FROM prompt_groups;
 INSERT INTO samples (run_id, group_id, idx, state, v_traj, attempt, n_tokens, n_segments, last_version, reward)
 SELECT g.run_id, g.id, i, 'rewarded', g.buffer, 1, 12, 3, g.buffer, 1.0 FROM prompt_groups g, generate_series(0, 3) i;
-INSERT INTO segments (sample_id, seq, run_id, version, instance_id, attempt, token_ids, logprobs)
-SELECT s.id, q, s.run_id, s.v_traj, 1, 1, ARRAY[1, 2, 3, 4], ARRAY[-1, -1, -1, -1]::real[]
+INSERT INTO segments (sample_id, seq, run_id, version, instance_id, attempt, token_ids, logprobs, n_tokens)
+SELECT s.id, q, s.run_id, s.v_traj, 1, 1, decode('01000000020000000300000004000000', 'hex'),
+  decode('000080bf000080bf000080bf000080bf', 'hex'), 4
 FROM samples s, generate_series(0, 2) q;
 INSERT INTO events (run_id, kind, sample_id, instance_id, data)
 SELECT run_id, 'sample_routed', id, 1, jsonb_build_object('v', v_traj) FROM samples;

@@ -18,6 +18,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench.backend_kills import check, drive, setup_run
+from staleflow_db.payloads import pack_tokens
 
 SECONDS = 20  # CI size: the workers' deadline; set-up, join and check add a few seconds
 
@@ -53,8 +54,8 @@ def test_check_catches_forged_losses(engine, db_url, tmp_path):
     with engine.begin() as c:
         c.execute(text("ALTER TABLE segments DISABLE TRIGGER USER"))  # forging: bypass any guard
         c.execute(
-            text("DELETE FROM segments WHERE sample_id = :s AND attempt = :a AND token_ids = CAST(:t AS integer[])"),
-            {"s": sid, "a": att, "t": toks},
+            text("DELETE FROM segments WHERE sample_id = :s AND attempt = :a AND token_ids = :t"),
+            {"s": sid, "a": att, "t": pack_tokens(toks)},
         )
         c.execute(text("UPDATE samples SET reward = reward + 7 WHERE id = :s"), {"s": reward["items"][0][0]})
         for pub in publish:

@@ -25,6 +25,7 @@ from sqlalchemy import text
 
 from staleflow_db.db import make_engine
 from staleflow_db.errors import Conflict
+from staleflow_db.payloads import unpack_tokens
 from staleflow_db.protocol import Prompt, Protocol
 from staleflow_db.types import Report, RunConfig
 from workers.wire.enums import SegmentKind
@@ -382,12 +383,12 @@ def test_processes_share_one_run(engine, db_url, tmp_path):
     by_sample = defaultdict(list)
     for sid, seq, att, inst, ver, toks in segs:
         assert routes[sid][att - 1] == inst, (sid, seq)
-        by_sample[sid].append((seq, att, ver, toks))
+        by_sample[sid].append((seq, att, ver, unpack_tokens(toks)))
     for sid, parts in by_sample.items():
         assert [x[0] for x in parts] == list(range(len(parts)))
         assert [x[1] for x in parts] == sorted(x[1] for x in parts), sid  # attempts never go back
     acked = sorted((s, a, tuple(t)) for s, a, t in merged["segments"])
-    assert acked == sorted((s, a, tuple(t)) for s, _, a, _, _, t in segs), "segments lost or duplicated"
+    assert acked == sorted((s, a, tuple(unpack_tokens(t))) for s, _, a, _, _, t in segs), "segments lost or duplicated"
 
     # -- nothing lost --------------------------------------------------------------------------
     samples = _rows(

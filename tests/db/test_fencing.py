@@ -16,6 +16,7 @@ import pytest
 from sqlalchemy import text
 
 from staleflow_db.errors import Conflict, InvalidInput
+from staleflow_db.payloads import unpack_tokens
 from staleflow_db.types import Report
 from tests.api_helpers import ApiServer, token
 from tests.protocol_helpers import Driver
@@ -51,9 +52,10 @@ def running_on_fenced(d: Driver) -> list:
 
 
 def segments(d: Driver) -> list:
-    return d.rows(
+    rows = d.rows(
         "SELECT sample_id, seq, instance_id, attempt, token_ids FROM segments WHERE run_id = :r ORDER BY 1, 2"
     )
+    return [(*r[:4], unpack_tokens(r[4])) for r in rows]
 
 
 # ---- item 2: a route racing an expiry or a deregistration -----------------------------------

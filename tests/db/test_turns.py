@@ -11,6 +11,7 @@ from protocol_helpers import Driver
 from sqlalchemy.exc import IntegrityError
 
 from staleflow_db.errors import InvalidInput
+from staleflow_db.payloads import pack_logprobs
 from staleflow_db.types import Report
 from workers.wire.enums import SegmentKind as K
 
@@ -120,7 +121,7 @@ def test_turn_version_catches_a_version_going_down_across_an_observation(engine,
 
 def test_observation_catches_log_probs_on_observed_tokens(engine, turns):
     d, a = turns
-    forge(engine, "UPDATE segments SET logprobs = '{-1, 0}' WHERE sample_id = :s AND seq = 1", s=a)
+    forge(engine, "UPDATE segments SET logprobs = :l WHERE sample_id = :s AND seq = 1", s=a, l=pack_logprobs([-1, 0]))
     assert found(engine, d.run) == {("observation", f"sample {a}")}
 
 
@@ -128,8 +129,9 @@ def test_observation_catches_two_observations_in_a_row(engine, turns):
     d, a = turns
     forge(
         engine,
-        "UPDATE segments SET generated = false, version = NULL, logprobs = '{0}' WHERE sample_id = :s AND seq = 2",
+        "UPDATE segments SET generated = false, version = NULL, logprobs = :l WHERE sample_id = :s AND seq = 2",
         s=a,
+        l=pack_logprobs([0.0]),
     )
     assert found(engine, d.run) == {("observation", f"sample {a}")}
 
@@ -138,7 +140,8 @@ def test_observation_catches_a_trajectory_ending_in_an_observation(engine, turns
     d, a = turns
     forge(
         engine,
-        "UPDATE segments SET generated = false, version = NULL, logprobs = '{0}' WHERE sample_id = :s AND seq = 3",
+        "UPDATE segments SET generated = false, version = NULL, logprobs = :l WHERE sample_id = :s AND seq = 3",
         s=a,
+        l=pack_logprobs([0.0]),
     )
     assert found(engine, d.run) == {("observation", f"sample {a}")}

@@ -42,7 +42,7 @@ def test_multiturn_demo_trains_on_turns_and_audits_clean(db_url, engine, tmp_pat
             text(
                 "SELECT count(*) FILTER (WHERE generated), count(*) FILTER (WHERE NOT generated),"
                 " count(*) FILTER (WHERE NOT generated AND (version IS NOT NULL OR"
-                "   EXISTS (SELECT 1 FROM unnest(logprobs) z WHERE z <> 0))) FROM segments"
+                "   ltrim(logprobs, '\\x00'::bytea) <> ''::bytea)) FROM segments"  # packed float32 0.0: zero bytes
             )
         ).one()
         # trajectories whose turns were generated on more than one instance (moved between turns)

@@ -14,6 +14,7 @@ import pytest
 from api_helpers import REPO, ApiServer, token
 from sqlalchemy import text
 
+from staleflow_db.payloads import unpack_tokens
 from staleflow_db.protocol import Prompt, Protocol
 from staleflow_db.types import RunConfig
 
@@ -56,5 +57,5 @@ def test_rollout_from_the_shell(db_url, engine, tmp_path):
         ).all()
         instances = c.execute(text("SELECT state::text FROM instances WHERE run_id = :r"), {"r": run}).scalars().all()
     assert sorted(s for s, _ in samples) == ["finished"] * 4, samples
-    assert all(list(t) == [65, 66] for _, t in samples)  # cut to max_new_tokens
+    assert all(unpack_tokens(t) == [65, 66] for _, t in samples)  # cut to max_new_tokens
     assert instances != ["active"]  # deregistered on exit
