@@ -269,6 +269,8 @@ event_rows = Table(
     # a group's Occupy by group: the consume's trained-once check, the audit's `trained_once`
     # (group_occupied is never folded)
     Index("ix_events_group_occupied", "run_id", "group_id", postgresql_where=text("kind = 'group_occupied'")),
+    # a run's folds of one kind, for a reader of that kind through the view
+    Index("ix_event_rows_folds", "run_id", "kind", postgresql_where=text("n IS NOT NULL")),
 )
 
 # the run's leader epoch: who leads its coordinator, under which epoch, until when

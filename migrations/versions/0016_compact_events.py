@@ -4,7 +4,8 @@ a view with one logical event per row, as the table was.
 `event_rows` (the table `events` renamed) keeps the scalar columns for a single event and gains
 arrays for a fold of n >= 2 events (`n`; `sample_ids`, `group_ids`, `buffers`, `instance_ids`,
 an array NULL when all its elements are; `data` the JSON array of the events' data, NULL when all
-are). `group_occupied` is never folded (CHECK), so the trained-once check keeps its partial index.
+are). `group_occupied` is never folded (CHECK), so the trained-once check keeps its partial index;
+`ix_event_rows_folds` finds a run's folds of a kind.
 The view `events` unnests folds (their events share the row's id; `ord` is the position inside
 it) and accepts single-event INSERTs (INSTEAD OF trigger); UPDATE and DELETE stay refused. Every
 reader keeps reading `events`: the named views are applied again so they select from the view.
@@ -117,6 +118,9 @@ def upgrade() -> None:
         op.add_column("event_rows", sa.Column(name, sa.ARRAY(kind)))
     for name, check in CHECKS.items():
         op.create_check_constraint(op.f(name), "event_rows", check)
+    # the folds by kind: a reader of a kind through the view (e.g. the trained-once check, whose
+    # singles come by ix_events_group_occupied) finds its folds without a pass over the run
+    op.create_index("ix_event_rows_folds", "event_rows", ["run_id", "kind"], postgresql_where=sa.text("n IS NOT NULL"))
     _execute(FOLD_EXISTING)
     op.execute(VIEW)
     op.execute(INSERT_FUNCTION)
@@ -137,6 +141,7 @@ def downgrade() -> None:
     _execute(UNFOLD_ALL)
     op.execute("DROP VIEW events_unfolded")
     op.execute("DROP FUNCTION staleflow_event_insert()")
+    op.drop_index("ix_event_rows_folds", "events")
     for name in CHECKS:
         op.drop_constraint(op.f(name), "events", type_="check")
     for name, _ in reversed(ARRAYS):
