@@ -20,19 +20,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import sys
+from typing import Any
 
 import psycopg
+from server_stats import scratch_database
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from bench.server_stats import scratch_database  # noqa: E402
-from staleflow_db import queries  # noqa: E402
-from staleflow_db.db import database_url, make_engine  # noqa: E402
-from staleflow_db.protocol import Protocol  # noqa: E402
-from staleflow_db.settings import to_libpq_url  # noqa: E402
-from staleflow_db.types import RunConfig  # noqa: E402
+from staleflow_db import queries
+from staleflow_db.db import database_url, make_engine
+from staleflow_db.protocol import Protocol
+from staleflow_db.settings import to_libpq_url
+from staleflow_db.types import RunConfig
 
 # the flat log as it was before migration 0016: its table, indexes and INSERT
 FLAT_DDL = """
@@ -86,24 +83,31 @@ def _relations(conn: psycopg.Connection, table: str) -> tuple[list[int], str]:
     return [n for (n,) in nodes if n], table
 
 
+def _one(conn: psycopg.Connection, statement: str, params: tuple = ()) -> Any:
+    row = conn.execute(statement, params).fetchone()
+    assert row is not None
+    return row[0]
+
+
 def measure(url: str, table: str, insert: str, steps: int, batch: int, group: int, run: int) -> dict:
     with psycopg.connect(url, autocommit=True) as conn:
         nodes, _ = _relations(conn, table)
-        size0 = conn.execute("SELECT pg_total_relation_size(%s)", (table,)).fetchone()[0]
-        lsn0 = conn.execute("SELECT pg_current_wal_insert_lsn()").fetchone()[0]
+        size0 = _one(conn, "SELECT pg_total_relation_size(%s)", (table,))
+        lsn0 = _one(conn, "SELECT pg_current_wal_insert_lsn()")
         events = 0
         for step in range(steps):
             for statement in step_statements(step, batch, group):
                 conn.execute(insert, _params(run, statement))  # one transaction each, as a call's
                 events += len(statement)
-        lsn1 = conn.execute("SELECT pg_current_wal_insert_lsn()").fetchone()[0]
-        rows = conn.execute(f"SELECT count(*) FROM {table}").fetchone()[0]  # noqa: S608 (our name)
-        size1 = conn.execute("SELECT pg_total_relation_size(%s)", (table,)).fetchone()[0]
+        lsn1 = _one(conn, "SELECT pg_current_wal_insert_lsn()")
+        rows = _one(conn, f"SELECT count(*) FROM {table}")  # our own table name
+        size1 = _one(conn, "SELECT pg_total_relation_size(%s)", (table,))
         pattern = "|".join(f"/{n}( |,|$)" for n in nodes)
-        (wal,) = conn.execute(
+        wal = _one(
+            conn,
             "SELECT coalesce(sum(record_length), 0) FROM pg_get_wal_records_info(%s, %s) WHERE block_ref ~ %s",
             (lsn0, lsn1, pattern),
-        ).fetchone()
+        )
     transitions = steps * batch * 5
     return {
         "events": events,
