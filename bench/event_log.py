@@ -99,7 +99,7 @@ def measure(url: str, table: str, insert: str, steps: int, batch: int, group: in
             for statement in step_statements(step, batch, group):
                 conn.execute(insert, _params(run, statement))  # one transaction each, as a call's
                 events += len(statement)
-        lsn1 = _one(conn, "SELECT pg_current_wal_insert_lsn()")
+        lsn1 = _one(conn, "SELECT pg_current_wal_flush_lsn()")  # past our commits (synchronous)
         rows = _one(conn, f"SELECT count(*) FROM {table}")  # our own table name
         size1 = _one(conn, "SELECT pg_total_relation_size(%s)", (table,))
         pattern = "|".join(f"/{n}( |,|$)" for n in nodes)
