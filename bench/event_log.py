@@ -12,6 +12,8 @@ group), publish (one published). A step is 5 x batch transitions (routed, report
 rewarded, trained), as bench/protocol.py counts them. Bytes are the relation's size with its
 indexes and TOAST; WAL bytes are the records that touch those relations (pg_walinspect, so
 other databases' traffic on a shared server is not counted). Both are exact counts, not rates.
+Also printed: the wall time of the INSERTs (round trip and commit included) per transition, the
+two logs' statements interleaved and each statement's median taken; it moves with the load.
 
 The last line printed is `event_log rows_ratio=<compact/flat> bytes_ratio=<> wal_ratio=<>`.
 """
@@ -20,6 +22,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
+import time
 from typing import Any
 
 import psycopg
@@ -89,33 +93,54 @@ def _one(conn: psycopg.Connection, statement: str, params: tuple = ()) -> Any:
     return row[0]
 
 
-def measure(url: str, table: str, insert: str, steps: int, batch: int, group: int, run: int) -> dict:
+def measure(url: str, logs: dict[str, tuple[str, str]], steps: int, batch: int, group: int, run: int) -> dict:
+    """Both logs' statements interleaved (flat, compact, flat ...), so the machine's load drifts
+    over both alike; the time per transition is each statement's median time, summed over a step."""
+    got: dict[str, dict] = {}
     with psycopg.connect(url, autocommit=True) as conn:
-        nodes, _ = _relations(conn, table)
-        size0 = _one(conn, "SELECT pg_total_relation_size(%s)", (table,))
-        lsn0 = _one(conn, "SELECT pg_current_wal_insert_lsn()")
-        events = 0
+        for name, (table, _) in logs.items():
+            nodes, _ = _relations(conn, table)
+            got[name] = {
+                "table": table,
+                "pattern": "|".join(f"/{n}( |,|$)" for n in nodes),
+                "size0": _one(conn, "SELECT pg_total_relation_size(%s)", (table,)),
+                "events": 0,
+                "wal": 0,
+                "times": [[] for _ in step_statements(0, batch, group)],
+            }
         for step in range(steps):
-            for statement in step_statements(step, batch, group):
-                conn.execute(insert, _params(run, statement))  # one transaction each, as a call's
-                events += len(statement)
-        lsn1 = _one(conn, "SELECT pg_current_wal_flush_lsn()")  # past our commits (synchronous)
-        rows = _one(conn, f"SELECT count(*) FROM {table}")  # our own table name
-        size1 = _one(conn, "SELECT pg_total_relation_size(%s)", (table,))
-        pattern = "|".join(f"/{n}( |,|$)" for n in nodes)
-        wal = _one(
-            conn,
-            "SELECT coalesce(sum(record_length), 0) FROM pg_get_wal_records_info(%s, %s) WHERE block_ref ~ %s",
-            (lsn0, lsn1, pattern),
-        )
-    transitions = steps * batch * 5
-    return {
-        "events": events,
-        "rows": rows,
-        "rows_per_transition": rows / transitions,
-        "bytes_per_transition": (size1 - size0) / transitions,
-        "wal_bytes_per_transition": int(wal) / transitions,
-    }
+            for name, (_, insert) in logs.items():
+                m = got[name]
+                lsn0 = _one(conn, "SELECT pg_current_wal_insert_lsn()")
+                for k, statement in enumerate(step_statements(step, batch, group)):
+                    params = _params(run, statement)
+                    t0 = time.perf_counter()
+                    conn.execute(insert, params)  # one transaction each, as a call's
+                    m["times"][k].append(time.perf_counter() - t0)
+                    m["events"] += len(statement)
+                # each step's WAL read at once: a busy server recycles its segments quickly
+                m["wal"] += int(
+                    _one(
+                        conn,
+                        "SELECT coalesce(sum(record_length), 0) FROM pg_get_wal_records_info(%s,"
+                        " pg_current_wal_flush_lsn()) WHERE block_ref ~ %s",  # flushed: past our commits
+                        (lsn0, m["pattern"]),
+                    )
+                )
+        transitions = steps * batch * 5
+        out = {}
+        for name, m in got.items():
+            rows = _one(conn, f"SELECT count(*) FROM {m['table']}")  # our own table name
+            size1 = _one(conn, "SELECT pg_total_relation_size(%s)", (m["table"],))
+            out[name] = {
+                "events": m["events"],
+                "rows": rows,
+                "rows_per_transition": rows / transitions,
+                "bytes_per_transition": (size1 - m["size0"]) / transitions,
+                "wal_bytes_per_transition": m["wal"] / transitions,
+                "us_per_transition": sum(statistics.median(t) for t in m["times"]) * 1e6 / (batch * 5),
+            }
+    return out
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -135,16 +160,14 @@ def main(argv: list[str] | None = None) -> None:
         run = Protocol(engine).create_run("events", RunConfig(**config))
         engine.dispose()
         compact = queries.pyformat("events_insert")
-        got = {
-            "flat": measure(url, "events_flat", FLAT_INSERT, args.steps, args.batch, args.group, run),
-            "compact": measure(url, "event_rows", compact, args.steps, args.batch, args.group, run),
-        }
+        logs = {"flat": ("events_flat", FLAT_INSERT), "compact": ("event_rows", compact)}
+        got = measure(url, logs, args.steps, args.batch, args.group, run)
     print(f"{args.steps} steps of batch {args.batch} (groups of {args.group}); per sample transition:")
-    print(f"{'log':>8} {'events':>8} {'rows':>7} {'rows/tr':>8} {'bytes/tr':>9} {'WAL bytes/tr':>13}")
+    print(f"{'log':>8} {'events':>8} {'rows':>7} {'rows/tr':>8} {'bytes/tr':>9} {'WAL bytes/tr':>13} {'µs/tr':>6}")
     for name, m in got.items():
         print(
             f"{name:>8} {m['events']:>8} {m['rows']:>7} {m['rows_per_transition']:>8.3f}"
-            f" {m['bytes_per_transition']:>9.1f} {m['wal_bytes_per_transition']:>13.1f}"
+            f" {m['bytes_per_transition']:>9.1f} {m['wal_bytes_per_transition']:>13.1f} {m['us_per_transition']:>6.1f}"
         )
     f, c = got["flat"], got["compact"]
     print(
