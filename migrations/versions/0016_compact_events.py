@@ -32,11 +32,13 @@ ARRAYS = (
     ("instance_ids", sa.BigInteger),
 )
 
+# a fold's arrays: absent, or one dimension of n elements from subscript 1 (what the view reads)
+_FOLD_ARRAYS = " AND ".join(
+    f"({a} IS NULL OR (array_ndims({a}) = 1 AND array_lower({a}, 1) = 1 AND cardinality({a}) = n))" for a, _ in ARRAYS
+)
 CHECKS = {
     "ck_event_rows_fold": "n IS NULL OR (n >= 2 AND sample_id IS NULL AND group_id IS NULL AND buffer IS NULL"
-    " AND instance_id IS NULL AND kind <> 'group_occupied'"
-    " AND coalesce(cardinality(sample_ids), n) = n AND coalesce(cardinality(group_ids), n) = n"
-    " AND coalesce(cardinality(buffers), n) = n AND coalesce(cardinality(instance_ids), n) = n"
+    f" AND instance_id IS NULL AND kind <> 'group_occupied' AND {_FOLD_ARRAYS}"
     " AND (data IS NULL OR (jsonb_typeof(data) = 'array' AND jsonb_array_length(data) = n)))",
     "ck_event_rows_single": "n IS NOT NULL OR (sample_ids IS NULL AND group_ids IS NULL AND buffers IS NULL"
     " AND instance_ids IS NULL)",
@@ -52,7 +54,7 @@ SELECT r.id, r.run_id, r.at, r.kind, r.sample_ids[o.o], r.group_ids[o.o], r.buff
 FROM event_rows r CROSS JOIN LATERAL generate_series(1, r.n) AS o(o) WHERE r.n IS NOT NULL
 """
 
-# a single event written through the view (the coordinator's pulls, hand-written rows)
+# a single event written through the view (hand-written rows; writers of the table before 0016)
 INSERT_FUNCTION = """
 CREATE FUNCTION staleflow_event_insert() RETURNS trigger LANGUAGE plpgsql AS $$
 BEGIN

@@ -75,6 +75,7 @@ def test_a_fold_that_routes_one_sample_twice_and_another_never(engine, h):
     [
         "'sample_routed', 2, ARRAY[1, 2, 3]::bigint[], NULL",  # arrays longer than the fold
         "'sample_routed', 1, ARRAY[1]::bigint[], NULL",  # a fold of one event
+        "'sample_routed', 2, ARRAY[[1], [2]]::bigint[], NULL",  # two elements, but not in one dimension
         "'group_occupied', 2, NULL, ARRAY[1, 2]::bigint[]",  # Occupy must stay one row per group
     ],
 )
