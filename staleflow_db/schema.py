@@ -275,8 +275,11 @@ param_versions = Table(
     PrimaryKeyConstraint("run_id", "version"),
 )
 
-events = Table(
-    "events",
+# The event log's rows (migration 0016): a single event, or a fold of n >= 2 events of one kind
+# written by one statement (arrays, an array NULL when all its elements are; `data` the JSON
+# array of their data). The view `events` unnests them: every reader reads `events`.
+event_rows = Table(
+    "event_rows",
     metadata,
     Column("id", BigInteger, primary_key=True, autoincrement=True),
     Column("run_id", BigInteger, ForeignKey("runs.id", ondelete="CASCADE"), nullable=False),
@@ -287,9 +290,18 @@ events = Table(
     Column("buffer", Integer),
     Column("instance_id", BigInteger),
     Column("data", JSONB),
+    Column("n", Integer),
+    Column("sample_ids", ARRAY(BigInteger)),
+    Column("group_ids", ARRAY(BigInteger)),
+    Column("buffers", ARRAY(Integer)),
+    Column("instance_ids", ARRAY(BigInteger)),
+    # the names of the table before 0016 (renamed to event_rows)
     Index("ix_events_run", "run_id", "id"),
     # a group's Occupy by group: the consume's trained-once check, the audit's `trained_once`
+    # (group_occupied is never folded)
     Index("ix_events_group_occupied", "run_id", "group_id", postgresql_where=text("kind = 'group_occupied'")),
+    # a run's folds of one kind, for a reader of that kind through the view
+    Index("ix_event_rows_folds", "run_id", "kind", postgresql_where=text("n IS NOT NULL")),
 )
 
 # the run's leader epoch: who leads its coordinator, under which epoch, until when

@@ -3,7 +3,7 @@
 of the run carries each step's logged loss for `staleflow replay`. Existing versions: none.
 
 Revision ID: 0017
-Revises: 0014 (lineage; the merger renumbers)
+Revises: 0016 (lineage; the merger renumbers)
 """
 
 import sqlalchemy as sa
@@ -11,7 +11,7 @@ from alembic import op
 from sqlalchemy.dialects import postgresql
 
 revision = "0017"
-down_revision = "0014"
+down_revision = "0016"
 branch_labels = None
 depends_on = None
 

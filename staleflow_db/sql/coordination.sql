@@ -21,13 +21,14 @@ SELECT id FROM instances WHERE run_id = :run AND id = ANY(CAST(:ids AS bigint[])
 
 -- name: queue_pulls
 -- A pull command t per (instance :is, target version :vs) for the run's active instances, and
--- its event e, in one statement (the coordinator's cycle_*pulls have the same parts).
+-- its event e, in one statement (the coordinator's cycle_*pulls have the same parts). The events
+-- are single rows of event_rows (the table behind the view `events`, migration 0016).
 WITH t AS (INSERT INTO commands (run_id, instance_id, kind, target_version, epoch)
   SELECT :run, u.i, 'pull', u.v, :epoch FROM unnest(CAST(:is AS bigint[]), CAST(:vs AS int[]))
   WITH ORDINALITY AS u(i, v, o)
   JOIN instances x ON x.id = u.i AND x.run_id = :run AND x.state = 'active' ORDER BY u.o
   RETURNING id, instance_id, target_version),
-e AS (INSERT INTO events (run_id, kind, instance_id, data)
+e AS (INSERT INTO event_rows (run_id, kind, instance_id, data)
   SELECT :run, 'pull', t.instance_id, jsonb_build_object('target', t.target_version) FROM t ORDER BY t.id
   RETURNING id)
 SELECT instance_id FROM t ORDER BY id
@@ -91,7 +92,7 @@ t AS (INSERT INTO commands (run_id, instance_id, kind, target_version, epoch)
   WITH ORDINALITY AS u(i, v, o)
   JOIN instances x ON x.id = u.i AND x.run_id = :run AND x.state = 'active' WHERE EXISTS (SELECT FROM ok) ORDER BY u.o
   RETURNING id, instance_id, target_version),
-e AS (INSERT INTO events (run_id, kind, instance_id, data)
+e AS (INSERT INTO event_rows (run_id, kind, instance_id, data)
   SELECT :run, 'pull', t.instance_id, jsonb_build_object('target', t.target_version) FROM t ORDER BY t.id
   RETURNING id),
 y AS (INSERT INTO coordinator_cycles (run_id, epoch, snapshot_ms, decide_ms, write_ms, routed, interrupted,

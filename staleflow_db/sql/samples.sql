@@ -70,12 +70,12 @@ WHERE x.sample_id = :sample ORDER BY x.seq
 
 -- name: sample_events
 -- The events of a sample and of its group, and the publish of the step it trained in (:step
--- NULL: none), oldest first.
+-- NULL: none), oldest first (a fold's events share its id: `ord` orders them).
 SELECT e.id, e.at, e.kind, e.sample_id, e.group_id, e.buffer, e.instance_id, i.name AS instance_name, e.data
 FROM events e LEFT JOIN instances i ON i.id = e.instance_id
 WHERE e.run_id = :run AND (e.sample_id = :sample OR e.group_id = :group
   OR (e.kind = 'published' AND e.buffer = CAST(:step AS int)))
-ORDER BY e.id
+ORDER BY e.id, e.ord
 
 -- name: sample_commands
 -- The coordinator's commands about a sample (interrupts, aborts, pulls), oldest first.

@@ -116,7 +116,7 @@ def test_capacity_more_occupied_entries_than_b(engine, h):
         "UPDATE samples SET state = 'rewarded', reward = 1, instance_id = NULL WHERE group_id = :g AND idx < 2",
         "UPDATE samples SET state = 'aborted', reason = 'surplus' WHERE group_id = :g AND idx = 2",
         "UPDATE buffers SET occupied = 2, reserved = 0 WHERE run_id = :r AND idx = 2",
-        "INSERT INTO events (run_id, kind, group_id, buffer, data)"
+        "INSERT INTO event_rows (run_id, kind, group_id, buffer, data)"
         " VALUES (:r, 'group_occupied', :g, 2, '{\"version\": 1}')",
         g=h.groups["g3"],
         r=h.run,
@@ -186,7 +186,7 @@ def test_horizon_no_buffer_beyond_version_plus_eta(engine, h):
 def test_contiguity_a_version_published_twice(engine, h):
     forge(
         engine,
-        "INSERT INTO events (run_id, kind, buffer, data) VALUES (:r, 'published', 0, '{\"version\": 1}')",
+        "INSERT INTO event_rows (run_id, kind, buffer, data) VALUES (:r, 'published', 0, '{\"version\": 1}')",
         r=h.run,
     )
     assert found(engine, h.run) == {("contiguity", "buffer 0")}
@@ -198,7 +198,7 @@ def test_contiguity_a_published_version_with_no_consumed_buffer(engine, h):
     forge(
         engine,
         "INSERT INTO param_versions (run_id, version) VALUES (:r, 8)",
-        "INSERT INTO events (run_id, kind, buffer) VALUES (:r, 'published', 9)",
+        "INSERT INTO event_rows (run_id, kind, buffer) VALUES (:r, 'published', 9)",
         r=h.run,
     )  # no such buffers
     assert found(engine, h.run) == {("contiguity", "buffer 2"), ("contiguity", "version 8"), ("contiguity", "buffer 9")}
@@ -299,7 +299,7 @@ def test_routed_member_of_a_group_that_holds_no_reservation(engine, h):
     forge(
         engine,
         "UPDATE samples SET state = 'running', v_traj = 2, instance_id = :i, attempt = 1 WHERE id = :s",
-        "INSERT INTO events (run_id, kind, sample_id, instance_id) VALUES (:r, 'sample_routed', :s, :i)",
+        "INSERT INTO event_rows (run_id, kind, sample_id, instance_id) VALUES (:r, 'sample_routed', :s, :i)",
         "UPDATE prompt_groups SET min_version = 2 WHERE id = :g",
         r=h.run,
         g=h.groups["g6"],

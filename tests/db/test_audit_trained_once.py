@@ -113,7 +113,7 @@ def test_the_consume_refuses_a_group_placed_twice(engine):
     s = trained_and_ready(engine)
     forge(
         engine,
-        "INSERT INTO events (run_id, kind, group_id, buffer, data) VALUES (:r, 'group_occupied', :c, 1, '{}')",
+        "INSERT INTO event_rows (run_id, kind, group_id, buffer, data) VALUES (:r, 'group_occupied', :c, 1, '{}')",
         r=s.run,
         c=s.c,
     )
