@@ -14,7 +14,7 @@ Existing events of one run, kind and transaction are folded in id order; the dow
 every fold and numbers all events again in (id, ord) order.
 
 Revision ID: 0016
-Revises: 0015 (the merger renumbers)
+Revises: 0015
 """
 
 import sqlalchemy as sa

@@ -3,7 +3,7 @@
 of the run carries each step's logged loss for `staleflow replay`. Existing versions: none.
 
 Revision ID: 0017
-Revises: 0016 (lineage; the merger renumbers)
+Revises: 0016
 """
 
 import sqlalchemy as sa

@@ -14,6 +14,7 @@ import pytest
 from api_helpers import ApiServer, token
 from sqlalchemy import text
 
+from staleflow_db.payloads import unpack_logprobs, unpack_tokens
 from workers.wire.packed import pack_float32, pack_int32
 
 
@@ -37,9 +38,11 @@ def routed(db_url, engine):
 
 def _stored(engine, sample_id):
     with engine.connect() as c:
-        return c.execute(
+        rows = c.execute(
             text("SELECT token_ids, logprobs FROM segments WHERE sample_id = :s ORDER BY seq"), {"s": sample_id}
         ).all()
+    # the table keeps them packed (staleflow_db/payloads.py)
+    return [(unpack_tokens(t), unpack_logprobs(lp)) for t, lp in rows]
 
 
 def _report(w, tokens, logprobs, **kw):
