@@ -114,8 +114,23 @@ def _execute(script: str) -> None:
         op.execute(sa.text(statement))
 
 
+def _rename_not_null(table: str, old_prefix: str) -> None:
+    """PostgreSQL 18 names NOT NULL constraints `<table>_<column>_not_null` and a table rename
+    leaves those names behind (as in 0010): they follow the table (older servers keep none)."""
+    op.execute(
+        f"""DO $$ DECLARE r record; BEGIN
+  FOR r IN SELECT conname FROM pg_constraint WHERE conrelid = '{table}'::regclass AND contype = 'n'
+      AND conname LIKE '{old_prefix}\\_%\\_not\\_null' LOOP
+    EXECUTE format('ALTER TABLE {table} RENAME CONSTRAINT %I TO %I', r.conname,
+                   '{table}' || substr(r.conname, {len(old_prefix) + 1}));
+  END LOOP;
+END $$"""
+    )
+
+
 def upgrade() -> None:
     op.rename_table("events", "event_rows")
+    _rename_not_null("event_rows", "events")
     op.add_column("event_rows", sa.Column("n", sa.Integer()))
     for name, kind in ARRAYS:
         op.add_column("event_rows", sa.Column(name, sa.ARRAY(kind)))
@@ -140,6 +155,7 @@ def upgrade() -> None:
 def downgrade() -> None:
     op.execute("ALTER VIEW events RENAME TO events_unfolded")
     op.rename_table("event_rows", "events")
+    _rename_not_null("events", "event_rows")
     _apply_named_ddl()
     _execute(UNFOLD_ALL)
     op.execute("DROP VIEW events_unfolded")

@@ -12,6 +12,8 @@ from sqlalchemy import Connection
 from .. import queries
 from ..errors import NotFound
 from ..idempotency import transactional
+from ..payload_store import ObjectCache
+from ..payloads import unpack_tokens
 from .core import TxMixin, load_run
 
 STATUSES = ("trained", "rewarded", "in_flight", "dropped")
@@ -43,6 +45,19 @@ class SampleFilter:
 
 def _rows(conn: Connection, name: str, **params: Any) -> list[dict[str, Any]]:
     return [dict(r._mapping) for r in conn.execute(queries.text(name), params).all()]
+
+
+def _segments(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each segment's token ids unpacked, read through the payload store where it holds them."""
+    cache: ObjectCache | None = None
+    for r in rows:
+        url, size, sha, offset = (r.pop(k) for k in ("object_url", "object_size", "object_sha256", "payload_offset"))
+        packed = r["token_ids"]
+        if packed is None and url is not None:
+            cache = cache or ObjectCache()
+            packed, _ = cache.segment(url, size, sha, offset, r["n_tokens"])
+        r["token_ids"] = unpack_tokens(packed)
+    return rows
 
 
 class SampleReads(TxMixin):
@@ -80,7 +95,7 @@ class SampleReads(TxMixin):
                 load_run(conn, run_id, lock=False)  # NotFound for the run first
                 raise NotFound(f"sample {sample_id} of run {run_id}")
             found = rows[0]
-            found["segments"] = _rows(conn, "sample_segments", sample=sample_id)
+            found["segments"] = _segments(_rows(conn, "sample_segments", sample=sample_id))
             trained = found["step"] if found["status"] == "trained" else None
             found["events"] = _rows(
                 conn, "sample_events", run=run_id, sample=sample_id, group=found["group_id"], step=trained

@@ -62,10 +62,13 @@ LEFT JOIN api_tokens t ON t.id = s.reward_token_id
 WHERE s.run_id = :run AND s.id = :sample
 
 -- name: sample_segments
--- A sample's segments in order, each with the name of the instance that reported it.
+-- A sample's segments in order, each with the name of the instance that reported it; its packed
+-- token ids, or where the payload store holds them (payload_objects, NULL token_ids).
 SELECT x.seq, x.generated, x.version, x.instance_id, i.name AS instance_name, x.attempt,
-  x.token_ids, x.finish_reason, x.created_at
+  x.token_ids, x.n_tokens, x.finish_reason, x.created_at,
+  o.url AS object_url, o.size_bytes AS object_size, o.sha256 AS object_sha256, x.payload_offset
 FROM segments x LEFT JOIN instances i ON i.id = x.instance_id
+LEFT JOIN payload_objects o ON o.id = x.payload_object
 WHERE x.sample_id = :sample ORDER BY x.seq
 
 -- name: sample_events

@@ -41,7 +41,8 @@ def test_the_runs_table_holds_exactly_the_configuration():
 )
 def test_named_queries_select_the_run_columns(name):
     sql = queries.sql(name)
-    listed = re.match(r"SELECT (.*?) FROM runs", sql)
+    # the SELECT that reads runs (a query may renew a lease in a CTE before it)
+    listed = re.search(r"SELECT ([^()]*?) FROM runs\b", sql)
     assert listed, sql
     assert [c.strip() for c in listed.group(1).split(",")][: len(RUN_COLUMNS)] == list(RUN_COLUMNS)
 

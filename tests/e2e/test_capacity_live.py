@@ -17,22 +17,23 @@ WAIT_S = 120  # guards against a hang, never a timing assertion
 CAP = 2
 GROUPS, N = 6, 2
 
-# Per route R of the run: the samples routed to R's instance before R whose stretch had not
+# Per route R of the run, in log order (id, ord: the routes of one statement share a folded row):
+# the samples routed to R's instance before R whose stretch had not
 # ended when R's transaction began (no segment of that attempt yet, or its last one written by
 # a transaction that began after R's). A report transaction that began before R's is counted
 # as ended; one that began after it could not have been visible to the cycle that decided R,
 # which counted the sample as running: so these counts bound what the coordinator saw from
 # above, and the stretches really in flight too.
 IN_FLIGHT = """
-WITH r AS (SELECT id, at, sample_id, instance_id,
-             row_number() OVER (PARTITION BY sample_id ORDER BY id) AS attempt
+WITH r AS (SELECT id, ord, at, sample_id, instance_id,
+             row_number() OVER (PARTITION BY sample_id ORDER BY id, ord) AS attempt
            FROM events WHERE run_id = :run AND kind = 'sample_routed'),
 e AS (SELECT sample_id, attempt, max(created_at) AS ended FROM segments WHERE run_id = :run
       GROUP BY sample_id, attempt)
 SELECT r.id, r.instance_id,
   (SELECT count(*) FROM r p LEFT JOIN e ON e.sample_id = p.sample_id AND e.attempt = p.attempt
-   WHERE p.instance_id = r.instance_id AND p.id < r.id AND (e.ended IS NULL OR e.ended >= r.at)) AS before
-FROM r ORDER BY r.id
+   WHERE p.instance_id = r.instance_id AND (p.id, p.ord) < (r.id, r.ord) AND (e.ended IS NULL OR e.ended >= r.at)) AS before
+FROM r ORDER BY r.id, r.ord
 """
 
 
