@@ -105,10 +105,17 @@ class LockedRead:
 
     name: str
     params: Mapping[str, Sequence[Any]] = dataclasses.field(default_factory=dict)
+    # named queries sent between the run lock and the read, with the read's parameters (the
+    # reward locks of `record_rewards`): the read's snapshot then follows their locks too
+    locks: tuple[str, ...] = ()
 
-    def statement(self, run_id: int) -> tuple[str, dict[str, Any]]:
-        """The read as a statement of its own (`driver.scalars`)."""
-        return queries.pyformat(self.name), {"run": run_id, **{k: list(v) for k, v in self.params.items()}}
+    def statement(self, run_id: int, name: str | None = None) -> tuple[str, dict[str, Any]]:
+        """The read (or its lock `name`) as a statement of its own (`driver.scalars`)."""
+        return queries.pyformat(name or self.name), {"run": run_id, **{k: list(v) for k, v in self.params.items()}}
+
+    def statements(self, run_id: int) -> list[tuple[str, dict[str, Any]]]:
+        """Its locks, then the read."""
+        return [*(self.statement(run_id, lock) for lock in self.locks), self.statement(run_id)]
 
 
 class RunTx:
@@ -128,20 +135,26 @@ class RunTx:
         self._read: tuple[str, Any] | None = None
 
     @classmethod
-    def open(cls, conn: Connection, run_id: int, read: LockedRead | None = None) -> RunTx:
+    def open(
+        cls,
+        conn: Connection,
+        run_id: int,
+        read: LockedRead | None = None,
+        prelude: Sequence[tuple[str, Mapping[str, Any]]] = (),
+    ) -> RunTx:
         """Lock the run and read it with its buffers in one round trip: the function reads the
         buffers in a statement of its own, so under READ COMMITTED they include the commit of
         the lock's previous holder (a single statement that waited for the lock would read them
         from the snapshot it started with). `read`: the caller's locking read, sent in that same
         round trip as the next statement (`driver.scalars`: it runs once the lock is granted,
         from a snapshot of its own, and is planned once per connection); its result is taken
-        with `locked_read`."""
-        if read is None:
+        with `locked_read`. `prelude`: statements sent first in that round trip (no result)."""
+        if read is None and not prelude:
             got = conn.execute(queries.text("lock_run"), {"run": run_id}).scalar()
         else:
-            got, result = driver.scalars(
-                conn, [(queries.pyformat("lock_run"), {"run": run_id}), read.statement(run_id)]
-            )
+            lock = [(queries.pyformat("lock_run"), {"run": run_id})]
+            values = driver.scalars(conn, [*prelude, *lock, *(read.statements(run_id) if read else ())])
+            got, result = values[len(prelude)], values[-1]
         if got is None:
             raise NotFound(f"run {run_id}")
         rtx = cls(conn, RunRow.of(got["run"]), [BufferCounts(i, o, r, c) for i, o, r, c in got["buffers"]])
@@ -155,7 +168,7 @@ class RunTx:
         if self._read is not None and self._read[0] == read.name:
             got, self._read = self._read[1], None
             return got
-        return driver.scalars(self.conn, [read.statement(self.run.id)])[0]
+        return driver.scalars(self.conn, read.statements(self.run.id))[-1]
 
     def buffer(self, idx: int) -> BufferCounts:
         return self.buffers.setdefault(idx, BufferCounts(idx))
@@ -325,13 +338,16 @@ def send_commands(
 
 
 def under_run_lock(
-    run_id: int, body: Callable[[RunTx], Any], read: LockedRead | None = None
+    run_id: int,
+    body: Callable[[RunTx], Any],
+    read: LockedRead | None = None,
+    prelude: Sequence[tuple[str, Mapping[str, Any]]] = (),
 ) -> Callable[[Connection], Any]:
     """A transaction body that holds the run's lock and flushes buffer accounting at the end;
-    `read` is sent with the lock (`RunTx.open`)."""
+    `read` (and `prelude` before the lock) is sent with the lock (`RunTx.open`)."""
 
     def run(conn: Connection) -> Any:
-        rtx = RunTx.open(conn, run_id, read)
+        rtx = RunTx.open(conn, run_id, read, prelude)
         outcome = body(rtx)
         rtx.flush()
         return outcome

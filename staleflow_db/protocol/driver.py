@@ -46,7 +46,7 @@ def scalars(conn: Connection, statements: Sequence[tuple[str, Mapping[str, Any]]
             cursors = [raw.execute(sql, params, prepare=True) for sql, params in statements]
         values = []
         for cur in cursors:
-            row = cur.fetchone()
+            row = cur.fetchone() if cur.description is not None else None  # SAVEPOINT ... returns no rows
             values.append(None if row is None else row[0])
         return values
     except psycopg.Error as e:

@@ -20,6 +20,7 @@ from ..errors import Conflict, InvalidInput, NotFound
 from ..idempotency import transactional
 from ..rules import occupy_plan, replacement_key
 from ..types import GroupOutcome
+from . import driver
 from .core import (
     LockedRead,
     Prompt,
@@ -119,10 +120,17 @@ class ScoringOps(TxMixin):
         `scorer` is the API token posting them (the lineage's "who scored it"; None in-process)."""
         check_batch(rewards, "rewards")
         read = rewards_read(rewards, scorer)
+
+        def record(conn: Connection) -> list[GroupOutcome]:
+            if rewards_fast(conn, run_id, read):
+                return []  # no group completed: no Occupy, no buffer accounting
+            slow = under_run_lock(run_id, lambda rtx: rewards_in(rtx, rewards, read), read, FAST_UNDONE)
+            return cast(list[GroupOutcome], slow(conn))
+
         outcomes: list[GroupOutcome] = self.idempotent(
             request_id,
             "reward",
-            under_run_lock(run_id, lambda rtx: rewards_in(rtx, rewards, read), read),
+            record,
             lambda stored: [GroupOutcome(**{**o, "state": GroupState(o["state"])}) for o in stored],
             body=[run_id, rewards],
             conn=conn,
@@ -183,14 +191,65 @@ class ScoringOps(TxMixin):
             return sorted(aborted)
 
 
+# The run lock is taken only when a group's buffer accounting changes. A batch that completes
+# no reserved group (none reaches N rewarded members with it) changes samples and events only,
+# so it goes without the run lock (`rewards_fast`). What serializes the rewards of one group
+# instead is its reward lock (`reward_group_locks`: an advisory transaction lock per group,
+# taken in group id order by EVERY record_rewards, before any sample lock, and after the run
+# lock when the call has one). Whether the batch completes a group is decided by a statement
+# run after those locks were granted, so it sees every reward of those groups committed
+# before: of two batches that together complete a group, the second sees the first, and takes
+# the run lock. Lock order: [run ->] reward locks -> samples -> groups. The fast path waits on
+# no lock a run-locked transaction takes after its own reward locks (it holds no group row,
+# and the samples it locks belong to groups whose reward locks it holds), so it adds no
+# deadlock. Its locks and check run in a savepoint: a batch that would complete a group rolls
+# it back (releasing the reward locks, which must not be held while the run lock is awaited)
+# and takes the locked path, in the same round trip as the run lock (`FAST_UNDONE`).
+FAST_SAVEPOINT = "staleflow_rewards_fast"
+FAST_UNDONE: tuple[tuple[str, dict[str, Any]], ...] = (
+    (f"ROLLBACK TO SAVEPOINT {FAST_SAVEPOINT}", {}),
+    (f"RELEASE SAVEPOINT {FAST_SAVEPOINT}", {}),
+)
+
+
+def rewards_fast(conn: Connection, run_id: int, read: LockedRead) -> bool:
+    """Record the batch without the run lock if it completes no group (and every claim holds):
+    True when recorded. False: nothing was done, the savepoint is still to be undone
+    (`FAST_UNDONE`, sent with the run lock). A claim lost after the check is refused as under
+    the lock (`Conflict`, nothing stored)."""
+    _, _, fast = driver.scalars(
+        conn,
+        [
+            (f"SAVEPOINT {FAST_SAVEPOINT}", {}),
+            read.statement(run_id, "reward_group_locks"),
+            read.statement(run_id, "rewards_fast_check"),
+        ],
+    )
+    if not fast:
+        return False
+    # released before the writes: they then belong to the transaction, not a subtransaction
+    _, held = driver.scalars(
+        conn, [(f"RELEASE SAVEPOINT {FAST_SAVEPOINT}", {}), read.statement(run_id, "rewards_store")]
+    )
+    holds = dict(held)
+    conflicts = [(sid, LOST_CLAIM) for sid in read.params["samples"] if not holds.get(sid)]
+    if conflicts:
+        raise Conflict(conflicts)
+    return True
+
+
+LOST_CLAIM = "reward claim lost (stale attempt or sample not scoring)"
+
+
 # ONE statement (`rewards_read` in scoring.sql), sent with the run lock (`RunTx.open`; under it
 # every round trip counts): lock the batch's samples, check every claim and store the rewards
 # only if all hold (all or nothing, even if a caller's transaction went on after the Conflict),
-# then lock their groups and read the members. Lock order run -> samples -> groups, each in id
-# order: UNION ALL branches run one after the other. The members come from the statement's
-# snapshot (taken after the run lock was granted), so the batch's own rows are seen as before
-# this update and patched below; any other reward was committed before we took the run lock
-# (rewards are only recorded under it), so the snapshot has it. The groups by
+# then lock their groups and read the members. Lock order run -> reward locks -> samples ->
+# groups, each in id order: UNION ALL branches run one after the other. The members come from
+# the statement's snapshot (taken after the run lock and the groups' reward locks were
+# granted), so the batch's own rows are seen as before this update and patched below; any
+# other reward of these groups was committed before we took their reward locks (every reward
+# is recorded under them), so the snapshot has it. The groups by
 # `= ANY(ARRAY(...))`: index lookups, not the scan of all groups `IN (SELECT ...)` got; so are
 # the samples (`x.id = ANY(:samples)`, each one's attempt and reward by its position: joined to
 # unnest() they were planned as a scan of every sample, or a nested loop over the batch per
@@ -241,6 +300,7 @@ def rewards_read(rewards: Sequence[Reward], scorer: int | None = None) -> Locked
             "metrics": metrics,
             "scorer": [scorer],  # a locked read's parameters are lists
         },
+        locks=("reward_group_locks",),
     )
 
 
@@ -259,7 +319,7 @@ def rewards_in(rtx: RunTx, rewards: Sequence[Reward], read: LockedRead) -> list[
         if sid not in rows:
             raise NotFound(f"sample {sid} in run {run.id}")
         if not rows[sid]["holds"]:
-            conflicts.append((sid, "reward claim lost (stale attempt or sample not scoring)"))
+            conflicts.append((sid, LOST_CLAIM))
     if conflicts:
         raise Conflict(conflicts)
     rtx.events.extend(Event("sample_rewarded", sample=r[0], data={"reward": float(r[2])}) for r in rewards)
