@@ -162,6 +162,14 @@ class RunTx:
             rtx._read = (read.name, result)
         return rtx
 
+    def preset_read(self, read: LockedRead, result: Any) -> None:
+        """`read`'s result, read by the caller (a fast path, without the run lock)."""
+        self._read = (read.name, result)
+
+    def changed_buffers(self) -> list[BufferCounts]:
+        """The buffers whose counters this transaction changed (the flush writes them)."""
+        return [c for b, c in self.buffers.items() if self._original.get(b) != (c.occupied, c.reserved)]
+
     def locked_read(self, read: LockedRead) -> Any:
         """The result of `read`: sent with the lock by `open` if it was given there, else now
         (a caller that locked the run first, e.g. a coordinator cycle checking its epoch)."""
@@ -249,7 +257,7 @@ class RunTx:
         planned in full, under the run lock, on every call."""
         parts: list[str] = []
         params: dict[str, Any] = {"run": self.run.id}
-        changed = [c for b, c in self.buffers.items() if self._original.get(b) != (c.occupied, c.reserved)]
+        changed = self.changed_buffers()
         if changed:
             parts.append(queries.sql("flush_buffers"))
             params.update(
@@ -353,6 +361,37 @@ def under_run_lock(
         return outcome
 
     return run
+
+
+# ---- group locks and the fast paths ------------------------------------------------------
+#
+# The run lock is taken only when a group's buffer accounting changes. A reward batch that
+# completes no reserved group, and a route batch whose members all join groups already reserved
+# (at a version no lower than any live member's), change samples and events only: they go
+# without the run lock (`scoring.rewards_fast`, `routing.route_fast`).
+#
+# What serializes the calls on one group instead is its group lock (`group_locks`: an advisory
+# transaction lock per group, taken in group id order by EVERY route and record_rewards of its
+# samples, before any sample lock, and right after the run lock when the call has one). The
+# fast path's decision is taken by a statement run after those locks were granted, so it sees
+# every route and reward of those groups committed before: of two reward batches that together
+# complete a group, the second sees the first and takes the run lock; a member routed into a
+# group is seen by the reward batch that places it (its surplus is aborted).
+#
+# Lock order: [run ->] group locks -> instances -> samples [-> groups]. A fast path holds no
+# group row and waits for no group lock once it holds a sample, so it waits on no lock that a
+# run-locked transaction takes after its own group locks: no new deadlock. What it does not
+# lock (buffers, the run's version, other groups) changes only under the run lock, and none of
+# those transactions reads what a fast path writes (a joining member lowers no group version,
+# so no reservation's window shrinks; a live member stays live): a fast path is serialized
+# before any run-locked transaction it overlaps. Its locks and decision run in a savepoint;
+# when the call needs the run lock after all, the savepoint is rolled back (releasing the group
+# locks, which must not be held while the run lock is awaited) in the run lock's round trip.
+
+FAST_SAVEPOINT = "staleflow_fast"
+FAST_BEGIN: tuple[str, dict[str, Any]] = (f"SAVEPOINT {FAST_SAVEPOINT}", {})
+FAST_KEEP: tuple[str, dict[str, Any]] = (f"RELEASE SAVEPOINT {FAST_SAVEPOINT}", {})
+FAST_UNDONE: tuple[tuple[str, dict[str, Any]], ...] = ((f"ROLLBACK TO SAVEPOINT {FAST_SAVEPOINT}", {}), FAST_KEEP)
 
 
 # ---- per-call limits ---------------------------------------------------------------------

@@ -22,6 +22,9 @@ from ..rules import occupy_plan, replacement_key
 from ..types import GroupOutcome
 from . import driver
 from .core import (
+    FAST_BEGIN,
+    FAST_KEEP,
+    FAST_UNDONE,
     LockedRead,
     Prompt,
     RunTx,
@@ -191,25 +194,8 @@ class ScoringOps(TxMixin):
             return sorted(aborted)
 
 
-# The run lock is taken only when a group's buffer accounting changes. A batch that completes
-# no reserved group (none reaches N rewarded members with it) changes samples and events only,
-# so it goes without the run lock (`rewards_fast`). What serializes the rewards of one group
-# instead is its reward lock (`reward_group_locks`: an advisory transaction lock per group,
-# taken in group id order by EVERY record_rewards, before any sample lock, and after the run
-# lock when the call has one). Whether the batch completes a group is decided by a statement
-# run after those locks were granted, so it sees every reward of those groups committed
-# before: of two batches that together complete a group, the second sees the first, and takes
-# the run lock. Lock order: [run ->] reward locks -> samples -> groups. The fast path waits on
-# no lock a run-locked transaction takes after its own reward locks (it holds no group row,
-# and the samples it locks belong to groups whose reward locks it holds), so it adds no
-# deadlock. Its locks and check run in a savepoint: a batch that would complete a group rolls
-# it back (releasing the reward locks, which must not be held while the run lock is awaited)
-# and takes the locked path, in the same round trip as the run lock (`FAST_UNDONE`).
-FAST_SAVEPOINT = "staleflow_rewards_fast"
-FAST_UNDONE: tuple[tuple[str, dict[str, Any]], ...] = (
-    (f"ROLLBACK TO SAVEPOINT {FAST_SAVEPOINT}", {}),
-    (f"RELEASE SAVEPOINT {FAST_SAVEPOINT}", {}),
-)
+# A batch that completes no reserved group (none reaches N rewarded members with it) goes
+# without the run lock: `rewards_fast`, under the groups' group locks (core.py, "group locks").
 
 
 def rewards_fast(conn: Connection, run_id: int, read: LockedRead) -> bool:
@@ -220,17 +206,15 @@ def rewards_fast(conn: Connection, run_id: int, read: LockedRead) -> bool:
     _, _, fast = driver.scalars(
         conn,
         [
-            (f"SAVEPOINT {FAST_SAVEPOINT}", {}),
-            read.statement(run_id, "reward_group_locks"),
+            FAST_BEGIN,
+            read.statement(run_id, "group_locks"),
             read.statement(run_id, "rewards_fast_check"),
         ],
     )
     if not fast:
         return False
     # released before the writes: they then belong to the transaction, not a subtransaction
-    _, held = driver.scalars(
-        conn, [(f"RELEASE SAVEPOINT {FAST_SAVEPOINT}", {}), read.statement(run_id, "rewards_store")]
-    )
+    _, held = driver.scalars(conn, [FAST_KEEP, read.statement(run_id, "rewards_store")])
     holds = dict(held)
     conflicts = [(sid, LOST_CLAIM) for sid in read.params["samples"] if not holds.get(sid)]
     if conflicts:
@@ -300,7 +284,7 @@ def rewards_read(rewards: Sequence[Reward], scorer: int | None = None) -> Locked
             "metrics": metrics,
             "scorer": [scorer],  # a locked read's parameters are lists
         },
-        locks=("reward_group_locks",),
+        locks=("group_locks",),
     )
 
 

@@ -82,21 +82,11 @@ q(k, j) AS (SELECT 's', to_jsonb(s) FROM s
     FROM prompt_groups g WHERE g.run_id = CAST(:run AS bigint) AND g.state = 'reserved') r)
 SELECT coalesce(jsonb_agg(jsonb_build_array(k, j)), '[]') FROM q
 
--- name: reward_group_locks
--- The reward locks of the batch's groups, in group id order (`protocol/scoring.py`): a
--- transaction-scoped advisory lock per group, key (0x53460000 + id / 2^31, id mod 2^31), taken
--- by every record_rewards (after the run lock when it has one) before it locks a sample, so
--- the rewards of one group are recorded one transaction after another, while those of
--- different groups go in parallel. group_id never changes: read without a lock.
-SELECT count(pg_advisory_xact_lock(CAST(1397096448 + (x.g >> 31) AS int), CAST(x.g & 2147483647 AS int)))
-FROM (SELECT DISTINCT group_id AS g FROM samples
-  WHERE run_id = CAST(:run AS bigint) AND id = ANY(CAST(:samples AS bigint[])) ORDER BY 1) x
-
 -- name: rewards_fast_check
 -- Whether a reward batch may be recorded without the run lock (`protocol/scoring.py`): the
 -- run exists, every claim holds, and no reserved group of the batch reaches N rewarded members
 -- with it (none is placed or filtered, so no buffer accounting changes). Sent after
--- `reward_group_locks`, as a statement of its own: its snapshot has every reward of these
+-- `group_locks`, as a statement of its own: its snapshot has every reward of these
 -- groups committed before.
 SELECT k.rid IS NOT NULL AND r.id IS NOT NULL
   AND (SELECT count(*) FROM samples x WHERE x.run_id = r.id AND x.id = ANY(CAST(:samples AS bigint[]))

@@ -94,7 +94,15 @@ def test_rewards_read_reaches_rows_by_index(backlog, plan_mode):  # noqa: F811
 
 
 @PLANS
-@pytest.mark.parametrize("name", ["reward_group_locks", "rewards_fast_check", "rewards_store"])
+def test_the_fast_routes_read_reaches_rows_by_index(backlog, plan_mode):  # noqa: F811
+    engine, run, inst = backlog
+    queued = [s for s, _ in ids_in(engine, run, "queued")]
+    for name in ("group_locks", "route_fast_read", "run_buffers"):
+        assert_no_full_scans(explain(engine, name, run, plan_mode, instances=[inst], samples=queued))
+
+
+@PLANS
+@pytest.mark.parametrize("name", ["group_locks", "rewards_fast_check", "rewards_store"])
 def test_the_rewards_fast_path_reaches_rows_by_index(backlog, plan_mode, name):  # noqa: F811
     """The reward locks, the check and the store of a batch that goes without the run lock:
     they hold the groups' reward locks, which other rewards of those groups wait for."""
