@@ -106,7 +106,7 @@ class LockedRead:
     name: str
     params: Mapping[str, Sequence[Any]] = dataclasses.field(default_factory=dict)
     # named queries sent between the run lock and the read, with the read's parameters (the
-    # reward locks of `record_rewards`): the read's snapshot then follows their locks too
+    # group locks of route and record_rewards): the read's snapshot then follows their locks too
     locks: tuple[str, ...] = ()
 
     def statement(self, run_id: int, name: str | None = None) -> tuple[str, dict[str, Any]]:

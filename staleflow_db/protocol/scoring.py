@@ -228,11 +228,11 @@ LOST_CLAIM = "reward claim lost (stale attempt or sample not scoring)"
 # ONE statement (`rewards_read` in scoring.sql), sent with the run lock (`RunTx.open`; under it
 # every round trip counts): lock the batch's samples, check every claim and store the rewards
 # only if all hold (all or nothing, even if a caller's transaction went on after the Conflict),
-# then lock their groups and read the members. Lock order run -> reward locks -> samples ->
+# then lock their groups and read the members. Lock order run -> group locks -> samples ->
 # groups, each in id order: UNION ALL branches run one after the other. The members come from
-# the statement's snapshot (taken after the run lock and the groups' reward locks were
+# the statement's snapshot (taken after the run lock and the groups' group locks were
 # granted), so the batch's own rows are seen as before this update and patched below; any
-# other reward of these groups was committed before we took their reward locks (every reward
+# other reward of these groups was committed before we took their group locks (every reward
 # is recorded under them), so the snapshot has it. The groups by
 # `= ANY(ARRAY(...))`: index lookups, not the scan of all groups `IN (SELECT ...)` got; so are
 # the samples (`x.id = ANY(:samples)`, each one's attempt and reward by its position: joined to

@@ -104,8 +104,8 @@ def test_the_fast_routes_read_reaches_rows_by_index(backlog, plan_mode):  # noqa
 @PLANS
 @pytest.mark.parametrize("name", ["group_locks", "rewards_fast_check", "rewards_store"])
 def test_the_rewards_fast_path_reaches_rows_by_index(backlog, plan_mode, name):  # noqa: F811
-    """The reward locks, the check and the store of a batch that goes without the run lock:
-    they hold the groups' reward locks, which other rewards of those groups wait for."""
+    """The group locks, the check and the store of a batch that goes without the run lock:
+    they hold the groups' group locks, which other rewards of those groups wait for."""
     engine, run, _ = backlog
     scoring = ids_in(engine, run, "scoring")
     ids, attempts = [s for s, _ in scoring], [a for _, a in scoring]
@@ -126,7 +126,7 @@ WAIT_S = 60  # guards against a hang, never a timing assertion
 def test_a_reward_waiting_for_the_group_reward_lock_reads_what_its_holder_committed(engine):
     """Two transactions each reward half of one group. The first completes no group, so it
     goes without the run lock (another transaction takes it meanwhile) but holds the group's
-    reward lock; the second waits for that lock, and its check, sent after the lock, must see
+    group lock; the second waits for that lock, and its check, sent after the lock, must see
     the first one's reward (one read before the lock would not): else neither places the
     group, which stays reserved for good. The second then takes the run lock and places it."""
     d = Driver(engine, batch_size=1, group_size=2, eta=1)
@@ -147,7 +147,7 @@ def test_a_reward_waiting_for_the_group_reward_lock_reads_what_its_holder_commit
             "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
             " AND wait_event_type = 'Lock' AND wait_event = 'advisory'"
         )[0]:
-            assert time.monotonic() < deadline, "the second reward never waited for the group's reward lock"
+            assert time.monotonic() < deadline, "the second reward never waited for the group's group lock"
             assert not second.done(), second.result()
             time.sleep(0.01)
         tx.commit()
