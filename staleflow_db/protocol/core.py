@@ -388,6 +388,20 @@ def under_run_lock(
 # when the call needs the run lock after all, the savepoint is rolled back (releasing the group
 # locks, which must not be held while the run lock is awaited) in the run lock's round trip.
 
+
+def group_locks_if(guess: str) -> str:
+    """`group_locks` taken only if the named query `guess` (one boolean, from a snapshot before
+    any lock) says the fast path will do: one statement (its lock subquery runs only when the
+    CASE needs it). A batch bound for the run lock then holds no group lock that run-locked
+    calls would wait for while it turns around; NULL: nothing locked."""
+    return queries.to_pyformat(group_locks_if_sql(guess))
+
+
+def group_locks_if_sql(guess: str) -> str:
+    """`group_locks_if`'s statement with `:name` parameters."""
+    return f"SELECT CASE WHEN ({queries.sql(guess)}) THEN ({queries.sql('group_locks')}) END"
+
+
 FAST_SAVEPOINT = "staleflow_fast"
 FAST_BEGIN: tuple[str, dict[str, Any]] = (f"SAVEPOINT {FAST_SAVEPOINT}", {})
 FAST_KEEP: tuple[str, dict[str, Any]] = (f"RELEASE SAVEPOINT {FAST_SAVEPOINT}", {})

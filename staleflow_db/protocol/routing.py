@@ -28,6 +28,7 @@ from .core import (
     TxMixin,
     check_batch,
     check_state,
+    group_locks_if,
     under_run_lock,
 )
 from .events import Event
@@ -143,16 +144,16 @@ def route_fast(
     (`FAST_UNDONE`). The group locks serialize it with the other routes and rewards of its
     groups (core.py, "group locks")."""
     read = route_read(pairs)
-    _, _, got, run = driver.scalars(
+    _, locked, got, run = driver.scalars(
         conn,
         [
             FAST_BEGIN,
-            read.statement(run_id, "group_locks"),
+            (group_locks_if("route_groups_reserved"), read.statement(run_id)[1]),
             read.statement(run_id, "route_fast_read"),
             (queries.pyformat("run_buffers"), {"run": run_id}),
         ],
     )
-    if run is None or len({p[0] for p in pairs}) != len(pairs):
+    if locked is None or run is None or len({p[0] for p in pairs}) != len(pairs):
         return None  # refused under the run lock, as before
     rtx = RunTx(conn, RunRow.of(run["run"]), [BufferCounts(i, o, r, c) for i, o, r, c in run["buffers"]])
     rtx.preset_read(read, got)

@@ -32,6 +32,7 @@ from .core import (
     abort_samples_where,
     check_batch,
     enqueue_prompts,
+    group_locks_if,
     load_run,
     under_run_lock,
 )
@@ -203,15 +204,15 @@ def rewards_fast(conn: Connection, run_id: int, read: LockedRead) -> bool:
     True when recorded. False: nothing was done, the savepoint is still to be undone
     (`FAST_UNDONE`, sent with the run lock). A claim lost after the check is refused as under
     the lock (`Conflict`, nothing stored)."""
-    _, _, fast = driver.scalars(
+    _, locked, fast = driver.scalars(
         conn,
         [
             FAST_BEGIN,
-            read.statement(run_id, "group_locks"),
-            read.statement(run_id, "rewards_fast_check"),
+            (group_locks_if("rewards_fast_check"), read.statement(run_id)[1]),
+            read.statement(run_id, "rewards_fast_check"),  # again, now under the locks
         ],
     )
-    if not fast:
+    if locked is None or not fast:
         return False
     # released before the writes: they then belong to the transaction, not a subtransaction
     _, held = driver.scalars(conn, [FAST_KEEP, read.statement(run_id, "rewards_store")])

@@ -27,6 +27,12 @@ SELECT count(pg_advisory_xact_lock(CAST(1397096448 + (x.g >> 31) AS int), CAST(x
 FROM (SELECT DISTINCT group_id AS g FROM samples
   WHERE run_id = CAST(:run AS bigint) AND id = ANY(CAST(:samples AS bigint[])) ORDER BY 1) x
 
+-- name: route_groups_reserved
+-- Whether every group of a route batch is reserved (unlocked: a guess, so that a batch that
+-- will take the run lock does not first take group locks others wait for; `route_fast`).
+SELECT NOT EXISTS (SELECT 1 FROM samples x JOIN prompt_groups y ON y.id = x.group_id
+  WHERE x.run_id = CAST(:run AS bigint) AND x.id = ANY(CAST(:samples AS bigint[])) AND y.state <> 'reserved')
+
 -- name: run_buffers
 -- The run row and its live buffers as `staleflow_lock_run` returns them, without the run lock
 -- (the fast paths of protocol/routing.py: they change no buffer accounting).
