@@ -408,6 +408,14 @@ FAST_KEEP: tuple[str, dict[str, Any]] = (f"RELEASE SAVEPOINT {FAST_SAVEPOINT}", 
 FAST_UNDONE: tuple[tuple[str, dict[str, Any]], ...] = ((f"ROLLBACK TO SAVEPOINT {FAST_SAVEPOINT}", {}), FAST_KEEP)
 
 
+def fast_undo(locked: Any) -> tuple[tuple[str, dict[str, Any]], ...]:
+    """What a fast attempt that turned out to need the run lock sends before it: a savepoint
+    that took group locks is rolled back (frees them); one that took none is released. Not
+    rolled back needlessly: on a ROLLBACK psycopg deallocates every prepared statement of the
+    connection, and the run-locked read would then be planned again under the lock."""
+    return FAST_UNDONE if locked is not None else (FAST_KEEP,)
+
+
 # ---- per-call limits ---------------------------------------------------------------------
 
 MAX_BATCH = 10_000  # items per call: larger batches hold the run lock too long

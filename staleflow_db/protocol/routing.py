@@ -6,7 +6,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple, cast
+from typing import Any, NamedTuple, cast
 
 from sqlalchemy import Connection
 
@@ -21,13 +21,13 @@ from ..types import RouteResult
 from . import driver
 from .core import (
     FAST_BEGIN,
-    FAST_UNDONE,
     LockedRead,
     RunRow,
     RunTx,
     TxMixin,
     check_batch,
     check_state,
+    fast_undo,
     group_locks_if,
     under_run_lock,
 )
@@ -49,10 +49,10 @@ class RoutingOps(TxMixin):
         tokens = route_tokens(len(pairs))
 
         def routing(conn: Connection) -> list[RouteResult]:
-            fast = route_fast(conn, run_id, pairs, tokens)
+            fast, undo = route_fast(conn, run_id, pairs, tokens)
             if fast is not None:
                 return fast
-            slow = under_run_lock(run_id, lambda rtx: route_in(rtx, pairs, tokens), route_read(pairs), FAST_UNDONE)
+            slow = under_run_lock(run_id, lambda rtx: route_in(rtx, pairs, tokens), route_read(pairs), undo)
             return cast(list[RouteResult], slow(conn))
 
         results: list[RouteResult] = self.idempotent(
@@ -135,13 +135,13 @@ def route_read(pairs: Sequence[tuple[int, int]]) -> LockedRead:
 
 def route_fast(
     conn: Connection, run_id: int, pairs: Sequence[tuple[int, int]], tokens: Sequence[str]
-) -> list[RouteResult] | None:
+) -> tuple[list[RouteResult] | None, Sequence[tuple[str, Any]]]:
     """Route the batch without the run lock if every queued sample of it joins a group already
     reserved, at a version no lower than that of any live member the group has (so the group's
     version, and with it every window a run-locked cascade or abort reads, stays what it was,
     whatever members such a transaction aborts meanwhile): it reserves nothing and writes no
-    group row. None: nothing done, the savepoint is to be undone with the run lock
-    (`FAST_UNDONE`). The group locks serialize it with the other routes and rewards of its
+    group row. (None, undo): nothing done, `undo` (`fast_undo`) is to be sent with the run
+    lock. The group locks serialize it with the other routes and rewards of its
     groups (core.py, "group locks")."""
     read = route_read(pairs)
     _, locked, got, run = driver.scalars(
@@ -153,19 +153,21 @@ def route_fast(
             (queries.pyformat("run_buffers"), {"run": run_id}),
         ],
     )
+    # rows locked by the read (its guess raced with a reservation) are freed with the group locks
+    undo = fast_undo(locked if locked is not None else (got or None))
     if locked is None or run is None or len({p[0] for p in pairs}) != len(pairs):
-        return None  # refused under the run lock, as before
+        return None, undo  # a duplicate is refused under the run lock, as before
     rtx = RunTx(conn, RunRow.of(run["run"]), [BufferCounts(i, o, r, c) for i, o, r, c in run["buffers"]])
     rtx.preset_read(read, got)
     if rtx.run.state != RunState.ACTIVE:
-        return None
+        return None, undo
     rows = _route_rows(rtx, pairs, missing_ok=True)
     if rows is None or not _joins_only(rows, pairs):
-        return None
+        return None, undo
     results = route_in(rtx, pairs, tokens, rows=rows, write_groups=False)
     assert not rtx.changed_buffers(), "a fast route changed buffer accounting"
     rtx.flush()  # the routed samples and their events; the savepoint ends with the transaction
-    return results
+    return results, ()
 
 
 def _joins_only(rows: RouteRows, pairs: Sequence[tuple[int, int]]) -> bool:

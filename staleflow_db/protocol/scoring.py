@@ -24,7 +24,6 @@ from . import driver
 from .core import (
     FAST_BEGIN,
     FAST_KEEP,
-    FAST_UNDONE,
     LockedRead,
     Prompt,
     RunTx,
@@ -32,6 +31,7 @@ from .core import (
     abort_samples_where,
     check_batch,
     enqueue_prompts,
+    fast_undo,
     group_locks_if,
     load_run,
     under_run_lock,
@@ -126,9 +126,10 @@ class ScoringOps(TxMixin):
         read = rewards_read(rewards, scorer)
 
         def record(conn: Connection) -> list[GroupOutcome]:
-            if rewards_fast(conn, run_id, read):
+            done, undo = rewards_fast(conn, run_id, read)
+            if done:
                 return []  # no group completed: no Occupy, no buffer accounting
-            slow = under_run_lock(run_id, lambda rtx: rewards_in(rtx, rewards, read), read, FAST_UNDONE)
+            slow = under_run_lock(run_id, lambda rtx: rewards_in(rtx, rewards, read), read, undo)
             return cast(list[GroupOutcome], slow(conn))
 
         outcomes: list[GroupOutcome] = self.idempotent(
@@ -199,10 +200,10 @@ class ScoringOps(TxMixin):
 # without the run lock: `rewards_fast`, under the groups' group locks (core.py, "group locks").
 
 
-def rewards_fast(conn: Connection, run_id: int, read: LockedRead) -> bool:
+def rewards_fast(conn: Connection, run_id: int, read: LockedRead) -> tuple[bool, Sequence[tuple[str, Any]]]:
     """Record the batch without the run lock if it completes no group (and every claim holds):
-    True when recorded. False: nothing was done, the savepoint is still to be undone
-    (`FAST_UNDONE`, sent with the run lock). A claim lost after the check is refused as under
+    (True, ()) when recorded. (False, undo): nothing was done, and `undo` (`fast_undo`) is to
+    be sent with the run lock. A claim lost after the check is refused as under
     the lock (`Conflict`, nothing stored)."""
     _, locked, fast = driver.scalars(
         conn,
@@ -213,14 +214,14 @@ def rewards_fast(conn: Connection, run_id: int, read: LockedRead) -> bool:
         ],
     )
     if locked is None or not fast:
-        return False
+        return False, fast_undo(locked)
     # released before the writes: they then belong to the transaction, not a subtransaction
     _, held = driver.scalars(conn, [FAST_KEEP, read.statement(run_id, "rewards_store")])
     holds = dict(held)
     conflicts = [(sid, LOST_CLAIM) for sid in read.params["samples"] if not holds.get(sid)]
     if conflicts:
         raise Conflict(conflicts)
-    return True
+    return True, ()
 
 
 LOST_CLAIM = "reward claim lost (stale attempt or sample not scoring)"
