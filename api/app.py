@@ -53,7 +53,8 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
         settings=settings,
         engine=engine,
         protocol=protocol,
-        notifier=Notifier(engine, url, settings.notify_debounce, settings.listen),
+        # LISTEN is session-level: its own URL when the engine's goes through a pooler
+        notifier=Notifier(engine, settings.db.listen_database_url or url, settings.notify_debounce, settings.listen),
         tokens=TokenCache(engine, settings.token_cache_seconds),
         metrics=metrics,
         writes=GroupCommit(

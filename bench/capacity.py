@@ -180,7 +180,8 @@ def run_step(args, cad: dict, bases: list[str], admin: StaleFlowClient, report: 
         log.close()
     load_cpu = CPU(lambda: [c.pid for c in children])
     conns: list[int] = []
-    with psycopg.connect(args.url, autocommit=True, application_name="sf-capacity") as db:
+    # never prepared: through a transaction pooler (PgBouncer) the next statement may find another server session
+    with psycopg.connect(args.url, autocommit=True, application_name="sf-capacity", prepare_threshold=None) as db:
         while time.time() < start_at:
             time.sleep(min(5.0, max(0.0, start_at - time.time())))
             print(f"  {instances} instances: warming up, {start_at - time.time():3.0f} s", file=sys.stderr)

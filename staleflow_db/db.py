@@ -84,6 +84,8 @@ def make_engine(url: str | None = None, *, settings: Settings | None = None, **k
         "application_name": "staleflow",
         "connect_timeout": CONNECT_TIMEOUT_S,
     }
+    if not settings.prepared_statements:  # a transaction-mode pooler: any server connection next time
+        connect_args["prepare_threshold"] = None
     connect_args.update(kw.pop("connect_args", {}))
     # Pre-ping: after a database restart every pooled connection is dead; the first checkout
     # notices, and SQLAlchemy then invalidates the whole pool, so one failed ping (not one per

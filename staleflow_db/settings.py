@@ -67,6 +67,12 @@ class Settings(HomeSettings):
 
     # Unset means "use the embedded server under `home`". Kept in libpq form.
     database_url: str | None = None
+    # Where the API's LISTEN connection goes (session-level: it cannot pass a transaction-mode
+    # pooler such as PgBouncer's); unset: `database_url`. docs/scaling.md, "Connection pooling".
+    listen_database_url: str | None = None
+    # Server-side prepared statements (psycopg's prepare_threshold, the driver's pipelines).
+    # Off behind a transaction-mode PgBouncer older than 1.21 or without max_prepared_statements.
+    prepared_statements: bool = True
     statement_timeout: Duration = "30s"
     lock_timeout: Duration = "10s"
     idle_in_transaction_session_timeout: Duration = Field(
@@ -81,7 +87,7 @@ class Settings(HomeSettings):
     payload_store: str | None = None
     payload_store_endpoint: str | None = None
 
-    @field_validator("database_url")
+    @field_validator("database_url", "listen_database_url")
     @classmethod
     def _libpq(cls, url: str | None) -> str | None:
         url = (url or "").strip()

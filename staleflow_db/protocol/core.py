@@ -105,10 +105,17 @@ class LockedRead:
 
     name: str
     params: Mapping[str, Sequence[Any]] = dataclasses.field(default_factory=dict)
+    # named queries sent between the run lock and the read, with the read's parameters (the
+    # group locks of route and record_rewards): the read's snapshot then follows their locks too
+    locks: tuple[str, ...] = ()
 
-    def statement(self, run_id: int) -> tuple[str, dict[str, Any]]:
-        """The read as a statement of its own (`driver.scalars`)."""
-        return queries.pyformat(self.name), {"run": run_id, **{k: list(v) for k, v in self.params.items()}}
+    def statement(self, run_id: int, name: str | None = None) -> tuple[str, dict[str, Any]]:
+        """The read (or its lock `name`) as a statement of its own (`driver.scalars`)."""
+        return queries.pyformat(name or self.name), {"run": run_id, **{k: list(v) for k, v in self.params.items()}}
+
+    def statements(self, run_id: int) -> list[tuple[str, dict[str, Any]]]:
+        """Its locks, then the read."""
+        return [*(self.statement(run_id, lock) for lock in self.locks), self.statement(run_id)]
 
 
 class RunTx:
@@ -128,20 +135,26 @@ class RunTx:
         self._read: tuple[str, Any] | None = None
 
     @classmethod
-    def open(cls, conn: Connection, run_id: int, read: LockedRead | None = None) -> RunTx:
+    def open(
+        cls,
+        conn: Connection,
+        run_id: int,
+        read: LockedRead | None = None,
+        prelude: Sequence[tuple[str, Mapping[str, Any]]] = (),
+    ) -> RunTx:
         """Lock the run and read it with its buffers in one round trip: the function reads the
         buffers in a statement of its own, so under READ COMMITTED they include the commit of
         the lock's previous holder (a single statement that waited for the lock would read them
         from the snapshot it started with). `read`: the caller's locking read, sent in that same
         round trip as the next statement (`driver.scalars`: it runs once the lock is granted,
         from a snapshot of its own, and is planned once per connection); its result is taken
-        with `locked_read`."""
-        if read is None:
+        with `locked_read`. `prelude`: statements sent first in that round trip (no result)."""
+        if read is None and not prelude:
             got = conn.execute(queries.text("lock_run"), {"run": run_id}).scalar()
         else:
-            got, result = driver.scalars(
-                conn, [(queries.pyformat("lock_run"), {"run": run_id}), read.statement(run_id)]
-            )
+            lock = [(queries.pyformat("lock_run"), {"run": run_id})]
+            values = driver.scalars(conn, [*prelude, *lock, *(read.statements(run_id) if read else ())])
+            got, result = values[len(prelude)], values[-1]
         if got is None:
             raise NotFound(f"run {run_id}")
         rtx = cls(conn, RunRow.of(got["run"]), [BufferCounts(i, o, r, c) for i, o, r, c in got["buffers"]])
@@ -149,13 +162,21 @@ class RunTx:
             rtx._read = (read.name, result)
         return rtx
 
+    def preset_read(self, read: LockedRead, result: Any) -> None:
+        """`read`'s result, read by the caller (a fast path, without the run lock)."""
+        self._read = (read.name, result)
+
+    def changed_buffers(self) -> list[BufferCounts]:
+        """The buffers whose counters this transaction changed (the flush writes them)."""
+        return [c for b, c in self.buffers.items() if self._original.get(b) != (c.occupied, c.reserved)]
+
     def locked_read(self, read: LockedRead) -> Any:
         """The result of `read`: sent with the lock by `open` if it was given there, else now
         (a caller that locked the run first, e.g. a coordinator cycle checking its epoch)."""
         if self._read is not None and self._read[0] == read.name:
             got, self._read = self._read[1], None
             return got
-        return driver.scalars(self.conn, [read.statement(self.run.id)])[0]
+        return driver.scalars(self.conn, read.statements(self.run.id))[-1]
 
     def buffer(self, idx: int) -> BufferCounts:
         return self.buffers.setdefault(idx, BufferCounts(idx))
@@ -236,7 +257,7 @@ class RunTx:
         planned in full, under the run lock, on every call."""
         parts: list[str] = []
         params: dict[str, Any] = {"run": self.run.id}
-        changed = [c for b, c in self.buffers.items() if self._original.get(b) != (c.occupied, c.reserved)]
+        changed = self.changed_buffers()
         if changed:
             parts.append(queries.sql("flush_buffers"))
             params.update(
@@ -325,18 +346,74 @@ def send_commands(
 
 
 def under_run_lock(
-    run_id: int, body: Callable[[RunTx], Any], read: LockedRead | None = None
+    run_id: int,
+    body: Callable[[RunTx], Any],
+    read: LockedRead | None = None,
+    prelude: Sequence[tuple[str, Mapping[str, Any]]] = (),
 ) -> Callable[[Connection], Any]:
     """A transaction body that holds the run's lock and flushes buffer accounting at the end;
-    `read` is sent with the lock (`RunTx.open`)."""
+    `read` (and `prelude` before the lock) is sent with the lock (`RunTx.open`)."""
 
     def run(conn: Connection) -> Any:
-        rtx = RunTx.open(conn, run_id, read)
+        rtx = RunTx.open(conn, run_id, read, prelude)
         outcome = body(rtx)
         rtx.flush()
         return outcome
 
     return run
+
+
+# ---- group locks and the fast paths ------------------------------------------------------
+#
+# The run lock is taken only when a group's buffer accounting changes. A reward batch that
+# completes no reserved group, and a route batch whose members all join groups already reserved
+# (at a version no lower than any live member's), change samples and events only: they go
+# without the run lock (`scoring.rewards_fast`, `routing.route_fast`).
+#
+# What serializes the calls on one group instead is its group lock (`group_locks`: an advisory
+# transaction lock per group, taken in group id order by EVERY route and record_rewards of its
+# samples, before any sample lock, and right after the run lock when the call has one). The
+# fast path's decision is taken by a statement run after those locks were granted, so it sees
+# every route and reward of those groups committed before: of two reward batches that together
+# complete a group, the second sees the first and takes the run lock; a member routed into a
+# group is seen by the reward batch that places it (its surplus is aborted).
+#
+# Lock order: [run ->] group locks -> instances -> samples [-> groups]. A fast path holds no
+# group row and waits for no group lock once it holds a sample, so it waits on no lock that a
+# run-locked transaction takes after its own group locks: no new deadlock. What it does not
+# lock (buffers, the run's version, other groups) changes only under the run lock, and none of
+# those transactions reads what a fast path writes (a joining member lowers no group version,
+# so no reservation's window shrinks; a live member stays live): a fast path is serialized
+# before any run-locked transaction it overlaps. Its locks and decision run in a savepoint;
+# when the call needs the run lock after all, the savepoint is rolled back (releasing the group
+# locks, which must not be held while the run lock is awaited) in the run lock's round trip.
+
+
+def group_locks_if(guess: str) -> str:
+    """`group_locks` taken only if the named query `guess` (one boolean, from a snapshot before
+    any lock) says the fast path will do: one statement (its lock subquery runs only when the
+    CASE needs it). A batch bound for the run lock then holds no group lock that run-locked
+    calls would wait for while it turns around; NULL: nothing locked."""
+    return queries.to_pyformat(group_locks_if_sql(guess))
+
+
+def group_locks_if_sql(guess: str) -> str:
+    """`group_locks_if`'s statement with `:name` parameters."""
+    return f"SELECT CASE WHEN ({queries.sql(guess)}) THEN ({queries.sql('group_locks')}) END"
+
+
+FAST_SAVEPOINT = "staleflow_fast"
+FAST_BEGIN: tuple[str, dict[str, Any]] = (f"SAVEPOINT {FAST_SAVEPOINT}", {})
+FAST_KEEP: tuple[str, dict[str, Any]] = (f"RELEASE SAVEPOINT {FAST_SAVEPOINT}", {})
+FAST_UNDONE: tuple[tuple[str, dict[str, Any]], ...] = ((f"ROLLBACK TO SAVEPOINT {FAST_SAVEPOINT}", {}), FAST_KEEP)
+
+
+def fast_undo(locked: Any) -> tuple[tuple[str, dict[str, Any]], ...]:
+    """What a fast attempt that turned out to need the run lock sends before it: a savepoint
+    that took group locks is rolled back (frees them); one that took none is released. Not
+    rolled back needlessly: on a ROLLBACK psycopg deallocates every prepared statement of the
+    connection, and the run-locked read would then be planned again under the lock."""
+    return FAST_UNDONE if locked is not None else (FAST_KEEP,)
 
 
 # ---- per-call limits ---------------------------------------------------------------------

@@ -43,10 +43,12 @@ def scalars(conn: Connection, statements: Sequence[tuple[str, Mapping[str, Any]]
     assert isinstance(raw, psycopg.Connection)
     try:
         with raw.pipeline():
-            cursors = [raw.execute(sql, params, prepare=True) for sql, params in statements]
+            # prepared unless the engine turned prepared statements off (STALEFLOW_PREPARED_STATEMENTS)
+            prepare = raw.prepare_threshold is not None
+            cursors = [raw.execute(sql, params, prepare=prepare) for sql, params in statements]
         values = []
         for cur in cursors:
-            row = cur.fetchone()
+            row = cur.fetchone() if cur.description is not None else None  # SAVEPOINT ... returns no rows
             values.append(None if row is None else row[0])
         return values
     except psycopg.Error as e:

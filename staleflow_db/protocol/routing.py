@@ -6,17 +6,31 @@ from __future__ import annotations
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple, cast
 
 from sqlalchemy import Connection
 
+from workers.wire.enums import RunState
 from workers.wire.types import RouteOutcome
 
+from .. import queries
 from ..errors import InvalidInput, NotFound
 from ..idempotency import transactional
-from ..rules import group_version, route_decision
+from ..rules import BufferCounts, group_version, pins_group_version, route_decision
 from ..types import RouteResult
-from .core import LockedRead, RunTx, TxMixin, check_batch, check_state, under_run_lock
+from . import driver
+from .core import (
+    FAST_BEGIN,
+    LockedRead,
+    RunRow,
+    RunTx,
+    TxMixin,
+    check_batch,
+    check_state,
+    fast_undo,
+    group_locks_if,
+    under_run_lock,
+)
 from .events import Event
 
 
@@ -33,10 +47,18 @@ class RoutingOps(TxMixin):
         """Route queued samples to instances; the group's first member reserves a buffer entry."""
         check_batch(pairs, "routes")
         tokens = route_tokens(len(pairs))
+
+        def routing(conn: Connection) -> list[RouteResult]:
+            fast, undo = route_fast(conn, run_id, pairs, tokens)
+            if fast is not None:
+                return fast
+            slow = under_run_lock(run_id, lambda rtx: route_in(rtx, pairs, tokens), route_read(pairs), undo)
+            return cast(list[RouteResult], slow(conn))
+
         results: list[RouteResult] = self.idempotent(
             request_id,
             "route",
-            under_run_lock(run_id, lambda rtx: route_in(rtx, pairs, tokens), route_read(pairs)),
+            routing,
             lambda stored: [RouteResult(**{**r, "outcome": RouteOutcome(r["outcome"])}) for r in stored],
             body=[run_id, pairs],
             conn=conn,
@@ -90,7 +112,7 @@ class RouteRows:
 
 # Everything route reads, in ONE statement (`route_read` in rollout.sql), sent with the run
 # lock (`RunTx.open`): a round trip saved is time every other run-locked transaction waits
-# less. The lock order stays run -> instances -> samples -> groups, each in id order: the
+# less. The lock order stays run -> group locks -> instances -> samples -> groups, each in id order: the
 # branches of a UNION ALL run one after the other, and the groups' CTE reads the samples' one.
 # Instances FOR SHARE: an expiry or deregistration waits until this route commits, so its
 # requeue then sees the samples routed here; one that committed first is seen as fenced.
@@ -103,7 +125,66 @@ class RouteRows:
 
 
 def route_read(pairs: Sequence[tuple[int, int]]) -> LockedRead:
-    return LockedRead("route_read", {"instances": sorted({p[1] for p in pairs}), "samples": [p[0] for p in pairs]})
+    """The read, after the run lock and the groups' group locks (core.py, "group locks")."""
+    return LockedRead(
+        "route_read",
+        {"instances": sorted({p[1] for p in pairs}), "samples": [p[0] for p in pairs]},
+        locks=("group_locks",),
+    )
+
+
+def route_fast(
+    conn: Connection, run_id: int, pairs: Sequence[tuple[int, int]], tokens: Sequence[str]
+) -> tuple[list[RouteResult] | None, Sequence[tuple[str, Any]]]:
+    """Route the batch without the run lock if every queued sample of it joins a group already
+    reserved, at a version no lower than that of any live member the group has (so the group's
+    version, and with it every window a run-locked cascade or abort reads, stays what it was,
+    whatever members such a transaction aborts meanwhile): it reserves nothing and writes no
+    group row. (None, undo): nothing done, `undo` (`fast_undo`) is to be sent with the run
+    lock. The group locks serialize it with the other routes and rewards of its
+    groups (core.py, "group locks")."""
+    read = route_read(pairs)
+    _, locked, got, run = driver.scalars(
+        conn,
+        [
+            FAST_BEGIN,
+            (group_locks_if("route_groups_reserved"), read.statement(run_id)[1]),
+            read.statement(run_id, "route_fast_read"),
+            (queries.pyformat("run_buffers"), {"run": run_id}),
+        ],
+    )
+    # rows locked by the read (its guess raced with a reservation) are freed with the group locks
+    undo = fast_undo(locked if locked is not None else (got or None))
+    if locked is None or run is None or len({p[0] for p in pairs}) != len(pairs):
+        return None, undo  # a duplicate is refused under the run lock, as before
+    rtx = RunTx(conn, RunRow.of(run["run"]), [BufferCounts(i, o, r, c) for i, o, r, c in run["buffers"]])
+    rtx.preset_read(read, got)
+    if rtx.run.state != RunState.ACTIVE:
+        return None, undo
+    rows = _route_rows(rtx, pairs, missing_ok=True)
+    if rows is None or not _joins_only(rows, pairs):
+        return None, undo
+    results = route_in(rtx, pairs, tokens, rows=rows, write_groups=False)
+    assert not rtx.changed_buffers(), "a fast route changed buffer accounting"
+    rtx.flush()  # the routed samples and their events; the savepoint ends with the transaction
+    return results, ()
+
+
+def _joins_only(rows: RouteRows, pairs: Sequence[tuple[int, int]]) -> bool:
+    """Every pair's group is reserved with a pinned version, and each queued sample routed to a
+    live instance would run at a version >= every pinned version of its group's live members."""
+    for sid, iid in pairs:
+        sample, inst = rows.samples[sid], rows.instances[iid]
+        g = rows.groups[sample.group_id]
+        pinned = [v for st, v, n in rows.members.get(sample.group_id, {}).values() if pins_group_version(st, v, n)]
+        if g.state != "reserved" or not pinned:
+            return False
+        if sample.state != "queued" or inst.state != "active" or not inst.live:
+            continue  # refused either way, on the rows locked here
+        v = sample.v_traj if sample.n_tokens > 0 and sample.v_traj is not None else inst.version
+        if v < max(cast(int, x) for x in pinned):
+            return False
+    return True
 
 
 def route_tokens(n: int) -> list[str]:
@@ -112,13 +193,24 @@ def route_tokens(n: int) -> list[str]:
     return [str(uuid.uuid4()) for _ in range(n)]
 
 
-def route_in(rtx: RunTx, pairs: Sequence[tuple[int, int]], tokens: Sequence[str] | None = None) -> list[RouteResult]:
-    """Route the batch; `tokens`: one route token per pair (`route_tokens`), else drawn here."""
+def route_in(
+    rtx: RunTx,
+    pairs: Sequence[tuple[int, int]],
+    tokens: Sequence[str] | None = None,
+    *,
+    rows: RouteRows | None = None,
+    write_groups: bool = True,
+) -> list[RouteResult]:
+    """Route the batch; `tokens`: one route token per pair (`route_tokens`), else drawn here.
+    `rows`: the batch's rows already read; `write_groups` False: the fast path, which changes
+    no group row (`route_fast`)."""
     check_state(rtx.run, "routing", paused_ok=False)
     sample_ids = [p[0] for p in pairs]
     if len(set(sample_ids)) != len(sample_ids):
         raise InvalidInput("a sample appears twice in one route batch")
-    rows = _route_rows(rtx, pairs)
+    if rows is None:
+        rows = _route_rows(rtx, pairs)
+        assert rows is not None
     results: list[RouteResult] = []
     routed: list[tuple[int, int, int]] = []  # (sample, V_traj, instance)
     touched: set[int] = set()
@@ -131,12 +223,13 @@ def route_in(rtx: RunTx, pairs: Sequence[tuple[int, int]], tokens: Sequence[str]
             routed.append((sid, result.v_traj, iid))
     if routed:
         token = dict(zip(sample_ids, tokens if tokens is not None else route_tokens(len(pairs)), strict=True))
-        _write_routes(rtx, rows, results, routed, touched, token)
+        _write_routes(rtx, rows, results, routed, touched if write_groups else set(), token)
     return results
 
 
-def _route_rows(rtx: RunTx, pairs: Sequence[tuple[int, int]]) -> RouteRows:
-    """The batch's rows from the read sent with the run lock; NotFound for one not in the run."""
+def _route_rows(rtx: RunTx, pairs: Sequence[tuple[int, int]], missing_ok: bool = False) -> RouteRows | None:
+    """The batch's rows from the read sent with the run lock; NotFound for one not in the run
+    (None instead with `missing_ok`)."""
     rows = RouteRows({}, {}, {}, {})
     for kind, row in rtx.locked_read(route_read(pairs)):
         if kind == "i":
@@ -148,6 +241,9 @@ def _route_rows(rtx: RunTx, pairs: Sequence[tuple[int, int]]) -> RouteRows:
             if row["mid"] is not None:
                 rows.members.setdefault(row["id"], {})[row["mid"]] = (row["mstate"], row["mv"], row["mn"])
     for sid, iid in pairs:
+        if sid not in rows.samples or iid not in rows.instances:
+            if missing_ok:
+                return None
         if sid not in rows.samples:
             raise NotFound(f"sample {sid} in run {rtx.run.id}")
         if iid not in rows.instances:
@@ -217,11 +313,12 @@ def _write_routes(
         },
     )
     tg = sorted(touched)
-    rtx.defer(
-        "route_groups",
-        {"ids": tg, "bs": [rows.groups[g].buffer for g in tg], "mvs": [rows.groups[g].version for g in tg]},
-        groups=tg,
-    )
+    if tg:
+        rtx.defer(
+            "route_groups",
+            {"ids": tg, "bs": [rows.groups[g].buffer for g in tg], "mvs": [rows.groups[g].version for g in tg]},
+            groups=tg,
+        )
     for r in results:
         if r.outcome == RouteOutcome.ROUTED:
             r.attempt, r.route_token = routes[r.sample_id]

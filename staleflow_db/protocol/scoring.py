@@ -20,7 +20,10 @@ from ..errors import Conflict, InvalidInput, NotFound
 from ..idempotency import transactional
 from ..rules import occupy_plan, replacement_key
 from ..types import GroupOutcome
+from . import driver
 from .core import (
+    FAST_BEGIN,
+    FAST_KEEP,
     LockedRead,
     Prompt,
     RunTx,
@@ -28,6 +31,8 @@ from .core import (
     abort_samples_where,
     check_batch,
     enqueue_prompts,
+    fast_undo,
+    group_locks_if,
     load_run,
     under_run_lock,
 )
@@ -119,10 +124,18 @@ class ScoringOps(TxMixin):
         `scorer` is the API token posting them (the lineage's "who scored it"; None in-process)."""
         check_batch(rewards, "rewards")
         read = rewards_read(rewards, scorer)
+
+        def record(conn: Connection) -> list[GroupOutcome]:
+            done, undo = rewards_fast(conn, run_id, read)
+            if done:
+                return []  # no group completed: no Occupy, no buffer accounting
+            slow = under_run_lock(run_id, lambda rtx: rewards_in(rtx, rewards, read), read, undo)
+            return cast(list[GroupOutcome], slow(conn))
+
         outcomes: list[GroupOutcome] = self.idempotent(
             request_id,
             "reward",
-            under_run_lock(run_id, lambda rtx: rewards_in(rtx, rewards, read), read),
+            record,
             lambda stored: [GroupOutcome(**{**o, "state": GroupState(o["state"])}) for o in stored],
             body=[run_id, rewards],
             conn=conn,
@@ -183,14 +196,46 @@ class ScoringOps(TxMixin):
             return sorted(aborted)
 
 
+# A batch that completes no reserved group (none reaches N rewarded members with it) goes
+# without the run lock: `rewards_fast`, under the groups' group locks (core.py, "group locks").
+
+
+def rewards_fast(conn: Connection, run_id: int, read: LockedRead) -> tuple[bool, Sequence[tuple[str, Any]]]:
+    """Record the batch without the run lock if it completes no group (and every claim holds):
+    (True, ()) when recorded. (False, undo): nothing was done, and `undo` (`fast_undo`) is to
+    be sent with the run lock. A claim lost after the check is refused as under
+    the lock (`Conflict`, nothing stored)."""
+    _, locked, fast = driver.scalars(
+        conn,
+        [
+            FAST_BEGIN,
+            (group_locks_if("rewards_fast_check"), read.statement(run_id)[1]),
+            read.statement(run_id, "rewards_fast_check"),  # again, now under the locks
+        ],
+    )
+    if locked is None or not fast:
+        return False, fast_undo(locked)
+    # released before the writes: they then belong to the transaction, not a subtransaction
+    _, held = driver.scalars(conn, [FAST_KEEP, read.statement(run_id, "rewards_store")])
+    holds = dict(held)
+    conflicts = [(sid, LOST_CLAIM) for sid in read.params["samples"] if not holds.get(sid)]
+    if conflicts:
+        raise Conflict(conflicts)
+    return True, ()
+
+
+LOST_CLAIM = "reward claim lost (stale attempt or sample not scoring)"
+
+
 # ONE statement (`rewards_read` in scoring.sql), sent with the run lock (`RunTx.open`; under it
 # every round trip counts): lock the batch's samples, check every claim and store the rewards
 # only if all hold (all or nothing, even if a caller's transaction went on after the Conflict),
-# then lock their groups and read the members. Lock order run -> samples -> groups, each in id
-# order: UNION ALL branches run one after the other. The members come from the statement's
-# snapshot (taken after the run lock was granted), so the batch's own rows are seen as before
-# this update and patched below; any other reward was committed before we took the run lock
-# (rewards are only recorded under it), so the snapshot has it. The groups by
+# then lock their groups and read the members. Lock order run -> group locks -> samples ->
+# groups, each in id order: UNION ALL branches run one after the other. The members come from
+# the statement's snapshot (taken after the run lock and the groups' group locks were
+# granted), so the batch's own rows are seen as before this update and patched below; any
+# other reward of these groups was committed before we took their group locks (every reward
+# is recorded under them), so the snapshot has it. The groups by
 # `= ANY(ARRAY(...))`: index lookups, not the scan of all groups `IN (SELECT ...)` got; so are
 # the samples (`x.id = ANY(:samples)`, each one's attempt and reward by its position: joined to
 # unnest() they were planned as a scan of every sample, or a nested loop over the batch per
@@ -246,6 +291,7 @@ def rewards_read(rewards: Sequence[Reward], scorer: int | None = None) -> Locked
             "metrics": metrics,
             "scorer": [scorer],  # a locked read's parameters are lists
         },
+        locks=("group_locks",),
     )
 
 
@@ -264,7 +310,7 @@ def rewards_in(rtx: RunTx, rewards: Sequence[Reward], read: LockedRead) -> list[
         if sid not in rows:
             raise NotFound(f"sample {sid} in run {run.id}")
         if not rows[sid]["holds"]:
-            conflicts.append((sid, "reward claim lost (stale attempt or sample not scoring)"))
+            conflicts.append((sid, LOST_CLAIM))
     if conflicts:
         raise Conflict(conflicts)
     rtx.events.extend(Event("sample_rewarded", sample=r[0], data={"reward": float(r[2])}) for r in rewards)

@@ -128,6 +128,31 @@ q(k, j) AS (SELECT 'i', to_jsonb(i) FROM i
     AND m.state <> 'aborted' AND m.v_traj IS NOT NULL)
 SELECT coalesce(jsonb_agg(jsonb_build_array(k, j)), '[]') FROM q
 
+-- name: route_fast_read
+-- `route_read` for the fast path (protocol/routing.py), sent after the groups' group locks and
+-- without the run lock: the same rows, but the groups unlocked (a route that goes without the
+-- run lock writes no group row; a run-locked drop updates a group before it aborts its
+-- members, so a group lock taken after a sample lock could deadlock with it). A batch with a
+-- group not reserved goes under the run lock: then nothing is locked or read here (`ok`, a
+-- one-time filter), and the empty result says so.
+WITH ok AS MATERIALIZED (SELECT NOT EXISTS (SELECT 1 FROM samples x JOIN prompt_groups y ON y.id = x.group_id
+  WHERE x.run_id = CAST(:run AS bigint) AND x.id = ANY(CAST(:samples AS bigint[])) AND y.state <> 'reserved') AS go),
+i AS MATERIALIZED (SELECT id, state::text AS state, version, lease_expires_at > now() AS live
+  FROM instances WHERE run_id = CAST(:run AS bigint) AND id = ANY(CAST(:instances AS bigint[])) AND (SELECT go FROM ok)
+  ORDER BY id FOR SHARE),
+s AS MATERIALIZED (SELECT id, group_id, state::text AS state, v_traj, n_tokens, last_version, attempt
+  FROM samples WHERE run_id = CAST(:run AS bigint) AND id = ANY(CAST(:samples AS bigint[])) AND (SELECT go FROM ok)
+  ORDER BY id FOR UPDATE),
+g AS MATERIALIZED (SELECT id, state::text AS state, reserved_buffer, min_version FROM prompt_groups
+  WHERE id = ANY(ARRAY(SELECT group_id FROM s))),
+q(k, j) AS (SELECT 'i', to_jsonb(i) FROM i
+  UNION ALL SELECT 's', to_jsonb(s) FROM s
+  UNION ALL SELECT 'g', to_jsonb(g) || jsonb_build_object('mid', m.id, 'mstate', m.state::text,
+    'mv', m.v_traj, 'mn', m.n_tokens) FROM g LEFT JOIN samples m ON m.group_id = g.id
+    AND m.group_id = ANY(ARRAY(SELECT id FROM g WHERE state = 'reserved'))
+    AND m.state <> 'aborted' AND m.v_traj IS NOT NULL)
+SELECT coalesce(jsonb_agg(jsonb_build_array(k, j)), '[]') FROM q
+
 -- name: route_samples
 -- A part of the run lock's flush (`RunTx.defer`): the routed samples.
 UPDATE samples s SET state = 'running', v_traj = u.v, instance_id = u.i, attempt = u.a,

@@ -19,6 +19,27 @@ WHERE run_id = :run AND idx >= :first ORDER BY idx
 -- The run lock, the run row and its live buffers in one round trip (function_lock_run).
 SELECT staleflow_lock_run(CAST(:run AS bigint))
 
+-- name: group_locks
+-- The group locks of a batch's samples' groups, in group id order (protocol/core.py,
+-- "Group locks"): a transaction-scoped advisory lock per group, key (0x53460000 + id / 2^31,
+-- id mod 2^31). group_id never changes: read without a lock. :samples the batch's sample ids.
+SELECT count(pg_advisory_xact_lock(CAST(1397096448 + (x.g >> 31) AS int), CAST(x.g & 2147483647 AS int)))
+FROM (SELECT DISTINCT group_id AS g FROM samples
+  WHERE run_id = CAST(:run AS bigint) AND id = ANY(CAST(:samples AS bigint[])) ORDER BY 1) x
+
+-- name: route_groups_reserved
+-- Whether every group of a route batch is reserved (unlocked: a guess, so that a batch that
+-- will take the run lock does not first take group locks others wait for; `route_fast`).
+SELECT NOT EXISTS (SELECT 1 FROM samples x JOIN prompt_groups y ON y.id = x.group_id
+  WHERE x.run_id = CAST(:run AS bigint) AND x.id = ANY(CAST(:samples AS bigint[])) AND y.state <> 'reserved')
+
+-- name: run_buffers
+-- The run row and its live buffers as `staleflow_lock_run` returns them, without the run lock
+-- (the fast paths of protocol/routing.py: they change no buffer accounting).
+SELECT jsonb_build_object('run', to_jsonb(r), 'buffers', (
+  SELECT coalesce(jsonb_agg(jsonb_build_array(idx, occupied, reserved, consumed_at IS NOT NULL) ORDER BY idx), '[]'::jsonb)
+  FROM buffers WHERE run_id = r.id AND idx >= r.version)) FROM runs r WHERE r.id = CAST(:run AS bigint)
+
 -- name: reservations
 -- The run's reservations (id, buffer, live version); the members per group by a correlated
 -- subquery: an index lookup each (ix_samples_group). rewards_read (scoring.sql) has the same.

@@ -89,6 +89,43 @@ q(k, j) AS (SELECT 's', to_jsonb(s) FROM s
     FROM prompt_groups g WHERE g.run_id = CAST(:run AS bigint) AND g.state = 'reserved') r)
 SELECT coalesce(jsonb_agg(jsonb_build_array(k, j)), '[]') FROM q
 
+-- name: rewards_fast_check
+-- Whether a reward batch may be recorded without the run lock (`protocol/scoring.py`): the
+-- run exists, every claim holds, and no reserved group of the batch reaches N rewarded members
+-- with it (none is placed or filtered, so no buffer accounting changes). Sent after
+-- `group_locks`, as a statement of its own: its snapshot has every reward of these
+-- groups committed before.
+SELECT k.rid IS NOT NULL AND r.id IS NOT NULL
+  AND (SELECT count(*) FROM samples x WHERE x.run_id = r.id AND x.id = ANY(CAST(:samples AS bigint[]))
+    AND x.state = 'scoring'
+    AND x.reward_attempt = (CAST(:attempts AS int[]))[array_position(CAST(:samples AS bigint[]), x.id)])
+    = cardinality(CAST(:samples AS bigint[]))
+  AND NOT EXISTS (SELECT 1 FROM prompt_groups g
+    WHERE g.id = ANY(ARRAY(SELECT x.group_id FROM samples x WHERE x.run_id = r.id AND x.id = ANY(CAST(:samples AS bigint[]))))
+    AND g.state = 'reserved'
+    AND (SELECT count(*) FROM samples m WHERE m.group_id = g.id
+      AND (m.state = 'rewarded' OR m.id = ANY(CAST(:samples AS bigint[])))) >= r.group_size)
+FROM (SELECT CAST(:run AS bigint) AS rid) k LEFT JOIN runs r ON r.id = k.rid
+
+-- name: rewards_store
+-- The fast path's write (`protocol/scoring.py`): lock the batch's samples in id order,
+-- store the rewards and their `sample_rewarded` events only if every claim holds (as
+-- `rewards_read`); returns [[sample, holds], ...].
+WITH s AS MATERIALIZED (SELECT x.id,
+  x.state = 'scoring' AND x.reward_attempt = (CAST(:attempts AS int[]))[array_position(CAST(:samples AS bigint[]), x.id)] AS holds,
+  (CAST(:rewards AS float8[]))[array_position(CAST(:samples AS bigint[]), x.id)] AS r,
+  CAST((CAST(:metrics AS text[]))[array_position(CAST(:samples AS bigint[]), x.id)] AS jsonb) AS mx FROM samples x
+  WHERE x.run_id = CAST(:run AS bigint) AND x.id = ANY(CAST(:samples AS bigint[])) ORDER BY x.id FOR UPDATE),
+ok AS MATERIALIZED (SELECT count(*) FILTER (WHERE holds) = cardinality(CAST(:samples AS bigint[])) AS all_hold FROM s),
+w AS (UPDATE samples x SET state = 'rewarded', reward = s.r, reward_metrics = s.mx,
+  reward_token_id = (CAST(:scorer AS bigint[]))[1], reward_deadline = NULL, updated_at = now()
+  FROM s WHERE x.id = s.id AND (SELECT all_hold FROM ok)),
+e AS (INSERT INTO events (run_id, kind, sample_id, data)
+  SELECT CAST(:run AS bigint), 'sample_rewarded', u.id, jsonb_build_object('reward', u.r)
+  FROM unnest(CAST(:samples AS bigint[]), CAST(:rewards AS float8[])) WITH ORDINALITY AS u(id, r, o)
+  WHERE (SELECT all_hold FROM ok) ORDER BY u.o)
+SELECT coalesce(jsonb_agg(jsonb_build_array(s.id, s.holds)), '[]') FROM s
+
 -- name: occupy_groups
 -- A part of the run lock's flush (`RunTx.defer`): the groups Occupy placed.
 UPDATE prompt_groups g SET state = 'occupied', buffer = u.b, group_version = u.v, reserved_buffer = NULL

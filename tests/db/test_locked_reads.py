@@ -1,4 +1,5 @@
-"""The reads route and record_rewards send with the run lock: what they see, and their plans.
+"""The reads route and record_rewards send with the run lock (and record_rewards' fast path
+without it): what they see, and their plans.
 
 They are prepared statements (`staleflow_db.protocol.driver`): the first executions get a
 custom plan (for the actual values), later ones the generic plan once PostgreSQL finds it no
@@ -93,6 +94,26 @@ def test_rewards_read_reaches_rows_by_index(backlog, plan_mode):  # noqa: F811
 
 
 @PLANS
+def test_the_fast_routes_read_reaches_rows_by_index(backlog, plan_mode):  # noqa: F811
+    engine, run, inst = backlog
+    queued = [s for s, _ in ids_in(engine, run, "queued")]
+    for name in ("group_locks", "route_fast_read", "run_buffers"):
+        assert_no_full_scans(explain(engine, name, run, plan_mode, instances=[inst], samples=queued))
+
+
+@PLANS
+@pytest.mark.parametrize("name", ["group_locks", "rewards_fast_check", "rewards_store"])
+def test_the_rewards_fast_path_reaches_rows_by_index(backlog, plan_mode, name):  # noqa: F811
+    """The group locks, the check and the store of a batch that goes without the run lock:
+    they hold the groups' group locks, which other rewards of those groups wait for."""
+    engine, run, _ = backlog
+    scoring = ids_in(engine, run, "scoring")
+    ids, attempts = [s for s, _ in scoring], [a for _, a in scoring]
+    params = dict(samples=ids, attempts=attempts, rewards=[1.0] * 64, metrics=["NULL"] * 64, scorer=["NULL"])
+    assert_no_full_scans(explain(engine, name, run, plan_mode, **params))
+
+
+@PLANS
 def test_reservations_read_members_by_index(backlog, plan_mode):  # noqa: F811
     """Every group of the backlog is reserved: still one index lookup per group."""
     engine, run, _ = backlog
@@ -102,27 +123,31 @@ def test_reservations_read_members_by_index(backlog, plan_mode):  # noqa: F811
 WAIT_S = 60  # guards against a hang, never a timing assertion
 
 
-def test_a_reward_waiting_for_the_run_lock_reads_what_its_holder_committed(engine):
-    """Two transactions each reward half of one group; the second waits for the run lock the
-    first holds. Its read, sent with the lock, runs after the lock is granted and must see the
-    first one's reward (a read in the lock's own statement would not): else neither places
-    the group, which stays reserved for good."""
+def test_a_reward_waiting_for_the_group_reward_lock_reads_what_its_holder_committed(engine):
+    """Two transactions each reward half of one group. The first completes no group, so it
+    goes without the run lock (another transaction takes it meanwhile) but holds the group's
+    group lock; the second waits for that lock, and its check, sent after the lock, must see
+    the first one's reward (one read before the lock would not): else neither places the
+    group, which stays reserved for good. The second then takes the run lock and places it."""
     d = Driver(engine, batch_size=1, group_size=2, eta=1)
     inst = d.p.register_instance(d.run, "i", 0)
     (g,) = d.enqueue(1)
     s1, s2 = d.members(g)
     d.finish(d.routed([s1, s2], inst))
     attempt = {t.sample_id: t.reward_attempt for t in d.p.claim_rewards(d.run, 10)}
-    with engine.connect() as holder, ThreadPoolExecutor(1) as pool:
+    with engine.connect() as holder, engine.connect() as other, ThreadPoolExecutor(1) as pool:
         tx = holder.begin()
         assert d.p.record_rewards(d.run, [(s1, attempt[s1], 1.0)], conn=holder) == []
+        with other.begin():  # the first reward holds no run lock
+            locked = "SELECT id FROM runs WHERE id = :r FOR NO KEY UPDATE NOWAIT"
+            assert other.execute(text(locked), {"r": d.run}).scalar() == d.run
         second = pool.submit(d.p.record_rewards, d.run, [(s2, attempt[s2], 0.0)])
         deadline = time.monotonic() + WAIT_S
         while not d.scalars(
             "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
-            " AND wait_event_type = 'Lock' AND query LIKE '%staleflow_lock_run%'"
+            " AND wait_event_type = 'Lock' AND wait_event = 'advisory'"
         )[0]:
-            assert time.monotonic() < deadline, "the second reward never waited for the run lock"
+            assert time.monotonic() < deadline, "the second reward never waited for the group's group lock"
             assert not second.done(), second.result()
             time.sleep(0.01)
         tx.commit()

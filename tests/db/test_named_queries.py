@@ -10,6 +10,7 @@ import psycopg
 import pytest
 
 from staleflow_db import queries
+from staleflow_db.protocol.core import group_locks_if_sql
 
 # statements PREPARE does not take: checked by running them in a transaction rolled back
 UTILITY = re.compile(r"^(SET|LISTEN)\b")
@@ -31,6 +32,10 @@ def composed() -> dict[str, str]:
             ],
             queries.sql("flush_done"),
         ),
+        **{
+            f"group_locks_if_{guess}": group_locks_if_sql(guess)
+            for guess in ("rewards_fast_check", "route_groups_reserved")
+        },
         "report": queries.with_parts(
             [queries.sql("report_segments"), queries.prefixed("events_insert", "e_")], queries.sql("report_samples")
         ),

@@ -140,3 +140,16 @@ def test_prometheus_scrapes_the_api_metrics(compose) -> None:
     assert job["metrics_path"] in {getattr(r, "path", None) for r in router.routes}
     (sd,) = job["dns_sd_configs"]
     assert sd["names"] == ["api"] and sd["port"] == 8000
+
+
+def test_the_api_pools_through_pgbouncer_and_listens_on_the_primary(compose) -> None:
+    s = compose["services"]
+    bouncer = s["pgbouncer"]["environment"]
+    assert bouncer["POOL_MODE"] == "transaction" and "@postgres:5432/" in bouncer["DATABASE_URL"]
+    env = s["api"]["environment"]
+    assert "@pgbouncer:5432/" in env["STALEFLOW_DATABASE_URL"]
+    assert "@postgres:5432/" in env["STALEFLOW_LISTEN_DATABASE_URL"]
+    assert env["STALEFLOW_API_URL"] == "http://api:8000"  # the shared environment is kept
+    # the migrations and the coordinators open their sessions on the primary itself
+    for role in ("migrate", "coordinator"):
+        assert "@postgres:5432/" in s[role]["environment"]["STALEFLOW_DATABASE_URL"]

@@ -127,6 +127,9 @@ def test_no_secret_in_plain_text(rendered) -> None:
             assert not leaked, f"{tree}: ConfigMap/{d['metadata']['name']} holds {leaked}"
     for d, c, _ in containers(docs):
         for env in c.get("env", []):
+            if env["name"] == "STALEFLOW_DATABASE_URL" and "value" in env:
+                assert_composed_from_the_db_secret(c, env["value"])
+                continue
             if SECRET_NAME.search(env["name"]):
                 ref = env.get("valueFrom", {}).get("secretKeyRef")
                 assert ref and "value" not in env, (
@@ -134,6 +137,26 @@ def test_no_secret_in_plain_text(rendered) -> None:
                 )
                 if env["name"] == "STALEFLOW_DATABASE_URL":
                     assert (ref["name"], ref["key"]) == DB_SECRET
+
+
+def assert_composed_from_the_db_secret(container: dict[str, Any], url: str) -> None:
+    """A database URL given as a `value` (the Pooler's host): its user, password and database
+    are $(VARS) of the container, each from the database's app secret; nothing literal."""
+    assert re.fullmatch(r"postgresql://\$\((\w+)\):\$\((\w+)\)@[\w.-]+:\d+/\$\((\w+)\)", url), url
+    refs = {e["name"]: e.get("valueFrom", {}).get("secretKeyRef") for e in container["env"]}
+    for var in re.findall(r"\$\((\w+)\)", url):
+        assert refs.get(var) and refs[var]["name"] == DB_SECRET[0], f"{var} in {url} not from {DB_SECRET[0]}"
+
+
+def test_the_api_pools_through_the_pooler_and_listens_on_the_primary(rendered) -> None:
+    tree, docs = rendered
+    pooler = named(docs, "Pooler", "staleflow-db-pooler-rw")
+    assert pooler["spec"]["cluster"]["name"] == "staleflow-db" and pooler["spec"]["type"] == "rw"
+    assert pooler["spec"]["pgbouncer"]["poolMode"] == "transaction"
+    (c,) = named(docs, "Deployment", "staleflow-api")["spec"]["template"]["spec"]["containers"]
+    env = {e["name"]: e for e in c["env"]}
+    assert "@staleflow-db-pooler-rw:5432/" in env["STALEFLOW_DATABASE_URL"]["value"]
+    assert (env["STALEFLOW_LISTEN_DATABASE_URL"]["valueFrom"]["secretKeyRef"]["key"]) == DB_SECRET[1]
 
 
 def test_commands_are_real_staleflow_commands(rendered) -> None:

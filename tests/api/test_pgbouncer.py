@@ -1,0 +1,139 @@
+"""Many API replicas on one primary: the API through a real PgBouncer in transaction mode
+(every transaction may run on another server connection), its LISTEN connection straight to
+the server (STALEFLOW_LISTEN_DATABASE_URL: a LISTEN belongs to a session), prepared statements
+off (STALEFLOW_PREPARED_STATEMENTS=0: PgBouncer < 1.21 does not carry them across server
+connections). A full lifecycle (route, report, claim, reward, train) on one replica while the
+trainer long-polls on the other, whose wake-up can only come through NOTIFY: its poll interval
+is longer than the wait. Skipped, saying why, without a `pgbouncer` binary (.ci/run installs
+Debian's)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psycopg
+import pytest
+from psycopg.conninfo import conninfo_to_dict
+
+from staleflow_cli.launch import free_port
+from tests.api_helpers import ROLES, ApiServer, token, walk_lifecycle
+
+pytestmark = pytest.mark.slow
+
+CONFIG = """\
+[databases]
+* = host={host} port={port}
+
+[pgbouncer]
+listen_addr = 127.0.0.1
+listen_port = {listen}
+unix_socket_dir =
+auth_type = trust
+auth_file = {dir}/users.txt
+pool_mode = transaction
+default_pool_size = 4
+max_client_conn = 400
+; psycopg sends the timeouts as `options` (-c ...): behind a pooler they belong on the role
+ignore_startup_parameters = extra_float_digits,options
+server_reset_query =
+admin_users = {user}
+logfile = {dir}/pgbouncer.log
+pidfile = {dir}/pgbouncer.pid
+"""
+
+
+@pytest.fixture
+def pgbouncer(db_url: str) -> Iterator[str]:
+    """A PgBouncer in transaction mode in front of the test database's server, on a free
+    port: yields the test database's URL through it."""
+    binary = shutil.which("pgbouncer") or next(
+        (p for p in ("/usr/sbin/pgbouncer", "/usr/bin/pgbouncer") if os.path.exists(p)), None
+    )
+    if binary is None:
+        pytest.skip("pgbouncer is not installed (apt-get install -y pgbouncer)")
+    server = conninfo_to_dict(db_url)
+    if not server.get("host") or str(server["host"]).startswith("/"):
+        pytest.skip("the test server is not on TCP (set STALEFLOW_TEST_DATABASE_URL to a host:port)")
+    user = str(server.get("user") or "postgres")
+    listen = free_port()
+    # PgBouncer refuses to run as root: then it runs as `nobody`, which must read its files
+    workdir = Path(tempfile.mkdtemp(prefix="sf-pgbouncer-"))
+    workdir.chmod(0o777)
+    (workdir / "users.txt").write_text(f'"{user}" ""\n')
+    config = workdir / "pgbouncer.ini"
+    config.write_text(
+        CONFIG.format(host=server["host"], port=server.get("port") or 5432, listen=listen, dir=workdir, user=user)
+    )
+    for f in workdir.iterdir():
+        f.chmod(0o666)
+    as_user = ["-u", "nobody"] if os.geteuid() == 0 else []
+    proc = subprocess.Popen([binary, *as_user, str(config)], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    url = f"postgresql://{user}@127.0.0.1:{listen}/{server['dbname']}"
+    try:
+        deadline = time.monotonic() + 30
+        while True:  # up once it serves a query
+            try:
+                with psycopg.connect(url, connect_timeout=2, prepare_threshold=None) as c:
+                    c.execute("SELECT 1")
+                break
+            except psycopg.OperationalError:
+                log = workdir / "pgbouncer.log"
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"pgbouncer did not start: {log.read_text() if log.exists() else ''}") from None
+                time.sleep(0.1)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(10)
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def pooler_transactions(bouncer_url: str) -> int:
+    """Transactions PgBouncer served for all databases (its admin console, simple protocol)."""
+    admin = bouncer_url.rsplit("/", 1)[0] + "/pgbouncer"
+    out = subprocess.run(
+        ["psql", admin, "-AtF,", "-c", "SHOW STATS"], capture_output=True, text=True, check=True, timeout=30
+    ).stdout
+    return sum(int(line.split(",")[1]) for line in out.splitlines() if line and line.split(",")[0] != "pgbouncer")
+
+
+def test_replicas_through_pgbouncer_with_a_direct_listen(db_url, pgbouncer):
+    env = {
+        "STALEFLOW_LISTEN_DATABASE_URL": db_url,
+        "STALEFLOW_PREPARED_STATEMENTS": "0",
+        "STALEFLOW_API_POLL_INTERVAL": "60",  # no re-check within the wait: only NOTIFY wakes
+    }
+    with ApiServer(pgbouncer, **env) as a, ApiServer(pgbouncer, **env) as b:
+        admin = b.client(token(db_url, "admin"))
+        run = admin.create_run("pooled", batch_size=2, group_size=2, eta=1, samples_per_group=2)
+        roles = {r: b.client(token(db_url, r, run.id)) for r in ROLES}
+        waiting = a.client(token(db_url, "trainer", run.id))
+        woke: dict[str, object] = {}
+
+        def trainer_waits() -> None:  # on replica a; everything else happens on replica b
+            t0 = time.monotonic()
+            woke["batch"] = waiting.consume(run.id, 0, wait=25)
+            woke["after"] = time.monotonic() - t0
+
+        waiter = threading.Thread(target=trainer_waits)
+        waiter.start()
+
+        def batch_from_waiter():
+            waiter.join(30)
+            return woke["batch"]
+
+        out = walk_lifecycle(admin, roles, run.id, batch_from_waiter)
+        # woken by replica b's NOTIFY through a's direct LISTEN, long before its poll interval
+        assert out["batch"] is not None and woke["after"] < 20
+        assert out["version"] == 1
+        assert admin.violations(run.id) == []
+        assert len(admin.trained_samples(run.id)) == 4
+        if shutil.which("psql"):
+            assert pooler_transactions(pgbouncer) > 0
