@@ -124,3 +124,15 @@ def test_each_cycle_with_a_clock_updates_the_speculative_states_estimate():
             now=float(t),
         )
     assert st.regime_label == "trainer" and st.regime.regime == "trainer" and st.regime.at == 2.0
+
+
+def test_phases_within_a_step_are_not_regime_changes():
+    # 200-s steps, each half trainer-bound, half waiting for the rollout's tail
+    labels = ["trainer" if t % 200 < 100 else "straggler" for t in range(40 * 200)]
+    est = RegimeEstimate()
+    for t, label in enumerate(labels):
+        est = est.update(label, float(t), version=t // 200)
+    assert est.switches == 0 and est.step_s == pytest.approx(200.0)
+    # without the steps, the 120-s average follows the phases: it switches twice a step
+    est, _ = run(labels)
+    assert est.switches > 70

@@ -71,7 +71,7 @@ def run_cycle(
         signals = observe_cycle(spec.views(copy=False), admission, ps_version)
         if signals is not None:
             spec.regime_label = classify(signals)
-            spec.regime = spec.regime.update(spec.regime_label, now)
+            spec.regime = spec.regime.update(spec.regime_label, now, version=ps_version)
     # the live estimates, not copies: the strategies never modify their inputs
     plan = policy.plan(
         spec.views(copy=False),

@@ -16,8 +16,10 @@ resource that binds at that instant:
 exponential average per label (time constant `tau`), and a switch only when another label's
 average exceeds the current one's by `margin` and the current one has held for `min_dwell`
 seconds. A fixed regime therefore never switches (its own average only rises); a clear change
-switches after about tau·ln((1 + margin) / (1 - margin))/... a bounded delay (tests in
-tests/unit/test_regime_estimate.py). Pure: no clock reads, no I/O; times are passed in.
+switches after tau·ln(2 / (1 - margin)), about 0.9·tau (tests in
+tests/unit/test_regime_estimate.py). Given the PS's version, tau spans at least a few training
+steps, so that the phases inside one step do not count as changes. Pure: no clock reads, no
+I/O; times are passed in.
 """
 
 from __future__ import annotations
@@ -97,26 +99,49 @@ class RegimeEstimate:
     at: float | None = None  # time of the latest update (None: none yet)
     scores: Mapping[str, float] = field(default_factory=lambda: {r: 0.0 for r in REGIMES})
     switches: int = 0
+    version: int | None = None  # the PS's version at the latest update
+    version_at: float | None = None  # when it was first seen
+    step_s: float | None = None  # moving average of the time between versions (a training step)
 
     def update(
         self,
         label: str,
         now: float,
         *,
+        version: int | None = None,
         tau: float = 120.0,
+        steps: float = 4.0,
         margin: float = 0.2,
         min_dwell: float = 60.0,
     ) -> RegimeEstimate:
-        """Fold the label observed at `now` (held since the previous update) into the averages."""
+        """Fold the label observed at `now` (held since the previous update) into the averages.
+
+        With `version` (the PS's) the averages span at least `steps` training steps and a
+        switch needs at least one step since the last: within a step the binding side changes
+        (the rollout waits for the trainer's publish, then the trainer for the rollout's last
+        samples), and the estimate is about which one binds over steps."""
         if label not in REGIMES:
             raise ValueError(f"regime {label!r} not in {REGIMES}")
-        if self.at is None:
+        est = self._stepped(version, now)
+        if est.at is None:
             scores = {r: float(r == label) for r in REGIMES}
-            return replace(self, regime=label, since=now, at=now, scores=scores)
-        dt = max(0.0, now - self.at)
+            return replace(est, regime=label, since=now, at=now, scores=scores)
+        if est.step_s is not None:
+            tau, min_dwell = max(tau, steps * est.step_s), max(min_dwell, est.step_s)
+        dt = max(0.0, now - est.at)
         keep = math.exp(-dt / tau)
-        scores = {r: keep * v + (1.0 - keep) * float(r == label) for r, v in self.scores.items()}
+        scores = {r: keep * v + (1.0 - keep) * float(r == label) for r, v in est.scores.items()}
         best = max(REGIMES, key=lambda r: scores[r])
-        if best != self.regime and scores[best] > scores[self.regime] + margin and now - self.since >= min_dwell:
-            return RegimeEstimate(best, now, now, scores, self.switches + 1)
-        return replace(self, at=now, scores=scores)
+        if best != est.regime and scores[best] > scores[est.regime] + margin and now - est.since >= min_dwell:
+            return replace(est, regime=best, since=now, at=now, scores=scores, switches=est.switches + 1)
+        return replace(est, at=now, scores=scores)
+
+    def _stepped(self, version: int | None, now: float) -> RegimeEstimate:
+        """The step-time average after seeing `version` at `now`."""
+        if version is None or version == self.version:
+            return self
+        step_s = self.step_s
+        if self.version_at is not None and self.version is not None and version > self.version:
+            step = (now - self.version_at) / (version - self.version)
+            step_s = step if step_s is None else 0.7 * step_s + 0.3 * step
+        return replace(self, version=version, version_at=now, step_s=step_s)
