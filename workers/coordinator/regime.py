@@ -116,8 +116,9 @@ class RegimeEstimate:
     ) -> RegimeEstimate:
         """Fold the label observed at `now` (held since the previous update) into the averages.
 
-        With `version` (the PS's) the averages span at least `steps` training steps and a
-        switch needs at least one step since the last: within a step the binding side changes
+        With `version` (the PS's), once a step time is known, the averages span `steps` training
+        steps (instead of `tau` seconds) and a switch needs one step since the last (instead of
+        `min_dwell`): within a step the binding side changes
         (the rollout waits for the trainer's publish, then the trainer for the rollout's last
         samples), and the estimate is about which one binds over steps."""
         if label not in REGIMES:
@@ -127,7 +128,7 @@ class RegimeEstimate:
             scores = {r: float(r == label) for r in REGIMES}
             return replace(est, regime=label, since=now, at=now, scores=scores)
         if est.step_s is not None:
-            tau, min_dwell = max(tau, steps * est.step_s), max(min_dwell, est.step_s)
+            tau, min_dwell = steps * est.step_s, est.step_s
         dt = max(0.0, now - est.at)
         keep = math.exp(-dt / tau)
         scores = {r: keep * v + (1.0 - keep) * float(r == label) for r, v in est.scores.items()}

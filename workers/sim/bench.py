@@ -134,6 +134,7 @@ class Averaged:
     cycles: int
     per_seed_tokens_per_s: list[float]
     regime_share: dict[str, float] = field(default_factory=dict)  # the coordinator's estimate, steady part
+    label_share: dict[str, float] = field(default_factory=dict)  # its per-cycle labels, steady part
     regime_switches: float = 0.0
     trainer_waits_on_queued: float = 0.0  # share of steady time the trainer waits on a queued sample's buffer
 
@@ -153,9 +154,12 @@ def average(results: dict[Job, SimResult]) -> dict[Job, Averaged]:
             for name, n in r.commands.items():
                 cmds[name] = cmds.get(name, 0) + n / len(rs)
         shares: dict[str, float] = {}
+        labels: dict[str, float] = {}
         for r in rs:
             for k, v in r.extra.get("regime_share", {}).items():
                 shares[k] = shares.get(k, 0.0) + v / len(rs)
+            for k, v in r.extra.get("label_share", {}).items():
+                labels[k] = labels.get(k, 0.0) + v / len(rs)
         out[j] = Averaged(
             eta=rs[0].eta,
             runs=len(rs),
@@ -172,6 +176,7 @@ def average(results: dict[Job, SimResult]) -> dict[Job, Averaged]:
             cycles=sum(r.cycles for r in rs),
             per_seed_tokens_per_s=[r.steady_tokens_per_s for r in rs],
             regime_share=dict(sorted(shares.items(), key=lambda kv: -kv[1])),
+            label_share=dict(sorted(labels.items(), key=lambda kv: -kv[1])),
             regime_switches=statistics.mean(r.extra.get("regime_switches", 0) for r in rs),
             trainer_waits_on_queued=statistics.mean(r.extra.get("trainer_waits_on_queued", 0.0) for r in rs),
         )
@@ -304,14 +309,17 @@ def markdown(results: dict[Job, Averaged], cfg: BenchConfig, wall: float, runs: 
         "",
         "## What binds staleflow (the coordinator's regime estimate, steady part)",
         "",
-        "| set-up | η | regime estimate (share of time) | switches per run | trainer waits on a queued sample's buffer |",
-        "|---|---|---|---|---|",
+        "| set-up | η | regime estimate (share of time) | per-cycle labels | switches per run "
+        "| trainer waits on a queued sample's buffer |",
+        "|---|---|---|---|---|---|",
     ]
     for c in cs:
         sf = c.staleflow
         shares = " ".join(f"{k} {v:.0%}" for k, v in sf.regime_share.items() if v >= 0.005) or "-"
+        labels = " ".join(f"{k} {v:.0%}" for k, v in sf.label_share.items() if v >= 0.005) or "-"
         lines.append(
-            f"| {c.setup} | {c.eta} | {shares} | {sf.regime_switches:.1f} | {sf.trainer_waits_on_queued:.1%} |"
+            f"| {c.setup} | {c.eta} | {shares} | {labels} | {sf.regime_switches:.1f} "
+            f"| {sf.trainer_waits_on_queued:.1%} |"
         )
     if cfg.ablations:
         lines += [
