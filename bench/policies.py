@@ -3,6 +3,7 @@
     python bench/policies.py            # reference set-ups + workload shapes, η = 1, 2, 3, 20 steps
     python bench/policies.py --quick    # CI-sized: the small set-up, 10 steps
     python bench/policies.py --setups short_many,heavy_tail --out /tmp/pol   # some shapes
+    python bench/policies.py --seeds 0,1,2 --steps 16 --reuse bench/results/policies.json   # rerun staleflow only
 
 Set-ups: the four reference ones (qwen_14b, qwen_32b, qwen_moe_30b, qwen_7b) and the workload
 shapes short_many, heavy_tail, correlated, few_instances, many_instances, agentic
@@ -42,6 +43,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--jobs", type=int, help="parallel processes (default: min(2, CPUs))")
     ap.add_argument("--seeds", default="0", help="comma-separated workload seeds; figures are means over them")
     ap.add_argument("--no-ablations", action="store_true")
+    ap.add_argument(
+        "--reuse",
+        help="a policies.json whose baseline runs (sync, one_step, strict) are taken instead of rerun "
+        "when the same job (set-up, policy, η, steps, seed) is there",
+    )
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
     a = ap.parse_args(argv)
     require("matplotlib")  # for the plots at the end, not after the runs
@@ -58,6 +64,7 @@ def main(argv: list[str] | None = None) -> None:
         cfg.jobs = a.jobs
     cfg.seeds = tuple(int(x) for x in a.seeds.split(","))
     cfg.ablations = not a.no_ablations
+    cfg.reuse = Path(a.reuse) if a.reuse else None
     _, line = run_bench(cfg, a.out, progress=lambda m: print(m, flush=True))
     print(line, flush=True)
 

@@ -10,7 +10,8 @@ if those differ). Prints each cell's ratio under every variant, each variant's m
 mean of the best variant chosen per cell: an upper bound for parameter tuning that is
 optimistic, since it picks per cell on the very runs it reports. Then, for the default staleflow
 and strict runs, what bounds them (`diagnose`: KV fill, samples decoding against the staleness
-budget, time with budget left unreserved). 204 simulations, about 25 minutes on 2 cores. The
+budget, time with budget left unreserved, the coordinator's regime estimate and the time the
+trainer waits on a buffer with a queued sample). 204 simulations, about 25 minutes on 2 cores. The
 last line is
 
     sweep default=<mean> best_variant=<mean> per_cell_best=<mean>
@@ -76,9 +77,9 @@ def diagnose(job: tuple[str, str, int, int, int]) -> tuple[str, str, int, dict]:
         for b in range(p.version, p.version + sim.eta + 1):
             buf = p.buffers.get(b)
             if buf is None:
-                free += p.limits.capacity
+                free += p.limits.buffer_capacity
             elif not buf.consumed:
-                free += max(0, p.limits.capacity - buf.occupied - buf.reserved)
+                free += max(0, p.limits.buffer_capacity - buf.occupied - buf.reserved)
         kv = sum(e.kv for e in engines) / sum(e.cap for e in engines)
         rec.append((sim.now, kv, sum(e.n for e in engines), float(free > 0)))
 
@@ -89,7 +90,19 @@ def diagnose(job: tuple[str, str, int, int, int]) -> tuple[str, str, int, dict]:
     total = sum(w for w, _ in spans) or 1.0
     kv, decoding, free = (sum(w * row[i] for w, row in spans) / total for i in range(3))
     budget = (sim.eta + 1) * sim.setup.batch_size * sim.setup.group_size
-    return setup, policy, eta, {"kv_fill": kv, "decoding_share": decoding / budget, "budget_free": free}
+    regime = max(result.extra["regime_share"].items(), key=lambda kv: kv[1])
+    return (
+        setup,
+        policy,
+        eta,
+        {
+            "kv_fill": kv,
+            "decoding_share": decoding / budget,
+            "budget_free": free,
+            "regime": f"{regime[0]} {regime[1]:.0%}",
+            "waits_on_queued": result.extra["trainer_waits_on_queued"],
+        },
+    )
 
 
 def main() -> None:
@@ -125,8 +138,11 @@ def main() -> None:
     print("\n| variant | mean staleflow/strict (reference set-ups, η = 1-3) |\n|---|---|")
     for k, m in sorted(means.items(), key=lambda x: -x[1]):
         print(f"| {label(VARIANTS[k])} | {m:.3f} |")
-    print("\n| set-up | η | KV fill staleflow / strict | decoding / budgeted samples | time with budget free |")
-    print("|---|---|---|---|---|")
+    print(
+        "\n| set-up | η | KV fill staleflow / strict | decoding / budgeted samples | time with budget free "
+        "| regime estimate staleflow / strict | trainer waits on a queued sample's buffer |"
+    )
+    print("|---|---|---|---|---|---|---|")
     diag_jobs = [(s, pol, e, args.seed, args.steps) for s, e in cells for pol in ("staleflow", "strict")]
     with ProcessPoolExecutor(args.jobs) as pool:
         diag = {(s, pol, e): d for s, pol, e, d in pool.map(diagnose, diag_jobs)}
@@ -134,7 +150,8 @@ def main() -> None:
         a, b = diag[(s, "staleflow", e)], diag[(s, "strict", e)]
         print(
             f"| {s} | {e} | {a['kv_fill']:.0%} / {b['kv_fill']:.0%} | {a['decoding_share']:.0%} / "
-            f"{b['decoding_share']:.0%} | {a['budget_free']:.0%} / {b['budget_free']:.0%} |"
+            f"{b['decoding_share']:.0%} | {a['budget_free']:.0%} / {b['budget_free']:.0%} | "
+            f"{a['regime']} / {b['regime']} | {a['waits_on_queued']:.1%} / {b['waits_on_queued']:.1%} |"
         )
     top = max(means.values())
     print(f"sweep default={means[0]:.3f} best_variant={top:.3f} per_cell_best={sum(best) / len(best):.3f}")

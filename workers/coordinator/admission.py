@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Container, Hashable, Mapping
 from typing import Protocol
 
-from staleflow_db.rules import BufferCounts, Limits, route_decision
+from staleflow_db.rules import BufferCounts, Limits, reserve_target, route_decision
 
 from .state import QueuedSample
 
@@ -115,6 +115,20 @@ class AdmissionView:
         if ok is None:
             ok = self._memo[k] = self.decision(sample, instance_version)[0] == "routed"
         return ok
+
+    def can_reserve(self, version: int) -> bool:
+        """Could a new group reserve a buffer entry at `version` (the staleness budget has room)?"""
+        return reserve_target(self._buffer_map(), version, self.version_now, self.limits) is not None
+
+    def next_buffer_ready(self) -> bool:
+        """Is the next buffer the trainer consumes (the run's version, or the one after while
+        that one trains) already full: the rollout is ahead of the trainer."""
+        bufs = self._buffer_map()
+        for b in (self.version_now, self.version_now + 1):
+            buf = bufs.get(b)
+            if buf is not None and not buf.consumed:
+                return buf.occupied >= self.limits.batch_size
+        return False
 
     def commit(self, sample: QueuedSample, instance_version: int) -> None:
         outcome, _, b = self.decision(sample, instance_version)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from .admission import Admission
 from .cost_model import CostModel
 from .policies import CyclePlan, Policy
+from .regime import classify, observe_cycle
 from .state import QueuedSample, SpeculativeState
 
 
@@ -57,11 +58,20 @@ def run_cycle(
     group_versions: Mapping[int, int],
     max_response: int | None = None,
     pull_streams: int | None = None,
+    now: float | None = None,
 ) -> CycleOutcome:
     """Decide one cycle's routes, pulls and interrupts, `apply` them, and record in `spec` what
-    was applied (routes the protocol accepted, the samples actually interrupted) at `Applied.at`."""
+    was applied (routes the protocol accepted, the samples actually interrupted) at `Applied.at`.
+
+    With `now` (the clock the speculative state runs on) the cycle also folds what it sees into
+    `spec.regime`, the estimate of which resource binds (regime.py)."""
     queued = list(queued)
     t0 = time.perf_counter()
+    if now is not None:
+        signals = observe_cycle(spec.views(copy=False), admission, ps_version)
+        if signals is not None:
+            spec.regime_label = classify(signals)
+            spec.regime = spec.regime.update(spec.regime_label, now, version=ps_version)
     # the live estimates, not copies: the strategies never modify their inputs
     plan = policy.plan(
         spec.views(copy=False),

@@ -300,6 +300,7 @@ class Coordinator:
             group_versions=queue.group_versions,
             max_response=cfg.max_response_tokens,
             pull_streams=self.pull_streams,
+            now=t1,
         )
         if out.applied is None:
             return  # deposed

@@ -29,6 +29,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from .regime import RegimeEstimate
+
 
 class RunningSample(NamedTuple):
     """A trajectory an instance holds: decoding (or queued in the engine), or — multi-turn —
@@ -206,6 +208,9 @@ class SpeculativeState:
         self.estimates: dict[int, InstanceEstimate] = {}
         self.accepted = 0
         self.dropped = 0
+        # which resource binds the run, updated by every cycle (cycle.run_cycle, regime.py)
+        self.regime = RegimeEstimate()
+        self.regime_label = "open"  # the latest cycle's instantaneous label
 
     # ---- snapshots -------------------------------------------------------------------------
 

@@ -44,6 +44,10 @@ class BenchConfig:
     ablation_eta: int = 2
     ablations: bool = True
     jobs: int = field(default_factory=lambda: max(1, min(2, os.cpu_count() or 1)))
+    # a policies.json whose runs of the baselines (every policy but staleflow and its
+    # ablations) are taken instead of rerun when the same job is there: the baselines do not
+    # depend on the strategy's code, and the simulator is deterministic per seed
+    reuse: Path | None = None
 
     @classmethod
     def quick(cls) -> BenchConfig:
@@ -129,6 +133,10 @@ class Averaged:
     coordinator_wall_s: float
     cycles: int
     per_seed_tokens_per_s: list[float]
+    regime_share: dict[str, float] = field(default_factory=dict)  # the coordinator's estimate, steady part
+    label_share: dict[str, float] = field(default_factory=dict)  # its per-cycle labels, steady part
+    regime_switches: float = 0.0
+    trainer_waits_on_queued: float = 0.0  # share of steady time the trainer waits on a queued sample's buffer
 
 
 def average(results: dict[Job, SimResult]) -> dict[Job, Averaged]:
@@ -145,6 +153,13 @@ def average(results: dict[Job, SimResult]) -> dict[Job, Averaged]:
                 hist[k] = hist.get(k, 0) + v
             for name, n in r.commands.items():
                 cmds[name] = cmds.get(name, 0) + n / len(rs)
+        shares: dict[str, float] = {}
+        labels: dict[str, float] = {}
+        for r in rs:
+            for k, v in r.extra.get("regime_share", {}).items():
+                shares[k] = shares.get(k, 0.0) + v / len(rs)
+            for k, v in r.extra.get("label_share", {}).items():
+                labels[k] = labels.get(k, 0.0) + v / len(rs)
         out[j] = Averaged(
             eta=rs[0].eta,
             runs=len(rs),
@@ -160,6 +175,10 @@ def average(results: dict[Job, SimResult]) -> dict[Job, Averaged]:
             coordinator_wall_s=sum(r.coordinator_wall_s for r in rs),
             cycles=sum(r.cycles for r in rs),
             per_seed_tokens_per_s=[r.steady_tokens_per_s for r in rs],
+            regime_share=dict(sorted(shares.items(), key=lambda kv: -kv[1])),
+            label_share=dict(sorted(labels.items(), key=lambda kv: -kv[1])),
+            regime_switches=statistics.mean(r.extra.get("regime_switches", 0) for r in rs),
+            trainer_waits_on_queued=statistics.mean(r.extra.get("trainer_waits_on_queued", 0.0) for r in rs),
         )
     return out
 
@@ -286,6 +305,22 @@ def markdown(results: dict[Job, Averaged], cfg: BenchConfig, wall: float, runs: 
             f"{statistics.mean(r.step_times):,.0f} | {p90:,.0f} | {r.ratio_to_ideal:.0%} | {r.rollout_pull_fraction:.1%} | "
             f"{r.commands.get('preemptions', 0):,.0f} | {r.commands.get('migration', 0):,.0f} | {per_cycle:.2f} |"
         )
+    lines += [
+        "",
+        "## What binds staleflow (the coordinator's regime estimate, steady part)",
+        "",
+        "| set-up | η | regime estimate (share of time) | per-cycle labels | switches per run "
+        "| trainer waits on a queued sample's buffer |",
+        "|---|---|---|---|---|---|",
+    ]
+    for c in cs:
+        sf = c.staleflow
+        shares = " ".join(f"{k} {v:.0%}" for k, v in sf.regime_share.items() if v >= 0.005) or "-"
+        labels = " ".join(f"{k} {v:.0%}" for k, v in sf.label_share.items() if v >= 0.005) or "-"
+        lines.append(
+            f"| {c.setup} | {c.eta} | {shares} | {labels} | {sf.regime_switches:.1f} "
+            f"| {sf.trainer_waits_on_queued:.1%} |"
+        )
     if cfg.ablations:
         lines += [
             "",
@@ -380,6 +415,17 @@ def plots(results: dict[Job, Averaged], cfg: BenchConfig, out_dir: Path) -> list
     return paths
 
 
+def _reused(path: Path, jobs: list[Job]) -> dict[Job, SimResult]:
+    """The runs of `path` (a policies.json) for the baseline jobs among `jobs`."""
+    wanted = {j for j in jobs if not j.policy.startswith("staleflow")}
+    out = {}
+    for e in json.loads(Path(path).read_text()):
+        j = Job(**e["job"])
+        if j in wanted:
+            out[j] = SimResult.from_dict(e["result"])
+    return out
+
+
 def run_bench(
     cfg: BenchConfig, out_dir: str | Path, progress: Callable[[str], None] | None = print
 ) -> tuple[dict[Job, SimResult], str]:
@@ -391,7 +437,10 @@ def run_bench(
             f"{len(jobs)} simulations on {cfg.jobs} processes: set-ups {', '.join(cfg.setups)}, η {cfg.etas}, {cfg.steps} steps"
         )
     t0 = time.perf_counter()
-    results = run_jobs(jobs, cfg.jobs, progress)
+    reused = _reused(cfg.reuse, jobs) if cfg.reuse else {}
+    if reused and progress:
+        progress(f"{len(reused)} baseline runs taken from {cfg.reuse}")
+    results = {**reused, **run_jobs([j for j in jobs if j not in reused], cfg.jobs, progress)}
     wall = time.perf_counter() - t0
     avg = average(results)
     md = markdown(avg, cfg, wall, len(results))

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
 from .setups import Setup
@@ -72,6 +72,14 @@ class SimResult:
         d["mean_staleness"] = self.mean_staleness
         return d
 
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> SimResult:
+        """The inverse of `to_dict` (JSON turns histogram keys into strings)."""
+        kw = {f.name: d[f.name] for f in fields(cls) if f.name in d}
+        for h in ("staleness_hist", "sample_staleness_hist"):
+            kw[h] = {int(k): v for k, v in kw[h].items()}
+        return cls(**kw)
+
 
 _IDEAL_CACHE: dict[tuple, float] = {}
 
@@ -112,6 +120,7 @@ def build_result(sim: Simulator, steps: int, wall0: float) -> SimResult:
     ideal = ideal_tokens_per_s(su, sim.seed)
     violations = list(dict.fromkeys(sim.violations + p.check_invariants()))
     step_times = [b - a for a, b in zip([0.0] + tr.publish_times[:-1], tr.publish_times)]
+    steady_from = tr.publish_times[warm - 1] if warm > 0 and len(tr.publish_times) >= warm else 0.0
     return SimResult(
         setup=su.name,
         policy=sim.policy.name,
@@ -147,4 +156,27 @@ def build_result(sim: Simulator, steps: int, wall0: float) -> SimResult:
         snapshots={"accepted": sim.spec.accepted, "dropped": sim.spec.dropped},
         invariant_violations=violations,
         route_refusals=sim.route_refusals,
+        extra=regime_shares(sim.regime_log, steady_from, T) | {"regime_switches": sim.spec.regime.switches},
     )
+
+
+def regime_shares(log: list[tuple[float, str, str, bool]], start: float, end: float) -> dict[str, Any]:
+    """Time shares over [start, end] of the coordinator's regime estimate and of its per-cycle
+    labels, and the share of time the trainer waited for a buffer with a sample in the queue."""
+    est: dict[str, float] = {}
+    lab: dict[str, float] = {}
+    gating = total = 0.0
+    for (t0, regime, label, gq), (t1, *_) in zip(log, log[1:] + [(end, "", "", False)]):
+        w = min(t1, end) - max(t0, start)
+        if w <= 0:
+            continue
+        total += w
+        est[regime] = est.get(regime, 0.0) + w
+        lab[label] = lab.get(label, 0.0) + w
+        gating += w * gq
+    total = total or 1.0
+    return {
+        "regime_share": {k: v / total for k, v in sorted(est.items())},
+        "label_share": {k: v / total for k, v in sorted(lab.items())},
+        "trainer_waits_on_queued": gating / total,
+    }

@@ -274,6 +274,9 @@ SETUPS["few_instances"] = SETUPS["qwen_moe_30b"].scaled(  # 128 samples per inst
 SETUPS["many_instances"] = SETUPS["qwen_14b"].scaled(  # 8 samples per instance per batch
     name="many_instances", batch_size=32, group_size=8
 )
+SETUPS["balanced"] = SETUPS["many_instances"].scaled(  # the trainer's step about as long as the rollout's
+    name="balanced", train_gpus=16
+)
 # Agentic: multi-turn trajectories with tool calls between turns (workload.py): 4 turns on
 # average (1 to 8), short answers per turn (median 300 tokens, at most 2K), observations of
 # median 300 tokens appended to the context, environment latency of median 1.5 s with a long
@@ -294,7 +297,7 @@ SETUPS["agentic"] = SETUPS["qwen_14b"].scaled(
         env_timeout=60.0,
     ),
 )
-SHAPE_SETUPS = ("short_many", "heavy_tail", "correlated", "few_instances", "many_instances", "agentic")
+SHAPE_SETUPS = ("short_many", "heavy_tail", "correlated", "few_instances", "many_instances", "balanced", "agentic")
 
 
 def get_setup(name: str | Setup, **changes) -> Setup:

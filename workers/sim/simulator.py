@@ -151,6 +151,7 @@ class Simulator:
         self.requeued = False  # set by the latest cycle's commands
         self.violations: list[str] = []
         self.now = 0.0
+        self.regime_log: list[tuple[float, str, str, bool]] = []  # per cycle (_record_regime)
 
     # ---- the dataset -----------------------------------------------------------------------
 
@@ -354,13 +355,29 @@ class Simulator:
             group_versions={gid: g.min_version or 0 for gid, g in reserved.items()},
             max_response=self.setup.max_response,
             pull_streams=self.setup.ps_streams,
+            now=self.now,
         )
+        self._record_regime()
         if self.on_cycle is not None:
             wall, cpu = time.perf_counter() - t0 - self.apply_s, time.thread_time() - c0 - self.apply_cpu_s
             self.on_cycle(out, wall, cpu)
         self.coord_wall += out.decide_s
         self.route_refusals += out.refused
         return not out.plan.empty(), self.requeued
+
+    def _record_regime(self) -> None:
+        """Per cycle: the coordinator's regime estimate and label, and whether the trainer
+        waits for a buffer one of whose samples sits in the queue (critical-path routing could
+        act only then: docs/policies.md). Summed over time by `build_result`."""
+        p = self.p
+        gating = False
+        if self.trainer.until is None:  # idle: it waits for the buffer of the run's version
+            reserved = p.reserved
+            gating = any(
+                (g := reserved.get(q.group_id)) is not None and g.reserved_buffer == p.version
+                for q in self.queued.values()
+            )
+        self.regime_log.append((self.now, self.spec.regime.regime, self.spec.regime_label, gating))
 
     def _apply(self, plan: CyclePlan) -> Applied:
         """The cycle's commands reach the protocol and the engines at once (`requeued`: some
