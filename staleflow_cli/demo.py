@@ -189,6 +189,9 @@ def run_demo(cfg: DemoConfig, console: Console) -> dict[str, Any]:
                 "--model-seed",
                 str(cfg.seed),
                 *model,
+                # the tiny model's checkpoints are small (~3x its weights): keep every version's,
+                # so any step replays (`staleflow replay`)
+                *([] if cfg.model else ["--save-every", "1"]),
                 "--metrics-file",
                 str(report / "trainer.jsonl"),
             ],

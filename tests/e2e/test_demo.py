@@ -28,6 +28,9 @@ def _open_dashboard_while_running(proc: subprocess.Popen) -> tuple[list[str], ht
     raise AssertionError("no dashboard link in the output:\n" + "".join(lines)[-3000:])
 
 
+TEXT = {"capture_output": True, "text": True, "timeout": 300}
+
+
 @pytest.mark.slow  # a whole demo run, every role as a process
 def test_small_demo_trains_publishes_and_reports(db_url, tmp_path):
     env = {**os.environ, "STALEFLOW_DATABASE_URL": db_url}
@@ -81,6 +84,18 @@ def test_small_demo_trains_publishes_and_reports(db_url, tmp_path):
     index = (folder / "index.html").read_text()
     assert report["name"] in index and "http://" not in index.split("</head>")[0]
     assert {p.name for p in (folder / "logs").iterdir()} >= {"api.log", "trainer.log", "coordinator.log", "ps.log"}
+    # Replay on the demo: step 1 rebuilt from the run's export and trained again from the kept
+    # checkpoint gives the loss the trainer logged and the weights it published as version 2.
+    cli = [sys.executable, "-m", "staleflow_cli.main"]
+    export = tmp_path / "export"
+    done = subprocess.run([*cli, "export", report["name"], "--out", str(export), "--trained"], env=env, **TEXT)
+    assert done.returncode == 0, done.stdout + done.stderr
+    ckpt = folder / "checkpoint" / "versions" / "v1.pt"
+    done = subprocess.run(
+        [*cli, "replay", str(export), "--step", "1", "--checkpoint", str(ckpt)], env={**env, "COLUMNS": "200"}, **TEXT
+    )
+    assert done.returncode == 0, done.stdout + done.stderr  # 1: the losses differ beyond the tolerance
+    assert re.search(r"step 1: 8 samples, loss \S+ logged \S+ diff .* same as v2's", done.stdout), done.stdout
 
 
 def test_staleness_experiment_writes_table_json_and_plot(tmp_path):

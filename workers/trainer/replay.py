@@ -113,6 +113,8 @@ def replay(export: Export, step: int, checkpoint: Path, steps_log: Path | None =
     if train is None:
         raise ReplayError(f"{checkpoint} does not say how its step trains (a checkpoint of an older trainer)")
     push_dtype = getattr(torch, train["push_dtype"]) if train.get("push_dtype") else None
+    if train.get("threads"):
+        torch.set_num_threads(train["threads"])  # the trainer's reduction order, bit for bit
     model = build_model(ck, device)
     if state_dict_checksum(model.state_dict(), push_dtype) != ck["checksum"]:
         raise ReplayError(f"{checkpoint}: its weights do not match its own checksum (a damaged file)")

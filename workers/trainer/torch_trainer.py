@@ -436,6 +436,8 @@ class Trainer:
             # None: the optimizer state's lr (no schedule moves it)
             "lrs": None if scale is None else [base * scale for base in self._base_lrs],
             "push_dtype": None if self.push_dtype is None else str(self.push_dtype).removeprefix("torch."),
+            # CPU reductions sum in an order set by the thread count: the same count, the same bits
+            "threads": torch.get_num_threads(),
         }
 
     def _push(self, version: int) -> None:
