@@ -23,6 +23,7 @@ from staleflow_db.audit import violations
 from staleflow_db.payload_store import _offload_batch, offload_run, open_store
 from staleflow_db.payloads import pack_logprobs
 from staleflow_db.protocol import Protocol
+from staleflow_db.protocol.samples import SampleReads
 from tests.db.test_turns import turns  # noqa: F401  (the fixture: a trajectory of turns trained at step 1)
 from workers.export import export
 
@@ -104,6 +105,9 @@ def test_the_trainer_and_the_rollout_keep_working_after_an_offload(engine, tmp_p
     assert violations(engine, d.run) == []
     rows = [r for r in Protocol(engine).reads.export_page(d.run, 0, 10, True) if r["sample_id"] == a]
     assert rows[0]["response_tokens"] == [1, 2, 50, 51, 3, 4] and rows[0]["loss_mask"] == [1, 1, 0, 0, 1, 1]
+    # the sample browser's page reads its segments' tokens through the store too
+    segments = SampleReads(engine).sample(d.run, a)["segments"]
+    assert [t for x in segments for t in x["token_ids"]] == [1, 2, 50, 51, 3, 4]
     # and the run goes on: more work is routed, reported, trained
     i2 = d.p.register_instance(d.run, "i2", 2)
     (g,) = d.enqueue(1)
