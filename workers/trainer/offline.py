@@ -9,7 +9,6 @@ restart with the same checkpoint directory continues with the next step."""
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -68,14 +67,7 @@ class OfflineTrainer(Trainer):
             return None
         v = batch.version
         m = batch_metrics(batch)
-        t0 = time.monotonic()
-        if self.lr_scale is not None:
-            for group, base in zip(self.optimizer.param_groups, self._base_lrs):
-                group["lr"] = base * self.lr_scale(v)
-        m.loss, m.extra = self.train_batch(batch)
-        m.train_s = time.monotonic() - t0
-        self._checkpoint(v + 1)
-        m.checksum = self._weights["checksum"]
+        self._train_version(batch, v, m)
         self._log_trained(batch, m, offline=True)
         self.version = v + 1
         return m

@@ -294,6 +294,15 @@ class Trainer:
             return None
         m = batch_metrics(batch)
         m.wait_s = waited
+        self._train_version(batch, v, m)
+        self._log_trained(batch, m)
+        _maybe_pause(self.dir, v + 1)
+        self._publish(batch, m)
+        return m
+
+    def _train_version(self, batch: BatchOut, v: int, m: StepMetrics) -> None:
+        """Train model version `v` on the batch at the schedule's lr and checkpoint version v + 1,
+        filling the step's loss, metrics, train time and checksum."""
         t0 = time.monotonic()
         if self.lr_scale is not None:
             for group, base in zip(self.optimizer.param_groups, self._base_lrs):
@@ -302,10 +311,6 @@ class Trainer:
         m.train_s = time.monotonic() - t0
         self._checkpoint(v + 1)
         m.checksum = self._weights["checksum"]
-        self._log_trained(batch, m)
-        _maybe_pause(self.dir, v + 1)
-        self._publish(batch, m)
-        return m
 
     def _log_trained(self, batch: BatchOut, m: StepMetrics, **more: Any) -> None:
         v = batch.version
