@@ -23,7 +23,6 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from .cost_model import CostModel
-from .kv_priority import gating_level, kv_priority_interrupts
 from .state import InstanceView, QueuedSample
 from .strategies import (
     Admission,
@@ -83,9 +82,6 @@ class Policy:
     sticky_resume: bool = False  # request-count routing: interrupted samples resume where they ran
     min_migrate_running: int = 2
     migrate_min_gain: float = 0.15  # migrate only if the pair's cost-model T rises this much (docs/policies.md)
-    priority_route: bool = True  # waterfall: μ does not hold back samples the oldest buffer waits on
-    priority_headroom: float = 0.5  # ... from an instance whose KV stays within this share with them
-    priority_interrupt: bool = True  # interrupt newer work to make KV room for a sample the oldest buffer waits on
 
     def __post_init__(self) -> None:
         if self.routing not in ROUTINGS:
@@ -141,8 +137,6 @@ class Policy:
                 levels=levels,
                 kv_fill=self.kv_fill,
                 kv_cap=self.kv_cap,
-                priority_level=gating_level(instances, levels) if self.priority_route else None,
-                priority_headroom=self.priority_headroom,
             )
         else:
             routes = route_request_count(
@@ -199,13 +193,6 @@ class Policy:
                 min_running=self.min_migrate_running,
                 min_gain=self.migrate_min_gain,
             )
-        if self.priority_interrupt and self.routing == "waterfall":
-            if pulls and not self.migration and self.sync != "greedy":
-                after = apply_pulls(after, pulls)
-            taken = {d.instance_id for d in interrupts}
-            interrupts += [
-                d for d in kv_priority_interrupts(after, levels, admission, routed=routed) if d.instance_id not in taken
-            ]
         return CyclePlan(routes, pulls, interrupts)
 
 

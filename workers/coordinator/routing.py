@@ -170,8 +170,6 @@ def route_waterfall(
     levels: Levels | None = None,
     kv_fill: float | None = None,
     kv_cap: bool = False,
-    priority_level: float | None = None,
-    priority_headroom: float = 0.5,
 ) -> list[RouteDecision]:
     """Multi-level queue + waterfall (docs/coordinator.md).
 
@@ -207,11 +205,6 @@ def route_waterfall(
     target is also a ceiling: an instance at or above it takes nothing, whatever μ says (μ
     judges a fresh sample by its prompt alone and so overfills a cache that its samples will
     outgrow). Either applies only where the KV cache binds before the engine's slot limit.
-
-    `priority_level`: a level whose samples the oldest unfinished buffer waits on
-    (`kv_priority.gating_level`): such a sample may also go, whatever μ says, to an instance
-    whose KV stays within `priority_headroom` of its capacity with it (room for it to grow
-    without preempting), the one with the largest ΔT among those and the μ-passing ones.
     """
     admission = admission or AlwaysAdmit()
     if not instances:
@@ -239,8 +232,6 @@ def route_waterfall(
         Ll, needl = L.tolist(), need.tolist()
         adm = _LevelAdmission(samples, admission, c.versions, fixed=keyed and level != NEW_LEVEL)
         thresh = mu * cost.throughput_array(np.ones(m), L)  # μ·ΔT_ideal, ΔT_ideal = T(1, l)
-        # the oldest buffer waits on these: μ does not hold them back from KV headroom
-        roomy = priority_headroom * c.cap if level == priority_level else None
         threshl = thresh.tolist()
 
         def scores(q0: int, q1: int, arows: np.ndarray) -> np.ndarray:
@@ -276,16 +267,12 @@ def route_waterfall(
                 arow = adm.row(q0)
                 sig = (Ll[q0], needl[q0], arow)
                 row = cached[1] if cached is not None and cached[0] == sig else score_one(q0, arow)
-                if target is None and roomy is None:
+                if target is None:
                     j = int(row.argmax())
                     q = q0 if row[j] >= threshl[q0] else q0 + 1
                 else:
-                    ok_row = row >= threshl[q0]
-                    if target is not None:
-                        fill, ceiling = target
-                        ok_row = (ok_row & (c.n < ceiling)) | ((c.n < fill) & (row > -np.inf))
-                    if roomy is not None:
-                        ok_row |= (row > -np.inf) & (c.kv + Ll[q0] <= roomy)
+                    fill, ceiling = target
+                    ok_row = ((row >= threshl[q0]) & (c.n < ceiling)) | ((c.n < fill) & (row > -np.inf))
                     j = int(np.where(ok_row, row, -np.inf).argmax())
                     q = q0 if ok_row[j] else q0 + 1
                 q1 = q0 + 1
@@ -297,8 +284,6 @@ def route_waterfall(
                     fill, ceiling = target
                     passing &= (c.n < ceiling)[None, :]
                     passing |= (c.n < fill)[None, :] & (score > -np.inf)
-                if roomy is not None:
-                    passing |= (score > -np.inf) & (c.kv[None, :] + L[q0:q1, None] <= roomy[None, :])
                 hits = np.flatnonzero(passing.any(axis=1))
                 q = q0 + int(hits[0]) if len(hits) else q1
                 if q < q1:

@@ -46,8 +46,6 @@ class Lengths(Protocol):
 
 
 class BatchModel:
-    by_buffer = False
-
     def __init__(self, cost: CostModel, kv_capacity: int, max_running: int, lengths: Lengths, attn_coef: float = 0.0):
         self.cost = cost
         self.attn_coef = attn_coef
@@ -128,9 +126,6 @@ class BatchModel:
         """Preempt the most recently admitted sample: (its id, whether φ_wait took it off the
         engine — otherwise it waits at the front of the queue)."""
         sid = next(reversed(self.run))
-        vt = getattr(self.lengths, "v_traj", None) if self.by_buffer else None
-        if vt is not None:  # the newest buffer's most recently admitted sample
-            sid = max(reversed(self.run), key=vt.__getitem__)
         self._remove_running(sid)
         self.preemptions += 1
         if engine_should_interrupt_preempted(len(self.waiting) + 1, phi_wait):
