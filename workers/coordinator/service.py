@@ -289,6 +289,7 @@ class Coordinator:
             reserved=queue.reserved,
             closed=queue.closed,
         )
+        switches = self.spec.regime.switches
         out = run_cycle(
             self.policy,
             self.cost,
@@ -304,6 +305,8 @@ class Coordinator:
         )
         if out.applied is None:
             return  # deposed
+        if self.spec.regime.switches != switches:  # what binds the run, for its operators
+            log.info("run %s: the regime estimate is now %s-bound", self.run_id, self.spec.regime.regime)
         self.stats.routed += len(out.plan.routes) - out.refused
         self.stats.refused += out.refused
         self.stats.interrupted += sum(len(d.sample_ids) for d in out.plan.interrupts)
