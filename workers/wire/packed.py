@@ -25,7 +25,7 @@ import binascii
 import struct
 import sys
 from array import array
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from pydantic import GetCoreSchemaHandler, GetJsonSchemaHandler, SerializationInfo
@@ -173,6 +173,9 @@ class PackedArray(Sequence[Any]):
 class _Packed:
     """Annotated metadata: the list schema of the annotation, or a packed string decoded to a
     list (`keep` false) or kept as a `PackedArray` (`keep` true)."""
+
+    unpack: Callable[[str], Any]
+    pack: Callable[[Sequence[Any]], str]
 
     def __init__(self, kind: str, keep: bool):
         self.kind = kind
