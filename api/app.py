@@ -106,7 +106,7 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
 def _freeze_startup_objects() -> None:
     """Move what the process holds once it can serve (modules, the app, its routes and models,
     ~150,000 objects) out of the garbage collector's sight: nothing of it is ever freed, yet
-    every full collection walked all of it, ~0.1 s with the event loop stopped, every few
+    every full collection would walk all of it, ~0.1 s with the event loop stopped, every few
     thousand requests (~40 us per heartbeat in all, measured with gc.callbacks)."""
     gc.collect()
     gc.freeze()

@@ -67,8 +67,8 @@ class AppState:
 # the thread pool, one hand-off (and GIL round trip) each, three or four per request before.
 # The ones every request runs (the run, the token) take the Request, not other dependencies:
 # FastAPI solves a dependency's whole sub-tree again wherever it is named, cached or not, and
-# the chain of State and bearer credentials under the run and the principal was ~11 solves per
-# call, each some microseconds (bench/call_cost.py in docs/benchmarks.md).
+# State and the bearer credentials under both the run and the principal would be ~11 solves
+# per call, each some microseconds (docs/benchmarks.md, "The fixed cost of a call").
 async def get_state(request: Request) -> AppState:
     return _state(request)
 
