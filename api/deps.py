@@ -65,7 +65,15 @@ class AppState:
 
 # Dependencies are `async def` where they do no I/O: FastAPI runs a plain `def` dependency in
 # the thread pool, one hand-off (and GIL round trip) each, three or four per request before.
+# The ones every request runs (the run, the token) take the Request, not other dependencies:
+# FastAPI solves a dependency's whole sub-tree again wherever it is named, cached or not, and
+# State and the bearer credentials under both the run and the principal would be ~11 solves
+# per call, each some microseconds (docs/benchmarks.md, "The fixed cost of a call").
 async def get_state(request: Request) -> AppState:
+    return _state(request)
+
+
+def _state(request: Request) -> AppState:
     state: AppState = request.app.state.staleflow
     return state
 
@@ -76,9 +84,7 @@ _bearer = HTTPBearer(auto_error=False, description="a token from `staleflow toke
 
 
 async def resolve_run(
-    state: State,
-    run_id: Annotated[str, Path(min_length=1, max_length=200, description="run id or name")],
-    creds: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
+    request: Request, run_id: Annotated[str, Path(min_length=1, max_length=200, description="run id or name")]
 ) -> int:
     """`{run_id}` in a path: the run's id, or its name (names are never all digits, so digits
     are an id), resolved once per request (FastAPI caches a dependency within a request). A
@@ -88,13 +94,15 @@ async def resolve_run(
         if not 1 <= int(run_id) <= 2**63 - 1:
             raise HTTPException(422, f"run id {run_id} out of range 1..{2**63 - 1}")
         return int(run_id)
+    state = _state(request)
     found = state.run_names.get(run_id)
     if found is None:  # the lookup blocks: in the thread pool
         try:
             found = await run_in_threadpool(state.protocol.reads.run_id, run_id)
         except NotFound:
+            creds = await _bearer(request)
             if creds is not None:
-                who = await principal(state, creds)  # 401 for a bad token
+                who = await principal(request, creds)  # 401 for a bad token
                 if who.run_id is not None:
                     raise HTTPException(403, f"this token is limited to run {who.run_id}") from None
             raise
@@ -124,7 +132,10 @@ Page = Annotated[int, Query(ge=1, le=10_000)]
 Offset = Annotated[int, Query(ge=0, le=2**31 - 1)]
 
 
-async def principal(state: State, creds: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]) -> Principal:
+async def principal(
+    request: Request, creds: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
+) -> Principal:
+    state = _state(request)
     if creds is None or not creds.credentials:
         raise HTTPException(401, "missing bearer token (Authorization: Bearer <token>)", {"WWW-Authenticate": "Bearer"})
     if len(creds.credentials) > 200:

@@ -19,6 +19,7 @@ from starlette.responses import Response
 from staleflow_db import idempotency
 from staleflow_db.idempotency import KeyReused  # noqa: F401 (re-exported: 409 idempotency_key_reused)
 from staleflow_db.protocol import Protocol
+from workers.wire.packed import PACKED_CONTEXT
 
 T = TypeVar("T", bound=BaseModel)
 
@@ -93,8 +94,12 @@ def _json_text(body: bytes) -> str:
 
 
 def _digest(key: str | None, body: BaseModel | None) -> str:
-    # Without a key nothing is stored or compared: skip serialising the body (token arrays).
-    return "" if key is None else idempotency.digest(body.model_dump_json() if body is not None else b"")
+    # Without a key nothing is stored or compared: skip serialising the body. Token arrays are
+    # digested packed: a report's packed bytes as they came (no list, no decimal per element),
+    # and a JSON list the same as its packed form (the same values stored).
+    if key is None:
+        return ""
+    return idempotency.digest(body.model_dump_json(context=PACKED_CONTEXT) if body is not None else b"")
 
 
 def scoped_key(key: str | None, scope: str) -> str | None:

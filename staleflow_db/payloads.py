@@ -7,7 +7,9 @@ float32 (`real`) before, so a value reads back exactly as it was stored. An obje
 payload store (`payload_store`) is the two concatenated: tokens, then log-probs.
 
 The one place that packs and unpacks them: the SQL reads return the packed bytes (a sample's
-segments concatenated in seq order) and the callers unpack here.
+segments concatenated in seq order) and the callers unpack here. Arrays that arrived packed (a
+report's `workers.wire.packed.PackedArray`, its bytes checked on the way in) are the columns'
+format already: they are stored as they are, never unpacked.
 """
 
 from __future__ import annotations
@@ -16,6 +18,9 @@ import sys
 from array import array
 from collections.abc import Sequence
 from typing import Any, TypeVar
+
+from workers.wire.packed import FLOAT32, PackedArray
+from workers.wire.packed import INT32 as PACKED_INT32
 
 from .errors import InvalidInput
 
@@ -26,6 +31,8 @@ INT32 = (-(2**31), 2**31 - 1)
 
 
 def pack_tokens(tokens: Sequence[int]) -> bytes:
+    if isinstance(tokens, PackedArray) and tokens.kind == PACKED_INT32:
+        return tokens.raw  # little-endian int32, none negative (checked when it was decoded)
     try:
         a = array("i", tokens)
     except OverflowError:
@@ -36,6 +43,8 @@ def pack_tokens(tokens: Sequence[int]) -> bytes:
 
 
 def pack_logprobs(logprobs: Sequence[float]) -> bytes:
+    if isinstance(logprobs, PackedArray) and logprobs.kind == FLOAT32:
+        return logprobs.raw  # little-endian float32, finite and in the float4 range (checked)
     a = array("f", logprobs)
     if _SWAP:
         a.byteswap()

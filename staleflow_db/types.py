@@ -5,6 +5,7 @@ implementation and the reference model). The run configuration is `workers.wire.
 from __future__ import annotations
 
 import uuid
+from collections.abc import Sequence
 from dataclasses import KW_ONLY, dataclass
 
 from workers.wire.enums import GroupState, SegmentKind
@@ -46,8 +47,10 @@ class Report:
     sample_id: int
     attempt: int
     version: int | None  # the model version that generated the tokens; None for an observation
-    tokens: list[int]
-    logprobs: list[float]
+    # lists, or arrays as a request carried them packed (workers.wire.packed.PackedArray: stored
+    # as they are, staleflow_db/payloads.py)
+    tokens: Sequence[int]
+    logprobs: Sequence[float]
     kind: SegmentKind = SegmentKind.FINISHED
     finish_reason: str | None = None
     # False: an environment observation appended between turns (multi-turn): no version, no
@@ -71,7 +74,7 @@ class Report:
         if len(self.tokens) != len(self.logprobs):
             raise InvalidInput(f"sample {self.sample_id}: {len(self.tokens)} tokens but {len(self.logprobs)} log-probs")
 
-    def stored_logprobs(self) -> list[float]:
+    def stored_logprobs(self) -> Sequence[float]:
         """What the segment keeps: an observation's tokens were not sampled (log-prob 0)."""
         return self.logprobs if self.generated else [0.0] * len(self.tokens)
 

@@ -556,6 +556,12 @@ class TxMixin:
         """The caller's transaction, else a new one."""
         return idempotency.within(self.engine, conn)
 
+    def statement_tx(self, conn: Connection | None) -> AbstractContextManager[Connection]:
+        """The caller's transaction, else a connection whose every statement is its own
+        transaction: for an operation whose write is one statement (the statement's atomicity
+        is all it needs). No BEGIN and COMMIT round trips."""
+        return idempotency.statements(self.engine, conn)
+
     @contextmanager
     def run_tx(self, run_id: int, conn: Connection | None) -> Iterator[RunTx]:
         with self.tx(conn) as c:

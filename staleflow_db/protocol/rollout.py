@@ -115,9 +115,9 @@ class RolloutOps(TxMixin):
 
         Every condition sits in the UPDATE itself, re-checked on the row it finally locks: two
         overlapping heartbeats can never move the version backwards (a plain read before the
-        update could be stale by then) nor revive a lease that lapsed meanwhile."""
-        with self.tx(conn) as conn:
-            conn.execute(queries.text("heartbeat_ephemeral"))
+        update could be stale by then) nor revive a lease that lapsed meanwhile. So it is one
+        statement, its own transaction when the caller gives none (`statement_tx`)."""
+        with self.statement_tx(conn) as conn:
             updated = conn.execute(
                 queries.text("heartbeat"),
                 {"i": instance_id, "v": version, "snap": json.dumps(_keep_capacity(snapshot)), "ttl": lease_seconds},

@@ -24,17 +24,17 @@ SELECT id, client_key FROM prompt_groups WHERE run_id = :run AND client_key = AN
 INSERT INTO instances (run_id, name, version, lease_expires_at, lease_s, token_id, snapshot)
 VALUES (:run, :name, :v, now() + make_interval(secs => :ttl), :ttl, :tok, CAST(:snap AS jsonb)) RETURNING id
 
--- name: heartbeat_ephemeral
-SET LOCAL synchronous_commit = off
-
 -- name: heartbeat
 -- Every condition re-checked on the row the UPDATE finally locks (RolloutOps.heartbeat). A
 -- snapshot without a capacity keeps the one last reported (at registration or since).
+-- Ephemeral: the statement turns synchronous commit off for its own transaction (SET LOCAL's
+-- effect, without a round trip of its own); a volatile CTE is evaluated, once, for the join.
+WITH ephemeral AS (SELECT set_config('synchronous_commit', 'off', true))
 UPDATE instances i SET version = :v,
   snapshot = jsonb_strip_nulls(jsonb_build_object('capacity', i.snapshot->'capacity')) || CAST(:snap AS jsonb),
   snapshot_at = now(),
   lease_expires_at = now() + make_interval(secs => :ttl), lease_s = :ttl
-FROM runs r WHERE i.id = :i AND r.id = i.run_id AND i.state = 'active'
+FROM runs r, ephemeral WHERE i.id = :i AND r.id = i.run_id AND i.state = 'active'
 AND i.lease_expires_at > now() AND i.version <= :v AND :v <= r.version RETURNING i.id
 
 -- name: heartbeat_refused

@@ -81,6 +81,22 @@ def test_packed_and_listed_reports_store_the_same_segment(routed, engine):
     assert task.sample_id == work[0].sample_id and task.response_tokens == ids + [9]
 
 
+def test_a_retry_in_the_other_form_replays(routed, engine):
+    """A report's key is digested with its arrays packed: the same segment sent again under the
+    same key, as JSON lists, is the same request (a replay, not 409), and is stored once."""
+    server, admin, run, inst, work = routed
+    ids, lps = [11, 12, 13], [-0.5, -0.25, -0.125]
+    url = f"{server.url}/v1/runs/{run}/instances/{inst}/segments"
+    headers = {"Authorization": f"Bearer {admin.token}", "Idempotency-Key": "either-form"}
+    for tokens, logprobs in ((pack_int32(ids), pack_float32(lps)), (ids, lps)):
+        r = httpx.post(url, json={"reports": [_report(work[0], tokens, logprobs)]}, headers=headers)
+        assert r.status_code == 200 and r.json() == {"applied": 1}, r.text
+    assert _stored(engine, work[0].sample_id) == [(ids, lps)]
+    other = _report(work[0], pack_int32(ids), pack_float32([-0.5, -0.25, -0.5]))  # another value: another body
+    r = httpx.post(url, json={"reports": [other]}, headers=headers)
+    assert r.status_code == 409 and r.json()["error"]["code"] == "idempotency_key_reused", r.text
+
+
 BAD = (
     ("tokens", "%%%", "not base64"),
     ("tokens", base64.b64encode(b"\x05\x00\x00\x00\x06\x00").decode(), "not a whole number"),

@@ -161,3 +161,37 @@ def test_claims_and_late_rewards_do_not_deadlock(engine):
     assert d.scalars("SELECT count(*) FROM samples WHERE run_id = :r AND state = 'rewarded'") == [groups * n]
     assert d.scalars("SELECT count(*) FROM prompt_groups WHERE run_id = :r AND state = 'occupied'") == [groups]
     assert d.violations() == []
+
+
+class _Conflict(Exception):
+    sqlstate = "40001"  # serialization_failure, as psycopg's errors carry it
+
+
+def test_the_runner_tries_as_often_as_its_policy_says():
+    """The first try runs outside tenacity; a conflict counts as the policy's first attempt."""
+    policy = idempotency.TRANSACTION_CONFLICT.but(initial=0.0, cap=0.0, attempts=3)
+    calls = []
+
+    def always_conflicts():
+        calls.append(1)
+        raise DBAPIError("UPDATE", {}, _Conflict(f"conflict {len(calls)}"))
+
+    with pytest.raises(DBAPIError, match="conflict 3"):  # the last error, after 3 attempts in all
+        idempotency.retried(always_conflicts, policy)
+    assert len(calls) == 3
+
+    def conflicts_once():
+        calls.append(1)
+        if len(calls) == 4:
+            raise DBAPIError("UPDATE", {}, _Conflict("once"))
+        return "done"
+
+    assert idempotency.retried(conflicts_once, policy) == "done" and len(calls) == 5
+
+    def refuses():
+        calls.append(1)
+        raise Conflict([(0, "not a transaction conflict")])
+
+    with pytest.raises(Conflict):
+        idempotency.retried(refuses, policy)
+    assert len(calls) == 6  # not retried

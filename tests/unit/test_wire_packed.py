@@ -12,11 +12,14 @@ import struct
 import pytest
 from pydantic import ValidationError
 
+from staleflow_db import payloads
 from workers.wire.models import ReportIn, ReportsIn
+from workers.wire.models.training import ConsumeOut
 from workers.wire.packed import (
     LIST_TAG,
     LOGPROB_BOUND,
     PACKED_CONTEXT,
+    PackedArray,
     pack_float32,
     pack_int32,
     unpack_logprobs,
@@ -104,6 +107,34 @@ def test_report_takes_either_form_and_sends_packed_on_request():
     assert sent["tokens"] == pack_int32(ids) and sent["logprobs"] == pack_float32(lps)
     assert ReportIn.model_validate_json(listed.model_dump_json(context=PACKED_CONTEXT)) == listed
     assert listed.model_dump()["tokens"] == ids  # Python mode: lists
+
+
+def test_a_packed_report_array_is_kept_as_its_bytes():
+    ids, lps = [3, 4, 2**31 - 1], [f32(-0.25), f32(-1.5), f32(-0.1)]
+    r = ReportIn.model_validate_json(json.dumps(_report(tokens=pack_int32(ids), logprobs=pack_float32(lps))))
+    assert isinstance(r.tokens, PackedArray) and isinstance(r.logprobs, PackedArray)
+    assert r.tokens.raw == struct.pack("<3i", *ids) and r.logprobs.raw == struct.pack("<3f", *lps)
+    # read as a list where something reads it
+    assert len(r.tokens) == 3 and list(r.tokens) == ids and r.tokens[-1] == 2**31 - 1 and r.logprobs == lps
+    # stored as it came: the data layer's packing hands the very bytes on, as a list packs to them
+    assert payloads.pack_tokens(r.tokens) is r.tokens.raw and payloads.pack_logprobs(r.logprobs) is r.logprobs.raw
+    assert payloads.pack_tokens(ids) == r.tokens.raw and payloads.pack_logprobs(lps) == r.logprobs.raw
+    # out again: lists unless packed is asked (JSON), lists in Python
+    assert json.loads(r.model_dump_json())["tokens"] == ids
+    assert json.loads(r.model_dump_json(context=PACKED_CONTEXT))["logprobs"] == pack_float32(lps)
+    assert type(r.model_dump()["tokens"]) is list and r.model_dump(context=PACKED_CONTEXT)["tokens"] == ids
+    assert ReportIn.model_validate(dict(r)) == r  # a model built from its values
+
+
+def test_a_batch_reads_packed_arrays_as_lists():
+    """The trainer's side (consume?packed=true): arrays are decoded to lists, not kept."""
+    sample = {"sample_id": 1, "idx": 0, "v_traj": 0, "tokens": pack_int32([5, 6]), "loss_mask": [1, 1]}
+    sample |= {"logprobs": pack_float32([-0.5, -1.0]), "reward": 1.0, "finish_reason": None, "segments": []}
+    group = {"group_id": 1, "group_version": 0, "prompt_tokens": pack_int32([1]), "meta": {}, "samples": [sample]}
+    batch = {"run_id": 1, "version": 0, "consume_fence": 1, "groups": [group]}
+    out = ConsumeOut.model_validate_json(json.dumps({"ready": True, "version": 0, "batch": batch}))
+    (s,) = out.batch.groups[0].samples
+    assert type(s.tokens) is list and s.tokens == [5, 6] and type(s.logprobs) is list
 
 
 @pytest.mark.parametrize(

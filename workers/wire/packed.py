@@ -4,12 +4,16 @@ A JSON list of numbers costs the sender a decimal per element and the receiver a
 bounds check per element; a log-prob printed from a float32 takes ~20 characters. Packed, an
 element is 4 bytes (5.3 base64 characters), encoded and decoded in C (`array`, `base64`).
 
-`models.common.TokenIds` and `LogProbs` are the field types of such arrays: validation takes either form
-(a JSON list, as before, or a packed string) and yields a list either way, so the code behind
-a model never sees the difference. A string that is not base64, a byte length that is not a
-whole number of 4-byte elements, a negative token id or a non-finite or out-of-range log-prob
-is refused with a ValueError (a 422 naming the field). Serialised to JSON with the context
-`{"packed": True}` they are packed strings, otherwise lists (what older readers expect).
+`models.common.TokenIds` and `LogProbs` are the field types of such arrays in requests (reports):
+validation takes either form (a JSON list, as before, or a packed string). A list stays a list;
+a packed string becomes a `PackedArray`, its checked bytes, which the data layer writes to the
+segment columns as they are (staleflow_db/payloads.py) and which reads as a list only where
+something iterates it: no Python object per element on the way from the wire to the table.
+`models.training`'s arrays (a batch the trainer reads) always yield lists. A string that is not
+base64, a byte length that is not a whole number of 4-byte elements, a negative token id or a
+non-finite or out-of-range log-prob is refused with a ValueError (a 422 naming the field).
+Serialised to JSON with the context `{"packed": True}` they are packed strings, otherwise lists
+(what older readers expect).
 
 The standard library and pydantic only (workers.wire is a leaf package).
 """
@@ -21,7 +25,7 @@ import binascii
 import struct
 import sys
 from array import array
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from pydantic import GetCoreSchemaHandler, GetJsonSchemaHandler, SerializationInfo
@@ -38,6 +42,10 @@ LIST_TAG, PACKED_TAG = "[list]", "[packed]"
 _F32_BOUND = array("f", [LOGPROB_BOUND])[0]
 _I32 = next(code for code in "ilh" if array(code).itemsize == 4)
 _LITTLE = sys.byteorder == "little"
+_CODES = {"int32": _I32, "float32": "f"}
+
+
+INT32, FLOAT32 = "int32", "float32"  # PackedArray.kind
 
 
 def _pack(code: str, values: Sequence[Any]) -> str:
@@ -45,27 +53,35 @@ def _pack(code: str, values: Sequence[Any]) -> str:
     return base64.b64encode(struct.pack(f"<{len(values)}{code}", *values)).decode("ascii")
 
 
-def _unpack(code: str, kind: str, text: str) -> tuple[bytes, list[Any]]:
+def _decode(kind: str, text: str) -> bytes:
     try:
         raw = base64.b64decode(text, validate=True)
     except (binascii.Error, ValueError) as exc:
         raise ValueError(f"not base64 of packed {kind} values ({exc})") from None
     if len(raw) % 4:
         raise ValueError(f"{len(raw)} bytes is not a whole number of 4-byte {kind} values")
-    values = array(code)
+    return raw
+
+
+def _values(code: str, raw: bytes) -> array[Any]:
+    values: array[Any] = array(code)
     values.frombytes(raw)
     if not _LITTLE:
         values.byteswap()
-    return raw, values.tolist()
+    return values
 
 
 def pack_int32(values: Sequence[int]) -> str:
     """Base64 of little-endian int32; struct.error outside the int32 range."""
+    if isinstance(values, PackedArray) and values.kind == INT32:
+        return values.base64()
     return _pack("i", values)
 
 
 def pack_float32(values: Sequence[float]) -> str:
     """Base64 of little-endian float32 (each value rounded to float32, as a float4 column keeps it)."""
+    if isinstance(values, PackedArray) and values.kind == FLOAT32:
+        return values.base64()
     return _pack("f", values)
 
 
@@ -75,17 +91,16 @@ def pack_float32(values: Sequence[float]) -> str:
 # are checked element by element.
 
 
-def unpack_token_ids(text: str) -> list[int]:
-    raw, values = _unpack(_I32, "int32", text)
+def _checked_token_ids(raw: bytes) -> bytes:
     if not raw[3::4].isascii():
-        raise ValueError(f"token id {min(values)} is negative (token ids are 0..{2**31 - 1})")
-    return values
+        raise ValueError(f"token id {min(_values(_I32, raw))} is negative (token ids are 0..{2**31 - 1})")
+    return raw
 
 
-def unpack_logprobs(text: str) -> list[float]:
-    raw, values = _unpack("f", "float32", text)
+def _checked_logprobs(raw: bytes) -> bytes:
     high = raw[3::4]
     if b"\x7f" in high or b"\xff" in high:
+        values = _values("f", raw)
         # float32 elements cannot overflow a float64 sum: it is finite iff every element is
         total = sum(values)
         if total != total or total in (float("inf"), float("-inf")):
@@ -93,14 +108,81 @@ def unpack_logprobs(text: str) -> list[float]:
         low, top = min(values), max(values)
         if low < -_F32_BOUND or top > _F32_BOUND:
             raise ValueError(f"log-prob {low if low < -_F32_BOUND else top:g} outside ±{LOGPROB_BOUND:g}")
-    return values
+    return raw
+
+
+def unpack_token_ids(text: str) -> list[int]:
+    return _values(_I32, _checked_token_ids(_decode("int32", text))).tolist()
+
+
+def unpack_logprobs(text: str) -> list[float]:
+    return _values("f", _checked_logprobs(_decode("float32", text))).tolist()
+
+
+def packed_token_ids(text: str) -> PackedArray:
+    """`unpack_token_ids`'s checks, the values kept packed."""
+    return PackedArray(_checked_token_ids(_decode("int32", text)), INT32)
+
+
+def packed_logprobs(text: str) -> PackedArray:
+    """`unpack_logprobs`'s checks, the values kept packed."""
+    return PackedArray(_checked_logprobs(_decode("float32", text)), FLOAT32)
+
+
+class PackedArray(Sequence[Any]):
+    """A packed array as a request carried it: its checked little-endian bytes (`raw`) and
+    their `kind` (INT32 or FLOAT32). It is a read-only sequence of its values (unpacked when
+    read) and equal to a list of the same values, so code that reads it as a list works; code
+    that stores it takes `raw` as it is."""
+
+    __slots__ = ("raw", "kind")
+
+    def __init__(self, raw: bytes, kind: str):
+        if kind not in _CODES or len(raw) % 4:
+            raise ValueError(f"{len(raw)} bytes of {kind}: not a packed array")
+        self.raw, self.kind = raw, kind
+
+    def tolist(self) -> list[Any]:
+        return _values(_CODES[self.kind], self.raw).tolist()
+
+    def base64(self) -> str:
+        return base64.b64encode(self.raw).decode("ascii")
+
+    def __len__(self) -> int:
+        return len(self.raw) // 4
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(_values(_CODES[self.kind], self.raw))
+
+    def __getitem__(self, index: Any) -> Any:
+        return self.tolist()[index]
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, PackedArray):
+            return self.kind == other.kind and self.raw == other.raw
+        if isinstance(other, (list, tuple)):
+            return self.tolist() == list(other)
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]  # equal to lists, which are unhashable
+
+    def __repr__(self) -> str:
+        return f"PackedArray({self.tolist()!r}, {self.kind!r})"
 
 
 class _Packed:
-    """Annotated metadata: the list schema of the annotation, or a packed string decoded to it."""
+    """Annotated metadata: the list schema of the annotation, or a packed string decoded to a
+    list (`keep` false) or kept as a `PackedArray` (`keep` true)."""
 
-    def __init__(self, kind: str, unpack: Any, pack: Any):
-        self.kind, self.unpack, self.pack = kind, unpack, pack
+    unpack: Callable[[str], Any]
+    pack: Callable[[Sequence[Any]], str]
+
+    def __init__(self, kind: str, keep: bool):
+        self.kind = kind
+        if kind == INT32:
+            self.unpack, self.pack = (packed_token_ids if keep else unpack_token_ids), pack_int32
+        else:
+            self.unpack, self.pack = (packed_logprobs if keep else unpack_logprobs), pack_float32
 
     def __get_pydantic_core_schema__(self, source: Any, handler: GetCoreSchemaHandler) -> CoreSchema:
         listed = handler(source)
@@ -108,9 +190,7 @@ class _Packed:
         return core_schema.union_schema(
             [(listed, LIST_TAG), (packed, PACKED_TAG)],
             mode="left_to_right",  # a list is tried first: the JSON-list form costs what it did
-            serialization=core_schema.plain_serializer_function_ser_schema(
-                self._serialize, info_arg=True, when_used="json"
-            ),
+            serialization=core_schema.plain_serializer_function_ser_schema(self._serialize, info_arg=True),
         )
 
     def __get_pydantic_json_schema__(self, schema: CoreSchema, handler: GetJsonSchemaHandler) -> JsonSchemaValue:
@@ -121,14 +201,20 @@ class _Packed:
                 choice["description"] = f"packed: base64 of little-endian {self.kind}"
         return out
 
-    def _serialize(self, value: list[Any], info: SerializationInfo) -> Any:
+    def _serialize(self, value: Sequence[Any], info: SerializationInfo) -> Any:
         context = info.context
-        return self.pack(value) if context is not None and context.get("packed") else value
+        if context is not None and context.get("packed") and info.mode_is_json():
+            return self.pack(value)
+        return value.tolist() if isinstance(value, PackedArray) else value  # lists, in Python too
 
 
-# Annotated metadata: `Annotated[list[TokenId], PACKED_TOKEN_IDS]` (models.common.TokenIds)
-PACKED_TOKEN_IDS = _Packed("int32", unpack_token_ids, pack_int32)
-PACKED_LOGPROBS = _Packed("float32", unpack_logprobs, pack_float32)
+# Annotated metadata: `Annotated[list[TokenId], KEPT_TOKEN_IDS]` (models.common.TokenIds, the
+# reports' arrays, handed to the data layer packed); `Annotated[list[int], PACKED_TOKEN_IDS]`
+# (models.training, a batch's arrays, read as lists)
+PACKED_TOKEN_IDS = _Packed(INT32, keep=False)
+PACKED_LOGPROBS = _Packed(FLOAT32, keep=False)
+KEPT_TOKEN_IDS = _Packed(INT32, keep=True)
+KEPT_LOGPROBS = _Packed(FLOAT32, keep=True)
 
 
 def untagged(errors: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -18,7 +18,7 @@ from typing import Annotated, Any
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, Strict
 
-from ..packed import PACKED_LOGPROBS, PACKED_TOKEN_IDS
+from ..packed import KEPT_LOGPROBS, KEPT_TOKEN_IDS
 
 INT32_MAX = 2**31 - 1
 INT64_MAX = 2**63 - 1
@@ -38,9 +38,10 @@ TokenId = Annotated[int, Strict(), Field(ge=0, le=INT32_MAX)]
 # Bounds are published as JSON Schema's minimum/maximum (pydantic's own schema).
 LogProb = Annotated[float, Strict(), Field(ge=-3.0e38, le=3.0e38, allow_inf_nan=False)]
 Finite = Annotated[float, Strict(), Field(ge=-1e300, le=1e300, allow_inf_nan=False)]
-# Arrays of them: a JSON list, or packed (base64 of little-endian int32 / float32, see ..packed)
-TokenIds = Annotated[list[TokenId], PACKED_TOKEN_IDS]
-LogProbs = Annotated[list[LogProb], PACKED_LOGPROBS]
+# Arrays of them: a JSON list, or packed (base64 of little-endian int32 / float32, see ..packed),
+# kept packed (a PackedArray) for the data layer to store as it is
+TokenIds = Annotated[list[TokenId], KEPT_TOKEN_IDS]
+LogProbs = Annotated[list[LogProb], KEPT_LOGPROBS]
 LeaseSeconds = Annotated[float, Strict(), Field(ge=1.0, le=3600.0, allow_inf_nan=False)]  # an instance's lease
 ClaimSeconds = Annotated[float, Strict(), Field(ge=1.0, le=3600.0, allow_inf_nan=False)]  # a reward claim's
 # A query parameter (a string on the wire, so not strict); bodies use Int with bounds.
