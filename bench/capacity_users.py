@@ -387,14 +387,16 @@ class Node(Api):
                 for mem, out in self.inbox:
                     mem.deliver(out, now)
                 self.inbox.clear()
-                reporting = now - self.last_report >= c["report_s"]
-                hb = False
                 for mem in members:
                     for sid, h in list(mem.held.items()):
                         if now >= h["turn_end"]:
                             mem.end_turn(sid, now)
+                # a flush goes anyway: every member's checkpoint 80% due rides it
+                reporting = now - self.last_report >= c["report_s"] and any(mem.pending for mem in members)
+                hb = False
+                for mem in members:
                     since = now - mem.checkpoint
-                    if since >= c["checkpoint_s"] or (reporting and mem.pending and since >= c["checkpoint_s"] * 0.8):
+                    if since >= c["checkpoint_s"] or (reporting and since >= c["checkpoint_s"] * 0.8):
                         mem.checkpoint = now
                         for sid in list(mem.held):
                             mem.segment(sid, now, "partial")
@@ -406,7 +408,12 @@ class Node(Api):
                     ):
                         mem.heartbeat()
                         hb = True
-                if self.urgent or hb or (reporting and any(mem.pending for mem in members)):
+                if (
+                    self.urgent
+                    or hb
+                    or reporting
+                    or (now - self.last_report >= c["report_s"] and any(mem.pending for mem in members))
+                ):
                     self.flush_all()
         finally:
             poller.kill()

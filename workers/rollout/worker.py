@@ -221,7 +221,10 @@ class RolloutWorker:
             self._answer_turns()
         now = time.monotonic()
         since = now - self._last["checkpoint"]
-        reporting = bool(self.pending) and now - self._last["report"] >= self.report_every_s
+        if self.node is not None:  # on a node: its flush goes anyway (asked, or due for this one)
+            reporting = self.node.asked(self) or (bool(self.pending) and self.node.due())
+        else:
+            reporting = bool(self.pending) and now - self._last["report"] >= self.report_every_s
         if self.checkpoint_every_s > 0 and (
             since >= self.checkpoint_every_s or (reporting and since >= self.checkpoint_every_s * CHECKPOINT_RIDES_AT)
         ):

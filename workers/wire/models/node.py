@@ -1,7 +1,7 @@
 """Node sync: one process hosting several rollout instances (a GPU node) carries their reports,
 lease renewals and snapshots in one call and one transaction, and long-polls for the work and
 commands of all of them at once. Each instance keeps its own lease and fences: the outcome is
-per instance (docs/api.md#node-sync)."""
+per instance (docs/api.md, "Node sync")."""
 
 from __future__ import annotations
 
