@@ -155,6 +155,7 @@ def run_step(args, cad: dict, bases: list[str], admin: StaleFlowClient, report: 
             run=run,
             instances=(nodes // procs + (1 if k < nodes % procs else 0)) * k_node,
             per_node=k_node,
+            node_report_s=args.node_report_s,
             control=k == 0,
             rewarders=args.reward_workers,
             lease_s=15.0,
@@ -330,6 +331,12 @@ def main() -> None:
         type=int,
         default=1,
         help="K: each load user is a node of K instances (workers/rollout/node.py: one sync per flush, one long-poll)",
+    )
+    ap.add_argument(
+        "--node-report-s",
+        type=float,
+        default=0.05,
+        help="a node's report timer (its instances' pending reports wait at most this long; the worker's is 0.05)",
     )
     ap.add_argument("--keep-going", action="store_true", help="ramp on past a step outside the service level")
     ap.add_argument("--report-dir", type=Path, default=Path("reports"))

@@ -392,7 +392,7 @@ class Node(Api):
                         if now >= h["turn_end"]:
                             mem.end_turn(sid, now)
                 # a flush goes anyway: every member's checkpoint 80% due rides it
-                reporting = now - self.last_report >= c["report_s"] and any(mem.pending for mem in members)
+                reporting = now - self.last_report >= c["node_report_s"] and any(mem.pending for mem in members)
                 hb = False
                 for mem in members:
                     since = now - mem.checkpoint
@@ -408,12 +408,7 @@ class Node(Api):
                     ):
                         mem.heartbeat()
                         hb = True
-                if (
-                    self.urgent
-                    or hb
-                    or reporting
-                    or (now - self.last_report >= c["report_s"] and any(mem.pending for mem in members))
-                ):
+                if self.urgent or hb or reporting:
                     self.flush_all()
         finally:
             poller.kill()
@@ -431,10 +426,13 @@ class Node(Api):
                     seen.add(r["sample_id"])
                 mem.pending = later
                 beat = mem.heartbeats.pop(0) if mem.heartbeats else None
+                # a snapshot rides the flush once 80% due, as a checkpoint does: no heartbeat of its own later
+                rides = time.monotonic() - mem.last["snapshot"] >= CFG["heartbeat_s"] * 0.8
+                if not batch and beat is None and mem.owed and rides:
+                    beat = m.HeartbeatIn(version=mem.version, snapshot=mem.snapshot(), lease_seconds=CFG["lease_s"])
                 if not batch and beat is None:
                     continue
-                due = time.monotonic() - mem.last["snapshot"] >= CFG["heartbeat_s"]
-                snap = mem.snapshot() if batch and not later and due else None
+                snap = mem.snapshot() if batch and not later and rides else None
                 item = m.NodeItemIn(
                     instance_id=mem.instance,
                     reports=[m.ReportIn.model_validate(r) for r in batch],

@@ -495,15 +495,22 @@ class RolloutWorker:
                 (later if r["sample_id"] in seen else batch).append(r)
                 seen.add(r["sample_id"])
             self.pending = later
-            snapshot = self._snapshot() if batch and not later and self._snapshot_due() else None
+            # the snapshot rides a flush once 80% due, as a checkpoint does: no heartbeat of its own later
+            rides = self._snapshot_due(CHECKPOINT_RIDES_AT)
+            snapshot = self._snapshot() if batch and not later and rides else None
             part = Part(self, self._instance, batch, snapshot) if batch else None
+            if not batch and self._owed and rides:  # an owed snapshot rides as this flush's heartbeat
+                snapshot = self._snapshot()
+                beat = {"version": self.engine.stats().version, "snapshot": snapshot, "lease_seconds": self.lease_s}
+                part = Part(self, self._instance, heartbeat=beat)
+                self._last["heartbeat"] = time.monotonic()
             self.node.hand(self, part, force)
             if batch:
                 self._last["report"] = time.monotonic()
-                if snapshot is not None:
-                    self._sent_snapshot(snapshot)
-                else:
-                    self._owed = True
+            if snapshot is not None:
+                self._sent_snapshot(snapshot)
+            elif batch:
+                self._owed = True
             if not (force and self.pending):
                 return
             for d in self._inbox.get(0.0) if self._inbox is not None else []:  # lost routes first
@@ -561,11 +568,13 @@ class RolloutWorker:
             return False
         return self._owed or self._unpredictable() != self._sent or (since >= self.snapshot_every_s and bool(self.held))
 
-    def _snapshot_due(self) -> bool:
+    def _snapshot_due(self, rides: float = 1.0) -> bool:
         """Whether a report carries the snapshot: at most one a `heartbeat_s` (as heartbeats once
         did), sooner for an unpredictable change. A report without one takes the instance row
-        only FOR SHARE (a renewal aside), so it never waits on a route to the instance."""
-        return time.monotonic() - self._last["snapshot"] >= self.heartbeat_s or self._unpredictable() != self._sent
+        only FOR SHARE (a renewal aside), so it never waits on a route to the instance. `rides`:
+        the share of `heartbeat_s` that is enough (a node's flush takes it along sooner)."""
+        since = time.monotonic() - self._last["snapshot"]
+        return since >= self.heartbeat_s * rides or self._unpredictable() != self._sent
 
     def _sent_snapshot(self, snapshot: dict[str, Any]) -> None:
         self._last["snapshot"], self._owed = time.monotonic(), False
