@@ -25,7 +25,7 @@ from .errors import error_body
 from .group_commit import GroupCommit
 from .metrics import LatencyMiddleware, Metrics
 from .notify import Notifier
-from .routers import audit, coordinator, health, lineage, param_keys, rollout, runs, samples, training, ui
+from .routers import audit, coordinator, health, lineage, node, param_keys, rollout, runs, samples, training, ui
 from .service import ApiProtocol
 from .settings import ApiSettings
 
@@ -96,7 +96,7 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
     app.state.staleflow = state
     app.state.database_watch = watch  # outage log and counter (errors.py, /readyz)
     errors.install(app, settings.retry_after)
-    for module in (runs, rollout, training, param_keys, coordinator, audit, lineage, samples, health, ui):
+    for module in (runs, node, rollout, training, param_keys, coordinator, audit, lineage, samples, health, ui):
         app.include_router(module.router)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     app.add_middleware(LatencyMiddleware, metrics=metrics)

@@ -4,7 +4,7 @@ and the long-poll loop."""
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Annotated, TypeVar
 
@@ -21,7 +21,7 @@ from workers.wire.types import is_run_id
 from .auth import Principal, TokenCache
 from .group_commit import GroupCommit
 from .metrics import Metrics
-from .notify import Notifier, wait_for
+from .notify import Notifier, wait_any
 from .service import ApiProtocol
 from .settings import ApiSettings
 
@@ -191,21 +191,22 @@ async def long_poll(
     request: Request,
     state: AppState,
     run_id: int,
-    topic: str,
+    topic: str | Sequence[str],
     wait: float,
     fetch: Callable[[], T],
     done: Callable[[T], bool],
 ) -> T:
     """Call `fetch` (a short transaction, in a thread) until `done` or the wait ends. Between
     calls no transaction is open: the wait is on an in-process event (woken on commit here
-    or by NOTIFY from another replica) with a polling fallback."""
+    or by NOTIFY from another replica) with a polling fallback. Several topics: woken by any."""
     deadline = time.monotonic() + min(wait, state.settings.max_wait)
     notifier = state.notifier
+    topics = [topic] if isinstance(topic, str) else list(topic)
     while True:
-        event = notifier.event(run_id, topic)
+        events = [notifier.event(run_id, t) for t in topics]
         result = await run_in_threadpool(fetch)
         remaining = deadline - time.monotonic()
         if done(result) or remaining <= 0 or await request.is_disconnected():
             return result
-        with state.metrics.waiting(topic):
-            await wait_for(event, min(remaining, state.settings.poll_interval))
+        with state.metrics.waiting(topics[0]):
+            await wait_any(events, min(remaining, state.settings.poll_interval))

@@ -32,7 +32,7 @@ from workers.retry import LISTEN_RECONNECT, Outage
 
 log = logging.getLogger(__name__)
 
-__all__ = ["BATCH", "REWARDS", "TOPICS", "WORK", "Notifier", "instance_topic", "wait_for"]
+__all__ = ["BATCH", "REWARDS", "TOPICS", "WORK", "Notifier", "instance_topic", "wait_any", "wait_for"]
 
 
 class Notifier:
@@ -172,3 +172,19 @@ async def wait_for(event: asyncio.Event, timeout: float) -> bool:
         return True
     except TimeoutError:
         return False
+
+
+async def wait_any(events: list[asyncio.Event], timeout: float) -> bool:
+    """True if any of the events fired within `timeout` seconds (a node's long-poll waits on
+    each of its instances' topics)."""
+    if len(events) == 1:
+        return await wait_for(events[0], timeout)
+    if timeout <= 0 or any(e.is_set() for e in events):
+        return any(e.is_set() for e in events)
+    waits = [asyncio.ensure_future(e.wait()) for e in events]
+    try:
+        done, _ = await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        return bool(done)
+    finally:
+        for w in waits:
+            w.cancel()

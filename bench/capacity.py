@@ -56,6 +56,8 @@ from workers.sim.setups import get_setup
 
 SLO_MS = 250.0
 LONG_POLL = "long-poll"
+# the calls of the rollout instances (one node's syncs carry several instances' calls)
+INSTANCE_CALLS = ("register", "poll (long-poll)", "report", "heartbeat", "sync (flush)", "sync (long-poll)")
 
 
 def cadence(setup_name: str, slots: int | None, turns: int) -> dict:
@@ -136,7 +138,9 @@ def run_step(args, cad: dict, bases: list[str], admin: StaleFlowClient, report: 
         max_prompt_tokens=max(1024, cad["prompt_tokens"]),
     ).id
     tokens = {r: admin.create_token(r, run).token for r in ("rollout", "reward", "trainer", "coordinator")}
-    procs = max(1, min(args.processes, instances))
+    k_node = args.instances_per_node
+    nodes = math.ceil(instances / k_node)  # users: one per node (one per instance when K = 1)
+    procs = max(1, min(args.processes, nodes))
     now = time.time()
     start_at = now + args.warmup
     end_at = start_at + args.seconds
@@ -149,7 +153,9 @@ def run_step(args, cad: dict, bases: list[str], admin: StaleFlowClient, report: 
             hosts=bases,
             tokens=tokens,
             run=run,
-            instances=instances // procs + (1 if k < instances % procs else 0),
+            instances=(nodes // procs + (1 if k < nodes % procs else 0)) * k_node,
+            per_node=k_node,
+            node_report_s=args.node_report_s,
             control=k == 0,
             rewarders=args.reward_workers,
             lease_s=15.0,
@@ -210,7 +216,7 @@ def run_step(args, cad: dict, bases: list[str], admin: StaleFlowClient, report: 
     got = [json.loads(o.read_text()) for o in outs if o.exists()]
     if len(got) < len(children):
         raise SystemExit(f"a load process failed: see {step_dir}/locust-*.log")
-    return summarize(instances, got, cpus, load_cpu, conns)
+    return summarize(nodes * k_node, got, cpus, load_cpu, conns)
 
 
 def summarize(instances: int, got: list[dict], cpus, load_cpu: CPU, conns: list[int]) -> dict:
@@ -225,7 +231,7 @@ def summarize(instances: int, got: list[dict], cpus, load_cpu: CPU, conns: list[
     pulls = {int(v): t for o in got for v, t in o["pulls"].items()}
     delivery = Counter(round((at - pulls[v]) * 1000) for o in got for v, _i, at in o["deliveries"] if v in pulls)
     calls = sum(d["calls"] for d in per.values())
-    instance_calls = sum(per[n]["calls"] for n in ("register", "poll (long-poll)", "report", "heartbeat") if n in per)
+    instance_calls = sum(per[n]["calls"] for n in INSTANCE_CALLS if n in per)
     short = Counter()
     for name, d in per.items():
         if LONG_POLL not in name:
@@ -250,6 +256,7 @@ def summarize(instances: int, got: list[dict], cpus, load_cpu: CPU, conns: list[
         finished=finished,
         calls_per_sample=calls / finished if finished else float("nan"),
         instance_calls_per_sample=instance_calls / finished if finished else float("nan"),
+        instance_calls_per_s=instance_calls / (instances * seconds),  # per instance-second
         p99_ms=pct(short, 0.99),
         worst_p99_ms=worst,
         delivery_p99_ms=deliver_p99,
@@ -280,7 +287,8 @@ def show(step: dict) -> None:
     )
     print(
         f"\n{s['instances']} instances, {s['seconds']:.0f} s: {s['calls_per_s']:,.0f} calls/s, "
-        f"{s['calls_per_sample']:.1f} calls per finished sample ({s['instance_calls_per_sample']:.1f} by the instances), "
+        f"{s['calls_per_sample']:.1f} calls per finished sample ({s['instance_calls_per_sample']:.1f} by the instances, "
+        f"{s['instance_calls_per_s']:.2f} per instance-second), "
         f"errors {s['errors']}, lapses {s['lapses']}, command delivery p99 {deliver}, "
         f"connections {s['connections']} -> {'within' if s['ok'] else 'OUTSIDE'} the service level"
     )
@@ -318,6 +326,18 @@ def main() -> None:
     ap.add_argument(
         "--quick", action="store_true", help="smoke test: 4 then 8 instances of short_many, 1 replica, ~1 min"
     )
+    ap.add_argument(
+        "--instances-per-node",
+        type=int,
+        default=1,
+        help="K: each load user is a node of K instances (workers/rollout/node.py: one sync per flush, one long-poll)",
+    )
+    ap.add_argument(
+        "--node-report-s",
+        type=float,
+        default=0.05,
+        help="a node's report timer (its instances' pending reports wait at most this long; the worker's is 0.05)",
+    )
     ap.add_argument("--keep-going", action="store_true", help="ramp on past a step outside the service level")
     ap.add_argument("--report-dir", type=Path, default=Path("reports"))
     args = ap.parse_args()
@@ -336,6 +356,11 @@ def main() -> None:
         f"{cad['turns']} turn(s) per sample; reports when a segment ends (coalesced over 50 ms), checkpoints every 5 s "
         "(riding a report once 80% due), long-poll 5 s, polls and reports renew the lease, a heartbeat "
         "only when no snapshot went for 5 s"
+        + (
+            f"; nodes of {args.instances_per_node} instances: one sync per flush, one long-poll for all"
+            if args.instances_per_node > 1
+            else ""
+        )
     )
     print(
         f"load: {args.processes} Locust process(es) of gevent users on this machine's {os.cpu_count()} cores, "
@@ -355,13 +380,14 @@ def main() -> None:
         if pg is not None:
             pg.stop_fast()
     print(
-        f"\n{'instances':>9}{'calls/s':>9}{'calls/sample':>13}{'p99 ms':>8}{'worst p99':>10}{'pull p99':>9}"
+        f"\n{'instances':>9}{'calls/s':>9}{'calls/sample':>13}{'inst/s':>7}{'p99 ms':>8}{'worst p99':>10}{'pull p99':>9}"
         f"{'db us':>7}{'api us':>7}{'load us':>8}{'conns':>6}{'errors':>7}  ok"
     )
     for s in steps:
         d = "-" if s["delivery_p99_ms"] is None else f"{s['delivery_p99_ms']:.0f}"
         print(
-            f"{s['instances']:>9}{s['calls_per_s']:>9.0f}{s['calls_per_sample']:>13.1f}{s['p99_ms']:>8.0f}"
+            f"{s['instances']:>9}{s['calls_per_s']:>9.0f}{s['calls_per_sample']:>13.1f}"
+            f"{s['instance_calls_per_s']:>7.2f}{s['p99_ms']:>8.0f}"
             f"{s['worst_p99_ms']:>10.0f}{d:>9}{s['db_us']:>7.0f}{s['api_us']:>7.0f}{s['load_us']:>8.0f}"
             f"{s['connections']:>6}{s['errors']:>7}  {'yes' if s['ok'] else 'no'}"
         )

@@ -19,6 +19,10 @@ cadence over REST, with the requests and responses built from the `workers.wire`
   to instances with free slots (from the run's snapshot) and sends a pull to every instance when
   the trainer publishes a version; records when it sent each pull, so command delivery is
   measured as (instance's poll returned) - (pull sent), across processes on one clock.
+* `Node` (with `per_node` K > 1, instead of `Instance`): a process hosting K instances as
+  workers/rollout/node.py runs them: one long-poll for all K and one sync carrying all their
+  reports and heartbeats whenever any has a report due (one report timer for the node) or owes
+  a heartbeat; each member instance follows `Instance`'s engine side (`Held`).
 * `Rewarder` claims (long-poll) and records rewards; `Trainer` consumes (long-poll), trains for
   `train_seconds` and publishes.
 
@@ -106,81 +110,17 @@ class Api(FastHttpUser):
             return out.model_validate_json(r.content) if out is not None else True
 
 
-class Instance(Api):
-    role = "rollout"
+class Held:
+    """One simulated instance's samples and the reports it owes (no calls of its own): the
+    engine side shared by `Instance` (its own calls) and `Node`'s members (the node's syncs)."""
 
-    @task
-    def serve(self):
-        c = CFG
-        self.capacity = m.Capacity(max_running=c["slots"], kv_capacity=c["kv_capacity"])
-        self.version = SHARED["version"]
-        self.held: dict[int, dict] = {}
-        self.pending: list[dict] = []  # report items not sent yet, batched as the real worker
-        self.inbox: list[m.PollOut] = []
-        if not self.register():
-            gevent.sleep(1)
-            return
-        now = time.monotonic()
-        # registration sent the capacity: the first snapshot; checkpoints spread over the interval
-        self.last = {"heartbeat": now, "report": 0.0, "snapshot": now, "poll": now}
-        self.owed = False  # a report went without the snapshot
-        checkpoint = now - random.uniform(0, c["checkpoint_s"])
-        poller = gevent.spawn(self.poll_loop)
-        try:
-            while True:
-                gevent.sleep(0.01)  # an engine step
-                now = time.monotonic()
-                for out in self.inbox:
-                    self.deliver(out, now)
-                self.inbox.clear()
-                for sid, h in list(self.held.items()):
-                    if now >= h["turn_end"]:
-                        self.end_turn(sid, now)
-                since = now - checkpoint
-                reporting = bool(self.pending) and now - self.last["report"] >= c["report_s"]
-                if since >= c["checkpoint_s"] or (reporting and since >= c["checkpoint_s"] * 0.8):
-                    checkpoint = now  # due, or nearly and a report goes anyway: it rides along
-                    for sid in list(self.held):
-                        self.segment(sid, now, "partial")
-                if self.pending and now - self.last["report"] >= c["report_s"]:
-                    self.flush()
-                # a heartbeat only for what nothing else carried (the worker's `_heartbeat_due`;
-                # no preemption or environment wait here, so no unpredictable change)
-                quiet = now - max(self.last["report"], self.last["heartbeat"], self.last["poll"])
-                since = now - self.last["snapshot"]
-                stale = since >= c["snapshot_every_s"] and bool(self.held)
-                if quiet >= c["lease_s"] / 2 or stale or (self.owed and since >= c["heartbeat_s"]):
-                    self.heartbeat()
-        finally:
-            poller.kill()
-
-    def register(self) -> bool:
-        body = m.RegisterIn(name="capacity", version=self.version, lease_seconds=CFG["lease_s"], capacity=self.capacity)
-        got = self.call("register", "/instances", body, m.RegisterOut, key=True)
-        if got is None:
-            return False
-        self.instance = got.instance_id
-        return True
-
-    def poll_loop(self):
-        while True:
-            self.last["poll"] = time.monotonic()
-            out = self.call(
-                "poll (long-poll)",
-                f"/instances/{self.instance}/poll",
-                None,
-                m.PollOut,
-                params=f"?wait={CFG['poll_wait_s']}&limit=1000",
-                key=True,
-            )
-            if out is None:
-                gevent.sleep(0.1)
-            elif out.work or out.commands:
-                at = time.time()
-                for cmd in out.commands:
-                    if cmd.kind == "pull" and cmd.target_version is not None:
-                        SHARED["deliveries"].append((cmd.target_version, self.instance, at))
-                self.inbox.append(out)
+    capacity: m.Capacity
+    version: int
+    held: dict[int, dict]
+    pending: list[dict]
+    instance: int
+    last: dict[str, float]
+    owed: bool
 
     def deliver(self, out: m.PollOut, now: float):
         c = CFG
@@ -264,6 +204,102 @@ class Instance(Api):
             }
         )
 
+    def snapshot(self, pulling: bool = False) -> m.InstanceSnapshotIn:
+        c = CFG
+        running = [m.RunningSampleIn(sample_id=s, tokens=h["done"]) for s, h in self.held.items()]
+        kv = sum(h["done"] + c["prompt_tokens"] for h in self.held.values())
+        return m.InstanceSnapshotIn(
+            running=len(self.held),
+            kv_used=kv,
+            running_samples=running,
+            capacity=self.capacity,
+            throughput=c["tokens_per_s"] * len(self.held),
+            pulling=pulling,
+        )
+
+    def flush(self) -> None:
+        raise NotImplementedError
+
+    def heartbeat(self, pulling: bool = False) -> None:
+        raise NotImplementedError
+
+
+class Instance(Api, Held):
+    role = "rollout"
+
+    @task
+    def serve(self):
+        c = CFG
+        self.capacity = m.Capacity(max_running=c["slots"], kv_capacity=c["kv_capacity"])
+        self.version = SHARED["version"]
+        self.held: dict[int, dict] = {}
+        self.pending: list[dict] = []  # report items not sent yet, batched as the real worker
+        self.inbox: list[m.PollOut] = []
+        if not self.register():
+            gevent.sleep(1)
+            return
+        now = time.monotonic()
+        # registration sent the capacity: the first snapshot; checkpoints spread over the interval
+        self.last = {"heartbeat": now, "report": 0.0, "snapshot": now, "poll": now}
+        self.owed = False  # a report went without the snapshot
+        checkpoint = now - random.uniform(0, c["checkpoint_s"])
+        poller = gevent.spawn(self.poll_loop)
+        try:
+            while True:
+                gevent.sleep(0.01)  # an engine step
+                now = time.monotonic()
+                for out in self.inbox:
+                    self.deliver(out, now)
+                self.inbox.clear()
+                for sid, h in list(self.held.items()):
+                    if now >= h["turn_end"]:
+                        self.end_turn(sid, now)
+                since = now - checkpoint
+                reporting = bool(self.pending) and now - self.last["report"] >= c["report_s"]
+                if since >= c["checkpoint_s"] or (reporting and since >= c["checkpoint_s"] * 0.8):
+                    checkpoint = now  # due, or nearly and a report goes anyway: it rides along
+                    for sid in list(self.held):
+                        self.segment(sid, now, "partial")
+                if self.pending and now - self.last["report"] >= c["report_s"]:
+                    self.flush()
+                # a heartbeat only for what nothing else carried (the worker's `_heartbeat_due`;
+                # no preemption or environment wait here, so no unpredictable change)
+                quiet = now - max(self.last["report"], self.last["heartbeat"], self.last["poll"])
+                since = now - self.last["snapshot"]
+                stale = since >= c["snapshot_every_s"] and bool(self.held)
+                if quiet >= c["lease_s"] / 2 or stale or (self.owed and since >= c["heartbeat_s"]):
+                    self.heartbeat()
+        finally:
+            poller.kill()
+
+    def register(self) -> bool:
+        body = m.RegisterIn(name="capacity", version=self.version, lease_seconds=CFG["lease_s"], capacity=self.capacity)
+        got = self.call("register", "/instances", body, m.RegisterOut, key=True)
+        if got is None:
+            return False
+        self.instance = got.instance_id
+        return True
+
+    def poll_loop(self):
+        while True:
+            self.last["poll"] = time.monotonic()
+            out = self.call(
+                "poll (long-poll)",
+                f"/instances/{self.instance}/poll",
+                None,
+                m.PollOut,
+                params=f"?wait={CFG['poll_wait_s']}&limit=1000",
+                key=True,
+            )
+            if out is None:
+                gevent.sleep(0.1)
+            elif out.work or out.commands:
+                at = time.time()
+                for cmd in out.commands:
+                    if cmd.kind == "pull" and cmd.target_version is not None:
+                        SHARED["deliveries"].append((cmd.target_version, self.instance, at))
+                self.inbox.append(out)
+
     def flush(self):
         if not self.pending:
             return
@@ -286,24 +322,175 @@ class Instance(Api):
                 self.owed = True  # a report went without it: one is owed within heartbeat_s
         self.last["report"] = time.monotonic()
 
-    def snapshot(self, pulling: bool = False) -> m.InstanceSnapshotIn:
-        c = CFG
-        running = [m.RunningSampleIn(sample_id=s, tokens=h["done"]) for s, h in self.held.items()]
-        kv = sum(h["done"] + c["prompt_tokens"] for h in self.held.values())
-        return m.InstanceSnapshotIn(
-            running=len(self.held),
-            kv_used=kv,
-            running_samples=running,
-            capacity=self.capacity,
-            throughput=c["tokens_per_s"] * len(self.held),
-            pulling=pulling,
-        )
-
     def heartbeat(self, pulling: bool = False):
         body = m.HeartbeatIn(version=self.version, snapshot=self.snapshot(pulling), lease_seconds=CFG["lease_s"])
         self.call("heartbeat", f"/instances/{self.instance}/heartbeat", body, m.HeartbeatOut)
         self.last["heartbeat"] = self.last["snapshot"] = time.monotonic()
         self.owed = False
+
+
+class Member(Held):
+    """An instance of a `Node`: its calls are the node's. A forced flush or a heartbeat (a pull)
+    is queued for the node's next sync, sent at once."""
+
+    def __init__(self, node: Node):
+        self.node = node
+        self.capacity = m.Capacity(max_running=CFG["slots"], kv_capacity=CFG["kv_capacity"])
+        self.version: int = SHARED["version"]  # type: ignore[assignment]
+        self.held, self.pending = {}, []
+        self.heartbeats: list[m.HeartbeatIn] = []  # owed, in order: one per sync
+        self.instance = 0
+        self.owed = False
+
+    def flush(self) -> None:
+        self.node.urgent = True
+
+    def heartbeat(self, pulling: bool = False) -> None:
+        self.heartbeats.append(
+            m.HeartbeatIn(version=self.version, snapshot=self.snapshot(pulling), lease_seconds=CFG["lease_s"])
+        )
+        self.node.urgent = True
+
+
+class Node(Api):
+    """A process hosting `per_node` instances as workers/rollout/node.py runs them: one long-poll
+    for all of them (POST .../instances/sync?wait=), and one sync for all their reports and
+    heartbeats whenever any has a report due (the node's one report timer) or a heartbeat."""
+
+    role = "rollout"
+
+    @task
+    def serve(self):
+        c = CFG
+        members = [Member(self) for _ in range(c["per_node"])]
+        self.urgent = False
+        self.inbox: list[tuple[Member, m.PollOut]] = []
+        for mem in members:
+            body = m.RegisterIn(name="capacity", version=mem.version, lease_seconds=c["lease_s"], capacity=mem.capacity)
+            got = self.call("register", "/instances", body, m.RegisterOut, key=True)
+            if got is None:
+                gevent.sleep(1)
+                return
+            mem.instance = got.instance_id
+        now = time.monotonic()
+        self.last_report = 0.0
+        self.last_poll = now
+        for mem in members:
+            mem.last = {"heartbeat": now, "report": 0.0, "snapshot": now, "poll": now}
+            mem.checkpoint = now - random.uniform(0, c["checkpoint_s"])
+        self.members = members
+        poller = gevent.spawn(self.poll_loop)
+        try:
+            while True:
+                gevent.sleep(0.01)  # an engine step
+                now = time.monotonic()
+                for mem, out in self.inbox:
+                    mem.deliver(out, now)
+                self.inbox.clear()
+                for mem in members:
+                    for sid, h in list(mem.held.items()):
+                        if now >= h["turn_end"]:
+                            mem.end_turn(sid, now)
+                # a flush goes anyway: every member's checkpoint 80% due rides it
+                reporting = now - self.last_report >= c["node_report_s"] and any(mem.pending for mem in members)
+                hb = False
+                for mem in members:
+                    since = now - mem.checkpoint
+                    if since >= c["checkpoint_s"] or (reporting and since >= c["checkpoint_s"] * 0.8):
+                        mem.checkpoint = now
+                        for sid in list(mem.held):
+                            mem.segment(sid, now, "partial")
+                    quiet = now - max(self.last_report, mem.last["heartbeat"], self.last_poll)
+                    since = now - mem.last["snapshot"]
+                    stale = since >= c["snapshot_every_s"] and bool(mem.held)
+                    if not mem.heartbeats and (
+                        quiet >= c["lease_s"] / 2 or stale or (mem.owed and since >= c["heartbeat_s"])
+                    ):
+                        mem.heartbeat()
+                        hb = True
+                if self.urgent or hb or reporting:
+                    self.flush_all()
+        finally:
+            poller.kill()
+
+    def flush_all(self):
+        """Syncs until nothing forced is left: each takes every member's pending reports (one
+        segment per sample: a turn's observation goes in the next) and its first owed heartbeat."""
+        while True:
+            self.urgent = False
+            items, sent = [], []
+            for mem in self.members:
+                batch, later, seen = [], [], set()
+                for r in mem.pending:
+                    (later if r["sample_id"] in seen else batch).append(r)
+                    seen.add(r["sample_id"])
+                mem.pending = later
+                beat = mem.heartbeats.pop(0) if mem.heartbeats else None
+                # a snapshot rides the flush once 80% due, as a checkpoint does: no heartbeat of its own later
+                rides = time.monotonic() - mem.last["snapshot"] >= CFG["heartbeat_s"] * 0.8
+                if not batch and beat is None and mem.owed and rides:
+                    beat = m.HeartbeatIn(version=mem.version, snapshot=mem.snapshot(), lease_seconds=CFG["lease_s"])
+                if not batch and beat is None:
+                    continue
+                snap = mem.snapshot() if batch and not later and rides else None
+                item = m.NodeItemIn(
+                    instance_id=mem.instance,
+                    reports=[m.ReportIn.model_validate(r) for r in batch],
+                    snapshot=snap,
+                    heartbeat=beat,
+                )
+                items.append(item)
+                sent.append((mem, batch, snap, beat))
+            if not items:
+                return
+            out = self.call("sync (flush)", "/instances/sync", m.NodeSyncIn(items=items), m.NodeSyncOut, key=True)
+            now = time.monotonic()
+            self.last_report = now
+            for k, (mem, batch, snap, beat) in enumerate(sent):
+                ok = out is not None and out.results[k].status == 200
+                if out is not None and not ok:
+                    SHARED["lapses"] += 1  # an instance's item refused: its lease lapsed (or a route lost)
+                if ok:
+                    SHARED["finished"] += sum(r["kind"] == "finished" for r in batch)
+                if batch:
+                    mem.last["report"] = now
+                if snap is not None or beat is not None:
+                    mem.last["snapshot"], mem.owed = now, False
+                elif batch:
+                    mem.owed = True
+                if beat is not None:
+                    mem.last["heartbeat"] = now
+            if not self.urgent and not any(mem.heartbeats for mem in self.members):
+                return
+
+    def poll_loop(self):
+        by_id = {mem.instance: mem for mem in self.members}
+        body = m.NodeSyncIn(poll=list(by_id))
+        while True:
+            self.last_poll = time.monotonic()
+            out = self.call(
+                "sync (long-poll)",
+                "/instances/sync",
+                body,
+                m.NodeSyncOut,
+                params=f"?wait={CFG['poll_wait_s']}&limit=1000",
+                key=True,
+            )
+            if out is None:
+                gevent.sleep(0.1)
+                continue
+            at = time.time()
+            for d in out.deliveries:
+                if d.status != 200:
+                    SHARED["lapses"] += 1
+                    continue
+                if d.work or d.commands:
+                    for cmd in d.commands:
+                        if cmd.kind == "pull" and cmd.target_version is not None:
+                            SHARED["deliveries"].append((cmd.target_version, d.instance_id, at))
+                    self.inbox.append((by_id[d.instance_id], m.PollOut(work=d.work, commands=d.commands)))
+            if any(d.status != 200 for d in out.deliveries):
+                gevent.sleep(1.0)  # fenced: this bench counts it as a lapse (no re-registration)
 
 
 class Coordinator(Api):
@@ -382,7 +569,8 @@ class Trainer(Api):
 def main() -> None:
     cfg_path, out_path = Path(sys.argv[1]), Path(sys.argv[2])
     CFG.update(json.loads(cfg_path.read_text()))
-    classes: list[type[Api]] = [Instance]
+    per_node = CFG.get("per_node", 1)
+    classes: list[type[Api]] = [Instance] if per_node == 1 else [Node]
     control = 0
     if CFG["control"]:
         Rewarder.fixed_count = CFG["rewarders"]
@@ -397,7 +585,7 @@ def main() -> None:
 
     env.events.user_error.add_listener(crashed)
     runner = env.create_local_runner()
-    users = CFG["instances"] + control
+    users = CFG["instances"] // per_node + control
     runner.start(users, spawn_rate=max(1.0, users / max(1.0, CFG["spawn_s"])))
     gevent.sleep(max(0.0, CFG["start_at"] - time.time()))
     env.stats.reset_all()

@@ -120,6 +120,14 @@ def rollout_worker(
         1.0, "--heartbeat", min=0.05, help="least seconds between two snapshots (polls and reports renew the lease)"
     ),
     ps_wait: float = typer.Option(120.0, "--ps-wait", min=0.0, help="seconds to wait for the PS's first version"),
+    instances: int = typer.Option(
+        1,
+        "--instances",
+        min=1,
+        max=60,
+        help="sim: engine instances this process drives (a node), their reports, heartbeats and polls "
+        "sent together (one sync call per flush and one long-poll for all)",
+    ),
     pull_bucket_mb: float = typer.Option(
         256.0,
         "--pull-bucket-mb",
@@ -154,6 +162,8 @@ def rollout_worker(
             turns = Turns(load_env(env), load_codec(codec), env_timeout)
         except Exception as e:  # the user's module may fail to import in any way
             raise typer.BadParameter(f"{env}: {type(e).__name__}: {e}", param_hint="--env") from None
+    if instances > 1 and engine is not Engine.sim:
+        raise typer.BadParameter("several instances per process: the sim engine only", param_hint="--instances")
     cost = _cost_model(sim_model, sim_parallelism) if engine is Engine.sim else None
     pc = ps_client(ps)
     client, run_id = connect(api, token, run, api_wait)
@@ -164,6 +174,9 @@ def rollout_worker(
         )
     ps_login(pc, client, run_id, "rollout")
     weights: WeightSource | None
+    if instances > 1:
+        _node(client, run_id, instances, name, kv_capacity, max_running, cost, time_scale, phi_wait, heartbeat)
+        return
     if engine is Engine.sim:
         eng, weights = _sim_engine(client, run_id, kv_capacity, max_running, cost, time_scale)
     else:
@@ -216,6 +229,79 @@ def rollout_worker(
             if hasattr(eng, "shutdown"):  # vLLM runs its engine core in another process
                 eng.shutdown()
     console.print(f"rollout worker: {stats.finished} finished, {stats.tokens} tokens, deregistered")
+
+
+def _node(
+    client: StaleFlowClient,
+    run_id: int,
+    k: int,
+    name: str | None,
+    kv_capacity: int | None,
+    max_running: int,
+    cost: CostModel | None,
+    time_scale: float | None,
+    phi_wait: int | None,
+    heartbeat: float,
+) -> None:
+    """`k` sim instances in this process (workers/rollout/node.py), each in its own thread."""
+    import threading
+
+    from workers.rollout.node import Node
+    from workers.rollout.worker import RolloutWorker
+
+    node = Node(client, run_id)
+    base = name or f"{socket.gethostname()}-{os.getpid()}"
+    workers = []
+    for i in range(k):
+        eng, weights = _sim_engine(client, run_id, kv_capacity, max_running, cost, time_scale)
+        workers.append(
+            RolloutWorker(
+                client,
+                run_id,
+                eng,
+                name=f"{base}-{i}",
+                weights=weights,
+                phi_wait=phi_wait,
+                heartbeat_s=heartbeat,
+                node=node,
+            )
+        )
+
+    def stop() -> None:
+        for w in workers:
+            w.stop()
+
+    on_signals(stop, "flushing reports and deregistering")
+    errors: list[BaseException] = []
+
+    def serve(w: RolloutWorker) -> None:
+        try:
+            w.run()
+        except BaseException as e:  # the others go on; the process fails at the end
+            errors.append(e)
+            console.print(f"[red]instance {w.instance_id}: {type(e).__name__}: {e}")
+
+    threads = [threading.Thread(target=serve, args=(w,), name=f"instance-{i}") for i, w in enumerate(workers)]
+    node.start()
+    for t in threads:
+        t.start()
+    with progress(None, f"rollout node, run {run_id}, {k} instances: starting") as (bar, task):
+        while any(t.is_alive() for t in threads):
+            for t in threads:
+                t.join(1.0)
+            bar.update(
+                task,
+                description=(
+                    f"rollout node ({k} instances): finished {sum(w.stats.finished for w in workers)} "
+                    f"tokens {sum(w.stats.tokens for w in workers)} syncs {node.calls['flush']} flush "
+                    f"{node.calls['poll']} poll{' (API unavailable)' if client.api.down else ''}"
+                ),
+            )
+    node.close()
+    finished = sum(w.stats.finished for w in workers)
+    console.print(f"rollout node: {k} instances, {finished} finished, {node.calls.total()} syncs, deregistered")
+    if errors:
+        raise typer.Exit(1)
 
 
 def _engine_kwargs(engine: Engine, path: Path | None, args: list[str]) -> dict[str, Any]:

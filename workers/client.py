@@ -420,6 +420,23 @@ class StaleFlowClient:
         path = f"/v1/runs/{_ref(run_id)}/instances/{instance_id}/segments"
         return self._call(m.ReportsOut, "POST", path, body=body, key=True).applied
 
+    def sync(
+        self,
+        run_id: RunRef,
+        items: Sequence[m.NodeItemIn | dict] = (),
+        poll: Sequence[int] = (),
+        wait: float = 0.0,
+        limit: int = 1000,
+    ) -> m.NodeSyncOut:
+        """Node sync: several instances' reports and heartbeats (`items`, one per instance) in
+        one call and one transaction, then a long-poll (`wait`) for the work and commands of the
+        instances in `poll`. Outcomes are per instance: an item or a delivery with status 409
+        was refused (its lease lapsed, a route lost) and nothing of it applied; the others were."""
+        body = m.NodeSyncIn(items=[_as(m.NodeItemIn, i) for i in items], poll=list(poll))
+        path = f"/v1/runs/{_ref(run_id)}/instances/sync"
+        params = {"wait": wait, "limit": limit}
+        return self._call(m.NodeSyncOut, "POST", path, body=body, params=params, key=True, wait=wait)
+
     def drop_trajectories(
         self, run_id: int, instance_id: int, drops: Sequence[m.TrajectoryDropIn | dict | tuple], reason: str
     ) -> list[int]:

@@ -20,6 +20,7 @@ from workers.wire.models import (
     PollOut,
     RegisterIn,
     RegisterOut,
+    ReportIn,
     ReportsIn,
     ReportsOut,
     TrajectoryDropsIn,
@@ -126,6 +127,25 @@ async def poll(
     return respond_json(await long_poll(request, state, run_id, instance_topic(instance_id), wait, fetch, _nonempty))
 
 
+def reports_of(items: list[ReportIn], instance_id: int) -> list[Report]:
+    """The data layer's reports of `instance_id` from the wire's."""
+    return [
+        Report(
+            r.sample_id,
+            r.attempt,
+            r.version,
+            r.tokens,
+            r.logprobs,
+            SegmentKind(r.kind),
+            r.finish_reason,
+            r.generated,
+            instance_id=instance_id,
+            route_token=str(r.route_token),
+        )
+        for r in items
+    ]
+
+
 # PollOut as the data layer's Poll (their fields are the same, nested)
 _EMPTY_POLL = dump(Poll, Poll())
 
@@ -152,22 +172,7 @@ def report(
     renews the instance's lease as a heartbeat does; its `snapshot`, when sent, is stored as a
     heartbeat's (the version is the heartbeat's to change)."""
     state.instance_in_run(run_id, instance_id, who)
-    reports = [
-        Report(
-            r.sample_id,
-            r.attempt,
-            r.version,
-            r.tokens,
-            r.logprobs,
-            SegmentKind(r.kind),
-            r.finish_reason,
-            r.generated,
-            instance_id=instance_id,
-            route_token=str(r.route_token),
-        )
-        for r in body.reports
-    ]
-
+    reports = reports_of(body.reports, instance_id)
     snapshot = body.snapshot.model_dump() if body.snapshot is not None else None
 
     def call(conn: Connection) -> ReportsOut:

@@ -5,6 +5,7 @@
 
 - `runs.RunOps`: create a run, enqueue prompts;
 - `rollout.RolloutOps`: instances and their leases, work delivery, segment reports;
+- `node.NodeOps`: several instances' reports, heartbeats and polls in one transaction;
 - `scoring.ScoringOps`: reward claims, recording rewards (Occupy, the DAPO filter), reward drops;
 - `training.TrainingOps`: consume, publish;
 - `coordination.CoordinationOps`, `routing.RoutingOps`, `aborts.AbortOps`: the coordinator's
@@ -25,6 +26,7 @@ from sqlalchemy import Engine
 from .aborts import AbortOps
 from .coordination import BufferView, CoordinationOps, InstanceView, QueuedView, RunningSample, Snapshot
 from .core import Prompt
+from .node import NodeDelivery, NodeHeartbeat, NodeItem, NodeOps, NodeOutcome
 from .reads import InstanceOwner, MetricsRows, ParamVersion, ProtocolReads, RunInfo
 from .rollout import Command, Poll, RolloutOps, Work
 from .routing import RoutingOps
@@ -33,7 +35,7 @@ from .scoring import RewardTask, ScoringOps
 from .training import Batch, SegmentInfo, TrainGroup, TrainingOps, TrainSample
 
 
-class Protocol(RunOps, RolloutOps, ScoringOps, TrainingOps, CoordinationOps, RoutingOps, AbortOps):
+class Protocol(RunOps, NodeOps, RolloutOps, ScoringOps, TrainingOps, CoordinationOps, RoutingOps, AbortOps):
     """The write side; its reads are `reads`."""
 
     def __init__(self, engine: Engine):
@@ -48,6 +50,10 @@ __all__ = [
     "InstanceOwner",
     "InstanceView",
     "MetricsRows",
+    "NodeDelivery",
+    "NodeHeartbeat",
+    "NodeItem",
+    "NodeOutcome",
     "ParamVersion",
     "Poll",
     "Prompt",

@@ -38,6 +38,7 @@ MATRIX: list[tuple[str, str, Any, set[str], int]] = [
     ("POST", "/v1/runs/{A}/instances/{I}/heartbeat", {"version": 0}, ROLLOUT, 403),
     ("DELETE", "/v1/runs/{A}/instances/{I}", None, ROLLOUT, 403),
     ("POST", "/v1/runs/{A}/instances/{I}/poll?wait=0", None, ROLLOUT, 403),
+    ("POST", "/v1/runs/{A}/instances/sync?wait=0", {"poll": ["{I}"]}, ROLLOUT, 403),  # another token's: 403 too
     (
         "POST",
         "/v1/runs/{A}/instances/{I}/segments",

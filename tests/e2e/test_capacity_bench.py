@@ -1,5 +1,6 @@
 """bench/capacity.py --quick: Locust-driven simulated instances, reward workers and a trainer
-against a real API replica on a private embedded PostgreSQL. Every call must succeed, samples
+against a real API replica on a private embedded PostgreSQL, the instances on their own and as
+nodes of four (one sync per flush, one long-poll). Every call must succeed, samples
 must finish, pulls must reach the instances, and the last line must have its shape; the figures
 themselves depend on the machine and are not asserted."""
 
@@ -24,11 +25,13 @@ pytestmark = [
 ]
 
 
-def test_quick_capacity_run_has_no_errors(tmp_path):
+@pytest.mark.parametrize("per_node", [1, 4])
+def test_quick_capacity_run_has_no_errors(tmp_path, per_node):
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     env.pop("STALEFLOW_DATABASE_URL", None)  # its own private server, never the test one
     out = subprocess.run(
-        [sys.executable, str(REPO / "bench" / "capacity.py"), "--quick", "--report-dir", str(tmp_path)],
+        [sys.executable, str(REPO / "bench" / "capacity.py"), "--quick", "--report-dir", str(tmp_path)]
+        + ["--instances-per-node", str(per_node)],
         cwd=REPO,
         env=env,
         capture_output=True,
@@ -43,7 +46,7 @@ def test_quick_capacity_run_has_no_errors(tmp_path):
     ), tail
     steps = [ln.split() for ln in lines if re.match(r"\s+\d+\s+\d+\s+[\d.]+\s", ln)]
     assert steps, tail
-    for row in steps:  # instances calls/s calls/sample p99 worst pull db api load conns errors ok
-        assert int(row[0]) > 0 and float(row[2]) > 0 and row[10] == "0", tail
+    for row in steps:  # instances calls/s calls/sample inst/s p99 worst pull db api load conns errors ok
+        assert int(row[0]) > 0 and float(row[2]) > 0 and row[11] == "0", tail
     assert re.search(r"command delivery p99 \d+ ms \(\d+ pulls\)", out.stdout), tail
     assert "error:" not in out.stdout, tail

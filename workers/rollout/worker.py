@@ -47,6 +47,7 @@ from workers.rollout.engines.base import (
     TokensEvent,
     engine_should_interrupt_preempted,
 )
+from workers.rollout.node import Node, NodeInbox, Part, Settled, Wake
 from workers.rollout.turns import Turn, Turns, turn_start
 from workers.rollout.worker_inbox import Delivery, Inbox
 
@@ -112,6 +113,7 @@ class RolloutWorker:
         turns: Turns | None = None,
         snapshot_every_s: float | None = None,
         poll_wait_s: float | None = None,
+        node: Node | None = None,
     ):
         self.client, self.run_id, self.engine, self.name = client, run_id, engine, name
         self.weights, self.phi_wait = weights, phi_wait
@@ -133,7 +135,9 @@ class RolloutWorker:
         self._last = {"heartbeat": 0.0, "report": 0.0, "checkpoint": now, "snapshot": 0.0, "tick": now}
         self._sent: tuple[int, ...] | None = None  # the unpredictable counts of the last snapshot sent
         self._owed = False  # a report went without the snapshot: one is owed within heartbeat_s
-        self._inbox: Inbox | None = None
+        self._inbox: Inbox | NodeInbox | None = None
+        # on a node (workers/rollout/node.py), reports, heartbeats and polls go through it
+        self.node = node
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -160,7 +164,11 @@ class RolloutWorker:
         log.info("instance %s registered at version %s", self.instance_id, self.engine.version)
         self._last["heartbeat"] = self._last["snapshot"] = time.monotonic()  # registration: the capacity
         self._sent = self._unpredictable()
-        inbox = Inbox(self.client, self.run_id, lambda: self.instance_id, self.poll_wait_s, self._looping)
+        inbox: Inbox | NodeInbox
+        if self.node is not None:
+            inbox = self.node.attach(self)
+        else:
+            inbox = Inbox(self.client, self.run_id, lambda: self.instance_id, self.poll_wait_s, self._looping)
         self._inbox = inbox
         inbox.start()
         try:
@@ -193,7 +201,7 @@ class RolloutWorker:
         """Whether this loop ticked lately: the inbox polls (renewing the lease) only then."""
         return time.monotonic() - self._last["tick"] < self.lease_s / 2
 
-    def tick(self, inbox: Inbox) -> None:
+    def tick(self, inbox: Inbox | NodeInbox) -> None:
         self._last["tick"] = time.monotonic()
         wait = 0.0
         if not self.engine.has_work():  # idle: until work arrives or a heartbeat or report is due
@@ -213,7 +221,10 @@ class RolloutWorker:
             self._answer_turns()
         now = time.monotonic()
         since = now - self._last["checkpoint"]
-        reporting = bool(self.pending) and now - self._last["report"] >= self.report_every_s
+        if self.node is not None:  # on a node: its flush goes anyway (asked, or due for this one)
+            reporting = self.node.asked(self) or (bool(self.pending) and self.node.due())
+        else:
+            reporting = bool(self.pending) and now - self._last["report"] >= self.report_every_s
         if self.checkpoint_every_s > 0 and (
             since >= self.checkpoint_every_s or (reporting and since >= self.checkpoint_every_s * CHECKPOINT_RIDES_AT)
         ):
@@ -224,7 +235,10 @@ class RolloutWorker:
 
     # ---- work and commands -----------------------------------------------------------------
 
-    def _deliver(self, d: Delivery) -> None:
+    def _deliver(self, d: Any) -> None:
+        if not isinstance(d, Delivery):  # on a node: a refused part of a flush, or a wake-up
+            self._settled(d)
+            return
         if d.instance_id != self.instance_id:
             return  # polled for an instance we have since given up (registered again)
         if isinstance(d.error, Conflict):  # the instance lease lapsed: poll is refused by time, before any sweep
@@ -426,6 +440,9 @@ class RolloutWorker:
                 self._queue(sid, held.tokens, held.logprobs, "partial", None)
 
     def _flush(self, force: bool = False) -> None:
+        if self.node is not None:
+            self._hand(force)
+            return
         if not self.pending or (not force and time.monotonic() - self._last["report"] < self.report_every_s):
             return
         pending, self.pending = self.pending, []
@@ -461,6 +478,58 @@ class RolloutWorker:
             self._sent_snapshot(snapshot)
         else:
             self._owed = True
+
+    def _hand(self, force: bool) -> None:
+        """On a node: hand the pending reports to its flush when the node's report timer is due,
+        a flush asks for them, or `force` (then sent at once, waiting for the outcome). One
+        segment per sample per flush: the rest waits for the next."""
+        assert self.node is not None
+        asked = self.node.asked(self)
+        if not force and not asked and not (self.pending and self.node.due()):
+            return
+        while True:
+            batch: list[dict] = []
+            later: list[dict] = []
+            seen: set[int] = set()
+            for r in self.pending:
+                (later if r["sample_id"] in seen else batch).append(r)
+                seen.add(r["sample_id"])
+            self.pending = later
+            # the snapshot rides a flush once 80% due, as a checkpoint does: no heartbeat of its own later
+            rides = self._snapshot_due(CHECKPOINT_RIDES_AT)
+            snapshot = self._snapshot() if batch and not later and rides else None
+            part = Part(self, self._instance, batch, snapshot) if batch else None
+            if not batch and self._owed and rides:  # an owed snapshot rides as this flush's heartbeat
+                snapshot = self._snapshot()
+                beat = {"version": self.engine.stats().version, "snapshot": snapshot, "lease_seconds": self.lease_s}
+                part = Part(self, self._instance, heartbeat=beat)
+                self._last["heartbeat"] = time.monotonic()
+            self.node.hand(self, part, force)
+            if batch:
+                self._last["report"] = time.monotonic()
+            if snapshot is not None:
+                self._sent_snapshot(snapshot)
+            elif batch:
+                self._owed = True
+            if not (force and self.pending):
+                return
+            for d in self._inbox.get(0.0) if self._inbox is not None else []:  # lost routes first
+                self._deliver(d)
+
+    def _settled(self, s: Settled | Wake) -> None:
+        """A refused part of a node's flush: its lost routes drop their samples; a fenced
+        instance registers again."""
+        if not isinstance(s, Settled) or s.instance_id != self.instance_id:
+            return  # a wake-up, or a part of an instance given up since
+        if s.fenced:
+            self._register_again()
+            return
+        self.stats.lost += len(s.lost)
+        for sid in s.lost:
+            if sid in self.held:
+                self.engine.abort([str(sid)])
+                self._release(sid)
+        self.pending = [r for r in self.pending if r["sample_id"] not in s.lost]
 
     # ---- weights and snapshots --------------------------------------------------------------
 
@@ -499,11 +568,13 @@ class RolloutWorker:
             return False
         return self._owed or self._unpredictable() != self._sent or (since >= self.snapshot_every_s and bool(self.held))
 
-    def _snapshot_due(self) -> bool:
+    def _snapshot_due(self, rides: float = 1.0) -> bool:
         """Whether a report carries the snapshot: at most one a `heartbeat_s` (as heartbeats once
         did), sooner for an unpredictable change. A report without one takes the instance row
-        only FOR SHARE (a renewal aside), so it never waits on a route to the instance."""
-        return time.monotonic() - self._last["snapshot"] >= self.heartbeat_s or self._unpredictable() != self._sent
+        only FOR SHARE (a renewal aside), so it never waits on a route to the instance. `rides`:
+        the share of `heartbeat_s` that is enough (a node's flush takes it along sooner)."""
+        since = time.monotonic() - self._last["snapshot"]
+        return since >= self.heartbeat_s * rides or self._unpredictable() != self._sent
 
     def _sent_snapshot(self, snapshot: dict[str, Any]) -> None:
         self._last["snapshot"], self._owed = time.monotonic(), False
@@ -511,6 +582,12 @@ class RolloutWorker:
 
     def _heartbeat(self, pulling: bool = False) -> None:
         snapshot = self._snapshot(pulling)
+        if self.node is not None:  # its outcome comes back as a Settled (fenced: register again)
+            heartbeat = {"version": self.engine.stats().version, "snapshot": snapshot, "lease_seconds": self.lease_s}
+            self.node.hand(self, Part(self, self._instance, heartbeat=heartbeat))
+            self._last["heartbeat"] = time.monotonic()
+            self._sent_snapshot(snapshot)
+            return
         try:
             self.client.heartbeat(self.run_id, self._instance, self.engine.stats().version, snapshot, self.lease_s)
         except Conflict:

@@ -7,6 +7,7 @@ from .common import Version as Version
 from .common import errors as errors
 from .coordination import *  # noqa: F403
 from .lineage import *  # noqa: F403
+from .node import *  # noqa: F403
 from .rollout import *  # noqa: F403
 from .runs import *  # noqa: F403
 from .training import *  # noqa: F403

@@ -1,0 +1,163 @@
+"""Node sync: one process hosting several rollout instances (a GPU node) sends their reports,
+lease renewals and snapshots in ONE call and one transaction, and long-polls for the work and
+commands of all of them at once (staleflow_db.protocol.node). Every instance keeps its own
+lease and fences: the outcome is per instance."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Depends, HTTPException, Request
+from fastapi.responses import Response
+from sqlalchemy import Connection
+from starlette.concurrency import run_in_threadpool
+
+from staleflow_db.errors import NotFound
+from staleflow_db.protocol import NodeDelivery, NodeHeartbeat, NodeItem, NodeOutcome
+from workers.wire.enums import Role, SegmentKind
+from workers.wire.models import NodeDeliveryOut, NodeErrorOut, NodeItemOut, NodeSyncIn, NodeSyncOut, errors
+from workers.wire.models.common import Limit
+
+from ..auth import Principal
+from ..body import ModelBodyRoute
+from ..deps import AppState, IdempotencyKey, RunId, State, Wait, allow_run, long_poll
+from ..notify import REWARDS, instance_topic
+from ..service import respond, scoped_key
+from .rollout import reports_of
+
+router = APIRouter(
+    route_class=ModelBodyRoute, prefix="/v1/runs/{run_id}", tags=["rollout"], responses=errors(401, 403, 404, 422, 503)
+)
+Rollout = Depends(allow_run(Role.ROLLOUT))
+
+
+@router.post("/instances/sync", response_model=NodeSyncOut, responses=errors(409, 413))
+async def sync(
+    request: Request,
+    run_id: RunId,
+    body: NodeSyncIn,
+    state: State,
+    key: IdempotencyKey = None,
+    wait: Wait = 0.0,
+    limit: Limit = 1000,
+    who: Principal = Rollout,
+) -> Response:
+    """The calls of several instances of one process in one: `items` (per instance, its report
+    as POST .../segments takes it, and/or a heartbeat) applied in one transaction, then `poll`
+    (instances to deliver work and commands for, as POST .../poll; a long-poll with `wait`,
+    returning when any of them has something). Each item and each delivery has its own outcome:
+    409 when its instance's lease lapsed or a route it quotes is lost (that item is not applied,
+    the others are; a fenced instance registers again). Bad input refuses the whole call, naming
+    the item: nothing applied. Send an Idempotency-Key: a retry gets the same outcomes back (the
+    same key with another body: 409 idempotency_key_reused)."""
+    _check(body)
+    ids = [(f"items.{k}.instance_id", it.instance_id) for k, it in enumerate(body.items)]
+    ids += [(f"poll.{k}", iid) for k, iid in enumerate(body.poll)]
+    if all(iid in state.instance_owners for _, iid in ids):  # cached: no I/O, no thread hand-off
+        _owned(state, run_id, ids, who)
+    else:
+        await run_in_threadpool(_owned, state, run_id, ids, who)
+    skey = scoped_key(key, f"run{run_id}:tok{who.token_id}:node")
+    results: list[NodeItemOut] = []
+    if body.items:
+        results = await run_in_threadpool(_apply, state, run_id, body, scoped_key(skey, "items"))
+    deliveries: list[NodeDeliveryOut] = []
+    if body.poll:
+        pkey = scoped_key(skey, "poll")
+
+        def call(conn: Connection) -> NodeSyncOut:
+            delivered = state.protocol.poll_node(body.poll, limit, conn=conn)
+            return NodeSyncOut(deliveries=[_delivery(d) for d in delivered])
+
+        def fetch() -> NodeSyncOut:
+            return state.protocol.once(pkey, "node_poll", body, call, NodeSyncOut, store=_delivered)[0]
+
+        topics = [instance_topic(i) for i in body.poll]
+        deliveries = (await long_poll(request, state, run_id, topics, wait, fetch, _answered)).deliveries
+    return respond(NodeSyncOut(results=results, deliveries=deliveries))
+
+
+def _check(body: NodeSyncIn) -> None:
+    """What the models cannot say: each instance once per part, and an item that does something."""
+    seen: set[int] = set()
+    for k, it in enumerate(body.items):
+        where = f"items.{k}"
+        if it.instance_id in seen:
+            raise HTTPException(422, f"{where}.instance_id: instance {it.instance_id} has an item already")
+        seen.add(it.instance_id)
+        if not it.reports and it.heartbeat is None:
+            raise HTTPException(422, f"{where}: neither reports nor a heartbeat")
+        if it.snapshot is not None and not it.reports:
+            raise HTTPException(422, f"{where}.snapshot: rides with reports only (a heartbeat carries its own)")
+    if len(set(body.poll)) != len(body.poll):
+        raise HTTPException(422, "poll: an instance appears twice")
+
+
+def _owned(state: AppState, run_id: int, ids: list[tuple[str, int]], who: Principal) -> None:
+    for where, iid in ids:
+        try:
+            state.instance_in_run(run_id, iid, who)
+        except NotFound as e:
+            raise NotFound(f"{where}: {e}") from None
+        except HTTPException as e:
+            raise HTTPException(e.status_code, f"{where}: {e.detail}") from None
+
+
+def _apply(state: AppState, run_id: int, body: NodeSyncIn, key: str | None) -> list[NodeItemOut]:
+    items = [
+        NodeItem(
+            it.instance_id,
+            reports_of(it.reports, it.instance_id),
+            it.snapshot.model_dump() if it.snapshot is not None else None,
+            None
+            if it.heartbeat is None
+            else NodeHeartbeat(it.heartbeat.version, it.heartbeat.snapshot.model_dump(), it.heartbeat.lease_seconds),
+        )
+        for it in body.items
+    ]
+
+    def call(conn: Connection) -> NodeSyncOut:
+        return NodeSyncOut(results=[_result(o) for o in state.protocol.sync_node(run_id, items, conn=conn)])
+
+    out, replayed = state.protocol.once(key, "node_sync", body, call, NodeSyncOut)
+    finished = any(
+        r.status == 200 and any(s.kind == SegmentKind.FINISHED for s in it.reports)
+        for r, it in zip(out.results, body.items, strict=True)
+    )
+    if finished and not replayed:
+        state.notifier.publish(run_id, REWARDS)
+    return out.results
+
+
+def _error(code: str | None, message: str | None, refused: list[tuple[int, str]]) -> NodeErrorOut:
+    return NodeErrorOut(
+        code=code or "conflict", message=message or "", items=[{"id": i, "reason": why} for i, why in refused[:100]]
+    )
+
+
+def _result(o: NodeOutcome) -> NodeItemOut:
+    if o.refused is None:
+        return NodeItemOut(instance_id=o.instance_id, status=200, applied=o.applied)
+    return NodeItemOut(instance_id=o.instance_id, status=409, applied=0, error=_error(o.code, o.message, o.refused))
+
+
+def _delivery(d: NodeDelivery) -> NodeDeliveryOut:
+    if d.refused is not None:
+        return NodeDeliveryOut(instance_id=d.instance_id, status=409, error=_error(d.code, d.message, d.refused))
+    data: dict[str, Any] = {
+        "instance_id": d.instance_id,
+        "status": 200,
+        "work": d.poll.work,
+        "commands": d.poll.commands,
+    }
+    return NodeDeliveryOut.model_validate(data, from_attributes=True)
+
+
+def _delivered(out: NodeSyncOut) -> bool:
+    """Kept under the key: a delivery (delivered once; a retry must get it back)."""
+    return any(d.work or d.commands for d in out.deliveries)
+
+
+def _answered(out: NodeSyncOut) -> bool:
+    """The long-poll returns: something delivered, or an instance fenced (it registers again)."""
+    return any(d.work or d.commands or d.status != 200 for d in out.deliveries)

@@ -1,0 +1,84 @@
+"""Three sim instances on one rollout node (workers/rollout/node.py), over real HTTP to a real
+API process: their reports go in node syncs, one instance's lease lapses mid-run, its flush
+item and delivery are refused (409) and it registers again, while the other two keep their
+instances and go on finishing samples."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+from api_helpers import ApiServer, token
+from sqlalchemy import text
+
+from staleflow_db.db import make_engine
+from workers.rollout.engines.sim_engine import SimEngine
+from workers.rollout.node import Node
+from workers.rollout.worker import RolloutWorker
+
+
+def _wait(cond, what: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"not reached: {what}"
+        time.sleep(0.05)
+
+
+@pytest.mark.slow
+def test_a_lapsed_instance_of_a_node_registers_again_and_the_others_go_on(db_url):
+    with ApiServer(db_url) as server:
+        admin = server.client(token(db_url, "admin"))
+        run = admin.create_run("node", batch_size=60, group_size=1, eta=0, max_response_tokens=64).id
+        admin.enqueue(run, [(f"p{i}", [1, 2, 3 + i]) for i in range(60)])
+        client = server.client(token(db_url, "rollout", run))
+        sent: list[str] = []
+        client.http.event_hooks["request"].append(lambda r: sent.append(r.url.path.rsplit("/", 1)[-1]))
+        node = Node(client, run, poll_wait_s=1.0)
+        workers = [
+            RolloutWorker(client, run, SimEngine(max_running=4, time_scale=0.2), name=f"n{k}", lease_s=10.0, node=node)
+            for k in range(3)
+        ]
+        threads = [threading.Thread(target=w.run, daemon=True) for w in workers]
+        node.start()
+        for t in threads:
+            t.start()
+        engine = make_engine(db_url)
+        try:
+            _wait(lambda: all(w.instance_id is not None for w in workers), "registered")
+            first = [w.instance_id for w in workers]
+            queued = [q.sample_id for q in admin.snapshot(run).queued]
+
+            def route(k: int, n: int) -> None:
+                nonlocal queued
+                batch, queued = queued[:n], queued[n:]
+                admin.route(run, [(s, workers[k].instance_id) for s in batch])
+
+            for k in range(3):
+                route(k, 4)
+            _wait(lambda: all(w.stats.finished >= 4 for w in workers), "the first samples finished")
+            # instance 1's lease lapses mid-run, with samples on it: its next flush item or poll is refused
+            route(1, 4)
+            _wait(lambda: workers[1].stats.routed >= 8, "delivered")
+            with engine.begin() as c:
+                c.execute(
+                    text("UPDATE instances SET lease_expires_at = now() - interval '1 s' WHERE id = :i"),
+                    {"i": first[1]},
+                )
+            _wait(lambda: workers[1].instance_id != first[1], "instance 1 to register again")
+            assert [workers[0].instance_id, workers[2].instance_id] == [first[0], first[2]]
+            before = [w.stats.finished for w in workers]
+            for k in range(3):
+                route(k, 4)
+            _wait(lambda: all(w.stats.finished >= b + 4 for w, b in zip(workers, before)), "all three go on")
+            assert [workers[0].instance_id, workers[2].instance_id] == [first[0], first[2]]  # never fenced
+            assert workers[0].stats.lost == workers[2].stats.lost == 0
+            # every report, heartbeat and poll went through node syncs
+            assert {"segments", "heartbeat", "poll"}.isdisjoint(sent) and "sync" in sent
+        finally:
+            for w in workers:
+                w.stop()
+            for t in threads:
+                t.join(30)
+            node.close()
+            engine.dispose()
