@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import json
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -392,6 +393,18 @@ def if_fast_sql(name: str) -> str:
     return f"SELECT CASE WHEN ({queries.sql('fast_locked')}) THEN ({queries.sql(name)}) END"
 
 
+@functools.cache
+def if_fast(name: str) -> str:
+    """`if_fast_sql` in psycopg's form, built once."""
+    return queries.to_pyformat(if_fast_sql(name))
+
+
+@functools.cache
+def fast_or_run_lock(guess: str) -> str:
+    """`fast_or_run_lock_sql` in psycopg's form, built once."""
+    return queries.to_pyformat(fast_or_run_lock_sql(guess))
+
+
 FAST_SAVEPOINT = "staleflow_fast"
 FAST_BEGIN: tuple[str, dict[str, Any]] = (f"SAVEPOINT {FAST_SAVEPOINT}", {})
 FAST_KEEP: tuple[str, dict[str, Any]] = (f"RELEASE SAVEPOINT {FAST_SAVEPOINT}", {})
@@ -427,7 +440,7 @@ def lock_fast_or_run(
     guess (no savepoint, no fast reads); `prelude`: statements sent first (`FAST_UNDONE`).
     NotFound when the run lock was taken and there is no such run."""
     params = {**read.statement(run_id)[1], "fast": fast}
-    lock = (queries.to_pyformat(fast_or_run_lock_sql(guess)), params)
+    lock = (fast_or_run_lock(guess), params)
     reads = list(fast_reads) if fast else []
     statements = [*prelude, *((FAST_BEGIN,) if fast else ()), lock, *reads, read.statement(run_id)]
     values = driver.scalars(conn, statements)

@@ -31,7 +31,7 @@ from .core import (
     abort_samples_where,
     check_batch,
     enqueue_prompts,
-    if_fast_sql,
+    if_fast,
     load_run,
     lock_fast_or_run,
 )
@@ -125,7 +125,7 @@ class ScoringOps(TxMixin):
         read = rewards_read(rewards, scorer)
 
         def record(conn: Connection) -> list[GroupOutcome]:
-            check = (queries.to_pyformat(if_fast_sql("rewards_fast_check")), read.statement(run_id)[1])
+            check = (if_fast("rewards_fast_check"), read.statement(run_id)[1])
             locked = lock_fast_or_run(conn, run_id, "rewards_fast_check", read, [check])
             if locked.rtx is None:
                 if rewards_fast(conn, run_id, read, *locked.fast):
