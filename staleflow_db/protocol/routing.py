@@ -119,8 +119,8 @@ class RouteRows:
 
 
 # Everything route reads, in ONE statement (`route_read` in rollout.sql), sent with the run
-# lock (`RunTx.open`): a round trip saved is time every other run-locked transaction waits
-# less. The lock order stays run -> group locks -> instances -> samples -> groups, each in id order: the
+# lock (`lock_fast_or_run`; a coordinator cycle: `RunTx.open`): a round trip saved is time
+# every other run-locked transaction waits less. The lock order stays run -> group locks -> instances -> samples -> groups, each in id order: the
 # branches of a UNION ALL run one after the other, and the groups' CTE reads the samples' one.
 # Instances FOR SHARE: an expiry or deregistration waits until this route commits, so its
 # requeue then sees the samples routed here; one that committed first is seen as fenced.

@@ -224,7 +224,7 @@ def rewards_fast(conn: Connection, run_id: int, read: LockedRead, fast: bool | N
 LOST_CLAIM = "reward claim lost (stale attempt or sample not scoring)"
 
 
-# ONE statement (`rewards_read` in scoring.sql), sent with the run lock (`RunTx.open`; under it
+# ONE statement (`rewards_read` in scoring.sql), sent with the run lock (`lock_fast_or_run`; under it
 # every round trip counts): lock the batch's samples, check every claim and store the rewards
 # only if all hold (all or nothing, even if a caller's transaction went on after the Conflict),
 # then lock their groups and read the members. Lock order run -> group locks -> samples ->
@@ -293,7 +293,7 @@ def rewards_read(rewards: Sequence[Reward], scorer: int | None = None) -> Locked
 
 
 def rewards_in(rtx: RunTx, rewards: Sequence[Reward], read: LockedRead) -> list[GroupOutcome]:
-    """Record a batch checked by `rewards_read`, whose result `RunTx.open` sent with the lock."""
+    """Record a batch checked by `rewards_read`, whose result `lock_fast_or_run` sent with the lock."""
     run = rtx.run
     got: dict[str, list[dict[str, Any]]] = {"s": [], "g": [], "m": [], "r": []}
     for kind, row in rtx.locked_read(read):
