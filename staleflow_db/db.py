@@ -6,11 +6,11 @@ import logging
 from typing import Any
 
 import psycopg
-from sqlalchemy import Connection, Engine, create_engine
+from sqlalchemy import Connection, Engine, create_engine, event
 from sqlalchemy import pool as sa_pool
 from sqlalchemy.engine import make_url
 
-from staleflow_db import queries
+from staleflow_db import arrays, queries
 from staleflow_db.settings import Settings, get_settings, to_libpq_url, to_sqlalchemy_url
 
 CONNECT_TIMEOUT_S = 5
@@ -94,7 +94,9 @@ def make_engine(url: str | None = None, *, settings: Settings | None = None, **k
     if "poolclass" not in kw:  # sizes are only valid for the default QueuePool
         opts.update(pool_size=settings.pool_size, max_overflow=settings.max_overflow)
     opts.update(kw)
-    return create_engine(url, connect_args=connect_args, **opts)
+    engine = create_engine(url, connect_args=connect_args, **opts)
+    event.listen(engine, "connect", lambda conn, _record: arrays.register(conn))  # cheaper list parameters
+    return engine
 
 
 def ping(conn: Connection) -> None:

@@ -175,6 +175,7 @@ def positional(statement: str) -> tuple[str, list[str]]:
     return BIND.sub(number, statement), list(order)
 
 
+@functools.cache  # the flush renames its parts on every run-locked call
 def prefixed(name: str, prefix: str) -> str:
     """The statement with every parameter renamed `<prefix><name>`: a part of a larger
     statement (`with_parts`) whose parameters must not meet another part's."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import json
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -140,7 +141,6 @@ class RunTx:
         conn: Connection,
         run_id: int,
         read: LockedRead | None = None,
-        prelude: Sequence[tuple[str, Mapping[str, Any]]] = (),
     ) -> RunTx:
         """Lock the run and read it with its buffers in one round trip: the function reads the
         buffers in a statement of its own, so under READ COMMITTED they include the commit of
@@ -148,13 +148,12 @@ class RunTx:
         from the snapshot it started with). `read`: the caller's locking read, sent in that same
         round trip as the next statement (`driver.scalars`: it runs once the lock is granted,
         from a snapshot of its own, and is planned once per connection); its result is taken
-        with `locked_read`. `prelude`: statements sent first in that round trip (no result)."""
-        if read is None and not prelude:
+        with `locked_read`."""
+        if read is None:
             got = conn.execute(queries.text("lock_run"), {"run": run_id}).scalar()
         else:
             lock = [(queries.pyformat("lock_run"), {"run": run_id})]
-            values = driver.scalars(conn, [*prelude, *lock, *(read.statements(run_id) if read else ())])
-            got, result = values[len(prelude)], values[-1]
+            got, *_, result = driver.scalars(conn, [*lock, *read.statements(run_id)])
         if got is None:
             raise NotFound(f"run {run_id}")
         rtx = cls(conn, RunRow.of(got["run"]), [BufferCounts(i, o, r, c) for i, o, r, c in got["buffers"]])
@@ -345,24 +344,6 @@ def send_commands(
     )
 
 
-def under_run_lock(
-    run_id: int,
-    body: Callable[[RunTx], Any],
-    read: LockedRead | None = None,
-    prelude: Sequence[tuple[str, Mapping[str, Any]]] = (),
-) -> Callable[[Connection], Any]:
-    """A transaction body that holds the run's lock and flushes buffer accounting at the end;
-    `read` (and `prelude` before the lock) is sent with the lock (`RunTx.open`)."""
-
-    def run(conn: Connection) -> Any:
-        rtx = RunTx.open(conn, run_id, read, prelude)
-        outcome = body(rtx)
-        rtx.flush()
-        return outcome
-
-    return run
-
-
 # ---- group locks and the fast paths ------------------------------------------------------
 #
 # The run lock is taken only when a group's buffer accounting changes. A reward batch that
@@ -387,33 +368,90 @@ def under_run_lock(
 # before any run-locked transaction it overlaps. Its locks and decision run in a savepoint;
 # when the call needs the run lock after all, the savepoint is rolled back (releasing the group
 # locks, which must not be held while the run lock is awaited) in the run lock's round trip.
+#
+# The choice costs no round trip of its own (`lock_fast_or_run`): one statement evaluates an
+# unlocked guess and takes either the group locks (the fast path) or the run lock and then the
+# group locks, and marks which in the transaction-local setting staleflow.lock (`fast_locked`);
+# the fast path's reads and the run-locked read follow it in the same round trip, each reading
+# only on its own path. A batch bound for the run lock thus holds no group lock that run-locked
+# calls would wait for while it turns around, and pays no attempt before the lock.
 
 
-def group_locks_if(guess: str) -> str:
-    """`group_locks` taken only if the named query `guess` (one boolean, from a snapshot before
-    any lock) says the fast path will do: one statement (its lock subquery runs only when the
-    CASE needs it). A batch bound for the run lock then holds no group lock that run-locked
-    calls would wait for while it turns around; NULL: nothing locked."""
-    return queries.to_pyformat(group_locks_if_sql(guess))
+def fast_or_run_lock_sql(guess: str) -> str:
+    """The lock statement of `lock_fast_or_run` (`:name` parameters): `lock_groups_fast` if
+    :fast and the named query `guess` (one boolean, from the statement's snapshot, before any
+    lock) say the fast path will do, else `lock_run_then_groups`. Only the branch the CASE
+    takes runs (its subquery is evaluated when first needed)."""
+    return (
+        f"SELECT CASE WHEN CAST(:fast AS boolean) AND ({queries.sql(guess)})"
+        f" THEN ({queries.sql('lock_groups_fast')}) ELSE ({queries.sql('lock_run_then_groups')}) END"
+    )
 
 
-def group_locks_if_sql(guess: str) -> str:
-    """`group_locks_if`'s statement with `:name` parameters."""
-    return f"SELECT CASE WHEN ({queries.sql(guess)}) THEN ({queries.sql('group_locks')}) END"
+def if_fast_sql(name: str) -> str:
+    """The named query `name` (one value) only on the fast path (`fast_locked`), else NULL."""
+    return f"SELECT CASE WHEN ({queries.sql('fast_locked')}) THEN ({queries.sql(name)}) END"
+
+
+@functools.cache
+def if_fast(name: str) -> str:
+    """`if_fast_sql` in psycopg's form, built once."""
+    return queries.to_pyformat(if_fast_sql(name))
+
+
+@functools.cache
+def fast_or_run_lock(guess: str) -> str:
+    """`fast_or_run_lock_sql` in psycopg's form, built once."""
+    return queries.to_pyformat(fast_or_run_lock_sql(guess))
 
 
 FAST_SAVEPOINT = "staleflow_fast"
 FAST_BEGIN: tuple[str, dict[str, Any]] = (f"SAVEPOINT {FAST_SAVEPOINT}", {})
 FAST_KEEP: tuple[str, dict[str, Any]] = (f"RELEASE SAVEPOINT {FAST_SAVEPOINT}", {})
+# A fast path whose decision, under its group locks, needs the run lock after all: the group
+# locks are freed before the run lock is awaited. (On a ROLLBACK psycopg deallocates every
+# prepared statement of the connection, so the reads are planned again; only this case pays it.)
 FAST_UNDONE: tuple[tuple[str, dict[str, Any]], ...] = ((f"ROLLBACK TO SAVEPOINT {FAST_SAVEPOINT}", {}), FAST_KEEP)
 
 
-def fast_undo(locked: Any) -> tuple[tuple[str, dict[str, Any]], ...]:
-    """What a fast attempt that turned out to need the run lock sends before it: a savepoint
-    that took group locks is rolled back (frees them); one that took none is released. Not
-    rolled back needlessly: on a ROLLBACK psycopg deallocates every prepared statement of the
-    connection, and the run-locked read would then be planned again under the lock."""
-    return FAST_UNDONE if locked is not None else (FAST_KEEP,)
+@dataclass
+class Locked:
+    """What `lock_fast_or_run` took: the run lock (`rtx`, its locked read preset), or the fast
+    path's group locks (`rtx` None) with the results of the fast reads sent after them."""
+
+    rtx: RunTx | None
+    fast: list[Any]
+
+
+def lock_fast_or_run(
+    conn: Connection,
+    run_id: int,
+    guess: str,
+    read: LockedRead,
+    fast_reads: Sequence[tuple[str, Mapping[str, Any]]] = (),
+    *,
+    fast: bool = True,
+    prelude: Sequence[tuple[str, Mapping[str, Any]]] = (),
+) -> Locked:
+    """ONE round trip: a savepoint (with `fast`), the lock statement (`fast_or_run_lock_sql`
+    with the named query `guess`, which gets `read`'s parameters), `fast_reads` (statements
+    that read only on the fast path: `if_fast_sql`, or a one-time filter on `fast_locked`),
+    and `read` (which reads only under the run lock). `fast` False: the run lock, whatever the
+    guess (no savepoint, no fast reads); `prelude`: statements sent first (`FAST_UNDONE`).
+    NotFound when the run lock was taken and there is no such run."""
+    params = {**read.statement(run_id)[1], "fast": fast}
+    lock = (fast_or_run_lock(guess), params)
+    reads = list(fast_reads) if fast else []
+    statements = [*prelude, *((FAST_BEGIN,) if fast else ()), lock, *reads, read.statement(run_id)]
+    values = driver.scalars(conn, statements)
+    got = values[len(statements) - len(reads) - 2]
+    if got is not None and "groups" in got:
+        return Locked(None, values[len(statements) - len(reads) - 1 : -1])
+    if got is None:
+        raise NotFound(f"run {run_id}")
+    rtx = RunTx(conn, RunRow.of(got["run"]), [BufferCounts(i, o, r, c) for i, o, r, c in got["buffers"]])
+    rtx.preset_read(read, values[-1])
+    return Locked(rtx, [])
 
 
 # ---- per-call limits ---------------------------------------------------------------------

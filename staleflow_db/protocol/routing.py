@@ -18,18 +18,15 @@ from ..errors import InvalidInput, NotFound
 from ..idempotency import transactional
 from ..rules import BufferCounts, group_version, pins_group_version, route_decision
 from ..types import RouteResult
-from . import driver
 from .core import (
-    FAST_BEGIN,
+    FAST_UNDONE,
     LockedRead,
     RunRow,
     RunTx,
     TxMixin,
     check_batch,
     check_state,
-    fast_undo,
-    group_locks_if,
-    under_run_lock,
+    lock_fast_or_run,
 )
 from .events import Event
 
@@ -49,11 +46,22 @@ class RoutingOps(TxMixin):
         tokens = route_tokens(len(pairs))
 
         def routing(conn: Connection) -> list[RouteResult]:
-            fast, undo = route_fast(conn, run_id, pairs, tokens)
-            if fast is not None:
-                return fast
-            slow = under_run_lock(run_id, lambda rtx: route_in(rtx, pairs, tokens), route_read(pairs), undo)
-            return cast(list[RouteResult], slow(conn))
+            read = route_read(pairs)
+            # a duplicate is refused under the run lock
+            fast = len({p[0] for p in pairs}) == len(pairs)
+            locked = lock_fast_or_run(
+                conn, run_id, "route_groups_reserved", read, route_fast_reads(run_id, read), fast=fast
+            )
+            if locked.rtx is None:
+                routed = route_fast(conn, pairs, tokens, read, *locked.fast)
+                if routed is not None:
+                    return routed
+                # joins only after all: the group locks are freed before the run lock is awaited
+                locked = lock_fast_or_run(conn, run_id, "route_groups_reserved", read, fast=False, prelude=FAST_UNDONE)
+            assert locked.rtx is not None
+            results = route_in(locked.rtx, pairs, tokens)
+            locked.rtx.flush()
+            return results
 
         results: list[RouteResult] = self.idempotent(
             request_id,
@@ -111,8 +119,8 @@ class RouteRows:
 
 
 # Everything route reads, in ONE statement (`route_read` in rollout.sql), sent with the run
-# lock (`RunTx.open`): a round trip saved is time every other run-locked transaction waits
-# less. The lock order stays run -> group locks -> instances -> samples -> groups, each in id order: the
+# lock (`lock_fast_or_run`; a coordinator cycle: `RunTx.open`): a round trip saved is time
+# every other run-locked transaction waits less. The lock order stays run -> group locks -> instances -> samples -> groups, each in id order: the
 # branches of a UNION ALL run one after the other, and the groups' CTE reads the samples' one.
 # Instances FOR SHARE: an expiry or deregistration waits until this route commits, so its
 # requeue then sees the samples routed here; one that committed first is seen as fenced.
@@ -133,41 +141,35 @@ def route_read(pairs: Sequence[tuple[int, int]]) -> LockedRead:
     )
 
 
+def route_fast_reads(run_id: int, read: LockedRead) -> list[tuple[str, Any]]:
+    """What the fast path reads under its group locks (`lock_fast_or_run`): the batch's rows
+    (`route_fast_read`) and the run with its buffers (`run_buffers`)."""
+    return [read.statement(run_id, "route_fast_read"), (queries.pyformat("run_buffers"), {"run": run_id})]
+
+
 def route_fast(
-    conn: Connection, run_id: int, pairs: Sequence[tuple[int, int]], tokens: Sequence[str]
-) -> tuple[list[RouteResult] | None, Sequence[tuple[str, Any]]]:
+    conn: Connection, pairs: Sequence[tuple[int, int]], tokens: Sequence[str], read: LockedRead, got: Any, run: Any
+) -> list[RouteResult] | None:
     """Route the batch without the run lock if every queued sample of it joins a group already
     reserved, at a version no lower than that of any live member the group has (so the group's
     version, and with it every window a run-locked cascade or abort reads, stays what it was,
     whatever members such a transaction aborts meanwhile): it reserves nothing and writes no
-    group row. (None, undo): nothing done, `undo` (`fast_undo`) is to be sent with the run
-    lock. The group locks serialize it with the other routes and rewards of its
-    groups (core.py, "group locks")."""
-    read = route_read(pairs)
-    _, locked, got, run = driver.scalars(
-        conn,
-        [
-            FAST_BEGIN,
-            (group_locks_if("route_groups_reserved"), read.statement(run_id)[1]),
-            read.statement(run_id, "route_fast_read"),
-            (queries.pyformat("run_buffers"), {"run": run_id}),
-        ],
-    )
-    # rows locked by the read (its guess raced with a reservation) are freed with the group locks
-    undo = fast_undo(locked if locked is not None else (got or None))
-    if locked is None or run is None or len({p[0] for p in pairs}) != len(pairs):
-        return None, undo  # a duplicate is refused under the run lock, as before
+    group row. `got`, `run`: `route_fast_reads`' results, under the groups' group locks, which
+    serialize it with the other routes and rewards of its groups (core.py, "group locks").
+    None: nothing done, the call needs the run lock."""
+    if not got or run is None:
+        return None  # a group not reserved after all (the guess raced), or no such run
     rtx = RunTx(conn, RunRow.of(run["run"]), [BufferCounts(i, o, r, c) for i, o, r, c in run["buffers"]])
     rtx.preset_read(read, got)
     if rtx.run.state != RunState.ACTIVE:
-        return None, undo
+        return None
     rows = _route_rows(rtx, pairs, missing_ok=True)
     if rows is None or not _joins_only(rows, pairs):
-        return None, undo
+        return None
     results = route_in(rtx, pairs, tokens, rows=rows, write_groups=False)
     assert not rtx.changed_buffers(), "a fast route changed buffer accounting"
     rtx.flush()  # the routed samples and their events; the savepoint ends with the transaction
-    return results, ()
+    return results
 
 
 def _joins_only(rows: RouteRows, pairs: Sequence[tuple[int, int]]) -> bool:

@@ -22,8 +22,8 @@ from ..rules import occupy_plan, replacement_key
 from ..types import GroupOutcome
 from . import driver
 from .core import (
-    FAST_BEGIN,
     FAST_KEEP,
+    FAST_UNDONE,
     LockedRead,
     Prompt,
     RunTx,
@@ -31,10 +31,9 @@ from .core import (
     abort_samples_where,
     check_batch,
     enqueue_prompts,
-    fast_undo,
-    group_locks_if,
+    if_fast,
     load_run,
-    under_run_lock,
+    lock_fast_or_run,
 )
 from .events import Event
 
@@ -126,11 +125,17 @@ class ScoringOps(TxMixin):
         read = rewards_read(rewards, scorer)
 
         def record(conn: Connection) -> list[GroupOutcome]:
-            done, undo = rewards_fast(conn, run_id, read)
-            if done:
-                return []  # no group completed: no Occupy, no buffer accounting
-            slow = under_run_lock(run_id, lambda rtx: rewards_in(rtx, rewards, read), read, undo)
-            return cast(list[GroupOutcome], slow(conn))
+            check = (if_fast("rewards_fast_check"), read.statement(run_id)[1])
+            locked = lock_fast_or_run(conn, run_id, "rewards_fast_check", read, [check])
+            if locked.rtx is None:
+                if rewards_fast(conn, run_id, read, *locked.fast):
+                    return []  # no group completed: no Occupy, no buffer accounting
+                # a group completes after all: the group locks are freed before the run lock is awaited
+                locked = lock_fast_or_run(conn, run_id, "rewards_fast_check", read, fast=False, prelude=FAST_UNDONE)
+            assert locked.rtx is not None
+            outcomes = rewards_in(locked.rtx, rewards, read)
+            locked.rtx.flush()
+            return outcomes
 
         outcomes: list[GroupOutcome] = self.idempotent(
             request_id,
@@ -200,34 +205,26 @@ class ScoringOps(TxMixin):
 # without the run lock: `rewards_fast`, under the groups' group locks (core.py, "group locks").
 
 
-def rewards_fast(conn: Connection, run_id: int, read: LockedRead) -> tuple[bool, Sequence[tuple[str, Any]]]:
-    """Record the batch without the run lock if it completes no group (and every claim holds):
-    (True, ()) when recorded. (False, undo): nothing was done, and `undo` (`fast_undo`) is to
-    be sent with the run lock. A claim lost after the check is refused as under
-    the lock (`Conflict`, nothing stored)."""
-    _, locked, fast = driver.scalars(
-        conn,
-        [
-            FAST_BEGIN,
-            (group_locks_if("rewards_fast_check"), read.statement(run_id)[1]),
-            read.statement(run_id, "rewards_fast_check"),  # again, now under the locks
-        ],
-    )
-    if locked is None or not fast:
-        return False, fast_undo(locked)
+def rewards_fast(conn: Connection, run_id: int, read: LockedRead, fast: bool | None) -> bool:
+    """Record the batch without the run lock if `fast`, the result of `rewards_fast_check` sent
+    under the groups' group locks (`lock_fast_or_run`), says it completes no group and every
+    claim holds: True when recorded; False: nothing was done, the call needs the run lock. A
+    claim lost after the check is refused as under the lock (`Conflict`, nothing stored)."""
+    if not fast:
+        return False
     # released before the writes: they then belong to the transaction, not a subtransaction
     _, held = driver.scalars(conn, [FAST_KEEP, read.statement(run_id, "rewards_store")])
     holds = dict(held)
     conflicts = [(sid, LOST_CLAIM) for sid in read.params["samples"] if not holds.get(sid)]
     if conflicts:
         raise Conflict(conflicts)
-    return True, ()
+    return True
 
 
 LOST_CLAIM = "reward claim lost (stale attempt or sample not scoring)"
 
 
-# ONE statement (`rewards_read` in scoring.sql), sent with the run lock (`RunTx.open`; under it
+# ONE statement (`rewards_read` in scoring.sql), sent with the run lock (`lock_fast_or_run`; under it
 # every round trip counts): lock the batch's samples, check every claim and store the rewards
 # only if all hold (all or nothing, even if a caller's transaction went on after the Conflict),
 # then lock their groups and read the members. Lock order run -> group locks -> samples ->
@@ -296,7 +293,7 @@ def rewards_read(rewards: Sequence[Reward], scorer: int | None = None) -> Locked
 
 
 def rewards_in(rtx: RunTx, rewards: Sequence[Reward], read: LockedRead) -> list[GroupOutcome]:
-    """Record a batch checked by `rewards_read`, whose result `RunTx.open` sent with the lock."""
+    """Record a batch checked by `rewards_read`, whose result `lock_fast_or_run` sent with the lock."""
     run = rtx.run
     got: dict[str, list[dict[str, Any]]] = {"s": [], "g": [], "m": [], "r": []}
     for kind, row in rtx.locked_read(read):

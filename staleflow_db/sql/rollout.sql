@@ -113,11 +113,16 @@ SELECT id, running FROM f
 -- name: route_read
 -- Everything route reads, in ONE statement, sent with the run lock (`RunTx.open`; see
 -- protocol/routing.py for the lock order and why the groups and members are read by
--- `= ANY(ARRAY(...))`). :instances the batch's instance ids, :samples its sample ids.
-WITH i AS MATERIALIZED (SELECT id, state::text AS state, version, lease_expires_at > now() AS live
-  FROM instances WHERE run_id = CAST(:run AS bigint) AND id = ANY(CAST(:instances AS bigint[])) ORDER BY id FOR SHARE),
+-- `= ANY(ARRAY(...))`). :instances the batch's instance ids, :samples its sample ids. Nothing
+-- is locked or read when the lock statement before it took the fast path's group locks
+-- (`fast_locked`, a one-time filter: route_fast_read reads then).
+WITH ok AS MATERIALIZED (SELECT coalesce(current_setting('staleflow.lock', true), '') <> 'groups' AS go),
+i AS MATERIALIZED (SELECT id, state::text AS state, version, lease_expires_at > now() AS live
+  FROM instances WHERE run_id = CAST(:run AS bigint) AND id = ANY(CAST(:instances AS bigint[])) AND (SELECT go FROM ok)
+  ORDER BY id FOR SHARE),
 s AS MATERIALIZED (SELECT id, group_id, state::text AS state, v_traj, n_tokens, last_version, attempt
-  FROM samples WHERE run_id = CAST(:run AS bigint) AND id = ANY(CAST(:samples AS bigint[])) ORDER BY id FOR UPDATE),
+  FROM samples WHERE run_id = CAST(:run AS bigint) AND id = ANY(CAST(:samples AS bigint[])) AND (SELECT go FROM ok)
+  ORDER BY id FOR UPDATE),
 g AS MATERIALIZED (SELECT id, state::text AS state, reserved_buffer, min_version FROM prompt_groups
   WHERE id = ANY(ARRAY(SELECT group_id FROM s)) ORDER BY id FOR UPDATE),
 q(k, j) AS (SELECT 'i', to_jsonb(i) FROM i
@@ -134,8 +139,10 @@ SELECT coalesce(jsonb_agg(jsonb_build_array(k, j)), '[]') FROM q
 -- run lock writes no group row; a run-locked drop updates a group before it aborts its
 -- members, so a group lock taken after a sample lock could deadlock with it). A batch with a
 -- group not reserved goes under the run lock: then nothing is locked or read here (`ok`, a
--- one-time filter), and the empty result says so.
-WITH ok AS MATERIALIZED (SELECT NOT EXISTS (SELECT 1 FROM samples x JOIN prompt_groups y ON y.id = x.group_id
+-- one-time filter), and the empty result says so; nor when the statement before it took the
+-- run lock (`fast_locked`: route_read reads then).
+WITH ok AS MATERIALIZED (SELECT coalesce(current_setting('staleflow.lock', true), '') = 'groups'
+  AND NOT EXISTS (SELECT 1 FROM samples x JOIN prompt_groups y ON y.id = x.group_id
   WHERE x.run_id = CAST(:run AS bigint) AND x.id = ANY(CAST(:samples AS bigint[])) AND y.state <> 'reserved') AS go),
 i AS MATERIALIZED (SELECT id, state::text AS state, version, lease_expires_at > now() AS live
   FROM instances WHERE run_id = CAST(:run AS bigint) AND id = ANY(CAST(:instances AS bigint[])) AND (SELECT go FROM ok)

@@ -16,8 +16,9 @@ SELECT idx, occupied, reserved, consumed_at IS NOT NULL AS consumed FROM buffers
 WHERE run_id = :run AND idx >= :first ORDER BY idx
 
 -- name: lock_run
--- The run lock, the run row and its live buffers in one round trip (function_lock_run).
-SELECT staleflow_lock_run(CAST(:run AS bigint))
+-- The run lock, the run row and its live buffers in one round trip (function_lock_run). It
+-- marks the transaction's lock 'run' (`fast_locked`): a locked read sent after it reads.
+SELECT staleflow_lock_run(CAST(:run AS bigint)) FROM (SELECT set_config('staleflow.lock', 'run', true)) AS m
 
 -- name: group_locks
 -- The group locks of a batch's samples' groups, in group id order (protocol/core.py,
@@ -27,6 +28,32 @@ SELECT count(pg_advisory_xact_lock(CAST(1397096448 + (x.g >> 31) AS int), CAST(x
 FROM (SELECT DISTINCT group_id AS g FROM samples
   WHERE run_id = CAST(:run AS bigint) AND id = ANY(CAST(:samples AS bigint[])) ORDER BY 1) x
 
+-- name: lock_run_then_groups
+-- The run lock (`lock_run`, marking the transaction 'run'), then the batch's group locks
+-- (`group_locks`), in one statement: the lock subquery, correlated with the run lock's result,
+-- runs after it was granted; group_id never changes, so it needs no later snapshot.
+-- The run row and buffers as `lock_run` returns them (NULL: no such run).
+SELECT x.r FROM (SELECT staleflow_lock_run(CAST(:run AS bigint)) AS r,
+  set_config('staleflow.lock', 'run', true) AS m OFFSET 0) x
+WHERE (SELECT count(pg_advisory_xact_lock(CAST(1397096448 + (y.g >> 31) AS int), CAST(y.g & 2147483647 AS int)))
+  FROM (SELECT DISTINCT group_id AS g FROM samples
+    WHERE run_id = CAST(:run AS bigint) AND id = ANY(CAST(:samples AS bigint[])) ORDER BY 1) y
+  WHERE x.r IS NOT NULL) >= 0
+
+-- name: lock_groups_fast
+-- The fast path's locks: the batch's group locks (`group_locks`), marking the transaction's
+-- lock 'groups' (`fast_locked`) for the reads sent after it in the same round trip.
+SELECT jsonb_build_object('groups', count(pg_advisory_xact_lock(CAST(1397096448 + (x.g >> 31) AS int),
+  CAST(x.g & 2147483647 AS int))), 'lock', set_config('staleflow.lock', 'groups', true))
+FROM (SELECT DISTINCT group_id AS g FROM samples
+  WHERE run_id = CAST(:run AS bigint) AND id = ANY(CAST(:samples AS bigint[])) ORDER BY 1) x
+
+-- name: fast_locked
+-- Whether this transaction's last run or group lock was a fast path's group locks
+-- (`lock_groups_fast`; 'run' after `lock_run` or `lock_run_then_groups`, the transaction-local
+-- setting staleflow.lock): the reads pipelined after the lock statement read only on their path.
+SELECT coalesce(current_setting('staleflow.lock', true), '') = 'groups'
+
 -- name: route_groups_reserved
 -- Whether every group of a route batch is reserved (unlocked: a guess, so that a batch that
 -- will take the run lock does not first take group locks others wait for; `route_fast`).
@@ -35,10 +62,12 @@ SELECT NOT EXISTS (SELECT 1 FROM samples x JOIN prompt_groups y ON y.id = x.grou
 
 -- name: run_buffers
 -- The run row and its live buffers as `staleflow_lock_run` returns them, without the run lock
--- (the fast paths of protocol/routing.py: they change no buffer accounting).
+-- (the fast paths of protocol/routing.py: they change no buffer accounting); nothing when the
+-- statement before it took the run lock (`fast_locked`).
 SELECT jsonb_build_object('run', to_jsonb(r), 'buffers', (
   SELECT coalesce(jsonb_agg(jsonb_build_array(idx, occupied, reserved, consumed_at IS NOT NULL) ORDER BY idx), '[]'::jsonb)
   FROM buffers WHERE run_id = r.id AND idx >= r.version)) FROM runs r WHERE r.id = CAST(:run AS bigint)
+  AND coalesce(current_setting('staleflow.lock', true), '') = 'groups'
 
 -- name: reservations
 -- The run's reservations (id, buffer, live version); the members per group by a correlated

@@ -68,12 +68,16 @@ WHERE s.run_id = :run AND s.id = ANY(CAST(:ids AS bigint[])) ORDER BY s.id FOR U
 -- and the run's reservations (as `reservations` in runs.sql). See protocol/scoring.py for the
 -- lock order and the index lookups. :samples the batch's sample ids (no duplicates), :attempts
 -- their claim attempts, :rewards their rewards, :metrics their extra metrics (JSON text or NULL),
--- :scorer {the API token posting them} ({NULL} in-process).
-WITH s AS MATERIALIZED (SELECT x.id, x.state::text AS state, x.group_id,
+-- :scorer {the API token posting them} ({NULL} in-process). Nothing is locked, stored or read
+-- when the lock statement before it took the fast path's group locks (`fast_locked`, a
+-- one-time filter in `s`, which the rest reads, and in the reservations).
+WITH ok AS MATERIALIZED (SELECT coalesce(current_setting('staleflow.lock', true), '') <> 'groups' AS go),
+s AS MATERIALIZED (SELECT x.id, x.state::text AS state, x.group_id,
   x.state = 'scoring' AND x.reward_attempt = (CAST(:attempts AS int[]))[array_position(CAST(:samples AS bigint[]), x.id)] AS holds,
   (CAST(:rewards AS float8[]))[array_position(CAST(:samples AS bigint[]), x.id)] AS r,
   CAST((CAST(:metrics AS text[]))[array_position(CAST(:samples AS bigint[]), x.id)] AS jsonb) AS mx FROM samples x
-  WHERE x.run_id = CAST(:run AS bigint) AND x.id = ANY(CAST(:samples AS bigint[])) ORDER BY x.id FOR UPDATE),
+  WHERE x.run_id = CAST(:run AS bigint) AND x.id = ANY(CAST(:samples AS bigint[])) AND (SELECT go FROM ok)
+  ORDER BY x.id FOR UPDATE),
 w AS (UPDATE samples x SET state = 'rewarded', reward = s.r, reward_metrics = s.mx,
   reward_token_id = (CAST(:scorer AS bigint[]))[1], reward_deadline = NULL, updated_at = now()
   FROM s WHERE x.id = s.id AND (SELECT count(*) FILTER (WHERE holds) FROM s) = cardinality(CAST(:samples AS bigint[]))),
@@ -86,7 +90,7 @@ q(k, j) AS (SELECT 's', to_jsonb(s) FROM s
     WHERE m.group_id = ANY(ARRAY(SELECT id FROM g))
   UNION ALL SELECT 'r', to_jsonb(r) FROM (SELECT g.id, g.reserved_buffer AS b, (SELECT min(s.v_traj) FROM samples s WHERE s.group_id = g.id
     AND s.state <> 'aborted' AND s.v_traj IS NOT NULL AND (s.state <> 'queued' OR s.n_tokens > 0)) AS v
-    FROM prompt_groups g WHERE g.run_id = CAST(:run AS bigint) AND g.state = 'reserved') r)
+    FROM prompt_groups g WHERE g.run_id = CAST(:run AS bigint) AND g.state = 'reserved' AND (SELECT go FROM ok)) r)
 SELECT coalesce(jsonb_agg(jsonb_build_array(k, j)), '[]') FROM q
 
 -- name: rewards_fast_check

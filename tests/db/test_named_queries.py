@@ -10,7 +10,7 @@ import psycopg
 import pytest
 
 from staleflow_db import queries
-from staleflow_db.protocol.core import group_locks_if_sql
+from staleflow_db.protocol.core import fast_or_run_lock_sql, if_fast_sql
 
 # statements PREPARE does not take: checked by running them in a transaction rolled back
 UTILITY = re.compile(r"^(SET|LISTEN)\b")
@@ -33,9 +33,10 @@ def composed() -> dict[str, str]:
             queries.sql("flush_done"),
         ),
         **{
-            f"group_locks_if_{guess}": group_locks_if_sql(guess)
+            f"fast_or_run_lock_{guess}": fast_or_run_lock_sql(guess)
             for guess in ("rewards_fast_check", "route_groups_reserved")
         },
+        "if_fast_rewards_fast_check": if_fast_sql("rewards_fast_check"),
         "report": queries.with_parts(
             [queries.sql("report_segments"), queries.prefixed("events_insert", "e_")], queries.sql("report_samples")
         ),
