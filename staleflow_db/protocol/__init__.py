@@ -23,7 +23,7 @@ from __future__ import annotations
 from sqlalchemy import Engine
 
 from .aborts import AbortOps
-from .coordination import BufferView, CoordinationOps, InstanceView, QueuedView, RunningSample, Snapshot
+from .coordination import BufferView, CoordinationOps, InstanceView, QueuedView, RunningSample, Snapshot, snapshot_of
 from .core import Prompt
 from .reads import InstanceOwner, MetricsRows, ParamVersion, ProtocolReads, RunInfo
 from .rollout import Command, Poll, RolloutOps, Work
@@ -59,6 +59,7 @@ __all__ = [
     "RunInfo",
     "SegmentInfo",
     "Snapshot",
+    "snapshot_of",
     "TrainGroup",
     "TrainSample",
     "Work",
