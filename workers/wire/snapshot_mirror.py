@@ -46,6 +46,10 @@ class SnapshotView:
     queued: list[list[Any]]
     latest_params: int | None
 
+    def rows(self) -> list[Any]:
+        """As the full snapshot statement returns them (`staleflow_db.protocol.snapshot_of`)."""
+        return [self.run, self.buffers, self.instances, self.running, self.queued, self.latest_params]
+
 
 class SnapshotMirror:
     def __init__(self) -> None:
