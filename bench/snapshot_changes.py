@@ -12,7 +12,8 @@ side by side on one connection pool, the two reads the coordinator can make:
 - changes: `Protocol.snapshot_changes` from the previous round's position, merged into a
   `SnapshotMirror`, and the Snapshot built from its view (what the live coordinator does).
 
-Reported per size: median wall ms of each read (client side, decoding included), the JSON
+Reported per size: median wall ms of each read (client side: the statement, its JSON decoding
+and the Snapshot built from it; `fetch`: the statement and its decoding alone), the JSON
 bytes each statement returns and the sample rows in it, the server's execution time and shared
 buffers of each (EXPLAIN ANALYZE, BUFFERS, once after the rounds), and the whole form's bytes
 (the first read of a coordinator, and its resyncs). `STALEFLOW_DATABASE_URL` (or --url) names
@@ -106,6 +107,11 @@ def explain(engine, name: str, params: dict) -> tuple[float, int]:
     return ms, hits
 
 
+def fetch(engine, name: str, params: dict) -> None:
+    with engine.connect() as c:
+        c.execution_options(isolation_level="AUTOCOMMIT").execute(queries.text(name), params).scalar_one()
+
+
 def json_bytes(engine, name: str, params: dict) -> int:
     sql = queries.text(name).text
     with engine.connect() as c:
@@ -122,14 +128,19 @@ def measure(url: str, in_flight: int, rounds: int, changed: float) -> dict:
     mirror.apply(p.snapshot_changes(run))
     whole_bytes = json_bytes(engine, "snapshot_changes", {"run": run, "since": None})
     full_ms, changes_ms, changes_bytes, changes_rows = [], [], [], []
+    full_fetch, changes_fetch = [], []  # the statement and its JSON decoding alone
     for rnd in range(rounds):
         cycle_writes(p, run, instances, routed, rnd, changed)
         since = mirror.position
         changes_bytes.append(json_bytes(engine, "snapshot_changes", {"run": run, "since": since}))
+        t = time.perf_counter()
+        fetch(engine, "snapshot", {"run": run, "n": 20_000})
+        full_fetch.append((time.perf_counter() - t) * 1000)
         t0 = time.perf_counter()
         full = p.snapshot(run)
         t1 = time.perf_counter()
         doc = p.snapshot_changes(run, since)
+        changes_fetch.append((time.perf_counter() - t1) * 1000)
         mirror.apply(doc)
         view = mirror.view()
         merged = snapshot_of(
@@ -147,6 +158,8 @@ def measure(url: str, in_flight: int, rounds: int, changed: float) -> dict:
         "instances": len(instances),
         "full_ms": statistics.median(full_ms),
         "changes_ms": statistics.median(changes_ms),
+        "full_fetch_ms": statistics.median(full_fetch),
+        "changes_fetch_ms": statistics.median(changes_fetch),
         "full_bytes": json_bytes(engine, "snapshot", {"run": run, "n": 20_000}),
         "changes_bytes": int(statistics.median(changes_bytes)),
         "whole_bytes": whole_bytes,
@@ -173,12 +186,13 @@ def main(argv: list[str] | None = None) -> None:
         with scratch_database(to_libpq_url(args.url or database_url()), "sf_snap") as url:
             rows.append(measure(url, size, args.rounds, args.changed))
     print(
-        f"{'in_flight':>9} {'inst':>5} {'full ms':>8} {'chg ms':>7} {'full B':>9} {'chg B':>8} {'whole B':>9}"
+        f"{'in_flight':>9} {'inst':>5} {'full ms':>8} {'chg ms':>7} {'fetch ms':>8} {'chg fetch':>9} {'full B':>9} {'chg B':>8} {'whole B':>9}"
         f" {'full rows':>9} {'chg rows':>8} {'full srv ms':>11} {'chg srv ms':>10} {'full hits':>9} {'chg hits':>8}"
     )
     for m in rows:
         print(
-            f"{m['in_flight']:>9} {m['instances']:>5} {m['full_ms']:>8.1f} {m['changes_ms']:>7.1f} {m['full_bytes']:>9}"
+            f"{m['in_flight']:>9} {m['instances']:>5} {m['full_ms']:>8.1f} {m['changes_ms']:>7.1f}"
+            f" {m['full_fetch_ms']:>8.1f} {m['changes_fetch_ms']:>9.1f} {m['full_bytes']:>9}"
             f" {m['changes_bytes']:>8} {m['whole_bytes']:>9} {m['full_rows']:>9} {m['changes_rows']:>8}"
             f" {m['full_server_ms']:>11.1f} {m['changes_server_ms']:>10.1f} {m['full_hits']:>9} {m['changes_hits']:>8}"
         )
