@@ -66,7 +66,7 @@ class Snapshot:
     instances: list[InstanceView]
     # the queued samples as decoded: arrays in QueuedView's field order (the coordinator builds
     # its own objects from them, and reuses those of rows unchanged since its last cycle)
-    queued_rows: list[list[Any]]
+    queued_rows: list[Sequence[Any]]  # lists, or tuples from a SnapshotMirror
     latest_params: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
     state: str = "active"  # the run's lifecycle state: a coordinator routes only an active run

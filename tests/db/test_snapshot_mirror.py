@@ -43,7 +43,7 @@ def _same(d: Driver, mirror: SnapshotMirror) -> None:
     assert [(i.id, i.name, i.version, i.snapshot, i.running) for i in merged.instances] == [
         (i.id, i.name, i.version, i.snapshot, i.running) for i in full.instances
     ]
-    assert merged.queued_rows == full.queued_rows
+    assert [list(q) for q in merged.queued_rows] == full.queued_rows
 
 
 def _read(d: Driver, mirror: SnapshotMirror) -> None:

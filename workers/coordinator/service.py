@@ -20,7 +20,7 @@ import os
 import socket
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -165,7 +165,7 @@ class QueueReader:
     def __init__(self) -> None:
         self._seen: dict[tuple[Any, ...], QueuedSample] = {}
 
-    def read(self, rows: list[list[Any]]) -> Queue:
+    def read(self, rows: Sequence[Sequence[Any]]) -> Queue:
         seen, now = self._seen, {}
         samples: list[QueuedSample] = []
         reserved: dict[int, int] = {}
