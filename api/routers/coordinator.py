@@ -97,8 +97,12 @@ def snapshot_changes(
     run_id: RunId,
     state: State,
     since: Annotated[
-        int | None,
-        Query(ge=0, le=2**63 - 1, description="`position` of the previous read; left out: the whole snapshot"),
+        str | None,
+        Query(
+            max_length=1_000_000,
+            pattern=r"^\d{1,20}:\d{1,20}:(\d{1,20}(,\d{1,20})*)?$",
+            description="`position` of the previous read; left out: the whole snapshot",
+        ),
     ] = None,
     who: Principal = Depends(allow_run(Role.COORDINATOR, Role.OBSERVER)),
 ) -> Response:

@@ -5,6 +5,7 @@ leader cannot clobber state. The coordinator's other commands are the drops (`ab
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -12,6 +13,7 @@ from functools import cached_property
 from typing import Any, NamedTuple
 
 from sqlalchemy import Connection
+from sqlalchemy.exc import DataError
 
 from .. import notify, queries
 from ..errors import Conflict, InvalidInput, NotFound
@@ -19,6 +21,9 @@ from ..idempotency import transactional
 from ..types import RouteResult, RunConfig
 from .core import RunRow, RunTx, TxMixin, check_batch, check_epoch, check_found, check_unique, load_run
 from .routing import route_in, route_read
+
+# a read's position: PostgreSQL's pg_snapshot as text (xmin:xmax:in-progress xids)
+SNAPSHOT_POSITION = re.compile(r"\d{1,20}:\d{1,20}:(\d{1,20}(,\d{1,20})*)?")
 
 
 class RunningSample(NamedTuple):
@@ -167,18 +172,24 @@ class CoordinationOps(TxMixin):
             )
         return snapshot_of(run_id, got)
 
-    def snapshot_changes(self, run_id: int, since: int | None = None) -> list[Any]:
+    def snapshot_changes(self, run_id: int, since: str | None = None) -> list[Any]:
         """The snapshot as changes since `since` (the `position` of the caller's previous read),
         or whole when `since` is None or too old: one autocommit statement, its cost following
         what changed, not what is in flight. A document of `workers.wire.snapshot_mirror.FIELDS`;
         `SnapshotMirror` merges them, and `snapshot_of(run_id, mirror.view())` is then what
-        `snapshot` returns (docs/coordinator.md, "Snapshot changes")."""
-        with self.engine.connect() as conn:
-            got: list[Any] = (
-                conn.execution_options(isolation_level="AUTOCOMMIT")
-                .execute(queries.text("snapshot_changes"), {"run": run_id, "since": since})
-                .scalar_one()
-            )
+        `snapshot` returns (docs/coordinator.md, "Snapshot changes"). `since` is a pg_snapshot
+        as text (xmin:xmax:xip,...): anything else is InvalidInput."""
+        if since is not None and not SNAPSHOT_POSITION.fullmatch(since):
+            raise InvalidInput(f"since {since[:40]!r} is not a snapshot position (xmin:xmax:xip,...)")
+        try:
+            with self.engine.connect() as conn:
+                got: list[Any] = (
+                    conn.execution_options(isolation_level="AUTOCOMMIT")
+                    .execute(queries.text("snapshot_changes"), {"run": run_id, "since": since})
+                    .scalar_one()
+                )
+        except DataError as exc:  # well formed, but no snapshot (xmin > xmax, out of range)
+            raise InvalidInput(f"since {since!r} is not a snapshot position (xmin:xmax:xip,...)") from exc
         if got[2] is None:
             raise NotFound(f"run {run_id}")
         return got

@@ -106,27 +106,35 @@ SELECT EXISTS (SELECT FROM l) AS fenced, ARRAY(SELECT id FROM f) AS found
 -- past. One JSON array: [position, whole, run, buffers, live instances [id, age], instance rows
 -- [id, name, version, snapshot] (those written since; whole: all live), running rows (as
 -- `snapshot`'s), queued rows (as `snapshot`'s, all of them when whole), gone sample ids, latest
--- published version]. `position`, the xmin of this statement's snapshot, is the next :since:
--- every change this read did not see was written by a transaction with an id at least that
+-- published version]. `position`, this statement's snapshot (pg_snapshot as text), is the next
+-- :since: a change this read did not see was written by a transaction at or after its xmax or in
+-- progress at it (its xip list), and is read next time, whatever else runs long meanwhile
 -- (migration 0020). A changed sample is one a change row names, or a member of a group one
--- names; it comes back as running, queued or gone (neither). An instance row was written
--- since when its xmin (32 bits, compared modulo 2^32 with :since's low bits) is not before :since.
-WITH p AS MATERIALIZED (SELECT CAST(CAST(pg_snapshot_xmin(pg_current_snapshot()) AS text) AS bigint) AS xmin,
+-- names; it comes back as running, queued or gone (neither). An instance row was written since
+-- when its xmin (32 bits: xids compared modulo 2^32) is at or after :since's xmax or in its xip.
+WITH p AS MATERIALIZED (SELECT CAST(pg_current_snapshot() AS text) AS pos,
   CAST(CAST(pg_snapshot_xmax(pg_current_snapshot()) AS text) AS bigint) AS xmax),
-f AS MATERIALIZED (SELECT CAST(:since AS bigint) IS NULL OR CAST(:since AS bigint) > p.xmax
-  OR CAST(:since AS bigint) < coalesce((SELECT h.pruned_below FROM snapshot_horizons h WHERE h.run_id = :run), 0)
-  AS whole FROM p),
+q AS MATERIALIZED (SELECT CAST(CAST(pg_snapshot_xmax(t.v) AS text) AS bigint) AS xmax,
+  ARRAY(SELECT CAST(CAST(x AS text) AS bigint) FROM pg_snapshot_xip(t.v) AS x) AS xip
+  FROM (SELECT CAST(CAST(:since AS text) AS pg_snapshot) AS v) AS t),
+f AS MATERIALIZED (SELECT q.xmax IS NULL OR q.xmax > p.xmax
+  OR least(q.xmax, (SELECT min(x) FROM unnest(q.xip) AS x))
+   < coalesce((SELECT h.pruned_below FROM snapshot_horizons h WHERE h.run_id = :run), 0)
+  AS whole FROM p, q),
 r AS MATERIALIZED (SELECT id, version, state, batch_size, buffer_capacity, group_size, samples_per_group, eta,
   max_response_tokens, max_prompt_tokens, dapo_filter, temperature, top_p FROM runs WHERE id = :run),
 i AS MATERIALIZED (SELECT id, name, version, snapshot, extract(epoch FROM now() - snapshot_at)::float8 AS age,
-  ((CAST(CAST(xmin AS text) AS bigint) - CAST(:since AS bigint)) & 4294967295) < 2147483648 AS written
+  ((CAST(CAST(xmin AS text) AS bigint) - (SELECT xmax FROM q)) & 4294967295) < 2147483648
+  OR CAST(CAST(xmin AS text) AS bigint) IN (SELECT x & 4294967295 FROM q, unnest(q.xip) AS x) AS written
   FROM instances WHERE run_id = :run AND state = 'active' AND lease_expires_at > now()),
 c AS MATERIALIZED (SELECT DISTINCT u.id FROM snapshot_changes x CROSS JOIN LATERAL unnest(x.sample_ids) AS u(id)
-  WHERE x.run_id = :run AND x.xid >= :since AND x.sample_ids IS NOT NULL AND NOT (SELECT whole FROM f)
+  WHERE x.run_id = :run AND (x.xid >= (SELECT xmax FROM q) OR x.xid = ANY(CAST((SELECT xip FROM q) AS bigint[])))
+  AND x.sample_ids IS NOT NULL AND NOT (SELECT whole FROM f)
   UNION
   SELECT s.id FROM snapshot_changes x CROSS JOIN LATERAL unnest(x.group_ids) AS u(id)
   JOIN samples s ON s.group_id = u.id
-  WHERE x.run_id = :run AND x.xid >= :since AND x.group_ids IS NOT NULL AND NOT (SELECT whole FROM f)),
+  WHERE x.run_id = :run AND (x.xid >= (SELECT xmax FROM q) OR x.xid = ANY(CAST((SELECT xip FROM q) AS bigint[])))
+  AND x.group_ids IS NOT NULL AND NOT (SELECT whole FROM f)),
 s AS MATERIALIZED (SELECT s.* FROM c JOIN samples s ON s.id = c.id AND s.run_id = :run
   UNION ALL
   SELECT s.* FROM samples s WHERE (SELECT whole FROM f) AND s.run_id = :run AND s.state = 'queued'
@@ -134,7 +142,7 @@ s AS MATERIALIZED (SELECT s.* FROM c JOIN samples s ON s.id = c.id AND s.run_id 
   SELECT s.* FROM instances a JOIN samples s ON s.instance_id = a.id AND s.state = 'running'
   WHERE (SELECT whole FROM f) AND a.run_id = :run AND a.state = 'active')
 SELECT json_build_array(
- (SELECT xmin FROM p),
+ (SELECT pos FROM p),
  (SELECT whole FROM f),
  (SELECT to_json(r) FROM r),
  (SELECT json_agg(json_build_array(b.idx, b.occupied, b.reserved) ORDER BY b.idx)

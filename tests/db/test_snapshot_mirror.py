@@ -11,7 +11,7 @@ import pytest
 from protocol_helpers import Driver
 from sqlalchemy import text
 
-from staleflow_db.errors import Conflict, NotFound
+from staleflow_db.errors import Conflict, InvalidInput, NotFound
 from staleflow_db.protocol.coordination import snapshot_of
 from staleflow_db.types import Report
 from workers.wire.enums import SegmentKind
@@ -136,7 +136,10 @@ def test_a_position_from_elsewhere_or_pruned_is_answered_whole(engine):
     doc = d.p.snapshot_changes(d.run, m.position)
     m.apply(doc)  # nothing changed (rows a transaction older than the read wrote may come again)
     assert doc[1] is False and m.wholes == 1 and len(m.queued) == 2
-    assert d.p.snapshot_changes(d.run, 2**62)[1] is True  # from the future: whole
+    assert d.p.snapshot_changes(d.run, f"{10**15}:{10**15}:")[1] is True  # from the future: whole
+    for bad in ("12", "5:3:"):  # not one; xmin after xmax
+        with pytest.raises(InvalidInput, match="not a snapshot position"):
+            d.p.snapshot_changes(d.run, bad)
     d.enqueue(1)
     with engine.begin() as c:
         c.execute(text("UPDATE snapshot_changes SET at = at - interval '1 hour'"))
@@ -145,3 +148,27 @@ def test_a_position_from_elsewhere_or_pruned_is_answered_whole(engine):
     assert doc[1] is True and len(doc[7]) == 3
     with pytest.raises(NotFound):
         d.p.snapshot_changes(d.run + 1000)
+
+
+def test_a_long_transaction_neither_hides_its_change_nor_inflates_the_others(engine):
+    """A write in progress at a read is in its position's in-progress list: read once it commits,
+    while the changes committed meanwhile are read once each (not again on every read)."""
+    d = Driver(engine, batch_size=1, group_size=1, eta=1)
+    (g,) = d.enqueue(1)
+    (slow_sid,) = d.members(g)
+    m = SnapshotMirror()
+    with engine.connect() as slow:
+        slow.execute(text("UPDATE samples SET n_tokens = 0 WHERE id = :s"), {"s": slow_sid})  # holds an xid
+        m.apply(d.p.snapshot_changes(d.run))
+        d.enqueue(2)
+        doc = d.p.snapshot_changes(d.run, m.position)
+        m.apply(doc)
+        assert len(doc[7]) == 2  # the two new samples
+        doc = d.p.snapshot_changes(d.run, m.position)
+        m.apply(doc)
+        assert doc[7] is None and doc[6] is None and doc[8] is None  # nothing since, despite the open write
+        slow.commit()
+    doc = d.p.snapshot_changes(d.run, m.position)
+    assert [q[0] for q in doc[7]] == [slow_sid]  # its change, once committed
+    m.apply(doc)
+    _same(d, m)

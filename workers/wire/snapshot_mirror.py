@@ -55,7 +55,7 @@ class SnapshotView:
 
 class SnapshotMirror:
     def __init__(self) -> None:
-        self.position: int | None = None  # the next read's `since` (None: ask for the whole)
+        self.position: str | None = None  # the next read's `since` (None: ask for the whole)
         self.run: dict[str, Any] | None = None
         self.buffers: list[list[Any]] = []
         self.live: list[list[Any]] = []  # [id, snapshot age] of the live instances, id order

@@ -64,7 +64,7 @@ class SnapshotChangesOut(Out):
     or whole: rows are arrays in the field order of the full snapshot's (docs/coordinator.md,
     "Snapshot changes"); `workers.wire.snapshot_mirror.SnapshotMirror` merges them."""
 
-    position: int = Field(description="the next read's `since`")
+    position: str = Field(description="the next read's `since`: the read's database snapshot (xmin:xmax:xip,...)")
     whole: bool = Field(description="the whole snapshot (no since, or too old): replace the copy")
     run: dict[str, Any] = Field(description="the run's version, state and configuration")
     buffers: list[list[int]] | None = Field(description="unconsumed buffers: [index, occupied, reserved]")
