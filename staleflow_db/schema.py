@@ -306,7 +306,7 @@ event_rows = Table(
 
 # The coordinator's snapshot as changes (migration 0020): per statement that changed in-flight
 # samples or queued rows' group fields, their ids and the writer's transaction id (xid8 as
-# bigint), written by statement triggers; a delta reads the rows at or after its last xmin.
+# bigint), written by statement triggers; a read asks for those its previous snapshot did not see.
 snapshot_changes = Table(
     "snapshot_changes",
     metadata,

@@ -5,10 +5,11 @@ transaction changed, so a cycle reads what changed since its last read, not the 
 or running before or after it) or changed a group's state, reserved buffer or least member
 version (the queued rows' group fields), written by statement-level triggers (transition
 tables: one row per statement, not per sample) with the writer's transaction id (`xid`, an
-xid8 as bigint). A reader at snapshot S asks next for the rows with `xid >= xmin(S)`: every
-transaction S did not see has an id at least its xmin, so nothing is missed (rows seen twice
-are harmless: a change carries the row's current state). `snapshot_horizons`: per run, the
-least xid a delta may still start from (rows below it were pruned: older readers resync).
+xid8 as bigint). A reader at snapshot S asks next for the rows with `xid >= xmax(S)` or `xid`
+in S's in-progress list: every transaction S did not see is one of those, so nothing is missed
+(rows seen twice are harmless: a change carries the row's current state). `snapshot_horizons`:
+per run, the least xid a read may still start from (rows below it were pruned: older readers
+get the whole snapshot).
 
 Revision ID: 0020
 Revises: 0018
