@@ -16,7 +16,8 @@ cadence over REST, with the requests and responses built from the `workers.wire`
   environment does: a partial segment, the observation (not generated), and back to the queue
   to be routed again for the next turn.
 * `Coordinator` (one, in the first load process): keeps prompts queued, routes queued samples
-  to instances with free slots (from the run's snapshot) and sends a pull to every instance when
+  to instances with free slots (from the run's snapshot, read as what changed since its last
+  read and merged into a `SnapshotMirror`, as the live coordinator reads it) and sends a pull to every instance when
   the trainer publishes a version; records when it sent each pull, so command delivery is
   measured as (instance's poll returned) - (pull sent), across processes on one clock.
 * `Node` (with `per_node` K > 1, instead of `Instance`): a process hosting K instances as
@@ -58,6 +59,7 @@ _HERE = Path(__file__).resolve().parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE] + [str(_HERE.parent)]
 
 from workers.wire import models as m
+from workers.wire.snapshot_mirror import SnapshotMirror
 
 CFG: dict = {}
 SHARED = {
@@ -88,8 +90,11 @@ class Api(FastHttpUser):
         self.run_id = CFG["run"]
         self.auth = {"Authorization": f"Bearer {CFG['tokens'][self.role]}"}
 
-    def call(self, name: str, path: str, body=None, out=None, params: str = "", key: bool = False, method="POST"):
-        """One REST call; the parsed `out` model, or None when it failed (counted by Locust)."""
+    def call(
+        self, name: str, path: str, body=None, out=None, params: str = "", key: bool = False, method="POST", raw=False
+    ):
+        """One REST call; the parsed `out` model (`raw`: the decoded JSON), or None when it failed
+        (counted by Locust)."""
         headers = dict(self.auth)
         if key:
             headers["Idempotency-Key"] = uuid.uuid4().hex
@@ -107,6 +112,8 @@ class Api(FastHttpUser):
                 if len(SHARED["errors"]) < 10:
                     SHARED["errors"].append(f"{name}: {r.status_code} {text}")
                 return None
+            if raw:
+                return json.loads(r.content)
             return out.model_validate_json(r.content) if out is not None else True
 
 
@@ -497,19 +504,30 @@ class Coordinator(Api):
     role = "coordinator"
     fixed_count = 1
 
+    def on_start(self):
+        self.mirror = SnapshotMirror()
+
     @task
     def cycle(self):
         c = CFG
-        snap = self.call("snapshot", "/snapshot", None, m.ClusterSnapshotOut, method="GET")
-        if snap is None:
+        # what changed since the last read, merged into the mirror (whole on the first read)
+        since = "" if self.mirror.position is None else f"?since={self.mirror.position}"
+        doc = self.call("snapshot_changes", "/snapshot/changes", None, None, params=since, method="GET", raw=True)
+        if doc is None:
             gevent.sleep(0.2)
             return
-        if snap.version > SHARED["pulled"]:  # a new version: every instance behind it pulls
-            SHARED["pulled"] = snap.version
-            ids = [i.instance_id for i in snap.instances if i.version < snap.version]
+        self.mirror.apply(doc)
+        snap = self.mirror.view()
+        version = snap.run["version"] if snap.run else 0
+        held: dict[int, int] = {}
+        for iid, *_ in snap.running:
+            held[iid] = held.get(iid, 0) + 1
+        if version > SHARED["pulled"]:  # a new version: every instance behind it pulls
+            SHARED["pulled"] = version
+            ids = [i[0] for i in snap.instances if i[2] < version]
             for k in range(0, len(ids), 1000):
-                SHARED["pulls"][snap.version] = time.time()
-                body = m.PullIn(instance_ids=ids[k : k + 1000], target_version=snap.version)
+                SHARED["pulls"][version] = time.time()
+                body = m.PullIn(instance_ids=ids[k : k + 1000], target_version=version)
                 self.call("pull", "/commands/pull", body, m.CommandsOut, key=True)
         if len(snap.queued) < c["slots"] * max(1, len(snap.instances)) // 4:
             prompts = [
@@ -518,15 +536,15 @@ class Coordinator(Api):
             ]
             self.call("enqueue", "/prompts", m.EnqueueIn(prompts=prompts), m.EnqueueOut)
         free = {
-            i.instance_id: c["slots"] - len(i.running)
+            i[0]: c["slots"] - held.get(i[0], 0)
             for i in snap.instances
-            if i.version == snap.version and not i.snapshot.get("pulling")
+            if i[2] == version and not (i[3] or {}).get("pulling")
         }
         pairs = []
         slots = [iid for iid, n in free.items() for _ in range(max(0, n))]
         random.shuffle(slots)
         for q, iid in zip(snap.queued, slots, strict=False):
-            pairs.append({"sample_id": q.sample_id, "instance_id": iid})
+            pairs.append({"sample_id": q[0], "instance_id": iid})
         for k in range(0, len(pairs), 2000):
             body = m.RouteIn.model_validate({"routes": pairs[k : k + 2000]})
             self.call("route", "/routes", body, m.RouteOut, key=True)

@@ -304,6 +304,33 @@ event_rows = Table(
     Index("ix_event_rows_folds", "run_id", "kind", postgresql_where=text("n IS NOT NULL")),
 )
 
+# The coordinator's snapshot as changes (migration 0020): per statement that changed in-flight
+# samples or queued rows' group fields, their ids and the writer's transaction id (xid8 as
+# bigint), written by statement triggers; a read asks for those its previous snapshot did not see.
+snapshot_changes = Table(
+    "snapshot_changes",
+    metadata,
+    Column("run_id", BigInteger, ForeignKey("runs.id", ondelete="CASCADE"), nullable=False),
+    Column(
+        "xid",
+        BigInteger,
+        nullable=False,
+        server_default=text("CAST(CAST(pg_current_xact_id() AS text) AS bigint)"),
+    ),
+    Column("at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    Column("sample_ids", ARRAY(BigInteger)),
+    Column("group_ids", ARRAY(BigInteger)),
+    Index("ix_snapshot_changes_run_id_xid", "run_id", "xid"),
+)
+
+# per run, the least xid a delta may start from (changes below it were pruned)
+snapshot_horizons = Table(
+    "snapshot_horizons",
+    metadata,
+    Column("run_id", BigInteger, ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True),
+    Column("pruned_below", BigInteger, nullable=False),
+)
+
 # the run's leader epoch: who leads its coordinator, under which epoch, until when
 leader_epochs = Table(
     "leader_epochs",

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, Path
+from fastapi import APIRouter, Depends, Path, Query
 from fastapi.responses import JSONResponse, Response
+from pydantic_core import to_json
 from sqlalchemy import Connection
 from typing_extensions import TypedDict
 
@@ -33,8 +34,10 @@ from workers.wire.models import (
     RouteOut,
     RouteResultOut,
     SnapshotBufferOut,
+    SnapshotChangesOut,
     errors,
 )
+from workers.wire.snapshot_mirror import FIELDS
 from workers.wire.types import RouteOutcome
 
 from ..auth import Principal
@@ -87,6 +90,27 @@ def snapshot(
         "latest_params": snap.latest_params,
     }
     return respond_json(dump(_SnapshotJson, body, _SNAPSHOT_EXCLUDE))
+
+
+@router.get("/snapshot/changes", response_model=SnapshotChangesOut)
+def snapshot_changes(
+    run_id: RunId,
+    state: State,
+    since: Annotated[
+        str | None,
+        Query(
+            max_length=1_000_000,
+            pattern=r"^\d{1,20}:\d{1,20}:(\d{1,20}(,\d{1,20})*)?$",
+            description="`position` of the previous read; left out: the whole snapshot",
+        ),
+    ] = None,
+    who: Principal = Depends(allow_run(Role.COORDINATOR, Role.OBSERVER)),
+) -> Response:
+    """The snapshot as what changed since `since`, from one statement: cost follows the changes,
+    not the samples in flight. Whole when `since` is left out or too old to answer from."""
+    doc = state.protocol.snapshot_changes(run_id, since)
+    # the statement's rows as they came: no model per row
+    return respond_json(to_json(dict(zip(FIELDS, doc, strict=True))))
 
 
 class _SnapshotJson(TypedDict):

@@ -24,7 +24,7 @@ from __future__ import annotations
 from sqlalchemy import Engine
 
 from .aborts import AbortOps
-from .coordination import BufferView, CoordinationOps, InstanceView, QueuedView, RunningSample, Snapshot
+from .coordination import BufferView, CoordinationOps, InstanceView, QueuedView, RunningSample, Snapshot, snapshot_of
 from .core import Prompt
 from .node import NodeDelivery, NodeHeartbeat, NodeItem, NodeOps, NodeOutcome
 from .reads import InstanceOwner, MetricsRows, ParamVersion, ProtocolReads, RunInfo
@@ -65,6 +65,7 @@ __all__ = [
     "RunInfo",
     "SegmentInfo",
     "Snapshot",
+    "snapshot_of",
     "TrainGroup",
     "TrainSample",
     "Work",

@@ -5,6 +5,7 @@ leader cannot clobber state. The coordinator's other commands are the drops (`ab
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -12,6 +13,7 @@ from functools import cached_property
 from typing import Any, NamedTuple
 
 from sqlalchemy import Connection
+from sqlalchemy.exc import DataError
 
 from .. import notify, queries
 from ..errors import Conflict, InvalidInput, NotFound
@@ -19,6 +21,9 @@ from ..idempotency import transactional
 from ..types import RouteResult, RunConfig
 from .core import RunRow, RunTx, TxMixin, check_batch, check_epoch, check_found, check_unique, load_run
 from .routing import route_in, route_read
+
+# a read's position: PostgreSQL's pg_snapshot as text (xmin:xmax:in-progress xids)
+SNAPSHOT_POSITION = re.compile(r"\d{1,20}:\d{1,20}:(\d{1,20}(,\d{1,20})*)?")
 
 
 class RunningSample(NamedTuple):
@@ -66,7 +71,7 @@ class Snapshot:
     instances: list[InstanceView]
     # the queued samples as decoded: arrays in QueuedView's field order (the coordinator builds
     # its own objects from them, and reuses those of rows unchanged since its last cycle)
-    queued_rows: list[list[Any]]
+    queued_rows: list[Sequence[Any]]  # lists, or tuples from a SnapshotMirror
     latest_params: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
     state: str = "active"  # the run's lifecycle state: a coordinator routes only an active run
@@ -157,29 +162,44 @@ class CoordinationOps(TxMixin):
         """Everything a coordinator cycle decides on, from one consistent view: ONE statement
         (one snapshot of the database, as a REPEATABLE READ transaction gave) sent in
         autocommit, so a cycle reads the cluster in one round trip (it took nine: BEGIN, SET,
-        six reads, COMMIT), with the rows as one JSON document (decoded in C, not per row)."""
+        six reads, COMMIT), with the rows as one JSON document (decoded in C, not per row).
+        Its cost grows with the samples in flight: a coordinator reads `snapshot_changes`."""
         with self.engine.connect() as conn:
             got = (
                 conn.execution_options(isolation_level="AUTOCOMMIT")
                 .execute(queries.text("snapshot"), {"run": run_id, "n": max_queued})
                 .scalar_one()
             )
-        if got[0] is None:
+        return snapshot_of(run_id, got)
+
+    def snapshot_changes(self, run_id: int, since: str | None = None) -> list[Any]:
+        """The snapshot as changes since `since` (the `position` of the caller's previous read),
+        or whole when `since` is None or too old: one autocommit statement, its cost following
+        what changed, not what is in flight. A document of `workers.wire.snapshot_mirror.FIELDS`;
+        `SnapshotMirror` merges them, and `snapshot_of(run_id, mirror.view())` is then what
+        `snapshot` returns (docs/coordinator.md, "Snapshot changes"). `since` is a pg_snapshot
+        as text (xmin:xmax:xip,...): anything else is InvalidInput."""
+        if since is not None and not SNAPSHOT_POSITION.fullmatch(since):
+            raise InvalidInput(f"since {since[:40]!r} is not a snapshot position (xmin:xmax:xip,...)")
+        try:
+            with self.engine.connect() as conn:
+                got: list[Any] = (
+                    conn.execution_options(isolation_level="AUTOCOMMIT")
+                    .execute(queries.text("snapshot_changes"), {"run": run_id, "since": since})
+                    .scalar_one()
+                )
+        except DataError as exc:  # well formed, but no snapshot (xmin > xmax, out of range)
+            raise InvalidInput(f"since {since!r} is not a snapshot position (xmin:xmax:xip,...)") from exc
+        if got[2] is None:
             raise NotFound(f"run {run_id}")
-        run = RunRow.of(got[0])
-        running: dict[int, list[RunningSample]] = {}
-        for iid, *r in got[3] or ():
-            running.setdefault(iid, []).append(RunningSample(*r))
-        return Snapshot(
-            run_id,
-            run.version,
-            run.config,
-            {idx: BufferView(o, r) for idx, o, r in got[1] or ()},
-            [InstanceView(i, n, v, snap or {}, age, running.get(i, [])) for i, n, v, snap, age in got[2] or ()],
-            got[4] or [],
-            got[5],
-            state=run.state,
-        )
+        return got
+
+    @transactional
+    def prune_snapshot_changes(self, run_id: int, keep_s: float = 60.0, *, conn: Connection | None = None) -> None:
+        """Forget the run's snapshot changes older than `keep_s` seconds; a later read from
+        before them is answered whole."""
+        with self.tx(conn) as conn:
+            conn.execute(queries.text("prune_snapshot_changes"), {"run": run_id, "keep_s": keep_s})
 
     @transactional
     def apply_commands(
@@ -277,6 +297,27 @@ class CoordinationOps(TxMixin):
             if not got.fenced:
                 check_epoch(conn, run_id, epoch, holder)  # raises Conflict with the reason
                 raise Conflict([(epoch, "not the coordinator of this run (leadership lost or expired)")])
+
+
+def snapshot_of(run_id: int, got: Sequence[Any]) -> Snapshot:
+    """A snapshot from its rows: [run, buffers, instances, running, queued, latest published
+    version], as the `snapshot` statement returns them (and `SnapshotMirror.view`)."""
+    if got[0] is None:
+        raise NotFound(f"run {run_id}")
+    run = RunRow.of(got[0])
+    running: dict[int, list[RunningSample]] = {}
+    for iid, *r in got[3] or ():
+        running.setdefault(iid, []).append(RunningSample(*r))
+    return Snapshot(
+        run_id,
+        run.version,
+        run.config,
+        {idx: BufferView(o, r) for idx, o, r in got[1] or ()},
+        [InstanceView(i, n, v, snap or {}, age, running.get(i, [])) for i, n, v, snap, age in got[2] or ()],
+        got[4] or [],
+        got[5],
+        state=run.state,
+    )
 
 
 def interrupt_running(conn: Connection, run_id: int, sample_ids: Sequence[int], epoch: int | None) -> int:

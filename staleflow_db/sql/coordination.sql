@@ -99,3 +99,74 @@ y AS (INSERT INTO coordinator_cycles (run_id, epoch, snapshot_ms, decide_ms, wri
   pulled, migrated) SELECT l.run_id, l.epoch, :s, :d, CASE WHEN 0 + (SELECT count(*) FROM c) + (SELECT count(*) FROM e) >= 0
   THEN extract(epoch FROM clock_timestamp() - statement_timestamp()) * 1000 END, 0, :i, :p, :m FROM l, ok)
 SELECT EXISTS (SELECT FROM l) AS fenced, ARRAY(SELECT id FROM f) AS found
+
+-- name: snapshot_changes
+-- The cycle's snapshot as changes since the reader's last one (`CoordinationOps.snapshot_changes`),
+-- or whole (`whole`) when :since is NULL, pruned (below the run's horizon) or not from this server's
+-- past. One JSON array: [position, whole, run, buffers, live instances [id, age], instance rows
+-- [id, name, version, snapshot] (those written since; whole: all live), running rows (as
+-- `snapshot`'s), queued rows (as `snapshot`'s, all of them when whole), gone sample ids, latest
+-- published version]. `position`, this statement's snapshot (pg_snapshot as text), is the next
+-- :since: a change this read did not see was written by a transaction at or after its xmax or in
+-- progress at it (its xip list), and is read next time, whatever else runs long meanwhile
+-- (migration 0020). A changed sample is one a change row names, or a member of a group one
+-- names; it comes back as running, queued or gone (neither). An instance row was written since
+-- when its xmin (32 bits: xids compared modulo 2^32) is at or after :since's xmax or in its xip.
+WITH p AS MATERIALIZED (SELECT CAST(pg_current_snapshot() AS text) AS pos,
+  CAST(CAST(pg_snapshot_xmax(pg_current_snapshot()) AS text) AS bigint) AS xmax),
+q AS MATERIALIZED (SELECT CAST(CAST(pg_snapshot_xmax(t.v) AS text) AS bigint) AS xmax,
+  ARRAY(SELECT CAST(CAST(x AS text) AS bigint) FROM pg_snapshot_xip(t.v) AS x) AS xip
+  FROM (SELECT CAST(CAST(:since AS text) AS pg_snapshot) AS v) AS t),
+f AS MATERIALIZED (SELECT q.xmax IS NULL OR q.xmax > p.xmax
+  OR least(q.xmax, (SELECT min(x) FROM unnest(q.xip) AS x))
+   < coalesce((SELECT h.pruned_below FROM snapshot_horizons h WHERE h.run_id = :run), 0)
+  AS whole FROM p, q),
+r AS MATERIALIZED (SELECT id, version, state, batch_size, buffer_capacity, group_size, samples_per_group, eta,
+  max_response_tokens, max_prompt_tokens, dapo_filter, temperature, top_p FROM runs WHERE id = :run),
+i AS MATERIALIZED (SELECT id, name, version, snapshot, extract(epoch FROM now() - snapshot_at)::float8 AS age,
+  ((CAST(CAST(xmin AS text) AS bigint) - (SELECT xmax FROM q)) & 4294967295) < 2147483648
+  OR CAST(CAST(xmin AS text) AS bigint) IN (SELECT x & 4294967295 FROM q, unnest(q.xip) AS x) AS written
+  FROM instances WHERE run_id = :run AND state = 'active' AND lease_expires_at > now()),
+c AS MATERIALIZED (SELECT DISTINCT u.id FROM snapshot_changes x CROSS JOIN LATERAL unnest(x.sample_ids) AS u(id)
+  WHERE x.run_id = :run AND (x.xid >= (SELECT xmax FROM q) OR x.xid = ANY(CAST((SELECT xip FROM q) AS bigint[])))
+  AND x.sample_ids IS NOT NULL AND NOT (SELECT whole FROM f)
+  UNION
+  SELECT s.id FROM snapshot_changes x CROSS JOIN LATERAL unnest(x.group_ids) AS u(id)
+  JOIN samples s ON s.group_id = u.id
+  WHERE x.run_id = :run AND (x.xid >= (SELECT xmax FROM q) OR x.xid = ANY(CAST((SELECT xip FROM q) AS bigint[])))
+  AND x.group_ids IS NOT NULL AND NOT (SELECT whole FROM f)),
+s AS MATERIALIZED (SELECT s.* FROM c JOIN samples s ON s.id = c.id AND s.run_id = :run
+  UNION ALL
+  SELECT s.* FROM samples s WHERE (SELECT whole FROM f) AND s.run_id = :run AND s.state = 'queued'
+  UNION ALL
+  SELECT s.* FROM instances a JOIN samples s ON s.instance_id = a.id AND s.state = 'running'
+  WHERE (SELECT whole FROM f) AND a.run_id = :run AND a.state = 'active')
+SELECT json_build_array(
+ (SELECT pos FROM p),
+ (SELECT whole FROM f),
+ (SELECT to_json(r) FROM r),
+ (SELECT json_agg(json_build_array(b.idx, b.occupied, b.reserved) ORDER BY b.idx)
+   FROM buffers b JOIN r ON b.run_id = r.id AND b.idx >= r.version),
+ (SELECT json_agg(json_build_array(i.id, i.age) ORDER BY i.id) FROM i),
+ (SELECT json_agg(json_build_array(i.id, i.name, i.version, i.snapshot) ORDER BY i.id) FROM i
+   WHERE i.written IS NOT FALSE OR (SELECT whole FROM f)),
+ (SELECT json_agg(json_build_array(s.instance_id, s.id, s.n_tokens, cardinality(g.prompt_tokens), s.v_traj)
+    ORDER BY s.id)
+   FROM s JOIN prompt_groups g ON g.id = s.group_id WHERE s.state = 'running'),
+ (SELECT json_agg(json_build_array(s.id, s.group_id, s.v_traj, s.last_version,
+    cardinality(g.prompt_tokens) + s.n_tokens, s.n_tokens, g.state::text, g.reserved_buffer, g.min_version,
+    CASE WHEN s.v_traj IS NOT NULL THEN
+     (SELECT x.instance_id FROM segments x WHERE x.sample_id = s.id ORDER BY x.seq DESC LIMIT 1) END)
+    ORDER BY s.id)
+   FROM s JOIN prompt_groups g ON g.id = s.group_id WHERE s.state = 'queued'),
+ (SELECT json_agg(s.id ORDER BY s.id) FROM s WHERE s.state NOT IN ('queued', 'running')),
+ (SELECT max(version) FROM param_versions WHERE run_id = :run))
+
+-- name: prune_snapshot_changes
+-- Forget a run's snapshot changes older than :keep_s seconds, raising its horizon past them: a
+-- delta from below the horizon is answered whole.
+WITH d AS (DELETE FROM snapshot_changes WHERE run_id = :run AND at < now() - make_interval(secs => :keep_s)
+  RETURNING xid)
+INSERT INTO snapshot_horizons AS h (run_id, pruned_below) SELECT :run, max(xid) + 1 FROM d HAVING count(*) > 0
+ON CONFLICT (run_id) DO UPDATE SET pruned_below = greatest(h.pruned_below, excluded.pruned_below)
+RETURNING pruned_below

@@ -71,6 +71,7 @@ MATRIX: list[tuple[str, str, Any, set[str], int]] = [
     ("POST", "/v1/runs/{A}/batches/0/consume?wait=0", None, TRAINER, 403),
     ("POST", "/v1/runs/{A}/batches/0/publish", {"consume_fence": 1}, TRAINER, 403),
     ("GET", "/v1/runs/{A}/snapshot", None, COORD | {"observer"}, 403),
+    ("GET", "/v1/runs/{A}/snapshot/changes", None, COORD | {"observer"}, 403),
     # gone (410) for those who may coordinate
     ("POST", "/v1/runs/{A}/coordinator/lease", None, COORD, 403),
     ("POST", "/v1/runs/{A}/coordinator/release", None, COORD, 403),

@@ -1,6 +1,8 @@
 """The coordinator service (`staleflow coordinator --run RUN`).
 
-Each cycle: one read-only statement for the snapshot, the pure strategy functions on
+Each cycle: one read-only statement for what changed since the last cycle's (the snapshot's
+changes, merged into a `SnapshotMirror`: a read that follows what changed, not what is in
+flight; whole on the first cycle of a leadership), the pure strategy functions on
 the speculative state, one write transaction for the commands (fenced by the leadership
 epoch). One active coordinator per run by an expiring leader epoch; a standby polls the leader epoch
 and takes over when the leader stops renewing it. The speculative state is rebuilt from the
@@ -18,16 +20,17 @@ import os
 import socket
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from staleflow_db.errors import Conflict
-from staleflow_db.protocol import Protocol, Snapshot
+from staleflow_db.protocol import Protocol, Snapshot, snapshot_of
 from staleflow_db.retry import DATABASE_OUTAGE, is_db_unavailable
 from staleflow_db.rules import BufferCounts
 from staleflow_db.types import RunConfig
 from workers.retry import Outage
+from workers.wire.snapshot_mirror import SnapshotMirror
 
 from .admission import AdmissionView
 from .cost_model import CostModel
@@ -37,6 +40,10 @@ from .state import InstanceSnapshot, QueuedSample, RunningSample, SpeculativeSta
 
 log = logging.getLogger("staleflow.coordinator")
 CYCLE_HISTORY = 1000  # cycle times kept in memory
+# Snapshot changes older than this are pruned every PRUNE_EVERY cycles (a reader further
+# behind gets the whole snapshot): minutes of changes at most, whatever the run's length.
+CHANGES_KEEP_S = 60.0
+PRUNE_EVERY = 100
 
 
 @dataclass
@@ -158,7 +165,7 @@ class QueueReader:
     def __init__(self) -> None:
         self._seen: dict[tuple[Any, ...], QueuedSample] = {}
 
-    def read(self, rows: list[list[Any]]) -> Queue:
+    def read(self, rows: Sequence[Sequence[Any]]) -> Queue:
         seen, now = self._seen, {}
         samples: list[QueuedSample] = []
         reserved: dict[int, int] = {}
@@ -205,6 +212,8 @@ class Coordinator:
         self.epoch: int | None = None
         self.spec = SpeculativeState(tolerance=tolerance_s)
         self._queue = QueueReader()
+        self._mirror = SnapshotMirror()  # the run's snapshot, kept from its changes
+        self._reads = 0
         self._unreported: set[int] = set()  # instances warned about reporting no capacity
         self.stats = CycleStats()
         self.database = Outage("the database", log)
@@ -253,6 +262,7 @@ class Coordinator:
         # What we knew may be stale by the time the database is back (another coordinator
         # may have led meanwhile): forget the epoch, so the next lead() rebuilds the state.
         self.epoch = None
+        self._mirror.resync()
 
     def lead(self) -> bool:
         """Renew (or take) the leader epoch; a new epoch means our view must be rebuilt from scratch."""
@@ -260,6 +270,7 @@ class Coordinator:
         if epoch is not None and epoch != self.epoch:
             log.info("leading run %s at epoch %s", self.run_id, epoch)
             self.spec = SpeculativeState(tolerance=self.tolerance_s)
+            self._mirror = SnapshotMirror()
         elif epoch is None and self.epoch is not None:
             log.warning("lost leadership of run %s", self.run_id)
         self.epoch = epoch
@@ -270,7 +281,7 @@ class Coordinator:
             raise RuntimeError("a cycle needs leadership: lead() first")
         epoch = self.epoch
         t0 = time.monotonic()
-        snap = self.protocol.snapshot(self.run_id)
+        snap = self.read_snapshot()
         t1 = time.monotonic()
         if snap.state != "active":  # paused or cancelled: no routes, and no interrupts or pulls either
             self.stats.expired += len(self.protocol.expire_instances(self.run_id))
@@ -316,6 +327,15 @@ class Coordinator:
         self.stats.expired += len(self.protocol.expire_instances(self.run_id))
         if cfg.buffer_capacity > cfg.batch_size:
             self.stats.aborted_after_ready += len(self.protocol.abort_after_ready(self.run_id))
+
+    def read_snapshot(self) -> Snapshot:
+        """The run's snapshot: what changed since the last read, merged (the whole snapshot on
+        the first read and after a resync); every PRUNE_EVERY reads, old changes are pruned."""
+        self._mirror.apply(self.protocol.snapshot_changes(self.run_id, self._mirror.position))
+        self._reads += 1
+        if self._reads % PRUNE_EVERY == 0:
+            self.protocol.prune_snapshot_changes(self.run_id, CHANGES_KEEP_S)
+        return snapshot_of(self.run_id, self._mirror.view().rows())
 
     def _write(self, plan: CyclePlan, epoch: int, *, snapshot_ms: float, decided_from: float) -> Applied | None:
         """The cycle's commands in one transaction fenced by our epoch, then a wake-up for the

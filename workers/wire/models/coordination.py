@@ -59,6 +59,27 @@ class ClusterSnapshotOut(Out):
     latest_params: int | None = Field(description="latest published parameter version")
 
 
+class SnapshotChangesOut(Out):
+    """The coordinator's snapshot as what changed since `since` (a previous read's `position`),
+    or whole: rows are arrays in the field order of the full snapshot's (docs/coordinator.md,
+    "Snapshot changes"); `workers.wire.snapshot_mirror.SnapshotMirror` merges them."""
+
+    position: str = Field(description="the next read's `since`: the read's database snapshot (xmin:xmax:xip,...)")
+    whole: bool = Field(description="the whole snapshot (no since, or too old): replace the copy")
+    run: dict[str, Any] = Field(description="the run's version, state and configuration")
+    buffers: list[list[int]] | None = Field(description="unconsumed buffers: [index, occupied, reserved]")
+    live: list[list[Any]] | None = Field(description="every live instance: [id, heartbeat age s]")
+    instances: list[list[Any]] | None = Field(description="live instances written since: [id, name, version, snapshot]")
+    running: list[list[Any]] | None = Field(
+        description="running samples changed since (all, whole): [instance, sample, tokens, prompt_tokens, v_traj]"
+    )
+    queued: list[list[Any]] | None = Field(
+        description="queued samples changed since (all, whole), in QueuedSampleOut's field order"
+    )
+    gone: list[int] | None = Field(description="samples changed since that are neither queued nor running")
+    latest_params: int | None = Field(description="latest published parameter version")
+
+
 class Fenced(In):
     epoch: Int | None = Field(
         None,
