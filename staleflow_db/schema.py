@@ -304,7 +304,7 @@ event_rows = Table(
     Index("ix_event_rows_folds", "run_id", "kind", postgresql_where=text("n IS NOT NULL")),
 )
 
-# The coordinator's snapshot as changes (migration 0020): per statement that changed in-flight
+# The coordinator's snapshot as changes (migration 0019): per statement that changed in-flight
 # samples or queued rows' group fields, their ids and the writer's transaction id (xid8 as
 # bigint), written by statement triggers; a read asks for those its previous snapshot did not see.
 snapshot_changes = Table(

@@ -18,7 +18,7 @@ Revises: 0018
 import sqlalchemy as sa
 from alembic import op
 
-revision = "0020"
+revision = "0019"
 down_revision = "0018"
 branch_labels = None
 depends_on = None
