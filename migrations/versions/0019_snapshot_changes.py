@@ -11,7 +11,7 @@ in S's in-progress list: every transaction S did not see is one of those, so not
 per run, the least xid a read may still start from (rows below it were pruned: older readers
 get the whole snapshot).
 
-Revision ID: 0020
+Revision ID: 0019
 Revises: 0018
 """
 

@@ -109,7 +109,7 @@ SELECT EXISTS (SELECT FROM l) AS fenced, ARRAY(SELECT id FROM f) AS found
 -- published version]. `position`, this statement's snapshot (pg_snapshot as text), is the next
 -- :since: a change this read did not see was written by a transaction at or after its xmax or in
 -- progress at it (its xip list), and is read next time, whatever else runs long meanwhile
--- (migration 0020). A changed sample is one a change row names, or a member of a group one
+-- (migration 0019). A changed sample is one a change row names, or a member of a group one
 -- names; it comes back as running, queued or gone (neither). An instance row was written since
 -- when its xmin (32 bits: xids compared modulo 2^32) is at or after :since's xmax or in its xip.
 WITH p AS MATERIALIZED (SELECT CAST(pg_current_snapshot() AS text) AS pos,
