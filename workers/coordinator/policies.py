@@ -82,10 +82,6 @@ class Policy:
     sticky_resume: bool = False  # request-count routing: interrupted samples resume where they ran
     min_migrate_running: int = 2
     migrate_min_gain: float = 0.15  # migrate only if the pair's cost-model T rises this much (docs/policies.md)
-    order: str = "fifo"  # SCREEN
-    gain_ctx: float | None = None  # SCREEN: multiple of the mean running context
-    partials_new: bool = False  # SCREEN
-    mu_free: float | None = None  # SCREEN
 
     def __post_init__(self) -> None:
         if self.routing not in ROUTINGS:
@@ -121,10 +117,6 @@ class Policy:
         admission = admission or AlwaysAdmit()
         queued = list(queued)
         levels = queue_levels(queued, group_versions)
-        if self.order == "tokens":
-            levels = [(lv, sorted(ss, key=lambda q: -q.tokens)) for lv, ss in levels]
-        elif self.order == "tokens_rev":
-            levels = [(lv, sorted(ss, key=lambda q: q.tokens)) for lv, ss in levels]
         pulls: list[PullDecision] = []
         instances = list(instances)
         if self.sync == "greedy":
@@ -145,9 +137,6 @@ class Policy:
                 levels=levels,
                 kv_fill=self.kv_fill,
                 kv_cap=self.kv_cap,
-                gain_context=_mean_context(instances, self.gain_ctx),
-                partials_to_newest=self.partials_new,
-                mu_free=self.mu_free,
             )
         else:
             routes = route_request_count(
@@ -205,15 +194,6 @@ class Policy:
                 min_gain=self.migrate_min_gain,
             )
         return CyclePlan(routes, pulls, interrupts)
-
-
-def _mean_context(instances, mult):
-    if mult is None:
-        return None
-    running = sum(i.running for i in instances)
-    if running < len(instances):
-        return None
-    return mult * sum(i.kv_used for i in instances) / running
 
 
 _BASE: dict[str, Policy] = {

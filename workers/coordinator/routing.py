@@ -170,9 +170,6 @@ def route_waterfall(
     levels: Levels | None = None,
     kv_fill: float | None = None,
     kv_cap: bool = False,
-    gain_context: float | None = None,
-    partials_to_newest: bool = False,
-    mu_free: float | None = None,
 ) -> list[RouteDecision]:
     """Multi-level queue + waterfall (docs/coordinator.md).
 
@@ -217,12 +214,6 @@ def route_waterfall(
     c = _Cluster(instances, cost)
     version, _, kv, cap, _, T, vidx = c.lists
     target = _fill_target(instances, kv_fill, kv_cap)
-    muv = None
-    if mu_free is not None:
-        oldest = min((r.v_traj for i in instances for r in i.running_samples if r.env_since is None), default=None)
-        if oldest is not None:
-            holds = np.array([any(r.v_traj <= oldest for r in i.running_samples) for i in instances], dtype=bool)
-            muv = np.where(holds, 1.0, mu_free / mu) if mu > 0 else None
     blocked = np.zeros(len(c.ids), dtype=bool)
     keyed = hasattr(admission, "key")
     max_block = max(1, _BLOCK_ELEMENTS // len(c.ids))
@@ -239,12 +230,8 @@ def route_waterfall(
         L = np.array([s.length for s in samples], dtype=float)
         need = np.array([s.min_instance_version for s in samples], dtype=np.int64)
         Ll, needl = L.tolist(), need.tolist()
-        G = L if gain_context is None else np.maximum(L, gain_context)
-        Gl = G.tolist()
-        partial = [s.tokens > 0 for s in samples] if partials_to_newest else None
-        top = c.version == c.versions[-1]
         adm = _LevelAdmission(samples, admission, c.versions, fixed=keyed and level != NEW_LEVEL)
-        thresh = mu * cost.throughput_array(np.ones(m), G)  # μ·ΔT_ideal, ΔT_ideal = T(1, l)
+        thresh = mu * cost.throughput_array(np.ones(m), L)  # μ·ΔT_ideal, ΔT_ideal = T(1, l)
         threshl = thresh.tolist()
 
         def scores(q0: int, q1: int, arows: np.ndarray) -> np.ndarray:
@@ -256,7 +243,7 @@ def route_waterfall(
                 & arows[:, c.vidx]
             )
             n1 = c.n[None, :] + 1
-            gain = n1 / cost.latency_array(n1, c.kv[None, :] + G[q0:q1, None]) - c.T[None, :]
+            gain = n1 / cost.latency_array(n1, c.kv[None, :] + Lb) - c.T[None, :]
             return np.where(feasible, gain, -np.inf)
 
         def score_one(q: int, arow: tuple[bool, ...]) -> np.ndarray:
@@ -269,7 +256,7 @@ def route_waterfall(
             if not all(arow):
                 feasible &= np.array(arow, dtype=bool)[c.vidx]
             n1 = c.n + 1
-            return np.where(feasible, n1 / cost.latency_array(n1, c.kv + Gl[q]) - c.T, -np.inf)
+            return np.where(feasible, n1 / cost.latency_array(n1, kvl) - c.T, -np.inf)
 
         failed_need: int | None = None
         # (signature, scores) of the latest routed sample, brought up to date after its route
@@ -278,19 +265,10 @@ def route_waterfall(
         while q0 < m:
             if size == 1:  # one sample: typically the one after a route
                 arow = adm.row(q0)
-                sig = (Ll[q0], Gl[q0], needl[q0], arow)
+                sig = (Ll[q0], needl[q0], arow)
                 row = cached[1] if cached is not None and cached[0] == sig else score_one(q0, arow)
-                if target is None and muv is not None:
-                    okr = row >= threshl[q0] * muv
-                    j = int(np.where(okr, row, -np.inf).argmax())
-                    q = q0 if okr[j] else q0 + 1
-                elif target is None:
-                    sel = row
-                    if partial is not None and partial[q0]:
-                        pt = (row >= threshl[q0]) & top
-                        if pt.any():
-                            sel = np.where(top, row, -np.inf)
-                    j = int(sel.argmax())
+                if target is None:
+                    j = int(row.argmax())
                     q = q0 if row[j] >= threshl[q0] else q0 + 1
                 else:
                     fill, ceiling = target
@@ -301,7 +279,7 @@ def route_waterfall(
             else:  # nothing routed lately: a block, up to its first routable row
                 q1 = min(m, q0 + size)
                 score = scores(q0, q1, adm.rows(q0, q1))
-                passing = score >= (thresh[q0:q1, None] if muv is None else thresh[q0:q1, None] * muv[None, :])
+                passing = score >= thresh[q0:q1, None]
                 if target is not None:
                     fill, ceiling = target
                     passing &= (c.n < ceiling)[None, :]
@@ -310,10 +288,7 @@ def route_waterfall(
                 q = q0 + int(hits[0]) if len(hits) else q1
                 if q < q1:
                     row = score[q - q0]
-                    pr = passing[q - q0]
-                    if partial is not None and partial[q] and (pr & top).any():
-                        pr = pr & top
-                    j = int(np.where(pr, row, -np.inf).argmax())
+                    j = int(np.where(passing[q - q0], row, -np.inf).argmax())
                     arow = adm.row(q)
             if q > q0:  # rows q0..q-1 could not be routed (state unchanged since)
                 fneed = min(needl[q0:q])
@@ -332,8 +307,8 @@ def route_waterfall(
             row = row.copy()
             n1 = c.lists[1][j] + 1.0
             ok = base[j] and version[j] >= needl[q] and kv[j] + Ll[q] <= cap[j] and arow[vidx[j]]
-            row[j] = n1 / cost.latency(n1, kv[j] + Gl[q]) - T[j] if ok else -np.inf
-            cached = ((Ll[q], Gl[q], needl[q], arow), row)
+            row[j] = n1 / cost.latency(n1, kv[j] + Ll[q]) - T[j] if ok else -np.inf
+            cached = ((Ll[q], needl[q], arow), row)
             q0, size = q + 1, 1
         if failed_need is not None:
             if block_scope == "all":
