@@ -68,7 +68,7 @@ def test_every_read_runs_on_a_read_only_session(engine, read_only):
         "export_count": lambda r: r.export_count(run, True),
     }
     public = {n for n, f in inspect.getmembers(ProtocolReads, inspect.isfunction) if not n.startswith("_")}
-    public -= {"tx", "run_tx", "idempotent"}  # the transaction plumbing every capability class has
+    public -= {"tx", "run_tx", "statement_tx", "idempotent"}  # the transaction plumbing every capability class has
     assert public == set(calls)
     writable, reads = Protocol(engine).reads, ProtocolReads(read_only)
     for name, call in calls.items():
@@ -82,6 +82,6 @@ def test_every_read_runs_on_a_read_only_session(engine, read_only):
 
 
 def test_the_write_side_has_no_reads():
-    reads = {n for n in dir(ProtocolReads) if not n.startswith("_")} - {"tx", "run_tx", "idempotent"}
+    reads = {n for n in dir(ProtocolReads) if not n.startswith("_")} - {"tx", "run_tx", "statement_tx", "idempotent"}
     reads -= {"engine", "observe_transaction"}
     assert not reads & set(dir(Protocol))
