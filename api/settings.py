@@ -53,6 +53,11 @@ class ApiSettings(StaleFlowSettings):
     port: int = Field(8000, ge=0, le=65535)
     workers: int = Field(1, ge=1, le=256)
     access_log: bool = False
+    # Idle seconds uvicorn keeps a client's connection open. Longer than any client keeps an
+    # idle pooled connection (httpx: 5 s), so the client always drops it first and never
+    # sends a request on a connection the server is closing at that moment (uvicorn's own
+    # default, 5 s, races httpx's 5 s: a request lost as "connection closed").
+    keep_alive: float = Field(30.0, ge=1.0, le=3600.0)
 
     @classmethod
     def from_env(cls) -> ApiSettings:

@@ -74,6 +74,7 @@ def serve(
             access_log=access_log,
             log_level="info",
             timeout_graceful_shutdown=5,
+            timeout_keep_alive=api.keep_alive,
             timeout_worker_healthcheck=WORKER_HEALTHCHECK_S,
         )
 
