@@ -12,6 +12,11 @@ side by side on one connection pool, the two reads the coordinator can make:
 - changes: `Protocol.snapshot_changes` from the previous round's position, merged into a
   `SnapshotMirror`, and the Snapshot built from its view (what the live coordinator does).
 
+Then, from the merged mirror, the cycle's inputs (instance snapshots and queue) both ways, in
+alternating order: fresh (a `Snapshot` from the mirror's view, `instance_snapshots` of it, as
+the coordinator did on 1e94cf1) and kept (`InstanceRows`, which builds again only the running
+samples that changed: what the coordinator does); both must be equal.
+
 Reported per size: median wall ms of each read (client side: the statement, its JSON decoding
 and the Snapshot built from it; `fetch`: the statement and its decoding alone), the JSON
 bytes each statement returns and the sample rows in it, the server's execution time and shared
@@ -44,6 +49,8 @@ from staleflow_db.db import database_url, make_engine
 from staleflow_db.protocol import Prompt, Protocol, snapshot_of
 from staleflow_db.settings import to_libpq_url
 from staleflow_db.types import Report, RunConfig
+from workers.coordinator.instance_rows import InstanceRows, instance_snapshots
+from workers.coordinator.service import QueueReader
 from workers.wire.enums import SegmentKind
 from workers.wire.snapshot_mirror import SnapshotMirror
 
@@ -99,6 +106,36 @@ def cycle_writes(p: Protocol, run: int, instances: list[int], routed: dict, rnd:
         p.heartbeat(i, 0, heartbeat(rnd))
 
 
+def inputs(
+    mirror: SnapshotMirror,
+    kept: InstanceRows,
+    readers: dict[str, QueueReader],
+    warned: dict[str, set[int]],
+    run: int,
+    now: float,
+    times: dict[str, list[float]] | None = None,
+    first: str = "fresh",
+) -> dict[str, tuple]:
+    """The cycle's inputs (instance snapshots, queue) from the merged mirror, both ways, timed:
+    fresh (a Snapshot from the mirror's view, `instance_snapshots` of it) and kept (`InstanceRows`:
+    what the coordinator does)."""
+    got: dict[str, tuple] = {}
+    for way in (first, "kept" if first == "fresh" else "fresh"):
+        t = time.perf_counter()
+        if way == "fresh":
+            snap = snapshot_of(run, mirror.view().rows())
+            instances = instance_snapshots(snap, now, warned[way])
+        else:
+            m = mirror
+            snap = snapshot_of(run, [m.run, m.buffers, [], None, m.queued_rows(), m.latest_params])
+            instances = kept.snapshots(now, snap.config, warned[way])
+        queue = readers[way].read(snap.queued_rows)
+        if times is not None:
+            times[way].append((time.perf_counter() - t) * 1000)
+        got[way] = (instances, queue)
+    return got
+
+
 def explain(engine, name: str, params: dict) -> tuple[float, int]:
     with engine.connect() as c:
         lines = c.execute(text("EXPLAIN (ANALYZE, BUFFERS) " + queries.text(name).text), params).scalars().all()
@@ -126,6 +163,11 @@ def measure(url: str, in_flight: int, rounds: int, changed: float) -> dict:
         c.exec_driver_sql("ANALYZE")
     mirror = SnapshotMirror()
     mirror.apply(p.snapshot_changes(run))
+    kept = InstanceRows(mirror)
+    readers = {"fresh": QueueReader(), "kept": QueueReader()}
+    warned: dict[str, set[int]] = {"fresh": set(), "kept": set()}  # instances reporting no capacity
+    build_ms: dict[str, list[float]] = {"fresh": [], "kept": []}
+    inputs(mirror, kept, readers, warned, run, 0.0)  # the first cycle of a leadership builds all
     whole_bytes = json_bytes(engine, "snapshot_changes", {"run": run, "since": None})
     full_ms, changes_ms, changes_bytes, changes_rows = [], [], [], []
     full_fetch, changes_fetch = [], []  # the statement and its JSON decoding alone
@@ -150,6 +192,8 @@ def measure(url: str, in_flight: int, rounds: int, changed: float) -> dict:
         full_ms.append((t1 - t0) * 1000)
         changes_ms.append((t2 - t1) * 1000)
         changes_rows.append(len(doc[6] or ()) + len(doc[7] or ()) + len(doc[8] or ()))
+        got = inputs(mirror, kept, readers, warned, run, float(rnd), build_ms, first="kept" if rnd % 2 else "fresh")
+        assert got["fresh"] == got["kept"]
         assert len(merged.queued_rows) == len(full.queued_rows) and len(merged.instances) == len(full.instances)
     full_server = explain(engine, "snapshot", {"run": run, "n": 20_000})
     changes_server = explain(engine, "snapshot_changes", {"run": run, "since": mirror.position})
@@ -169,6 +213,10 @@ def measure(url: str, in_flight: int, rounds: int, changed: float) -> dict:
         "full_hits": full_server[1],
         "changes_server_ms": changes_server[0],
         "changes_hits": changes_server[1],
+        "fresh_build_ms": statistics.median(build_ms["fresh"]),
+        "kept_build_ms": statistics.median(build_ms["kept"]),
+        "fresh_build_max_ms": max(build_ms["fresh"]),
+        "kept_build_max_ms": max(build_ms["kept"]),
     }
     engine.dispose()
     return out
@@ -195,6 +243,12 @@ def main(argv: list[str] | None = None) -> None:
             f" {m['full_fetch_ms']:>8.1f} {m['changes_fetch_ms']:>9.1f} {m['full_bytes']:>9}"
             f" {m['changes_bytes']:>8} {m['whole_bytes']:>9} {m['full_rows']:>9} {m['changes_rows']:>8}"
             f" {m['full_server_ms']:>11.1f} {m['changes_server_ms']:>10.1f} {m['full_hits']:>9} {m['changes_hits']:>8}"
+        )
+    print("the cycle's inputs from the merged mirror (instance snapshots and queue), ms median/max:")
+    for m in rows:
+        print(
+            f"{m['in_flight']:>9} fresh {m['fresh_build_ms']:.1f}/{m['fresh_build_max_ms']:.1f}"
+            f" kept {m['kept_build_ms']:.1f}/{m['kept_build_max_ms']:.1f}"
         )
     m = rows[-1]
     print(
