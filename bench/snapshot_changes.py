@@ -32,6 +32,7 @@ for the largest size.
 from __future__ import annotations
 
 import argparse
+import logging
 import statistics
 import sys
 import time
@@ -229,6 +230,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--changed", type=float, default=0.02, help="share of the in-flight samples reported per cycle")
     args = ap.parse_args(argv)
+    logging.getLogger("staleflow.coordinator").setLevel(logging.ERROR)  # its instances report no capacity
     rows = []
     for size in (int(s) for s in args.sizes.split(",")):
         with scratch_database(to_libpq_url(args.url or database_url()), "sf_snap") as url:
