@@ -15,7 +15,9 @@ side by side on one connection pool, the two reads the coordinator can make:
 Then, from the merged mirror, the cycle's inputs (instance snapshots and queue) both ways, in
 alternating order: fresh (a `Snapshot` from the mirror's view, `instance_snapshots` of it, as
 the coordinator did on 1e94cf1) and kept (`InstanceRows`, which builds again only the running
-samples that changed: what the coordinator does); both must be equal.
+samples that changed: what the coordinator does); both must be equal. Last, `--gc-cycles` kept
+cycles replay the rounds' changes, counting the cyclic GC's full collections and their longest
+pause, as the process is and then frozen (`gc.freeze()`, as the coordinator after a whole read).
 
 Reported per size: median wall ms of each read (client side: the statement, its JSON decoding
 and the Snapshot built from it; `fetch`: the statement and its decoding alone), the JSON
@@ -32,6 +34,7 @@ for the largest size.
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import statistics
 import sys
@@ -156,7 +159,45 @@ def json_bytes(engine, name: str, params: dict) -> int:
         return int(c.execute(text(f"SELECT octet_length(CAST(({sql}) AS text))"), params).scalar_one())
 
 
-def measure(url: str, in_flight: int, rounds: int, changed: float) -> dict:
+def full_collections(
+    mirror: SnapshotMirror, kept: InstanceRows, reader: QueueReader, warned: set[int], run: int, docs: list, cycles: int
+) -> dict[str, float]:
+    """The cyclic GC's full collections over `cycles` kept cycles (the rounds' changes applied
+    again in turn), as the process is, then with what it holds frozen (`gc.freeze()` after a
+    collection, as the coordinator does after a whole read): count and longest, CPU ms."""
+    out: dict[str, float] = {}
+    pauses: list[float] = []
+    started = [0.0]
+
+    def on_gc(phase: str, info: dict) -> None:
+        if info["generation"] == 2:
+            if phase == "start":
+                started[0] = time.thread_time()
+            else:
+                pauses.append((time.thread_time() - started[0]) * 1000)
+
+    gc.callbacks.append(on_gc)
+    try:
+        for way in ("unfrozen", "frozen"):
+            if way == "frozen":
+                gc.collect()
+                gc.freeze()
+            pauses.clear()
+            for k in range(cycles):
+                mirror.apply(docs[k % len(docs)])
+                m = mirror
+                snap = snapshot_of(run, [m.run, m.buffers, [], None, m.queued_rows(), m.latest_params])
+                kept.snapshots(float(k), snap.config, warned)
+                reader.read(snap.queued_rows)
+            out[f"{way}_gcs"] = len(pauses)
+            out[f"{way}_gc_max_ms"] = max(pauses, default=0.0)
+    finally:
+        gc.callbacks.remove(on_gc)
+        gc.unfreeze()
+    return out
+
+
+def measure(url: str, in_flight: int, rounds: int, changed: float, gc_cycles: int = 300) -> dict:
     engine = make_engine(url)
     p = Protocol(engine)
     run, instances, routed = build(p, engine, in_flight)
@@ -170,6 +211,7 @@ def measure(url: str, in_flight: int, rounds: int, changed: float) -> dict:
     build_ms: dict[str, list[float]] = {"fresh": [], "kept": []}
     inputs(mirror, kept, readers, warned, run, 0.0)  # the first cycle of a leadership builds all
     whole_bytes = json_bytes(engine, "snapshot_changes", {"run": run, "since": None})
+    docs = []  # the rounds' changes, replayed by `full_collections`
     full_ms, changes_ms, changes_bytes, changes_rows = [], [], [], []
     full_fetch, changes_fetch = [], []  # the statement and its JSON decoding alone
     for rnd in range(rounds):
@@ -183,6 +225,7 @@ def measure(url: str, in_flight: int, rounds: int, changed: float) -> dict:
         full = p.snapshot(run)
         t1 = time.perf_counter()
         doc = p.snapshot_changes(run, since)
+        docs.append(doc)
         changes_fetch.append((time.perf_counter() - t1) * 1000)
         mirror.apply(doc)
         view = mirror.view()
@@ -198,6 +241,7 @@ def measure(url: str, in_flight: int, rounds: int, changed: float) -> dict:
         assert len(merged.queued_rows) == len(full.queued_rows) and len(merged.instances) == len(full.instances)
     full_server = explain(engine, "snapshot", {"run": run, "n": 20_000})
     changes_server = explain(engine, "snapshot_changes", {"run": run, "since": mirror.position})
+    pauses = full_collections(mirror, kept, readers["kept"], warned["kept"], run, docs, gc_cycles)
     out = {
         "in_flight": in_flight,
         "instances": len(instances),
@@ -218,6 +262,7 @@ def measure(url: str, in_flight: int, rounds: int, changed: float) -> dict:
         "kept_build_ms": statistics.median(build_ms["kept"]),
         "fresh_build_max_ms": max(build_ms["fresh"]),
         "kept_build_max_ms": max(build_ms["kept"]),
+        **pauses,
     }
     engine.dispose()
     return out
@@ -229,12 +274,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--sizes", default="1000,10000,50000")
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--changed", type=float, default=0.02, help="share of the in-flight samples reported per cycle")
+    ap.add_argument("--gc-cycles", type=int, default=300, help="cycles replayed to count full GC collections")
     args = ap.parse_args(argv)
     logging.getLogger("staleflow.coordinator").setLevel(logging.ERROR)  # its instances report no capacity
     rows = []
     for size in (int(s) for s in args.sizes.split(",")):
         with scratch_database(to_libpq_url(args.url or database_url()), "sf_snap") as url:
-            rows.append(measure(url, size, args.rounds, args.changed))
+            rows.append(measure(url, size, args.rounds, args.changed, args.gc_cycles))
     print(
         f"{'in_flight':>9} {'inst':>5} {'full ms':>8} {'chg ms':>7} {'fetch ms':>8} {'chg fetch':>9} {'full B':>9} {'chg B':>8} {'whole B':>9}"
         f" {'full rows':>9} {'chg rows':>8} {'full srv ms':>11} {'chg srv ms':>10} {'full hits':>9} {'chg hits':>8}"
@@ -250,7 +296,10 @@ def main(argv: list[str] | None = None) -> None:
     for m in rows:
         print(
             f"{m['in_flight']:>9} fresh {m['fresh_build_ms']:.1f}/{m['fresh_build_max_ms']:.1f}"
-            f" kept {m['kept_build_ms']:.1f}/{m['kept_build_max_ms']:.1f}"
+            f" kept {m['kept_build_ms']:.1f}/{m['kept_build_max_ms']:.1f};"
+            f" full GC collections in {args.gc_cycles} kept cycles: {m['unfrozen_gcs']:.0f}"
+            f" (longest {m['unfrozen_gc_max_ms']:.1f} ms CPU), frozen {m['frozen_gcs']:.0f}"
+            f" (longest {m['frozen_gc_max_ms']:.1f} ms)"
         )
     m = rows[-1]
     print(
