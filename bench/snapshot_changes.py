@@ -12,6 +12,13 @@ side by side on one connection pool, the two reads the coordinator can make:
 - changes: `Protocol.snapshot_changes` from the previous round's position, merged into a
   `SnapshotMirror`, and the Snapshot built from its view (what the live coordinator does).
 
+Then, from the merged mirror, the cycle's inputs (instance snapshots and queue) both ways, in
+alternating order: fresh (a `Snapshot` from the mirror's view, `instance_snapshots` of it, as
+the coordinator did on 1e94cf1) and kept (`InstanceRows`, which builds again only the running
+samples that changed: what the coordinator does); both must be equal. Last, `--gc-cycles` kept
+cycles replay the rounds' changes, counting the cyclic GC's full collections and their longest
+pause, as the process is and then frozen (`gc.freeze()`, as the coordinator after a whole read).
+
 Reported per size: median wall ms of each read (client side: the statement, its JSON decoding
 and the Snapshot built from it; `fetch`: the statement and its decoding alone), the JSON
 bytes each statement returns and the sample rows in it, the server's execution time and shared
@@ -27,6 +34,8 @@ for the largest size.
 from __future__ import annotations
 
 import argparse
+import gc
+import logging
 import statistics
 import sys
 import time
@@ -44,6 +53,8 @@ from staleflow_db.db import database_url, make_engine
 from staleflow_db.protocol import Prompt, Protocol, snapshot_of
 from staleflow_db.settings import to_libpq_url
 from staleflow_db.types import Report, RunConfig
+from workers.coordinator.instance_rows import InstanceRows, instance_snapshots
+from workers.coordinator.service import QueueReader
 from workers.wire.enums import SegmentKind
 from workers.wire.snapshot_mirror import SnapshotMirror
 
@@ -99,6 +110,36 @@ def cycle_writes(p: Protocol, run: int, instances: list[int], routed: dict, rnd:
         p.heartbeat(i, 0, heartbeat(rnd))
 
 
+def inputs(
+    mirror: SnapshotMirror,
+    kept: InstanceRows,
+    readers: dict[str, QueueReader],
+    warned: dict[str, set[int]],
+    run: int,
+    now: float,
+    times: dict[str, list[float]] | None = None,
+    first: str = "fresh",
+) -> dict[str, tuple]:
+    """The cycle's inputs (instance snapshots, queue) from the merged mirror, both ways, timed:
+    fresh (a Snapshot from the mirror's view, `instance_snapshots` of it) and kept (`InstanceRows`:
+    what the coordinator does)."""
+    got: dict[str, tuple] = {}
+    for way in (first, "kept" if first == "fresh" else "fresh"):
+        t = time.perf_counter()
+        if way == "fresh":
+            snap = snapshot_of(run, mirror.view().rows())
+            instances = instance_snapshots(snap, now, warned[way])
+        else:
+            m = mirror
+            snap = snapshot_of(run, [m.run, m.buffers, [], None, m.queued_rows(), m.latest_params])
+            instances = kept.snapshots(now, snap.config, warned[way])
+        queue = readers[way].read(snap.queued_rows)
+        if times is not None:
+            times[way].append((time.perf_counter() - t) * 1000)
+        got[way] = (instances, queue)
+    return got
+
+
 def explain(engine, name: str, params: dict) -> tuple[float, int]:
     with engine.connect() as c:
         lines = c.execute(text("EXPLAIN (ANALYZE, BUFFERS) " + queries.text(name).text), params).scalars().all()
@@ -118,7 +159,45 @@ def json_bytes(engine, name: str, params: dict) -> int:
         return int(c.execute(text(f"SELECT octet_length(CAST(({sql}) AS text))"), params).scalar_one())
 
 
-def measure(url: str, in_flight: int, rounds: int, changed: float) -> dict:
+def full_collections(
+    mirror: SnapshotMirror, kept: InstanceRows, reader: QueueReader, warned: set[int], run: int, docs: list, cycles: int
+) -> dict[str, float]:
+    """The cyclic GC's full collections over `cycles` kept cycles (the rounds' changes applied
+    again in turn), as the process is, then with what it holds frozen (`gc.freeze()` after a
+    collection, as the coordinator does after a whole read): count and longest, CPU ms."""
+    out: dict[str, float] = {}
+    pauses: list[float] = []
+    started = [0.0]
+
+    def on_gc(phase: str, info: dict) -> None:
+        if info["generation"] == 2:
+            if phase == "start":
+                started[0] = time.thread_time()
+            else:
+                pauses.append((time.thread_time() - started[0]) * 1000)
+
+    gc.callbacks.append(on_gc)
+    try:
+        for way in ("unfrozen", "frozen"):
+            if way == "frozen":
+                gc.collect()
+                gc.freeze()
+            pauses.clear()
+            for k in range(cycles):
+                mirror.apply(docs[k % len(docs)])
+                m = mirror
+                snap = snapshot_of(run, [m.run, m.buffers, [], None, m.queued_rows(), m.latest_params])
+                kept.snapshots(float(k), snap.config, warned)
+                reader.read(snap.queued_rows)
+            out[f"{way}_gcs"] = len(pauses)
+            out[f"{way}_gc_max_ms"] = max(pauses, default=0.0)
+    finally:
+        gc.callbacks.remove(on_gc)
+        gc.unfreeze()
+    return out
+
+
+def measure(url: str, in_flight: int, rounds: int, changed: float, gc_cycles: int = 300) -> dict:
     engine = make_engine(url)
     p = Protocol(engine)
     run, instances, routed = build(p, engine, in_flight)
@@ -126,7 +205,13 @@ def measure(url: str, in_flight: int, rounds: int, changed: float) -> dict:
         c.exec_driver_sql("ANALYZE")
     mirror = SnapshotMirror()
     mirror.apply(p.snapshot_changes(run))
+    kept = InstanceRows(mirror)
+    readers = {"fresh": QueueReader(), "kept": QueueReader()}
+    warned: dict[str, set[int]] = {"fresh": set(), "kept": set()}  # instances reporting no capacity
+    build_ms: dict[str, list[float]] = {"fresh": [], "kept": []}
+    inputs(mirror, kept, readers, warned, run, 0.0)  # the first cycle of a leadership builds all
     whole_bytes = json_bytes(engine, "snapshot_changes", {"run": run, "since": None})
+    docs = []  # the rounds' changes, replayed by `full_collections`
     full_ms, changes_ms, changes_bytes, changes_rows = [], [], [], []
     full_fetch, changes_fetch = [], []  # the statement and its JSON decoding alone
     for rnd in range(rounds):
@@ -140,6 +225,7 @@ def measure(url: str, in_flight: int, rounds: int, changed: float) -> dict:
         full = p.snapshot(run)
         t1 = time.perf_counter()
         doc = p.snapshot_changes(run, since)
+        docs.append(doc)
         changes_fetch.append((time.perf_counter() - t1) * 1000)
         mirror.apply(doc)
         view = mirror.view()
@@ -150,9 +236,12 @@ def measure(url: str, in_flight: int, rounds: int, changed: float) -> dict:
         full_ms.append((t1 - t0) * 1000)
         changes_ms.append((t2 - t1) * 1000)
         changes_rows.append(len(doc[6] or ()) + len(doc[7] or ()) + len(doc[8] or ()))
+        got = inputs(mirror, kept, readers, warned, run, float(rnd), build_ms, first="kept" if rnd % 2 else "fresh")
+        assert got["fresh"] == got["kept"]
         assert len(merged.queued_rows) == len(full.queued_rows) and len(merged.instances) == len(full.instances)
     full_server = explain(engine, "snapshot", {"run": run, "n": 20_000})
     changes_server = explain(engine, "snapshot_changes", {"run": run, "since": mirror.position})
+    pauses = full_collections(mirror, kept, readers["kept"], warned["kept"], run, docs, gc_cycles)
     out = {
         "in_flight": in_flight,
         "instances": len(instances),
@@ -169,6 +258,11 @@ def measure(url: str, in_flight: int, rounds: int, changed: float) -> dict:
         "full_hits": full_server[1],
         "changes_server_ms": changes_server[0],
         "changes_hits": changes_server[1],
+        "fresh_build_ms": statistics.median(build_ms["fresh"]),
+        "kept_build_ms": statistics.median(build_ms["kept"]),
+        "fresh_build_max_ms": max(build_ms["fresh"]),
+        "kept_build_max_ms": max(build_ms["kept"]),
+        **pauses,
     }
     engine.dispose()
     return out
@@ -180,11 +274,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--sizes", default="1000,10000,50000")
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--changed", type=float, default=0.02, help="share of the in-flight samples reported per cycle")
+    ap.add_argument("--gc-cycles", type=int, default=300, help="cycles replayed to count full GC collections")
     args = ap.parse_args(argv)
+    logging.getLogger("staleflow.coordinator").setLevel(logging.ERROR)  # its instances report no capacity
     rows = []
     for size in (int(s) for s in args.sizes.split(",")):
         with scratch_database(to_libpq_url(args.url or database_url()), "sf_snap") as url:
-            rows.append(measure(url, size, args.rounds, args.changed))
+            rows.append(measure(url, size, args.rounds, args.changed, args.gc_cycles))
     print(
         f"{'in_flight':>9} {'inst':>5} {'full ms':>8} {'chg ms':>7} {'fetch ms':>8} {'chg fetch':>9} {'full B':>9} {'chg B':>8} {'whole B':>9}"
         f" {'full rows':>9} {'chg rows':>8} {'full srv ms':>11} {'chg srv ms':>10} {'full hits':>9} {'chg hits':>8}"
@@ -195,6 +291,15 @@ def main(argv: list[str] | None = None) -> None:
             f" {m['full_fetch_ms']:>8.1f} {m['changes_fetch_ms']:>9.1f} {m['full_bytes']:>9}"
             f" {m['changes_bytes']:>8} {m['whole_bytes']:>9} {m['full_rows']:>9} {m['changes_rows']:>8}"
             f" {m['full_server_ms']:>11.1f} {m['changes_server_ms']:>10.1f} {m['full_hits']:>9} {m['changes_hits']:>8}"
+        )
+    print("the cycle's inputs from the merged mirror (instance snapshots and queue), ms median/max:")
+    for m in rows:
+        print(
+            f"{m['in_flight']:>9} fresh {m['fresh_build_ms']:.1f}/{m['fresh_build_max_ms']:.1f}"
+            f" kept {m['kept_build_ms']:.1f}/{m['kept_build_max_ms']:.1f};"
+            f" full GC collections in {args.gc_cycles} kept cycles: {m['unfrozen_gcs']:.0f}"
+            f" (longest {m['unfrozen_gc_max_ms']:.1f} ms CPU), frozen {m['frozen_gcs']:.0f}"
+            f" (longest {m['frozen_gc_max_ms']:.1f} ms)"
         )
     m = rows[-1]
     print(

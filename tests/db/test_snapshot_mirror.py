@@ -1,7 +1,8 @@
 """Snapshot changes: after any sequence of protocol operations, a mirror fed only the changes
 since its last read shows what a fresh full snapshot shows (real PostgreSQL, random operations:
 enqueue, register, route, partial and finished reports, interrupts, heartbeats, lapsed and
-expired instances, aborted groups, rewards, training; pruning and resyncs)."""
+expired instances, aborted groups, rewards, training; pruning and resyncs); and the coordinator's
+instance snapshots kept from those changes (`InstanceRows`) equal those built afresh from it."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ from sqlalchemy import text
 from staleflow_db.errors import Conflict, InvalidInput, NotFound
 from staleflow_db.protocol.coordination import snapshot_of
 from staleflow_db.types import Report
+from workers.coordinator.instance_rows import InstanceRows, instance_snapshots
+from workers.coordinator.service import QueueReader
 from workers.wire.enums import SegmentKind
 from workers.wire.snapshot_mirror import SnapshotMirror
 
@@ -29,7 +32,7 @@ OPS = (
 )
 
 
-def _same(d: Driver, mirror: SnapshotMirror) -> None:
+def _same(d: Driver, mirror: SnapshotMirror, kept: InstanceRows | None = None) -> None:
     full = d.p.snapshot(d.run, max_queued=MAX_QUEUED)
     view = mirror.view(MAX_QUEUED)
     merged = snapshot_of(d.run, [view.run, view.buffers, view.instances, view.running, view.queued, view.latest_params])
@@ -44,6 +47,10 @@ def _same(d: Driver, mirror: SnapshotMirror) -> None:
         (i.id, i.name, i.version, i.snapshot, i.running) for i in full.instances
     ]
     assert [list(q) for q in merged.queued_rows] == full.queued_rows
+    if kept is not None:  # the coordinator's inputs, kept from the changes, equal fresh ones
+        assert kept.snapshots(5.0, merged.config) == instance_snapshots(merged, 5.0)
+        head = [mirror.run, mirror.buffers, [], None, mirror.queued_rows(MAX_QUEUED), mirror.latest_params]
+        assert QueueReader().read(snapshot_of(d.run, head).queued_rows) == QueueReader().read(merged.queued_rows)
 
 
 def _read(d: Driver, mirror: SnapshotMirror) -> None:
@@ -55,11 +62,12 @@ def test_merged_changes_equal_a_full_snapshot_at_every_step(engine, seed):
     rng = random.Random(seed)
     d = Driver(engine, batch_size=2, group_size=2, samples_per_group=3, eta=1)
     mirror = SnapshotMirror()
+    kept = InstanceRows(mirror)
     instances: list[int] = []
     version = 0
     _read(d, mirror)
     assert mirror.wholes == 1
-    _same(d, mirror)
+    _same(d, mirror, kept)
     for step in range(150):
         op = rng.choice(OPS)
         q = d.scalars("SELECT id FROM samples WHERE run_id = :r AND state = 'queued' ORDER BY id")
@@ -122,7 +130,7 @@ def test_merged_changes_equal_a_full_snapshot_at_every_step(engine, seed):
         if op == "prune" and wholes == mirror.wholes:
             # pruned below the mirror's position only when nothing was written since its read
             assert not d.rows("SELECT 1 FROM snapshot_changes WHERE run_id = :r")
-        _same(d, mirror)
+        _same(d, mirror, kept)
     assert mirror.changed > 0
     assert version > 0, "no step trained: the operations should reach training"
 

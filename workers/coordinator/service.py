@@ -15,6 +15,7 @@ state are then re-established from the database, exactly as after a restart.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import socket
@@ -28,15 +29,27 @@ from staleflow_db.errors import Conflict
 from staleflow_db.protocol import Protocol, Snapshot, snapshot_of
 from staleflow_db.retry import DATABASE_OUTAGE, is_db_unavailable
 from staleflow_db.rules import BufferCounts
-from staleflow_db.types import RunConfig
 from workers.retry import Outage
 from workers.wire.snapshot_mirror import SnapshotMirror
 
 from .admission import AdmissionView
 from .cost_model import CostModel
 from .cycle import Applied, run_cycle
+from .instance_rows import UNREPORTED_MAX_RUNNING, InstanceRows, instance_snapshots, unreported_capacity
 from .policies import CyclePlan, Policy
-from .state import InstanceSnapshot, QueuedSample, RunningSample, SpeculativeState
+from .state import QueuedSample, SpeculativeState
+
+# instance_rows' names are also read from here (tests, api)
+__all__ = [
+    "CYCLE_HISTORY",
+    "UNREPORTED_MAX_RUNNING",
+    "Coordinator",
+    "CycleStats",
+    "Queue",
+    "QueueReader",
+    "instance_snapshots",
+    "unreported_capacity",
+]
 
 log = logging.getLogger("staleflow.coordinator")
 CYCLE_HISTORY = 1000  # cycle times kept in memory
@@ -58,91 +71,6 @@ class CycleStats:
     outages: int = 0  # database outages ridden through
     # wall time of the latest leader cycles (bounded: a run may last weeks)
     cycle_ms: deque[float] = field(default_factory=lambda: deque(maxlen=CYCLE_HISTORY))
-
-
-# An instance that reported no capacity (docs/coordinator.md#capacity): one request at a time.
-UNREPORTED_MAX_RUNNING = 1
-
-
-def unreported_capacity(config: RunConfig) -> dict[str, int]:
-    """The capacity assumed for an instance that reported none: one request at a time, with KV
-    room for one longest sample of the run (its prompt and response budgets)."""
-    return {
-        "max_running": UNREPORTED_MAX_RUNNING,
-        "kv_capacity": config.max_prompt_tokens + config.max_response_tokens,
-    }
-
-
-def instance_snapshots(snap: Snapshot, now: float, unreported: set[int] | None = None) -> list[InstanceSnapshot]:
-    """Database rows to the strategies' view: the heartbeat snapshot, with running samples'
-    progress taken from whichever is fresher (heartbeat or reported segments), and the engine's
-    reported capacity (`unreported_capacity` when it reported none; such instances are added
-    to `unreported`, warned about once).
-
-    Requests count at least the samples the database holds running on the instance: a route
-    the engine has not taken in yet, or a finish not reported yet, still occupies a slot, so
-    routing up to `max_running` never puts more than that many samples on the instance —
-    except those the heartbeat reports waiting for their environment (`env_waiting`): they
-    hold no slot (docs/coordinator.md, "Multi-turn trajectories")."""
-    out = []
-    for inst in snap.instances:
-        hb = inst.snapshot or {}
-        age = inst.snapshot_age_s if inst.snapshot_age_s is not None else 1e9
-        at = now - age
-        beat = {r["sample_id"]: r for r in hb.get("running_samples", [])}
-        running = tuple(_running_sample(sid, n, prompt, v, beat.get(sid), at) for sid, n, prompt, v in inst.running)
-        capacity = hb.get("capacity")
-        if capacity is None:
-            capacity = unreported_capacity(snap.config)
-            if unreported is not None and inst.id not in unreported:
-                unreported.add(inst.id)
-                log.warning(
-                    "instance %s (%s) reported no capacity: routed %s request at a time",
-                    inst.id,
-                    inst.name,
-                    UNREPORTED_MAX_RUNNING,
-                )
-        waiting = int(hb.get("waiting", 0))
-        # of the samples the database holds here, those the heartbeat saw waiting for their
-        # environment: no slot, no KV (a trajectory answered since is back in the queue)
-        env_waiting = sum(1 for r in running if r.in_env)
-        out.append(
-            InstanceSnapshot(
-                instance_id=inst.id,
-                version=inst.version,
-                running=max(int(hb.get("running", 0)), len(running) - waiting - env_waiting),
-                waiting=waiting,
-                kv_used=int(hb.get("kv_used", sum(r.length for r in running if not r.in_env))),
-                kv_capacity=int(capacity["kv_capacity"]),
-                running_samples=running,
-                throughput=float(hb.get("throughput", 0.0)),
-                heartbeat_at=at,
-                snapshot_at=at,
-                pulling=bool(hb.get("pulling", False)),
-                routed_seen=hb.get("routed_seen"),
-                max_running=int(capacity["max_running"]),
-                env_waiting=env_waiting,
-            )
-        )
-    return out
-
-
-def _running_sample(sid: int, n: int, prompt: int, v: int, beat: dict[str, Any] | None, at: float) -> RunningSample:
-    """A sample the database holds on an instance (`n` response tokens reported in segments),
-    with the heartbeat's fresher progress: tokens, the current turn's tokens and, while it
-    waits for its environment, since when (the heartbeat's wait, on the coordinator's clock)."""
-    if beat is None:
-        return RunningSample(sid, n, prompt + n, v)
-    tokens = max(n, int(beat.get("tokens", 0)))
-    waited = beat.get("env_waited_s")
-    return RunningSample(
-        sid,
-        tokens,
-        prompt + tokens,
-        v,
-        turn_tokens=beat.get("turn_tokens"),
-        env_since=None if waited is None else at - float(waited),
-    )
 
 
 @dataclass
@@ -213,6 +141,8 @@ class Coordinator:
         self.spec = SpeculativeState(tolerance=tolerance_s)
         self._queue = QueueReader()
         self._mirror = SnapshotMirror()  # the run's snapshot, kept from its changes
+        self._instances = InstanceRows(self._mirror)  # its instances, kept per instance
+        self._frozen = 0  # the mirror's whole reads whose state was frozen (`_freeze`)
         self._reads = 0
         self._unreported: set[int] = set()  # instances warned about reporting no capacity
         self.stats = CycleStats()
@@ -271,6 +201,8 @@ class Coordinator:
             log.info("leading run %s at epoch %s", self.run_id, epoch)
             self.spec = SpeculativeState(tolerance=self.tolerance_s)
             self._mirror = SnapshotMirror()
+            self._instances = InstanceRows(self._mirror)
+            self._frozen = 0
         elif epoch is None and self.epoch is not None:
             log.warning("lost leadership of run %s", self.run_id)
         self.epoch = epoch
@@ -286,12 +218,13 @@ class Coordinator:
         if snap.state != "active":  # paused or cancelled: no routes, and no interrupts or pulls either
             self.stats.expired += len(self.protocol.expire_instances(self.run_id))
             return
-        instances = instance_snapshots(snap, t1, self._unreported)
+        instances = self._instances.snapshots(t1, snap.config, self._unreported)
         live = {i.instance_id for i in instances}
         for gone in [i for i in self.spec.estimates if i not in live]:
             self.spec.forget(gone)
         self.spec.observe_all(instances)
         queue = self._queue.read(snap.queued_rows)
+        self._freeze()
         cfg = snap.config
         admission = AdmissionView(
             {b: BufferCounts(b, o, r) for b, (o, r) in snap.buffers.items()},
@@ -328,14 +261,27 @@ class Coordinator:
         if cfg.buffer_capacity > cfg.batch_size:
             self.stats.aborted_after_ready += len(self.protocol.abort_after_ready(self.run_id))
 
+    def _freeze(self) -> None:
+        """After a whole read, move what it built (the mirror's rows, the kept samples, the queue)
+        out of the cyclic GC's reach: it lives for many cycles, and a full collection walks
+        every tracked object (70–190 ms at 50,000 in flight, every 50–100 cycles; ~5 ms once
+        frozen: docs/benchmarks.md). Collected first, so no garbage of the moment is kept for good."""
+        if self._mirror.wholes != self._frozen:
+            self._frozen = self._mirror.wholes
+            gc.collect()
+            gc.freeze()
+
     def read_snapshot(self) -> Snapshot:
         """The run's snapshot: what changed since the last read, merged (the whole snapshot on
-        the first read and after a resync); every PRUNE_EVERY reads, old changes are pruned."""
-        self._mirror.apply(self.protocol.snapshot_changes(self.run_id, self._mirror.position))
+        the first read and after a resync); every PRUNE_EVERY reads, old changes are pruned.
+        Its run, buffers and queue only: the cycle takes the instances from `InstanceRows`,
+        which builds again only what changed (`instances` is empty here)."""
+        m = self._mirror
+        m.apply(self.protocol.snapshot_changes(self.run_id, m.position))
         self._reads += 1
         if self._reads % PRUNE_EVERY == 0:
             self.protocol.prune_snapshot_changes(self.run_id, CHANGES_KEEP_S)
-        return snapshot_of(self.run_id, self._mirror.view().rows())
+        return snapshot_of(self.run_id, [m.run, m.buffers, [], None, m.queued_rows(), m.latest_params])
 
     def _write(self, plan: CyclePlan, epoch: int, *, snapshot_ms: float, decided_from: float) -> Applied | None:
         """The cycle's commands in one transaction fenced by our epoch, then a wake-up for the

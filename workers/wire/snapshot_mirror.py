@@ -63,6 +63,11 @@ class SnapshotMirror:
         self.instances: dict[int, list[Any]] = {}  # live id -> [id, name, version, snapshot]
         self.running: dict[int, tuple[Any, ...]] = {}  # sample id -> running row
         self.queued: dict[int, tuple[Any, ...]] = {}  # sample id -> queued row
+        # instance id -> its running rows by sample id, and per instance the samples whose
+        # running rows there changed since the last `take_touched` (started, progressed, left):
+        # a reader that keeps work of its own per sample redoes only theirs
+        self.by_instance: dict[int, dict[int, tuple[Any, ...]]] = {}
+        self.touched: dict[int, set[int]] = {}
         self._queued_sorted: list[int] | None = []
         self.wholes = 0  # whole snapshots applied (the first, and every resync)
         self.changed = 0  # sample rows applied from changes
@@ -78,6 +83,8 @@ class SnapshotMirror:
             self.instances.clear()
             self.running.clear()
             self.queued.clear()
+            self.by_instance.clear()
+            self.touched.clear()
             self._queued_sorted = None
             self.wholes += 1
         self.run, self.buffers, self.latest_params = d["run"], d["buffers"] or [], d["latest_params"]
@@ -88,16 +95,19 @@ class SnapshotMirror:
         for gone in [i for i in self.instances if i not in live]:
             del self.instances[gone]  # lapsed: a renewal rewrites the row, which comes back then
         for row in d["running"] or ():
-            self.running[row[1]] = tuple(row)
+            self._leave(row[1])
+            self.running[row[1]] = r = tuple(row)
+            self.by_instance.setdefault(r[0], {})[r[1]] = r
+            self.touched.setdefault(r[0], set()).add(r[1])
             if self.queued.pop(row[1], None) is not None:
                 self._queued_sorted = None
         for row in d["queued"] or ():
-            self.running.pop(row[0], None)
+            self._leave(row[0])
             if row[0] not in self.queued and self._queued_sorted is not None:
                 self._queued_sorted = None
             self.queued[row[0]] = tuple(row)
         for sid in d["gone"] or ():
-            self.running.pop(sid, None)
+            self._leave(sid)
             if self.queued.pop(sid, None) is not None:
                 self._queued_sorted = None
         self.changed += len(d["running"] or ()) + len(d["queued"] or ()) + len(d["gone"] or ())
@@ -106,9 +116,29 @@ class SnapshotMirror:
         # the next read is whole, this view leaves it out
         self.position = None if missing else d["position"]
 
-    def view(self, max_queued: int = 20_000) -> SnapshotView:
+    def _leave(self, sid: int) -> None:
+        """The sample no longer runs where the copy had it (it runs elsewhere, or not at all)."""
+        old = self.running.pop(sid, None)
+        if old is not None:
+            rows = self.by_instance[old[0]]
+            del rows[sid]
+            if not rows:
+                del self.by_instance[old[0]]
+            self.touched.setdefault(old[0], set()).add(sid)
+
+    def take_touched(self) -> dict[int, set[int]]:
+        """Per instance, the samples whose running rows there changed since the last call
+        (after a whole read, any may have: see `wholes`)."""
+        touched, self.touched = self.touched, {}
+        return touched
+
+    def queued_rows(self, max_queued: int = 20_000) -> list[tuple[Any, ...]]:
+        """The oldest `max_queued` queued rows, oldest first (as `view` gives them)."""
         if self._queued_sorted is None:
             self._queued_sorted = sorted(self.queued)
+        return [self.queued[s] for s in self._queued_sorted[:max_queued]]
+
+    def view(self, max_queued: int = 20_000) -> SnapshotView:
         live = [(i, age) for i, age in self.live if i in self.instances]
         ids = {i for i, _ in live}
         return SnapshotView(
@@ -116,6 +146,6 @@ class SnapshotMirror:
             self.buffers,
             [[*self.instances[i], age] for i, age in live],
             [r for _, r in sorted(self.running.items()) if r[0] in ids],
-            [self.queued[s] for s in self._queued_sorted[:max_queued]],
+            self.queued_rows(max_queued),
             self.latest_params,
         )
