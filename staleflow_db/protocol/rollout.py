@@ -20,6 +20,7 @@ from .. import payloads, queries
 from ..errors import Conflict, InvalidInput, NotFound, TooLarge
 from ..idempotency import transactional
 from ..types import Report
+from . import driver
 from .core import RunRow, TxMixin, check_batch, check_live, check_state, load_run, route_lost
 from .events import Event, events_params, log_events
 
@@ -191,7 +192,9 @@ class RolloutOps(TxMixin):
             # locked before any sample (lock order instances -> samples) and a fenced instance
             # gets nothing. One row per delivered sample, or one with no sample at all; none
             # when there is no such instance.
-            rows = conn.execute(queries.text("poll_work"), {"i": instance_id, "n": limit}).all()
+            # The commands in the same round trip, as a statement of its own (`deliver_commands`).
+            params = {"i": instance_id, "n": limit}
+            rows, cmds = driver.rows(conn, [(queries.pyformat(q), params) for q in ("poll_work", "deliver_commands")])
             if not rows:
                 raise NotFound(f"instance {instance_id}")
             row = rows[0]
@@ -213,8 +216,7 @@ class RolloutOps(TxMixin):
                 for w in rows
                 if w.id is not None
             ]
-            cmds = conn.execute(queries.text("deliver_commands"), {"i": instance_id}).all()
-            return Poll(work, sorted((Command(**c._mapping) for c in cmds), key=lambda c: c.id))
+            return Poll(work, sorted((Command(*c) for c in cmds), key=lambda c: c.id))
 
 
 def _keep_capacity(snapshot: Mapping[str, Any] | None) -> dict[str, Any]:

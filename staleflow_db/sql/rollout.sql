@@ -96,8 +96,14 @@ SELECT inst.state, inst.live, inst.max_response_tokens, w.* FROM inst LEFT JOIN 
   ON true ORDER BY w.id
 
 -- name: deliver_commands
+-- Sent with `poll_work` in one round trip, as a statement of its own: its snapshot is taken
+-- after the poll's sample locks were granted, so the abort of a sample the poll found aborted
+-- when its lock was granted (surplus, drop) is delivered by this same poll. Sent whatever the
+-- poll found, so it delivers nothing to an instance that is not active and live (the poll
+-- holds its row: renewed, or FOR SHARE).
 UPDATE commands SET state = 'delivered', delivered_at = now()
 WHERE id IN (SELECT id FROM commands WHERE instance_id = :i AND state = 'pending'
+  AND EXISTS (SELECT 1 FROM instances WHERE id = :i AND state = 'active' AND lease_expires_at > now())
   ORDER BY id FOR UPDATE) RETURNING id, kind, sample_id, attempt, target_version
 
 -- name: interrupt_running
