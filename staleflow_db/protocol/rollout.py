@@ -182,6 +182,19 @@ class RolloutOps(TxMixin):
         return applied
 
     @transactional
+    def poll_idle(self, instance_id: int, request_id: str | None = None, *, conn: Connection | None = None) -> bool:
+        """True when a poll of the instance (sent with `request_id`) would now only answer
+        empty: nothing to deliver, no lease renewal due, nothing to refuse (an unknown or fenced
+        instance is not idle: its poll raises), no outcome stored under the request id. One
+        read, no lock and no write: a long-poll's re-checks run it in autocommit, one round trip
+        instead of a transaction (`idempotency.once`'s `idle`). A poll a concurrent duplicate is
+        delivering is not idle: its undelivered work and pending commands are still seen until
+        that delivery and its stored outcome commit, and the poll then waits and replays."""
+        with self.statement_tx(conn) as conn:
+            idle = conn.execute(queries.text("poll_idle"), {"i": instance_id, "k": request_id}).scalar()
+            return bool(idle)
+
+    @transactional
     def poll_work(self, instance_id: int, limit: int = 1000, *, conn: Connection | None = None) -> Poll:
         """Deliver newly routed samples (with any prefix to continue from) and pending commands;
         renews the instance's live lease."""

@@ -106,6 +106,18 @@ WHERE id IN (SELECT id FROM commands WHERE instance_id = :i AND state = 'pending
   AND EXISTS (SELECT 1 FROM instances WHERE id = :i AND state = 'active' AND lease_expires_at > now())
   ORDER BY id FOR UPDATE) RETURNING id, kind, sample_id, attempt, target_version
 
+-- name: poll_idle
+-- Whether a poll of the instance now would only answer empty (RolloutOps.poll_idle): active,
+-- its lease live and not due for the poll's renewal (`poll_work`'s `renew` condition), no
+-- undelivered work, no pending command, no outcome stored under the request id :k (NULL: none
+-- sent). NULL when there is no such instance.
+SELECT i.state = 'active' AND i.lease_expires_at > now()
+  AND i.lease_expires_at >= now() + make_interval(secs => 0.75 * i.lease_s)
+  AND NOT EXISTS (SELECT 1 FROM samples WHERE instance_id = :i AND state = 'running' AND NOT delivered)
+  AND NOT EXISTS (SELECT 1 FROM commands c WHERE c.instance_id = :i AND c.state = 'pending')
+  AND NOT EXISTS (SELECT 1 FROM idempotency k WHERE k.request_id = CAST(:k AS text))
+FROM instances i WHERE i.id = :i
+
 -- name: interrupt_running
 -- The samples f (of the run) and, for those running, their interrupt commands c, in one
 -- statement; the coordinator's `cycle` has the same parts behind its fence.

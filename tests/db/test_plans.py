@@ -175,6 +175,14 @@ CASES = [
         "ix_commands_pending",
         "commands",
     ),
+    ("poll-idle-samples", lambda p, run, inst: p.poll_idle(inst), "NOT delivered", "ix_samples_running", "samples"),
+    (
+        "poll-idle-commands",
+        lambda p, run, inst: p.poll_idle(inst),
+        "FROM commands c WHERE",
+        "ix_commands_pending",
+        "commands",
+    ),
     (
         "requeue-running",
         lambda p, run, inst: p.deregister_instance(inst + 1),
