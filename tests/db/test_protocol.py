@@ -294,6 +294,35 @@ def test_an_abort_committed_while_the_poll_waits_comes_with_that_poll(engine):
     assert [(c.kind, c.sample_id, c.attempt) for c in got.commands] == [("abort", a, att[a])]
 
 
+def test_a_poll_is_idle_only_when_it_would_answer_empty(engine):
+    """`poll_idle` (a long-poll's re-check without a transaction) says idle only when the poll
+    would deliver nothing, renew nothing, refuse nothing and replay nothing."""
+    d = Driver(engine, batch_size=1, group_size=1, eta=1)
+    inst = d.p.register_instance(d.run, "i1", 0, lease_seconds=60)
+    assert d.p.poll_idle(inst) and d.p.poll_idle(inst, "never-used")
+    assert not d.p.poll_idle(424242)  # its poll: 404
+    (g,) = d.enqueue(1)
+    (s,) = d.members(g)
+    d.routed([s], inst)
+    assert not d.p.poll_idle(inst)  # work to deliver
+    assert [w.sample_id for w in d.p.poll_work(inst).work] == [s]
+    assert d.p.poll_idle(inst)
+    assert d.p.interrupt(d.run, [s]) == 1
+    assert not d.p.poll_idle(inst)  # a command to deliver
+    d.p.poll_work(inst)
+    with engine.begin() as c:
+        c.execute(text("INSERT INTO idempotency (request_id, operation, response) VALUES ('k1', 'poll#', '{}')"))
+    assert d.p.poll_idle(inst) and not d.p.poll_idle(inst, "k1")  # a retry replays
+    with engine.begin() as c:  # a quarter of the lease gone: the poll renews it
+        c.execute(text("UPDATE instances SET lease_expires_at = now() + interval '40 s' WHERE id = :i"), {"i": inst})
+    assert not d.p.poll_idle(inst)
+    d.p.poll_work(inst)
+    assert d.p.poll_idle(inst)
+    with engine.begin() as c:  # lapsed: the poll refuses it (409)
+        c.execute(text("UPDATE instances SET lease_expires_at = now() - interval '1 s' WHERE id = :i"), {"i": inst})
+    assert not d.p.poll_idle(inst)
+
+
 def test_interrupt_and_resume_keep_every_token_and_logprob(engine):
     d = Driver(engine, batch_size=1, group_size=1, eta=1)
     i1, i2 = d.p.register_instance(d.run, "i1", 0), d.p.register_instance(d.run, "i2", 0)
