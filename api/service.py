@@ -54,19 +54,20 @@ class ApiProtocol(Protocol):
         call: Callable[[Connection], bytes],
         model: type[BaseModel],
         store: Callable[[bytes], bool] | None = None,
+        idle: Callable[[Connection], bytes | None] | None = None,
     ) -> tuple[bytes, bool]:
         """`once` for a `call` that returns the response body already serialised (see `dump`):
         large outcomes skip building a model per item. The outcome is kept as its JSON text (a
         jsonb string), which PostgreSQL keeps without building a document of it first: 2,000
         route results 3.3 -> 1.3 ms, written under the run lock. A replay re-reads it through
-        `model`, so it is the same JSON a fresh call gives."""
+        `model`, so it is the same JSON a fresh call gives. `idle`: `idempotency.once`'s."""
 
         def replay(stored: Any) -> bytes:
             # a document: kept by a replica from before outcomes were kept as text
             out = model.model_validate_json(stored) if isinstance(stored, str) else model.model_validate(stored)
             return out.model_dump_json().encode()
 
-        return self._once(key, operation, body, call, _json_text, replay, store)
+        return self._once(key, operation, body, call, _json_text, replay, store, idle)
 
     def _once(
         self,
@@ -77,9 +78,12 @@ class ApiProtocol(Protocol):
         encode: Callable[[Any], str],
         decode: Callable[[Any], Any],
         store: Callable[[Any], bool] | None,
+        idle: Callable[[Connection], Any] | None = None,
     ) -> tuple[Any, bool]:
         with self._timed(operation):
-            return idempotency.once(self.engine, key, operation, _digest(key, body), call, encode, decode, store)
+            return idempotency.once(
+                self.engine, key, operation, _digest(key, body), call, encode, decode, store, idle=idle
+            )
 
     @contextmanager
     def _timed(self, operation: str) -> Iterator[None]:

@@ -84,22 +84,23 @@ def statement_timer(engine, stats: dict) -> None:
     event.listen(engine, "before_cursor_execute", before)
     event.listen(engine, "after_cursor_execute", after)
 
-    # the run lock and its read go to psycopg in one pipeline, past SQLAlchemy's events
+    # the run lock and its read, a poll and its commands, a report's instances and samples go
+    # to psycopg in one pipeline each, past SQLAlchemy's events (`driver.results` sends them all)
     from staleflow_db.protocol import driver
 
-    scalars = driver.scalars
+    results = driver.results
 
-    def timed_scalars(conn, statements):
+    def timed_results(conn, statements, row_factory):
         t0 = time.perf_counter()
         try:
-            return scalars(conn, statements)
+            return results(conn, statements, row_factory)
         finally:
             key = "pipeline: " + " | ".join(" ".join(q.split())[:50] for q, _ in statements)
             entry = stats.setdefault(key[:110], [0, 0.0])
             entry[0] += 1
             entry[1] += time.perf_counter() - t0
 
-    driver.scalars = timed_scalars
+    driver.results = timed_results
 
 
 def client(

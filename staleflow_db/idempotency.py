@@ -161,11 +161,17 @@ def once(
     decode: Callable[[Any], T],
     store: Callable[[T], bool] | None = None,
     conn: Connection | None = None,
+    idle: Callable[[Connection], T | None] | None = None,
 ) -> tuple[T, bool]:
     """Run `call` in one transaction (the caller's `conn`, else a new one) together with the
     stored outcome of `key`; returns (outcome, replayed). Outcomes `store` rejects (an empty
     long-poll) are not kept: repeating them is harmless and they would only fill the table.
-    Without `store` every outcome is kept."""
+    Without `store` every outcome is kept.
+
+    `idle` (without `conn`): a read sent first on the transaction's connection in autocommit,
+    one round trip, that returns the outcome when it can tell that `call` would have nothing
+    to do and `store` would reject it (an empty long-poll re-check: `RolloutOps.poll_idle`),
+    else None, and then the transaction runs on that same connection (no second checkout)."""
     op = f"{operation}#{body_digest}"
 
     def body(conn: Connection) -> tuple[T, bool]:
@@ -193,7 +199,22 @@ def once(
                 raise KeyReused([(0, f"request id {key!r} was used concurrently for another request")])
         return outcome, False
 
-    return transaction(engine, body, conn)
+    if idle is None or conn is not None:
+        return transaction(engine, body, conn)
+    check = idle
+
+    def attempt() -> tuple[T, bool]:
+        with engine.connect() as c:
+            # the isolation level is the DBAPI connection's autocommit flag: no round trip
+            got = check(c.execution_options(isolation_level="AUTOCOMMIT"))
+            if got is not None:
+                return got, False
+            c.commit()  # SQLAlchemy's autobegun transaction, before the level changes (no round trip)
+            c.execution_options(isolation_level=engine.dialect.default_isolation_level)
+            with c.begin():
+                return body(c)
+
+    return retried(attempt)
 
 
 def prune(engine: Engine, ttl_seconds: float, batch: int = 10_000) -> int:

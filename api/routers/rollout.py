@@ -121,8 +121,12 @@ async def poll(
     def call(conn: Connection) -> bytes:
         return dump(Poll, state.protocol.poll_work(instance_id, limit, conn=conn))
 
+    def idle(conn: Connection) -> bytes | None:
+        # a re-check with nothing to deliver: one read in autocommit, no transaction
+        return _EMPTY_POLL if state.protocol.poll_idle(instance_id, skey, conn=conn) else None
+
     def fetch() -> bytes:
-        return state.protocol.once_json(skey, "poll", None, call, PollOut, store=_nonempty)[0]
+        return state.protocol.once_json(skey, "poll", None, call, PollOut, store=_nonempty, idle=idle)[0]
 
     return respond_json(await long_poll(request, state, run_id, instance_topic(instance_id), wait, fetch, _nonempty))
 

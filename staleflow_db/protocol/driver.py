@@ -18,6 +18,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import psycopg
+import psycopg.rows
 from sqlalchemy import Connection
 from sqlalchemy import exc as sa_exc
 
@@ -39,18 +40,29 @@ def scalars(conn: Connection, statements: Sequence[tuple[str, Mapping[str, Any]]
     """The one value each statement returns, the statements sent in one round trip and run one
     after another (each a statement of its own: under READ COMMITTED each takes its snapshot
     when it starts, so a read after a lock sees what the lock's previous holder committed)."""
+    values = []
+    for rows in results(conn, statements, psycopg.rows.tuple_row):
+        values.append(rows[0][0] if rows else None)  # SAVEPOINT ... returns no rows
+    return values
+
+
+def rows(conn: Connection, statements: Sequence[tuple[str, Mapping[str, Any]]]) -> list[list[Any]]:
+    """Every row of each statement (named tuples: columns as attributes), sent as `scalars`
+    sends them: one round trip, one after another."""
+    return results(conn, statements, psycopg.rows.namedtuple_row)
+
+
+def results(conn: Connection, statements: Sequence[tuple[str, Mapping[str, Any]]], row_factory: Any) -> list[list[Any]]:
     raw = conn.connection.driver_connection
     assert isinstance(raw, psycopg.Connection)
     try:
         with raw.pipeline():
             # prepared unless the engine turned prepared statements off (STALEFLOW_PREPARED_STATEMENTS)
             prepare = raw.prepare_threshold is not None
-            cursors = [raw.execute(sql, params, prepare=prepare) for sql, params in statements]
-        values = []
-        for cur in cursors:
-            row = cur.fetchone() if cur.description is not None else None  # SAVEPOINT ... returns no rows
-            values.append(None if row is None else row[0])
-        return values
+            cursors = [
+                raw.cursor(row_factory=row_factory).execute(sql, params, prepare=prepare) for sql, params in statements
+            ]
+        return [cur.fetchall() if cur.description is not None else [] for cur in cursors]
     except psycopg.Error as e:
         # as SQLAlchemy wraps a driver error: OperationalError, IntegrityError ... with `orig`,
         # so the retry on deadlocks and the outage handling see what they always saw; a

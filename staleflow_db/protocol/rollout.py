@@ -20,6 +20,7 @@ from .. import payloads, queries
 from ..errors import Conflict, InvalidInput, NotFound, TooLarge
 from ..idempotency import transactional
 from ..types import Report
+from . import driver
 from .core import RunRow, TxMixin, check_batch, check_live, check_state, load_run, route_lost
 from .events import Event, events_params, log_events
 
@@ -181,6 +182,19 @@ class RolloutOps(TxMixin):
         return applied
 
     @transactional
+    def poll_idle(self, instance_id: int, request_id: str | None = None, *, conn: Connection | None = None) -> bool:
+        """True when a poll of the instance (sent with `request_id`) would now only answer
+        empty: nothing to deliver, no lease renewal due, nothing to refuse (an unknown or fenced
+        instance is not idle: its poll raises), no outcome stored under the request id. One
+        read, no lock and no write: a long-poll's re-checks run it in autocommit, one round trip
+        instead of a transaction (`idempotency.once`'s `idle`). A poll a concurrent duplicate is
+        delivering is not idle: its undelivered work and pending commands are still seen until
+        that delivery and its stored outcome commit, and the poll then waits and replays."""
+        with self.statement_tx(conn) as conn:
+            idle = conn.execute(queries.text("poll_idle"), {"i": instance_id, "k": request_id}).scalar()
+            return bool(idle)
+
+    @transactional
     def poll_work(self, instance_id: int, limit: int = 1000, *, conn: Connection | None = None) -> Poll:
         """Deliver newly routed samples (with any prefix to continue from) and pending commands;
         renews the instance's live lease."""
@@ -191,7 +205,9 @@ class RolloutOps(TxMixin):
             # locked before any sample (lock order instances -> samples) and a fenced instance
             # gets nothing. One row per delivered sample, or one with no sample at all; none
             # when there is no such instance.
-            rows = conn.execute(queries.text("poll_work"), {"i": instance_id, "n": limit}).all()
+            # The commands in the same round trip, as a statement of its own (`deliver_commands`).
+            params = {"i": instance_id, "n": limit}
+            rows, cmds = driver.rows(conn, [(queries.pyformat(q), params) for q in ("poll_work", "deliver_commands")])
             if not rows:
                 raise NotFound(f"instance {instance_id}")
             row = rows[0]
@@ -213,8 +229,7 @@ class RolloutOps(TxMixin):
                 for w in rows
                 if w.id is not None
             ]
-            cmds = conn.execute(queries.text("deliver_commands"), {"i": instance_id}).all()
-            return Poll(work, sorted((Command(**c._mapping) for c in cmds), key=lambda c: c.id))
+            return Poll(work, sorted((Command(*c) for c in cmds), key=lambda c: c.id))
 
 
 def _keep_capacity(snapshot: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -242,33 +257,39 @@ def requeue_fenced(conn: Connection, run_id: int, why: str, instance_ids: Sequen
 def report_in(
     conn: Connection, run_id: int, reports: Sequence[Report], snapshot: Mapping[str, Any] | None = None
 ) -> int:
-    """Apply a report batch (`RolloutOps.report`): all or nothing."""
-    run, quoted_tokens, fenced = _reporting_instances(conn, run_id, reports, snapshot)
-    rows = _reported_samples(conn, run_id, [r.sample_id for r in reports])
+    """Apply a report batch (`RolloutOps.report`): all or nothing. The instances' statement and
+    the running samples' lock go in one round trip (a pipeline: one after the other, so the
+    lock order instances -> samples holds); the checks then read both."""
+    ids = [r.sample_id for r in reports]
+    instances = (
+        queries.pyformat("report_run_and_instances"),
+        {
+            "run": run_id,
+            "ids": sorted({r.instance_id for r in reports}),
+            "snap": None if snapshot is None else json.dumps(_keep_capacity(snapshot)),
+        },
+    )
+    run_and_instances, running = driver.rows(
+        conn, [instances, (queries.pyformat("report_lock_running"), {"run": run_id, "ids": ids})]
+    )
+    run, quoted_tokens, fenced = _reporting_instances(run_id, reports, run_and_instances)
+    rows = _reported_samples(conn, run_id, ids, running)
     _check_reports(run, reports, rows, quoted_tokens, fenced)
     _write_reports(conn, run_id, reports, rows)
     return len(reports)
 
 
 def _reporting_instances(
-    conn: Connection, run_id: int, reports: Sequence[Report], snapshot: Mapping[str, Any] | None = None
+    run_id: int, reports: Sequence[Report], run_and_instances: Sequence[Any]
 ) -> tuple[RunRow, dict[int, uuid.UUID], dict[int, str]]:
     """The run, the route token each report quotes (by sample; the batch checked: shape, kind,
-    token syntax) and why each fenced reporting instance is fenced. The run and the instances in one round trip; the instances
-    locked (renewed or FOR SHARE) before any sample (lock order instances -> samples, as route
-    and expiry): each must stay active with a live lease until this report commits. A run with
-    no such instance still gives its one row."""
-    run_and_instances = conn.execute(
-        queries.text("report_run_and_instances"),
-        {
-            "run": run_id,
-            "ids": sorted({r.instance_id for r in reports}),
-            "snap": None if snapshot is None else json.dumps(_keep_capacity(snapshot)),
-        },
-    ).all()
+    token syntax) and why each fenced reporting instance is fenced, from the rows of
+    `report_run_and_instances`: the instances locked (renewed or FOR SHARE) before any sample
+    (lock order instances -> samples, as route and expiry): each must stay active with a live
+    lease until this report commits. A run with no such instance still gives its one row."""
     if not run_and_instances:
         raise NotFound(f"run {run_id}")
-    run = RunRow.of(run_and_instances[0]._mapping)
+    run = RunRow.of(run_and_instances[0]._asdict())
     ids = [r.sample_id for r in reports]
     if len(set(ids)) != len(ids):
         raise InvalidInput("a sample appears twice in one report batch")
@@ -291,13 +312,14 @@ def _reporting_instances(
     return run, quoted_tokens, fenced
 
 
-def _reported_samples(conn: Connection, run_id: int, ids: list[int]) -> dict[int, Row[Any]]:
-    """The batch's samples by id. Lock only the running rows: those are all a report can change.
+def _reported_samples(conn: Connection, run_id: int, ids: list[int], running: Sequence[Any]) -> dict[int, Any]:
+    """The batch's samples by id, `running` (`report_lock_running`'s rows) and the others. Lock
+    only the running rows: those are all a report can change.
     A stale report naming a sample that moved on (scoring, aborted ...) must not wait on its
     lock: with the run-locked record_rewards, which holds scoring rows and then locks their
     groups' members, that wait closed a deadlock cycle. The rest are read unlocked, only to
     refuse them."""
-    rows = {r.id: r for r in conn.execute(queries.text("report_lock_running"), {"run": run_id, "ids": ids}).all()}
+    rows: dict[int, Any] = {r.id: r for r in running}
     missing = [i for i in ids if i not in rows]
     if missing:
         rows.update(
@@ -309,7 +331,7 @@ def _reported_samples(conn: Connection, run_id: int, ids: list[int]) -> dict[int
 def _check_reports(
     run: RunRow,
     reports: Sequence[Report],
-    rows: dict[int, Row[Any]],
+    rows: dict[int, Any],
     quoted_tokens: dict[int, uuid.UUID],
     fenced: dict[int, str],
 ) -> None:

@@ -96,9 +96,27 @@ SELECT inst.state, inst.live, inst.max_response_tokens, w.* FROM inst LEFT JOIN 
   ON true ORDER BY w.id
 
 -- name: deliver_commands
+-- Sent with `poll_work` in one round trip, as a statement of its own: its snapshot is taken
+-- after the poll's sample locks were granted, so the abort of a sample the poll found aborted
+-- when its lock was granted (surplus, drop) is delivered by this same poll. Sent whatever the
+-- poll found, so it delivers nothing to an instance that is not active and live (the poll
+-- holds its row: renewed, or FOR SHARE).
 UPDATE commands SET state = 'delivered', delivered_at = now()
 WHERE id IN (SELECT id FROM commands WHERE instance_id = :i AND state = 'pending'
+  AND EXISTS (SELECT 1 FROM instances WHERE id = :i AND state = 'active' AND lease_expires_at > now())
   ORDER BY id FOR UPDATE) RETURNING id, kind, sample_id, attempt, target_version
+
+-- name: poll_idle
+-- Whether a poll of the instance now would only answer empty (RolloutOps.poll_idle): active,
+-- its lease live and not due for the poll's renewal (`poll_work`'s `renew` condition), no
+-- undelivered work, no pending command, no outcome stored under the request id :k (NULL: none
+-- sent). NULL when there is no such instance.
+SELECT i.state = 'active' AND i.lease_expires_at > now()
+  AND i.lease_expires_at >= now() + make_interval(secs => 0.75 * i.lease_s)
+  AND NOT EXISTS (SELECT 1 FROM samples WHERE instance_id = :i AND state = 'running' AND NOT delivered)
+  AND NOT EXISTS (SELECT 1 FROM commands c WHERE c.instance_id = :i AND c.state = 'pending')
+  AND NOT EXISTS (SELECT 1 FROM idempotency k WHERE k.request_id = CAST(:k AS text))
+FROM instances i WHERE i.id = :i
 
 -- name: interrupt_running
 -- The samples f (of the run) and, for those running, their interrupt commands c, in one

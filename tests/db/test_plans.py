@@ -18,7 +18,7 @@ from psycopg import sql
 from sqlalchemy import event, text
 
 from staleflow_db.db import make_engine, with_database
-from staleflow_db.protocol import Protocol
+from staleflow_db.protocol import Protocol, driver
 
 RUNS, GROUPS_PER_RUN, SAMPLES_PER_GROUP, INSTANCES_PER_RUN = 4, 4500, 4, 8
 
@@ -99,16 +99,25 @@ def backlog(admin_url: str, template_db: str):
 
 @contextmanager
 def recorded(engine):
-    """Every (statement, parameters) the engine sends while the block runs."""
+    """Every (statement, parameters) the engine sends while the block runs, those sent on the
+    psycopg connection itself (`protocol.driver`, a pipeline) too."""
     sent: list[tuple[str, object]] = []
 
     def hook(conn, cursor, statement, parameters, context, executemany):
         sent.append((statement, parameters))
 
+    results = driver.results
+
+    def pipelined(conn, statements, row_factory):
+        sent.extend((sql, dict(params)) for sql, params in statements)
+        return results(conn, statements, row_factory)
+
     event.listen(engine, "before_cursor_execute", hook)
+    driver.results = pipelined
     try:
         yield sent
     finally:
+        driver.results = results
         event.remove(engine, "before_cursor_execute", hook)
 
 
@@ -163,6 +172,14 @@ CASES = [
         "poll-work-commands",
         lambda p, run, inst: p.poll_work(inst),
         "FROM commands WHERE instance_id",
+        "ix_commands_pending",
+        "commands",
+    ),
+    ("poll-idle-samples", lambda p, run, inst: p.poll_idle(inst), "NOT delivered", "ix_samples_running", "samples"),
+    (
+        "poll-idle-commands",
+        lambda p, run, inst: p.poll_idle(inst),
+        "FROM commands c WHERE",
         "ix_commands_pending",
         "commands",
     ),

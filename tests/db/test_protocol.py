@@ -4,6 +4,9 @@ and interrupt/resume keeping every token."""
 
 from __future__ import annotations
 
+import time
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 from protocol_helpers import Driver
 from sqlalchemy import text
@@ -246,6 +249,78 @@ def test_one_poll_delivers_work_and_commands_together(engine):
     assert [(c.kind, c.sample_id) for c in polled.commands] == [("interrupt", a)]
     again = d.p.poll_work(inst)
     assert (again.work, again.commands) == ([], [])
+
+
+def test_a_poll_delivers_its_commands_in_order_once(engine):
+    """The commands come in the order they were sent, each once."""
+    d = Driver(engine, batch_size=1, group_size=3, eta=1)
+    inst = d.p.register_instance(d.run, "i1", 0)
+    (g,) = d.enqueue(1)
+    members = d.members(g)
+    d.routed(members, inst)
+    for s in reversed(members):  # command ids ascend in this order
+        assert d.p.interrupt(d.run, [s]) == 1
+    polled = d.p.poll_work(inst)
+    assert sorted(w.sample_id for w in polled.work) == members
+    assert [c.sample_id for c in polled.commands] == list(reversed(members))
+    assert [c.id for c in polled.commands] == sorted(c.id for c in polled.commands)
+    assert d.p.poll_work(inst).commands == []
+
+
+def test_an_abort_committed_while_the_poll_waits_comes_with_that_poll(engine):
+    """A routed sample the poll finds aborted once its lock is granted is not delivered, and
+    the abort's command is (the commands are read after the sample locks, in the same round
+    trip): the instance hears of every sample routed to it in one poll."""
+    d = Driver(engine, batch_size=1, group_size=2, samples_per_group=3, eta=1)
+    inst = d.p.register_instance(d.run, "i1", 0)
+    (g,) = d.enqueue(1)
+    a, b, _ = d.members(g)  # a spare member: aborting one leaves the group its N live members
+    att = d.routed([a, b], inst)
+    with engine.connect() as holder, ThreadPoolExecutor(1) as pool:
+        tx = holder.begin()
+        holder.execute(text("SELECT 1 FROM samples WHERE id = :s FOR UPDATE"), {"s": a})
+        polled = pool.submit(d.p.poll_work, inst)
+        waiting = (
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'"
+        )
+        deadline = time.monotonic() + 30
+        while d.scalars(waiting) != [1]:
+            assert time.monotonic() < deadline, "the poll never waited on the sample's lock"
+            time.sleep(0.005)
+        assert d.p.abort_samples(d.run, [a], conn=holder) == [a]
+        tx.commit()
+        got = polled.result()
+    assert [w.sample_id for w in got.work] == [b]
+    assert [(c.kind, c.sample_id, c.attempt) for c in got.commands] == [("abort", a, att[a])]
+
+
+def test_a_poll_is_idle_only_when_it_would_answer_empty(engine):
+    """`poll_idle` (a long-poll's re-check without a transaction) says idle only when the poll
+    would deliver nothing, renew nothing, refuse nothing and replay nothing."""
+    d = Driver(engine, batch_size=1, group_size=1, eta=1)
+    inst = d.p.register_instance(d.run, "i1", 0, lease_seconds=60)
+    assert d.p.poll_idle(inst) and d.p.poll_idle(inst, "never-used")
+    assert not d.p.poll_idle(424242)  # its poll: 404
+    (g,) = d.enqueue(1)
+    (s,) = d.members(g)
+    d.routed([s], inst)
+    assert not d.p.poll_idle(inst)  # work to deliver
+    assert [w.sample_id for w in d.p.poll_work(inst).work] == [s]
+    assert d.p.poll_idle(inst)
+    assert d.p.interrupt(d.run, [s]) == 1
+    assert not d.p.poll_idle(inst)  # a command to deliver
+    d.p.poll_work(inst)
+    with engine.begin() as c:
+        c.execute(text("INSERT INTO idempotency (request_id, operation, response) VALUES ('k1', 'poll#', '{}')"))
+    assert d.p.poll_idle(inst) and not d.p.poll_idle(inst, "k1")  # a retry replays
+    with engine.begin() as c:  # a quarter of the lease gone: the poll renews it
+        c.execute(text("UPDATE instances SET lease_expires_at = now() + interval '40 s' WHERE id = :i"), {"i": inst})
+    assert not d.p.poll_idle(inst)
+    d.p.poll_work(inst)
+    assert d.p.poll_idle(inst)
+    with engine.begin() as c:  # lapsed: the poll refuses it (409)
+        c.execute(text("UPDATE instances SET lease_expires_at = now() - interval '1 s' WHERE id = :i"), {"i": inst})
+    assert not d.p.poll_idle(inst)
 
 
 def test_interrupt_and_resume_keep_every_token_and_logprob(engine):
