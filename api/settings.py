@@ -57,7 +57,7 @@ class ApiSettings(StaleFlowSettings):
     # idle pooled connection (httpx: 5 s), so the client always drops it first and never
     # sends a request on a connection the server is closing at that moment (uvicorn's own
     # default, 5 s, races httpx's 5 s: a request lost as "connection closed").
-    keep_alive: float = Field(30.0, ge=1.0, le=3600.0)
+    keep_alive: int = Field(30, ge=1, le=3600)
 
     @classmethod
     def from_env(cls) -> ApiSettings:
