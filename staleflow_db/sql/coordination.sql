@@ -109,12 +109,18 @@ SELECT EXISTS (SELECT FROM l) AS fenced, ARRAY(SELECT id FROM f) AS found
 -- published version]. `position`, this statement's snapshot (pg_snapshot as text), is the next
 -- :since: a change this read did not see was written by a transaction at or after its xmax or in
 -- progress at it (its xip list), and is read next time, whatever else runs long meanwhile
--- (migration 0019). A changed sample is one a change row names, or a member of a group one
+-- (migration 0019). A position longer than 4,000 characters (some 190 transactions in progress)
+-- is given as `xmin:xmin:` instead: every transaction from the oldest in progress on is read
+-- again next time, which repeats some changes (harmless) and keeps `since` short enough for a
+-- URL. A changed sample is one a change row names, or a member of a group one
 -- names; it comes back as running, queued or gone (neither). The changed samples are looked up by
 -- primary key (`= ANY`): joined to `c`, a new run's rows estimated at 1 by stale statistics
 -- gave a nested loop over every sample of the run per changed id (16 s at 8,000 changed). An instance row was written since
 -- when its xmin (32 bits: xids compared modulo 2^32) is at or after :since's xmax or in its xip.
-WITH p AS MATERIALIZED (SELECT CAST(pg_current_snapshot() AS text) AS pos,
+WITH p AS MATERIALIZED (SELECT CASE WHEN length(CAST(pg_current_snapshot() AS text)) <= 4000
+    THEN CAST(pg_current_snapshot() AS text)
+    ELSE CAST(pg_snapshot_xmin(pg_current_snapshot()) AS text) || ':'
+      || CAST(pg_snapshot_xmin(pg_current_snapshot()) AS text) || ':' END AS pos,
   CAST(CAST(pg_snapshot_xmax(pg_current_snapshot()) AS text) AS bigint) AS xmax),
 q AS MATERIALIZED (SELECT CAST(CAST(pg_snapshot_xmax(t.v) AS text) AS bigint) AS xmax,
   ARRAY(SELECT CAST(CAST(x AS text) AS bigint) FROM pg_snapshot_xip(t.v) AS x) AS xip
