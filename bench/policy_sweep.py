@@ -2,16 +2,16 @@
 
     python bench/policy_sweep.py [--seed 0] [--steps 16] [--jobs 2]
 
-Runs `staleflow` under each of a set of one-parameter changes (routing μ, KV-aware filling,
-migration ψ and gain, pull threshold and horizons, φ_wait, and the naive routing and pull
-rules) on every reference set-up and η = 1, 2, 3, and divides each run's steady tokens/s by
-strict's in `bench/results/policies.json` (same seed and steps; run `bench/policies.py` first
-if those differ). Prints each cell's ratio under every variant, each variant's mean, and the
+Runs `staleflow` under each of a set of one-parameter changes (routing μ, migration ψ and
+gain, pull threshold and horizons, φ_wait, and the naive routing and pull rules) on every
+reference set-up and η = 1, 2, 3, and divides each run's steady tokens/s by strict's in
+`bench/results/policies.json` (same seed and steps; run `bench/policies.py` first if those
+differ). Prints each cell's ratio under every variant, each variant's mean, and the
 mean of the best variant chosen per cell: an upper bound for parameter tuning that is
 optimistic, since it picks per cell on the very runs it reports. Then, for the default staleflow
 and strict runs, what bounds them (`diagnose`: KV fill, samples decoding against the staleness
 budget, time with budget left unreserved, the coordinator's regime estimate and the time the
-trainer waits on a buffer with a queued sample). 204 simulations, about 25 minutes on 2 cores. The
+trainer waits on a buffer with a queued sample). 168 simulations, about 20 minutes on 2 cores. The
 last line is
 
     sweep default=<mean> best_variant=<mean> per_cell_best=<mean>
@@ -36,9 +36,6 @@ VARIANTS: list[dict] = [
     {},
     {"mu": 0.1},
     {"mu": 0.4},
-    {"kv_fill": 0.6},
-    {"kv_fill": 0.8},
-    {"kv_fill": 0.9, "kv_cap": True},
     {"psi": 1.5},
     {"psi": 4.0},
     {"kv_threshold": 0.1},

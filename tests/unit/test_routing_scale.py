@@ -72,9 +72,7 @@ def test_decisions_with_the_pull_rule_off_are_the_ones_recorded_before_it():
 # ---- reference waterfall -----------------------------------------------------------------------
 
 
-def reference_waterfall(
-    instances, queued, cost: CostModel, admission, *, mu, group_versions, block_scope, kv_fill=None, kv_cap=False
-):
+def reference_waterfall(instances, queued, cost: CostModel, admission, *, mu, group_versions, block_scope):
     """route_waterfall's docstring, one sample at a time, in plain Python (numpy only for the
     throughput formula, so that gains round exactly as the optimised code's do)."""
     ids = [i.instance_id for i in instances]
@@ -85,17 +83,6 @@ def reference_waterfall(
     blocked = [False] * len(instances)
     T = list(cost.throughput_array(np.array(n), np.array(kv)))
     keyed = hasattr(admission, "key")
-    # KV-aware filling: below its target an instance takes a sample whatever μ says
-    # (and with kv_cap, above it takes nothing)
-    fill, ceiling = [0.0] * len(instances), [math.inf] * len(instances)
-    running = sum(i.running for i in instances)
-    if kv_fill is not None and running >= len(instances) and sum(kv) > 0:
-        context = sum(kv) / running
-        for j, i in enumerate(instances):
-            t = kv_fill * i.kv_capacity / context
-            if t < i.max_running:
-                fill[j] = t
-                ceiling[j] = t if kv_cap else math.inf
     routes = []
     for level, samples in queue_levels(queued, group_versions):
 
@@ -132,7 +119,7 @@ def reference_waterfall(
                     continue
                 n1 = np.array([n[j] + 1])
                 g = float((n1 / cost.latency_array(n1, np.array([kv[j] + L])) - T[j])[0])
-                if (g >= thresh and n[j] < ceiling[j]) or n[j] < fill[j]:  # eligible; the largest gain wins
+                if g >= thresh:  # eligible; the largest gain wins
                     if g > best:
                         best, best_j = g, j
             if best_j is None:
@@ -232,11 +219,10 @@ def _admission(kind: str, seed: int, group_versions):
     st.sampled_from([0.0, 0.25, 0.6]),
     st.sampled_from(["instance", "all"]),
     st.sampled_from([1, 8, 1 << 16]),
-    st.sampled_from([(None, False), (0.9, False), (0.9, True)]),
 )
-def test_waterfall_equals_the_one_by_one_reference(instances, queued_gv, kind, seed, mu, block_scope, block, kv):
+def test_waterfall_equals_the_one_by_one_reference(instances, queued_gv, kind, seed, mu, block_scope, block):
     queued, group_versions = queued_gv
-    kw = dict(mu=mu, group_versions=group_versions, block_scope=block_scope, kv_fill=kv[0], kv_cap=kv[1])
+    kw = dict(mu=mu, group_versions=group_versions, block_scope=block_scope)
     saved, routing._BLOCK_ELEMENTS = routing._BLOCK_ELEMENTS, block  # small blocks: many of them
     try:
         got = route_waterfall(instances, queued, COST, _admission(kind, seed, group_versions), **kw)

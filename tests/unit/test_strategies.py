@@ -326,19 +326,6 @@ def test_plan_asks_whether_work_waits_at_the_ps_version():
     assert off.pulls == [PullDecision(1, 1)]
 
 
-def test_waterfall_kv_fill_fills_to_the_steady_state_kv_target():
-    # two instances at 20 samples of 5K context: this μ stops short of what the cache holds
-    views = [inst(1, running=20, kv=100_000), inst(2, running=20, kv=100_000)]
-    q = [fresh(i, gid=i // 8) for i in range(200)]
-    plain = route_waterfall(views, q, COST, mu=0.5)
-    filled = route_waterfall(views, q, COST, mu=0.5, kv_fill=0.9)
-    target = int(0.9 * CAP / 5_000)  # 45 per instance at the mean running context
-    assert len(plain) < len(filled) == 2 * (target - 20)
-    # where the slot limit binds before the KV cache, filling is off and μ alone decides
-    capped = [inst(1, running=20, kv=100_000, max_running=40), inst(2, running=20, kv=100_000, max_running=40)]
-    assert route_waterfall(capped, q, COST, mu=0.5, kv_fill=0.9) == route_waterfall(capped, q, COST, mu=0.5)
-
-
 def test_pulls_are_staggered_to_the_ps_streams_least_loaded_first():
     views = [
         inst(1, running=5),

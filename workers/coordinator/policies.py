@@ -67,8 +67,6 @@ class Policy:
     engine_migration: bool = True  # engine-side φ_wait rule
     eta: int | None = None  # a forced staleness bound (sync: 0, one_step: 1); None: the run's
     mu: float = 0.25  # waterfall: route only if ΔT >= μ·T(1, l)   (0.2-0.3 in the reference runs)
-    kv_fill: float | None = None  # waterfall: fill instances to this share of KV at mean context (None: off)
-    kv_cap: bool = False  # waterfall: and route nothing beyond that target
     psi: float = 2.0  # migration: loaded throughput > ψ · starved throughput
     phi_wait: int = 1  # engine: interrupt a preempted sample when the waiting queue exceeds this
     kv_threshold: float = 0.3  # status-based pull only at or below this KV usage
@@ -135,8 +133,6 @@ class Policy:
                 group_versions=group_versions,
                 block_scope=self.block_scope,
                 levels=levels,
-                kv_fill=self.kv_fill,
-                kv_cap=self.kv_cap,
             )
         else:
             routes = route_request_count(

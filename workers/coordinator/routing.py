@@ -168,8 +168,6 @@ def route_waterfall(
     group_versions: Mapping[int, int] | None = None,
     block_scope: str = "instance",
     levels: Levels | None = None,
-    kv_fill: float | None = None,
-    kv_cap: bool = False,
 ) -> list[RouteDecision]:
     """Multi-level queue + waterfall (docs/coordinator.md).
 
@@ -194,17 +192,6 @@ def route_waterfall(
     32 rows at a level's start, from one row after a route. A cycle costs
     O(instances) numpy work per route and per unlike sample, plus O(samples x instances) for
     the ones that wait; never the [samples x instances] matrix per route.
-
-    KV-aware filling (`kv_fill`, adaptive μ): an instance running fewer samples than its KV
-    cache holds in steady state — `kv_fill` · capacity / the cluster's mean running context
-    (KV held per running sample) — takes a sample even when ΔT < μ·T(1, l): below the knee
-    of the cost model μ stops filling an instance at about half its cache while work waits
-    (docs/policies.md). The target counts contexts as they will be on average, not as they
-    are at admission (a fresh sample holds only its prompt), so filling does not overcommit
-    the cache into preemptions. None: off (the reference μ rule alone). With `kv_cap` the
-    target is also a ceiling: an instance at or above it takes nothing, whatever μ says (μ
-    judges a fresh sample by its prompt alone and so overfills a cache that its samples will
-    outgrow). Either applies only where the KV cache binds before the engine's slot limit.
     """
     admission = admission or AlwaysAdmit()
     if not instances:
@@ -213,7 +200,6 @@ def route_waterfall(
         levels = queue_levels(queued, group_versions)
     c = _Cluster(instances, cost)
     version, _, kv, cap, _, T, vidx = c.lists
-    target = _fill_target(instances, kv_fill, kv_cap)
     blocked = np.zeros(len(c.ids), dtype=bool)
     keyed = hasattr(admission, "key")
     max_block = max(1, _BLOCK_ELEMENTS // len(c.ids))
@@ -267,23 +253,13 @@ def route_waterfall(
                 arow = adm.row(q0)
                 sig = (Ll[q0], needl[q0], arow)
                 row = cached[1] if cached is not None and cached[0] == sig else score_one(q0, arow)
-                if target is None:
-                    j = int(row.argmax())
-                    q = q0 if row[j] >= threshl[q0] else q0 + 1
-                else:
-                    fill, ceiling = target
-                    ok_row = ((row >= threshl[q0]) & (c.n < ceiling)) | ((c.n < fill) & (row > -np.inf))
-                    j = int(np.where(ok_row, row, -np.inf).argmax())
-                    q = q0 if ok_row[j] else q0 + 1
+                j = int(row.argmax())
+                q = q0 if row[j] >= threshl[q0] else q0 + 1
                 q1 = q0 + 1
             else:  # nothing routed lately: a block, up to its first routable row
                 q1 = min(m, q0 + size)
                 score = scores(q0, q1, adm.rows(q0, q1))
                 passing = score >= thresh[q0:q1, None]
-                if target is not None:
-                    fill, ceiling = target
-                    passing &= (c.n < ceiling)[None, :]
-                    passing |= (c.n < fill)[None, :] & (score > -np.inf)
                 hits = np.flatnonzero(passing.any(axis=1))
                 q = q0 + int(hits[0]) if len(hits) else q1
                 if q < q1:
@@ -317,29 +293,6 @@ def route_waterfall(
             if blocked.all():
                 break
     return routes
-
-
-def _fill_target(
-    instances: Sequence[InstanceView], kv_fill: float | None, kv_cap: bool
-) -> tuple[np.ndarray, np.ndarray] | None:
-    """Per instance, the running samples its KV cache holds at `kv_fill` with contexts at the
-    cluster's mean running context; None when off or before the cluster runs one sample per
-    instance (the mean of a few fresh prompts would overcommit)."""
-    if kv_fill is None:
-        return None
-    running = sum(i.running for i in instances)
-    if running < len(instances):
-        return None
-    context = sum(i.kv_used for i in instances) / running
-    if context <= 0:
-        return None
-    target = np.array([kv_fill * i.kv_capacity / context for i in instances], dtype=float)
-    # where the engine's slot limit binds before the KV cache (short contexts) there is no
-    # cache to fill: μ alone paces admissions there (each costs a prefill that stalls decoding)
-    kv_bound = target < np.array([i.max_running for i in instances], dtype=float)
-    fill = np.where(kv_bound, target, 0.0)
-    ceiling = np.where(kv_bound, target, np.inf) if kv_cap else np.full(len(instances), np.inf)
-    return fill, ceiling
 
 
 def route_request_count(
