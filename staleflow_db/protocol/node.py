@@ -39,10 +39,9 @@ from .rollout import (
     RolloutOps,
     check_reports,
     keep_capacity,
-    reported_samples,
     reporting_instances,
+    reports_write,
     works_of,
-    write_reports,
 )
 
 
@@ -85,23 +84,30 @@ class NodeDelivery:
     message: str | None = None
 
 
+# The folded path's savepoint, sent in its pipelines (no round trip of its own): released with
+# the write, or rolled back (and released) when the items must run one by one.
+_SAVEPOINT = "staleflow_node"
+_BEGIN: tuple[str, dict[str, Any]] = (f"SAVEPOINT {_SAVEPOINT}", {})
+_KEEP: tuple[str, dict[str, Any]] = (f"RELEASE SAVEPOINT {_SAVEPOINT}", {})
+_UNDO: list[tuple[str, dict[str, Any]]] = [(f"ROLLBACK TO SAVEPOINT {_SAVEPOINT}", {}), _KEEP]
+
+
 class NodeOps(RolloutOps, TxMixin):
     def sync_node(self, run_id: int, items: Sequence[NodeItem], *, conn: Connection) -> list[NodeOutcome]:
         """Apply `items` (distinct instances) in the caller's transaction `conn`; outcomes in
-        their order. Lock order: instances by id, then samples (as a group commit's)."""
+        their order. Lock order: instances by id, each before its samples."""
         if not items:
             return []
+        folded = self._folded(run_id, items, conn)
+        if folded is not None:
+            return folded
         outer = conn.begin_nested()
         try:
-            outcomes = self._folded(run_id, items, conn)
-            if outcomes is None:
-                outer.rollback()
-                outer = conn.begin_nested()
-                outcomes = self._sync_items(run_id, items, conn)
-                applied = [items[k] for k, o in enumerate(outcomes) if o.refused is None]
-                if any(it.reports for it in applied) and any(it.heartbeat for it in applied):
-                    # a heartbeat's SET LOCAL synchronous_commit=off must not make the reports' commit asynchronous
-                    conn.execute(queries.text("group_commit_durable"))
+            outcomes = self._sync_items(run_id, items, conn)
+            applied = [items[k] for k, o in enumerate(outcomes) if o.refused is None]
+            if any(it.reports for it in applied) and any(it.heartbeat for it in applied):
+                # a heartbeat's SET LOCAL synchronous_commit=off must not make the reports' commit asynchronous
+                conn.execute(queries.text("group_commit_durable"))
         except BaseException:
             if outer.is_active:
                 outer.rollback()
@@ -110,8 +116,9 @@ class NodeOps(RolloutOps, TxMixin):
         return outcomes
 
     def _folded(self, run_id: int, items: Sequence[NodeItem], conn: Connection) -> list[NodeOutcome] | None:
-        """Every item applied by set-based statements, or None (nothing of them kept: the
-        caller rolls back) when an item would be refused or the items do not fit them."""
+        """Every item applied by set-based statements in two round trips, or None, nothing of
+        them kept, when an item would be refused or the items do not fit them (then they run
+        one by one, which gives each its own outcome)."""
         order = sorted(items, key=lambda it: it.instance_id)
         reports = [r for it in order for r in it.reports]
         ids = [r.sample_id for r in reports]
@@ -134,25 +141,45 @@ class NodeOps(RolloutOps, TxMixin):
             for it in order
             if it.reports or it.heartbeat is not None  # an item of neither does nothing
         ]
-        statements = [(queries.pyformat("node_instances"), {"run": run_id, "p": json.dumps(p), "eph": not reports})]
+        statements = [
+            _BEGIN,
+            (queries.pyformat("node_instances"), {"run": run_id, "p": json.dumps(p), "eph": not reports}),
+        ]
         if reports:  # the samples after the instances (lock order), in the same round trip
             statements.append((queries.pyformat("report_lock_running"), {"run": run_id, "ids": ids}))
         got = driver.rows(conn, statements)
-        run_and_instances = got[0]
+        run_and_instances = got[1]
         beat = {r.iid for r in run_and_instances if r.beat}
-        if any(it.heartbeat is not None and it.instance_id not in beat for it in items):
+        if any(it.heartbeat is not None and it.instance_id not in beat for it in items) or not self._checked(
+            run_id, order, run_and_instances, got[2] if reports else [], len(ids)
+        ):
+            driver.rows(conn, _UNDO)
             return None
         if reports:
-            rows = reported_samples(conn, run_id, ids, got[1])
-            try:  # each item's reports checked as its own report checks them
-                for it in order:
-                    if it.reports:
-                        run, quoted_tokens, fenced = reporting_instances(run_id, it.reports, run_and_instances)
-                        check_reports(run, it.reports, rows, quoted_tokens, fenced)
-            except ProtocolError:  # a Conflict or bad input: the items one by one give each its outcome
-                return None
-            write_reports(conn, run_id, reports, rows)
+            statement, params = reports_write(run_id, reports, {r.id: r for r in got[2]})
+            driver.rows(conn, [(queries.composed_pyformat(statement), params), _KEEP])
+        else:
+            driver.rows(conn, [_KEEP])
         return [NodeOutcome(it.instance_id, len(it.reports)) for it in items]
+
+    @staticmethod
+    def _checked(
+        run_id: int, order: Sequence[NodeItem], run_and_instances: Sequence[Any], running: Sequence[Any], n: int
+    ) -> bool:
+        """Whether every item's reports pass the checks of its own report (`reporting_instances`,
+        `check_reports`) on the rows read for them all. A sample that is not running (or not
+        found) refuses its report: not worth reading it here."""
+        if len(running) != n:
+            return False
+        rows = {r.id: r for r in running}
+        try:
+            for it in order:
+                if it.reports:
+                    run, quoted_tokens, fenced = reporting_instances(run_id, it.reports, run_and_instances)
+                    check_reports(run, it.reports, rows, quoted_tokens, fenced)
+        except ProtocolError:  # a Conflict or bad input
+            return False
+        return True
 
     def _sync_items(self, run_id: int, items: Sequence[NodeItem], conn: Connection) -> list[NodeOutcome]:
         """The items one by one, in instance id order, each under its own savepoint."""

@@ -259,7 +259,7 @@ def requeue_fenced(conn: Connection, run_id: int, why: str, instance_ids: Sequen
 #
 # `report_in` reads, checks and writes a batch; a node sync (protocol/node.py) reads its items'
 # instances and samples in statements of its own, then checks each item's reports with the same
-# `reporting_instances` and `check_reports` and writes them all with one `write_reports`.
+# `reporting_instances` and `check_reports` and writes them all with one `reports_write`.
 
 
 def report_in(
@@ -281,9 +281,9 @@ def report_in(
         conn, [instances, (queries.pyformat("report_lock_running"), {"run": run_id, "ids": ids})]
     )
     run, quoted_tokens, fenced = reporting_instances(run_id, reports, run_and_instances)
-    rows = reported_samples(conn, run_id, ids, running)
+    rows = _reported_samples(conn, run_id, ids, running)
     check_reports(run, reports, rows, quoted_tokens, fenced)
-    write_reports(conn, run_id, reports, rows)
+    _write_reports(conn, run_id, reports, rows)
     return len(reports)
 
 
@@ -320,7 +320,7 @@ def reporting_instances(
     return run, quoted_tokens, fenced
 
 
-def reported_samples(conn: Connection, run_id: int, ids: list[int], running: Sequence[Any]) -> dict[int, Any]:
+def _reported_samples(conn: Connection, run_id: int, ids: list[int], running: Sequence[Any]) -> dict[int, Any]:
     """The batch's samples by id, `running` (`report_lock_running`'s rows) and the others. Lock
     only the running rows: those are all a report can change.
     A stale report naming a sample that moved on (scoring, aborted ...) must not wait on its
@@ -373,10 +373,17 @@ def check_reports(
 _STATE_AFTER = {SegmentKind.FINISHED: "finished", SegmentKind.INTERRUPTED: "queued", SegmentKind.PARTIAL: "running"}
 
 
-def write_reports(conn: Connection, run_id: int, reports: Sequence[Report], rows: dict[int, Row[Any]]) -> None:
+def _write_reports(conn: Connection, run_id: int, reports: Sequence[Report], rows: dict[int, Row[Any]]) -> None:
     """Segments, sample counters and events in ONE statement (three tables, disjoint rows): one
-    round trip instead of three. Composed (`queries.with_parts`): a batch with no tokens or no
-    events has no such part."""
+    round trip instead of three."""
+    statement, params = reports_write(run_id, reports, rows)
+    conn.execute(queries.composed(statement), params)
+
+
+def reports_write(run_id: int, reports: Sequence[Report], rows: dict[int, Row[Any]]) -> tuple[str, dict[str, Any]]:
+    """`_write_reports`' statement (`:name` parameters) and its parameters, for a caller that
+    sends it with others in one round trip (a node sync). Composed (`queries.with_parts`): a
+    batch with no tokens or no events has no such part."""
     events = [
         Event(
             # an observation ending a turn sends the trajectory back to the queue: not an interrupt
@@ -420,4 +427,4 @@ def write_reports(conn: Connection, run_id: int, reports: Sequence[Report], rows
     if events:
         ctes.append(queries.prefixed("events_insert", "e_"))
         params.update(events_params(run_id, events, "e_"))
-    conn.execute(queries.composed(queries.with_parts(ctes, queries.sql("report_samples"))), params)
+    return queries.with_parts(ctes, queries.sql("report_samples")), params
