@@ -6,17 +6,21 @@ rows: instances, samples, segments, events. Mixed items (reports with a snapshot
 alone, both), a fenced instance among several, a heartbeat moving a version backwards, a
 lapsed lease, bad input naming its item; and that the folded path was the one that applied.
 A node's poll (`poll_node`, one statement for all its instances) delivers what `poll_work`
-delivers to each, and leaves the same rows."""
+delivers to each, and leaves the same rows. Both lock their instances in one pass by id."""
 
 from __future__ import annotations
 
 import datetime as dt
 import re
+import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import psycopg
 import pytest
 from sqlalchemy import text
+from sqlalchemy.exc import OperationalError
 
 from staleflow_db.errors import Conflict, NotFound, ProtocolError
 from staleflow_db.protocol import NodeHeartbeat, NodeItem
@@ -507,3 +511,69 @@ def test_a_node_poll_of_an_unknown_instance_is_refused(engine):
     n = make_node(engine, "unknown", dt.datetime.now(dt.UTC), deliver=False)
     with engine.begin() as conn, pytest.raises(NotFound, match="instance 999999"):
         n.d.p.poll_node([n.iids[0], 999_999], conn=conn)
+
+
+# ---- lock order --------------------------------------------------------------------------
+
+
+def _locked(engine, iid: int) -> bool:
+    """Whether another transaction holds a lock on the instance's row (a NOWAIT probe, undone)."""
+    with engine.connect() as c:
+        try:
+            c.execute(text("SELECT 1 FROM instances WHERE id = :i FOR UPDATE NOWAIT"), {"i": iid})
+        except OperationalError as e:
+            assert isinstance(e.orig, psycopg.errors.LockNotAvailable), e
+            return True
+        finally:
+            c.rollback()
+    return False
+
+
+def _waiting(engine, pids: list[int]) -> bool:
+    with engine.connect() as c:
+        return bool(
+            c.execute(
+                text("SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND pid = ANY(:p)"),
+                {"p": pids},
+            ).scalar()
+        )
+
+
+@pytest.mark.parametrize("call", ["sync", "poll"])
+def test_instances_are_locked_in_one_pass_by_id(engine, call):
+    """A, B, C by id: A and C written (a heartbeat; a lease due for a poll), B only read. With B's
+    row held elsewhere, the call waits on B holding A's lock and not yet C's: each row is locked
+    once, in its final mode, in id order (not the written rows first)."""
+    base = dt.datetime.now(dt.UTC)
+    n = make_node(engine, call, base)
+    a, b, c = n.iids[:3]
+    if call == "poll":
+        for k in (0, 2):
+            set_lease(n, k, LEASE / 4, base)
+    blocker = engine.connect()
+    blocker.execute(text("SELECT 1 FROM instances WHERE id = :i FOR UPDATE"), {"i": b})
+    pid: list[int] = []
+    done: list[object] = []
+
+    def run() -> None:
+        with engine.begin() as conn:
+            pid.append(conn.execute(text("SELECT pg_backend_pid()")).scalar())
+            if call == "sync":
+                items = [NodeItem(a, heartbeat=beat()), NodeItem(b, [n.report(1, 0)]), NodeItem(c, heartbeat=beat())]
+                done.append([o.refused for o in n.d.p.sync_node(n.d.run, items, conn=conn)])
+            else:
+                done.append([d.refused for d in n.d.p.poll_node([c, b, a], conn=conn)])
+
+    t = threading.Thread(target=run)
+    t.start()
+    try:
+        for _ in range(600):  # until the call waits on B's lock
+            if pid and _waiting(engine, pid):
+                break
+            time.sleep(0.05)
+        assert (_locked(engine, a), _locked(engine, c)) == (True, False)
+    finally:
+        blocker.rollback()
+        blocker.close()
+        t.join(60)
+    assert done == [[None, None, None]]
