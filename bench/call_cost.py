@@ -12,6 +12,11 @@ database backends serving the scratch database, so the figures are CPU per call,
 clock, and barely move with the load of a shared machine. The API's idle CPU (its background
 tasks) is measured first and taken out. Bytes are each request's and response's body.
 
+`--node K` measures a node sync instead (`node_workload`): K instances' reports and snapshots
+in one call against the same reports as K calls, and a node's poll against K polls; last line
+``call_cost_node sync_api_us=A sync_db_us=D parts_api_us=PA parts_db_us=PD`` (parts: the K
+separate calls together). With `--compare DIR` it runs this code and DIR's server, both packed.
+
 `--wire json` makes the client send JSON lists of numbers (the form older clients send) where
 it sends packed arrays by default. `--compare DIR` runs three targets side by side, a phase of
 each in turn so that all see the same load: this code's server with a packed client and with a
@@ -173,6 +178,51 @@ def workload(c: Any, meter: Meter, args: argparse.Namespace) -> Iterator[None]:
         yield
 
 
+def node_workload(c: Any, meter: Meter, args: argparse.Namespace) -> Iterator[None]:
+    """`--node K`: one node of K instances, each holding `--segments` routed samples. Phases:
+    node syncs of K items (each a report of `--segments` partial segments of `--segment-tokens`
+    tokens and a snapshot), the same reports as K separate report calls (the parts of one
+    sync: per call, times K), node polls of all K (wait 0, nothing to deliver) and K separate
+    empty polls."""
+    k, n = args.node, args.segments
+    run = c.create_run(
+        f"call-cost-node-{uuid.uuid4().hex[:8]}", batch_size=k * n, group_size=1, eta=0, max_response_tokens=10_000_000
+    ).id
+    insts = [c.register(run, f"gpu{i}", 0, lease_seconds=LEASE).instance_id for i in range(k)]
+    c.enqueue(run, [(f"p{g}", list(range(1, args.prompt_tokens + 1))) for g in range(k * n)])
+    queued = [q.sample_id for q in c.snapshot(run).queued]
+    c.route(run, [(s, insts[j // n]) for j, s in enumerate(queued)])
+    routes = {d.instance_id: d.work for d in c.sync(run, poll=insts, wait=0).deliveries}
+    if sorted(len(w) for w in routes.values()) != [n] * k:
+        raise RuntimeError(f"{ {i: len(w) for i, w in routes.items()} } routed, {n} each wanted")
+    tokens = [(7 * i) % 50_000 for i in range(args.segment_tokens)]
+    logprobs = [-(i % 97) / 13.0 - 0.001 for i in range(args.segment_tokens)]
+
+    def reports(inst: int) -> list[dict[str, Any]]:
+        return [
+            {"sample_id": w.sample_id, "attempt": w.attempt, "route_token": w.route_token, "version": 0}
+            | {"tokens": tokens, "logprobs": logprobs, "kind": "partial"}
+            for w in routes[inst]
+        ]
+
+    def snap(inst: int) -> dict[str, Any]:
+        running = [{"sample_id": w.sample_id, "tokens": 100} for w in routes[inst]]
+        return {"running": n, "kv_used": 1000, "running_samples": running, "throughput": 1234.5}
+
+    items = [{"instance_id": i, "reports": reports(i), "snapshot": snap(i)} for i in insts]
+    for _ in range(args.rounds):
+        meter.phase(f"node sync ({k} items)", [lambda: c.sync(run, items)] * (args.calls // k))
+        yield
+        meter.phase(
+            "report (1 of them)", [lambda i=i: c.report(run, i, reports(i), snap(i)) for i in insts] * (args.calls // k)
+        )
+        yield
+        meter.phase(f"node poll ({k}, empty)", [lambda: c.sync(run, poll=insts, wait=0)] * (args.calls // k))
+        yield
+        meter.phase("poll (1, empty)", [lambda i=i: c.poll(run, i, wait=0) for i in insts] * (args.calls // k))
+        yield
+
+
 class Target:
     """One API server process and a client of it (its own run), with its meter."""
 
@@ -220,6 +270,13 @@ def main() -> None:
     ap.add_argument("--consumes", type=int, default=5, help="consumes of each ready batch (each a new fence)")
     ap.add_argument("--wire", choices=("packed", "json"), default="packed", help="how the client sends token arrays")
     ap.add_argument(
+        "--node",
+        type=int,
+        default=0,
+        help="K > 0: node syncs of K instances' reports against the same as K calls (node_workload);"
+        " with --compare, this code and DIR's server, both packed",
+    )
+    ap.add_argument(
         "--compare",
         type=Path,
         default=None,
@@ -240,6 +297,10 @@ def main() -> None:
             proc, base = serve(url, REPO)
             if args.compare is None:
                 targets.append(Target(f"wire={args.wire}", proc, base, token, url, args.wire == "packed"))
+            elif args.node:
+                targets.append(Target("this code", proc, base, token, url, True))
+                other, other_base = serve(url, args.compare.resolve())
+                targets.append(Target(f"{args.compare}", other, other_base, token, url, True))
             else:
                 targets.append(Target("this code, packed", proc, base, token, url, True))
                 targets.append(Target("this code, JSON lists", proc, base, token, url, False))
@@ -249,7 +310,7 @@ def main() -> None:
             for t in targets:
                 t.meter.idle()
             load = os.getloadavg()[0]
-            runs = [workload(t.client, t.meter, args) for t in targets]
+            runs = [(node_workload if args.node else workload)(t.client, t.meter, args) for t in targets]
             while runs:  # a phase of each in turn
                 for r in list(runs):
                     if next(r, StopIteration) is StopIteration:
@@ -260,14 +321,28 @@ def main() -> None:
             for p in {t.proc for t in targets}:
                 p.terminate()
                 p.wait(10)
+    shape = (
+        f"a node of {args.node} instances, reports of {args.segments} segments"
+        if args.node
+        else f"B={args.batch} N={args.group} segments/report={args.segments}"
+    )
     print(
-        f"rounds={args.rounds} B={args.batch} N={args.group} segments/report={args.segments}x{args.segment_tokens}"
-        f" tokens; load1={load:.1f} on {os.cpu_count()} cores (the API's idle CPU taken out)"
+        f"rounds={args.rounds} {shape} x{args.segment_tokens} tokens; load1={load:.1f} on {os.cpu_count()} cores"
+        " (the API's idle CPU taken out)"
     )
     for t in targets:
         print(f"{t.name}:")
         t.meter.table()
     meter = targets[0].meter
+    if args.node:
+        sync, parts = f"node sync ({args.node} items)", "report (1 of them)"
+        print(
+            f"call_cost_node sync_api_us={meter.per_call(sync, 'api') * 1e6:.0f}"
+            f" sync_db_us={meter.per_call(sync, 'db') * 1e6:.0f}"
+            f" parts_api_us={meter.per_call(parts, 'api') * args.node * 1e6:.0f}"
+            f" parts_db_us={meter.per_call(parts, 'db') * args.node * 1e6:.0f}"
+        )
+        return
     us = {
         "heartbeat_api_us": meter.per_call("heartbeat", "api"),
         "report_api_us": meter.per_call("report (partial)", "api"),

@@ -195,6 +195,13 @@ def composed(statement: str) -> TextClause:
     return sa_text(statement)
 
 
+@functools.lru_cache(maxsize=256)
+def composed_pyformat(statement: str) -> str:
+    """A statement composed at run time in psycopg's form (`protocol.driver`), built once per
+    distinct text."""
+    return to_pyformat(statement)
+
+
 def ddl() -> list[Query]:
     """The views and functions, in file order (a view after what it selects from)."""
     return [q for q in QUERIES.values() if q.is_ddl]

@@ -1,16 +1,27 @@
-"""Node sync: the calls of several instances one process hosts (a GPU node) in ONE transaction,
-through the per-instance operations themselves (`RolloutOps.report`, `.heartbeat`,
-`.poll_work`). Each instance keeps its own lease and fences: an instance's item that is refused
-(a Conflict: its lease lapsed, a route lost) is rolled back alone and reported as its outcome,
-the others apply. Any other refusal (bad input, an unknown sample) refuses the whole call,
-naming the item: nothing is applied.
+"""Node sync: the calls of several instances one process hosts (a GPU node) in ONE transaction.
+Each instance keeps its own lease and fences: an instance's item that is refused (a Conflict:
+its lease lapsed, a route lost) is rolled back alone and reported as its outcome, the others
+apply. Any other refusal (bad input, an unknown sample) refuses the whole call, naming the
+item: nothing is applied.
 
-Savepoints cost two round trips each and refusals are rare: the items run first under one
-savepoint for them all; only when one is refused does that roll back and the items run again,
-each under its own (as `staleflow_db.group_commit` does for a group)."""
+Refusals are rare, so the items are first folded into set-based statements, under one
+savepoint (`_folded`): every item's instance (its report's lease renewal and snapshot, its
+heartbeat) in one statement, every reported sample's lock in the same round trip, each item's
+reports checked as a report checks them, and all the segments written in one statement. When
+any item would be refused, or anything is out of the ordinary (a sample in two items), that is
+rolled back and the items run again through the per-instance operations themselves
+(`RolloutOps.report`, `.heartbeat`), each under its own savepoint: every item then gets exactly
+the outcome it gets alone. The folded path applies only what that path would apply, leaving
+the same rows (its events in fewer rows of the log: one per kind, not one per kind and item):
+tests/db/test_node_fold.py runs both on the same items and compares. Lock order, either way:
+instances by id, each before its samples.
+
+Polls: `poll_node` delivers to every instance what `poll_work` delivers to each, with two
+statements in one round trip (`node_poll`, `node_commands`)."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,10 +29,20 @@ from typing import Any
 from sqlalchemy import Connection
 
 from .. import queries
-from ..errors import Conflict, ProtocolError
+from ..errors import Conflict, NotFound, ProtocolError
 from ..types import Report
-from .core import TxMixin
-from .rollout import Poll, RolloutOps
+from . import driver
+from .core import MAX_BATCH, TxMixin, check_live
+from .rollout import (
+    Command,
+    Poll,
+    RolloutOps,
+    check_reports,
+    keep_capacity,
+    reporting_instances,
+    reports_write,
+    works_of,
+)
 
 
 @dataclass(frozen=True)
@@ -63,41 +84,109 @@ class NodeDelivery:
     message: str | None = None
 
 
-class _Refused(Exception):
-    """An item refused in the run without savepoints: the items run again, each in its own."""
+# The folded path's savepoint, sent in its pipelines (no round trip of its own): released with
+# the write, or rolled back (and released) when the items must run one by one.
+_SAVEPOINT = "staleflow_node"
+_BEGIN: tuple[str, dict[str, Any]] = (f"SAVEPOINT {_SAVEPOINT}", {})
+_KEEP: tuple[str, dict[str, Any]] = (f"RELEASE SAVEPOINT {_SAVEPOINT}", {})
+_UNDO: list[tuple[str, dict[str, Any]]] = [(f"ROLLBACK TO SAVEPOINT {_SAVEPOINT}", {}), _KEEP]
 
 
 class NodeOps(RolloutOps, TxMixin):
     def sync_node(self, run_id: int, items: Sequence[NodeItem], *, conn: Connection) -> list[NodeOutcome]:
         """Apply `items` (distinct instances) in the caller's transaction `conn`; outcomes in
-        their order. Lock order: by instance id, as a group commit's (instances -> samples)."""
-        order = sorted(range(len(items)), key=lambda i: items[i].instance_id)
+        their order. Lock order: instances by id, each before its samples."""
+        if not items:
+            return []
+        folded = self._folded(run_id, items, conn)
+        if folded is not None:
+            return folded
         outer = conn.begin_nested()
         try:
-            outcomes = self._sync_items(run_id, items, order, conn, savepoints=False)
-        except _Refused:
-            outer.rollback()
-            outer = conn.begin_nested()
-            outcomes = self._sync_items(run_id, items, order, conn, savepoints=True)
+            outcomes = self._sync_items(run_id, items, conn)
+            applied = [items[k] for k, o in enumerate(outcomes) if o.refused is None]
+            if any(it.reports for it in applied) and any(it.heartbeat for it in applied):
+                # a heartbeat's SET LOCAL synchronous_commit=off must not make the reports' commit asynchronous
+                conn.execute(queries.text("group_commit_durable"))
         except BaseException:
             if outer.is_active:
                 outer.rollback()
             raise
         outer.commit()
-        if any(o.refused is None and items[k].reports for k, o in enumerate(outcomes)) and any(
-            o.refused is None and items[k].heartbeat for k, o in enumerate(outcomes)
-        ):
-            # a heartbeat's SET LOCAL synchronous_commit=off must not make the reports' commit asynchronous
-            conn.execute(queries.text("group_commit_durable"))
         return outcomes
 
-    def _sync_items(
-        self, run_id: int, items: Sequence[NodeItem], order: list[int], conn: Connection, savepoints: bool
-    ) -> list[NodeOutcome]:
+    def _folded(self, run_id: int, items: Sequence[NodeItem], conn: Connection) -> list[NodeOutcome] | None:
+        """Every item applied by set-based statements in two round trips, or None, nothing of
+        them kept, when an item would be refused or the items do not fit them (then they run
+        one by one, which gives each its own outcome)."""
+        order = sorted(items, key=lambda it: it.instance_id)
+        reports = [r for it in order for r in it.reports]
+        ids = [r.sample_id for r in reports]
+        if (
+            len({it.instance_id for it in items}) != len(items)
+            or len(set(ids)) != len(ids)  # a sample in two items: the second sees what the first did
+            or any(r.instance_id != it.instance_id for it in items for r in it.reports)
+            or any(len(it.reports) > MAX_BATCH for it in items)
+        ):
+            return None
+        p = [
+            {
+                "i": it.instance_id,
+                "r": bool(it.reports),
+                "s": None if it.snapshot is None or not it.reports else keep_capacity(it.snapshot),
+                "v": None if it.heartbeat is None else it.heartbeat.version,
+                "h": None if it.heartbeat is None else keep_capacity(it.heartbeat.snapshot),
+                "t": None if it.heartbeat is None else it.heartbeat.lease_seconds,
+            }
+            for it in order
+            if it.reports or it.heartbeat is not None  # an item of neither does nothing
+        ]
+        statements = [
+            _BEGIN,
+            (queries.pyformat("node_instances"), {"run": run_id, "p": json.dumps(p), "eph": not reports}),
+        ]
+        if reports:  # the samples after the instances (lock order), in the same round trip
+            statements.append((queries.pyformat("report_lock_running"), {"run": run_id, "ids": ids}))
+        got = driver.rows(conn, statements)
+        run_and_instances = got[1]
+        beat = {r.iid for r in run_and_instances if r.beat}
+        if any(it.heartbeat is not None and it.instance_id not in beat for it in items) or not self._checked(
+            run_id, order, run_and_instances, got[2] if reports else [], len(ids)
+        ):
+            driver.rows(conn, _UNDO)
+            return None
+        if reports:
+            statement, params = reports_write(run_id, reports, {r.id: r for r in got[2]})
+            driver.rows(conn, [(queries.composed_pyformat(statement), params), _KEEP])
+        else:
+            driver.rows(conn, [_KEEP])
+        return [NodeOutcome(it.instance_id, len(it.reports)) for it in items]
+
+    @staticmethod
+    def _checked(
+        run_id: int, order: Sequence[NodeItem], run_and_instances: Sequence[Any], running: Sequence[Any], n: int
+    ) -> bool:
+        """Whether every item's reports pass the checks of its own report (`reporting_instances`,
+        `check_reports`) on the rows read for them all. A sample that is not running (or not
+        found) refuses its report: not worth reading it here."""
+        if len(running) != n:
+            return False
+        rows = {r.id: r for r in running}
+        try:
+            for it in order:
+                if it.reports:
+                    run, quoted_tokens, fenced = reporting_instances(run_id, it.reports, run_and_instances)
+                    check_reports(run, it.reports, rows, quoted_tokens, fenced)
+        except ProtocolError:  # a Conflict or bad input
+            return False
+        return True
+
+    def _sync_items(self, run_id: int, items: Sequence[NodeItem], conn: Connection) -> list[NodeOutcome]:
+        """The items one by one, in instance id order, each under its own savepoint."""
         outcomes = [NodeOutcome(it.instance_id) for it in items]
-        for k in order:
+        for k in sorted(range(len(items)), key=lambda i: items[i].instance_id):
             it = items[k]
-            sp = conn.begin_nested() if savepoints else None
+            sp = conn.begin_nested()
             try:
                 if it.reports:
                     outcomes[k].applied = self.report(run_id, it.reports, snapshot=it.snapshot, conn=conn)
@@ -105,26 +194,41 @@ class NodeOps(RolloutOps, TxMixin):
                     hb = it.heartbeat
                     self.heartbeat(it.instance_id, hb.version, dict(hb.snapshot), hb.lease_seconds, conn=conn)
             except Conflict as e:
-                if sp is None:
-                    raise _Refused() from e
                 sp.rollback()
                 outcomes[k] = NodeOutcome(it.instance_id, 0, list(e.items), e.code, str(e))
             except ProtocolError as e:  # the caller's mistake: the whole call is refused, naming the item
+                sp.rollback()
                 e.args = (f"items.{k} (instance {it.instance_id}): {e}",)
                 raise
             else:
-                if sp is not None:
-                    sp.commit()
+                sp.commit()
         return outcomes
 
     def poll_node(self, instance_ids: Sequence[int], limit: int = 1000, *, conn: Connection) -> list[NodeDelivery]:
-        """`poll_work` for each instance in the caller's transaction; a fenced one (refused by
-        its statement before it changes anything) gets its Conflict as its delivery."""
-        out = []
-        for iid in sorted(instance_ids):
+        """`poll_work` for every instance at once, in the caller's transaction: the instances,
+        their samples and their commands in two statements, one round trip (`node_poll`,
+        `node_commands`); `limit` per instance. A fenced instance (refused before anything of
+        it changed) gets its Conflict as its delivery; an unknown one refuses the call."""
+        ids = sorted(instance_ids)
+        params = {"ids": ids, "n": limit}
+        rows, cmds = driver.rows(conn, [(queries.pyformat(q), params) for q in ("node_poll", "node_commands")])
+        by_instance: dict[int, list[Any]] = {}
+        for r in rows:
+            by_instance.setdefault(r.iid, []).append(r)
+        commands: dict[int, list[Command]] = {}
+        for c in cmds:
+            commands.setdefault(c.instance_id, []).append(
+                Command(c.id, c.kind, c.sample_id, c.attempt, c.target_version)
+            )
+        out = {}
+        for iid in ids:
+            mine = by_instance.get(iid)
+            if not mine:
+                raise NotFound(f"instance {iid}")
             try:
-                out.append(NodeDelivery(iid, self.poll_work(iid, limit, conn=conn)))
+                check_live(iid, mine[0].state, mine[0].live)
             except Conflict as e:
-                out.append(NodeDelivery(iid, Poll(), list(e.items), e.code, str(e)))
-        by_id = {d.instance_id: d for d in out}
-        return [by_id[i] for i in instance_ids]
+                out[iid] = NodeDelivery(iid, Poll(), list(e.items), e.code, str(e))
+                continue
+            out[iid] = NodeDelivery(iid, Poll(works_of(mine), sorted(commands.get(iid, []), key=lambda c: c.id)))
+        return [out[i] for i in instance_ids]

@@ -121,7 +121,7 @@ class RolloutOps(TxMixin):
         with self.statement_tx(conn) as conn:
             updated = conn.execute(
                 queries.text("heartbeat"),
-                {"i": instance_id, "v": version, "snap": json.dumps(_keep_capacity(snapshot)), "ttl": lease_seconds},
+                {"i": instance_id, "v": version, "snap": json.dumps(keep_capacity(snapshot)), "ttl": lease_seconds},
             ).first()
             if updated is not None:
                 return
@@ -210,29 +210,33 @@ class RolloutOps(TxMixin):
             rows, cmds = driver.rows(conn, [(queries.pyformat(q), params) for q in ("poll_work", "deliver_commands")])
             if not rows:
                 raise NotFound(f"instance {instance_id}")
-            row = rows[0]
-            check_live(instance_id, row.state, row.live)
-            work = [
-                Work(
-                    w.id,
-                    w.attempt,
-                    w.route_token,
-                    w.group_id,
-                    w.v_traj,
-                    list(w.prompt_tokens),
-                    payloads.unpack_tokens(w.tokens),
-                    payloads.unpack_logprobs(w.logprobs),
-                    row.max_response_tokens - w.n_tokens,
-                    payloads.per_token(w.lengths, [int(g) for g in w.generated or ()]),
-                    w.meta or {},
-                )
-                for w in rows
-                if w.id is not None
-            ]
-            return Poll(work, sorted((Command(*c) for c in cmds), key=lambda c: c.id))
+            check_live(instance_id, rows[0].state, rows[0].live)
+            return Poll(works_of(rows), sorted((Command(*c) for c in cmds), key=lambda c: c.id))
 
 
-def _keep_capacity(snapshot: Mapping[str, Any] | None) -> dict[str, Any]:
+def works_of(rows: Sequence[Any]) -> list[Work]:
+    """The work one instance's poll delivered, from its rows of `poll_work` (or `node_poll`):
+    each row a delivered sample, with the response so far (none: a row with no sample)."""
+    return [
+        Work(
+            w.id,
+            w.attempt,
+            w.route_token,
+            w.group_id,
+            w.v_traj,
+            list(w.prompt_tokens),
+            payloads.unpack_tokens(w.tokens),
+            payloads.unpack_logprobs(w.logprobs),
+            w.max_response_tokens - w.n_tokens,
+            payloads.per_token(w.lengths, [int(g) for g in w.generated or ()]),
+            w.meta or {},
+        )
+        for w in rows
+        if w.id is not None
+    ]
+
+
+def keep_capacity(snapshot: Mapping[str, Any] | None) -> dict[str, Any]:
     """The snapshot as stored: a `capacity` of None is left out, so the stored one stays
     (the heartbeat statement keeps the capacity a snapshot does not carry)."""
     return {k: v for k, v in (snapshot or {}).items() if not (k == "capacity" and v is None)}
@@ -252,6 +256,10 @@ def requeue_fenced(conn: Connection, run_id: int, why: str, instance_ids: Sequen
 
 
 # ---- segment reports ---------------------------------------------------------------------
+#
+# `report_in` reads, checks and writes a batch; a node sync (protocol/node.py) reads its items'
+# instances and samples in statements of its own, then checks each item's reports with the same
+# `reporting_instances` and `check_reports` and writes them all with one `reports_write`.
 
 
 def report_in(
@@ -266,20 +274,20 @@ def report_in(
         {
             "run": run_id,
             "ids": sorted({r.instance_id for r in reports}),
-            "snap": None if snapshot is None else json.dumps(_keep_capacity(snapshot)),
+            "snap": None if snapshot is None else json.dumps(keep_capacity(snapshot)),
         },
     )
     run_and_instances, running = driver.rows(
         conn, [instances, (queries.pyformat("report_lock_running"), {"run": run_id, "ids": ids})]
     )
-    run, quoted_tokens, fenced = _reporting_instances(run_id, reports, run_and_instances)
+    run, quoted_tokens, fenced = reporting_instances(run_id, reports, run_and_instances)
     rows = _reported_samples(conn, run_id, ids, running)
-    _check_reports(run, reports, rows, quoted_tokens, fenced)
+    check_reports(run, reports, rows, quoted_tokens, fenced)
     _write_reports(conn, run_id, reports, rows)
     return len(reports)
 
 
-def _reporting_instances(
+def reporting_instances(
     run_id: int, reports: Sequence[Report], run_and_instances: Sequence[Any]
 ) -> tuple[RunRow, dict[int, uuid.UUID], dict[int, str]]:
     """The run, the route token each report quotes (by sample; the batch checked: shape, kind,
@@ -328,7 +336,7 @@ def _reported_samples(conn: Connection, run_id: int, ids: list[int], running: Se
     return rows
 
 
-def _check_reports(
+def check_reports(
     run: RunRow,
     reports: Sequence[Report],
     rows: dict[int, Any],
@@ -367,8 +375,15 @@ _STATE_AFTER = {SegmentKind.FINISHED: "finished", SegmentKind.INTERRUPTED: "queu
 
 def _write_reports(conn: Connection, run_id: int, reports: Sequence[Report], rows: dict[int, Row[Any]]) -> None:
     """Segments, sample counters and events in ONE statement (three tables, disjoint rows): one
-    round trip instead of three. Composed (`queries.with_parts`): a batch with no tokens or no
-    events has no such part."""
+    round trip instead of three."""
+    statement, params = reports_write(run_id, reports, rows)
+    conn.execute(queries.composed(statement), params)
+
+
+def reports_write(run_id: int, reports: Sequence[Report], rows: dict[int, Row[Any]]) -> tuple[str, dict[str, Any]]:
+    """`_write_reports`' statement (`:name` parameters) and its parameters, for a caller that
+    sends it with others in one round trip (a node sync). Composed (`queries.with_parts`): a
+    batch with no tokens or no events has no such part."""
     events = [
         Event(
             # an observation ending a turn sends the trajectory back to the queue: not an interrupt
@@ -412,4 +427,4 @@ def _write_reports(conn: Connection, run_id: int, reports: Sequence[Report], row
     if events:
         ctes.append(queries.prefixed("events_insert", "e_"))
         params.update(events_params(run_id, events, "e_"))
-    conn.execute(queries.composed(queries.with_parts(ctes, queries.sql("report_samples"))), params)
+    return queries.with_parts(ctes, queries.sql("report_samples")), params

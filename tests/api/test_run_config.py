@@ -37,7 +37,16 @@ def test_the_runs_table_holds_exactly_the_configuration():
 
 
 @pytest.mark.parametrize(
-    "name", ["load_run", "load_run_locked", "list_runs", "get_run", "metrics_runs", "report_run_and_instances"]
+    "name",
+    [
+        "load_run",
+        "load_run_locked",
+        "list_runs",
+        "get_run",
+        "metrics_runs",
+        "report_run_and_instances",
+        "node_instances",
+    ],
 )
 def test_named_queries_select_the_run_columns(name):
     sql = queries.sql(name)

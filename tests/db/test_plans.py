@@ -151,6 +151,11 @@ def _snapshot(p: Protocol, run: int, inst: int) -> None:
     p.snapshot(run)
 
 
+def _node_poll(p: Protocol, inst: int) -> None:
+    with p.engine.begin() as conn:
+        p.poll_node([inst, inst + 1], conn=conn)
+
+
 # (id, the operation, a substring that picks its claim statement, the index it must read, table)
 CASES = [
     (
@@ -172,6 +177,14 @@ CASES = [
         "poll-work-commands",
         lambda p, run, inst: p.poll_work(inst),
         "FROM commands WHERE instance_id",
+        "ix_commands_pending",
+        "commands",
+    ),
+    ("node-poll-samples", lambda p, run, inst: _node_poll(p, inst), "NOT delivered", "ix_samples_running", "samples"),
+    (
+        "node-poll-commands",
+        lambda p, run, inst: _node_poll(p, inst),
+        "FROM commands c WHERE c.instance_id",
         "ix_commands_pending",
         "commands",
     ),
