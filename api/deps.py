@@ -209,4 +209,5 @@ async def long_poll(
         if done(result) or remaining <= 0 or await request.is_disconnected():
             return result
         with state.metrics.waiting(topics[0]):
-            await wait_any(events, min(remaining, state.settings.poll_interval))
+            recheck = state.settings.notified_poll_interval if notifier.listening else state.settings.poll_interval
+            await wait_any(events, min(remaining, recheck))

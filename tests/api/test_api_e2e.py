@@ -61,7 +61,8 @@ def test_lifecycle_over_http_with_clean_audit(db_url):
 
 def test_long_poll_wakes_on_commit_through_another_replica(db_url):
     # Replica A re-checks only every 30 s: a prompt wake-up can come from NOTIFY alone.
-    a, b = ApiServer(db_url, STALEFLOW_API_POLL_INTERVAL="30").launch(), ApiServer(db_url).launch()
+    slow = {"STALEFLOW_API_POLL_INTERVAL": "30", "STALEFLOW_API_NOTIFIED_POLL_INTERVAL": "30"}
+    a, b = ApiServer(db_url, **slow).launch(), ApiServer(db_url).launch()
     with a, b:  # launched together, waited for in turn
         admin = b.client(token(db_url, "admin"))
         run = admin.create_run("replicas", batch_size=1, group_size=1, eta=0)

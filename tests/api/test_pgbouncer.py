@@ -108,7 +108,9 @@ def test_replicas_through_pgbouncer_with_a_direct_listen(db_url, pgbouncer):
     env = {
         "STALEFLOW_LISTEN_DATABASE_URL": db_url,
         "STALEFLOW_PREPARED_STATEMENTS": "0",
-        "STALEFLOW_API_POLL_INTERVAL": "60",  # no re-check within the wait: only NOTIFY wakes
+        # no re-check within the wait: only NOTIFY wakes
+        "STALEFLOW_API_POLL_INTERVAL": "60",
+        "STALEFLOW_API_NOTIFIED_POLL_INTERVAL": "60",
     }
     with ApiServer(pgbouncer, **env) as a, ApiServer(pgbouncer, **env) as b:
         admin = b.client(token(db_url, "admin"))
