@@ -36,6 +36,7 @@ class ApiProtocol(Protocol):
         call: Callable[[Connection], T],
         model: type[T],
         store: Callable[[T], bool] | None = None,
+        idle: Callable[[Connection], T | None] | None = None,
     ) -> tuple[T, bool]:
         """Run `call` in one transaction with the stored outcome of `key`; (outcome, replayed).
 
@@ -43,8 +44,9 @@ class ApiProtocol(Protocol):
         with a different body is refused (409 idempotency_key_reused); a concurrent duplicate
         waits for the first and replays its outcome. Outcomes `store` rejects (an empty
         long-poll) are not kept. Deadlocks and serialization failures rerun the transaction.
+        `idle`: `idempotency.once`'s.
         """
-        return self._once(key, operation, body, call, lambda o: o.model_dump_json(), model.model_validate, store)
+        return self._once(key, operation, body, call, lambda o: o.model_dump_json(), model.model_validate, store, idle)
 
     def once_json(
         self,

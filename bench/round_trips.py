@@ -6,15 +6,17 @@ STALEFLOW_DATABASE_URL (else the embedded default).
     python bench/round_trips.py [--rounds 6]
 
 Each round routes 4 samples to one instance, then counts: a poll that delivers them, a poll
-that delivers one command, an empty poll, and a report finishing them. The odd rounds call
-the data layer alone (`poll_work`, `report`); the even ones run them as the API does, under an
-Idempotency-Key (`idempotency.once`; a poll with the idle check first where the code has one,
-as api/routers/rollout.py's). Counts are taken after every statement was prepared (psycopg
-prepares on a statement's 5th execution, one extra round trip once), so they are those of the
-steady state; the last round of each kind is printed.
+that delivers one command, an empty poll, a report finishing them, and node polls of that
+instance and a second one (node sync's `poll`, `poll_node`): one that delivers a command to
+the second, an empty one. The odd rounds call the data layer alone (`poll_work`, `report`,
+`poll_node` in a transaction); the even ones run them as the API does, under an
+Idempotency-Key (`idempotency.once`; a poll and a node poll with the idle check first where the
+code has one, as api/routers/rollout.py's and node.py's). Counts are taken after every
+statement was prepared (psycopg prepares on a statement's 5th execution, one extra round trip
+once), so they are those of the steady state; the last round of each kind is printed.
 
 Last line: ``round_trips poll=P poll_empty=E report=R keyed_poll=KP keyed_poll_empty=KE
-keyed_report=KR``.
+keyed_report=KR node_poll_empty=NE keyed_node_poll=KN keyed_node_poll_empty=KNE``.
 """
 
 from __future__ import annotations
@@ -85,7 +87,9 @@ def main() -> None:
             raw = c.connection.driver_connection
             assert isinstance(raw, psycopg.Connection)
         inst = p.register_instance(run, "i", 0, lease_seconds=60)
+        node = [inst, p.register_instance(run, "j", 0, lease_seconds=60)]
         idle_check = "idle" in inspect.signature(idempotency.once).parameters
+        node_idle_check = hasattr(p, "poll_node_idle")
 
         def keyed_poll() -> Poll:
             key = uuid.uuid4().hex
@@ -105,6 +109,28 @@ def main() -> None:
             )[0]
             return out
 
+        def node_poll() -> list[Any]:
+            with engine.begin() as c:
+                return p.poll_node(node, 8, conn=c)
+
+        def keyed_node_poll() -> list[Any]:
+            key = uuid.uuid4().hex
+            kw: dict[str, Any] = {}
+            if node_idle_check:
+                kw["idle"] = lambda c: [] if p.poll_node_idle(node, key, conn=c) else None
+            out: list[Any] = idempotency.once(
+                engine,
+                key,
+                "node_poll",
+                "d",
+                lambda c: p.poll_node(node, 8, conn=c),
+                dumps,
+                lambda r: r,
+                lambda o: any(d.poll.work or d.poll.commands for d in o),
+                **kw,
+            )[0]
+            return out
+
         def keyed_report(reports: list[Report]) -> int:
             return int(
                 idempotency.once(
@@ -115,6 +141,8 @@ def main() -> None:
         for _ in range(6):  # every statement prepared before counting
             p.poll_work(inst, 8)
             keyed_poll()
+            node_poll()
+            keyed_node_poll()
         tracer = Tracer(raw)
         last: dict[str, dict[str, int]] = {}
         for rnd in range(2 * args.rounds):
@@ -146,18 +174,27 @@ def main() -> None:
             ]
             report = (lambda: keyed_report(reports)) if keyed else (lambda: p.report(run, reports))
             _, report_trips = tracer.count(report)
+            with engine.begin() as c:
+                send_commands(c, run, "interrupt", [CommandTarget(w.sample_id, node[1], w.attempt)])
+            node_got, node_command_trips = tracer.count(keyed_node_poll if keyed else node_poll)
+            assert [len(d.poll.commands) for d in node_got] == [0, 1]
+            node_empty, node_trips = tracer.count(keyed_node_poll if keyed else node_poll)
+            assert all(d.refused is None and not d.poll.work and not d.poll.commands for d in node_empty)
             kind = "keyed" if keyed else "plain"
             last[kind] = {"poll": work_trips, "poll_command": command_trips, "poll_empty": empty_trips}
-            last[kind]["report"] = report_trips
+            last[kind] |= {"report": report_trips, "node_poll": node_command_trips, "node_poll_empty": node_trips}
             print(
                 f"{kind} (round {rnd // 2}): poll with work {work_trips}, with a command {command_trips},"
-                f" empty {empty_trips}; report {report_trips}"
+                f" empty {empty_trips}; report {report_trips}; node poll of 2 with a command"
+                f" {node_command_trips}, empty {node_trips}"
             )
         engine.dispose()
     a, k = last["plain"], last["keyed"]
     print(
         f"round_trips poll={a['poll']} poll_empty={a['poll_empty']} report={a['report']}"
         f" keyed_poll={k['poll']} keyed_poll_empty={k['poll_empty']} keyed_report={k['report']}"
+        f" node_poll_empty={a['node_poll_empty']} keyed_node_poll={k['node_poll']}"
+        f" keyed_node_poll_empty={k['node_poll_empty']}"
     )
 
 

@@ -69,8 +69,14 @@ async def sync(
             delivered = state.protocol.poll_node(body.poll, limit, conn=conn)
             return NodeSyncOut(deliveries=[_delivery(d) for d in delivered])
 
+        def idle(conn: Connection) -> NodeSyncOut | None:
+            # a re-check with nothing to deliver to any instance: one read in autocommit, no transaction
+            if not state.protocol.poll_node_idle(body.poll, pkey, conn=conn):
+                return None
+            return NodeSyncOut(deliveries=[_delivery(NodeDelivery(i)) for i in body.poll])
+
         def fetch() -> NodeSyncOut:
-            return state.protocol.once(pkey, "node_poll", body, call, NodeSyncOut, store=_delivered)[0]
+            return state.protocol.once(pkey, "node_poll", body, call, NodeSyncOut, store=_delivered, idle=idle)[0]
 
         topics = [instance_topic(i) for i in body.poll]
         deliveries = (await long_poll(request, state, run_id, topics, wait, fetch, _answered)).deliveries

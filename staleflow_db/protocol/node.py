@@ -17,7 +17,9 @@ tests/db/test_node_fold.py runs both on the same items and compares. Lock order,
 instances by id, each before its samples.
 
 Polls: `poll_node` delivers to every instance what `poll_work` delivers to each, with two
-statements in one round trip (`node_poll`, `node_commands`)."""
+statements in one round trip (`node_poll`, `node_commands`); `poll_node_idle` is what
+`poll_idle` is to `poll_work`: one read, in autocommit, that says a node poll would answer
+empty."""
 
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ from sqlalchemy import Connection
 
 from .. import queries
 from ..errors import Conflict, NotFound, ProtocolError
+from ..idempotency import transactional
 from ..types import Report
 from . import driver
 from .core import MAX_BATCH, TxMixin, check_live
@@ -203,6 +206,21 @@ class NodeOps(RolloutOps, TxMixin):
             else:
                 sp.commit()
         return outcomes
+
+    @transactional
+    def poll_node_idle(
+        self, instance_ids: Sequence[int], request_id: str | None = None, *, conn: Connection | None = None
+    ) -> bool:
+        """True when a node poll of `instance_ids` (sent with `request_id`) would now answer
+        only empty deliveries: `poll_idle` true for every instance (nothing to deliver, no
+        lease renewal due, nothing to refuse: a fenced instance gets its 409, an unknown one
+        refuses the call) and no outcome stored under the request id. One read, no lock and no
+        write, as `poll_idle`; a node poll a concurrent duplicate is delivering is not idle for
+        the same reason (its work and commands stay undelivered in any snapshot until its
+        delivery and stored outcome commit together)."""
+        with self.statement_tx(conn) as conn:
+            params = {"ids": list(instance_ids), "k": request_id}
+            return bool(conn.execute(queries.text("node_poll_idle"), params).scalar())
 
     def poll_node(self, instance_ids: Sequence[int], limit: int = 1000, *, conn: Connection) -> list[NodeDelivery]:
         """`poll_work` for every instance at once, in the caller's transaction: the instances,

@@ -91,3 +91,16 @@ UPDATE commands SET state = 'delivered', delivered_at = now()
 WHERE id IN (SELECT c.id FROM commands c WHERE c.instance_id = ANY(CAST(:ids AS bigint[])) AND c.state = 'pending'
   AND EXISTS (SELECT 1 FROM instances i WHERE i.id = c.instance_id AND i.state = 'active' AND i.lease_expires_at > now())
   ORDER BY c.id FOR UPDATE) RETURNING id, instance_id, kind, sample_id, attempt, target_version
+
+-- name: node_poll_idle
+-- Whether a node poll of the instances :ids now would only answer empty deliveries
+-- (NodeOps.poll_node_idle): `rollout.sql`'s poll_idle true for every one of them (active, its
+-- lease live and not due for the poll's renewal, no undelivered work, no pending command), and
+-- no outcome stored under the request id :k (NULL: none sent). An instance that does not exist
+-- makes it false (its poll: 404), as an empty :ids does.
+SELECT coalesce(bool_and(i.id IS NOT NULL AND i.state = 'active' AND i.lease_expires_at > now()
+    AND i.lease_expires_at >= now() + make_interval(secs => 0.75 * i.lease_s)
+    AND NOT EXISTS (SELECT 1 FROM samples WHERE instance_id = i.id AND state = 'running' AND NOT delivered)
+    AND NOT EXISTS (SELECT 1 FROM commands c WHERE c.instance_id = i.id AND c.state = 'pending')), false)
+  AND NOT EXISTS (SELECT 1 FROM idempotency k WHERE k.request_id = CAST(:k AS text))
+FROM unnest(CAST(:ids AS bigint[])) AS u(id) LEFT JOIN instances i ON i.id = u.id

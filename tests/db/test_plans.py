@@ -188,6 +188,20 @@ CASES = [
         "ix_commands_pending",
         "commands",
     ),
+    (
+        "node-poll-idle-samples",
+        lambda p, run, inst: p.poll_node_idle([inst, inst + 1]),
+        "NOT delivered",
+        "ix_samples_running",
+        "samples",
+    ),
+    (
+        "node-poll-idle-commands",
+        lambda p, run, inst: p.poll_node_idle([inst, inst + 1]),
+        "FROM commands c WHERE c.instance_id = i.id",
+        "ix_commands_pending",
+        "commands",
+    ),
     ("poll-idle-samples", lambda p, run, inst: p.poll_idle(inst), "NOT delivered", "ix_samples_running", "samples"),
     (
         "poll-idle-commands",
