@@ -6,7 +6,10 @@ The worker and killer processes, and the journal each call leaves (`acked`, `ref
 `unknown`), live in bench/backend_kills_workers.py; this file sets up the run, drives the
 processes and checks their journals against the database.
 
-    python bench/backend_kills.py [--seconds 120] [--ops 0] [--workers 3]
+    python bench/backend_kills.py [--seconds 120] [--ops 0] [--workers 3] [--nodes 1]
+
+Rollout workers make each instance's calls apart; a node worker hosts several instances and
+makes their calls together (node sync and node poll, bench/backend_kills_workers.py).
 
 The test `tests/db/test_backend_kills.py` runs the CI-sized configuration. Last line:
 `backend_kills kills=K ops=N unknown=U problems=P violations=V`.
@@ -56,9 +59,12 @@ def setup_run(engine, prompts: int) -> int:
     return run
 
 
-def drive(url: str, run: int, out_dir: Path, seconds: float, rollouts: int = 3, ops: int = 0) -> dict[str, Any]:
+def drive(
+    url: str, run: int, out_dir: Path, seconds: float, rollouts: int = 3, ops: int = 0, nodes: int = 1
+) -> dict[str, Any]:
     """Run the workers and the killer; returns the journals by worker name (plus `killer`)."""
     roles = [("rollout", f"rollout-{i}") for i in range(rollouts)]
+    roles += [("node", f"node-{i}") for i in range(nodes)]
     roles += [("reward", "reward-0"), ("trainer", "trainer"), ("meddler", "meddler")]
     procs = [
         SPAWN.Process(target=worker_main, args=(kind, url, run, name, str(out_dir), seconds, ops, seed))
@@ -116,6 +122,7 @@ def check(engine, run: int, logs: dict[str, Any]) -> dict[str, Any]:
         (c["op"], *map(_key, i)) for c in calls if c.get("outcome") == "acked" and "items" in c for i in c["items"]
     }
     unknown_rids = {c["request_id"] for c in calls if c.get("outcome") == "unknown" and "request_id" in c}
+    known_rids = {c["request_id"] for c in calls if c.get("outcome") in ("acked", "refused") and "request_id" in c}
     for c in calls:
         op, outcome = c["op"], c.get("outcome")
         if op == "report":
@@ -124,6 +131,12 @@ def check(engine, run: int, logs: dict[str, Any]) -> dict[str, Any]:
                 problems.append(f"acked report missing: {c['items']} ({c['worker']} #{c['n']})")
             if outcome == "refused" and any(got) and (op, *map(_key, c["items"][0])) not in acked_items:
                 problems.append(_refused_applied(c, unknown_rids))
+        elif op == "node_sync" and outcome == "unknown" and c["request_id"] not in known_rids:
+            # never told: each instance's item applied whole or not at all
+            for iid, part in c["parts"].items():
+                got = {have(*seg) for seg in part if seg[2]}
+                if len(got) > 1:
+                    problems.append(f"node sync item of instance {iid} half applied: {part} ({c['worker']} #{c['n']})")
         elif op == "reward":
             got = [stored(*i) for i in c["items"]]
             if outcome == "acked" and not all(got):
@@ -194,15 +207,18 @@ def check(engine, run: int, logs: dict[str, Any]) -> dict[str, Any]:
         problems.append(f"published versions {sorted(published)} not contiguous up to {version}")
     violations = _rows(engine, "SELECT invariant, subject, detail FROM staleness_violations WHERE run_id = :r", r=run)
     problems += [f"violation {v}" for v in violations]
-    outcomes = defaultdict(int)
+    outcomes, node_syncs = defaultdict(int), defaultdict(int)
     for c in calls:
         outcomes[c.get("outcome", "?")] += 1
+        if c["op"] == "node_sync":
+            node_syncs[c.get("outcome", "?")] += 1
     kills = logs.get("killer", {}).get("kills", {})
     return {
         "version": version,
         "kills": kills,
         "outcomes": dict(outcomes),
         "calls": len(calls),
+        "node_syncs": dict(node_syncs),
         "violations": len(violations),
         "problems": problems,
     }
@@ -224,6 +240,7 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=120)
     ap.add_argument("--ops", type=int, default=0, help="stop each worker after this many calls (0: no limit)")
     ap.add_argument("--workers", type=int, default=3, help="rollout worker processes")
+    ap.add_argument("--nodes", type=int, default=1, help="node worker processes (3 instances each, node syncs)")
     ap.add_argument("--prompts", type=int, default=0, help="default: enough for the run")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
@@ -234,13 +251,16 @@ def main() -> None:
     with private_postgres(out / "home") as url:
         engine = make_engine(url)
         run = setup_run(engine, args.prompts or int(40 + args.seconds * 4))
-        logs = drive(url, run, out, args.seconds, args.workers, args.ops)
+        logs = drive(url, run, out, args.seconds, args.workers, args.ops, args.nodes)
         result = check(engine, run, logs)
         engine.dispose()
     (out / "result.json").write_text(json.dumps(result, indent=2))
     for pr in result["problems"][:50]:
         print("PROBLEM", pr)
-    print(f"versions {result['version']}, calls {result['calls']} {result['outcomes']}, kills {result['kills']}")
+    print(
+        f"versions {result['version']}, calls {result['calls']} {result['outcomes']}, "
+        f"node syncs {result['node_syncs']}, kills {result['kills']}"
+    )
     print(
         f"backend_kills kills={sum(result['kills'].values())} ops={result['calls']} "
         f"unknown={result['outcomes'].get('unknown', 0)} problems={len(result['problems'])} "

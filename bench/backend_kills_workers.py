@@ -1,6 +1,12 @@
 """The processes of the backend-kills bench (bench/backend_kills.py): protocol workers that
 journal every call they make, and the killer that terminates their PostgreSQL backends.
 
+A `node` worker is one process hosting several instances (a GPU node, as `rollout-worker
+--instances K`): their heartbeats and reports go in one node sync (`sync_node`) and their work
+comes in one node poll (`poll_node`), each one transaction with its stored outcome, as the API
+runs them. Each item of a sync is journaled as its own report (acked or refused: its outcome);
+a sync whose outcome stays unknown is journaled whole (`node_sync`, its items by instance).
+
 Each worker journals every call: `acked` (it returned), `refused` (a ProtocolError: nothing
 changed) or `unknown` (the connection died: the commit may or may not have happened). Writes
 that can be retried carry a request id and are retried with the same id until the outcome is
@@ -25,15 +31,18 @@ import psycopg
 from sqlalchemy import text
 from sqlalchemy.exc import DBAPIError
 
+from staleflow_db import idempotency
 from staleflow_db.db import make_engine
 from staleflow_db.errors import Conflict, ProtocolError
-from staleflow_db.protocol import Protocol
+from staleflow_db.protocol import NodeHeartbeat, NodeItem, Protocol
+from staleflow_db.protocol.core import dumps
 from staleflow_db.types import Report
 from workers.wire.enums import SegmentKind
 from workers.wire.types import RouteOutcome
 
 APP = "sf-chaos"  # application_name prefix of the workers' connections: the killer's target
 INSTANCE_LEASE_S = 2.0
+NODE_INSTANCES = 3  # instances per `node` worker
 RETRIES = 6  # same request id; beyond that the outcome stays unknown
 
 
@@ -103,7 +112,7 @@ def worker_main(kind: str, url: str, run: int, name: str, out_dir: str, seconds:
     engine = make_engine(url, pool_size=2, max_overflow=2, connect_args={"application_name": f"{APP}-{name}"})
     # The checker's own reads go through an untargeted connection: they must not be killed.
     reader = make_engine(url, pool_size=1, max_overflow=1, connect_args={"application_name": f"sf-read-{name}"})
-    body = {"rollout": _rollout, "reward": _reward, "trainer": _trainer, "meddler": _meddler}[kind]
+    body = {"rollout": _rollout, "node": _node, "reward": _reward, "trainer": _trainer, "meddler": _meddler}[kind]
     deadline = time.monotonic() + seconds
     done = lambda: time.monotonic() > deadline or (ops and j.seq >= ops)  # noqa: E731
     extra: dict[str, Any] = {}
@@ -218,6 +227,200 @@ def _generate(p: Protocol, run: int, inst: int, version: int, w, rng: random.Ran
             return False
         pos, left = pos + n, left - n
     return True
+
+
+def _queued(reader, run: int, version: int, n: int) -> list[int]:
+    with reader.connect() as c:
+        return list(
+            c.execute(
+                text(
+                    "SELECT s.id FROM samples s JOIN prompt_groups g ON g.id = s.group_id WHERE s.run_id = :r"
+                    " AND s.state = 'queued' AND coalesce(s.last_version, 0) <= :v AND coalesce(s.v_traj, 0) <= :v"
+                    " ORDER BY g.state = 'reserved' DESC, random() LIMIT :n"
+                ),
+                {"r": run, "v": version, "n": n},
+            )
+            .scalars()
+            .all()
+        )
+
+
+def _plain(value: Any) -> Any:
+    """As the stored outcome reads back (JSON): a fresh outcome and a replayed one alike."""
+    return json.loads(dumps(value))
+
+
+def _node(p: Protocol, reader, run: int, name: str, done, rng: random.Random, j: Journal, extra) -> None:
+    """NODE_INSTANCES instances in one process: one node sync for their heartbeats, one node
+    poll for their work, then their segments in rounds of one node sync each."""
+    slots: list[int | None] = [None] * NODE_INSTANCES
+    while not done():
+        version = _scalar(reader, "SELECT version FROM runs WHERE id = :r", r=run)
+        for k, iid in enumerate(slots):
+            if iid is None:
+                slots[k] = _attempt(
+                    j, "register", lambda: p.register_instance(run, f"{name}-{k}", version, INSTANCE_LEASE_S)
+                )
+        live = [i for i in slots if i is not None]
+        if not live:
+            continue
+        beats = [NodeItem(i, heartbeat=NodeHeartbeat(version, {"w": name}, INSTANCE_LEASE_S)) for i in live]
+        try:
+            outcomes = _sync(p, run, j, beats, {})
+        except (ProtocolError, Unknown):
+            continue
+        fenced = {o["instance_id"] for o in outcomes if o["refused"] is not None}
+        slots = [None if i in fenced else i for i in slots]  # a fresh instance, as a restarted node would
+        live = [i for i in live if i not in fenced]
+        queued = _queued(reader, run, version, 2 * len(live)) if live else []
+        if not queued:
+            time.sleep(0.02)
+            continue
+        pairs = [(s, live[k % len(live)]) for k, s in enumerate(queued)]
+        try:
+            results = j.retried(
+                "route", lambda rid: p.route(run, pairs, request_id=rid), pairs=[list(x) for x in pairs]
+            )
+        except (ProtocolError, Unknown):
+            continue
+        j.calls[-1]["routed"] = [[r.sample_id, r.attempt] for r in results if r.outcome == RouteOutcome.ROUTED]
+        try:
+            deliveries = j.retried("node_poll", lambda rid: _poll(p, live, rid), instances=live)
+        except (ProtocolError, Unknown):
+            continue  # delivered-or-not: the samples stay ours until the leases expire
+        fenced = {d["instance_id"] for d in deliveries if d["refused"] is not None}
+        works = [
+            {**w, "instance_id": d["instance_id"]}
+            for d in deliveries
+            if d["refused"] is None
+            for w in d["poll"]["work"]
+        ]
+        if works:
+            lapsed = _generate_node(p, run, version, works, rng, j)
+            if lapsed is None:  # a sync's outcome stayed unknown: behave as a crashed node
+                extra.setdefault("abandoned", []).extend(i for i in slots if i is not None)
+                slots = [None] * NODE_INSTANCES
+                continue
+            fenced |= lapsed
+        slots = [None if i in fenced else i for i in slots]
+    for iid in slots:
+        if iid is not None:
+            _attempt(j, "deregister", lambda: p.deregister_instance(iid), instance=iid)
+
+
+def _poll(p: Protocol, ids: list[int], rid: str) -> list[dict[str, Any]]:
+    """A node poll in one transaction; a delivery is stored under `rid` (a retry gets it back)."""
+
+    def delivered(out: list[dict[str, Any]]) -> bool:
+        return any(d["poll"]["work"] or d["poll"]["commands"] for d in out)
+
+    out, _ = idempotency.once(
+        p.engine,
+        rid,
+        "node_poll",
+        idempotency.digest(ids),
+        lambda c: _plain(p.poll_node(ids, conn=c)),
+        json.dumps,
+        lambda stored: stored,
+        store=delivered,
+    )
+    return out
+
+
+def _sync(p: Protocol, run: int, j: Journal, items: list[NodeItem], segs: dict[int, list]) -> list[dict[str, Any]]:
+    """One node sync, retried under one request id. `segs`: by instance, the [sample, attempt,
+    tokens] of its item's reports, each journaled as a report with its item's outcome."""
+    parts = {str(it.instance_id): segs.get(it.instance_id, []) for it in items}
+    outcomes: list[dict[str, Any]] = j.retried(
+        "node_sync",
+        lambda rid: p.idempotent(
+            rid, "node_sync", lambda c: _plain(p.sync_node(run, items, conn=c)), lambda o: o, body=[run, items]
+        ),
+        parts=parts,
+    )
+    rid = j.calls[-1]["request_id"]
+    for o in outcomes:
+        for seg in segs.get(o["instance_id"], []):
+            entry = {"op": "report", "worker": j.name, "n": j.seq, "request_id": rid, "items": [seg], "node": True}
+            if o["refused"] is None:
+                j.calls.append({**entry, "outcome": "acked"})
+            else:
+                lost = [i for i, _ in o["refused"]]
+                j.calls.append({**entry, "outcome": "refused", "error": o["message"], "lost": lost})
+    return outcomes
+
+
+def _generate_node(
+    p: Protocol, run: int, version: int, works: list[dict], rng: random.Random, j: Journal
+) -> set[int] | None:
+    """Every delivered sample's segments (maybe a partial checkpoint, then a final one) in
+    rounds of one node sync: each instance's item carries one segment of each of its samples,
+    sometimes with a heartbeat. A refused item's samples whose route is lost are dropped, the
+    others of the item go again in the next round; a fenced instance's all go. Returns the
+    fenced instances; None if a sync's outcome stayed unknown."""
+    plans: dict[int, list[Any]] = {}  # sample -> [work, position, tokens left, segments to send]
+    for w in works:
+        pos = len(w["prefix_tokens"])
+        if w["prefix_tokens"] != expected(w["sample_id"], pos):
+            j.calls.append({"op": "prefix", "outcome": "mismatch", "sample": w["sample_id"], "worker": j.name})
+        plan = []
+        if rng.random() < 0.3 and w["max_new_tokens"] > 4:
+            plan.append((SegmentKind.PARTIAL, rng.randint(1, 3)))
+        plan.append(
+            (SegmentKind.INTERRUPTED, rng.randint(0, 4))
+            if w["attempt"] < 3 and rng.random() < 0.3
+            else (SegmentKind.FINISHED, rng.randint(1, 6))
+        )
+        plans[w["sample_id"]] = [w, pos, w["max_new_tokens"], plan]
+    fenced: set[int] = set()
+    while plans:
+        reports: dict[int, list[Report]] = defaultdict(list)
+        segs: dict[int, list] = defaultdict(list)
+        sizes = {}
+        for sid, (w, pos, left, plan) in plans.items():
+            kind, n = plan[0]
+            n = sizes[sid] = min(n, left)
+            toks, lps = expected(sid, pos + n)[pos:], [logprob(i) for i in range(pos, pos + n)]
+            iid, final = w["instance_id"], "stop" if kind == SegmentKind.FINISHED else None
+            reports[iid].append(
+                Report(
+                    sid, w["attempt"], version, toks, lps, kind, final, instance_id=iid, route_token=w["route_token"]
+                )
+            )
+            segs[iid].append([sid, w["attempt"], toks])
+        items = [
+            NodeItem(
+                iid,
+                rs,
+                {"w": "node"},
+                NodeHeartbeat(version, {"w": "node"}, INSTANCE_LEASE_S) if rng.random() < 0.3 else None,
+            )
+            for iid, rs in sorted(reports.items())
+        ]
+        try:
+            outcomes = _sync(p, run, j, items, segs)
+        except ProtocolError:
+            return fenced  # refused whole: drop these samples (their routes go with the leases)
+        except Unknown:
+            return None
+        lost: set[int] = set()
+        for o in outcomes:
+            if o["refused"] is not None:
+                named = {i for i, _ in o["refused"]} & {r.sample_id for r in reports[o["instance_id"]]}
+                lost |= named or {r.sample_id for r in reports[o["instance_id"]]}
+                if not named:
+                    fenced.add(o["instance_id"])
+        refused = {o["instance_id"] for o in outcomes if o["refused"] is not None}
+        for sid in list(plans):
+            v = plans[sid]
+            if sid in lost:
+                del plans[sid]
+            elif v[0]["instance_id"] not in refused:  # applied: the next segment, if any
+                v[3].pop(0)
+                v[1], v[2] = v[1] + sizes[sid], v[2] - sizes[sid]
+                if not v[3]:
+                    del plans[sid]
+    return fenced
 
 
 def _reward(p: Protocol, reader, run: int, name: str, done, rng: random.Random, j: Journal, extra) -> None:

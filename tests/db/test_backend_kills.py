@@ -1,5 +1,7 @@
 """Backend kills: worker processes drive one run through the protocol while another process
 terminates their PostgreSQL backends at random moments (idle, mid-transaction, at commit).
+Rollout workers make each instance's calls apart; a node worker hosts three instances and makes
+theirs together, in node syncs and node polls.
 
 Every call is journaled as acked, refused or unknown (the connection died under it). At the
 end the database must hold every acked outcome, none of the refused ones, each unknown one
@@ -36,11 +38,14 @@ def test_backend_kills_lose_nothing_acknowledged(engine, db_url, tmp_path):
     assert result["kills"].get("active", 0) + result["kills"].get("idle in transaction", 0) > 0, result["kills"]
     assert result["outcomes"].get("unknown", 0) > 0 and result["outcomes"].get("acked", 0) > 100, result["outcomes"]
     assert result["version"] >= 2, result
+    assert result["node_syncs"].get("acked", 0) > 10, result["node_syncs"]
+    node_reports = [c for c in logs["node-0"]["calls"] if c["op"] == "report" and c["outcome"] == "acked"]
+    assert len(node_reports) > 10, len(node_reports)
 
 
 def test_check_catches_forged_losses(engine, db_url, tmp_path):
-    """The check is an oracle: forge an acked segment lost, an acked reward changed and an
-    acked publish rolled back, and it must name each."""
+    """The check is an oracle: forge an acked segment lost, an acked reward changed, an acked
+    publish rolled back and a node sync never answered half applied, and it must name each."""
     from sqlalchemy import text
 
     run = setup_run(engine, prompts=60)
@@ -63,7 +68,25 @@ def test_check_catches_forged_losses(engine, db_url, tmp_path):
                 text("DELETE FROM param_versions WHERE run_id = :r AND version = :v"),
                 {"r": run, "v": pub["version"] + 1},
             )
+    # a node sync never answered whose item is found half applied: one report of an instance's
+    # item in the database (an acked one), the other (tokens never generated) not
+    seg = next(
+        c["items"][0]
+        for c in logs["node-0"]["calls"]
+        if c["op"] == "report" and c["outcome"] == "acked" and c["items"][0][2] and c["items"][0] != [sid, att, toks]
+    )
+    logs["node-0"]["calls"].append(
+        {
+            "op": "node_sync",
+            "worker": "node-0",
+            "n": 0,
+            "outcome": "unknown",
+            "request_id": "forged",
+            "parts": {"7": [seg, [seg[0] + 1, 1, [424242]]]},
+        }
+    )
     problems = "\n".join(check(engine, run, logs)["problems"])
+    assert "node sync item of instance 7 half applied" in problems, problems
     assert f"acked report missing: [[{sid}, {att}," in problems, problems
     assert "acked rewards missing" in problems, problems
     for pub in publish:
