@@ -154,7 +154,12 @@ class Notifier:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
-                self.listening = False
+                if self.listening:
+                    # Held long-polls wait on the listening interval; wake them so they re-check
+                    # now and wait on the polling interval until it is back (a database outage
+                    # then reaches their callers as 503 instead of hiding behind the wait).
+                    self.listening = False
+                    self._wake_all()
                 self.connection.failed(exc)  # long-polls fall back to polling meanwhile
 
     def _received(self, payload: str) -> None:

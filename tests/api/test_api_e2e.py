@@ -91,6 +91,40 @@ def test_long_poll_wakes_on_commit_through_another_replica(db_url):
         assert got["after"] < 5, f"woke after {got['after']:.1f}s: NOTIFY did not reach replica A"
 
 
+def test_a_database_outage_reaches_a_held_poll_as_503(embedded_pg, monkeypatch):
+    """While a replica listens, its long-polls re-check rarely (a NOTIFY wakes them). When the
+    LISTEN connection goes with the database, the polls already held re-check at once: the
+    outage reaches their callers as 503 (they retry, and log it) instead of hiding behind a
+    long wait, and they go on after it."""
+    embedded_pg.start()
+    home = str(embedded_pg.home)
+    monkeypatch.setenv("STALEFLOW_HOME", home)
+    env = {"STALEFLOW_API_POLL_INTERVAL": "0.2", "STALEFLOW_API_NOTIFIED_POLL_INTERVAL": "60"}
+    with ApiServer(None, STALEFLOW_HOME=home, **env) as server:
+        admin = StaleFlowClient(server.url, retry_for=60)
+        run = admin.create_run("held-poll-outage", batch_size=1, group_size=1, eta=0)
+        rollout = StaleFlowClient(server.url, token(embedded_pg.url(), "rollout", run.id), retry_for=60)
+        inst = rollout.register(run.id, "gpu0", 0).instance_id
+        for _ in range(50):  # the LISTEN connection comes up in the background
+            if admin.readyz()["listening"]:
+                break
+            time.sleep(0.1)
+        assert admin.readyz()["listening"]
+
+        done = threading.Event()
+        t = threading.Thread(target=lambda: (rollout.poll(run.id, inst, wait=20), done.set()))
+        t.start()
+        time.sleep(0.5)  # the poll is held
+        embedded_pg.stop()
+        deadline = time.monotonic() + 10
+        while rollout.api.count == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert rollout.api.count == 1, "the held poll kept waiting through the outage"
+        embedded_pg.start()
+        t.join(60)
+        assert done.is_set() and not rollout.api.down
+
+
 class DropFirstResponse(httpx.HTTPTransport):
     """Delivers the request, then loses the response once, as a network fault would."""
 
