@@ -11,12 +11,13 @@ ORDER BY id FOR UPDATE SKIP LOCKED)
 -- name: claim_rewards
 -- Claim up to :n finished samples; the response is the segments' packed token_ids in order,
 -- with each segment's length and whether it was generated (the loss mask: 1 generated, 0 an
--- environment observation's).
+-- environment observation's). The claimed ids as an array: a plan without :n's value (a
+-- generic one) would otherwise expect a tenth of the table and join it by a hash over all samples.
 WITH c AS MATERIALIZED (SELECT id FROM samples WHERE run_id = :run AND state = 'finished'
   ORDER BY id LIMIT :n FOR UPDATE SKIP LOCKED),
 u AS (UPDATE samples s SET state = 'scoring', reward_attempt = s.reward_attempt + 1,
   reward_deadline = now() + make_interval(secs => :ttl), updated_at = now()
-  FROM c WHERE s.id = c.id RETURNING s.id, s.reward_attempt, s.group_id, s.finish_reason)
+  WHERE s.id = ANY(ARRAY(SELECT id FROM c)) RETURNING s.id, s.reward_attempt, s.group_id, s.finish_reason)
 SELECT u.id, u.reward_attempt, u.group_id, g.prompt_tokens,
   p.response, p.lengths, p.generated, u.finish_reason, g.meta
 FROM u JOIN prompt_groups g ON g.id = u.group_id LEFT JOIN LATERAL (

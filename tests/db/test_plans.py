@@ -4,11 +4,12 @@ The statements checked are the ones the protocol really sends: each operation ru
 a SQLAlchemy cursor hook recording its SQL and parameters, then the matching statement is
 EXPLAINed with those same parameters (EXPLAIN without ANALYZE executes nothing). One
 database is built per module with set-based SQL (4 runs x 18k samples, mostly queued or
-finished, as a busy server would hold) and ANALYZEd before any plan is taken.
+finished, two segments for each sample past queued, as a busy server would hold) and ANALYZEd before any plan is taken.
 """
 
 from __future__ import annotations
 
+import re
 import uuid
 from contextlib import contextmanager
 
@@ -62,6 +63,12 @@ SELECT s.run_id, s.instance_id, 'interrupt', s.id, s.attempt,
        CASE WHEN s.id % 10 = 0 THEN 'pending' ELSE 'delivered' END::command_state,
        CASE WHEN s.id % 10 = 0 THEN NULL ELSE now() END
 FROM samples s, generate_series(1, 4) rep WHERE s.state = 'running';
+
+INSERT INTO segments (sample_id, seq, run_id, version, instance_id, attempt, token_ids, logprobs, n_tokens)
+SELECT s.id, q, s.run_id, 0, i.id, s.attempt, decode('01000000', 'hex'), decode('00000000', 'hex'), 1
+FROM samples s JOIN LATERAL (SELECT min(id) AS id FROM instances WHERE run_id = s.run_id) i ON true,
+     generate_series(0, 1) q
+WHERE s.state NOT IN ('queued', 'aborted');
 """
 
 
@@ -121,9 +128,34 @@ def recorded(engine):
         event.remove(engine, "before_cursor_execute", hook)
 
 
-def plan_of(engine, statement: str, parameters) -> dict:
+# A prepared statement's plan: one for its values, or the generic one that knows nothing of
+# them (STALEFLOW_PLAN_CACHE_MODE's default; `auto` switches to it after 5 executions when it
+# looks no costlier)
+PLAN_MODES = pytest.mark.parametrize("plan_mode", ["force_custom_plan", "force_generic_plan"])
+
+
+def plan_of(engine, statement: str, parameters, plan_mode: str = "force_custom_plan") -> dict:
+    """The plan of `statement` prepared as the driver prepares it, executed with `parameters`
+    under `plan_mode` (PostgreSQL's plan_cache_mode)."""
     with engine.connect() as conn:
-        return conn.exec_driver_sql("EXPLAIN (FORMAT JSON) " + statement, parameters).scalar()[0]["Plan"]
+        names: list[str] = []
+
+        def positional(m: re.Match) -> str:
+            if m.group(1) not in names:
+                names.append(m.group(1))
+            return f"${names.index(m.group(1)) + 1}"
+
+        prepared = re.sub(r"%\((\w+)\)s", positional, statement)
+        raw = conn.connection.driver_connection
+        values = ", ".join(sql.Literal(parameters[n]).as_string(raw) for n in names)
+        conn.exec_driver_sql(f"SET plan_cache_mode = {plan_mode}")
+        conn.exec_driver_sql("PREPARE plan_probe AS " + prepared)
+        try:
+            execute = f"EXECUTE plan_probe({values})" if names else "EXECUTE plan_probe"
+            return conn.exec_driver_sql(f"EXPLAIN (FORMAT JSON) {execute}".replace("%", "%%")).scalar()[0]["Plan"]
+        finally:
+            conn.exec_driver_sql("DEALLOCATE plan_probe")
+            conn.exec_driver_sql("RESET plan_cache_mode")  # the pooled connection's own again
 
 
 def nodes(plan: dict):
@@ -229,23 +261,31 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("call, marker, index, table", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
-def test_claim_statement_uses_partial_index(backlog, call, marker, index, table):
+_SENT: dict[str, tuple[str, object]] = {}  # case -> its statement: each operation runs once (they change the backlog)
+
+
+@PLAN_MODES
+@pytest.mark.parametrize("case, call, marker, index, table", CASES, ids=[c[0] for c in CASES])
+def test_claim_statement_uses_partial_index(backlog, case, call, marker, index, table, plan_mode):
     engine, run, inst = backlog
-    statement, parameters = sent_by(engine, lambda: call(Protocol(engine), run, inst), marker)
-    plan = plan_of(engine, statement, parameters)
+    if case not in _SENT:
+        _SENT[case] = sent_by(engine, lambda: call(Protocol(engine), run, inst), marker)
+    statement, parameters = _SENT[case]
+    plan = plan_of(engine, statement, parameters, plan_mode)
     used = {n.get("Index Name") for n in nodes(plan)}
     scanned = {n.get("Relation Name") for n in nodes(plan) if n["Node Type"] == "Seq Scan"}
     assert index in used and table not in scanned, f"{statement}\n{describe(plan)}"
 
 
-def test_route_candidates_use_queued_index(backlog):
+@PLAN_MODES
+def test_route_candidates_use_queued_index(backlog, plan_mode):
     """How a coordinator or route worker takes the oldest queued samples of one run."""
     engine, run, _ = backlog
     plan = plan_of(
         engine,
         "SELECT id FROM samples WHERE run_id = %(run)s AND state = 'queued' ORDER BY id LIMIT 256 FOR UPDATE SKIP LOCKED",
         {"run": run},
+        plan_mode,
     )
     assert plan["Node Type"] == "Limit" and "ix_samples_queued" in {n.get("Index Name") for n in nodes(plan)}, describe(
         plan
