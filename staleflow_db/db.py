@@ -60,12 +60,13 @@ def with_database(url: str, database: str) -> str:
 
 def session_options(settings: Settings | None = None) -> str:
     """libpq ``options``: per-connection timeouts, so no session can hang forever on a
-    lock or sit idle in a transaction holding one."""
+    lock or sit idle in a transaction holding one; how prepared statements are planned."""
     s = settings or get_settings()
     return (
         f"-c statement_timeout={s.statement_timeout}"
         f" -c lock_timeout={s.lock_timeout}"
         f" -c idle_in_transaction_session_timeout={s.idle_in_transaction_session_timeout}"
+        f" -c plan_cache_mode={s.plan_cache_mode}"
     )
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import AfterValidator, Field, field_validator
 
@@ -73,6 +73,10 @@ class Settings(HomeSettings):
     # Server-side prepared statements (psycopg's prepare_threshold, the driver's pipelines).
     # Off behind a transaction-mode PgBouncer older than 1.21 or without max_prepared_statements.
     prepared_statements: bool = True
+    # How PostgreSQL plans prepared statements (its plan_cache_mode). One generic plan each:
+    # `auto` re-planned most fast-path statements on nearly every call (planning was a third
+    # of their time); tests/db/test_statement_plans.py checks the generic plans on a backlog.
+    plan_cache_mode: Literal["auto", "force_generic_plan", "force_custom_plan"] = "force_generic_plan"
     statement_timeout: Duration = "30s"
     lock_timeout: Duration = "10s"
     idle_in_transaction_session_timeout: Duration = Field(
