@@ -5,8 +5,10 @@ expression for quoting, even with its C implementation: a route or record_reward
 samples sends some twenty arrays (ids, versions, route tokens, event kinds ...), and dumping
 them took about a third of the client's CPU in that call. A flat list of ints or of floats (NULLs
 allowed), or of strings that need no quoting, has the text `{a,b,...}`: one `str.join`, checked
-once. The type psycopg picks for the array (int2[] ... numeric[], float8[], unknown: `upgrade`),
-and so the statements' prepared forms, stay as they were; any other list is dumped as before."""
+once; a list of bytes (a report's packed token ids and log-probs, one per segment) is one join
+of their hex forms, about 10x cheaper than psycopg's escaping of each byte. The type psycopg
+picks for the array (int2[] ... numeric[], float8[], bytea[], unknown: `upgrade`), and so the
+statements' prepared forms, stay as they were; any other list is dumped as before."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from psycopg.abc import Buffer
 from psycopg.types.array import ListDumper
 
 NoneType = type(None)
+_BINARY = {bytes, bytearray, memoryview, NoneType}
 # strings PostgreSQL's array input reads unquoted as themselves: no delimiter, brace, quote,
 # backslash or white space, not empty, and not the word NULL (checked apart)
 _PLAIN = re.compile(r"[0-9A-Za-z_.:+\-]+(?:,[0-9A-Za-z_.:+\-]+)*")
@@ -32,6 +35,10 @@ class NumberListDumper(ListDumper):
                 # str(float) is its shortest repr, which float8in reads back exactly
                 items = map(str, obj) if NoneType not in kinds else ("NULL" if x is None else str(x) for x in obj)
                 return ("{" + ",".join(items) + "}").encode()
+            if kinds <= _BINARY and kinds - {NoneType}:
+                # bytea elements in hex form ("\\x..." quoted: the array parser unescapes the
+                # backslash); psycopg escapes each element's every byte in Python
+                return ("{" + ",".join("NULL" if x is None else '"\\\\x' + x.hex() + '"' for x in obj) + "}").encode()
             if kinds == {str}:
                 text = ",".join(obj)
                 plain = _PLAIN.fullmatch(text) and text.count(",") == len(obj) - 1  # no comma of their own

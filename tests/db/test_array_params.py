@@ -32,6 +32,11 @@ EDGES = [
     ["a", None],
     [[1, 2], [3, 4]],
     [True, False],
+    [b"\x00\x01\xff", b"\\x", b'"{,}'],
+    [b""],
+    [b"ab", None],
+    [None, b"ab"],
+    [bytearray(b"\xff\x00"), memoryview(b"xy")],
 ]
 
 
@@ -42,6 +47,7 @@ def some_lists(n: int) -> list[list]:
         lambda: rng.uniform(-1e9, 1e9),
         lambda: rng.choice([None, rng.randint(0, 9)]),
         lambda: "".join(rng.choice('ab_-.:{}" ,\\nNUL') for _ in range(rng.randint(0, 4))),
+        lambda: rng.choice([None, rng.randbytes(rng.randint(0, 12))]),
     ]
     return [[make() for _ in range(rng.randint(1, 6))] for make in (rng.choice(makers) for _ in range(n))]
 
