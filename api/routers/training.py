@@ -57,8 +57,12 @@ async def claim(
         tasks = state.protocol.claim_rewards(run_id, body.limit, body.claim_seconds, conn=conn)
         return dump(_ClaimJson, {"tasks": tasks})
 
+    def idle(conn: Connection) -> bytes | None:
+        # a re-check with nothing to claim: one read in autocommit, no transaction
+        return _NO_TASKS if state.protocol.claim_idle(run_id, skey, conn=conn) else None
+
     def fetch() -> bytes:
-        return state.protocol.once_json(skey, "claim", body, call, ClaimOut, store=_claimed)[0]
+        return state.protocol.once_json(skey, "claim", body, call, ClaimOut, store=_claimed, idle=idle)[0]
 
     return respond_json(await long_poll(request, state, run_id, REWARDS, wait, fetch, _claimed))
 

@@ -76,6 +76,15 @@ class Member(NamedTuple):
 
 class ScoringOps(TxMixin):
     @transactional
+    def claim_idle(self, run_id: int, request_id: str | None = None, *, conn: Connection | None = None) -> bool:
+        """True when a claim in the run (sent with `request_id`) would now only answer empty:
+        nothing finished, no claim expired, no outcome stored under the request id (an unknown
+        run is not idle: its claim raises). One read, no lock and no write: a claim long-poll's
+        re-checks run it in autocommit, one round trip instead of a transaction of four; a
+        woken claim that another reward worker beat to the samples costs that read alone."""
+        with self.statement_tx(conn) as conn:
+            return bool(conn.execute(queries.text("claim_idle"), {"run": run_id, "k": request_id}).scalar())
+
     def claim_rewards(
         self, run_id: int, limit: int = 100, claim_seconds: float = 60.0, *, conn: Connection | None = None
     ) -> list[RewardTask]:

@@ -8,6 +8,17 @@ UPDATE samples SET state = 'finished', reward_deadline = NULL WHERE id IN (
 SELECT id FROM samples WHERE run_id = :run AND state = 'scoring' AND reward_deadline <= now()
 ORDER BY id FOR UPDATE SKIP LOCKED)
 
+-- name: claim_idle
+-- Whether a claim in the run would now only answer empty (ScoringOps.claim_idle): the run
+-- exists, no sample is finished, no claim has expired (`claim_reset_expired` would free it),
+-- no outcome is stored under the request id :k (NULL: none sent). One read, no lock. The
+-- finished sample is looked for as the claim looks (first by id, its partial index): as an
+-- EXISTS, a plan without :run's value expected to meet one soon in a scan of every sample.
+SELECT EXISTS (SELECT 1 FROM runs WHERE id = :run)
+  AND (SELECT id FROM samples WHERE run_id = :run AND state = 'finished' ORDER BY id LIMIT 1) IS NULL
+  AND NOT EXISTS (SELECT 1 FROM samples WHERE run_id = :run AND state = 'scoring' AND reward_deadline <= now())
+  AND NOT EXISTS (SELECT 1 FROM idempotency k WHERE k.request_id = CAST(:k AS text))
+
 -- name: claim_rewards
 -- Claim up to :n finished samples; the response is the segments' packed token_ids in order,
 -- with each segment's length and whether it was generated (the loss mask: 1 generated, 0 an

@@ -204,6 +204,13 @@ CASES = [
         "ix_samples_scoring",
         "samples",
     ),
+    (
+        "claim-idle",
+        lambda p, run, inst: p.claim_idle(run),
+        "state = 'finished' ORDER BY id LIMIT 1",
+        "ix_samples_finished",
+        "samples",
+    ),
     ("poll-work-samples", lambda p, run, inst: p.poll_work(inst), "NOT delivered", "ix_samples_running", "samples"),
     (
         "poll-work-commands",

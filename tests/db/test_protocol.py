@@ -323,6 +323,34 @@ def test_a_poll_is_idle_only_when_it_would_answer_empty(engine):
     assert not d.p.poll_idle(inst)
 
 
+def test_a_claim_is_idle_only_when_it_would_answer_empty(engine):
+    """`claim_idle` (a claim long-poll's re-check without a transaction) says idle only when
+    the claim would take nothing, free no expired claim and replay nothing."""
+    d = Driver(engine, batch_size=1, group_size=2, eta=1)
+    inst = d.p.register_instance(d.run, "i1", 0)
+    assert d.p.claim_idle(d.run) and d.p.claim_idle(d.run, "never-used")
+    assert not d.p.claim_idle(424242)  # its claim: 404
+    (g,) = d.enqueue(1)
+    a, b = d.members(g)
+    d.finish(d.routed([a, b], inst))
+    assert not d.p.claim_idle(d.run)  # two finished samples to claim
+    (ta,) = d.p.claim_rewards(d.run, 1, claim_seconds=60)
+    assert not d.p.claim_idle(d.run)  # one still finished
+    (tb,) = d.p.claim_rewards(d.run, 1, claim_seconds=60)
+    assert d.p.claim_idle(d.run) and d.p.claim_rewards(d.run, 10) == []
+    with engine.begin() as c:  # a claim lapsed: the next claim takes it back
+        c.execute(
+            text("UPDATE samples SET reward_deadline = now() - interval '1 s' WHERE id = :s"), {"s": tb.sample_id}
+        )
+    assert not d.p.claim_idle(d.run)
+    assert [t.sample_id for t in d.p.claim_rewards(d.run, 10)] == [tb.sample_id]
+    assert d.p.claim_idle(d.run)
+    with engine.begin() as c:
+        c.execute(text("INSERT INTO idempotency (request_id, operation, response) VALUES ('c1', 'claim#', '{}')"))
+    assert d.p.claim_idle(d.run) and not d.p.claim_idle(d.run, "c1")  # a retry replays
+    assert ta.sample_id == a
+
+
 def test_interrupt_and_resume_keep_every_token_and_logprob(engine):
     d = Driver(engine, batch_size=1, group_size=1, eta=1)
     i1, i2 = d.p.register_instance(d.run, "i1", 0), d.p.register_instance(d.run, "i2", 0)
