@@ -149,6 +149,19 @@ def in_process(db_url: str, **settings: Any) -> Iterator[TestClient]:
         yield http
 
 
+def segment(work: Any, tokens: list[int], logprobs: list[float], kind: str | None = None) -> dict[str, Any]:
+    """A report's item for delivered `work` (a finished segment unless `kind` says otherwise)."""
+    item = {
+        "sample_id": work.sample_id,
+        "attempt": work.attempt,
+        "route_token": work.route_token,
+        "version": 0,
+        "tokens": tokens,
+        "logprobs": logprobs,
+    }
+    return item | ({"kind": kind} if kind else {})
+
+
 def walk_lifecycle(
     admin: StaleFlowClient,
     roles: dict[str, StaleFlowClient],
@@ -179,17 +192,7 @@ def walk_lifecycle(
     rollout.report(
         run_id,
         inst,
-        [
-            {
-                "sample_id": first.sample_id,
-                "attempt": first.attempt,
-                "route_token": first.route_token,
-                "version": 0,
-                "tokens": [7],
-                "logprobs": [-0.5],
-                "kind": "partial",
-            }
-        ],
+        [segment(first, [7], [-0.5], "partial")],
     )
     assert coord.interrupt(run_id, [first.sample_id]) == 1
     cmds = rollout.poll(run_id, inst, wait=5).commands
@@ -197,17 +200,7 @@ def walk_lifecycle(
     rollout.report(
         run_id,
         inst,
-        [
-            {
-                "sample_id": first.sample_id,
-                "attempt": first.attempt,
-                "route_token": first.route_token,
-                "version": 0,
-                "tokens": [8],
-                "logprobs": [-0.25],
-                "kind": "interrupted",
-            }
-        ],
+        [segment(first, [8], [-0.25], "interrupted")],
     )
     (again,) = coord.route(run_id, [(first.sample_id, inst)])
     (cont,) = rollout.poll(run_id, inst, wait=5).work
@@ -216,17 +209,7 @@ def walk_lifecycle(
     rollout.report(
         run_id,
         inst,
-        [
-            {
-                "sample_id": w.sample_id,
-                "attempt": w.attempt,
-                "route_token": w.route_token,
-                "version": 0,
-                "tokens": [9, 10],
-                "logprobs": [-0.1, -0.2],
-            }
-            for w in finished
-        ],
+        [segment(w, [9, 10], [-0.1, -0.2]) for w in finished],
     )
     tasks = reward.claim(run_id, limit=100, wait=5)
     assert len(tasks) == B * N

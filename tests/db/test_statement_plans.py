@@ -15,7 +15,7 @@ parameters has one plan; one that reads only small tables (instances, runs, ...)
 from __future__ import annotations
 
 import pytest
-from api_helpers import ROLES, TestClient, in_process, walk_lifecycle
+from api_helpers import ROLES, TestClient, in_process, segment, walk_lifecycle
 from sqlalchemy import Engine, event, text
 
 from api.auth import create_token
@@ -45,17 +45,7 @@ def node_round(admin: StaleFlowClient, client) -> None:
         return [
             {
                 "instance_id": i,
-                "reports": [
-                    {
-                        "sample_id": w.sample_id,
-                        "attempt": w.attempt,
-                        "route_token": w.route_token,
-                        "version": 0,
-                        "tokens": [5, 6],
-                        "logprobs": [-0.1, -0.2],
-                        "kind": kind,
-                    }
-                ],
+                "reports": [segment(w, [5, 6], [-0.1, -0.2], kind)],
                 "snapshot": {"running": 1},
                 **({"heartbeat": {"version": 0}} if i == iids[0] else {}),
             }
