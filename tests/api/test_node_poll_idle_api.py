@@ -11,10 +11,11 @@ from contextlib import contextmanager
 
 import pytest
 from api_helpers import in_process
-from sqlalchemy import event, text
+from sqlalchemy import text
+from statement_recorder import recording
 
 from api.auth import create_token
-from staleflow_db.protocol import Prompt, Protocol, driver
+from staleflow_db.protocol import Prompt, Protocol
 from staleflow_db.types import RunConfig
 
 pytestmark = pytest.mark.db
@@ -29,22 +30,11 @@ def sent(engine) -> Iterator[list[tuple[str, bool]]]:
     sends while the block runs; a pipeline (`driver`, always in a transaction here) as one."""
     out: list[tuple[str, bool]] = []
 
-    def hook(conn, cursor, statement, parameters, context, executemany):
+    def record(conn, statement, parameters):
         out.append((statement, bool(conn.connection.driver_connection.autocommit)))
 
-    results = driver.results
-
-    def pipelined(conn, statements, row_factory):
-        out.extend((sql, bool(conn.connection.driver_connection.autocommit)) for sql, _ in statements)
-        return results(conn, statements, row_factory)
-
-    event.listen(engine, "before_cursor_execute", hook)
-    driver.results = pipelined
-    try:
+    with recording(engine, record):
         yield out
-    finally:
-        driver.results = results
-        event.remove(engine, "before_cursor_execute", hook)
 
 
 def test_an_idle_node_poll_is_one_read_without_a_transaction(db_url, engine):

@@ -16,10 +16,11 @@ from contextlib import contextmanager
 import psycopg
 import pytest
 from psycopg import sql
-from sqlalchemy import event, text
+from sqlalchemy import text
+from statement_recorder import recording
 
 from staleflow_db.db import make_engine, with_database
-from staleflow_db.protocol import Protocol, driver
+from staleflow_db.protocol import Protocol
 
 RUNS, GROUPS_PER_RUN, SAMPLES_PER_GROUP, INSTANCES_PER_RUN = 4, 4500, 4, 8
 
@@ -109,23 +110,8 @@ def recorded(engine):
     """Every (statement, parameters) the engine sends while the block runs, those sent on the
     psycopg connection itself (`protocol.driver`, a pipeline) too."""
     sent: list[tuple[str, object]] = []
-
-    def hook(conn, cursor, statement, parameters, context, executemany):
-        sent.append((statement, parameters))
-
-    results = driver.results
-
-    def pipelined(conn, statements, row_factory):
-        sent.extend((sql, dict(params)) for sql, params in statements)
-        return results(conn, statements, row_factory)
-
-    event.listen(engine, "before_cursor_execute", hook)
-    driver.results = pipelined
-    try:
+    with recording(engine, lambda conn, statement, parameters: sent.append((statement, parameters))):
         yield sent
-    finally:
-        driver.results = results
-        event.remove(engine, "before_cursor_execute", hook)
 
 
 # A prepared statement's plan: one for its values, or the generic one that knows nothing of

@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import pytest
 from api_helpers import ROLES, TestClient, in_process, segment, walk_lifecycle
-from sqlalchemy import Engine, event, text
+from sqlalchemy import Engine, text
+from statement_recorder import recording
 
 from api.auth import create_token
-from staleflow_db.protocol import driver
 from tests.db.test_plans import backlog, describe, nodes, plan_of  # noqa: F401 (backlog: the fixture)
 from workers.client import StaleFlowClient
 
@@ -65,16 +65,9 @@ def sent(backlog):  # noqa: F811 (the fixture)
     url = engine.url.render_as_string(hide_password=False)
     recorded: dict[str, object] = {}
 
-    def hook(conn, cursor, statement, parameters, context, executemany):
-        if not executemany:
+    def record(conn, statement, parameters):
+        if not isinstance(parameters, list):  # an executemany's: not one statement's values
             recorded.setdefault(statement, parameters)
-
-    results = driver.results
-
-    def pipelined(conn, statements, row_factory):
-        for sql, params in statements:
-            recorded.setdefault(sql, dict(params))
-        return results(conn, statements, row_factory)
 
     with in_process(url) as http:
 
@@ -87,14 +80,9 @@ def sent(backlog):  # noqa: F811 (the fixture)
         admin = client("admin")
         run = admin.create_run("plans-walk", batch_size=2, group_size=2, eta=1, samples_per_group=2)
         roles = {r: client(r, run.id) for r in ROLES}
-        event.listen(Engine, "before_cursor_execute", hook)
-        driver.results = pipelined
-        try:
+        with recording(Engine, record):
             walk_lifecycle(admin, roles, run.id)
             node_round(admin, client)
-        finally:
-            driver.results = results
-            event.remove(Engine, "before_cursor_execute", hook)
     with engine.connect() as conn:
         large = set(
             conn.execute(
