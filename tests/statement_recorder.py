@@ -35,3 +35,16 @@ def recording(target: Any, record: Callable[[Any, str, Any], None]) -> Iterator[
     finally:
         driver.results = results
         event.remove(target, "before_cursor_execute", hook)
+
+
+@contextmanager
+def sent_with_autocommit(engine: Any) -> Iterator[list[tuple[str, bool]]]:
+    """(statement, whether its connection was in autocommit) for each statement the engine
+    sends while the block runs (a long-poll's idle re-check is a read in autocommit)."""
+    out: list[tuple[str, bool]] = []
+
+    def record(conn: Any, statement: str, parameters: Any) -> None:
+        out.append((statement, bool(conn.connection.driver_connection.autocommit)))
+
+    with recording(engine, record):
+        yield out

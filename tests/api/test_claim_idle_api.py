@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 from api_helpers import in_process
 from sqlalchemy import text
-from test_node_poll_idle_api import sent
+from statement_recorder import sent_with_autocommit as sent
 
 from api.auth import create_token
 from staleflow_db.protocol import Prompt, Protocol

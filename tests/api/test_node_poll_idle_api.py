@@ -6,13 +6,10 @@ instance send it through the transaction as before, and a keyed retry still repl
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
-
 import pytest
 from api_helpers import in_process
 from sqlalchemy import text
-from statement_recorder import recording
+from statement_recorder import sent_with_autocommit as sent
 
 from api.auth import create_token
 from staleflow_db.protocol import Prompt, Protocol
@@ -22,19 +19,6 @@ pytestmark = pytest.mark.db
 
 LEASE = 60.0
 IDLE_MARK = "bool_and(i.id IS NOT NULL"  # node_poll_idle's
-
-
-@contextmanager
-def sent(engine) -> Iterator[list[tuple[str, bool]]]:
-    """(statement, whether its connection was in autocommit) for each statement the engine
-    sends while the block runs; a pipeline (`driver`, always in a transaction here) as one."""
-    out: list[tuple[str, bool]] = []
-
-    def record(conn, statement, parameters):
-        out.append((statement, bool(conn.connection.driver_connection.autocommit)))
-
-    with recording(engine, record):
-        yield out
 
 
 def test_an_idle_node_poll_is_one_read_without_a_transaction(db_url, engine):

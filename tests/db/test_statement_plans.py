@@ -20,7 +20,7 @@ from sqlalchemy import Engine, text
 from statement_recorder import recording
 
 from api.auth import create_token
-from tests.db.test_plans import backlog, describe, nodes, plan_of  # noqa: F401 (backlog: the fixture)
+from tests.db.test_plans import PLAN_MODES, backlog, describe, nodes, plan_of  # noqa: F401 (backlog: the fixture)
 from workers.client import StaleFlowClient
 
 LARGE_ROWS = 5_000  # a table with more rows than this is large
@@ -93,7 +93,7 @@ def sent(backlog):  # noqa: F811 (the fixture)
     return engine, [(s, p) for s, p in recorded.items() if p], large
 
 
-@pytest.mark.parametrize("plan_mode", ["auto", "force_generic_plan"])
+@PLAN_MODES
 def test_no_statement_reads_a_whole_large_table(sent, plan_mode):
     engine, statements, large = sent
     assert len(statements) >= 50, [s for s, _ in statements]
