@@ -52,6 +52,7 @@ from bench.harness import PrivatePostgres
 from staleflow_cli.launch import Cluster
 from staleflow_db import migrate
 from workers.client import StaleFlowClient
+from workers.reward.worker import CLAIM_LINGER_S
 from workers.sim.setups import get_setup
 
 SLO_MS = 250.0
@@ -158,6 +159,7 @@ def run_step(args, cad: dict, bases: list[str], admin: StaleFlowClient, report: 
             node_report_s=args.node_report_s,
             control=k == 0,
             rewarders=args.reward_workers,
+            claim_linger_s=args.claim_linger,
             lease_s=15.0,
             report_s=0.05,
             heartbeat_s=1.0,  # the least time between two snapshots a report carries
@@ -320,6 +322,12 @@ def main() -> None:
     ap.add_argument("--warmup", type=float, default=20, help="seconds of each step before the window")
     ap.add_argument("--eta", type=int, default=2)
     ap.add_argument("--reward-workers", type=int, default=2)
+    ap.add_argument(
+        "--claim-linger",
+        type=float,
+        default=CLAIM_LINGER_S,
+        help="a reward worker's wait after a claim that took less than its batch (the worker's --linger; 0: none)",
+    )
     ap.add_argument("--train-seconds", type=float, default=5.0)
     ap.add_argument("--pool", type=int, default=20, help="STALEFLOW_POOL_SIZE of each replica")
     ap.add_argument("--overflow", type=int, default=10, help="STALEFLOW_MAX_OVERFLOW of each replica")

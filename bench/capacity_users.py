@@ -24,7 +24,8 @@ cadence over REST, with the requests and responses built from the `workers.wire`
   workers/rollout/node.py runs them: one long-poll for all K and one sync carrying all their
   reports and heartbeats whenever any has a report due (one report timer for the node) or owes
   a heartbeat; each member instance follows `Instance`'s engine side (`Held`).
-* `Rewarder` claims (long-poll) and records rewards; `Trainer` consumes (long-poll), trains for
+* `Rewarder` claims (long-poll) and records rewards, lingering after a claim that took less than
+  its batch as the reward worker does (`claim_linger_s`); `Trainer` consumes (long-poll), trains for
   `train_seconds` and publishes.
 
 Run as a child of bench/capacity.py (one per load process):
@@ -557,14 +558,18 @@ class Rewarder(Api):
 
     @task
     def score(self):
-        body = m.ClaimIn(limit=256, claim_seconds=60.0)
+        limit = 256
+        body = m.ClaimIn(limit=limit, claim_seconds=60.0)
         got = self.call("claim (long-poll)", "/rewards/claim", body, m.ClaimOut, params="?wait=1.0", key=True)
+        claimed_at = time.monotonic()
         if got and got.tasks:
             rewards = [
                 m.RewardIn(sample_id=t.sample_id, reward_attempt=t.reward_attempt, reward=t.sample_id % 2)
                 for t in got.tasks
             ]
             self.call("reward", "/rewards", m.RewardsIn(rewards=rewards), m.RewardsOut, key=True)
+            if len(got.tasks) < limit:  # the reward worker's linger after a partial claim
+                gevent.sleep(max(0.0, claimed_at + CFG["claim_linger_s"] - time.monotonic()))
 
 
 class Trainer(Api):

@@ -67,6 +67,14 @@ def reward_worker(
     api_wait: float | None = API_WAIT,
     batch: int = typer.Option(256, "--batch", min=1, help="samples claimed per request"),
     claim_seconds: float = typer.Option(60.0, "--claim-seconds", min=1.0, help="seconds a claim is held"),
+    linger: float | None = typer.Option(
+        None,
+        "--linger",
+        min=0.0,
+        max=60.0,
+        help="seconds after a claim that took fewer than --batch samples before the next claim, so "
+        "samples come a few per claim (default 0.25; 0: claim again at once)",
+    ),
     model: Path | None = typer.Option(
         None, "--model", help="decode prompts and responses with this Hugging Face tokenizer (default: UTF-8 bytes)"
     ),
@@ -145,6 +153,7 @@ def reward_worker(
         claim_s=claim_seconds,
         timeout_s=timeout,
         retry=REWARD_CALL.but(attempts=retries + 1),
+        **({} if linger is None else {"linger_s": linger}),
     )
     on_signals(worker.stop, "posting the rewards in hand")
     with progress(None, f"reward run {run_id} ({source.description}): waiting for samples") as (bar, task):

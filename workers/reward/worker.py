@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -21,6 +23,13 @@ from workers.tasks.verifiers import NEEDS, VERIFIERS, Detokenize, bytes_detokeni
 from .sources import Outcome, RewardSample, RewardSource, Scored, VerifierReward
 
 log = logging.getLogger("staleflow.reward")
+
+# After a claim that took fewer samples than the batch, the next claim waits until this long
+# after it: finished samples then reach a worker a few per claim, not one claim and one reward
+# post each (bench/capacity.py at 128 instances: reward calls per sample ~1.4 -> ~0.45). A
+# claim that takes a whole batch is followed at once (a backlog), and a long-poll that found
+# nothing is simply renewed.
+CLAIM_LINGER_S = 0.25
 
 
 @dataclass
@@ -62,17 +71,22 @@ class RewardWorker:
         claim_s: float = 60.0,
         timeout_s: float = 30.0,
         retry: Policy = REWARD_CALL,
+        linger_s: float = CLAIM_LINGER_S,
     ):
         self.source = verifier_source(verifier, detokenize) if isinstance(verifier, str) else verifier
         self.client, self.run_id = client, run_id
         self.detokenize, self.batch, self.wait_s, self.claim_s = detokenize, batch, wait_s, claim_s
-        self.timeout_s, self.retry = timeout_s, retry
+        self.timeout_s, self.retry, self.linger_s = timeout_s, retry, linger_s
         self.stats = RewardStats()
+        self.claims = 0  # claim calls made
         self._stop = False
+        self._stopped = threading.Event()  # wakes a linger
+        self._next_claim = 0.0  # monotonic time before which the next claim lingers
         self._loop = asyncio.Runner()  # one loop for the worker's life: a service's connections stay open
 
     def stop(self) -> None:
         self._stop = True
+        self._stopped.set()
 
     def close(self) -> None:
         self._loop.run(self.source.aclose())
@@ -129,7 +143,14 @@ class RewardWorker:
         return got
 
     def step(self) -> int:
+        """Claim (after the linger a partial claim left, see CLAIM_LINGER_S), score, post: the
+        samples rewarded or dropped."""
+        pause = self._next_claim - time.monotonic()
+        if pause > 0 and self._stopped.wait(pause):
+            return 0
         tasks = self.client.claim(self.run_id, limit=self.batch, claim_seconds=self.claim_s, wait=self.wait_s)
+        self.claims += 1
+        self._next_claim = time.monotonic() + self.linger_s if 0 < len(tasks) < self.batch else 0.0
         if not tasks:
             return 0
         attempts = {t.sample_id: t.reward_attempt for t in tasks}
