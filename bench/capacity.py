@@ -8,7 +8,9 @@ The instances follow the real rollout worker's cadence at the sample rate the co
 the set-up (`--setup`, workers/sim/setups.py): per instance `slots` samples held (the engine's
 running count: min(max_running, KV capacity / mean context)), each decoding at T(n, kv)/n
 tokens/s, so partial segments carry real token counts. `--turns K` makes samples agentic: K
-turns each, every turn routed, generated and reported, an observation between turns.
+turns each, every turn routed, generated and reported, an observation between turns. The
+reward workers linger `--claim-linger` seconds after a claim that took less than their batch,
+as `staleflow reward-worker` does.
 
 Service level of a step: 0 errors, p99 <= 250 ms on every endpoint that is not a long-poll,
 command (pull) delivery p99 <= 250 ms when pulls happened in the window, no lease lapsed (no
