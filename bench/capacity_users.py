@@ -40,6 +40,7 @@ refused with 409: its lease lapsed), finished samples.
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import json
 import random
@@ -125,6 +126,10 @@ class Held:
     capacity: m.Capacity
     version: int
     held: dict[int, dict]
+    # (turn end, sample id) of every delivered turn, soonest first: an engine step looks only at
+    # the turns that ended (a scan of every held sample each 10-ms step took a third of the
+    # load generator's CPU at 128 instances of 85 samples); entries of samples that left are skipped
+    ends: list[tuple[float, int]]
     pending: list[dict]
     instance: int
     last: dict[str, float]
@@ -145,6 +150,7 @@ class Held:
                 "turn_end": now + life / c["turns"],
                 "turns_left": max(1, c["turns"] - done_turns),
             }
+            heapq.heappush(self.ends, (self.held[w.sample_id]["turn_end"], w.sample_id))
         for cmd in out.commands:
             if cmd.kind == "pull":  # one version per segment: interrupt all, report, load, heartbeat
                 for sid in list(self.held):
@@ -155,6 +161,15 @@ class Held:
                 self.heartbeat()
             elif cmd.sample_id in self.held and self.held[cmd.sample_id]["attempt"] == cmd.attempt:
                 self.segment(cmd.sample_id, now, "interrupted" if cmd.kind == "interrupt" else None)
+
+    def end_turns(self, now: float):
+        """End every held turn whose time has come."""
+        ends, held = self.ends, self.held
+        while ends and ends[0][0] <= now:
+            at, sid = heapq.heappop(ends)
+            h = held.get(sid)
+            if h is not None and h["turn_end"] == at:
+                self.end_turn(sid, now)
 
     def end_turn(self, sid: int, now: float):
         """As the real worker with an environment: a turn that is not the last reports what it
@@ -241,6 +256,7 @@ class Instance(Api, Held):
         self.capacity = m.Capacity(max_running=c["slots"], kv_capacity=c["kv_capacity"])
         self.version = SHARED["version"]
         self.held: dict[int, dict] = {}
+        self.ends = []
         self.pending: list[dict] = []  # report items not sent yet, batched as the real worker
         self.inbox: list[m.PollOut] = []
         if not self.register():
@@ -259,9 +275,7 @@ class Instance(Api, Held):
                 for out in self.inbox:
                     self.deliver(out, now)
                 self.inbox.clear()
-                for sid, h in list(self.held.items()):
-                    if now >= h["turn_end"]:
-                        self.end_turn(sid, now)
+                self.end_turns(now)
                 since = now - checkpoint
                 reporting = bool(self.pending) and now - self.last["report"] >= c["report_s"]
                 if since >= c["checkpoint_s"] or (reporting and since >= c["checkpoint_s"] * 0.8):
@@ -345,7 +359,7 @@ class Member(Held):
         self.node = node
         self.capacity = m.Capacity(max_running=CFG["slots"], kv_capacity=CFG["kv_capacity"])
         self.version: int = SHARED["version"]  # type: ignore[assignment]
-        self.held, self.pending = {}, []
+        self.held, self.pending, self.ends = {}, [], []
         self.heartbeats: list[m.HeartbeatIn] = []  # owed, in order: one per sync
         self.instance = 0
         self.owed = False
@@ -396,9 +410,7 @@ class Node(Api):
                     mem.deliver(out, now)
                 self.inbox.clear()
                 for mem in members:
-                    for sid, h in list(mem.held.items()):
-                        if now >= h["turn_end"]:
-                            mem.end_turn(sid, now)
+                    mem.end_turns(now)
                 # a flush goes anyway: every member's checkpoint 80% due rides it
                 reporting = now - self.last_report >= c["node_report_s"] and any(mem.pending for mem in members)
                 hb = False
