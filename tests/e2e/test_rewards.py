@@ -185,7 +185,8 @@ def test_an_async_batch_reward_function_trains_a_run(engine, db_url, tmp_path, u
 @pytest.mark.slow
 def test_a_registered_verifier_still_trains_a_run(engine, db_url, tmp_path):
     run, tokens = _sim_run(engine, "verifier")
-    with _cluster_run(tmp_path, db_url, run, tokens, ["--verifier", "sim"], STEPS) as cluster:
+    # a long linger: the claim after each partial one waits a second, and the run still trains
+    with _cluster_run(tmp_path, db_url, run, tokens, ["--verifier", "sim", "--linger", "1"], STEPS) as cluster:
         _until(lambda: _version(engine, run) >= STEPS, f"{STEPS} trained steps", cluster.check)
     trained = _trained(engine, run)
     assert trained and all(reward == (n % 7) / 6 and metrics is None for _, n, reward, metrics in trained)
@@ -351,5 +352,7 @@ def test_reward_options_are_refused_clearly(tmp_path):
     assert "SyntaxError" in refused("--reward", "bad:f")
     assert "--reward-batch goes with --reward" in refused("--verifier", "repeat", "--reward-batch")
     assert "http://" in refused("--reward-url", "ftp://x")
+    assert "--linger" in refused("--verifier", "repeat", "--linger", "-1")
+    assert "--linger" in refused("--verifier", "repeat", "--linger", "soon")
     port = free_port()
     assert "'Name: value'" in refused("--reward-url", f"http://127.0.0.1:{port}", "--reward-header", "nocolon")
