@@ -78,14 +78,11 @@ class RewardWorker:
         self.detokenize, self.batch, self.wait_s, self.claim_s = detokenize, batch, wait_s, claim_s
         self.timeout_s, self.retry, self.linger_s = timeout_s, retry, linger_s
         self.stats = RewardStats()
-        self.claims = 0  # claim calls made
-        self._stop = False
-        self._stopped = threading.Event()  # wakes a linger
+        self._stopped = threading.Event()  # set by stop(); wakes a linger
         self._next_claim = 0.0  # monotonic time before which the next claim lingers
         self._loop = asyncio.Runner()  # one loop for the worker's life: a service's connections stay open
 
     def stop(self) -> None:
-        self._stop = True
         self._stopped.set()
 
     def close(self) -> None:
@@ -94,7 +91,7 @@ class RewardWorker:
 
     def run(self, until: Callable[[], bool] | None = None) -> RewardStats:
         try:
-            while not self._stop and not (until and until()):
+            while not self._stopped.is_set() and not (until and until()):
                 self.step()
         finally:
             self.close()
@@ -135,7 +132,7 @@ class RewardWorker:
             pending = failed
             if not pending or (self.retry.attempts is not None and attempt >= self.retry.attempts):
                 break
-            if self._stop:  # not given up on: left to expire, so another claim scores them
+            if self._stopped.is_set():  # not given up on: left to expire, so another claim scores them
                 for s in pending:
                     del got[s.sample_id]
                 break
@@ -149,7 +146,6 @@ class RewardWorker:
         if pause > 0 and self._stopped.wait(pause):
             return 0
         tasks = self.client.claim(self.run_id, limit=self.batch, claim_seconds=self.claim_s, wait=self.wait_s)
-        self.claims += 1
         self._next_claim = time.monotonic() + self.linger_s if 0 < len(tasks) < self.batch else 0.0
         if not tasks:
             return 0
