@@ -205,10 +205,16 @@ class RolloutWorker:
         self._last["tick"] = time.monotonic()
         wait = 0.0
         if not self.engine.has_work():  # idle: until work arrives or a heartbeat or report is due
-            due = self._last["snapshot"] + self.heartbeat_s
+            now = time.monotonic()
+            due = now + self.idle_wait_s
+            # A snapshot past its interval and not sent was not needed (nothing changed): what
+            # changes that is a delivery, which ends the wait, not the clock. Waiting for it
+            # would spin.
+            if self._last["snapshot"] + self.heartbeat_s > now:
+                due = min(due, self._last["snapshot"] + self.heartbeat_s)
             if self.pending:
                 due = min(due, self._last["report"] + self.report_every_s)
-            wait = min(self.idle_wait_s, max(0.0, due - time.monotonic()))
+            wait = max(0.0, due - now)
             if self.turns is not None and self.turns.calls:
                 wait = min(wait, ENV_POLL_S)
         for delivery in inbox.get(wait):
