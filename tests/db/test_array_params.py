@@ -1,5 +1,5 @@
 """List parameters dumped by `staleflow_db.arrays` reach PostgreSQL as psycopg's own dumper
-sends them: the same values, the same array type."""
+sends them: the same values, the same array type; a list of bytes goes in binary form."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ import random
 import uuid
 
 import psycopg
+from psycopg.adapt import PyFormat, Transformer
+from psycopg.pq import Format
 
 from staleflow_db import arrays
 
@@ -37,6 +39,7 @@ EDGES = [
     [b"ab", None],
     [None, b"ab"],
     [bytearray(b"\xff\x00"), memoryview(b"xy")],
+    [[b"a", None], [b"", b"\x00"]],
 ]
 
 
@@ -69,3 +72,17 @@ def test_lists_reach_the_server_as_psycopg_sends_them(db_url):
         for value in EDGES + some_lists(500):
             got = [sent(conn, value) for conn in (plain, fast)]
             assert got[0] == got[1], value
+
+
+def test_a_list_of_bytes_is_sent_in_binary_form(db_url):
+    cases = [
+        ([b"\x00" * 340, None], Format.BINARY),
+        ([memoryview(b"xy"), bytearray(b"z")], Format.BINARY),
+        ([[b"a"], [b"b"]], Format.BINARY),
+        ([1, 2], Format.TEXT),
+        (["a"], Format.TEXT),
+    ]
+    with psycopg.connect(db_url) as conn:
+        arrays.register(conn)
+        sent_as = [Transformer(conn).get_dumper(value, PyFormat.AUTO).format for value, _ in cases]
+    assert sent_as == [expected for _, expected in cases]
