@@ -21,7 +21,7 @@ report left out (the next report usually takes it first), progress unsent for
 `snapshot_every_s` while it holds samples, or no call at all for half a lease. An idle
 instance's long-polls (`poll_wait_s`) renew its lease; the inbox polls only while this loop
 ticks, so an engine that hangs stops renewing it, and the lease lapses and requeues its
-samples.
+samples. An idle loop waits for a delivery, a due report or snapshot, or `idle_wait_s`.
 
 With an environment (`turns`, turns.py), a finished stretch ends a turn: the environment
 steps in the background while the engine decodes the others (the snapshot reports the
