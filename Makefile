@@ -5,7 +5,7 @@
 #
 #   make demo [DEMO_ARGS="--steps 50"]          # the main job on the embedded default (~4 min)
 #   make test [PYTEST_ARGS="tests/unit"]        # the suite less its `slow` tests (~8 min on 2 cores)
-#   make test-all                               # the whole suite, slow tests included (~8 min more)
+#   make test-all                               # the whole suite, slow tests included (about twice make test)
 #   make test-vllm                              # the vLLM adapter against vLLM's real classes (CPU)
 #   make install TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu   # the CPU build of torch
 #
