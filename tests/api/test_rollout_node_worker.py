@@ -82,3 +82,40 @@ def test_a_lapsed_instance_of_a_node_registers_again_and_the_others_go_on(db_url
                 t.join(30)
             node.close()
             engine.dispose()
+
+
+class _CountingTicks(RolloutWorker):
+    ticks = 0
+
+    def tick(self, inbox):
+        self.ticks += 1
+        super().tick(inbox)
+
+
+def test_idle_instances_of_a_node_wait_instead_of_spinning(db_url):
+    """With nothing routed, a node's instances tick on deliveries and `idle_wait_s`, not in a
+    loop: a heartbeat past its interval with nothing to carry is not a reason to wake."""
+    with ApiServer(db_url) as server:
+        admin = server.client(token(db_url, "admin"))
+        run = admin.create_run("idle-node", batch_size=2, group_size=1, eta=0, max_response_tokens=64).id
+        client = server.client(token(db_url, "rollout", run))
+        node = Node(client, run, poll_wait_s=1.0)
+        workers = [
+            _CountingTicks(client, run, SimEngine(max_running=4), name=f"i{k}", heartbeat_s=0.2, node=node)
+            for k in range(2)
+        ]
+        threads = [threading.Thread(target=w.run, daemon=True) for w in workers]
+        node.start()
+        for t in threads:
+            t.start()
+        try:
+            _wait(lambda: all(w.instance_id is not None for w in workers), "registered")
+            time.sleep(3.0)  # 15 heartbeat intervals
+            ticks = [w.ticks for w in workers]
+        finally:
+            for w in workers:
+                w.stop()
+            for t in threads:
+                t.join(30)
+            node.close()
+        assert max(ticks) < 60, ticks
