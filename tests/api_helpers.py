@@ -23,6 +23,7 @@ from staleflow_cli.launch import free_port
 from staleflow_db.db import make_engine
 from staleflow_db.settings import Settings
 from workers.client import StaleFlowClient
+from workers.rollout.worker import RolloutWorker
 
 with warnings.catch_warnings():  # starlette nags about httpx; it is what the client uses
     warnings.simplefilter("ignore")
@@ -220,3 +221,13 @@ def walk_lifecycle(
     new = trainer.publish(run_id, 0, batch.consume_fence, size_bytes=123, checksum="sha256:0", location="ps://0")
     rollout.deregister(run_id, inst)
     return {"instance": inst, "batch": batch, "version": new, "continued": cont}
+
+
+class TickCountingWorker(RolloutWorker):
+    """A rollout worker that counts its loop's ticks: an idle one must wait, not spin."""
+
+    ticks = 0
+
+    def tick(self, inbox: Any) -> None:
+        self.ticks += 1
+        super().tick(inbox)

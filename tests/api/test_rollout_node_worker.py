@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
-from api_helpers import ApiServer, token
+from api_helpers import ApiServer, TickCountingWorker, token
 from sqlalchemy import text
 
 from staleflow_db.db import make_engine
@@ -23,6 +25,23 @@ def _wait(cond, what: str, timeout: float = 60.0) -> None:
     while not cond():
         assert time.monotonic() < deadline, f"not reached: {what}"
         time.sleep(0.05)
+
+
+@contextmanager
+def _serving(node: Node, workers: list[RolloutWorker]) -> Iterator[None]:
+    """The node and its workers running, each worker in a thread; stopped and joined after."""
+    threads = [threading.Thread(target=w.run, daemon=True) for w in workers]
+    node.start()
+    for t in threads:
+        t.start()
+    try:
+        yield
+    finally:
+        for w in workers:
+            w.stop()
+        for t in threads:
+            t.join(30)
+        node.close()
 
 
 @pytest.mark.slow
@@ -39,12 +58,7 @@ def test_a_lapsed_instance_of_a_node_registers_again_and_the_others_go_on(db_url
             RolloutWorker(client, run, SimEngine(max_running=4, time_scale=0.2), name=f"n{k}", lease_s=10.0, node=node)
             for k in range(3)
         ]
-        threads = [threading.Thread(target=w.run, daemon=True) for w in workers]
-        node.start()
-        for t in threads:
-            t.start()
-        engine = make_engine(db_url)
-        try:
+        with _serving(node, workers):
             _wait(lambda: all(w.instance_id is not None for w in workers), "registered")
             first = [w.instance_id for w in workers]
             queued = [q.sample_id for q in admin.snapshot(run).queued]
@@ -60,11 +74,15 @@ def test_a_lapsed_instance_of_a_node_registers_again_and_the_others_go_on(db_url
             # instance 1's lease lapses mid-run, with samples on it: its next flush item or poll is refused
             route(1, 4)
             _wait(lambda: workers[1].stats.routed >= 8, "delivered")
-            with engine.begin() as c:
-                c.execute(
-                    text("UPDATE instances SET lease_expires_at = now() - interval '1 s' WHERE id = :i"),
-                    {"i": first[1]},
-                )
+            engine = make_engine(db_url)
+            try:
+                with engine.begin() as c:
+                    c.execute(
+                        text("UPDATE instances SET lease_expires_at = now() - interval '1 s' WHERE id = :i"),
+                        {"i": first[1]},
+                    )
+            finally:
+                engine.dispose()
             _wait(lambda: workers[1].instance_id != first[1], "instance 1 to register again")
             assert [workers[0].instance_id, workers[2].instance_id] == [first[0], first[2]]
             before = [w.stats.finished for w in workers]
@@ -75,21 +93,6 @@ def test_a_lapsed_instance_of_a_node_registers_again_and_the_others_go_on(db_url
             assert workers[0].stats.lost == workers[2].stats.lost == 0
             # every report, heartbeat and poll went through node syncs
             assert {"segments", "heartbeat", "poll"}.isdisjoint(sent) and "sync" in sent
-        finally:
-            for w in workers:
-                w.stop()
-            for t in threads:
-                t.join(30)
-            node.close()
-            engine.dispose()
-
-
-class _CountingTicks(RolloutWorker):
-    ticks = 0
-
-    def tick(self, inbox):
-        self.ticks += 1
-        super().tick(inbox)
 
 
 def test_idle_instances_of_a_node_wait_instead_of_spinning(db_url):
@@ -101,21 +104,11 @@ def test_idle_instances_of_a_node_wait_instead_of_spinning(db_url):
         client = server.client(token(db_url, "rollout", run))
         node = Node(client, run, poll_wait_s=1.0)
         workers = [
-            _CountingTicks(client, run, SimEngine(max_running=4), name=f"i{k}", heartbeat_s=0.2, node=node)
+            TickCountingWorker(client, run, SimEngine(max_running=4), name=f"i{k}", heartbeat_s=0.2, node=node)
             for k in range(2)
         ]
-        threads = [threading.Thread(target=w.run, daemon=True) for w in workers]
-        node.start()
-        for t in threads:
-            t.start()
-        try:
+        with _serving(node, workers):
             _wait(lambda: all(w.instance_id is not None for w in workers), "registered")
             time.sleep(3.0)  # 15 heartbeat intervals
             ticks = [w.ticks for w in workers]
-        finally:
-            for w in workers:
-                w.stop()
-            for t in threads:
-                t.join(30)
-            node.close()
         assert max(ticks) < 60, ticks

@@ -12,7 +12,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from api_helpers import ApiServer, token
+from api_helpers import ApiServer, TickCountingWorker, token
 from sqlalchemy import text
 
 from staleflow_db.db import make_engine
@@ -188,19 +188,11 @@ def test_a_worker_whose_lease_lapsed_registers_again_and_keeps_serving(served):
     t.join(30)
 
 
-class _CountingTicks(RolloutWorker):
-    ticks = 0
-
-    def tick(self, inbox):
-        self.ticks += 1
-        super().tick(inbox)
-
-
 def test_an_idle_worker_waits_instead_of_spinning(served):
     """With nothing to run and nothing changed, a heartbeat past its interval is not sent, and
     the loop waits for a delivery or `idle_wait_s`: not a tick a millisecond."""
     server, admin, run = served
-    w = _CountingTicks(
+    w = TickCountingWorker(
         server.client(token(server.db_url, "rollout", run)), run, _engine(), name="idle", heartbeat_s=0.2
     )
     t = _start(w)
