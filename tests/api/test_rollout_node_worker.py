@@ -112,3 +112,28 @@ def test_idle_instances_of_a_node_wait_instead_of_spinning(db_url):
             time.sleep(3.0)  # 15 heartbeat intervals
             ticks = [w.ticks for w in workers]
         assert max(ticks) < 60, ticks
+
+
+def test_an_idle_instance_waits_for_its_nodes_report_timer(db_url):
+    """A report pending on an idle instance goes at the node's report timer (here 2 s); the
+    instance meanwhile waits for that timer, not in a loop. The first sample's report starts
+    the timer (the node's first flush goes at once); the second one's, routed right after,
+    waits for it."""
+    with ApiServer(db_url) as server:
+        admin = server.client(token(db_url, "admin"))
+        run = admin.create_run("node-timer", batch_size=2, group_size=1, eta=0, max_response_tokens=64).id
+        admin.enqueue(run, [("p", [1, 2, 3]), ("q", [1, 2, 4])])
+        client = server.client(token(db_url, "rollout", run))
+        node = Node(client, run, report_every_s=2.0, poll_wait_s=1.0)
+        worker = TickCountingWorker(client, run, SimEngine(max_running=4), name="t", heartbeat_s=0.2, node=node)
+        with _serving(node, [worker]):
+            _wait(lambda: worker.instance_id is not None, "registered")
+            first, second = [q.sample_id for q in admin.snapshot(run).queued]
+            admin.route(run, [(first, worker.instance_id)])
+            _wait(lambda: worker.stats.finished == 1 and not worker.pending, "the first handed to a flush")
+            start = worker.ticks
+            admin.route(run, [(second, worker.instance_id)])
+            _wait(lambda: worker.stats.finished == 2, "the second finished")
+            _wait(lambda: not worker.pending, "the second handed to a flush")
+            ticks = worker.ticks - start
+        assert ticks < 200, ticks

@@ -140,9 +140,13 @@ class Node:
         """Whether a flush is gathering and waits for this worker's pending reports."""
         return self._gathering and id(worker) not in self._handed
 
+    @property
+    def due_at(self) -> float:
+        """The node's report timer: a pending report goes once the monotonic clock reaches it."""
+        return self.last_flush + self.report_every_s
+
     def due(self) -> bool:
-        """The node's report timer: a pending report goes once this is true."""
-        return time.monotonic() - self.last_flush >= self.report_every_s
+        return time.monotonic() >= self.due_at
 
     def hand(self, worker: RolloutWorker, part: Part | None, force: bool = False) -> None:
         """Hand over `part` (None: nothing pending, to a flush that asked); `force` sends it at

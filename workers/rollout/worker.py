@@ -213,7 +213,7 @@ class RolloutWorker:
             if self._last["snapshot"] + self.heartbeat_s > now:
                 due = min(due, self._last["snapshot"] + self.heartbeat_s)
             if self.pending:
-                due = min(due, self._last["report"] + self.report_every_s)
+                due = min(due, self._reports_due())
             wait = max(0.0, due - now)
             if self.turns is not None and self.turns.calls:
                 wait = min(wait, ENV_POLL_S)
@@ -484,6 +484,12 @@ class RolloutWorker:
             self._sent_snapshot(snapshot)
         else:
             self._owed = True
+
+    def _reports_due(self) -> float:
+        """When pending reports go: at this worker's report timer, on a node at the node's."""
+        if self.node is not None:
+            return self.node.due_at
+        return self._last["report"] + self.report_every_s
 
     def _hand(self, force: bool) -> None:
         """On a node: hand the pending reports to its flush when the node's report timer is due,
