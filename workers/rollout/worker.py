@@ -230,7 +230,7 @@ class RolloutWorker:
         if self.node is not None:  # on a node: its flush goes anyway (asked, or due for this one)
             reporting = self.node.asked(self) or (bool(self.pending) and self.node.due())
         else:
-            reporting = bool(self.pending) and now - self._last["report"] >= self.report_every_s
+            reporting = bool(self.pending) and now >= self._reports_due()
         if self.checkpoint_every_s > 0 and (
             since >= self.checkpoint_every_s or (reporting and since >= self.checkpoint_every_s * CHECKPOINT_RIDES_AT)
         ):
@@ -449,7 +449,7 @@ class RolloutWorker:
         if self.node is not None:
             self._hand(force)
             return
-        if not self.pending or (not force and time.monotonic() - self._last["report"] < self.report_every_s):
+        if not self.pending or (not force and time.monotonic() < self._reports_due()):
             return
         pending, self.pending = self.pending, []
         snapshot: dict[str, Any] | None = None
