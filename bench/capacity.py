@@ -55,6 +55,7 @@ from staleflow_cli.launch import Cluster
 from staleflow_db import migrate
 from workers.client import StaleFlowClient
 from workers.reward.worker import CLAIM_LINGER_S
+from workers.rollout.worker import CHECKPOINT_EVERY_S, CHECKPOINT_TOKENS
 from workers.sim.setups import get_setup
 
 SLO_MS = 250.0
@@ -84,6 +85,9 @@ def cadence(setup_name: str, slots: int | None, turns: int) -> dict:
         max_tokens=w.max_response,
         turns=turns,
         prompt_tokens=w.prompt_median,
+        # the worker's checkpoint: due when a held stretch has CHECKPOINT_TOKENS unsent tokens
+        # (a sample held since the last one has rate x time) or CHECKPOINT_EVERY_S passed
+        checkpoint_s=min(CHECKPOINT_EVERY_S, CHECKPOINT_TOKENS / (throughput / n)),
     )
 
 
@@ -165,7 +169,7 @@ def run_step(args, cad: dict, bases: list[str], admin: StaleFlowClient, report: 
             lease_s=15.0,
             report_s=0.05,
             heartbeat_s=1.0,  # the least time between two snapshots a report carries
-            checkpoint_s=5.0,
+            checkpoint_s=args.checkpoint_s or cad["checkpoint_s"],
             snapshot_every_s=5.0,  # the worker's default: a third of the lease
             poll_wait_s=5.0,
             observation_tokens=32,  # an environment's answer between turns
@@ -348,6 +352,13 @@ def main() -> None:
         default=0.05,
         help="a node's report timer (its instances' pending reports wait at most this long; the worker's is 0.05)",
     )
+    ap.add_argument(
+        "--checkpoint-s",
+        type=float,
+        default=None,
+        help="every held sample as a partial segment this often (default: the worker's rule at the cost model's "
+        f"decode rate, {CHECKPOINT_TOKENS} tokens or {CHECKPOINT_EVERY_S:g} s; the code before 5 s)",
+    )
     ap.add_argument("--keep-going", action="store_true", help="ramp on past a step outside the service level")
     ap.add_argument("--report-dir", type=Path, default=Path("reports"))
     args = ap.parse_args()
@@ -363,7 +374,8 @@ def main() -> None:
     print(
         f"cadence ({cad['setup']}): {cad['slots']} samples held per instance (engine runs {cad['engine_running']}), "
         f"{cad['tokens_per_s']:.1f} tokens/s each, {cad['sample_rate']:.3f} samples/s per instance, "
-        f"{cad['turns']} turn(s) per sample; reports when a segment ends (coalesced over 50 ms), checkpoints every 5 s "
+        f"{cad['turns']} turn(s) per sample; reports when a segment ends (coalesced over 50 ms), checkpoints every "
+        f"{args.checkpoint_s or cad['checkpoint_s']:.1f} s "
         "(riding a report once 80% due), long-poll 5 s, polls and reports renew the lease, a heartbeat "
         "only when no snapshot went for 5 s"
         + (

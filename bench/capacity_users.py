@@ -4,8 +4,9 @@ cadence over REST, with the requests and responses built from the `workers.wire`
 * `Instance` is a rollout instance as `workers/rollout/worker.py` runs one: it registers with its
   capacity, keeps a long-poll open for work and commands (the inbox greenlet, `poll_wait_s`),
   reports when a segment ends (coalesced over 50 ms, one call for all its samples) or a
-  checkpoint is due (every held sample as a partial segment every 5 s; 80% due, it rides a
-  report that goes anyway), a report carrying the snapshot at most once a `heartbeat_s`. Polls
+  checkpoint is due (every held sample as a partial segment every `checkpoint_s`: the time its
+  samples take to decode the worker's `CHECKPOINT_TOKENS`, at most `CHECKPOINT_EVERY_S`; 80% due,
+  it rides a report that goes anyway), a report carrying the snapshot at most once a `heartbeat_s`. Polls
   and reports renew the lease, so it heartbeats only for a snapshot a report left out (a second
   later), none sent for `snapshot_every_s` while it holds samples, or no call at all for half
   a lease; on a pull command it interrupts what it holds, reports it and heartbeats the new

@@ -33,6 +33,7 @@ from staleflow_cli.common import (
     run_sampling,
 )
 from workers.client import StaleFlowClient
+from workers.rollout.worker import CHECKPOINT_EVERY_S, CHECKPOINT_TOKENS
 
 if TYPE_CHECKING:  # torch-backed or heavy: imported where used
     from workers.coordinator.cost_model import CostModel
@@ -119,6 +120,19 @@ def rollout_worker(
     heartbeat: float = typer.Option(
         1.0, "--heartbeat", min=0.05, help="least seconds between two snapshots (polls and reports renew the lease)"
     ),
+    checkpoint_tokens: int = typer.Option(
+        CHECKPOINT_TOKENS,
+        "--checkpoint-tokens",
+        min=0,
+        help="a held sample's unsent tokens that make a checkpoint (a partial segment) due: what a killed "
+        "worker loses at most per sample; 0: time only",
+    ),
+    checkpoint_every: float = typer.Option(
+        CHECKPOINT_EVERY_S,
+        "--checkpoint-every",
+        min=0.0,
+        help="seconds after which a checkpoint is due whatever the tokens; 0: tokens only",
+    ),
     ps_wait: float = typer.Option(120.0, "--ps-wait", min=0.0, help="seconds to wait for the PS's first version"),
     instances: int = typer.Option(
         1,
@@ -175,7 +189,20 @@ def rollout_worker(
     ps_login(pc, client, run_id, "rollout")
     weights: WeightSource | None
     if instances > 1:
-        _node(client, run_id, instances, name, kv_capacity, max_running, cost, time_scale, phi_wait, heartbeat)
+        checkpoints = {"checkpoint_tokens": checkpoint_tokens, "checkpoint_every_s": checkpoint_every}
+        _node(
+            client,
+            run_id,
+            instances,
+            name,
+            kv_capacity,
+            max_running,
+            cost,
+            time_scale,
+            phi_wait,
+            heartbeat,
+            checkpoints,
+        )
         return
     if engine is Engine.sim:
         eng, weights = _sim_engine(client, run_id, kv_capacity, max_running, cost, time_scale)
@@ -203,6 +230,8 @@ def rollout_worker(
         weights=weights,
         phi_wait=phi_wait,
         heartbeat_s=heartbeat,
+        checkpoint_tokens=checkpoint_tokens,
+        checkpoint_every_s=checkpoint_every,
         turns=turns,
     )
     on_signals(worker.stop, "flushing reports and deregistering")
@@ -242,6 +271,7 @@ def _node(
     time_scale: float | None,
     phi_wait: int | None,
     heartbeat: float,
+    checkpoints: dict[str, Any],
 ) -> None:
     """`k` sim instances in this process (workers/rollout/node.py), each in its own thread."""
     import threading
@@ -264,6 +294,7 @@ def _node(
                 phi_wait=phi_wait,
                 heartbeat_s=heartbeat,
                 node=node,
+                **checkpoints,
             )
         )
 

@@ -156,6 +156,39 @@ def test_checkpoints_and_finish_in_one_report_window_are_one_report(served):
     assert len(admin.claim(run, limit=100, wait=0)) == 4
 
 
+def test_a_checkpoint_is_due_after_its_tokens_not_its_clock(served):
+    """With a token bound and no time bound, a long sample is checkpointed every
+    `checkpoint_tokens` of its decode (80% of it when a report goes anyway): its partial
+    segments each carry about that many tokens, whatever the decode rate, and together with the
+    finishing one they are the uninterrupted answer."""
+    server, admin, run = served
+    admin.enqueue(run, [(f"c{i}", [1, 2, 3 + i]) for i in range(3)])
+    queued = sorted(q.sample_id for q in admin.snapshot(run).queued)
+    expected = {sid: _uninterrupted([1, 2, 3 + i // 2], sid, MAX_RESPONSE) for i, sid in enumerate(queued)}
+    longest = max(expected, key=lambda s: len(expected[s][0]))
+    assert len(expected[longest][0]) >= 300
+    k = 64
+    w = RolloutWorker(
+        server.client(token(server.db_url, "rollout", run)),
+        run,
+        _engine(),
+        name="tokens",
+        checkpoint_tokens=k,
+        checkpoint_every_s=0,
+        heartbeat_s=0.2,
+    )
+    t = _start(w)
+    admin.route(run, [(longest, w.instance_id)])
+    _wait(lambda: w.stats.finished == 1)
+    w.stop()
+    t.join(30)
+    segs = _segments(server.db_url, longest)
+    sizes = [len(unpack_tokens(s.token_ids)) for s in segs]
+    assert len(segs) >= len(expected[longest][0]) // k  # checkpointed as it decoded, not once at the end
+    assert all(0.8 * k <= n <= k for n in sizes[:-1]), sizes
+    assert [tok for s in segs for tok in unpack_tokens(s.token_ids)] == expected[longest][0]
+
+
 def test_a_worker_whose_lease_lapsed_registers_again_and_keeps_serving(served):
     """A stalled worker's lease lapses; its next poll is refused (409) before any sweep, and the
     worker starts over as a new instance instead of dying."""

@@ -10,9 +10,12 @@ is never applied.
 Calls follow transitions, not timers. Any call of the instance (poll, report) renews its
 lease, so a busy instance needs no heartbeat for it. A report goes when a segment ends
 (finished, interrupted, a turn answered) or a checkpoint is due: one call for every sample's
-pending segments, coalesced over `report_every_s`. A report that goes anyway takes the
-checkpoint along once 80% of its interval has passed; a checkpoint is never later than
-`checkpoint_every_s` (what a killed worker loses). A report carries the instance's snapshot
+pending segments, coalesced over `report_every_s`. A checkpoint (every held stretch's unsent
+tokens as a partial segment) is due when a stretch holds `checkpoint_tokens` unsent tokens or
+`checkpoint_every_s` passed: what a killed worker loses, at most, per sample. Counted in tokens,
+a checkpoint row carries a few hundred of them whatever the decode rate, so the rows (the
+database's work per report) follow the tokens, not the clock. A report that goes anyway takes
+the checkpoint along once 80% of either is reached. A report carries the instance's snapshot
 when one is due: at most one a `heartbeat_s` (the snapshot's staleness, as when heartbeats
 came once a second), sooner for a change the coordinator cannot predict. A heartbeat goes
 alone, at most one a `heartbeat_s`, only for what no report carried: such a change (a sample
@@ -56,6 +59,11 @@ ENV_POLL_S = 0.005  # idle engine, environment calls in flight: how often to loo
 # a report that goes anyway takes the checkpoint along once this much of its interval passed:
 # a call saved, at most 1/0.8 the partial segments (rows) of checkpoints on their own timer
 CHECKPOINT_RIDES_AT = 0.8
+# what a killed worker loses at most per sample: the unsent tokens of a stretch, or its time
+# (a slow decode); a crash costs the re-prefill of every held sample elsewhere anyway, which
+# at these bounds is the larger part (docs/scaling.md, "Checkpoints")
+CHECKPOINT_TOKENS = 512
+CHECKPOINT_EVERY_S = 60.0
 
 # (target version) -> (state dict, version); None for engines without weights (sim)
 WeightSource = Callable[[int | None], tuple[Mapping[str, Any] | None, int]]
@@ -108,7 +116,8 @@ class RolloutWorker:
         heartbeat_s: float = 1.0,
         lease_s: float = 15.0,
         report_every_s: float = 0.05,
-        checkpoint_every_s: float = 5.0,
+        checkpoint_tokens: int = CHECKPOINT_TOKENS,
+        checkpoint_every_s: float = CHECKPOINT_EVERY_S,
         idle_wait_s: float = 1.0,
         turns: Turns | None = None,
         snapshot_every_s: float | None = None,
@@ -118,7 +127,8 @@ class RolloutWorker:
         self.client, self.run_id, self.engine, self.name = client, run_id, engine, name
         self.weights, self.phi_wait = weights, phi_wait
         self.heartbeat_s, self.lease_s = heartbeat_s, lease_s
-        self.report_every_s, self.checkpoint_every_s = report_every_s, checkpoint_every_s
+        self.report_every_s = report_every_s
+        self.checkpoint_tokens, self.checkpoint_every_s = checkpoint_tokens, checkpoint_every_s
         self.idle_wait_s = idle_wait_s
         # a third of the lease: the longest a held sample's progress goes unsent, and an idle
         # long-poll (each renews the lease well before it lapses)
@@ -231,9 +241,7 @@ class RolloutWorker:
             reporting = self.node.asked(self) or (bool(self.pending) and self.node.due())
         else:
             reporting = bool(self.pending) and now >= self._reports_due()
-        if self.checkpoint_every_s > 0 and (
-            since >= self.checkpoint_every_s or (reporting and since >= self.checkpoint_every_s * CHECKPOINT_RIDES_AT)
-        ):
+        if self._checkpoint_due(since, CHECKPOINT_RIDES_AT if reporting else 1.0):
             self._checkpoint()  # due, or nearly and a report goes anyway: it rides along
         self._flush()
         if self._heartbeat_due(time.monotonic()):
@@ -437,6 +445,16 @@ class RolloutWorker:
             held.reported += len(new_t)
         else:
             self._release(sid)
+
+    def _checkpoint_due(self, since: float, share: float) -> bool:
+        """Whether `share` of a checkpoint's bound is reached: a stretch's unsent tokens or the
+        time since the last checkpoint (0 turns either bound off)."""
+        if self.checkpoint_every_s > 0 and since >= self.checkpoint_every_s * share:
+            return True
+        if self.checkpoint_tokens <= 0:
+            return False
+        unsent = max((len(h.tokens) - h.reported for h in self.held.values() if h.ended is None), default=0)
+        return unsent >= self.checkpoint_tokens * share
 
     def _checkpoint(self) -> None:
         """Partial segments for long stretches: after a crash the queue resumes from here."""
