@@ -171,7 +171,8 @@ samples = Table(
     Index("ix_samples_queued", "run_id", "id", postgresql_where=text("state = 'queued'")),
     Index("ix_samples_finished", "run_id", "id", postgresql_where=text("state = 'finished'")),
     Index("ix_samples_scoring", "run_id", "reward_deadline", postgresql_where=text("state = 'scoring'")),
-    Index("ix_samples_running", "instance_id", postgresql_where=text("state = 'running'")),
+    # `delivered` in the key: a poll finds the few undelivered among an instance's running (0020)
+    Index("ix_samples_running", "instance_id", "delivered", postgresql_where=text("state = 'running'")),
     Index("ix_samples_group", "group_id"),
     postgresql_with={"fillfactor": "70"},
 )

@@ -270,6 +270,23 @@ def test_claim_statement_uses_partial_index(backlog, case, call, marker, index, 
     assert index in used and table not in scanned, f"{statement}\n{describe(plan)}"
 
 
+POLLS = [c for c in CASES if c[2] == "NOT delivered"]
+
+
+@PLAN_MODES
+@pytest.mark.parametrize("case, call, marker, index, table", POLLS, ids=[c[0] for c in POLLS])
+def test_a_poll_finds_undelivered_samples_by_the_index_key(backlog, case, call, marker, index, table, plan_mode):
+    """A poll and its idle check find an instance's undelivered samples by the index's key, not
+    by reading every running sample of the instance (85-256 of them) to test `delivered`."""
+    engine, run, inst = backlog
+    if case not in _SENT:
+        _SENT[case] = sent_by(engine, lambda: call(Protocol(engine), run, inst), marker)
+    statement, parameters = _SENT[case]
+    plan = plan_of(engine, statement, parameters, plan_mode)
+    conds = [n.get("Index Cond", "") for n in nodes(plan) if n.get("Index Name") == index]
+    assert conds and all("delivered" in c for c in conds), f"{statement}\n{describe(plan)}"
+
+
 @PLAN_MODES
 def test_route_candidates_use_queued_index(backlog, plan_mode):
     """How a coordinator or route worker takes the oldest queued samples of one run."""
