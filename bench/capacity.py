@@ -19,7 +19,10 @@ call of an instance refused with 409). The ramp doubles from `--start` until a s
 
 Per step: instances, calls/s, calls per finished sample, p50/p99 per endpoint, CPU per call of
 the PostgreSQL processes, of the API replicas and of the load generator (psutil, microseconds
-per call), and the database's connections (pg_stat_activity). The load generator shares the
+per call), the database's connections (pg_stat_activity), and the WAL the server wrote per
+generated token (pg_current_wal_lsn over the window; tokens generated: those reported plus
+what the held samples had not yet reported at the window's end, less at its start; random
+token ids and log-probs, as incompressible as real ones). The load generator shares the
 machine's cores with the server: its CPU is reported so the bound is visible.
 
     python bench/capacity.py [--replicas 2] [--processes 2] [--setup qwen_14b] [--turns 1]
@@ -201,6 +204,7 @@ def run_step(args, cad: dict, bases: list[str], admin: StaleFlowClient, report: 
             print(f"  {instances} instances: warming up, {start_at - time.time():3.0f} s", file=sys.stderr)
         for c in (*cpus, load_cpu):
             c.reset()
+        wal_from = db.execute("SELECT pg_current_wal_lsn()").fetchone()[0]
         while time.time() < end_at:
             time.sleep(min(1.0, max(0.0, end_at - time.time())))
             for c in (*cpus, load_cpu):
@@ -215,6 +219,7 @@ def run_step(args, cad: dict, bases: list[str], admin: StaleFlowClient, report: 
                     f"CPU so far db {cpus[0].seconds:.1f} s, api {cpus[1].seconds:.1f} s, load {load_cpu.seconds:.1f} s",
                     file=sys.stderr,
                 )
+        wal = float(db.execute("SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), %s)", (wal_from,)).fetchone()[0])
     for c in children:
         try:
             c.wait(60)
@@ -224,10 +229,10 @@ def run_step(args, cad: dict, bases: list[str], admin: StaleFlowClient, report: 
     got = [json.loads(o.read_text()) for o in outs if o.exists()]
     if len(got) < len(children):
         raise SystemExit(f"a load process failed: see {step_dir}/locust-*.log")
-    return summarize(nodes * k_node, got, cpus, load_cpu, conns)
+    return summarize(nodes * k_node, got, cpus, load_cpu, conns, wal)
 
 
-def summarize(instances: int, got: list[dict], cpus, load_cpu: CPU, conns: list[int]) -> dict:
+def summarize(instances: int, got: list[dict], cpus, load_cpu: CPU, conns: list[int], wal: float) -> dict:
     seconds = max(o["seconds"] for o in got)
     per: dict[str, dict] = {}
     for o in got:
@@ -245,6 +250,8 @@ def summarize(instances: int, got: list[dict], cpus, load_cpu: CPU, conns: list[
         if LONG_POLL not in name:
             short.update(d["ms"])
     finished = sum(o["finished"] for o in got)
+    tokens = sum(o["tokens"] for o in got)
+    generated = sum(o["generated"] for o in got)
     errors = sum(d["failures"] for d in per.values()) + sum(o["crashes"] for o in got)
     lapses = sum(o["lapses"] for o in got)
     worst = max((pct(d["ms"], 0.99) for n, d in per.items() if LONG_POLL not in n), default=0.0)
@@ -278,6 +285,10 @@ def summarize(instances: int, got: list[dict], cpus, load_cpu: CPU, conns: list[
         api_cores=cpus[1].seconds / seconds,
         load_cores=load_cpu.seconds / seconds,
         connections=max(conns) if conns else 0,
+        tokens=tokens,  # generated tokens reported in the window
+        generated=generated,  # generated in the window: reported + (held unsent at its end - at its start)
+        wal_bytes=wal,  # WAL the server wrote in the window (every writer: the measured run alone)
+        wal_per_token=wal / generated if generated > 0 else float("nan"),
         endpoints={
             n: (d["calls"], d["failures"], pct(d["ms"], 0.5), pct(d["ms"], 0.99)) for n, d in sorted(per.items())
         },
@@ -303,6 +314,10 @@ def show(step: dict) -> None:
     print(
         f"  CPU per call: db {s['db_us']:.0f} us, api {s['api_us']:.0f} us, load generator {s['load_us']:.0f} us "
         f"(cores busy: db {s['db_cores']:.2f}, api {s['api_cores']:.2f}, load {s['load_cores']:.2f})"
+    )
+    print(
+        f"  tokens generated {s['generated']:,.0f} ({s['generated'] / s['seconds']:,.0f}/s; reported {s['tokens']:,}), "
+        f"WAL {s['wal_bytes'] / 1e6:,.1f} MB: {s['wal_per_token']:.1f} WAL bytes per generated token"
     )
     print(f"  {'endpoint':<22}{'calls':>8}{'errors':>8}{'p50 ms':>9}{'p99 ms':>9}")
     for name, (calls, fails, p50, p99) in s["endpoints"].items():

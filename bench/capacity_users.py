@@ -72,10 +72,30 @@ SHARED = {
     "deliveries": [],
     "lapses": 0,
     "finished": 0,
+    "tokens": 0,  # generated tokens the reports that went through carried
     "errors": [],
     "crashes": 0,
 }
 _HOSTS = itertools.count()
+# every instance's held samples, for the tokens generated but not yet reported at the window's
+# edges (a window of ~one checkpoint interval would otherwise count what checkpoints hold back)
+ENGINES: list = []
+# payloads drawn from pools of random values: token ids and log-probs as incompressible as real
+# ones (TOAST compresses a repeated value to almost nothing), sliced at a random offset per segment
+_RNG = random.Random(0)
+TOKEN_POOL = [_RNG.randrange(150_000) for _ in range(1 << 16)]
+LOGPROB_POOL = [-_RNG.expovariate(1.0) for _ in range(1 << 16)]
+
+
+def payload(n: int) -> tuple[list[int], list[float]]:
+    at = random.randrange(len(TOKEN_POOL) - n) if n < len(TOKEN_POOL) else 0
+    return TOKEN_POOL[at : at + n], LOGPROB_POOL[at : at + n]
+
+
+def unsent(now: float) -> float:
+    """Tokens the held samples generated since their last segment."""
+    rate, most = CFG["tokens_per_s"], CFG["max_tokens"]
+    return sum(min(rate * (now - h["since"]), most - h["done"]) for e in ENGINES for h in e.held.values())
 
 
 class Api(FastHttpUser):
@@ -208,9 +228,10 @@ class Held:
             self.pending = [r for r in self.pending if r["sample_id"] != sid]
             return
         prev = next((r for r in reversed(self.pending) if r["sample_id"] == sid), None)
+        tokens, logprobs = payload(n)
         if prev is not None and prev["kind"] == "partial" and prev["version"] == self.version:
-            prev["tokens"] += [7] * n
-            prev["logprobs"] += [-0.5] * n
+            prev["tokens"] += tokens
+            prev["logprobs"] += logprobs
             prev["kind"] = kind
             return
         if n == 0 and kind == "partial":
@@ -221,8 +242,8 @@ class Held:
                 "attempt": h["attempt"],
                 "route_token": h["token"],
                 "version": self.version,
-                "tokens": [7] * n,
-                "logprobs": [-0.5] * n,
+                "tokens": tokens,
+                "logprobs": logprobs,
                 "kind": kind,
                 "finish_reason": "stop" if kind == "finished" else None,
             }
@@ -257,6 +278,7 @@ class Instance(Api, Held):
         self.capacity = m.Capacity(max_running=c["slots"], kv_capacity=c["kv_capacity"])
         self.version = SHARED["version"]
         self.held: dict[int, dict] = {}
+        ENGINES.append(self)
         self.ends = []
         self.pending: list[dict] = []  # report items not sent yet, batched as the real worker
         self.inbox: list[m.PollOut] = []
@@ -338,6 +360,7 @@ class Instance(Api, Held):
             body = m.ReportsIn(reports=[m.ReportIn.model_validate(r) for r in batch], snapshot=snap)
             if self.call("report", f"/instances/{self.instance}/segments", body, m.ReportsOut, key=True) is not None:
                 SHARED["finished"] += sum(r["kind"] == "finished" for r in batch)
+                SHARED["tokens"] += sum(len(r["tokens"]) for r in batch)
             items = later
             if snap is not None:
                 self.last["snapshot"], self.owed = time.monotonic(), False
@@ -361,6 +384,7 @@ class Member(Held):
         self.capacity = m.Capacity(max_running=CFG["slots"], kv_capacity=CFG["kv_capacity"])
         self.version: int = SHARED["version"]  # type: ignore[assignment]
         self.held, self.pending, self.ends = {}, [], []
+        ENGINES.append(self)
         self.heartbeats: list[m.HeartbeatIn] = []  # owed, in order: one per sync
         self.instance = 0
         self.owed = False
@@ -473,6 +497,7 @@ class Node(Api):
                     SHARED["lapses"] += 1  # an instance's item refused: its lease lapsed (or a route lost)
                 if ok:
                     SHARED["finished"] += sum(r["kind"] == "finished" for r in batch)
+                    SHARED["tokens"] += sum(len(r["tokens"]) for r in batch)
                 if batch:
                     mem.last["report"] = now
                 if snap is not None or beat is not None:
@@ -625,10 +650,12 @@ def main() -> None:
     runner.start(users, spawn_rate=max(1.0, users / max(1.0, CFG["spawn_s"])))
     gevent.sleep(max(0.0, CFG["start_at"] - time.time()))
     env.stats.reset_all()
-    SHARED.update(deliveries=[], lapses=0, finished=0, crashes=0)
+    SHARED.update(deliveries=[], lapses=0, finished=0, tokens=0, crashes=0)
     started = time.time()
+    unsent_from = unsent(time.monotonic())
     gevent.sleep(max(0.0, CFG["end_at"] - time.time()))
     seconds = time.time() - started
+    generated = SHARED["tokens"] + unsent(time.monotonic()) - unsent_from
     stats = {
         name: {
             "calls": e.num_requests,
@@ -645,6 +672,8 @@ def main() -> None:
         deliveries=SHARED["deliveries"],
         lapses=SHARED["lapses"],
         finished=SHARED["finished"],
+        tokens=SHARED["tokens"],
+        generated=generated,
         crashes=SHARED["crashes"],
         errors=SHARED["errors"],
         users=runner.user_count,
