@@ -77,9 +77,10 @@ SHARED = {
     "crashes": 0,
 }
 _HOSTS = itertools.count()
-# every instance's held samples, for the tokens generated but not yet reported at the window's
-# edges (a window of ~one checkpoint interval would otherwise count what checkpoints hold back)
-ENGINES: list = []
+# the instances serving now (registered, until their task ends), whose held samples hold the
+# tokens generated but not yet reported at the window's edges (a window of ~one checkpoint
+# interval would otherwise count what checkpoints hold back)
+ENGINES: set = set()
 # payloads drawn from pools of random values: token ids and log-probs as incompressible as real
 # ones (TOAST compresses a repeated value to almost nothing), sliced at a random offset per segment
 _RNG = random.Random(0)
@@ -278,7 +279,6 @@ class Instance(Api, Held):
         self.capacity = m.Capacity(max_running=c["slots"], kv_capacity=c["kv_capacity"])
         self.version = SHARED["version"]
         self.held: dict[int, dict] = {}
-        ENGINES.append(self)
         self.ends = []
         self.pending: list[dict] = []  # report items not sent yet, batched as the real worker
         self.inbox: list[m.PollOut] = []
@@ -291,6 +291,7 @@ class Instance(Api, Held):
         self.owed = False  # a report went without the snapshot
         checkpoint = now - random.uniform(0, c["checkpoint_s"])
         poller = gevent.spawn(self.poll_loop)
+        ENGINES.add(self)
         try:
             while True:
                 gevent.sleep(0.01)  # an engine step
@@ -316,6 +317,7 @@ class Instance(Api, Held):
                     self.heartbeat()
         finally:
             poller.kill()
+            ENGINES.discard(self)
 
     def register(self) -> bool:
         body = m.RegisterIn(name="capacity", version=self.version, lease_seconds=CFG["lease_s"], capacity=self.capacity)
@@ -384,7 +386,6 @@ class Member(Held):
         self.capacity = m.Capacity(max_running=CFG["slots"], kv_capacity=CFG["kv_capacity"])
         self.version: int = SHARED["version"]  # type: ignore[assignment]
         self.held, self.pending, self.ends = {}, [], []
-        ENGINES.append(self)
         self.heartbeats: list[m.HeartbeatIn] = []  # owed, in order: one per sync
         self.instance = 0
         self.owed = False
@@ -427,6 +428,7 @@ class Node(Api):
             mem.checkpoint = now - random.uniform(0, c["checkpoint_s"])
         self.members = members
         poller = gevent.spawn(self.poll_loop)
+        ENGINES.update(members)
         try:
             while True:
                 gevent.sleep(0.01)  # an engine step
@@ -457,6 +459,7 @@ class Node(Api):
                     self.flush_all()
         finally:
             poller.kill()
+            ENGINES.difference_update(members)
 
     def flush_all(self):
         """Syncs until nothing forced is left: each takes every member's pending reports (one

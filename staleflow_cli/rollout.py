@@ -189,7 +189,6 @@ def rollout_worker(
     ps_login(pc, client, run_id, "rollout")
     weights: WeightSource | None
     if instances > 1:
-        checkpoints = {"checkpoint_tokens": checkpoint_tokens, "checkpoint_every_s": checkpoint_every}
         _node(
             client,
             run_id,
@@ -199,9 +198,10 @@ def rollout_worker(
             max_running,
             cost,
             time_scale,
-            phi_wait,
-            heartbeat,
-            checkpoints,
+            phi_wait=phi_wait,
+            heartbeat_s=heartbeat,
+            checkpoint_tokens=checkpoint_tokens,
+            checkpoint_every_s=checkpoint_every,
         )
         return
     if engine is Engine.sim:
@@ -269,11 +269,10 @@ def _node(
     max_running: int,
     cost: CostModel | None,
     time_scale: float | None,
-    phi_wait: int | None,
-    heartbeat: float,
-    checkpoints: dict[str, Any],
+    **worker_kw: Any,
 ) -> None:
-    """`k` sim instances in this process (workers/rollout/node.py), each in its own thread."""
+    """`k` sim instances in this process (workers/rollout/node.py), each in its own thread;
+    `worker_kw` goes to every instance's RolloutWorker."""
     import threading
 
     from workers.rollout.node import Node
@@ -291,10 +290,8 @@ def _node(
                 eng,
                 name=f"{base}-{i}",
                 weights=weights,
-                phi_wait=phi_wait,
-                heartbeat_s=heartbeat,
                 node=node,
-                **checkpoints,
+                **worker_kw,
             )
         )
 
