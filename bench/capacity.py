@@ -173,6 +173,7 @@ def run_step(args, cad: dict, bases: list[str], admin: StaleFlowClient, report: 
             report_s=0.05,
             heartbeat_s=1.0,  # the least time between two snapshots a report carries
             checkpoint_s=args.checkpoint_s or cad["checkpoint_s"],
+            wire=args.wire,
             snapshot_every_s=5.0,  # the worker's default: a third of the lease
             poll_wait_s=5.0,
             observation_tokens=32,  # an environment's answer between turns
@@ -373,6 +374,12 @@ def main() -> None:
         default=None,
         help="every held sample as a partial segment this often (default: the worker's rule at the cost model's "
         f"decode rate, {CHECKPOINT_TOKENS} tokens or {CHECKPOINT_EVERY_S:g} s; the code before 5 s)",
+    )
+    ap.add_argument(
+        "--wire",
+        choices=("packed", "lists"),
+        default="packed",
+        help="reports' token ids and log-probs as the worker's client sends them (packed) or as JSON lists",
     )
     ap.add_argument("--keep-going", action="store_true", help="ramp on past a step outside the service level")
     ap.add_argument("--report-dir", type=Path, default=Path("reports"))

@@ -10,8 +10,8 @@ cadence over REST, with the requests and responses built from the `workers.wire`
   and reports renew the lease, so it heartbeats only for a snapshot a report left out (a second
   later), none sent for `snapshot_every_s` while it holds samples, or no call at all for half
   a lease; on a pull command it interrupts what it holds, reports it and heartbeats the new
-  version. Instead of an engine it
-  holds `slots` samples, each generating `tokens_per_s` tokens (the cost model's per-sample decode
+  version. Its reports' token ids and log-probs go packed, as the worker's client sends them
+  (`wire` "lists": JSON lists). Instead of an engine it holds `slots` samples, each generating `tokens_per_s` tokens (the cost model's per-sample decode
   rate) for an exponentially drawn lifetime whose mean keeps the instance at the cost model's
   sample rate; an agentic sample (`turns` > 1) ends each turn but the last as the real worker with an
   environment does: a partial segment, the observation (not generated), and back to the queue
@@ -45,9 +45,11 @@ import heapq
 import itertools
 import json
 import random
+import struct
 import sys
 import time
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
 
 from gevent import monkey
@@ -62,6 +64,7 @@ _HERE = Path(__file__).resolve().parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE] + [str(_HERE.parent)]
 
 from workers.wire import models as m
+from workers.wire.packed import FLOAT32, INT32, PACKED_CONTEXT, PackedArray
 from workers.wire.snapshot_mirror import SnapshotMirror
 
 CFG: dict = {}
@@ -82,15 +85,36 @@ _HOSTS = itertools.count()
 # interval would otherwise count what checkpoints hold back)
 ENGINES: set = set()
 # payloads drawn from pools of random values: token ids and log-probs as incompressible as real
-# ones (TOAST compresses a repeated value to almost nothing), sliced at a random offset per segment
+# ones (TOAST compresses a repeated value to almost nothing), sliced at a random offset per segment;
+# with the wire `packed` (the worker's client's default) they stay packed (workers.wire.packed) from
+# the pool to the request body, as the client's are from its arrays
 _RNG = random.Random(0)
 TOKEN_POOL = [_RNG.randrange(150_000) for _ in range(1 << 16)]
 LOGPROB_POOL = [-_RNG.expovariate(1.0) for _ in range(1 << 16)]
+TOKEN_BYTES = struct.pack(f"<{len(TOKEN_POOL)}i", *TOKEN_POOL)
+LOGPROB_BYTES = struct.pack(f"<{len(LOGPROB_POOL)}f", *LOGPROB_POOL)
 
 
-def payload(n: int) -> tuple[list[int], list[float]]:
+def payload(n: int) -> tuple[Sequence, Sequence]:
     at = random.randrange(len(TOKEN_POOL) - n) if n < len(TOKEN_POOL) else 0
-    return TOKEN_POOL[at : at + n], LOGPROB_POOL[at : at + n]
+    if CFG.get("wire") == "lists":
+        return TOKEN_POOL[at : at + n], LOGPROB_POOL[at : at + n]
+    return PackedArray(TOKEN_BYTES[4 * at : 4 * (at + n)], INT32), PackedArray(
+        LOGPROB_BYTES[4 * at : 4 * (at + n)], FLOAT32
+    )
+
+
+def joined(a: Sequence, b: Sequence) -> Sequence:
+    """Two stretches of one sample's output as one segment's array."""
+    if isinstance(a, PackedArray) and isinstance(b, PackedArray):
+        return PackedArray(a.raw + b.raw, a.kind)
+    return list(a) + list(b)
+
+
+def report_in(r: dict) -> m.ReportIn:
+    """A pending report as the request model; packed arrays go in as the packed strings the
+    model takes (kept packed: no Python object per element)."""
+    return m.ReportIn.model_validate({k: v.base64() if isinstance(v, PackedArray) else v for k, v in r.items()})
 
 
 def unsent(now: float) -> float:
@@ -124,7 +148,8 @@ class Api(FastHttpUser):
             headers["Idempotency-Key"] = uuid.uuid4().hex
         data = None
         if body is not None:
-            data = body.model_dump_json(exclude_none=True).encode()
+            context = PACKED_CONTEXT if CFG.get("wire") != "lists" else None
+            data = body.model_dump_json(exclude_none=True, context=context).encode()
             headers["Content-Type"] = "application/json"
         url = f"/v1/runs/{self.run_id}{path}{params}"
         with self.client.request(method, url, data=data, headers=headers, name=name, catch_response=True) as r:
@@ -231,8 +256,8 @@ class Held:
         prev = next((r for r in reversed(self.pending) if r["sample_id"] == sid), None)
         tokens, logprobs = payload(n)
         if prev is not None and prev["kind"] == "partial" and prev["version"] == self.version:
-            prev["tokens"] += tokens
-            prev["logprobs"] += logprobs
+            prev["tokens"] = joined(prev["tokens"], tokens)
+            prev["logprobs"] = joined(prev["logprobs"], logprobs)
             prev["kind"] = kind
             return
         if n == 0 and kind == "partial":
@@ -359,7 +384,7 @@ class Instance(Api, Held):
             # the last call carries the snapshot when one is due (at most one a heartbeat_s)
             due = time.monotonic() - self.last["snapshot"] >= CFG["heartbeat_s"]
             snap = self.snapshot() if not later and due else None
-            body = m.ReportsIn(reports=[m.ReportIn.model_validate(r) for r in batch], snapshot=snap)
+            body = m.ReportsIn(reports=[report_in(r) for r in batch], snapshot=snap)
             if self.call("report", f"/instances/{self.instance}/segments", body, m.ReportsOut, key=True) is not None:
                 SHARED["finished"] += sum(r["kind"] == "finished" for r in batch)
                 SHARED["tokens"] += sum(len(r["tokens"]) for r in batch)
@@ -483,7 +508,7 @@ class Node(Api):
                 snap = mem.snapshot() if batch and not later and rides else None
                 item = m.NodeItemIn(
                     instance_id=mem.instance,
-                    reports=[m.ReportIn.model_validate(r) for r in batch],
+                    reports=[report_in(r) for r in batch],
                     snapshot=snap,
                     heartbeat=beat,
                 )
