@@ -222,6 +222,8 @@ segments = Table(
     # one key per run: B-tree deduplication keeps an entry to a few bytes per resident segment
     Index("ix_segments_resident", "run_id", postgresql_where=text("token_ids IS NOT NULL")),
     CheckConstraint("generated = (version IS NOT NULL)", name="observation_unversioned"),
+    # a checkpoint's row (~3.9 KB at 480 tokens) stays whole in the heap, two to a page (0021)
+    postgresql_with={"toast_tuple_target": "4080"},
 )
 
 buffers = Table(

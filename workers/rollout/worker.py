@@ -61,8 +61,9 @@ ENV_POLL_S = 0.005  # idle engine, environment calls in flight: how often to loo
 CHECKPOINT_RIDES_AT = 0.8
 # what a killed worker loses at most per sample: the unsent tokens of a stretch, or its time
 # (a slow decode); a crash costs the re-prefill of every held sample elsewhere anyway, which
-# at these bounds is the larger part (docs/scaling.md, "Checkpoints")
-CHECKPOINT_TOKENS = 512
+# at these bounds is the larger part (docs/scaling.md, "Checkpoints"). A row of n tokens is
+# ~110 + 8n bytes, kept whole in the heap up to 4,080 (two to a page, migration 0021): ~496 tokens
+CHECKPOINT_TOKENS = 480
 CHECKPOINT_EVERY_S = 60.0
 
 # (target version) -> (state dict, version); None for engines without weights (sim)
