@@ -11,10 +11,10 @@ cadence over REST, with the requests and responses built from the `workers.wire`
   later), none sent for `snapshot_every_s` while it holds samples, or no call at all for half
   a lease; on a pull command it interrupts what it holds, reports it and heartbeats the new
   version. Its reports' token ids and log-probs go packed, as the worker's client sends them
-  (`wire` "lists": JSON lists). Instead of an engine it holds `slots` samples, each generating `tokens_per_s` tokens (the cost model's per-sample decode
-  rate) for an exponentially drawn lifetime whose mean keeps the instance at the cost model's
-  sample rate; an agentic sample (`turns` > 1) ends each turn but the last as the real worker with an
-  environment does: a partial segment, the observation (not generated), and back to the queue
+  (`wire` "lists": JSON lists). Instead of an engine it holds `slots` samples, each generating
+  `tokens_per_s` tokens (the cost model's per-sample decode rate) for an exponentially drawn
+  lifetime whose mean keeps the instance at the cost model's sample rate; an agentic sample
+  (`turns` > 1) ends each turn but the last as the real worker with an environment does: a partial segment, the observation (not generated), and back to the queue
   to be routed again for the next turn.
 * `Coordinator` (one, in the first load process): keeps prompts queued, routes queued samples
   to instances with free slots (from the run's snapshot, read as what changed since its last
