@@ -125,7 +125,7 @@ def rollout_worker(
         "--checkpoint-tokens",
         min=0,
         help="a held sample's unsent tokens that make a checkpoint (a partial segment) due: what a killed "
-        "worker loses at most per sample; 0: time only",
+        "worker loses at most per sample (up to ~496 a checkpoint's row fits two to a database page); 0: time only",
     ),
     checkpoint_every: float = typer.Option(
         CHECKPOINT_EVERY_S,
