@@ -7,7 +7,8 @@ incompressible data, then chunks in the TOAST table and their index entries, ~21
 insert. Up to 4,080 bytes, the most of which two rows fit an 8-KB page, the row now stays whole:
 ~7 buffers, half the backend's time for the insert and 4-7% less WAL at 256-496 tokens, and no
 more than 4% more heap for them (two rows a page). A larger row is toasted down to that size
-as before. It applies to rows written from now on.
+as before. It applies to rows written from now on: no rewrite, and the ALTER takes a SHARE
+UPDATE EXCLUSIVE lock (reports and reads go on).
 
 Revision ID: 0021
 Revises: 0020
