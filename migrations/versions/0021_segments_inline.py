@@ -5,8 +5,8 @@ A checkpoint's partial segment carries up to CHECKPOINT_TOKENS tokens (workers/r
 PostgreSQL's default target (~2 KB) its arrays went to TOAST: a compression attempt on
 incompressible data, then chunks in the TOAST table and their index entries, ~21 buffers an
 insert. Up to 4,080 bytes, the most of which two rows fit an 8-KB page, the row now stays whole:
-~7 buffers, half the backend's time for the insert and 4-7% less WAL at 256-496 tokens, and no
-more than 4% more heap for them (two rows a page). A larger row is toasted down to that size
+~7 buffers, half the backend's time for the insert and 4-7% less WAL at 256-496 tokens; 4% less
+heap at 480 (two rows a page instead of their TOAST chunks), 10-14% more at 256-384. A larger row is toasted down to that size
 as before. It applies to rows written from now on: no rewrite, and the ALTER takes a SHARE
 UPDATE EXCLUSIVE lock (reports and reads go on).
 
