@@ -19,7 +19,8 @@ call of an instance refused with 409). The ramp doubles from `--start` until a s
 
 Per step: instances, calls/s, calls per finished sample, p50/p99 per endpoint, CPU per call of
 the PostgreSQL processes, of the API replicas and of the load generator (psutil, microseconds
-per call), the database's connections (pg_stat_activity), and the WAL the server wrote per
+per call), the server's CPU per finished sample (database and API: the work itself, which bounds
+a step once its calls coalesce under load), the database's connections (pg_stat_activity), and the WAL the server wrote per
 generated token (pg_current_wal_lsn over the window; tokens generated: those reported plus
 what the held samples had not yet reported at the window's end, less at its start; random
 token ids and log-probs, as incompressible as real ones). The load generator shares the
@@ -285,6 +286,9 @@ def summarize(instances: int, got: list[dict], cpus, load_cpu: CPU, conns: list[
         db_cores=cpus[0].seconds / seconds,
         api_cores=cpus[1].seconds / seconds,
         load_cores=load_cpu.seconds / seconds,
+        # the work itself, whatever the calls it took: what bounds a step once calls coalesce
+        db_ms_per_sample=cpus[0].seconds / finished * 1e3 if finished else float("nan"),
+        api_ms_per_sample=cpus[1].seconds / finished * 1e3 if finished else float("nan"),
         connections=max(conns) if conns else 0,
         tokens=tokens,  # generated tokens reported in the window
         generated=generated,  # generated in the window: reported + (held unsent at its end - at its start)
@@ -315,6 +319,10 @@ def show(step: dict) -> None:
     print(
         f"  CPU per call: db {s['db_us']:.0f} us, api {s['api_us']:.0f} us, load generator {s['load_us']:.0f} us "
         f"(cores busy: db {s['db_cores']:.2f}, api {s['api_cores']:.2f}, load {s['load_cores']:.2f})"
+    )
+    print(
+        f"  server CPU per finished sample ({s['finished'] / s['seconds']:.1f}/s): db {s['db_ms_per_sample']:.1f} ms, "
+        f"api {s['api_ms_per_sample']:.1f} ms"
     )
     print(
         f"  tokens generated {s['generated']:,.0f} ({s['generated'] / s['seconds']:,.0f}/s; reported {s['tokens']:,}), "
@@ -425,7 +433,7 @@ def main() -> None:
             pg.stop_fast()
     print(
         f"\n{'instances':>9}{'calls/s':>9}{'calls/sample':>13}{'inst/s':>7}{'p99 ms':>8}{'worst p99':>10}{'pull p99':>9}"
-        f"{'db us':>7}{'api us':>7}{'load us':>8}{'conns':>6}{'errors':>7}  ok"
+        f"{'db us':>7}{'api us':>7}{'load us':>8}{'ms/sample':>10}{'conns':>6}{'errors':>7}  ok"
     )
     for s in steps:
         d = "-" if s["delivery_p99_ms"] is None else f"{s['delivery_p99_ms']:.0f}"
@@ -433,6 +441,7 @@ def main() -> None:
             f"{s['instances']:>9}{s['calls_per_s']:>9.0f}{s['calls_per_sample']:>13.1f}"
             f"{s['instance_calls_per_s']:>7.2f}{s['p99_ms']:>8.0f}"
             f"{s['worst_p99_ms']:>10.0f}{d:>9}{s['db_us']:>7.0f}{s['api_us']:>7.0f}{s['load_us']:>8.0f}"
+            f"{s['db_ms_per_sample'] + s['api_ms_per_sample']:>10.1f}"
             f"{s['connections']:>6}{s['errors']:>7}  {'yes' if s['ok'] else 'no'}"
         )
     report.mkdir(parents=True, exist_ok=True)

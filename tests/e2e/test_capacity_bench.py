@@ -46,7 +46,7 @@ def test_quick_capacity_run_has_no_errors(tmp_path, per_node):
     ), tail
     steps = [ln.split() for ln in lines if re.match(r"\s+\d+\s+\d+\s+[\d.]+\s", ln)]
     assert steps, tail
-    for row in steps:  # instances calls/s calls/sample inst/s p99 worst pull db api load conns errors ok
-        assert int(row[0]) > 0 and float(row[2]) > 0 and row[11] == "0", tail
+    for row in steps:  # instances calls/s calls/sample inst/s p99 worst pull db api load ms/sample conns errors ok
+        assert int(row[0]) > 0 and float(row[2]) > 0 and float(row[10]) > 0 and row[12] == "0", tail
     assert re.search(r"command delivery p99 \d+ ms \(\d+ pulls\)", out.stdout), tail
     assert "error:" not in out.stdout, tail
