@@ -21,9 +21,9 @@ Per step: instances, calls/s, calls per finished sample, p50/p99 per endpoint, C
 the PostgreSQL processes, of the API replicas and of the load generator (psutil, microseconds
 per call), the server's CPU per finished sample (database and API: the work itself, which bounds
 a step once its calls coalesce under load), the database's connections (pg_stat_activity), and
-the WAL the server wrote per generated token (pg_current_wal_lsn over the window; tokens generated: those reported plus
-what the held samples had not yet reported at the window's end, less at its start; random
-token ids and log-probs, as incompressible as real ones). The load generator shares the
+the WAL the server wrote per generated token (pg_current_wal_lsn over the window; tokens
+generated: those reported plus what the held samples had not yet reported at the window's end,
+less at its start; random token ids and log-probs, as incompressible as real ones). The load generator shares the
 machine's cores with the server: its CPU is reported so the bound is visible.
 
     python bench/capacity.py [--replicas 2] [--processes 2] [--setup qwen_14b] [--turns 1]
