@@ -156,11 +156,13 @@ def test_checkpoints_and_finish_in_one_report_window_are_one_report(served):
     assert len(admin.claim(run, limit=100, wait=0)) == 4
 
 
-def test_a_checkpoint_is_due_after_its_tokens_not_its_clock(served):
+@pytest.mark.parametrize("report_every_s", [0.05, 3.0])
+def test_a_checkpoint_is_due_after_its_tokens_not_its_clock(served, report_every_s):
     """With a token bound and no time bound, a long sample is checkpointed every
     `checkpoint_tokens` of its decode (80% of it when a report goes anyway): its partial
     segments each carry about that many tokens, whatever the decode rate, and together with the
-    finishing one they are the uninterrupted answer."""
+    finishing one they are the uninterrupted answer. Checkpoints that wait for the report timer
+    (3 s: several fall due before it) stay segments of their own, never one grown past the bound."""
     server, admin, run = served
     admin.enqueue(run, [(f"c{i}", [1, 2, 3 + i]) for i in range(3)])
     queued = sorted(q.sample_id for q in admin.snapshot(run).queued)
@@ -176,6 +178,7 @@ def test_a_checkpoint_is_due_after_its_tokens_not_its_clock(served):
         checkpoint_tokens=k,
         checkpoint_every_s=0,
         heartbeat_s=0.2,
+        report_every_s=report_every_s,
     )
     t = _start(w)
     admin.route(run, [(longest, w.instance_id)])

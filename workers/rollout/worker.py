@@ -14,7 +14,9 @@ pending segments, coalesced over `report_every_s`. A checkpoint (every held stre
 tokens as a partial segment) is due when a stretch holds `checkpoint_tokens` unsent tokens or
 `checkpoint_every_s` passed: what a killed worker loses, at most, per sample. Counted in tokens,
 a checkpoint row carries a few hundred of them whatever the decode rate, so the rows (the
-database's work per report) follow the tokens, not the clock. A report that goes anyway takes
+database's work per report) follow the tokens, not the clock; a checkpoint still unsent when
+the next is due (the report timer, an API that is slow or away) is extended only up to
+`checkpoint_tokens`, past them the next is a segment of its own. A report that goes anyway takes
 the checkpoint along once 80% of either is reached. A report carries the instance's snapshot
 when one is due: at most one a `heartbeat_s` (the snapshot's staleness, as when heartbeats
 came once a second), sooner for a change the coordinator cannot predict. A heartbeat goes
@@ -424,8 +426,11 @@ class RolloutWorker:
             and last["kind"] == "partial"
             and last["attempt"] == held.attempt
             and last["version"] == version
+            and (self.checkpoint_tokens <= 0 or len(last["tokens"]) + len(new_t) <= self.checkpoint_tokens)
         ):
-            # one report per sample per batch: extend the unsent checkpoint instead
+            # one report per sample per batch: extend the unsent checkpoint instead, up to a
+            # checkpoint's tokens (a row stays within the size the segments table keeps whole in
+            # its heap); past them a segment of its own, sent in the next call
             last["tokens"] += list(new_t)
             last["logprobs"] += list(new_lp)
             last["kind"], last["finish_reason"] = kind, reason
