@@ -152,12 +152,5 @@ class Supervisor(Cluster):
         self._killed.update(p.popen.pid for p in self.procs if name is None or p.name == name)  # expected exits
         super().stop(name, timeout)
 
-    def __exit__(self, *exc) -> None:
-        """SIGTERM every worker at once (not one after another), then the API replicas last:
-        the others deregister through them."""
-        for group in ([p for p in self.procs if not p.name.startswith("api")], self.procs):
-            self._killed.update(p.popen.pid for p in group)  # expected exits
-            self.terminate(group)
-
     def alive(self, names: Sequence[str] | None = None) -> bool:
         return all(self.current[n].popen.poll() is None for n in (names or self.current))

@@ -116,7 +116,14 @@ class Cluster:
                 raise ProcessDied(f"{p.name} exited with code {rc}; its log ends:\n{p.tail()}")
 
     def stop(self, name: str | None = None, timeout: float = 20.0) -> None:
-        self.terminate([p for p in self.procs if name is None or p.name == name], timeout)
+        """Stop the process `name`, or all of them: every worker at once, then the API replicas
+        (the workers deregister and send their last reports through them: stopped together, a
+        worker would wait out its outage retries for the API it lost)."""
+        if name is not None:
+            self.terminate([p for p in self.procs if p.name == name], timeout)
+            return
+        self.terminate([p for p in self.procs if not p.name.startswith("api")], timeout)
+        self.terminate(self.procs, timeout)
 
     @staticmethod
     def terminate(targets: Sequence[Proc], timeout: float = 20.0) -> None:
@@ -138,8 +145,4 @@ class Cluster:
         return self
 
     def __exit__(self, *exc) -> None:
-        # the API last: the others deregister through it
-        for p in self.procs:
-            if p.name != "api":
-                self.stop(p.name)
         self.stop()
