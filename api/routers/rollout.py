@@ -94,7 +94,10 @@ def heartbeat(
 def deregister(run_id: RunId, instance_id: InstanceId, state: State, who: Principal = Rollout) -> DeregisterOut:
     """Clean shutdown: the instance's running samples go back to the queue with their tokens."""
     state.instance_in_run(run_id, instance_id, who)
-    return DeregisterOut(instance_id=instance_id, requeued=state.protocol.deregister_instance(instance_id))
+    out = DeregisterOut(instance_id=instance_id, requeued=state.protocol.deregister_instance(instance_id))
+    # its open long-poll answers now (409), not at its timeout
+    state.notifier.publish(run_id, instance_topic(instance_id))
+    return out
 
 
 @router.post("/instances/{instance_id}/poll", response_model=PollOut, responses=errors(409))

@@ -54,6 +54,15 @@ def _start(worker):
     return t
 
 
+def _instance_state(db_url, instance_id):
+    eng = make_engine(db_url)
+    try:
+        with eng.connect() as c:
+            return c.execute(text("SELECT state FROM instances WHERE id = :i"), {"i": instance_id}).scalar_one()
+    finally:
+        eng.dispose()
+
+
 def _segments(db_url, sample_id):
     eng = make_engine(db_url)
     try:
@@ -190,6 +199,20 @@ def test_a_checkpoint_is_due_after_its_tokens_not_its_clock(served, report_every
     assert len(segs) >= len(expected[longest][0]) // k  # checkpointed as it decoded, not once at the end
     assert all(0.8 * k <= n <= k for n in sizes[:-1]), sizes
     assert [tok for s in segs for tok in unpack_tokens(s.token_ids)] == expected[longest][0]
+
+
+def test_a_stopped_worker_does_not_wait_out_its_long_poll(served):
+    """An idle worker stopped while its inbox long-polls (30 s, the server's cap) deregisters,
+    which answers that poll at once: the worker's run ends long before the poll's wait would."""
+    server, admin, run = served
+    w = RolloutWorker(server.client(token(server.db_url, "rollout", run)), run, _engine(), name="idle", poll_wait_s=30)
+    t = _start(w)
+    _wait(lambda: w._inbox is not None and w._inbox.last_poll > 0)
+    time.sleep(0.5)  # the poll is at the server, waiting
+    w.stop()
+    t.join(15)
+    assert not t.is_alive()
+    assert _instance_state(server.db_url, w.instance_id) == "deregistered"
 
 
 def test_a_worker_whose_lease_lapsed_registers_again_and_keeps_serving(served):

@@ -85,6 +85,9 @@ class NodeInbox:
     def start(self) -> None:
         pass
 
+    def stop(self) -> None:
+        pass
+
     def close(self) -> None:
         pass
 

@@ -192,7 +192,7 @@ class RolloutWorker:
                 raise
             log.warning("stopping with the API unavailable")
         finally:
-            inbox.close()
+            inbox.stop()  # closed after the deregistration, which ends the long-poll in flight
             if self.stats.commands:
                 log.info(
                     "%s commands applied, %.1f ms after delivery on average (the engine step in progress)",
@@ -208,6 +208,7 @@ class RolloutWorker:
                 log.warning("deregister failed (unsent work is requeued when the lease lapses): %s", e)
             finally:
                 self.client.give_up_at = None
+                inbox.close()
         return self.stats
 
     def _looping(self) -> bool:

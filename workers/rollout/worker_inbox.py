@@ -51,8 +51,13 @@ class Inbox:
     def start(self) -> None:
         self._thread.start()
 
+    def stop(self) -> None:
+        """Send no further poll (the one in flight still ends, its delivery dropped)."""
+        self._stop.set()
+
     def close(self) -> None:
-        """Stop polling; waits for the poll in flight (at most `wait_s` plus a round trip)."""
+        """Stop polling; waits for the poll in flight (at most `wait_s` plus a round trip: the
+        instance's deregistration answers it at once)."""
         self._stop.set()
         self._thread.join(self.wait_s + 5.0)
 
