@@ -92,7 +92,8 @@ def heartbeat(
 
 @router.delete("/instances/{instance_id}", response_model=DeregisterOut)
 def deregister(run_id: RunId, instance_id: InstanceId, state: State, who: Principal = Rollout) -> DeregisterOut:
-    """Clean shutdown: the instance's running samples go back to the queue with their tokens."""
+    """Clean shutdown: the instance's running samples go back to the queue with their tokens,
+    and a long-poll of the instance still open is answered at once (409: the instance is gone)."""
     state.instance_in_run(run_id, instance_id, who)
     out = DeregisterOut(instance_id=instance_id, requeued=state.protocol.deregister_instance(instance_id))
     # its open long-poll answers now (409), not at its timeout
