@@ -21,6 +21,7 @@ from . import errors
 from .auth import TokenCache
 from .database_watch import DatabaseWatch
 from .deps import AppState
+from .draining import drain_on_signals
 from .errors import error_body
 from .group_commit import GroupCommit
 from .metrics import LatencyMiddleware, Metrics
@@ -73,6 +74,7 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         await state.notifier.start()
+        restore_signals = drain_on_signals(state.notifier)
         watcher = await watch.start()
         pruner = asyncio.create_task(_prune_idempotency(state)) if settings.idempotency_ttl > 0 else None
         _freeze_startup_objects()
@@ -82,6 +84,7 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
             watcher.cancel()
             if pruner is not None:
                 pruner.cancel()
+            restore_signals()
             await state.notifier.stop()
             engine.dispose()
 

@@ -206,7 +206,7 @@ async def long_poll(
         events = [notifier.event(run_id, t) for t in topics]
         result = await run_in_threadpool(fetch)
         remaining = deadline - time.monotonic()
-        if done(result) or remaining <= 0 or await request.is_disconnected():
+        if done(result) or remaining <= 0 or notifier.draining or await request.is_disconnected():
             return result
         with state.metrics.waiting(topics[0]):
             recheck = state.settings.notified_poll_interval if notifier.listening else state.settings.poll_interval

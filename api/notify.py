@@ -45,6 +45,7 @@ class Notifier:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self.listening = False  # the LISTEN connection is up (for /readyz and tests)
+        self.draining = False  # the server is stopping: long-polls answer what they have (api/draining.py)
         self.connection = Outage("the LISTEN connection", log)  # one log line per loss, one when back
 
     # ---- waiting (event-loop thread only) ---------------------------------------------------
@@ -68,6 +69,11 @@ class Notifier:
                 prefix = topic + ":"
                 for key in [k for k in self._events if k[0] == run_id and k[1].startswith(prefix)]:
                     self._events.pop(key).set()
+
+    def drain(self) -> None:
+        """Every long-poll, waiting or to come, answers what it has now (event-loop thread)."""
+        self.draining = True
+        self._wake_all()
 
     def _wake_all(self) -> None:
         events, self._events = self._events, {}
