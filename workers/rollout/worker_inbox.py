@@ -52,7 +52,8 @@ class Inbox:
         self._thread.start()
 
     def stop(self) -> None:
-        """Send no further poll (the one in flight still ends, its delivery dropped)."""
+        """Send no further poll. The one in flight still ends; what it delivers is not read
+        (the instance's deregistration requeues it, or refuses the poll if it comes first)."""
         self._stop.set()
 
     def close(self) -> None:
