@@ -160,9 +160,10 @@ async def stream(
     run_id: RunId, request: Request, state: State, who: Annotated[Principal, Depends(_stream_viewer)]
 ) -> AsyncIterator[ServerSentEvent]:
     """Server-sent events: the whole dashboard (as from `GET .../dashboard?audit=true`) as
-    each event's data, sent when it changed; re-read every second and after each publish."""
+    each event's data, sent when it changed; re-read every second and after each publish.
+    It ends when the server is told to stop (the browser's EventSource connects again)."""
     last, audit, audited_at = "", None, -AUDIT_EVERY_S
-    while not await request.is_disconnected():
+    while not state.notifier.draining and not await request.is_disconnected():
         woken = state.notifier.event(run_id, BATCH)
         panels: tuple[str, ...] = DASHBOARD_PANELS
         if time.monotonic() - audited_at >= AUDIT_EVERY_S:
