@@ -59,7 +59,7 @@ from staleflow_cli.launch import Cluster
 from staleflow_db import migrate
 from workers.client import StaleFlowClient
 from workers.reward.worker import CLAIM_LINGER_S
-from workers.rollout.worker import CHECKPOINT_EVERY_S, CHECKPOINT_TOKENS
+from workers.rollout.worker import CHECKPOINT_EVERY_S, CHECKPOINT_TOKENS, FINISH_SLACK_MAX_S, FINISH_SLACK_SHARE
 from workers.sim.setups import get_setup
 
 SLO_MS = 250.0
@@ -172,6 +172,8 @@ def run_step(args, cad: dict, bases: list[str], admin: StaleFlowClient, report: 
             claim_linger_s=args.claim_linger,
             lease_s=15.0,
             report_s=0.05,
+            finish_slack_max_s=args.finish_slack,
+            finish_slack_share=FINISH_SLACK_SHARE,
             heartbeat_s=1.0,  # the least time between two snapshots a report carries
             checkpoint_s=args.checkpoint_s or cad["checkpoint_s"],
             wire=args.wire,
@@ -375,6 +377,13 @@ def main() -> None:
         type=float,
         default=0.05,
         help="a node's report timer (its instances' pending reports wait at most this long; the worker's is 0.05)",
+    )
+    ap.add_argument(
+        "--finish-slack",
+        type=float,
+        default=FINISH_SLACK_MAX_S,
+        help="most seconds a finished sample's report waits for company (at most 1%% of its decode time; "
+        "the worker's --finish-slack); 0: at the report timer",
     )
     ap.add_argument(
         "--checkpoint-s",

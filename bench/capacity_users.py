@@ -44,6 +44,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import json
+import math
 import random
 import struct
 import sys
@@ -178,6 +179,7 @@ class Held:
     # load generator's CPU at 128 instances of 85 samples); entries of samples that left are skipped
     ends: list[tuple[float, int]]
     pending: list[dict]
+    due: float  # when the earliest pending report falls due (a finish's slack)
     instance: int
     last: dict[str, float]
     owed: bool
@@ -191,6 +193,7 @@ class Held:
             self.held[w.sample_id] = {
                 "attempt": w.attempt,
                 "token": w.route_token,
+                "routed": now,  # the stretch's start: a finish's slack is a share of its time
                 "since": now,  # tokens since the last segment accrue from here
                 "done": len(w.prefix_tokens),
                 "turn_len": life / c["turns"],
@@ -240,6 +243,7 @@ class Held:
                 "generated": False,
             }
         )
+        self.due = min(self.due, now)
         del self.held[sid]
 
     def segment(self, sid: int, now: float, kind: str | None, least: int = 0):
@@ -253,6 +257,9 @@ class Held:
         if kind is None:
             self.pending = [r for r in self.pending if r["sample_id"] != sid]
             return
+        # the worker's rule: a finish waits for company, at most a share of its stretch's time
+        slack = min(CFG["finish_slack_max_s"], CFG["finish_slack_share"] * (now - h["routed"]))
+        self.due = min(self.due, now + (slack if kind == "finished" else 0.0))
         prev = next((r for r in reversed(self.pending) if r["sample_id"] == sid), None)
         tokens, logprobs = payload(n)
         if prev is not None and prev["kind"] == "partial" and prev["version"] == self.version:
@@ -306,6 +313,7 @@ class Instance(Api, Held):
         self.held: dict[int, dict] = {}
         self.ends = []
         self.pending: list[dict] = []  # report items not sent yet, batched as the real worker
+        self.due = math.inf
         self.inbox: list[m.PollOut] = []
         if not self.register():
             gevent.sleep(1)
@@ -326,12 +334,12 @@ class Instance(Api, Held):
                 self.inbox.clear()
                 self.end_turns(now)
                 since = now - checkpoint
-                reporting = bool(self.pending) and now - self.last["report"] >= c["report_s"]
+                reporting = bool(self.pending) and now >= max(self.last["report"] + c["report_s"], self.due)
                 if since >= c["checkpoint_s"] or (reporting and since >= c["checkpoint_s"] * 0.8):
                     checkpoint = now  # due, or nearly and a report goes anyway: it rides along
                     for sid in list(self.held):
                         self.segment(sid, now, "partial")
-                if self.pending and now - self.last["report"] >= c["report_s"]:
+                if self.pending and now >= max(self.last["report"] + c["report_s"], self.due):
                     self.flush()
                 # a heartbeat only for what nothing else carried (the worker's `_heartbeat_due`;
                 # no preemption or environment wait here, so no unpredictable change)
@@ -376,6 +384,7 @@ class Instance(Api, Held):
         if not self.pending:
             return
         items, self.pending = self.pending, []
+        self.due = math.inf
         while items:  # one report per sample per batch: a turn and its observation go in two, in order
             batch, later, seen = [], [], set()
             for r in items:
@@ -411,6 +420,7 @@ class Member(Held):
         self.capacity = m.Capacity(max_running=CFG["slots"], kv_capacity=CFG["kv_capacity"])
         self.version: int = SHARED["version"]  # type: ignore[assignment]
         self.held, self.pending, self.ends = {}, [], []
+        self.due = math.inf
         self.heartbeats: list[m.HeartbeatIn] = []  # owed, in order: one per sync
         self.instance = 0
         self.owed = False
@@ -464,7 +474,9 @@ class Node(Api):
                 for mem in members:
                     mem.end_turns(now)
                 # a flush goes anyway: every member's checkpoint 80% due rides it
-                reporting = now - self.last_report >= c["node_report_s"] and any(mem.pending for mem in members)
+                reporting = now - self.last_report >= c["node_report_s"] and any(
+                    mem.pending and now >= mem.due for mem in members
+                )
                 hb = False
                 for mem in members:
                     since = now - mem.checkpoint
@@ -498,6 +510,7 @@ class Node(Api):
                     (later if r["sample_id"] in seen else batch).append(r)
                     seen.add(r["sample_id"])
                 mem.pending = later
+                mem.due = time.monotonic() if later else math.inf
                 beat = mem.heartbeats.pop(0) if mem.heartbeats else None
                 # a snapshot rides the flush once 80% due, as a checkpoint does: no heartbeat of its own later
                 rides = time.monotonic() - mem.last["snapshot"] >= CFG["heartbeat_s"] * 0.8

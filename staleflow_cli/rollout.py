@@ -33,7 +33,7 @@ from staleflow_cli.common import (
     run_sampling,
 )
 from workers.client import StaleFlowClient
-from workers.rollout.worker import CHECKPOINT_EVERY_S, CHECKPOINT_TOKENS
+from workers.rollout.worker import CHECKPOINT_EVERY_S, CHECKPOINT_TOKENS, FINISH_SLACK_MAX_S
 
 if TYPE_CHECKING:  # torch-backed or heavy: imported where used
     from workers.coordinator.cost_model import CostModel
@@ -127,6 +127,13 @@ def rollout_worker(
         help="a held sample's unsent tokens that make a checkpoint (a partial segment) due: what a killed "
         "worker loses at most per sample (up to ~496 a checkpoint's row fits two to a database page); 0: time only",
     ),
+    finish_slack: float = typer.Option(
+        FINISH_SLACK_MAX_S,
+        "--finish-slack",
+        min=0.0,
+        help="most seconds a finished sample's report waits for others to share its call (at most 1% of the "
+        "sample's decode time); 0: at the report timer",
+    ),
     checkpoint_every: float = typer.Option(
         CHECKPOINT_EVERY_S,
         "--checkpoint-every",
@@ -200,6 +207,7 @@ def rollout_worker(
             time_scale,
             phi_wait=phi_wait,
             heartbeat_s=heartbeat,
+            finish_slack_max_s=finish_slack,
             checkpoint_tokens=checkpoint_tokens,
             checkpoint_every_s=checkpoint_every,
         )
@@ -230,6 +238,7 @@ def rollout_worker(
         weights=weights,
         phi_wait=phi_wait,
         heartbeat_s=heartbeat,
+        finish_slack_max_s=finish_slack,
         checkpoint_tokens=checkpoint_tokens,
         checkpoint_every_s=checkpoint_every,
         turns=turns,

@@ -20,6 +20,7 @@ from staleflow_db.payloads import unpack_logprobs, unpack_tokens
 from workers.models.tiny_model import TinyConfig
 from workers.rollout.engines.base import FinishedEvent
 from workers.rollout.engines.torch_engine import TorchEngine
+from workers.rollout.node import Node
 from workers.rollout.worker import RolloutWorker
 
 CFG = TinyConfig(vocab_size=32, d_model=32, n_layers=1, n_heads=2, max_seq=512)
@@ -199,6 +200,77 @@ def test_a_checkpoint_is_due_after_its_tokens_not_its_clock(served, report_every
     assert len(segs) >= len(expected[longest][0]) // k  # checkpointed as it decoded, not once at the end
     assert all(0.8 * k <= n <= k for n in sizes[:-1]), sizes
     assert [tok for s in segs for tok in unpack_tokens(s.token_ids)] == expected[longest][0]
+
+
+def _finish_transactions(db_url, sample_ids):
+    """The transaction that wrote each sample's finishing segment (segments are append-only)."""
+    eng = make_engine(db_url)
+    try:
+        with eng.connect() as c:
+            rows = c.execute(
+                text(
+                    "SELECT sample_id, xmin::text FROM segments WHERE sample_id = ANY(:s) AND finish_reason IS NOT NULL"
+                ),
+                {"s": list(sample_ids)},
+            ).all()
+        return {sid: xid for sid, xid in rows}
+    finally:
+        eng.dispose()
+
+
+@pytest.mark.parametrize(
+    ("on_node", "share", "most_s", "together"),
+    [
+        (False, 0.0, 30.0, False),  # no slack: each finish at the report timer
+        (False, None, 30.0, True),  # the first waits for the second
+        (False, None, 0.0, False),  # the cap bounds the wait
+        (True, None, 30.0, True),  # on a node: another instance's finish shares the flush
+    ],
+)
+def test_a_finish_waits_for_company_within_its_slack(served, on_node, share, most_s, together):
+    """A finished sample's report waits at most `finish_slack_share` of its stretch's time and at
+    most `finish_slack_max_s`: two samples decoding together, the shorter finishing well before
+    the longer, go in one call (one transaction) when the shorter's slack outlasts the gap, and
+    in two when either bound is 0. On a node the two run on two instances: one flush, one
+    transaction."""
+    server, admin, run = served
+    admin.enqueue(run, [(f"f{i}", [1, 2, 3 + i]) for i in range(3)])
+    queued = sorted(q.sample_id for q in admin.snapshot(run).queued)
+    length = {sid: len(_uninterrupted([1, 2, 3 + i // 2], sid, MAX_RESPONSE)[0]) for i, sid in enumerate(queued)}
+    short, long = min(length, key=length.get), max(length, key=length.get)
+    assert length[long] - length[short] >= 100  # a gap of 100+ decode steps: far more than the report timer
+    # the short one's slack outlasts the long one's decode several times over
+    share = 3 * length[long] / length[short] if share is None else share
+    client = server.client(token(server.db_url, "rollout", run))
+    node = Node(client, run, poll_wait_s=1.0) if on_node else None
+    workers = [
+        RolloutWorker(
+            client,
+            run,
+            _engine(),
+            name=f"s{k}",
+            finish_slack_share=share,
+            finish_slack_max_s=most_s,
+            node=node,
+        )
+        for k in range(2 if on_node else 1)
+    ]
+    if node is not None:
+        node.start()
+    threads = [_start(w) for w in workers]
+    admin.route(run, [(short, workers[0].instance_id), (long, workers[-1].instance_id)])
+    _wait(lambda: sum(w.stats.finished for w in workers) == 2 and not any(w.pending for w in workers))
+    for w, t in zip(workers, threads, strict=True):
+        w.stop()
+        t.join(30)
+    if node is not None:
+        node.close()
+    xids = _finish_transactions(server.db_url, [short, long])
+    assert len(xids) == 2
+    assert (xids[short] == xids[long]) is together, xids
+    waited = sum(w.stats.finish_wait_s for w in workers)
+    if not together:  # each went at once: no slack to wait out
+        assert waited < 1.0, waited
 
 
 def test_a_stopped_worker_does_not_wait_out_its_long_poll(served):

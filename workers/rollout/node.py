@@ -6,7 +6,8 @@ Each instance is a `RolloutWorker` in its own thread (its engine steps in parall
 others', as on their own GPUs); what it would send by itself goes to the node instead:
 
 - Reports and heartbeats: one flush thread sends them. A flush starts when any instance has a
-  report due (the node's one report timer, `report_every_s`) or a heartbeat; it asks every other
+  report due (the node's one report timer, `report_every_s`, once its earliest pending report
+  is due: a finish waits out its slack) or a heartbeat; it asks every other
   instance to hand over what it has pending at the end of its current step (at most `gather_s`
   is waited for them), and sends everything in one sync: the instances share one report timer,
   so a busy node of K instances makes one flush where K instances made K reports. Outcomes are
@@ -147,9 +148,6 @@ class Node:
     def due_at(self) -> float:
         """The node's report timer: a pending report goes once the monotonic clock reaches it."""
         return self.last_flush + self.report_every_s
-
-    def due(self) -> bool:
-        return time.monotonic() >= self.due_at
 
     def hand(self, worker: RolloutWorker, part: Part | None, force: bool = False) -> None:
         """Hand over `part` (None: nothing pending, to a flush that asked); `force` sends it at

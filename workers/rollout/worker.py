@@ -7,26 +7,27 @@ checkpoint long stretches as partial segments so a crash loses little, and pull 
 when the coordinator says so. A lost route (409) drops the sample locally: its late result
 is never applied.
 
-Calls follow transitions, not timers. Any call of the instance (poll, report) renews its
-lease, so a busy instance needs no heartbeat for it. A report goes when a segment ends
-(finished, interrupted, a turn answered) or a checkpoint is due: one call for every sample's
-pending segments, coalesced over `report_every_s`. A checkpoint (every held stretch's unsent
-tokens as a partial segment) is due when a stretch holds `checkpoint_tokens` unsent tokens or
-`checkpoint_every_s` passed: what a killed worker loses, at most, per sample. Counted in tokens,
-a checkpoint row carries a few hundred of them whatever the decode rate, so the rows (the
-database's work per report) follow the tokens, not the clock; a checkpoint still unsent when
-the next is due (the report timer, an API that is slow or away) is extended only up to
-`checkpoint_tokens`, past them the next is a segment of its own. A report that goes anyway takes
-the checkpoint along once 80% of either is reached. A report carries the instance's snapshot
-when one is due: at most one a `heartbeat_s` (the snapshot's staleness, as when heartbeats
-came once a second), sooner for a change the coordinator cannot predict. A heartbeat goes
-alone, at most one a `heartbeat_s`, only for what no report carried: such a change (a sample
-preempted to waiting, a trajectory gone to its environment, a new version), a snapshot a
-report left out (the next report usually takes it first), progress unsent for
+Calls follow transitions, not timers. Any call of the instance (poll, report) renews its lease,
+so a busy instance needs no heartbeat for it. A report goes when a segment ends (finished,
+interrupted, a turn answered) or a checkpoint is due: one call for every sample's pending
+segments, coalesced over `report_every_s`; a finished sample's report may wait for company, at
+most 1% of its stretch's time and `finish_slack_max_s` (FINISH_SLACK_SHARE). A checkpoint (every
+held stretch's unsent tokens as a partial segment) is due when a stretch holds
+`checkpoint_tokens` unsent tokens or `checkpoint_every_s` passed: what a killed worker loses, at
+most, per sample. Counted in tokens, a checkpoint row carries a few hundred of them whatever the
+decode rate, so the rows (the database's work per report) follow the tokens, not the clock; a
+checkpoint still unsent when the next is due (the report timer, an API that is slow or away) is
+extended only up to `checkpoint_tokens`, past them the next is a segment of its own. A report
+that goes anyway takes the checkpoint along once 80% of either is reached. A report carries the
+instance's snapshot when one is due: at most one a `heartbeat_s` (the snapshot's staleness, as
+when heartbeats came once a second), sooner for a change the coordinator cannot predict. A
+heartbeat goes alone, at most one a `heartbeat_s`, only for what no report carried: such a
+change (a sample preempted to waiting, a trajectory gone to its environment, a new version), a
+snapshot a report left out (the next report usually takes it first), progress unsent for
 `snapshot_every_s` while it holds samples, or no call at all for half a lease. An idle
 instance's long-polls (`poll_wait_s`) renew its lease; the inbox polls only while this loop
-ticks, so an engine that hangs stops renewing it, and the lease lapses and requeues its
-samples. An idle loop waits for a delivery, a due report or snapshot, or `idle_wait_s`.
+ticks, so an engine that hangs stops renewing it, and the lease lapses and requeues its samples.
+An idle loop waits for a delivery, a due report or snapshot, or `idle_wait_s`.
 
 With an environment (`turns`, turns.py), a finished stretch ends a turn: the environment
 steps in the background while the engine decodes the others (the snapshot reports the
@@ -38,6 +39,7 @@ it through the API with the reason.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -67,6 +69,14 @@ CHECKPOINT_RIDES_AT = 0.8
 # ~110 + 8n bytes, kept whole in the heap up to 4,080 (two to a page, migration 0021): ~496 tokens
 CHECKPOINT_TOKENS = 480
 CHECKPOINT_EVERY_S = 60.0
+# A finished sample's report may wait for company: at most this share of the time its stretch
+# took, and at most `finish_slack_max_s`. The finish that completes a group or a step is then
+# late by at most 1% of that sample's own decode, while a node's other instances (or this one's
+# other samples) finish meanwhile and one call carries them all (docs/scaling.md, "Calls, not
+# only transitions"). Interrupts, turns and checkpoints keep the report timer: the coordinator
+# or an environment waits for them.
+FINISH_SLACK_SHARE = 0.01
+FINISH_SLACK_MAX_S = 1.0
 
 # (target version) -> (state dict, version); None for engines without weights (sim)
 WeightSource = Callable[[int | None], tuple[Mapping[str, Any] | None, int]]
@@ -87,6 +97,7 @@ class _Held:
     budget: int = 0  # response tokens this stretch may still add (turn and observations)
     ended: FinishedEvent | None = None  # multi-turn: the turn its environment is answering
     ended_version: int = 0  # the version that generated that turn (a pull may come meanwhile)
+    started: float = field(default_factory=time.monotonic)  # when this stretch was delivered
 
 
 @dataclass
@@ -103,6 +114,8 @@ class WorkerStats:
     env_dropped: int = 0  # multi-turn: trajectories dropped because their environment failed
     # seconds commands waited in the inbox for the engine's step to end, summed
     command_wait_s: float = 0.0
+    # seconds finished samples' reports waited before they were sent (their slack), summed
+    finish_wait_s: float = 0.0
     extra: dict[str, float] = field(default_factory=dict)
 
 
@@ -119,6 +132,8 @@ class RolloutWorker:
         heartbeat_s: float = 1.0,
         lease_s: float = 15.0,
         report_every_s: float = 0.05,
+        finish_slack_max_s: float = FINISH_SLACK_MAX_S,
+        finish_slack_share: float = FINISH_SLACK_SHARE,
         checkpoint_tokens: int = CHECKPOINT_TOKENS,
         checkpoint_every_s: float = CHECKPOINT_EVERY_S,
         idle_wait_s: float = 1.0,
@@ -131,6 +146,7 @@ class RolloutWorker:
         self.weights, self.phi_wait = weights, phi_wait
         self.heartbeat_s, self.lease_s = heartbeat_s, lease_s
         self.report_every_s = report_every_s
+        self.finish_slack_max_s, self.finish_slack_share = finish_slack_max_s, finish_slack_share
         self.checkpoint_tokens, self.checkpoint_every_s = checkpoint_tokens, checkpoint_every_s
         self.idle_wait_s = idle_wait_s
         # a third of the lease: the longest a held sample's progress goes unsent, and an idle
@@ -141,6 +157,8 @@ class RolloutWorker:
         self.turns = turns
         self.held: dict[int, _Held] = {}
         self.pending: list[dict] = []  # reports not sent yet
+        self._due = math.inf  # when the earliest pending report falls due (a finish's slack)
+        self._finished_at: dict[int, float] = {}  # pending finished segments: when they ended
         self.stats = WorkerStats()
         self._stop = False
         now = time.monotonic()
@@ -199,6 +217,12 @@ class RolloutWorker:
                     self.stats.commands,
                     self.stats.command_wait_s / self.stats.commands * 1000,
                 )
+            if self.stats.finished:
+                log.info(
+                    "%s samples finished, their reports sent %.1f ms after the finish on average (slack for company)",
+                    self.stats.finished,
+                    self.stats.finish_wait_s / self.stats.finished * 1000,
+                )
             if self.client.give_up_at is None:  # stopped by `until`: the same bound (see stop)
                 self.client.give_up_at = time.monotonic() + self.lease_s
             try:
@@ -241,10 +265,9 @@ class RolloutWorker:
             self._answer_turns()
         now = time.monotonic()
         since = now - self._last["checkpoint"]
-        if self.node is not None:  # on a node: its flush goes anyway (asked, or due for this one)
-            reporting = self.node.asked(self) or (bool(self.pending) and self.node.due())
-        else:
-            reporting = bool(self.pending) and now >= self._reports_due()
+        reporting = bool(self.pending) and now >= self._reports_due()
+        if self.node is not None:  # on a node: its flush goes anyway when it asks for ours
+            reporting = reporting or self.node.asked(self)
         if self._checkpoint_due(since, CHECKPOINT_RIDES_AT if reporting else 1.0):
             self._checkpoint()  # due, or nearly and a report goes anyway: it rides along
         self._flush()
@@ -379,6 +402,7 @@ class RolloutWorker:
                 "generated": False,
             }
         )
+        self._due = min(self._due, time.monotonic())  # the trajectory waits for it: the report timer
 
     def _drop(self, sid: int, err: EnvFailed) -> None:
         """Drop a trajectory whose environment failed, with the reason, through the API (after
@@ -448,6 +472,12 @@ class RolloutWorker:
                     "finish_reason": reason,
                 }
             )
+        now = time.monotonic()
+        slack = 0.0
+        if kind == "finished":
+            slack = min(self.finish_slack_max_s, self.finish_slack_share * (now - held.started))
+            self._finished_at[sid] = now
+        self._due = min(self._due, now + slack)
         if kind == "partial":
             held.reported += len(new_t)
         else:
@@ -477,6 +507,7 @@ class RolloutWorker:
         if not self.pending or (not force and time.monotonic() < self._reports_due()):
             return
         pending, self.pending = self.pending, []
+        self._sending(pending)
         snapshot: dict[str, Any] | None = None
         while pending:
             # one report per sample per batch: a turn and its observation go in two, in order
@@ -511,10 +542,19 @@ class RolloutWorker:
             self._owed = True
 
     def _reports_due(self) -> float:
-        """When pending reports go: at this worker's report timer, on a node at the node's."""
-        if self.node is not None:
-            return self.node.due_at
-        return self._last["report"] + self.report_every_s
+        """When pending reports go: once the earliest is due (a finish waits out its slack) and
+        this worker's report timer allows, on a node the node's."""
+        timer = self.node.due_at if self.node is not None else self._last["report"] + self.report_every_s
+        return max(timer, self._due)
+
+    def _sending(self, batch: list[dict]) -> None:
+        """`batch` leaves `pending`: what is left falls due at once (it waited its turn)."""
+        now = time.monotonic()
+        for r in batch:
+            ended = self._finished_at.pop(r["sample_id"], None) if r["kind"] == "finished" else None
+            if ended is not None:
+                self.stats.finish_wait_s += now - ended
+        self._due = now if self.pending else math.inf
 
     def _hand(self, force: bool) -> None:
         """On a node: hand the pending reports to its flush when the node's report timer is due,
@@ -522,7 +562,7 @@ class RolloutWorker:
         segment per sample per flush: the rest waits for the next."""
         assert self.node is not None
         asked = self.node.asked(self)
-        if not force and not asked and not (self.pending and self.node.due()):
+        if not force and not asked and not (self.pending and time.monotonic() >= self._reports_due()):
             return
         while True:
             batch: list[dict] = []
@@ -532,6 +572,7 @@ class RolloutWorker:
                 (later if r["sample_id"] in seen else batch).append(r)
                 seen.add(r["sample_id"])
             self.pending = later
+            self._sending(batch)
             # the snapshot rides a flush once 80% due, as a checkpoint does: no heartbeat of its own later
             rides = self._snapshot_due(CHECKPOINT_RIDES_AT)
             snapshot = self._snapshot() if batch and not later and rides else None
@@ -567,6 +608,8 @@ class RolloutWorker:
                 self.engine.abort([str(sid)])
                 self._release(sid)
         self.pending = [r for r in self.pending if r["sample_id"] not in s.lost]
+        if not self.pending:
+            self._due = math.inf
 
     # ---- weights and snapshots --------------------------------------------------------------
 
@@ -680,6 +723,8 @@ class RolloutWorker:
         for sid in list(self.held):
             self._release(sid)
         self.pending.clear()
+        self._due = math.inf
+        self._finished_at.clear()
         self.instance_id = self.client.register(
             self.run_id, self.name, self.engine.version, self.lease_s, capacity=self.engine.capacity()
         ).instance_id
