@@ -514,7 +514,9 @@ class Node(Api):
                 beat = mem.heartbeats.pop(0) if mem.heartbeats else None
                 # a snapshot rides the flush once 80% due, as a checkpoint does: no heartbeat of its own later
                 rides = time.monotonic() - mem.last["snapshot"] >= CFG["heartbeat_s"] * 0.8
-                if not batch and beat is None and mem.owed and rides:
+                # an owed snapshot, or progress unsent for 80% of snapshot_every_s, rides as a heartbeat
+                stale = bool(mem.held) and time.monotonic() - mem.last["snapshot"] >= CFG["snapshot_every_s"] * 0.8
+                if not batch and beat is None and (mem.owed or stale) and rides:
                     beat = m.HeartbeatIn(version=mem.version, snapshot=mem.snapshot(), lease_seconds=CFG["lease_s"])
                 if not batch and beat is None:
                     continue

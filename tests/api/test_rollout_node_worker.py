@@ -5,6 +5,7 @@ instances and go on finishing samples."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Iterator
@@ -15,7 +16,7 @@ from api_helpers import ApiServer, TickCountingWorker, token
 from sqlalchemy import text
 
 from staleflow_db.db import make_engine
-from workers.rollout.engines.sim_engine import SimEngine
+from workers.rollout.engines.sim_engine import SimEngine, encode_prompt
 from workers.rollout.node import Node
 from workers.rollout.worker import RolloutWorker
 
@@ -137,3 +138,52 @@ def test_an_idle_instance_waits_for_its_nodes_report_timer(db_url):
             _wait(lambda: not worker.pending, "the second handed to a flush")
             ticks = worker.ticks - start
         assert ticks < 200, ticks
+
+
+def test_a_quiet_instances_snapshot_rides_the_other_instances_flushes(db_url):
+    """An instance of a node that reports nothing for a while (one long sample decoding) sends
+    its progress every `snapshot_every_s`; while the node's other instance flushes reports, that
+    snapshot rides one of those flushes once 80% due, instead of a sync of its own when due.
+    (Engine steps of 5 ms: each flush finds the quiet one within its gather window.)"""
+    every = 2.0
+    with ApiServer(db_url) as server:
+        admin = server.client(token(db_url, "admin"))
+        run = admin.create_run("ride", batch_size=121, group_size=1, eta=0, max_response_tokens=8192).id
+        admin.enqueue(run, [("long", encode_prompt(8, 8000, 0.0))])
+        admin.enqueue(run, [(f"s{i}", encode_prompt(8, 60, 0.3)) for i in range(120)])
+        client = server.client(token(db_url, "rollout", run))
+        node = Node(client, run, poll_wait_s=1.0)
+        quiet, busy = [
+            RolloutWorker(
+                client,
+                run,
+                SimEngine(max_running=4, time_scale=0.4, max_step_s=0.005),
+                name=name,
+                heartbeat_s=0.2,
+                snapshot_every_s=every,
+                checkpoint_tokens=0,  # no checkpoints: the quiet one's progress goes only in snapshots
+                checkpoint_every_s=0,
+                node=node,
+            )
+            for name in ("quiet", "busy")
+        ]
+        beats: list[float] = []  # when a sync carried the quiet instance's heartbeat
+
+        def seen(request) -> None:
+            if request.url.path.endswith("/instances/sync") and request.content:
+                items = json.loads(request.content).get("items", [])
+                if any(i["instance_id"] == quiet.instance_id and i.get("heartbeat") for i in items):
+                    beats.append(time.monotonic())
+
+        client.http.event_hooks["request"].append(seen)
+        with _serving(node, [quiet, busy]):
+            _wait(lambda: quiet.instance_id is not None and busy.instance_id is not None, "registered")
+            queued = sorted(admin.snapshot(run).queued, key=lambda q: q.sample_id)
+            admin.route(run, [(queued[0].sample_id, quiet.instance_id)])
+            admin.route(run, [(q.sample_id, busy.instance_id) for q in queued[1:]])
+            _wait(lambda: busy.stats.finished == 120, "the busy instance's samples", timeout=120)
+            done = time.monotonic()
+            assert quiet.stats.finished == 0  # still decoding: it reported nothing all along
+        gaps = [b - a for a, b in zip(beats, beats[1:]) if b <= done]
+        assert len(gaps) >= 2, beats
+        assert all(g < every for g in gaps), gaps  # rode a flush at 80%, never waited until due

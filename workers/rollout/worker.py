@@ -577,7 +577,13 @@ class RolloutWorker:
             rides = self._snapshot_due(CHECKPOINT_RIDES_AT)
             snapshot = self._snapshot() if batch and not later and rides else None
             part = Part(self, self._instance, batch, snapshot) if batch else None
-            if not batch and self._owed and rides:  # an owed snapshot rides as this flush's heartbeat
+            # an owed snapshot, or progress unsent for 80% of `snapshot_every_s`, rides as this
+            # flush's heartbeat: no flush of its own for it later
+            stale = (
+                bool(self.held)
+                and time.monotonic() - self._last["snapshot"] >= self.snapshot_every_s * CHECKPOINT_RIDES_AT
+            )
+            if not batch and rides and (self._owed or stale):
                 snapshot = self._snapshot()
                 beat = {"version": self.engine.stats().version, "snapshot": snapshot, "lease_seconds": self.lease_s}
                 part = Part(self, self._instance, heartbeat=beat)
