@@ -7,7 +7,11 @@ the coordinator (`staleflow coordinator`, the staleflow policy) and the sim trai
 After `--warmup` seconds the counts are reset and `--seconds` measured: the instances' calls by
 endpoint, divided by the samples they finished (the samples they reported `finished`).
 
-    python bench/worker_calls.py [--instances 4] [--seconds 30] [--max-running 32]
+    python bench/worker_calls.py [--instances 4] [--seconds 30] [--max-running 32] [--instances-per-node K]
+
+With `--instances-per-node K` the instances run as nodes of K (workers/rollout/node.py, one client
+per node): their calls are the node's syncs, and it prints how many of a node's instances a
+flush carried on average.
 
 (The agentic shape is bench/capacity.py's `--turns`, whose instances follow this worker.)
 `STALEFLOW_DATABASE_URL` set: that server (migrated here) instead of a private embedded one.
@@ -18,6 +22,7 @@ Last line: `worker_calls instances=N samples=S calls_per_sample=C heartbeats=H p
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import sys
@@ -36,13 +41,16 @@ from staleflow_cli.launch import Cluster
 from staleflow_db import migrate
 from workers.client import StaleFlowClient
 from workers.rollout.engines.sim_engine import SimEngine
-from workers.rollout.worker import RolloutWorker
+from workers.rollout.node import Node
+from workers.rollout.worker import RolloutWorker, WeightSource
 
 _ENDPOINT = re.compile(r"/instances/\d+/(\w+)$")
 
 
 class Calls:
-    """Requests by endpoint (`poll`, `segments`, `heartbeat`, ...), counted as they are sent."""
+    """Requests by endpoint (`poll`, `segments`, `heartbeat`, ...), counted as they are sent; a
+    node's syncs as `sync (flush)` (items: the instances it carries, counted in `items`) and
+    `sync (long-poll)`."""
 
     def __init__(self) -> None:
         self.counts: Counter[str] = Counter()
@@ -51,8 +59,13 @@ class Calls:
     def hook(self, request: httpx.Request) -> None:
         m = _ENDPOINT.search(request.url.path)
         name = m.group(1) if m else request.method + " " + request.url.path.rsplit("/", 1)[-1]
+        items = 0
+        if request.url.path.endswith("/instances/sync"):
+            items = len(json.loads(request.content).get("items") or [])
+            name = "sync (flush)" if items else "sync (long-poll)"
         with self.lock:
             self.counts[name] += 1
+            self.counts["items"] += items
 
     def reset(self) -> Counter[str]:
         with self.lock:
@@ -64,6 +77,12 @@ def counted(base: str, token: str, calls: Calls) -> StaleFlowClient:
     c = StaleFlowClient(base, token, timeout=30)
     c.http.event_hooks["request"].append(calls.hook)
     return c
+
+
+def sim_weights(client: StaleFlowClient, run: int) -> WeightSource:
+    """The sim engine has no weights: a pull moves its version on (as `staleflow rollout-worker
+    --engine sim` does)."""
+    return lambda target: (None, target if target is not None else client.run_status(run).version)
 
 
 def rewards(client: StaleFlowClient, run: int, stop: threading.Event) -> None:
@@ -96,6 +115,12 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=30)
     ap.add_argument("--warmup", type=float, default=10)
     ap.add_argument("--time-scale", type=float, default=1.0, help="the sim engine's: <1 generates faster than real")
+    ap.add_argument(
+        "--instances-per-node",
+        type=int,
+        default=1,
+        help="K: the instances run as nodes of K (workers/rollout/node.py: one sync per flush, one long-poll)",
+    )
     ap.add_argument("--report-dir", type=Path, default=Path("reports"))
     args = ap.parse_args()
     report = (args.report_dir / f"worker-calls-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
@@ -145,10 +170,19 @@ def measure(args, url: str, report: Path) -> None:
         ]
         calls = Calls()
         workers = []
+        nodes: list[Node] = []
         for k in range(args.instances):
             eng = SimEngine(max_running=args.max_running, time_scale=args.time_scale)
-            workers.append(RolloutWorker(counted(base, tok["rollout"], calls), run, eng, name=f"w{k}"))
+            node = None
+            if args.instances_per_node > 1:  # K instances share one client and one node
+                if k % args.instances_per_node == 0:
+                    nodes.append(Node(counted(base, tok["rollout"], calls), run))
+                node = nodes[-1]
+            client = node.client if node is not None else counted(base, tok["rollout"], calls)
+            workers.append(RolloutWorker(client, run, eng, name=f"w{k}", weights=sim_weights(client, run), node=node))
         threads = [threading.Thread(target=w.run, daemon=True) for w in workers]
+        for node in nodes:
+            node.start()
         for t in side + threads:
             t.start()
         time.sleep(args.warmup)
@@ -165,12 +199,17 @@ def measure(args, url: str, report: Path) -> None:
         stop.set()
         for t in threads:
             t.join(60)
+        for node in nodes:
+            node.close()
         admin.close()
+    items = got.pop("items", 0)
     total = sum(got.values())
     per = {k: v / samples if samples else float("nan") for k, v in got.items()}
     print(f"{args.instances} instances, {seconds:.0f} s, {samples} samples finished, {total} calls by the instances")
     for name, n in sorted(got.items()):
-        print(f"  {name:<12}{n:>7}{per[name]:>8.2f} per sample")
+        print(f"  {name:<18}{n:>7}{per[name]:>8.2f} per sample")
+    if got.get("sync (flush)"):
+        print(f"  a flush carried {items / got['sync (flush)']:.2f} of its node's {args.instances_per_node} instances")
     print(
         f"worker_calls instances={args.instances} samples={samples} "
         f"calls_per_sample={total / samples if samples else float('nan'):.2f} "
