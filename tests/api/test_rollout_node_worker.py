@@ -187,3 +187,39 @@ def test_a_quiet_instances_snapshot_rides_the_other_instances_flushes(db_url):
         gaps = [b - a for a, b in zip(beats, beats[1:]) if b <= done]
         assert len(gaps) >= 2, beats
         assert all(g < every for g in gaps), gaps  # rode a flush at 80%, never waited until due
+
+
+def test_a_flush_waits_for_the_instances_mid_step(db_url):
+    """A flush asks the node's other instances for what they have pending and waits for them to
+    end the step they are in (as long as their last step took): with engine steps of ~60 ms,
+    longer than `gather_s`, two busy instances' reports still go together in nearly every flush,
+    not each in a flush of its own."""
+    with ApiServer(db_url) as server:
+        admin = server.client(token(db_url, "admin"))
+        run = admin.create_run("gather", batch_size=160, group_size=1, eta=0, max_response_tokens=256).id
+        admin.enqueue(run, [(f"g{i}", encode_prompt(8, 40, 0.3)) for i in range(160)])
+        client = server.client(token(db_url, "rollout", run))
+        node = Node(client, run, poll_wait_s=1.0)
+        workers = [
+            RolloutWorker(
+                client, run, SimEngine(max_running=4, time_scale=0.5, max_step_s=0.06), name=f"g{k}", node=node
+            )
+            for k in range(2)
+        ]
+        carried: list[int] = []  # instances per flush
+
+        def seen(request) -> None:
+            if request.url.path.endswith("/instances/sync") and request.content:
+                items = json.loads(request.content).get("items") or []
+                if items:
+                    carried.append(len(items))
+
+        client.http.event_hooks["request"].append(seen)
+        with _serving(node, workers):
+            _wait(lambda: all(w.instance_id is not None for w in workers), "registered")
+            queued = sorted(q.sample_id for q in admin.snapshot(run).queued)
+            for k, w in enumerate(workers):
+                admin.route(run, [(s, w.instance_id) for s in queued[k::2]])
+            _wait(lambda: all(w.stats.finished == 80 for w in workers), "every sample finished", timeout=120)
+        assert node.gather_s < 0.06 and len(carried) >= 10, carried
+        assert sum(carried) / len(carried) >= 1.6, carried

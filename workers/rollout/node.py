@@ -6,14 +6,15 @@ Each instance is a `RolloutWorker` in its own thread (its engine steps in parall
 others', as on their own GPUs); what it would send by itself goes to the node instead:
 
 - Reports and heartbeats: one flush thread sends them. A flush starts when any instance has a
-  report due (the node's one report timer, `report_every_s`, once its earliest pending report
-  is due: a finish waits out its slack) or a heartbeat; it asks every other
-  instance to hand over what it has pending at the end of its current step (at most `gather_s`
-  is waited for them), and sends everything in one sync: the instances share one report timer,
-  so a busy node of K instances makes one flush where K instances made K reports. Outcomes are
-  per instance and go back to its worker: lost routes drop those samples, a fenced instance
-  registers again. Syncs go one at a time, in order: what an instance handed over later is
-  never applied before what it handed over first.
+  report due (the node's one report timer, `report_every_s`, once its earliest pending report is
+  due: a finish waits out its slack) or a heartbeat; it asks every other instance to hand over
+  what it has pending at the end of its current step (waiting for them at most the longest step
+  a live instance took last, within `gather_s` and MAX_GATHER_S: a shorter wait leaves out every
+  instance mid-step, which then opens a flush of its own), and sends everything in one sync: the
+  instances share one report timer, so a busy node of K instances makes one flush where K
+  instances made K reports. Outcomes are per instance and go back to its worker: lost routes
+  drop those samples, a fenced instance registers again. Syncs go one at a time, in order: what
+  an instance handed over later is never applied before what it handed over first.
 - Work and commands: one poll thread long-polls for every instance at once (each poll renews
   the lease of every instance it names, as its own poll did) and hands each worker what is its
   own. It names only instances whose worker loop ticks, so a hung engine still lets its lease
@@ -56,6 +57,8 @@ class Wake:
 
 
 WAKE = Wake()
+# the longest a flush waits for the node's other instances to hand over (their engine step)
+MAX_GATHER_S = 0.1
 
 
 @dataclass
@@ -159,7 +162,7 @@ class Node:
                 self._parts.append(part)
                 if not self._gathering:  # this part opens a flush: ask the others
                     self._gathering, self._epoch = True, self._epoch + 1
-                    self._deadline = time.monotonic() + (0.0 if force else self.gather_s)
+                    self._deadline = time.monotonic() + (0.0 if force else self._gather_s())
                     self._handed = set()
                     for w in self._workers:
                         if w is not worker:
@@ -204,6 +207,12 @@ class Node:
                 taken, self._parts = _one_per_instance(self._parts)
                 self.last_flush = time.monotonic()
             self._send(taken)
+
+    def _gather_s(self) -> float:
+        """How long a flush waits for the others: until each ends the step it is in (the last
+        one it took), at least `gather_s`, at most MAX_GATHER_S."""
+        longest = max((w.step_s for w in self._workers if w.instance_id is not None), default=0.0)
+        return max(self.gather_s, min(MAX_GATHER_S, longest))
 
     def _all_handed(self) -> bool:
         live = [w for w in self._workers if w.instance_id is not None and w._looping()]

@@ -160,6 +160,7 @@ class RolloutWorker:
         self._due = math.inf  # when the earliest pending report falls due (a finish's slack)
         self._finished_at: dict[int, float] = {}  # pending finished segments: when they ended
         self.stats = WorkerStats()
+        self.step_s = 0.0  # the last engine step's wall time (0 when idle): a node's flush waits that long
         self._stop = False
         now = time.monotonic()
         # last heartbeat, report, checkpoint, snapshot sent (with either) and loop tick
@@ -258,7 +259,11 @@ class RolloutWorker:
         for delivery in inbox.get(wait):
             self._deliver(delivery)
         if self.engine.has_work():
+            started = time.monotonic()
             self._handle(self.engine.step())
+            self.step_s = time.monotonic() - started
+        else:
+            self.step_s = 0.0
             for delivery in inbox.get(0.0):  # what arrived during the step: before its reports go out
                 self._deliver(delivery)
         if self.turns is not None:
