@@ -55,27 +55,22 @@ def _start(worker):
     return t
 
 
-def _instance_state(db_url, instance_id):
+def _rows(db_url, sql, **params):
     eng = make_engine(db_url)
     try:
         with eng.connect() as c:
-            return c.execute(text("SELECT state FROM instances WHERE id = :i"), {"i": instance_id}).scalar_one()
+            return c.execute(text(sql), params).all()
     finally:
         eng.dispose()
+
+
+def _instance_state(db_url, instance_id):
+    return _rows(db_url, "SELECT state FROM instances WHERE id = :i", i=instance_id)[0].state
 
 
 def _segments(db_url, sample_id):
-    eng = make_engine(db_url)
-    try:
-        with eng.connect() as c:
-            return c.execute(
-                text(
-                    "SELECT instance_id, version, token_ids, logprobs FROM segments WHERE sample_id = :s ORDER BY seq"
-                ),
-                {"s": sample_id},
-            ).all()
-    finally:
-        eng.dispose()
+    sql = "SELECT instance_id, version, token_ids, logprobs FROM segments WHERE sample_id = :s ORDER BY seq"
+    return _rows(db_url, sql, s=sample_id)
 
 
 def _uninterrupted(prompt, sample_id, max_new):
@@ -204,18 +199,8 @@ def test_a_checkpoint_is_due_after_its_tokens_not_its_clock(served, report_every
 
 def _finish_transactions(db_url, sample_ids):
     """The transaction that wrote each sample's finishing segment (segments are append-only)."""
-    eng = make_engine(db_url)
-    try:
-        with eng.connect() as c:
-            rows = c.execute(
-                text(
-                    "SELECT sample_id, xmin::text FROM segments WHERE sample_id = ANY(:s) AND finish_reason IS NOT NULL"
-                ),
-                {"s": list(sample_ids)},
-            ).all()
-        return {sid: xid for sid, xid in rows}
-    finally:
-        eng.dispose()
+    sql = "SELECT sample_id, xmin::text FROM segments WHERE sample_id = ANY(:s) AND finish_reason IS NOT NULL"
+    return {sid: xid for sid, xid in _rows(db_url, sql, s=list(sample_ids))}
 
 
 @pytest.mark.parametrize(
