@@ -258,12 +258,11 @@ class RolloutWorker:
                 wait = min(wait, ENV_POLL_S)
         for delivery in inbox.get(wait):
             self._deliver(delivery)
+        self.step_s = 0.0
         if self.engine.has_work():
             started = time.monotonic()
             self._handle(self.engine.step())
             self.step_s = time.monotonic() - started
-        else:
-            self.step_s = 0.0
             for delivery in inbox.get(0.0):  # what arrived during the step: before its reports go out
                 self._deliver(delivery)
         if self.turns is not None:
