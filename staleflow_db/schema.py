@@ -173,7 +173,6 @@ samples = Table(
     Index("ix_samples_scoring", "run_id", "reward_deadline", postgresql_where=text("state = 'scoring'")),
     # `delivered` in the key: a poll finds the few undelivered among an instance's running (0020)
     Index("ix_samples_running", "instance_id", "delivered", postgresql_where=text("state = 'running'")),
-    Index("ix_samples_group", "group_id"),
     postgresql_with={"fillfactor": "70"},
 )
 

@@ -71,7 +71,7 @@ SELECT jsonb_build_object('run', to_jsonb(r), 'buffers', (
 
 -- name: reservations
 -- The run's reservations (id, buffer, live version); the members per group by a correlated
--- subquery: an index lookup each (ix_samples_group). rewards_read (scoring.sql) has the same.
+-- subquery: an index lookup each (uq_samples_group_id_idx). rewards_read (scoring.sql) has the same.
 SELECT g.id, g.reserved_buffer AS b, (SELECT min(s.v_traj) FROM samples s WHERE s.group_id = g.id
   AND s.state <> 'aborted' AND s.v_traj IS NOT NULL AND (s.state <> 'queued' OR s.n_tokens > 0)) AS v
 FROM prompt_groups g WHERE g.run_id = :run AND g.state = 'reserved'
