@@ -27,7 +27,8 @@ pgbench: `pgbench -N -M prepared -c C -j C -T S` (TPC-B-like without the teller/
 updates: one UPDATE, one SELECT, one INSERT per transaction), scale --pgbench-scale, run before
 and after the protocol workloads; their mean is the denominator of every ratio.
 Also printed, per transition and per pgbench transaction: the CPU of the clients and of the
-database backends, and what the server wrote (WAL records and bytes, commits, rows inserted
+database backends, and what the server wrote (WAL records and bytes, the records by kind where
+pg_walinspect can be had: index inserts, row locks, updates ..., commits, rows inserted
 and updated per table; `server_stats`). Unlike the rates, these barely move with the machine's
 load.
 The last line printed is `protocol/pgbench=<x>` for the best batch size.
@@ -327,6 +328,10 @@ def run_protocol(
 # ---- main -----------------------------------------------------------------------------------
 
 
+def kinds(wal: dict[str, float]) -> str:
+    return ", ".join(f"{kind} {n:.2f}" for kind, n in wal.items()) or "n/a"
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument(
@@ -422,6 +427,12 @@ def main() -> None:
             f" ({w['wal_records'] / max(pw['wal_records'], 1e-9):.1f}x a pgbench transaction's),"
             f" {w['wal_bytes']:.0f} WAL bytes, {w['commits']:.3f} commits; rows: {written}"
         )
+        if w.get("wal_kinds"):
+            print(
+                f"  b={r['batch']}: WAL records per transition: "
+                + kinds(w["wal_kinds"])
+                + f" (pgbench: {kinds(pw.get('wal_kinds', {}))})"
+            )
     for r in rows:
         print(
             f"  b={r['batch']}: share of client time per call: "

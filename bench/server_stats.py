@@ -88,23 +88,65 @@ class BackendCPU:
 # WAL is cluster-wide (pg_stat_wal): run on a server nothing else writes to; rows and commits
 # are the scratch database's.
 WORK_SQL = (
-    "SELECT w.wal_records, w.wal_bytes, w.wal_fpi, d.xact_commit,"
+    "SELECT w.wal_records, w.wal_bytes, w.wal_fpi, d.xact_commit, pg_current_wal_lsn()::text,"
     " (SELECT coalesce(json_object_agg(relname, json_build_array(n_tup_ins, n_tup_upd, n_tup_hot_upd)), '{}')"
     "  FROM pg_stat_user_tables) FROM pg_stat_wal w, pg_stat_database d WHERE d.datname = current_database()"
 )
 
 
+# WAL records by what they do (pg_walinspect's "resource manager/record type"); the rest: other
+WAL_KINDS = {
+    "index inserts": ("Btree/INSERT_LEAF", "Btree/INSERT_UPPER", "Btree/INSERT_POST", "Btree/INSERT_META"),
+    # a locking read's row lock, and heap_update's lock of the old version when the new one
+    # goes to another page
+    "row locks": ("Heap/LOCK", "Heap2/LOCK_UPDATED"),
+    "row updates": ("Heap/UPDATE", "Heap/UPDATE+INIT", "Heap/HOT_UPDATE", "Heap/HOT_UPDATE+INIT"),
+    "row inserts": ("Heap/INSERT", "Heap/INSERT+INIT", "Heap2/MULTI_INSERT", "Heap2/MULTI_INSERT+INIT"),
+    "commits": ("Transaction/COMMIT",),
+}
+
+
 def db_work(url: str) -> dict:
     """The server's write counters now (subtract two with `work_per`)."""
     with psycopg.connect(url, autocommit=True) as c:
-        records, nbytes, fpi, commits, tables = c.execute(WORK_SQL).fetchone()
-    return {"wal_records": records, "wal_bytes": int(nbytes), "wal_fpi": fpi, "commits": commits, "tables": tables}
+        records, nbytes, fpi, commits, lsn, tables = c.execute(WORK_SQL).fetchone()
+    return {
+        "wal_records": records,
+        "wal_bytes": int(nbytes),
+        "wal_fpi": fpi,
+        "commits": commits,
+        "tables": tables,
+        "lsn": lsn,
+        "url": url,
+    }
+
+
+def wal_kinds(before: dict, after: dict, n: int) -> dict[str, float]:
+    """WAL records per unit of work by kind (`WAL_KINDS`), read back from the WAL between the two
+    readings with pg_walinspect; empty where the extension cannot be had (not a superuser, not
+    installed)."""
+    try:
+        with psycopg.connect(after["url"], autocommit=True) as c:
+            c.execute("CREATE EXTENSION IF NOT EXISTS pg_walinspect")
+            rows = c.execute(
+                'SELECT "resource_manager/record_type", count FROM pg_get_wal_stats(%s, %s, true) WHERE count > 0',
+                (before["lsn"], after["lsn"]),
+            ).fetchall()
+    except psycopg.Error:
+        return {}
+    kind_of = {t: kind for kind, types in WAL_KINDS.items() for t in types}
+    out = dict.fromkeys([*WAL_KINDS, "other"], 0.0)
+    for record_type, count in rows:
+        out[kind_of.get(record_type, "other")] += count / n
+    return {k: round(v, 3) for k, v in out.items()}
 
 
 def work_per(before: dict, after: dict, n: int) -> dict:
     """Per unit of work (a transition, a pgbench transaction): WAL records, bytes and full-page
-    images, commits, and rows inserted / updated (of which HOT) per table."""
-    out = {k: round((after[k] - before[k]) / n, 3) for k in ("wal_records", "wal_bytes", "wal_fpi", "commits")}
+    images, the records by kind (`wal_kinds`), commits, and rows inserted / updated (of which
+    HOT) per table."""
+    out: dict = {k: round((after[k] - before[k]) / n, 3) for k in ("wal_records", "wal_bytes", "wal_fpi", "commits")}
+    out["wal_kinds"] = wal_kinds(before, after, n)
     rows = {}
     for table, (ins, upd, hot) in after["tables"].items():
         i0, u0, h0 = before["tables"].get(table, (0, 0, 0))
