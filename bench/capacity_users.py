@@ -58,6 +58,7 @@ from gevent import monkey
 monkey.patch_all()
 
 import gevent
+from gevent.event import Event
 from locust import FastHttpUser, constant, task
 from locust.env import Environment
 
@@ -65,6 +66,7 @@ _HERE = Path(__file__).resolve().parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE] + [str(_HERE.parent)]
 
 from workers.wire import models as m
+from workers.wire.enums import SegmentKind
 from workers.wire.packed import FLOAT32, INT32, PACKED_CONTEXT, PackedArray
 from workers.wire.snapshot_mirror import SnapshotMirror
 
@@ -85,6 +87,11 @@ _HOSTS = itertools.count()
 # tokens generated but not yet reported at the window's edges (a window of ~one checkpoint
 # interval would otherwise count what checkpoints hold back)
 ENGINES: set = set()
+# An instance acts between engine steps (STEP_S apart at the least). With nothing due (no turn
+# ends, no report, checkpoint or heartbeat falls due, no delivery) it sleeps until the next
+# thing is: a node woke 100 times a second, mostly to find nothing due, on the cores the server
+# under test shares. A delivery wakes it at once; IDLE_MAX_S bounds the sleep.
+STEP_S, IDLE_MAX_S = 0.01, 0.25
 # payloads drawn from pools of random values: token ids and log-probs as incompressible as real
 # ones (TOAST compresses a repeated value to almost nothing), sliced at a random offset per segment;
 # with the wire `packed` (the worker's client's default) they stay packed (workers.wire.packed) from
@@ -113,9 +120,10 @@ def joined(a: Sequence, b: Sequence) -> Sequence:
 
 
 def report_in(r: dict) -> m.ReportIn:
-    """A pending report as the request model; packed arrays go in as the packed strings the
-    model takes (kept packed: no Python object per element)."""
-    return m.ReportIn.model_validate({k: v.base64() if isinstance(v, PackedArray) else v for k, v in r.items()})
+    """A pending report as the request model, built without validation (its values are the load
+    generator's own, and the API validates the body): packed arrays go to the body as they are,
+    base64-encoded once, where validating them decoded and checked them first."""
+    return m.ReportIn.model_construct(**{**r, "kind": SegmentKind(r["kind"])})
 
 
 def unsent(now: float) -> float:
@@ -212,6 +220,18 @@ class Held:
             elif cmd.sample_id in self.held and self.held[cmd.sample_id]["attempt"] == cmd.attempt:
                 self.segment(cmd.sample_id, now, "interrupted" if cmd.kind == "interrupt" else None)
 
+    def next_turn_end(self) -> float:
+        return self.ends[0][0] if self.ends else math.inf
+
+    def next_snapshot_due(self) -> float:
+        """When this instance's snapshot falls due: stale progress, or one owed since a report."""
+        at = math.inf
+        if self.held:
+            at = self.last["snapshot"] + CFG["snapshot_every_s"]
+        if self.owed:
+            at = min(at, self.last["snapshot"] + CFG["heartbeat_s"])
+        return at
+
     def end_turns(self, now: float):
         """End every held turn whose time has come."""
         ends, held = self.ends, self.held
@@ -284,9 +304,10 @@ class Held:
 
     def snapshot(self, pulling: bool = False) -> m.InstanceSnapshotIn:
         c = CFG
-        running = [m.RunningSampleIn(sample_id=s, tokens=h["done"]) for s, h in self.held.items()]
+        # built without validation, as `report_in`: a validated model per running sample
+        running = [m.RunningSampleIn.model_construct(sample_id=s, tokens=h["done"]) for s, h in self.held.items()]
         kv = sum(h["done"] + c["prompt_tokens"] for h in self.held.values())
-        return m.InstanceSnapshotIn(
+        return m.InstanceSnapshotIn.model_construct(
             running=len(self.held),
             kv_used=kv,
             running_samples=running,
@@ -315,6 +336,7 @@ class Instance(Api, Held):
         self.pending: list[dict] = []  # report items not sent yet, batched as the real worker
         self.due = math.inf
         self.inbox: list[m.PollOut] = []
+        self.wake = Event()  # a delivery arrived
         if not self.register():
             gevent.sleep(1)
             return
@@ -327,7 +349,9 @@ class Instance(Api, Held):
         ENGINES.add(self)
         try:
             while True:
-                gevent.sleep(0.01)  # an engine step
+                now = time.monotonic()
+                self.wake.wait(min(IDLE_MAX_S, max(STEP_S, self.next_due(checkpoint) - now)))
+                self.wake.clear()
                 now = time.monotonic()
                 for out in self.inbox:
                     self.deliver(out, now)
@@ -351,6 +375,14 @@ class Instance(Api, Held):
         finally:
             poller.kill()
             ENGINES.discard(self)
+
+    def next_due(self, checkpoint: float) -> float:
+        """The earliest time the loop below has something to do (see STEP_S)."""
+        c, last = CFG, self.last
+        at = min(self.next_turn_end(), checkpoint + c["checkpoint_s"], self.next_snapshot_due())
+        if self.pending:
+            at = min(at, max(last["report"] + c["report_s"], self.due))
+        return min(at, max(last["report"], last["heartbeat"], last["poll"]) + c["lease_s"] / 2)
 
     def register(self) -> bool:
         body = m.RegisterIn(name="capacity", version=self.version, lease_seconds=CFG["lease_s"], capacity=self.capacity)
@@ -379,6 +411,7 @@ class Instance(Api, Held):
                     if cmd.kind == "pull" and cmd.target_version is not None:
                         SHARED["deliveries"].append((cmd.target_version, self.instance, at))
                 self.inbox.append(out)
+                self.wake.set()
 
     def flush(self):
         if not self.pending:
@@ -448,6 +481,7 @@ class Node(Api):
         members = [Member(self) for _ in range(c["per_node"])]
         self.urgent = False
         self.inbox: list[tuple[Member, m.PollOut]] = []
+        self.wake = Event()  # a delivery arrived
         for mem in members:
             body = m.RegisterIn(name="capacity", version=mem.version, lease_seconds=c["lease_s"], capacity=mem.capacity)
             got = self.call("register", "/instances", body, m.RegisterOut, key=True)
@@ -466,7 +500,9 @@ class Node(Api):
         ENGINES.update(members)
         try:
             while True:
-                gevent.sleep(0.01)  # an engine step
+                now = time.monotonic()
+                self.wake.wait(min(IDLE_MAX_S, max(STEP_S, self.next_due() - now)))
+                self.wake.clear()
                 now = time.monotonic()
                 for mem, out in self.inbox:
                     mem.deliver(out, now)
@@ -497,6 +533,19 @@ class Node(Api):
         finally:
             poller.kill()
             ENGINES.difference_update(members)
+
+    def next_due(self) -> float:
+        """The earliest time the loop above has something to do (see STEP_S)."""
+        c, at = CFG, math.inf
+        pending = [mem.due for mem in self.members if mem.pending]
+        if pending:
+            at = max(self.last_report + c["node_report_s"], min(pending))
+        for mem in self.members:
+            at = min(at, mem.next_turn_end(), mem.checkpoint + c["checkpoint_s"])
+            if not mem.heartbeats:
+                quiet = max(self.last_report, mem.last["heartbeat"], self.last_poll) + c["lease_s"] / 2
+                at = min(at, quiet, mem.next_snapshot_due())
+        return at
 
     def flush_all(self):
         """Syncs until nothing forced is left: each takes every member's pending reports (one
@@ -578,6 +627,7 @@ class Node(Api):
                         if cmd.kind == "pull" and cmd.target_version is not None:
                             SHARED["deliveries"].append((cmd.target_version, d.instance_id, at))
                     self.inbox.append((by_id[d.instance_id], m.PollOut(work=d.work, commands=d.commands)))
+                    self.wake.set()
             if any(d.status != 200 for d in out.deliveries):
                 gevent.sleep(1.0)  # fenced: this bench counts it as a lapse (no re-registration)
 
