@@ -87,11 +87,22 @@ _HOSTS = itertools.count()
 # tokens generated but not yet reported at the window's edges (a window of ~one checkpoint
 # interval would otherwise count what checkpoints hold back)
 ENGINES: set = set()
-# An instance acts between engine steps (STEP_S apart at the least). With nothing due (no turn
-# ends, no report, checkpoint or heartbeat falls due, no delivery) it sleeps until the next
-# thing is: a node woke 100 times a second, mostly to find nothing due, on the cores the server
-# under test shares. A delivery wakes it at once; IDLE_MAX_S bounds the sleep.
+# An instance acts at the ends of its engine steps (every STEP_S, from its own start: the
+# instances' steps out of phase, as real engines' are). With nothing due (no turn ends, no
+# report, checkpoint or heartbeat falls due, no delivery) it sleeps through the steps until the
+# next thing is: a node woke 100 times a second, mostly to find nothing due, on the cores the
+# server under test shares. A delivery wakes it for the end of the step it arrived in;
+# IDLE_MAX_S bounds the sleep.
 STEP_S, IDLE_MAX_S = 0.01, 0.25
+
+
+def sleep_until_due(wake: Event, due: float, phase: float) -> None:
+    """Until `due` or a delivery (`wake`), then to the end of that engine step."""
+    wake.wait(min(IDLE_MAX_S, max(0.0, due - time.monotonic())))
+    wake.clear()
+    gevent.sleep(STEP_S - (time.monotonic() - phase) % STEP_S)
+
+
 # payloads drawn from pools of random values: token ids and log-probs as incompressible as real
 # ones (TOAST compresses a repeated value to almost nothing), sliced at a random offset per segment;
 # with the wire `packed` (the worker's client's default) they stay packed (workers.wire.packed) from
@@ -348,10 +359,9 @@ class Instance(Api, Held):
         poller = gevent.spawn(self.poll_loop)
         ENGINES.add(self)
         try:
+            phase = time.monotonic() + random.uniform(0, STEP_S)  # its steps out of phase with the others
             while True:
-                now = time.monotonic()
-                self.wake.wait(min(IDLE_MAX_S, max(STEP_S, self.next_due(checkpoint) - now)))
-                self.wake.clear()
+                sleep_until_due(self.wake, self.next_due(checkpoint), phase)
                 now = time.monotonic()
                 for out in self.inbox:
                     self.deliver(out, now)
@@ -499,10 +509,9 @@ class Node(Api):
         poller = gevent.spawn(self.poll_loop)
         ENGINES.update(members)
         try:
+            phase = time.monotonic() + random.uniform(0, STEP_S)  # its steps out of phase with the others
             while True:
-                now = time.monotonic()
-                self.wake.wait(min(IDLE_MAX_S, max(STEP_S, self.next_due() - now)))
-                self.wake.clear()
+                sleep_until_due(self.wake, self.next_due(), phase)
                 now = time.monotonic()
                 for mem, out in self.inbox:
                     mem.deliver(out, now)
