@@ -86,9 +86,10 @@ class BackendCPU:
 
 
 # WAL is cluster-wide (pg_stat_wal): run on a server nothing else writes to; rows and commits
-# are the scratch database's.
+# are the scratch database's. The position is where WAL is inserted, which an asynchronous
+# commit has not necessarily written yet.
 WORK_SQL = (
-    "SELECT w.wal_records, w.wal_bytes, w.wal_fpi, d.xact_commit, pg_current_wal_lsn()::text,"
+    "SELECT w.wal_records, w.wal_bytes, w.wal_fpi, d.xact_commit, pg_current_wal_insert_lsn()::text,"
     " (SELECT coalesce(json_object_agg(relname, json_build_array(n_tup_ins, n_tup_upd, n_tup_hot_upd)), '{}')"
     "  FROM pg_stat_user_tables) FROM pg_stat_wal w, pg_stat_database d WHERE d.datname = current_database()"
 )
@@ -128,6 +129,12 @@ def wal_kinds(before: dict, after: dict, n: int) -> dict[str, float]:
     try:
         with psycopg.connect(after["url"], autocommit=True) as c:
             c.execute("CREATE EXTENSION IF NOT EXISTS pg_walinspect")
+            # pg_walinspect reads only flushed WAL: a commit that wrote a record of its own,
+            # with synchronous_commit on, flushes it past `after` where the server commits
+            # asynchronously (the tests')
+            c.execute("SET synchronous_commit = on")
+            with c.transaction():
+                c.execute("SELECT pg_logical_emit_message(true, 'staleflow-bench', '')")
             rows = c.execute(
                 'SELECT "resource_manager/record_type", count FROM pg_get_wal_stats(%s, %s, true) WHERE count > 0',
                 (before["lsn"], after["lsn"]),
