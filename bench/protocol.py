@@ -51,7 +51,7 @@ import psycopg
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
 from pgbench import pgbench, pgbench_tps
-from server_stats import BackendCPU, db_work, scratch_database, work_per
+from server_stats import BackendCPU, db_work, format_kinds, scratch_database, work_per
 
 from staleflow_db.db import database_url, make_engine
 from staleflow_db.settings import to_libpq_url
@@ -328,10 +328,6 @@ def run_protocol(
 # ---- main -----------------------------------------------------------------------------------
 
 
-def kinds(wal: dict[str, float]) -> str:
-    return ", ".join(f"{kind} {n:.2f}" for kind, n in wal.items()) or "n/a"
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument(
@@ -430,8 +426,8 @@ def main() -> None:
         if w.get("wal_kinds"):
             print(
                 f"  b={r['batch']}: WAL records per transition: "
-                + kinds(w["wal_kinds"])
-                + f" (pgbench: {kinds(pw.get('wal_kinds', {}))})"
+                + format_kinds(w["wal_kinds"])
+                + f" (pgbench: {format_kinds(pw.get('wal_kinds', {}))})"
             )
     for r in rows:
         print(

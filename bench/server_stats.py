@@ -148,6 +148,11 @@ def wal_kinds(before: dict, after: dict, n: int) -> dict[str, float]:
     return {k: round(v, 3) for k, v in out.items()}
 
 
+def format_kinds(kinds: dict[str, float]) -> str:
+    """`wal_kinds`' figures in a line: "index inserts 3.51, row locks 1.40, ..."."""
+    return ", ".join(f"{kind} {n:.2f}" for kind, n in kinds.items()) or "n/a"
+
+
 def work_per(before: dict, after: dict, n: int) -> dict:
     """Per unit of work (a transition, a pgbench transaction): WAL records, bytes and full-page
     images, the records by kind (`wal_kinds`), commits, and rows inserted / updated (of which

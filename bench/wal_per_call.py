@@ -6,7 +6,7 @@ One scratch database on the server (--url, else STALEFLOW_DATABASE_URL, else the
 default), migrated and dropped at the end. One run (groups of N=8, eta=1) and one instance; each
 round enqueues --groups groups and takes their samples through route, report (finished),
 claim_rewards, record_rewards, consume and publish, each call in-process through the real
-protocol (`staleflow_db.protocol`) on the whole batch. Around each call the WAL is read back
+protocol (`staleflow_db.protocol`) on the whole batch; all but consume (a read) are measured. Around each call the WAL is read back
 with pg_walinspect (`server_stats.wal_kinds`: index inserts, row locks, updates, inserts,
 commits, other), per sample of the batch. The WAL is the server's, not the database's: run it
 where nothing else writes. pg_walinspect needs a superuser (the embedded default is one).
@@ -23,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
-from server_stats import db_work, scratch_database, wal_kinds
+from server_stats import db_work, format_kinds, scratch_database, wal_kinds
 
 from staleflow_db.db import database_url, make_engine
 
@@ -99,7 +99,7 @@ def main() -> None:
                 raise SystemExit("pg_walinspect is not available on this server (it needs a superuser)")
             print(f"round {version + 1}: WAL records per sample of {args.groups * 8}")
             for call, kinds in per_call.items():
-                print(f"  {call:8s} " + ", ".join(f"{k} {v:.2f}" for k, v in kinds.items()))
+                print(f"  {call:8s} " + format_kinds(kinds))
             p.heartbeat(instance, version + 1)
         engine.dispose()
     print("wal_per_call " + " ".join(f"{c}={sum(per_call[c].values()):.2f}" for c in CALLS))

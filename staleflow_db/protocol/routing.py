@@ -129,7 +129,8 @@ class RouteRows:
 # were when read in a statement of their own: reports change them without any lock we hold.
 # The groups by `= ANY(ARRAY(...))`: an index lookup each, in id order; `IN (SELECT ...)` was
 # planned as a hash join over a scan of every group of every run; likewise the members
-# (uq_samples_group_id_idx, which leads with group_id), which by the join condition alone were read by a scan of every sample.
+# (uq_samples_group_id_idx, which leads with group_id), which by the join condition alone were
+# read by a scan of every sample.
 
 
 def route_read(pairs: Sequence[tuple[int, int]]) -> LockedRead:
