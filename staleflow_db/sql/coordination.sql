@@ -115,7 +115,11 @@ SELECT EXISTS (SELECT FROM l) AS fenced, ARRAY(SELECT id FROM f) AS found
 -- URL. A changed sample is one a change row names, or a member of a group one
 -- names; it comes back as running, queued or gone (neither). The changed samples are looked up by
 -- primary key (`= ANY`): joined to `c`, a new run's rows estimated at 1 by stale statistics
--- gave a nested loop over every sample of the run per changed id (16 s at 8,000 changed). An instance row was written since
+-- gave a nested loop over every sample of the run per changed id (16 s at 8,000 changed). A
+-- changed group's members likewise, by the unique (group_id, idx) index (`= ANY`): joined, the
+-- generic plan hashed them against a scan of every sample the run ever had, on each read with a
+-- group change; and their groups (`sg`) by primary key, not hashed against every group of the
+-- server (the generic plan must also serve a whole read). An instance row was written since
 -- when its xmin (32 bits: xids compared modulo 2^32) is at or after :since's xmax or in its xip.
 WITH p AS MATERIALIZED (SELECT CASE WHEN length(CAST(pg_current_snapshot() AS text)) <= 4000
     THEN CAST(pg_current_snapshot() AS text)
@@ -139,16 +143,18 @@ c AS MATERIALIZED (SELECT DISTINCT u.id FROM snapshot_changes x CROSS JOIN LATER
   WHERE x.run_id = :run AND (x.xid >= (SELECT xmax FROM q) OR x.xid = ANY(CAST((SELECT xip FROM q) AS bigint[])))
   AND x.sample_ids IS NOT NULL AND NOT (SELECT whole FROM f)
   UNION
-  SELECT s.id FROM snapshot_changes x CROSS JOIN LATERAL unnest(x.group_ids) AS u(id)
-  JOIN samples s ON s.group_id = u.id
-  WHERE x.run_id = :run AND (x.xid >= (SELECT xmax FROM q) OR x.xid = ANY(CAST((SELECT xip FROM q) AS bigint[])))
-  AND x.group_ids IS NOT NULL AND NOT (SELECT whole FROM f)),
+  SELECT s.id FROM samples s WHERE s.group_id = ANY(ARRAY(SELECT u.id FROM snapshot_changes x
+    CROSS JOIN LATERAL unnest(x.group_ids) AS u(id)
+    WHERE x.run_id = :run AND (x.xid >= (SELECT xmax FROM q) OR x.xid = ANY(CAST((SELECT xip FROM q) AS bigint[])))
+    AND x.group_ids IS NOT NULL AND NOT (SELECT whole FROM f)))),
 s AS MATERIALIZED (SELECT s.* FROM samples s WHERE s.id = ANY(ARRAY(SELECT id FROM c)) AND s.run_id = :run
   UNION ALL
   SELECT s.* FROM samples s WHERE (SELECT whole FROM f) AND s.run_id = :run AND s.state = 'queued'
   UNION ALL
   SELECT s.* FROM instances a JOIN samples s ON s.instance_id = a.id AND s.state = 'running'
-  WHERE (SELECT whole FROM f) AND a.run_id = :run AND a.state = 'active')
+  WHERE (SELECT whole FROM f) AND a.run_id = :run AND a.state = 'active'),
+sg AS MATERIALIZED (SELECT id, state::text AS state, reserved_buffer, min_version, cardinality(prompt_tokens) AS prompt_len
+  FROM prompt_groups WHERE id = ANY(ARRAY(SELECT DISTINCT group_id FROM s WHERE state IN ('running', 'queued'))))
 SELECT json_build_array(
  (SELECT pos FROM p),
  (SELECT whole FROM f),
@@ -158,15 +164,15 @@ SELECT json_build_array(
  (SELECT json_agg(json_build_array(i.id, i.age) ORDER BY i.id) FROM i),
  (SELECT json_agg(json_build_array(i.id, i.name, i.version, i.snapshot) ORDER BY i.id) FROM i
    WHERE i.written IS NOT FALSE OR (SELECT whole FROM f)),
- (SELECT json_agg(json_build_array(s.instance_id, s.id, s.n_tokens, cardinality(g.prompt_tokens), s.v_traj)
+ (SELECT json_agg(json_build_array(s.instance_id, s.id, s.n_tokens, g.prompt_len, s.v_traj)
     ORDER BY s.id)
-   FROM s JOIN prompt_groups g ON g.id = s.group_id WHERE s.state = 'running'),
+   FROM s JOIN sg g ON g.id = s.group_id WHERE s.state = 'running'),
  (SELECT json_agg(json_build_array(s.id, s.group_id, s.v_traj, s.last_version,
-    cardinality(g.prompt_tokens) + s.n_tokens, s.n_tokens, g.state::text, g.reserved_buffer, g.min_version,
+    g.prompt_len + s.n_tokens, s.n_tokens, g.state, g.reserved_buffer, g.min_version,
     CASE WHEN s.v_traj IS NOT NULL THEN
      (SELECT x.instance_id FROM segments x WHERE x.sample_id = s.id ORDER BY x.seq DESC LIMIT 1) END)
     ORDER BY s.id)
-   FROM s JOIN prompt_groups g ON g.id = s.group_id WHERE s.state = 'queued'),
+   FROM s JOIN sg g ON g.id = s.group_id WHERE s.state = 'queued'),
  (SELECT json_agg(s.id ORDER BY s.id) FROM s WHERE s.state NOT IN ('queued', 'running')),
  (SELECT max(version) FROM param_versions WHERE run_id = :run))
 

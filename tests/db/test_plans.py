@@ -4,7 +4,7 @@ The statements checked are the ones the protocol really sends: each operation ru
 a SQLAlchemy cursor hook recording its SQL and parameters, then the matching statement is
 EXPLAINed with those same parameters (EXPLAIN without ANALYZE executes nothing). One
 database is built per module with set-based SQL (4 runs x 18k samples, mostly queued or
-finished, two segments for each sample past queued, as a busy server would hold) and ANALYZEd before any plan is taken.
+finished, two segments for each sample past queued, a log of group changes, as a busy server would hold) and ANALYZEd before any plan is taken.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from staleflow_db.db import make_engine, with_database
 from staleflow_db.protocol import Protocol
 
 RUNS, GROUPS_PER_RUN, SAMPLES_PER_GROUP, INSTANCES_PER_RUN = 4, 4500, 4, 8
+CHANGES_PER_RUN = 20_000  # the coordinator's change log (snapshot_changes) of the groups: minutes of a busy run
 
 # Sample states by `n % 20` of the sample's number within its run: a backlog that is mostly
 # queued and finished (what the claim queries look for), some terminal, a thin in-flight set.
@@ -70,6 +71,10 @@ SELECT s.id, q, s.run_id, 0, i.id, s.attempt, decode('01000000', 'hex'), decode(
 FROM samples s JOIN LATERAL (SELECT min(id) AS id FROM instances WHERE run_id = s.run_id) i ON true,
      generate_series(0, 1) q
 WHERE s.state NOT IN ('queued', 'aborted');
+
+INSERT INTO snapshot_changes (run_id, xid, group_ids)
+SELECT b.run_id, c, ARRAY(SELECT b.lo + (c * 8 + k) % :groups FROM generate_series(0, 7) k)
+FROM (SELECT run_id, min(id) AS lo FROM prompt_groups GROUP BY run_id) b, generate_series(1, :changes) c;
 """
 
 
@@ -88,6 +93,7 @@ def backlog(admin_url: str, template_db: str):
             "instances": INSTANCES_PER_RUN,
             "groups": GROUPS_PER_RUN,
             "per_group": SAMPLES_PER_GROUP,
+            "changes": CHANGES_PER_RUN,
         }
         with engine.begin() as conn:
             for stmt in filter(str.strip, BACKLOG_SQL.split(";")):
@@ -301,3 +307,27 @@ def test_route_candidates_use_queued_index(backlog, plan_mode):
         plan
     )
     assert not any(n["Node Type"] == "Sort" for n in nodes(plan)), describe(plan)  # the index gives the order
+
+
+@PLAN_MODES
+def test_a_change_read_finds_what_changed_by_index(backlog, plan_mode):
+    """The coordinator's change read (`snapshot_changes`) looks a changed group's members up by
+    the unique (group_id, idx) index and the changed samples' groups by primary key: its cost
+    follows what changed, not how many samples and groups the server holds (a hash join over a
+    scan of them all, on every read; the generic plan also serves a whole read)."""
+    engine, run, _ = backlog
+    protocol = Protocol(engine)
+    since = protocol.snapshot_changes(run)[0]
+    with engine.begin() as conn:  # a group change: the groups' trigger records it
+        conn.execute(
+            text(
+                "UPDATE prompt_groups SET min_version = min_version + 1"
+                " WHERE id = (SELECT min(id) FROM prompt_groups WHERE run_id = :r)"
+            ),
+            {"r": run},
+        )
+    statement, parameters = sent_by(engine, lambda: protocol.snapshot_changes(run, since), "unnest(x.group_ids)")
+    plan = plan_of(engine, statement, parameters, plan_mode)
+    scanned = {n.get("Relation Name") for n in nodes(plan) if n["Node Type"] == "Seq Scan"}
+    used = {n.get("Index Name") for n in nodes(plan)}
+    assert "prompt_groups" not in scanned and "uq_samples_group_id_idx" in used, f"{statement}\n{describe(plan)}"
