@@ -2,9 +2,10 @@
 
 The statements checked are the ones the protocol really sends: each operation runs once with
 a SQLAlchemy cursor hook recording its SQL and parameters, then the matching statement is
-EXPLAINed with those same parameters (EXPLAIN without ANALYZE executes nothing). One
-database is built per module with set-based SQL (4 runs x 18k samples, mostly queued or
-finished, two segments for each sample past queued, a log of group changes, as a busy server would hold) and ANALYZEd before any plan is taken.
+EXPLAINed with those same parameters (EXPLAIN without ANALYZE executes nothing). The
+databases are built once per module with set-based SQL and ANALYZEd before any plan is taken:
+a backlog (4 runs x 18k samples, mostly queued or finished, two segments for each sample past
+queued, as a busy server would hold) and a young run (most of its samples in flight).
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ from staleflow_db.db import make_engine, with_database
 from staleflow_db.protocol import Protocol
 
 RUNS, GROUPS_PER_RUN, SAMPLES_PER_GROUP, INSTANCES_PER_RUN = 4, 4500, 4, 8
-CHANGES_PER_RUN = 20_000  # the coordinator's change log (snapshot_changes) of the groups: minutes of a busy run
 
 # Sample states by `n % 20` of the sample's number within its run: a backlog that is mostly
 # queued and finished (what the claim queries look for), some terminal, a thin in-flight set.
@@ -71,16 +71,13 @@ SELECT s.id, q, s.run_id, 0, i.id, s.attempt, decode('01000000', 'hex'), decode(
 FROM samples s JOIN LATERAL (SELECT min(id) AS id FROM instances WHERE run_id = s.run_id) i ON true,
      generate_series(0, 1) q
 WHERE s.state NOT IN ('queued', 'aborted');
-
-INSERT INTO snapshot_changes (run_id, xid, group_ids)
-SELECT b.run_id, c, ARRAY(SELECT b.lo + (c * 8 + k) % :groups FROM generate_series(0, 7) k)
-FROM (SELECT run_id, min(id) AS lo FROM prompt_groups GROUP BY run_id) b, generate_series(1, :changes) c;
 """
 
 
-@pytest.fixture(scope="module")
-def backlog(admin_url: str, template_db: str):
-    """(engine, run, instance) on a database holding the backlog, dropped afterwards."""
+@contextmanager
+def database_of(admin_url: str, template_db: str, build_sql: str, params: dict):
+    """An engine on a fresh database built by `build_sql` (statements split on ';') and
+    ANALYZEd, dropped afterwards."""
     name = f"sf_plans_{uuid.uuid4().hex[:12]}"
     with psycopg.connect(admin_url, autocommit=True) as admin:
         admin.execute(
@@ -88,27 +85,34 @@ def backlog(admin_url: str, template_db: str):
         )
     engine = make_engine(with_database(admin_url, name))
     try:
-        params = {
-            "runs": RUNS,
-            "instances": INSTANCES_PER_RUN,
-            "groups": GROUPS_PER_RUN,
-            "per_group": SAMPLES_PER_GROUP,
-            "changes": CHANGES_PER_RUN,
-        }
         with engine.begin() as conn:
-            for stmt in filter(str.strip, BACKLOG_SQL.split(";")):
+            for stmt in filter(str.strip, build_sql.split(";")):
                 conn.execute(text(stmt), params)
         with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
             conn.execute(text("ANALYZE"))
+        yield engine
+    finally:
+        engine.dispose()
+        with psycopg.connect(admin_url, autocommit=True) as admin:
+            admin.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
+
+
+@pytest.fixture(scope="module")
+def backlog(admin_url: str, template_db: str):
+    """(engine, run, instance) on a database holding the backlog, dropped afterwards."""
+    params = {
+        "runs": RUNS,
+        "instances": INSTANCES_PER_RUN,
+        "groups": GROUPS_PER_RUN,
+        "per_group": SAMPLES_PER_GROUP,
+    }
+    with database_of(admin_url, template_db, BACKLOG_SQL, params) as engine:
+        with engine.connect() as conn:
             run = conn.execute(text("SELECT id FROM runs ORDER BY id OFFSET 1 LIMIT 1")).scalar()
             inst = conn.execute(text("SELECT min(id) FROM instances WHERE run_id = :r"), {"r": run}).scalar()
             counts = dict(conn.execute(text("SELECT state::text, count(*) FROM samples GROUP BY 1")).all())
         assert counts["queued"] + counts["finished"] >= 40_000, counts
         yield engine, run, inst
-    finally:
-        engine.dispose()
-        with psycopg.connect(admin_url, autocommit=True) as admin:
-            admin.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
 
 
 @contextmanager
@@ -309,13 +313,58 @@ def test_route_candidates_use_queued_index(backlog, plan_mode):
     assert not any(n["Node Type"] == "Sort" for n in nodes(plan)), describe(plan)  # the index gives the order
 
 
+# A young run, as the statistics then say: most of its samples in flight (30% queued, 60%
+# running on 256 instances), 4,000 groups of 8, and a change log of a few minutes (5,000
+# statements' sample changes, 200 of groups).
+YOUNG_RUN_SQL = """
+INSERT INTO runs (name, batch_size, buffer_capacity, group_size, samples_per_group, eta,
+                  max_response_tokens, max_prompt_tokens, dapo_filter)
+VALUES ('young', 64, 64, 8, 8, 2, 1024, 1024, false);
+
+INSERT INTO instances (run_id, name, version, lease_expires_at)
+SELECT r.id, 'inst-' || i, 0, now() + interval '1 hour' FROM runs r, generate_series(1, :instances) i;
+
+INSERT INTO prompt_groups (run_id, client_key, prompt_tokens, state, reserved_buffer, min_version)
+SELECT r.id, 'k' || g, ARRAY[1, 2, 3], 'reserved', 0, 0 FROM runs r, generate_series(1, :groups) g;
+
+WITH inst AS (SELECT run_id, array_agg(id ORDER BY id) AS ids FROM instances GROUP BY run_id),
+     s AS (SELECT g.run_id, g.id AS group_id, i AS idx, row_number() OVER (ORDER BY g.id, i) AS n
+           FROM prompt_groups g, generate_series(0, 7) i)
+INSERT INTO samples (run_id, group_id, idx, state, v_traj, attempt, instance_id, reward)
+SELECT s.run_id, s.group_id, s.idx, st.state::sample_state, CASE WHEN st.state = 'queued' THEN NULL ELSE 0 END,
+       CASE WHEN st.state = 'queued' THEN 0 ELSE 1 END,
+       CASE WHEN st.state = 'running' THEN inst.ids[1 + s.n % cardinality(inst.ids)] END,
+       CASE WHEN st.state = 'rewarded' THEN 1.0 END
+FROM s JOIN inst USING (run_id),
+LATERAL (SELECT CASE WHEN s.n % 10 < 3 THEN 'queued' WHEN s.n % 10 < 9 THEN 'running'
+                     ELSE 'rewarded' END AS state) st;
+
+INSERT INTO snapshot_changes (run_id, xid, sample_ids)
+SELECT b.run_id, c, ARRAY(SELECT b.lo + (c * 30 + k) % (8 * :groups) FROM generate_series(0, 29) k)
+FROM (SELECT run_id, min(id) AS lo FROM samples GROUP BY run_id) b, generate_series(1, 5000) c;
+
+INSERT INTO snapshot_changes (run_id, xid, group_ids)
+SELECT b.run_id, c, ARRAY(SELECT b.lo + (c * 8 + k) % :groups FROM generate_series(0, 7) k)
+FROM (SELECT run_id, min(id) AS lo FROM prompt_groups GROUP BY run_id) b, generate_series(1, 200) c
+"""
+
+
+@pytest.fixture(scope="module")
+def young_run(admin_url: str, template_db: str):
+    """(engine, run) on a database holding one young run (YOUNG_RUN_SQL), dropped afterwards."""
+    with database_of(admin_url, template_db, YOUNG_RUN_SQL, {"instances": 256, "groups": 4000}) as engine:
+        with engine.connect() as conn:
+            run = conn.execute(text("SELECT id FROM runs")).scalar()
+        yield engine, run
+
+
 @PLAN_MODES
-def test_a_change_read_finds_what_changed_by_index(backlog, plan_mode):
+def test_a_change_read_finds_what_changed_by_index(young_run, plan_mode):
     """The coordinator's change read (`snapshot_changes`) looks a changed group's members up by
     the unique (group_id, idx) index and the changed samples' groups by primary key: its cost
-    follows what changed, not how many samples and groups the server holds (a hash join over a
-    scan of them all, on every read; the generic plan also serves a whole read)."""
-    engine, run, _ = backlog
+    follows what changed. Its generic plan also serves a whole read, and with a young run's
+    statistics it hashed the changed samples against a scan of every group of the server."""
+    engine, run = young_run
     protocol = Protocol(engine)
     since = protocol.snapshot_changes(run)[0]
     with engine.begin() as conn:  # a group change: the groups' trigger records it
