@@ -42,6 +42,7 @@ from .rollout import (
     RolloutOps,
     check_reports,
     keep_capacity,
+    lock_running_params,
     reporting_instances,
     reports_write,
     works_of,
@@ -149,7 +150,7 @@ class NodeOps(RolloutOps, TxMixin):
             (queries.pyformat("node_instances"), {"run": run_id, "p": json.dumps(p), "eph": not reports}),
         ]
         if reports:  # the samples after the instances (lock order), in the same round trip
-            statements.append((queries.pyformat("report_lock_running"), {"run": run_id, "ids": ids}))
+            statements.append((queries.pyformat("report_lock_running"), lock_running_params(run_id, reports)))
         got = driver.rows(conn, statements)
         run_and_instances = got[1]
         beat = {r.iid for r in run_and_instances if r.beat}

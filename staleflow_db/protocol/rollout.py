@@ -278,13 +278,23 @@ def report_in(
         },
     )
     run_and_instances, running = driver.rows(
-        conn, [instances, (queries.pyformat("report_lock_running"), {"run": run_id, "ids": ids})]
+        conn, [instances, (queries.pyformat("report_lock_running"), lock_running_params(run_id, reports))]
     )
     run, quoted_tokens, fenced = reporting_instances(run_id, reports, run_and_instances)
     rows = _reported_samples(conn, run_id, ids, running)
     check_reports(run, reports, rows, quoted_tokens, fenced)
     _write_reports(conn, run_id, reports, rows)
     return len(reports)
+
+
+def lock_running_params(run_id: int, reports: Sequence[Report]) -> dict[str, Any]:
+    """`report_lock_running`'s parameters: the batch's samples, and those whose report is an
+    observation (only they need to know whether their last segment was one)."""
+    return {
+        "run": run_id,
+        "ids": [r.sample_id for r in reports],
+        "obs": sorted(r.sample_id for r in reports if not r.generated),
+    }
 
 
 def reporting_instances(

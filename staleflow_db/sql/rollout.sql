@@ -219,9 +219,11 @@ WHERE runs.id = :run
 
 -- name: report_lock_running
 -- Only the running rows are locked: a stale report must not wait on another sample's lock.
--- last_generated: whether its last segment is a generated one (NULL: none yet).
+-- last_generated: whether its last segment is a generated one (NULL: none yet), read only for
+-- the samples :obs whose report is an observation (one a turn); NULL for the others.
 SELECT id, state, attempt, v_traj, last_version, n_tokens, n_segments, instance_id, route_token,
-  (SELECT x.generated FROM segments x WHERE x.sample_id = samples.id AND x.seq = samples.n_segments - 1) AS last_generated
+  CASE WHEN id = ANY(CAST(:obs AS bigint[])) THEN (SELECT x.generated FROM segments x
+    WHERE x.sample_id = samples.id AND x.seq = samples.n_segments - 1) END AS last_generated
 FROM samples WHERE run_id = :run AND id = ANY(CAST(:ids AS bigint[])) AND state = 'running'
 ORDER BY id FOR UPDATE
 

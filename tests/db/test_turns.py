@@ -145,3 +145,29 @@ def test_observation_catches_a_trajectory_ending_in_an_observation(engine, turns
         l=pack_logprobs([0.0]),
     )
     assert found(engine, d.run) == {("observation", f"sample {a}")}
+
+
+def test_a_node_sync_refuses_a_second_observation_in_a_turn(engine):
+    """The node path reads a sample's last segment for its observation reports too: a batch of
+    one generated report and one observation after an observation is refused whole."""
+    from staleflow_db.protocol import NodeItem
+
+    d = Driver(engine, name="node-obs", batch_size=1, buffer_capacity=1, group_size=2, samples_per_group=2, eta=1)
+    i0 = d.p.register_instance(d.run, "i0", 0)
+    (g,) = d.enqueue(1)
+    a, b = d.members(g)
+    att = d.routed([a, b], i0)
+    _gen(d, a, att[a], 0, [1], K.PARTIAL)
+    _obs(d, a, att[a], [5], K.PARTIAL)
+    batch = [
+        Report(b, att[b], 0, [2], [-1.0], K.PARTIAL, **d.route_identity(b)),
+        Report(a, att[a], None, [6], [], K.PARTIAL, None, False, **d.route_identity(a)),
+    ]
+    before = d.scalars("SELECT count(*) FROM segments WHERE sample_id IN (:a, :b)", a=a, b=b)
+    with pytest.raises(InvalidInput, match="one observation per turn"), engine.begin() as conn:
+        d.p.sync_node(d.run, [NodeItem(i0, batch, None, None)], conn=conn)
+    assert d.scalars("SELECT count(*) FROM segments WHERE sample_id IN (:a, :b)", a=a, b=b) == before
+    # the generated report alone goes through the same path
+    with engine.begin() as conn:
+        (out,) = d.p.sync_node(d.run, [NodeItem(i0, batch[:1], None, None)], conn=conn)
+    assert out.refused is None and out.applied == 1
