@@ -12,6 +12,7 @@ from sqlalchemy.exc import IntegrityError
 
 from staleflow_db.errors import InvalidInput
 from staleflow_db.payloads import pack_logprobs
+from staleflow_db.protocol import NodeItem
 from staleflow_db.types import Report
 from workers.wire.enums import SegmentKind as K
 
@@ -150,8 +151,6 @@ def test_observation_catches_a_trajectory_ending_in_an_observation(engine, turns
 def test_a_node_sync_refuses_a_second_observation_in_a_turn(engine):
     """The node path reads a sample's last segment for its observation reports too: a batch of
     one generated report and one observation after an observation is refused whole."""
-    from staleflow_db.protocol import NodeItem
-
     d = Driver(engine, name="node-obs", batch_size=1, buffer_capacity=1, group_size=2, samples_per_group=2, eta=1)
     i0 = d.p.register_instance(d.run, "i0", 0)
     (g,) = d.enqueue(1)
