@@ -236,8 +236,3 @@ def api_backends_waiting(db_url: str) -> list[tuple[int, bool]]:
                 " AND application_name = 'staleflow' AND wait_event_type = 'Lock' AND pid <> pg_backend_pid()"
             ).fetchall()
         ]
-
-
-def terminate(db_url: str, pid: int) -> None:
-    with psycopg.connect(db_url, autocommit=True) as c:
-        assert c.execute("SELECT pg_terminate_backend(%s)", (pid,)).fetchone() == (True,)

@@ -137,16 +137,15 @@ def locks_held(db_url: str, pid: int) -> set[tuple[str, str]]:
 
 def terminate(db_url: str, pid: int) -> None:
     """Kill backend `pid` and wait until it is gone. pg_terminate_backend only signals: a backend
-    waiting for the standby that is released before it handles the signal (commits_held left
-    at once) sees its commit complete first and tells its client, and the kill kills nothing."""
+    released from its wait (for the standby when commits_held is left, for a lock when its
+    holder lets go) before it handles the signal goes on, commits and tells its client."""
     with psycopg.connect(db_url, autocommit=True) as c:
         assert c.execute("SELECT pg_terminate_backend(%s)", (pid,)).fetchone() == (True,)
-        wait_for(
-            lambda: c.execute("SELECT NOT EXISTS (SELECT 1 FROM pg_stat_activity WHERE pid = %s)", (pid,)).fetchone()[
-                0
-            ],
-            f"backend {pid} to exit",
-        )
+
+        def gone() -> bool:
+            return not c.execute("SELECT 1 FROM pg_stat_activity WHERE pid = %s", (pid,)).fetchone()
+
+        wait_for(gone, f"backend {pid} to exit")
 
 
 def wait_for(check: Callable[[], Any], what: str, timeout: float = 60.0) -> Any:

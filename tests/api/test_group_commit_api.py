@@ -25,9 +25,9 @@ from tests.group_commit_helpers import (
     build,
     burst,
     metric,
-    terminate,
     wait_for,
 )
+from tests.node_kill_helpers import terminate
 
 pytestmark = [pytest.mark.db, pytest.mark.slow]
 
