@@ -437,12 +437,10 @@ def check_interrupt_resume(folder: Path, prompt: list[int]) -> str:
 
 def check_loop(work: Path) -> str:
     """The e2e test of a model folder (tests/e2e/test_hf_model.py), on the GPU."""
-    from staleflow_cli.launch import Cluster, wait_until
     from staleflow_db import migrate
     from staleflow_db.db import make_engine
     from staleflow_db.embedded import EmbeddedPostgres
-    from staleflow_db.protocol import Protocol
-    from tests.hf_helpers import assert_trained_hf_run, hf_run, make_tiny_hf_model, start_ps
+    from tests.hf_helpers import assert_trained_hf_run, train_hf_run
     from workers.tasks.repeat import RepeatTask
 
     steps = 2
@@ -450,41 +448,15 @@ def check_loop(work: Path) -> str:
     try:
         migrate.upgrade(url)
         db = make_engine(url)
-        folder = make_tiny_hf_model(work / "loop-model")
-        run, tokens = hf_run(db, folder, "gpu-loop", steps, RepeatTask(max_count=8, max_response=12))
-        common = ["--run", str(run)]
-        with Cluster(work / "loop", url) as cluster:
-            cluster.start_api(timeout=120)
-            ps_addr = start_ps(cluster, work / "loop")
-            cluster.spawn(
-                "trainer",
-                ["trainer", *common, "--ps", ps_addr, "--model", str(folder), "--device", DEV]
-                + ["--checkpoint-dir", str(work / "loop" / "ckpt"), "--steps", str(steps), "--lr", "1e-3"],
-                env={"STALEFLOW_TOKEN": tokens["trainer"]},
-            )
-            cluster.spawn(
-                "reward", ["reward-worker", *common, "--verifier", "repeat"], env={"STALEFLOW_TOKEN": tokens["reward"]}
-            )
-            cluster.spawn(
-                "rollout",
-                ["rollout-worker", *common, "--engine", "hf", "--model", str(folder), "--ps", ps_addr]
-                + ["--device", DEV, "--engine-arg", "max_num_seqs=8", "--heartbeat", "0.5"],
-                env={"STALEFLOW_TOKEN": tokens["rollout"]},
-            )
-            cluster.spawn(
-                "coordinator", ["coordinator", *common, "--lease", "3"], env={"STALEFLOW_TOKEN": tokens["coordinator"]}
-            )
-            protocol = Protocol(db)
-
-            def trained() -> bool:
-                cluster.check()
-                return protocol.status(run)["version"] >= steps
-
-            started = time.monotonic()
-            wait_until(trained, 400, 1.0, lambda: f"run at version {protocol.status(run)['version']} of {steps}")
+        started = time.monotonic()
+        flags = ["--engine-arg", f"device={DEV}", "--engine-arg", "max_num_seqs=8"]
+        run, folder, _ = train_hf_run(
+            url, db, work / "loop", steps, RepeatTask(max_count=8, max_response=12), DEV, flags
+        )
+        took = time.monotonic() - started
         assert_trained_hf_run(db, run, folder, steps)
         db.dispose()
-        return f"{steps} versions trained and published in {time.monotonic() - started:.0f}s, audit clean"
+        return f"{steps} versions trained on {DEV} and published in {took:.0f}s, audit clean"
     finally:
         EmbeddedPostgres(work / "pg").stop()
 

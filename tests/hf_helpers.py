@@ -115,6 +115,46 @@ def spawn_hf_workers(
     )
 
 
+def train_hf_run(
+    db_url: str, engine: Any, work: Path, steps: int, task: Any, device: str, engine_flags: list[str]
+) -> tuple[int, Path, Path]:
+    """A tiny model folder's run trained for `steps` versions end to end in real processes: the
+    API, the parameter server, `trainer --model --device`, and `spawn_hf_workers` with
+    `engine_flags` (the rollout worker's engine arguments). Returns the run, the model folder
+    and the trainer's checkpoint folder. The e2e test runs it on the CPU, bench/gpu_check.py
+    on a GPU."""
+    from staleflow_cli.launch import Cluster, ProcessDied, wait_until
+    from staleflow_db.protocol import Protocol
+
+    folder = make_tiny_hf_model(work / "model")
+    run, tokens = hf_run(engine, folder, "hf", steps, task)
+    status = Protocol(engine).reads.status
+    checkpoint = work / "checkpoint"
+    with Cluster(work, db_url) as cluster:
+        cluster.start_api(timeout=120)
+        ps_addr = start_ps(cluster, work, run, tokens["trainer"])
+        cluster.spawn(
+            "trainer",
+            ["trainer", "--run", str(run), "--ps", ps_addr, "--model", str(folder), "--device", device]
+            + ["--checkpoint-dir", str(checkpoint), "--steps", str(steps), "--lr", "1e-3"],
+            env={"STALEFLOW_TOKEN": tokens["trainer"]},
+        )
+        spawn_hf_workers(cluster, run, folder, ps_addr, tokens, engine_flags)
+
+        def trained() -> bool:
+            try:
+                cluster.check()
+            except ProcessDied:
+                # the trainer exits 0 once it has published `steps` versions, maybe within this poll
+                if status(run)["version"] >= steps:
+                    return True
+                raise
+            return status(run)["version"] >= steps
+
+        wait_until(trained, 400, 1.0, lambda: f"run at version {status(run)['version']} of {steps}")
+    return run, folder, checkpoint
+
+
 def assert_trained_hf_run(engine: Any, run: int, folder: Path, steps: int) -> None:
     """Versions 1..steps published, each with new weights; the engine generated with a
     published version; the audit is clean and counts `steps` steps."""

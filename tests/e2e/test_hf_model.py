@@ -16,12 +16,10 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from hf_helpers import assert_trained_hf_run, hf_run, make_tiny_hf_model, spawn_hf_workers, start_ps
+from hf_helpers import assert_trained_hf_run, make_tiny_hf_model, train_hf_run
 from typer.testing import CliRunner
 
-from staleflow_cli.launch import Cluster, ProcessDied, wait_until
 from staleflow_cli.main import app
-from staleflow_db.protocol import Protocol
 from workers.tasks.repeat import RepeatTask
 from workers.trainer.torch_trainer import read_steps_log
 
@@ -31,37 +29,11 @@ TASK = RepeatTask(max_count=8, max_response=12)
 
 @pytest.mark.slow
 def test_hf_model_folder_runs_the_whole_loop(db_url, engine, tmp_path):
-    folder = make_tiny_hf_model(tmp_path / "model")
-    run, tokens = hf_run(engine, folder, "hf", STEPS, TASK)
-    protocol = Protocol(engine)
-    common = ["--run", str(run)]
-    with Cluster(tmp_path, db_url) as cluster:
-        cluster.start_api(timeout=120)
-        ps_addr = start_ps(cluster, tmp_path, run, tokens["trainer"])
-        checkpoint = tmp_path / "checkpoint"
-        cluster.spawn(
-            "trainer",
-            ["trainer", *common, "--ps", ps_addr, "--model", str(folder), "--checkpoint-dir", str(checkpoint)]
-            + ["--steps", str(STEPS), "--lr", "1e-3"],
-            env={"STALEFLOW_TOKEN": tokens["trainer"]},
-        )
-        # the engine's arguments as a GPU host would give them (the hf engine's subset)
-        engine_toml = tmp_path / "engine.toml"
-        engine_toml.write_text('dtype = "float32"\nmax_model_len = 200\nmax_num_seqs = 8\n')
-        flags = ["--engine-config", str(engine_toml), "--engine-arg", "max_num_seqs=4", "--engine-arg", "device=cpu"]
-        spawn_hf_workers(cluster, run, folder, ps_addr, tokens, flags)
-
-        def trained() -> bool:
-            try:
-                cluster.check()
-            except ProcessDied:
-                # the trainer exits 0 once it has published STEPS versions, maybe within this poll
-                if protocol.reads.status(run)["version"] >= STEPS:
-                    return True
-                raise
-            return protocol.reads.status(run)["version"] >= STEPS
-
-        wait_until(trained, 400, 1.0, lambda: f"run at version {protocol.reads.status(run)['version']} of {STEPS}")
+    # the engine's arguments as a GPU host would give them (the hf engine's subset)
+    engine_toml = tmp_path / "engine.toml"
+    engine_toml.write_text('dtype = "float32"\nmax_model_len = 200\nmax_num_seqs = 8\n')
+    flags = ["--engine-config", str(engine_toml), "--engine-arg", "max_num_seqs=4", "--engine-arg", "device=cpu"]
+    run, folder, checkpoint = train_hf_run(db_url, engine, tmp_path, STEPS, TASK, "cpu", flags)
     log = read_steps_log(checkpoint)
     assert [e["version"] for e in log if e["event"] == "trained"] == [1, 2, 3]
     assert_trained_hf_run(engine, run, folder, STEPS)
