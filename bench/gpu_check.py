@@ -34,6 +34,11 @@ Cases (see CHECKS):
                      one forward pass at the same temperature); the max abs difference is shown
   interrupt_resume   a sample interrupted and resumed from its partial equals the uninterrupted
                      one (same seed)
+  torch_engine       the demo's torch engine (TinyTransformer, paged KV) on the GPU: samples
+                     batched under a KV cache small enough to preempt, log-probs equal to the
+                     model's full forward pass; how many samples are token-identical alone
+                     and batched, and after an interrupt and resume, is shown (bitwise on the
+                     CPU; on CUDA the kernels may depend on the batch, so it is measured)
   loop               the whole loop in real processes on an embedded PostgreSQL: register ->
                      route -> report -> reward -> consume -> publish, two versions trained on the
                      GPU by `trainer --device cuda`, served by `rollout-worker --engine hf
@@ -76,6 +81,7 @@ CHECKS = {
     "weights_in_flight": "new weights loaded while requests run; they finish, later samples follow them",
     "logprobs_t07": "engine vs trainer log-probs at T = 0.7 (max abs difference)",
     "interrupt_resume": "an interrupted and resumed sample equals the uninterrupted one",
+    "torch_engine": "the demo's torch engine on the GPU: log-probs, preemption, batch invariance (measured)",
     "loop": "register -> route -> report -> reward -> consume -> publish, in processes on the GPU",
     "vllm_load_tp1": "vLLM workers pull versions from the PS and sample with them (TP1)",
     "vllm_load_tp2": "the same with tensor parallel 2 (needs 2 GPUs)",
@@ -435,6 +441,59 @@ def check_interrupt_resume(folder: Path, prompt: list[int]) -> str:
     return f"cut after {len(part.tokens)} of {len(whole.tokens)} tokens, resumed identically (|dlogp| {err:.1e})"
 
 
+def check_torch_engine() -> str:
+    import torch
+
+    from workers.models.tiny_model import TinyConfig
+    from workers.rollout.engines.base import PreemptedEvent
+    from workers.rollout.engines.torch_engine import TorchEngine
+    from workers.trainer.grpo import token_logprobs
+
+    cfg, prompt, n, new = TinyConfig(), [5, 17, 42, 9, 33, 2, 71, 8], 8, 48
+
+    def engine(kv: int) -> Any:
+        return TorchEngine(cfg, model_seed=0, device=DEV, kv_capacity_tokens=kv, block_size=16, temperature=1.0)
+
+    # a cache for about half of the batch's final contexts: admissions run into preemptions
+    eng = engine(kv=n * (len(prompt) + new) // 2)
+    assert eng.model.tok_emb.device.type == DEV, eng.model.tok_emb.device
+    sids = [f"b{k}" for k in range(n)]
+    for k, s in enumerate(sids):
+        eng.add_request(s, prompt, max_new_tokens=new, seed=k)
+    events = run_until(eng, lambda ev: all(finished(ev, s) is not None for s in sids))
+    batched = {s: finished(events, s) for s in sids}
+    preempted = sum(isinstance(e, PreemptedEvent) for e in events)
+    assert preempted > 0, "the small cache preempted nothing"
+    worst = 0.0
+    for f in batched.values():
+        assert f.finish_reason in ("eos", "length") and len(f.logprobs) == len(f.tokens), f
+        ids = torch.tensor([prompt + f.tokens], device=DEV)
+        with torch.no_grad():
+            lp, _ = token_logprobs(eng.model(ids)[:, len(prompt) - 1 : -1], ids[:, len(prompt) :], 1.0)
+        worst = max(worst, max_diff(f.logprobs, lp[0].tolist()))
+    assert worst < 1e-3, f"engine vs full forward log-probs differ by {worst:.2e}"
+    alone = []
+    for k, s in enumerate(sids):  # each sample by itself, in a cache that never preempts
+        one = engine(kv=4096)
+        one.add_request(s, prompt, max_new_tokens=new, seed=k)
+        alone.append(finished_all(one, [s])[s].tokens == batched[s].tokens)
+    one = engine(kv=4096)
+    one.add_request("cut", prompt, max_new_tokens=new, seed=0)
+    run_until(one, lambda ev: tokens_of(ev, "cut") >= 10 or finished(ev, "cut") is not None)
+    resumed = "not cut (finished first)"
+    for part in one.interrupt(["cut"]):
+        one.add_request("cut", prompt, part.tokens, part.logprobs, max_new_tokens=new - len(part.tokens), seed=0)
+        rest = finished_all(one, ["cut"])["cut"]
+        assert rest.prefix_len == len(part.tokens)
+        same = part.tokens + rest.tokens == batched["b0"].tokens
+        resumed = f"cut after {len(part.tokens)} tokens, resumed {'identically' if same else 'DIFFERENTLY'}"
+    tokens = sum(len(f.tokens) for f in batched.values())
+    return (
+        f"{n} samples, {tokens} tokens, {preempted} preemptions; |engine - forward| {worst:.1e}; "
+        f"alone = batched for {sum(alone)} of {n}; {resumed}"
+    )
+
+
 def check_loop(work: Path) -> str:
     """The e2e test of a model folder (tests/e2e/test_hf_model.py), on the GPU."""
     from staleflow_db import migrate
@@ -656,6 +715,7 @@ def run_checks(work: Path, results: dict[str, tuple[str, str]]) -> None:
     run("weights_in_flight", lambda: check_weights_in_flight(folder, prompt))
     run("logprobs_t07", lambda: check_logprobs_t07(folder, prompt))
     run("interrupt_resume", lambda: check_interrupt_resume(folder, prompt))
+    run("torch_engine", check_torch_engine)
     loop_lacking = missing_modules(NEEDED_LOOP)
     if loop_lacking:
         results["loop"] = ("FAIL", f"{', '.join(loop_lacking)} not installed: run bench/gpu_bundle.sh")

@@ -38,7 +38,16 @@ def test_gpu_check_is_a_dry_run_without_a_gpu():
         f"WOULD {name}" for name in gpu_check.CHECKS
     ]
     # the whole list the task asks for, vLLM's and tensor parallel 2 included
-    for name in ("hf_engine", "trainer", "ps_nccl", "weights_in_flight", "logprobs_t07", "interrupt_resume", "loop"):
+    for name in (
+        "hf_engine",
+        "trainer",
+        "ps_nccl",
+        "weights_in_flight",
+        "logprobs_t07",
+        "interrupt_resume",
+        "torch_engine",
+        "loop",
+    ):
         assert name in gpu_check.CHECKS
     assert "vllm_load_tp2" in gpu_check.CHECKS
 
