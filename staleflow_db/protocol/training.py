@@ -102,7 +102,7 @@ class TrainingOps(TxMixin):
                         s.reward,
                         s.finish_reason,
                         [SegmentInfo(p.seq, p.version, p.instance_id, p.n_tokens, p.generated) for p in parts],
-                        [int(p.generated) for p in parts for _ in range(p.n_tokens)],
+                        payloads.per_token([p.n_tokens for p in parts], [int(p.generated) for p in parts]),
                     )
                 )
             return Batch(run_id, version, fence, list(groups.values()))
