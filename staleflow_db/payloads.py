@@ -68,6 +68,17 @@ def unpack_logprobs(data: bytes | memoryview | None) -> list[float]:
     return _unpack("f", data).tolist()
 
 
+def packed_tokens(data: bytes) -> PackedArray:
+    """Stored token ids as they are (a sequence of ints, unpacked where something reads it): a
+    consume sends them to the wire packed, with no Python int per token on the way."""
+    return PackedArray(data, PACKED_INT32)
+
+
+def packed_logprobs(data: bytes) -> PackedArray:
+    """Stored log-probs as they are (see `packed_tokens`)."""
+    return PackedArray(data, FLOAT32)
+
+
 def per_token(lengths: Sequence[int] | None, values: Sequence[T] | None) -> list[T]:
     """Each segment's value repeated for each of its tokens (a loss mask from `generated`, the
     token versions from `version`). A list repeated in C, not an element at a time: a batch's

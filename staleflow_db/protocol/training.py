@@ -6,12 +6,14 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any
 
 from sqlalchemy import Connection, Row
 
 from workers.wire.enums import DropReason
+from workers.wire.packed import PACKED_LOGPROBS, PACKED_TOKEN_IDS
 
 from .. import payloads, queries
 from ..errors import Conflict, Corrupted, InvalidInput
@@ -36,8 +38,10 @@ class TrainSample:
     sample_id: int
     idx: int
     v_traj: int
-    tokens: list[int]
-    logprobs: list[float]
+    # the stored bytes (workers.wire.packed.PackedArray): sequences of their values, serialised
+    # packed as they are (context {"packed": True}) or as lists
+    tokens: Annotated[Sequence[int], PACKED_TOKEN_IDS]
+    logprobs: Annotated[Sequence[float], PACKED_LOGPROBS]
     reward: float
     finish_reason: str | None
     segments: list[SegmentInfo]
@@ -97,8 +101,8 @@ class TrainingOps(TxMixin):
                         s.id,
                         s.idx,
                         s.v_traj,
-                        payloads.unpack_tokens(b"".join(p.token_ids for p in parts)),
-                        payloads.unpack_logprobs(b"".join(p.logprobs for p in parts)),
+                        payloads.packed_tokens(b"".join(p.token_ids for p in parts)),
+                        payloads.packed_logprobs(b"".join(p.logprobs for p in parts)),
                         s.reward,
                         s.finish_reason,
                         [SegmentInfo(p.seq, p.version, p.instance_id, p.n_tokens, p.generated) for p in parts],

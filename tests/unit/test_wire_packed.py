@@ -126,6 +126,43 @@ def test_a_packed_report_array_is_kept_as_its_bytes():
     assert ReportIn.model_validate(dict(r)) == r  # a model built from its values
 
 
+def test_a_packed_array_reads_each_index_as_its_list_does():
+    ids, lps = [7, 0, 2**31 - 1, 12], [f32(-0.25), f32(-3.5), f32(0.0)]
+    for values, packed in (
+        (ids, PackedArray(struct.pack("<4i", *ids), "int32")),
+        (lps, PackedArray(struct.pack("<3f", *lps), "float32")),
+    ):
+        n = len(values)
+        assert [packed[i] for i in range(-n, n)] == [values[i] for i in range(-n, n)]
+        assert packed[1:3] == values[1:3] and packed[::-1] == values[::-1]
+        for outside in (n, -n - 1):
+            with pytest.raises(IndexError):
+                packed[outside]
+
+
+def test_a_consumed_batch_keeps_the_stored_bytes_and_sends_either_form():
+    """The data layer's batch holds the segments' bytes as they are stored: the packed answer
+    is their base64, the list answer their values, and the two decode to the same batch."""
+    from api.packed_batch import consumed_json
+    from api.routers.training import _ConsumeJson
+    from api.service import dump
+    from staleflow_db.protocol.training import Batch, TrainGroup, TrainSample
+
+    ids, lps = [5, 6, 2**31 - 1], [f32(-0.5), f32(-1e-8), f32(-30.25)]
+    tokens, logprobs = (
+        payloads.packed_tokens(payloads.pack_tokens(ids)),
+        payloads.packed_logprobs(payloads.pack_logprobs(lps)),
+    )
+    sample = TrainSample(1, 0, 0, tokens, logprobs, 1.0, "eos", [], [1, 1, 0])
+    batch = Batch(1, 0, 3, [TrainGroup(2, 0, [1, 2], {}, [sample])])
+    packed = json.loads(consumed_json(0, batch))
+    (s,) = packed["batch"]["groups"][0]["samples"]
+    assert s["tokens"] == b64(tokens.raw) and s["logprobs"] == b64(logprobs.raw)
+    listed = json.loads(dump(_ConsumeJson, {"ready": True, "version": 0, "batch": batch}))
+    assert listed["batch"]["groups"][0]["samples"][0]["tokens"] == ids
+    assert ConsumeOut.model_validate(packed) == ConsumeOut.model_validate(listed)
+
+
 def test_a_batch_reads_packed_arrays_as_lists():
     """The trainer's side (consume?packed=true): arrays are decoded to lists, not kept."""
     sample = {"sample_id": 1, "idx": 0, "v_traj": 0, "tokens": pack_int32([5, 6]), "loss_mask": [1, 1]}

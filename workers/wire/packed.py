@@ -43,6 +43,7 @@ _F32_BOUND = array("f", [LOGPROB_BOUND])[0]
 _I32 = next(code for code in "ilh" if array(code).itemsize == 4)
 _LITTLE = sys.byteorder == "little"
 _CODES = {"int32": _I32, "float32": "f"}
+_STRUCT = {"int32": "<i", "float32": "<f"}  # one element, little-endian
 
 
 INT32, FLOAT32 = "int32", "float32"  # PackedArray.kind
@@ -155,6 +156,11 @@ class PackedArray(Sequence[Any]):
         return iter(_values(_CODES[self.kind], self.raw))
 
     def __getitem__(self, index: Any) -> Any:
+        if isinstance(index, int):  # one element read from the bytes, not the whole array unpacked
+            n = len(self)
+            if not -n <= index < n:
+                raise IndexError("packed array index out of range")
+            return struct.unpack_from(_STRUCT[self.kind], self.raw, 4 * (index % n))[0]
         return self.tolist()[index]
 
     def __eq__(self, other: object) -> bool:
