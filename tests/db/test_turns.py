@@ -11,10 +11,11 @@ from protocol_helpers import Driver
 from sqlalchemy.exc import IntegrityError
 
 from staleflow_db.errors import InvalidInput
-from staleflow_db.payloads import pack_logprobs
+from staleflow_db.payloads import pack_logprobs, pack_tokens
 from staleflow_db.protocol import NodeItem
 from staleflow_db.types import Report
 from workers.wire.enums import SegmentKind as K
+from workers.wire.packed import PackedArray
 
 
 def _gen(d: Driver, sid: int, attempt: int, version: int, tokens, kind: K) -> None:
@@ -61,6 +62,9 @@ def turns(engine):
     assert batch is not None
     trained = {s.sample_id: s for grp in batch.groups for s in grp.samples}
     assert trained[a].loss_mask == [1, 1, 0, 0, 1, 1]
+    # the segments' stored bytes handed on as they are (sent packed without a list in between)
+    assert isinstance(trained[a].tokens, PackedArray) and trained[a].tokens.raw == pack_tokens([1, 2, 50, 51, 3, 4])
+    assert trained[a].tokens == [1, 2, 50, 51, 3, 4] and trained[a].logprobs == [-0.5] * 2 + [0.0] * 2 + [-0.5] * 2
     assert [(x.version, x.generated) for x in trained[a].segments] == [(0, True), (None, False), (1, True), (1, True)]
     assert trained[b].loss_mask == [1, 1]
     d.p.publish(d.run, 1, batch.consume_fence)
