@@ -43,6 +43,9 @@ Cases (see CHECKS):
                      route -> report -> reward -> consume -> publish, two versions trained on the
                      GPU by `trainer --device cuda`, served by `rollout-worker --engine hf
                      --device cuda`, and a clean audit
+  demo               `staleflow demo --device cuda` as a user runs it (embedded PostgreSQL of its
+                     own): 3 steps of the tiny model on the torch engine, then 2 of a model
+                     folder on the hf engine; each exits 0 with a clean audit
   vllm_load_tp1/2    the vLLM workers pull a version from the PS themselves (first load and a
                      later one) and sample with it: log-probs match a transformers forward pass
                      with those weights, not with the folder's (TP2 needs 2 GPUs)
@@ -83,6 +86,7 @@ CHECKS = {
     "interrupt_resume": "an interrupted and resumed sample equals the uninterrupted one",
     "torch_engine": "the demo's torch engine on the GPU: log-probs, preemption, batch invariance (measured)",
     "loop": "register -> route -> report -> reward -> consume -> publish, in processes on the GPU",
+    "demo": "`staleflow demo --device cuda`: the tiny model (torch engine) and a model folder (hf engine)",
     "vllm_load_tp1": "vLLM workers pull versions from the PS and sample with them (TP1)",
     "vllm_load_tp2": "the same with tensor parallel 2 (needs 2 GPUs)",
     "vllm_interrupt": "vLLM: interrupt() returns partials with tokens and log-probs",
@@ -520,6 +524,42 @@ def check_loop(work: Path) -> str:
         EmbeddedPostgres(work / "pg").stop()
 
 
+def check_demo(work: Path) -> str:
+    """The demo on the GPU, as `tests/e2e/test_hf_model.py::test_demo_trains_a_model_folder` runs
+    it on the CPU."""
+    from tests.hf_helpers import make_tiny_hf_model
+
+    folder = make_tiny_hf_model(work / "demo-model")
+    env = {k: v for k, v in os.environ.items() if k != "STALEFLOW_DATABASE_URL"}
+    env["STALEFLOW_HOME"] = str(work / "demo-home")  # its own embedded PostgreSQL
+    runs = {
+        "tiny": ["--steps", "3", "--instances", "2", "--batch-size", "4"],
+        "folder": [
+            "--model",
+            str(folder),
+            "--steps",
+            "2",
+            "--instances",
+            "1",
+            "--batch-size",
+            "2",
+            "--group-size",
+            "2",
+        ],
+    }
+    out = []
+    for name, args in runs.items():
+        started = time.monotonic()
+        cmd = [sys.executable, "-m", "staleflow_cli.main", "demo", "--device", DEV, *args]
+        cmd += ["--report-dir", str(work / f"demo-{name}"), "--timeout", "240"]
+        done = subprocess.run(cmd, env=env, cwd=work, capture_output=True, text=True, timeout=300)
+        last = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else ""
+        assert done.returncode == 0, f"{name}: exit {done.returncode}\n{done.stdout[-2000:]}{done.stderr[-2000:]}"
+        assert "violations=0" in last, last
+        out.append(f"{name} in {time.monotonic() - started:.0f}s: {last}")
+    return "; ".join(out)
+
+
 # ---- vLLM ---------------------------------------------------------------------------------------
 # ---- vLLM checks ------------------------------------------------------------------------------
 def check_load(folder: Path, ps: Any, prompt: list[int], tp: int) -> str:
@@ -721,6 +761,7 @@ def run_checks(work: Path, results: dict[str, tuple[str, str]]) -> None:
         results["loop"] = ("FAIL", f"{', '.join(loop_lacking)} not installed: run bench/gpu_bundle.sh")
     else:
         run("loop", lambda: check_loop(work))
+        run("demo", lambda: check_demo(work))
     run_vllm_checks(work, folder, model, prompt, run)
 
 

@@ -225,3 +225,25 @@ def need(*modules: str) -> None:
             require(module)
         except MissingExtra as e:
             raise fail(str(e)) from None
+
+
+def torch_device(value: str, param_hint: str = "--device") -> str:
+    """`value` if it names a torch device this host has: a name torch does not know, or a CUDA
+    device where there is none, is a usage error before anything starts, not a crash after the
+    process has connected and loaded its model."""
+    need("torch")
+    import torch
+
+    try:
+        device = torch.device(value)
+    except (RuntimeError, ValueError):
+        raise typer.BadParameter(
+            f"{value!r} is not a torch device (cpu, cuda, cuda:N, ...)", param_hint=param_hint
+        ) from None
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise typer.BadParameter(f"{value}: this host has no CUDA GPU", param_hint=param_hint)
+        if device.index is not None and device.index >= count:
+            raise typer.BadParameter(f"{value}: this host has {count} CUDA GPU(s)", param_hint=param_hint)
+    return value

@@ -25,7 +25,7 @@ from sqlalchemy import Engine
 
 from api.auth import create_token
 from api.ui.report import dashboard_data, write_report_html
-from staleflow_cli.common import need
+from staleflow_cli.common import need, torch_device
 from staleflow_cli.launch import Cluster, ProcessDied
 from staleflow_db import migrate
 from staleflow_db.audit import last_step_reward, mean_turns, step_metrics, summary
@@ -75,6 +75,7 @@ class DemoConfig:
     # and the step figures (trained samples only) would leave out exactly the solved groups
     dapo_filter: bool = False
     model: Path | None = None  # a Hugging Face model folder instead of the tiny model
+    device: str = "cpu"  # torch device of the trainer and the rollout engines ("cuda" on a GPU host)
     task: str = "repeat"  # or "multiturn": the guessing search (workers/tasks/guess.py)
     guess_noise: float = 0.25  # multiturn warm start: a guess ignores the feedback this often (87% found)
 
@@ -194,6 +195,8 @@ def run_demo(cfg: DemoConfig, console: Console) -> dict[str, Any]:
                 *([] if cfg.model else ["--save-every", "1"]),
                 "--metrics-file",
                 str(report / "trainer.jsonl"),
+                "--device",
+                cfg.device,
             ],
             env={"STALEFLOW_TOKEN": tokens["trainer"]},
         )
@@ -214,8 +217,10 @@ def run_demo(cfg: DemoConfig, console: Console) -> dict[str, Any]:
                     str(cfg.kv_capacity),
                     "--phi-wait",
                     "1",
+                    "--device",
+                    cfg.device,
                     "--name",
-                    f"cpu-{i}",
+                    f"{cfg.device.replace(':', '')}-{i}",
                     "--heartbeat",
                     "0.5",
                     *(GUESS_ENV if cfg.task == "multiturn" else []),
@@ -462,6 +467,9 @@ def demo(
     model: Path | None = typer.Option(
         None, "--model", help="A Hugging Face model folder to train instead of the tiny model (engine hf)."
     ),
+    device: str = typer.Option(
+        "cpu", "--device", help="torch device of the trainer and the rollout engines: cpu, cuda, cuda:1 ..."
+    ),
 ) -> None:
     """Train a tiny model from scratch with asynchronous RL: every process real, every step in PostgreSQL."""
     if policy not in POLICY_NAMES:
@@ -471,6 +479,7 @@ def demo(
     if task == "multiturn" and model is not None:
         raise typer.BadParameter("--task multiturn trains the tiny model (its own tokens)", param_hint="--model")
     need("torch", "matplotlib", *(["transformers"] if model else []))  # before a cluster starts
+    torch_device(device)
     console = Console()
     cfg = DemoConfig(
         task=task,
@@ -485,6 +494,7 @@ def demo(
         report_dir=report_dir,
         timeout_s=timeout,
         model=model,
+        device=device,
     )
     try:
         result = run_demo(cfg, console)

@@ -31,6 +31,7 @@ from staleflow_cli.common import (
     ps_client,
     ps_login,
     run_sampling,
+    torch_device,
 )
 from workers.client import StaleFlowClient
 from workers.rollout.worker import CHECKPOINT_EVERY_S, CHECKPOINT_TOKENS, FINISH_SLACK_MAX_S
@@ -167,6 +168,8 @@ def rollout_worker(
     temperature = temperature if temperature is not None else es.temperature  # None: the run's
     device = device if device is not None else es.device
     engine_kw = _engine_kwargs(engine, engine_config_, engine_arg or [])  # checked before any model loads
+    if engine in (Engine.torch, Engine.hf):
+        torch_device(str(engine_kw.get("device", device)), "--device" if "device" not in engine_kw else "--engine-arg")
     cfg = model_config(model_config_) if engine is Engine.torch else None
     if engine is Engine.vllm and not (vllm_model or model):
         raise typer.BadParameter("--engine vllm needs --vllm-model (or --model FOLDER)", param_hint="--vllm-model")

@@ -30,6 +30,7 @@ from staleflow_cli.common import (
     ps_client,
     ps_login,
     run_sampling,
+    torch_device,
 )
 from workers.client import ApiError, Forbidden, StaleFlowClient
 from workers.settings import home_dir
@@ -132,6 +133,8 @@ def trainer(
         )
     except ValueError as e:
         raise typer.BadParameter(str(e)) from None
+    if not sim:
+        torch_device(device)
     if opts.offline is not None and (run is not None or ps is not None):
         raise typer.BadParameter("an --offline trainer reaches no run: no --run, no --ps", param_hint="--offline")
     if opts.offline is None and run is None:

@@ -54,6 +54,15 @@ def test_hf_model_folder_runs_the_whole_loop(db_url, engine, tmp_path):
         ),
         (["trainer", "--run", "1", "--model", "/nonexistent"], ["not a Hugging Face model"]),
         (["trainer", "--run", "1", "--model", "x", "--sim"], ["no --sim, no --model-config"]),
+        # a device this host lacks (no GPU here; fewer than 100 on a GPU host), before any connection
+        (["trainer", "--run", "1", "--device", "bogus"], ["'bogus' is not a torch device"]),
+        (["trainer", "--run", "1", "--device", "cuda:99"], ["--device", "cuda:99: this host has"]),
+        (["rollout-worker", "--run", "1", "--engine", "torch", "--device", "cuda:99"], ["cuda:99: this host has"]),
+        (
+            ["rollout-worker", "--run", "1", "--engine", "hf", "--model", "/x", "--engine-arg", "device=cuda:99"],
+            ["--engine-arg", "cuda:99: this host has"],
+        ),
+        (["demo", "--device", "cuda:99"], ["--device", "cuda:99: this host has"]),
     ],
 )
 def test_bad_model_options_are_refused_before_anything_starts(args, needles):

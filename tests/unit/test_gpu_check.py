@@ -47,6 +47,7 @@ def test_gpu_check_is_a_dry_run_without_a_gpu():
         "interrupt_resume",
         "torch_engine",
         "loop",
+        "demo",
     ):
         assert name in gpu_check.CHECKS
     assert "vllm_load_tp2" in gpu_check.CHECKS
