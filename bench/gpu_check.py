@@ -533,19 +533,8 @@ def check_demo(work: Path) -> str:
     env = {k: v for k, v in os.environ.items() if k != "STALEFLOW_DATABASE_URL"}
     env["STALEFLOW_HOME"] = str(work / "demo-home")  # its own embedded PostgreSQL
     runs = {
-        "tiny": ["--steps", "3", "--instances", "2", "--batch-size", "4"],
-        "folder": [
-            "--model",
-            str(folder),
-            "--steps",
-            "2",
-            "--instances",
-            "1",
-            "--batch-size",
-            "2",
-            "--group-size",
-            "2",
-        ],
+        "tiny": "--steps 3 --instances 2 --batch-size 4".split(),
+        "folder": ["--model", str(folder), *"--steps 2 --instances 1 --batch-size 2 --group-size 2".split()],
     }
     out = []
     for name, args in runs.items():
