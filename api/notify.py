@@ -40,6 +40,9 @@ class Notifier:
         self.engine, self.url, self.debounce, self.listen = engine, url, debounce, listen
         self.sender_id = uuid.uuid4().hex[:12]
         self._events: dict[tuple[int, str], asyncio.Event] = {}
+        # (run, topic) -> the keys of its subtopics' events: a publish of `work` wakes the
+        # instances' `work:<id>` waiters without scanning every waiter of the process
+        self._subtopics: dict[tuple[int, str], set[tuple[int, str]]] = {}
         self._pending: dict[int, set[str]] = defaultdict(set)
         self._dirty: asyncio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -57,6 +60,9 @@ class Notifier:
         ev = self._events.get(key)
         if ev is None:
             ev = self._events[key] = asyncio.Event()
+            parent, sub, _ = topic.partition(":")
+            if sub:
+                self._subtopics.setdefault((run_id, parent), set()).add(key)
         return ev
 
     def _wake(self, run_id: int, topics: set[str] | tuple[str, ...]) -> None:
@@ -65,10 +71,13 @@ class Notifier:
             ev = self._events.pop((run_id, topic), None)
             if ev is not None:
                 ev.set()
-            if ":" not in topic:
-                prefix = topic + ":"
-                for key in [k for k in self._events if k[0] == run_id and k[1].startswith(prefix)]:
-                    self._events.pop(key).set()
+            parent, sub, _ = topic.partition(":")
+            if sub:
+                if ev is not None:
+                    self._subtopics.get((run_id, parent), set()).discard((run_id, topic))
+                continue
+            for key in self._subtopics.pop((run_id, topic), ()):
+                self._events.pop(key).set()
 
     def drain(self) -> None:
         """Every long-poll, waiting or to come, answers what it has now (event-loop thread)."""
@@ -77,6 +86,7 @@ class Notifier:
 
     def _wake_all(self) -> None:
         events, self._events = self._events, {}
+        self._subtopics = {}
         for ev in events.values():
             ev.set()
 
