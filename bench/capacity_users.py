@@ -315,8 +315,14 @@ class Held:
 
     def snapshot(self, pulling: bool = False) -> m.InstanceSnapshotIn:
         c = CFG
-        # built without validation, as `report_in`: a validated model per running sample
-        running = [m.RunningSampleIn.model_construct(sample_id=s, tokens=h["done"]) for s, h in self.held.items()]
+        # built without validation, as `report_in`, and kept per sample until its progress
+        # changes (a segment every checkpoint; a snapshot goes about every second)
+        running = []
+        for s, h in self.held.items():
+            entry = h.get("entry")
+            if entry is None or entry.tokens != h["done"]:
+                entry = h["entry"] = m.RunningSampleIn.model_construct(sample_id=s, tokens=h["done"])
+            running.append(entry)
         kv = sum(h["done"] + c["prompt_tokens"] for h in self.held.values())
         return m.InstanceSnapshotIn.model_construct(
             running=len(self.held),
@@ -657,34 +663,35 @@ class Coordinator(Api):
         if doc is None:
             gevent.sleep(0.2)
             return
-        self.mirror.apply(doc)
-        snap = self.mirror.view()
-        version = snap.run["version"] if snap.run else 0
-        held: dict[int, int] = {}
-        for iid, *_ in snap.running:
-            held[iid] = held.get(iid, 0) + 1
+        mirror = self.mirror
+        mirror.apply(doc)
+        # read per instance from the mirror, as the live coordinator does (InstanceRows), not
+        # through `view`, which sorts every running sample of the run each cycle
+        version = mirror.run["version"] if mirror.run else 0
+        instances = [mirror.instances[i] for i, _ in mirror.live if i in mirror.instances]
+        queued = mirror.queued_rows()
         if version > SHARED["pulled"]:  # a new version: every instance behind it pulls
             SHARED["pulled"] = version
-            ids = [i[0] for i in snap.instances if i[2] < version]
+            ids = [i[0] for i in instances if i[2] < version]
             for k in range(0, len(ids), 1000):
                 SHARED["pulls"][version] = time.time()
                 body = m.PullIn(instance_ids=ids[k : k + 1000], target_version=version)
                 self.call("pull", "/commands/pull", body, m.CommandsOut, key=True)
-        if len(snap.queued) < c["slots"] * max(1, len(snap.instances)) // 4:
+        if len(queued) < c["slots"] * max(1, len(instances)) // 4:
             prompts = [
                 m.PromptIn(client_key=uuid.uuid4().hex, prompt_tokens=[1 + i % 97] * c["prompt_tokens"])
                 for i in range(c["enqueue_groups"])
             ]
             self.call("enqueue", "/prompts", m.EnqueueIn(prompts=prompts), m.EnqueueOut)
         free = {
-            i[0]: c["slots"] - held.get(i[0], 0)
-            for i in snap.instances
+            i[0]: c["slots"] - len(mirror.by_instance.get(i[0], ()))
+            for i in instances
             if i[2] == version and not (i[3] or {}).get("pulling")
         }
         pairs = []
         slots = [iid for iid, n in free.items() for _ in range(max(0, n))]
         random.shuffle(slots)
-        for q, iid in zip(snap.queued, slots, strict=False):
+        for q, iid in zip(queued, slots, strict=False):
             pairs.append({"sample_id": q[0], "instance_id": iid})
         for k in range(0, len(pairs), 2000):
             body = m.RouteIn.model_validate({"routes": pairs[k : k + 2000]})
