@@ -195,3 +195,36 @@ def test_the_runner_tries_as_often_as_its_policy_says():
     with pytest.raises(Conflict):
         idempotency.retried(refuses, policy)
     assert len(calls) == 6  # not retried
+
+
+@pytest.mark.parametrize("own_transaction", [True, False])
+def test_an_outcome_stored_behind_the_locks_back_refuses_the_call_and_keeps_none_of_it(engine, own_transaction):
+    """A writer that skips the key's lock stores an outcome between this call's lookup and its
+    store: the store fails, and the call's writes go with it, its COMMIT sent in the store's
+    round trip (a transaction of its own) or not (the caller's) alike."""
+    key, marker = f"k-{own_transaction}", f"marker-{own_transaction}"
+
+    def call(conn) -> int:
+        conn.execute(
+            text("INSERT INTO idempotency (request_id, operation, response) VALUES (:k, 'call', '{}')"), {"k": marker}
+        )
+        with engine.begin() as other:  # the lock-skipping writer, committed first
+            other.execute(
+                text("INSERT INTO idempotency (request_id, operation, response) VALUES (:k, 'x#d', '1')"), {"k": key}
+            )
+        return 7
+
+    def once(conn=None):
+        return idempotency.once(engine, key, "op", "d", call, str, int, conn=conn)
+
+    with pytest.raises(KeyReused, match="used concurrently"):
+        if own_transaction:
+            once()
+        else:
+            with engine.begin() as conn:
+                once(conn)
+    with engine.connect() as c:
+        kept = c.execute(
+            text("SELECT request_id FROM idempotency WHERE request_id IN (:k, :m)"), {"k": key, "m": marker}
+        )
+        assert sorted(kept.scalars()) == [key]  # the other writer's outcome; the call left nothing
