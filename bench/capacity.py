@@ -55,6 +55,7 @@ import psutil
 import psycopg
 
 from bench.harness import PrivatePostgres
+from staleflow_cli.enqueue import CHUNK as ENQUEUE_CHUNK
 from staleflow_cli.launch import Cluster
 from staleflow_db import migrate
 from workers.client import StaleFlowClient
@@ -182,6 +183,7 @@ def run_step(args, cad: dict, bases: list[str], admin: StaleFlowClient, report: 
             observation_tokens=32,  # an environment's answer between turns
             coordinator_s=0.1,  # the staleflow policy's cycle_period
             enqueue_groups=max(4, math.ceil(instances * cad["slots"] / g / 4)),
+            enqueue_chunk=ENQUEUE_CHUNK,  # prompts a call, as `staleflow enqueue` sends them
             train_s=args.train_seconds,
             spawn_s=args.warmup / 2,
             start_at=start_at,

@@ -16,7 +16,8 @@ cadence over REST, with the requests and responses built from the `workers.wire`
   lifetime whose mean keeps the instance at the cost model's sample rate; an agentic sample
   (`turns` > 1) ends each turn but the last as the real worker with an environment does: a partial segment, the observation (not generated), and back to the queue
   to be routed again for the next turn.
-* `Coordinator` (one, in the first load process): keeps prompts queued, routes queued samples
+* `Coordinator` (one, in the first load process): keeps prompts queued (enqueued in the chunks
+  `staleflow enqueue` sends), routes queued samples
   to instances with free slots (from the run's snapshot, read as what changed since its last
   read and merged into a `SnapshotMirror`, as the live coordinator reads it) and sends a pull to every instance when
   the trainer publishes a version; records when it sent each pull, so command delivery is
@@ -682,7 +683,8 @@ class Coordinator(Api):
                 m.PromptIn(client_key=uuid.uuid4().hex, prompt_tokens=[1 + i % 97] * c["prompt_tokens"])
                 for i in range(c["enqueue_groups"])
             ]
-            self.call("enqueue", "/prompts", m.EnqueueIn(prompts=prompts), m.EnqueueOut)
+            for k in range(0, len(prompts), c["enqueue_chunk"]):  # a data loader's chunks
+                self.call("enqueue", "/prompts", m.EnqueueIn(prompts=prompts[k : k + c["enqueue_chunk"]]), m.EnqueueOut)
         free = {
             i[0]: c["slots"] - len(mirror.by_instance.get(i[0], ()))
             for i in instances
