@@ -70,6 +70,13 @@ class Metrics:
             registry=self.registry,
             buckets=LATENCY_BUCKETS[:-3],
         )
+        self.transaction_cpu = Counter(
+            "staleflow_protocol_transaction_cpu_seconds",
+            "CPU time of the replica thread that ran each protocol transaction (its Python, SQLAlchemy and"
+            " psycopg; not the database's, not the event loop's HTTP work), by operation",
+            ("operation",),
+            registry=self.registry,
+        )
         self.errors = Counter(
             "staleflow_protocol_errors",
             "protocol transactions that raised (refusals and failures), by operation and exception class",
@@ -120,8 +127,8 @@ class Metrics:
 
     @contextmanager
     def observe(self, operation: str) -> Iterator[None]:
-        """Time one protocol transaction (the hook staleflow_db calls)."""
-        start = time.perf_counter()
+        """Time one protocol transaction (the hook staleflow_db calls), and its thread's CPU."""
+        start, cpu = time.perf_counter(), time.thread_time()
         try:
             yield
         except Exception as exc:
@@ -129,6 +136,7 @@ class Metrics:
             raise
         finally:
             self.transactions.labels(operation).observe(time.perf_counter() - start)
+            self.transaction_cpu.labels(operation).inc(time.thread_time() - cpu)
 
     def waiting(self, topic: str) -> Any:
         """Count a long-poll while it waits (`work:<instance>` counts as `work`)."""

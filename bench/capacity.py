@@ -50,9 +50,11 @@ from pathlib import Path
 _HERE = Path(__file__).resolve().parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE] + [str(_HERE.parent)]
 
+import httpx
 import numpy as np
 import psutil
 import psycopg
+from prometheus_client.parser import text_string_to_metric_families
 
 from bench.harness import PrivatePostgres
 from staleflow_cli.enqueue import CHUNK as ENQUEUE_CHUNK
@@ -210,6 +212,7 @@ def run_step(args, cad: dict, bases: list[str], admin: StaleFlowClient, report: 
             print(f"  {instances} instances: warming up, {start_at - time.time():3.0f} s", file=sys.stderr)
         for c in (*cpus, load_cpu):
             c.reset()
+        tx_from = transaction_cpu(bases)
         wal_from = db.execute("SELECT pg_current_wal_lsn()").fetchone()[0]
         while time.time() < end_at:
             time.sleep(min(1.0, max(0.0, end_at - time.time())))
@@ -226,6 +229,8 @@ def run_step(args, cad: dict, bases: list[str], admin: StaleFlowClient, report: 
                     file=sys.stderr,
                 )
         wal = float(db.execute("SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), %s)", (wal_from,)).fetchone()[0])
+        tx = transaction_cpu(bases)
+        tx.subtract(tx_from)
     for c in children:
         try:
             c.wait(60)
@@ -235,10 +240,26 @@ def run_step(args, cad: dict, bases: list[str], admin: StaleFlowClient, report: 
     got = [json.loads(o.read_text()) for o in outs if o.exists()]
     if len(got) < len(children):
         raise SystemExit(f"a load process failed: see {step_dir}/locust-*.log")
-    return summarize(nodes * k_node, got, cpus, load_cpu, conns, wal)
+    return summarize(nodes * k_node, got, cpus, load_cpu, conns, wal, tx)
 
 
-def summarize(instances: int, got: list[dict], cpus, load_cpu: CPU, conns: list[int], wal: float) -> dict:
+def transaction_cpu(bases: list[str]) -> Counter:
+    """Per protocol operation, summed over the replicas' /metrics: its transactions and the CPU
+    seconds of the threads that ran them (`staleflow_protocol_transaction_cpu_seconds_total`)."""
+    got: Counter = Counter()
+    for base in bases:
+        for family in text_string_to_metric_families(httpx.get(base + "/metrics", timeout=30).text):
+            for sample in family.samples:
+                if sample.name == "staleflow_protocol_transaction_seconds_count":
+                    got[(sample.labels["operation"], "n")] += sample.value
+                elif sample.name == "staleflow_protocol_transaction_cpu_seconds_total":
+                    got[(sample.labels["operation"], "cpu")] += sample.value
+    return got
+
+
+def summarize(
+    instances: int, got: list[dict], cpus, load_cpu: CPU, conns: list[int], wal: float, tx: Counter | None = None
+) -> dict:
     seconds = max(o["seconds"] for o in got)
     per: dict[str, dict] = {}
     for o in got:
@@ -302,6 +323,13 @@ def summarize(instances: int, got: list[dict], cpus, load_cpu: CPU, conns: list[
             n: (d["calls"], d["failures"], pct(d["ms"], 0.5), pct(d["ms"], 0.99)) for n, d in sorted(per.items())
         },
         samples=[e for o in got for e in o["errors"]][:5],
+        # per operation: transactions in the window and their threads' CPU seconds (the API's
+        # CPU outside them is HTTP, validation and serialisation on the event loop)
+        transactions={
+            op: (int(tx[(op, "n")]), tx[(op, "cpu")])
+            for op in sorted({op for op, _ in (tx or {})})
+            if tx[(op, "n")] > 0
+        },
         ok=ok,
     )
 
@@ -332,6 +360,18 @@ def show(step: dict) -> None:
         f"  tokens generated {s['generated']:,.0f} ({s['generated'] / s['seconds']:,.0f}/s; reported {s['tokens']:,}), "
         f"WAL {s['wal_bytes'] / 1e6:,.1f} MB: {s['wal_per_token']:.1f} WAL bytes per generated token"
     )
+    api_s = s["api_cores"] * s["seconds"]
+    in_tx = sum(cpu for _, cpu in s["transactions"].values())
+    if s["transactions"] and api_s > 0:
+        print(
+            f"  API CPU in protocol transactions {100 * in_tx / api_s:.0f}% (the threads that ran them), "
+            f"the rest {100 * (1 - in_tx / api_s):.0f}% (HTTP, validation, serialisation):"
+        )
+        ranked = sorted(s["transactions"].items(), key=lambda kv: -kv[1][1])
+        for op, (n, cpu) in ranked[:8]:
+            print(
+                f"    {op:<26}{n:>7} transactions {cpu / n * 1e6:>7.0f} us each, {100 * cpu / api_s:>4.1f}% of the API's CPU"
+            )
     print(f"  {'endpoint':<22}{'calls':>8}{'errors':>8}{'p50 ms':>9}{'p99 ms':>9}")
     for name, (calls, fails, p50, p99) in s["endpoints"].items():
         print(f"  {name:<22}{calls:>8}{fails:>8}{p50:>9.0f}{p99:>9.0f}")

@@ -167,6 +167,7 @@ def check_dashboard(families: dict[str, Any], run: str) -> None:
     assert value("staleflow_coordinator_cycle_interval_seconds", run=run) == 0  # one transaction, one now()
     assert value("staleflow_coordinator_last_cycle_seconds", run=run, phase="decide") == pytest.approx(0.003)
     assert value("staleflow_protocol_transaction_seconds_count", operation="route") >= 1
+    assert value("staleflow_protocol_transaction_cpu_seconds_total", operation="route") > 0
     assert value("staleflow_protocol_errors_total", operation="param_versions", error="NotFound") == 1
     assert value("staleflow_long_poll_waiters", topic="work") == 1
     assert value("staleflow_database_up") == 1

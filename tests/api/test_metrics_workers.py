@@ -117,6 +117,8 @@ def test_two_workers_scrape_the_sum_and_the_database_once(db_url, tmp_path):
             assert samples(body, "staleflow_run_version", run=run) == [0]
             assert samples(body, "staleflow_queued_samples", run=run, level="new") == [3]
             assert samples(body, "staleflow_protocol_transaction_seconds_count", operation="enqueue") == [1]
+            (cpu,) = samples(body, "staleflow_protocol_transaction_cpu_seconds_total", operation="enqueue")
+            assert cpu > 0
     assert not metrics_dir.exists()  # removed when serve exits
 
 
