@@ -257,9 +257,7 @@ def transaction_cpu(bases: list[str]) -> Counter:
     return got
 
 
-def summarize(
-    instances: int, got: list[dict], cpus, load_cpu: CPU, conns: list[int], wal: float, tx: Counter | None = None
-) -> dict:
+def summarize(instances: int, got: list[dict], cpus, load_cpu: CPU, conns: list[int], wal: float, tx: Counter) -> dict:
     seconds = max(o["seconds"] for o in got)
     per: dict[str, dict] = {}
     for o in got:
@@ -326,9 +324,7 @@ def summarize(
         # per operation: transactions in the window and their threads' CPU seconds (the API's
         # CPU outside them is HTTP, validation and serialisation on the event loop)
         transactions={
-            op: (int(tx[(op, "n")]), tx[(op, "cpu")])
-            for op in sorted({op for op, _ in (tx or {})})
-            if tx[(op, "n")] > 0
+            op: (int(tx[(op, "n")]), tx[(op, "cpu")]) for op in sorted({op for op, _ in tx}) if tx[(op, "n")] > 0
         },
         ok=ok,
     )
