@@ -133,6 +133,12 @@ instances = Table(
     # the run) may act for the instance over the API.
     Column("token_id", BigInteger, ForeignKey("api_tokens.id", ondelete="SET NULL")),
     _created(),
+    # A run's live instances (the coordinator's reads, lease sweeps). A statement that names its
+    # instances by id compares the state as text (`state::text = 'active'`), which cannot match
+    # this predicate: the planner then takes the primary key whatever the statistics say. A
+    # generic plan made on a young run's statistics (this index nearly empty) read the run's
+    # every entry, or the whole index, for each id, per call, until the next ANALYZE
+    # (tests/db/test_statement_plans.py).
     Index("ix_instances_active", "run_id", postgresql_where=text("state = 'active'")),
 )
 
@@ -171,7 +177,8 @@ samples = Table(
     Index("ix_samples_queued", "run_id", "id", postgresql_where=text("state = 'queued'")),
     Index("ix_samples_finished", "run_id", "id", postgresql_where=text("state = 'finished'")),
     Index("ix_samples_scoring", "run_id", "reward_deadline", postgresql_where=text("state = 'scoring'")),
-    # `delivered` in the key: a poll finds the few undelivered among an instance's running (0020)
+    # `delivered` in the key: a poll finds the few undelivered among an instance's running (0020).
+    # Samples named by id compare `state::text = 'running'`, as instances by id (above).
     Index("ix_samples_running", "instance_id", "delivered", postgresql_where=text("state = 'running'")),
     postgresql_with={"fillfactor": "70"},
 )

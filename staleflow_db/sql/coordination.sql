@@ -26,7 +26,7 @@ SELECT id FROM instances WHERE run_id = :run AND id = ANY(CAST(:ids AS bigint[])
 WITH t AS (INSERT INTO commands (run_id, instance_id, kind, target_version, epoch)
   SELECT :run, u.i, 'pull', u.v, :epoch FROM unnest(CAST(:is AS bigint[]), CAST(:vs AS int[]))
   WITH ORDINALITY AS u(i, v, o)
-  JOIN instances x ON x.id = u.i AND x.run_id = :run AND x.state = 'active' ORDER BY u.o
+  JOIN instances x ON x.id = u.i AND x.run_id = :run AND x.state::text = 'active' ORDER BY u.o
   RETURNING id, instance_id, target_version),
 e AS (INSERT INTO event_rows (run_id, kind, instance_id, data)
   SELECT :run, 'pull', t.instance_id, jsonb_build_object('target', t.target_version) FROM t ORDER BY t.id
@@ -90,7 +90,7 @@ c AS (INSERT INTO commands (run_id, instance_id, kind, sample_id, attempt, epoch
 t AS (INSERT INTO commands (run_id, instance_id, kind, target_version, epoch)
   SELECT :run, u.i, 'pull', u.v, :epoch FROM unnest(CAST(:is AS bigint[]), CAST(:vs AS int[]))
   WITH ORDINALITY AS u(i, v, o)
-  JOIN instances x ON x.id = u.i AND x.run_id = :run AND x.state = 'active' WHERE EXISTS (SELECT FROM ok) ORDER BY u.o
+  JOIN instances x ON x.id = u.i AND x.run_id = :run AND x.state::text = 'active' WHERE EXISTS (SELECT FROM ok) ORDER BY u.o
   RETURNING id, instance_id, target_version),
 e AS (INSERT INTO event_rows (run_id, kind, instance_id, data)
   SELECT :run, 'pull', t.instance_id, jsonb_build_object('target', t.target_version) FROM t ORDER BY t.id

@@ -7,6 +7,10 @@
 -- the others') could deadlock with another call doing the same to the same rows in other modes
 -- (a node's flush and its long-poll), and a share lock upgraded later could wait on a route
 -- holding the row while the route waits on this one.
+--
+-- Instances named by id are matched on `state::text = 'active'`: never through the partial index
+-- of a run's live instances, whose whole the planner may read per id on a young run's statistics
+-- (staleflow_db/schema.py, ix_instances_active).
 
 -- name: node_instances
 -- The instances of a node sync's items and the run, in ONE statement: what `rollout.sql`'s
@@ -27,7 +31,7 @@ u AS MATERIALIZED (SELECT * FROM jsonb_to_recordset(CAST(:p AS jsonb))
   AS u(i bigint, r boolean, s jsonb, v int, h jsonb, t float8)),
 lk AS MATERIALIZED (SELECT u.i, x.id AS xid, y.state AS ystate, y.live AS ylive
   FROM (SELECT * FROM u ORDER BY i) u
-  LEFT JOIN LATERAL (SELECT id FROM instances WHERE id = u.i AND run_id = CAST(:run AS bigint) AND state = 'active'
+  LEFT JOIN LATERAL (SELECT id FROM instances WHERE id = u.i AND run_id = CAST(:run AS bigint) AND state::text = 'active'
     AND lease_expires_at > now() AND (u.v IS NOT NULL OR u.s IS NOT NULL
     OR lease_expires_at < now() + make_interval(secs => 0.75 * lease_s)) FOR NO KEY UPDATE) x ON true
   LEFT JOIN LATERAL (SELECT state::text AS state, lease_expires_at > now() AS live FROM instances
@@ -40,7 +44,7 @@ w AS MATERIALIZED (UPDATE instances x SET version = coalesce(u.v, x.version),
   snapshot_at = CASE WHEN u.v IS NULL AND u.s IS NULL THEN x.snapshot_at ELSE now() END,
   lease_expires_at = now() + make_interval(secs => coalesce(u.t, x.lease_s)), lease_s = coalesce(u.t, x.lease_s)
   FROM u, runs r, ephemeral
-  WHERE x.id = u.i AND x.id = ANY(ARRAY(SELECT xid FROM lk)) AND r.id = x.run_id AND x.state = 'active'
+  WHERE x.id = u.i AND x.id = ANY(ARRAY(SELECT xid FROM lk)) AND r.id = x.run_id AND x.state::text = 'active'
   AND x.lease_expires_at > now() AND (u.v IS NULL OR (x.version <= u.v AND u.v <= r.version))
   RETURNING x.id, u.v IS NOT NULL AS beat)
 SELECT id, version, state, batch_size, buffer_capacity, group_size, samples_per_group, eta,
@@ -58,12 +62,12 @@ WHERE runs.id = CAST(:run AS bigint)
 -- one with no sample for an instance with none; no row for an instance that does not exist.
 WITH lk AS MATERIALIZED (SELECT k.i, x.id AS xid, y.state AS ystate, y.live AS ylive, y.run_id AS yrun
   FROM (SELECT DISTINCT i FROM unnest(CAST(:ids AS bigint[])) AS i ORDER BY i) k
-  LEFT JOIN LATERAL (SELECT id FROM instances WHERE id = k.i AND state = 'active' AND lease_expires_at > now()
+  LEFT JOIN LATERAL (SELECT id FROM instances WHERE id = k.i AND state::text = 'active' AND lease_expires_at > now()
     AND lease_expires_at < now() + make_interval(secs => 0.75 * lease_s) FOR NO KEY UPDATE) x ON true
   LEFT JOIN LATERAL (SELECT state::text AS state, lease_expires_at > now() AS live, run_id FROM instances
     WHERE id = k.i AND x.id IS NULL FOR SHARE) y ON true),
 renew AS MATERIALIZED (UPDATE instances x SET lease_expires_at = now() + make_interval(secs => x.lease_s)
-  WHERE x.id = ANY(ARRAY(SELECT xid FROM lk)) AND x.state = 'active' AND x.lease_expires_at > now()
+  WHERE x.id = ANY(ARRAY(SELECT xid FROM lk)) AND x.state::text = 'active' AND x.lease_expires_at > now()
   RETURNING x.id, x.run_id),
 inst AS MATERIALIZED (SELECT lk.i AS id, lk.ystate AS state, lk.ylive AS live, r.max_response_tokens
   FROM lk JOIN runs r ON r.id = lk.yrun UNION ALL
@@ -89,7 +93,7 @@ SELECT inst.id AS iid, inst.state, inst.live, inst.max_response_tokens, w.* FROM
 -- commands of each instance that is active and live (the poll holds its row).
 UPDATE commands SET state = 'delivered', delivered_at = now()
 WHERE id IN (SELECT c.id FROM commands c WHERE c.instance_id = ANY(CAST(:ids AS bigint[])) AND c.state = 'pending'
-  AND EXISTS (SELECT 1 FROM instances i WHERE i.id = c.instance_id AND i.state = 'active' AND i.lease_expires_at > now())
+  AND EXISTS (SELECT 1 FROM instances i WHERE i.id = c.instance_id AND i.state::text = 'active' AND i.lease_expires_at > now())
   ORDER BY c.id FOR UPDATE) RETURNING id, instance_id, kind, sample_id, attempt, target_version
 
 -- name: node_poll_idle
@@ -103,4 +107,4 @@ SELECT coalesce(bool_and(i.id IS NOT NULL AND i.state = 'active' AND i.lease_exp
     AND NOT EXISTS (SELECT 1 FROM samples WHERE instance_id = i.id AND state = 'running' AND NOT delivered)
     AND NOT EXISTS (SELECT 1 FROM commands c WHERE c.instance_id = i.id AND c.state = 'pending')), false)
   AND NOT EXISTS (SELECT 1 FROM idempotency k WHERE k.request_id = CAST(:k AS text))
-FROM unnest(CAST(:ids AS bigint[])) AS u(id) LEFT JOIN instances i ON i.id = u.id
+FROM unnest(CAST(:ids AS bigint[])) AS u(id) LEFT JOIN LATERAL (SELECT * FROM instances WHERE id = u.id) i ON true

@@ -34,7 +34,7 @@ UPDATE instances i SET version = :v,
   snapshot = jsonb_strip_nulls(jsonb_build_object('capacity', i.snapshot->'capacity')) || CAST(:snap AS jsonb),
   snapshot_at = now(),
   lease_expires_at = now() + make_interval(secs => :ttl), lease_s = :ttl
-FROM runs r, ephemeral WHERE i.id = :i AND r.id = i.run_id AND i.state = 'active'
+FROM runs r, ephemeral WHERE i.id = :i AND r.id = i.run_id AND i.state::text = 'active'
 AND i.lease_expires_at > now() AND i.version <= :v AND :v <= r.version RETURNING i.id
 
 -- name: heartbeat_refused
@@ -47,7 +47,7 @@ UPDATE instances SET state = 'expired' WHERE id IN (SELECT id FROM instances
 RETURNING id
 
 -- name: deregister_instance
-UPDATE instances SET state = 'deregistered' WHERE id = :i AND state = 'active' RETURNING run_id
+UPDATE instances SET state = 'deregistered' WHERE id = :i AND state::text = 'active' RETURNING run_id
 
 -- name: instance_exists
 SELECT 1 FROM instances WHERE id = :i
@@ -74,7 +74,7 @@ WHERE x.id = f.id RETURNING x.id, f.instance_id
 -- report_run_and_instances for why it runs first and writes only once a quarter of the lease
 -- has passed); otherwise the instance is read FOR SHARE.
 WITH renew AS MATERIALIZED (UPDATE instances SET lease_expires_at = now() + make_interval(secs => lease_s)
-  WHERE id = :i AND state = 'active' AND lease_expires_at > now()
+  WHERE id = :i AND state::text = 'active' AND lease_expires_at > now()
   AND lease_expires_at < now() + make_interval(secs => 0.75 * lease_s) RETURNING run_id),
 held AS MATERIALIZED (SELECT i.state::text AS state, i.lease_expires_at > now() AS live,
   r.max_response_tokens FROM instances i JOIN runs r ON r.id = i.run_id WHERE i.id = :i
@@ -103,7 +103,7 @@ SELECT inst.state, inst.live, inst.max_response_tokens, w.* FROM inst LEFT JOIN 
 -- holds its row: renewed, or FOR SHARE).
 UPDATE commands SET state = 'delivered', delivered_at = now()
 WHERE id IN (SELECT id FROM commands WHERE instance_id = :i AND state = 'pending'
-  AND EXISTS (SELECT 1 FROM instances WHERE id = :i AND state = 'active' AND lease_expires_at > now())
+  AND EXISTS (SELECT 1 FROM instances WHERE id = :i AND state::text = 'active' AND lease_expires_at > now())
   ORDER BY id FOR UPDATE) RETURNING id, kind, sample_id, attempt, target_version
 
 -- name: poll_idle
@@ -206,7 +206,7 @@ WITH renew AS MATERIALIZED (UPDATE instances x SET lease_expires_at = now() + ma
     ELSE jsonb_strip_nulls(jsonb_build_object('capacity', x.snapshot->'capacity')) || CAST(:snap AS jsonb) END,
   snapshot_at = CASE WHEN CAST(:snap AS jsonb) IS NULL THEN x.snapshot_at ELSE now() END
   WHERE x.id IN (SELECT id FROM instances WHERE run_id = :run AND id = ANY(CAST(:ids AS bigint[]))
-    AND state = 'active' AND lease_expires_at > now() AND (CAST(:snap AS jsonb) IS NOT NULL
+    AND state::text = 'active' AND lease_expires_at > now() AND (CAST(:snap AS jsonb) IS NOT NULL
     OR lease_expires_at < now() + make_interval(secs => 0.75 * lease_s)) ORDER BY id FOR NO KEY UPDATE)
   RETURNING x.id),
 held AS MATERIALIZED (SELECT x.id AS iid, x.state::text AS istate, x.lease_expires_at > now() AS live
@@ -218,13 +218,14 @@ SELECT id, version, state, batch_size, buffer_capacity, group_size, samples_per_
 WHERE runs.id = :run
 
 -- name: report_lock_running
--- Only the running rows are locked: a stale report must not wait on another sample's lock.
+-- Only the running rows are locked: a stale report must not wait on another sample's lock. By
+-- id, never through ix_samples_running (`state::text`: see staleflow_db/schema.py).
 -- last_generated: whether its last segment is a generated one (NULL: none yet), read only for
 -- the samples :obs whose report is an observation (one a turn); NULL for the others.
 SELECT id, state, attempt, v_traj, last_version, n_tokens, n_segments, instance_id, route_token,
   CASE WHEN id = ANY(CAST(:obs AS bigint[])) THEN (SELECT x.generated FROM segments x
     WHERE x.sample_id = samples.id AND x.seq = samples.n_segments - 1) END AS last_generated
-FROM samples WHERE run_id = :run AND id = ANY(CAST(:ids AS bigint[])) AND state = 'running'
+FROM samples WHERE run_id = :run AND id = ANY(CAST(:ids AS bigint[])) AND state::text = 'running'
 ORDER BY id FOR UPDATE
 
 -- name: report_read_others

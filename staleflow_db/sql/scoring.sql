@@ -47,7 +47,7 @@ WHERE s.run_id = :run AND s.id = ANY(CAST(:ids AS bigint[]))
 -- renews it (`renew` first; see rollout.sql, report_run_and_instances), else FOR SHARE: it
 -- stays active and live until the drop commits.
 WITH renew AS MATERIALIZED (UPDATE instances SET lease_expires_at = now() + make_interval(secs => lease_s)
-  WHERE id = :i AND run_id = :run AND state = 'active' AND lease_expires_at > now()
+  WHERE id = :i AND run_id = :run AND state::text = 'active' AND lease_expires_at > now()
   AND lease_expires_at < now() + make_interval(secs => 0.75 * lease_s) RETURNING id),
 held AS MATERIALIZED (SELECT state::text AS state, lease_expires_at > now() AS live FROM instances
   WHERE id = :i AND run_id = :run AND NOT EXISTS (SELECT 1 FROM renew) FOR SHARE)
