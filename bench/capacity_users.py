@@ -680,9 +680,12 @@ class Coordinator(Api):
                 body = m.PullIn(instance_ids=ids[k : k + 1000], target_version=version)
                 self.call("pull", "/commands/pull", body, m.CommandsOut, key=True)
         if len(queued) < c["slots"] * max(1, len(instances)) // 4:
+            # random ids (slices of the pool): a prompt of one repeated id compressed ~10x in
+            # every stored delivery and prompt row, which real prompts do not
+            n = c["prompt_tokens"]
             prompts = [
-                m.PromptIn(client_key=uuid.uuid4().hex, prompt_tokens=[1 + i % 97] * c["prompt_tokens"])
-                for i in range(c["enqueue_groups"])
+                m.PromptIn(client_key=uuid.uuid4().hex, prompt_tokens=TOKEN_POOL[o : o + n])
+                for o in (random.randrange(len(TOKEN_POOL) - n) for _ in range(c["enqueue_groups"]))
             ]
             for k in range(0, len(prompts), c["enqueue_chunk"]):  # a data loader's chunks
                 self.call("enqueue", "/prompts", m.EnqueueIn(prompts=prompts[k : k + c["enqueue_chunk"]]), m.EnqueueOut)
