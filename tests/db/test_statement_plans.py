@@ -88,14 +88,15 @@ def sent(backlog):  # noqa: F811 (the fixture)
         with recording(Engine, record):
             walk_lifecycle(admin, roles, run.id)
             node_round(admin, client)
-    with engine.connect() as conn:
-        large = set(
-            conn.execute(
-                text("SELECT relname FROM pg_class WHERE relkind IN ('r', 'p') AND reltuples > :n"), {"n": LARGE_ROWS}
-            ).scalars()
-        )
+    large = large_tables(engine)
     assert {"samples", "prompt_groups"} <= large, large
     return engine, [(s, p) for s, p in recorded.items() if p], large
+
+
+def large_tables(engine) -> set[str]:
+    with engine.connect() as conn:
+        query = text("SELECT relname FROM pg_class WHERE relkind IN ('r', 'p') AND reltuples > :n")
+        return set(conn.execute(query, {"n": LARGE_ROWS}).scalars())
 
 
 @PLAN_MODES
@@ -175,12 +176,7 @@ def test_lookups_by_id_take_the_primary_key_whatever_the_statistics(sent, young,
     (BitmapAnd: the in-flight index's bitmap built whole), and none reads a whole large table
     (here `instances` too: a server that hosted many runs)."""
     _, statements, _ = sent
-    with young.connect() as conn:
-        large = set(
-            conn.execute(
-                text("SELECT relname FROM pg_class WHERE relkind IN ('r', 'p') AND reltuples > :n"), {"n": LARGE_ROWS}
-            ).scalars()
-        )
+    large = large_tables(young)
     assert {"instances", "samples"} <= large, large
     found = []
     for statement, parameters in statements:
