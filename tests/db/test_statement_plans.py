@@ -10,6 +10,10 @@ reports, claim, rewards, consume, publish, deregister) and a node's syncs (deliv
 with snapshots and a heartbeat) with the coordinator's snapshot changes, recorded as test_plans records them,
 on test_plans' backlog database (4 runs x 18k samples, ANALYZEd). A statement without
 parameters has one plan; one that reads only small tables (instances, runs, ...) may scan them.
+
+The same statements are planned again on a young run's statistics (a server that hosted other
+runs: its live instances and running samples few), where a generic plan made then would find
+rows named by id through the partial indexes of the rows in flight: none may.
 """
 
 from __future__ import annotations
