@@ -235,7 +235,10 @@ class StaleFlowClient:
         request id (for `retry_for` seconds; True means the client's setting, None forever);
         raises ApiError for any other error status, Unavailable when retries ran out."""
         headers = {"Idempotency-Key": uuid.uuid4().hex} if key else {}
-        timeout = httpx.Timeout(self.timeout + (wait or 0.0), connect=min(self.timeout, 10.0))
+        # (connect, read, write, pool) as a plain tuple: both httpx and httpx2 (behind Starlette's
+        # TestClient) take it, where each refuses the other's Timeout.
+        total = self.timeout + (wait or 0.0)
+        timeout = (min(self.timeout, 10.0), total, total, total)
         context = PACKED_CONTEXT if self.packed else None
         content = body.model_dump_json(exclude_none=True, context=context).encode() if body is not None else None
         if content is not None:

@@ -19,8 +19,7 @@ from workers.client import StaleFlowClient
 from workers.reward.sources import FunctionReward
 from workers.reward.worker import RewardWorker
 
-# the client passes its timeout to every request, which starlette's TestClient ignores with a warning
-pytestmark = [pytest.mark.db, pytest.mark.filterwarnings("ignore:You should not use the 'timeout' argument")]
+pytestmark = pytest.mark.db
 
 GUARD_S = 60.0  # a hang's guard, never a timing assertion
 
