@@ -125,6 +125,12 @@ def payload(n: int) -> tuple[Sequence, Sequence]:
     )
 
 
+def packed_query() -> str:
+    """The claim's and the consume's query: arrays packed, as the client asks for them (the wire
+    `lists`: JSON lists)."""
+    return "" if CFG.get("wire") == "lists" else "&packed=true"
+
+
 def joined(a: Sequence, b: Sequence) -> Sequence:
     """Two stretches of one sample's output as one segment's array."""
     if isinstance(a, PackedArray) and isinstance(b, PackedArray):
@@ -713,7 +719,9 @@ class Rewarder(Api):
     def score(self):
         limit = 256
         body = m.ClaimIn(limit=limit, claim_seconds=60.0)
-        got = self.call("claim (long-poll)", "/rewards/claim", body, m.ClaimOut, params="?wait=1.0", key=True)
+        got = self.call(
+            "claim (long-poll)", "/rewards/claim", body, m.ClaimOut, params="?wait=1.0" + packed_query(), key=True
+        )
         claimed_at = time.monotonic()
         if got and got.tasks:
             rewards = [
@@ -732,7 +740,9 @@ class Trainer(Api):
     @task
     def train(self):
         v = SHARED["version"]
-        got = self.call("consume (long-poll)", f"/batches/{v}/consume", None, m.ConsumeOut, params="?wait=2.0")
+        got = self.call(
+            "consume (long-poll)", f"/batches/{v}/consume", None, m.ConsumeOut, params="?wait=2.0" + packed_query()
+        )
         if got is not None and got.batch is not None:
             gevent.sleep(CFG["train_s"])
             out = self.call(

@@ -459,14 +459,9 @@ class StaleFlowClient:
     ) -> list[m.RewardTaskOut]:
         wait = self.wait if wait is None else wait
         body = m.ClaimIn(limit=limit, claim_seconds=claim_seconds)
+        params: dict[str, Any] = {"wait": wait} | ({"packed": "true"} if self.packed else {})
         return self._call(
-            m.ClaimOut,
-            "POST",
-            f"/v1/runs/{_ref(run_id)}/rewards/claim",
-            body=body,
-            params={"wait": wait},
-            key=True,
-            wait=wait,
+            m.ClaimOut, "POST", f"/v1/runs/{_ref(run_id)}/rewards/claim", body=body, params=params, key=True, wait=wait
         ).tasks
 
     def record_rewards(self, run_id: RunRef, rewards: Sequence[m.RewardIn | dict | tuple]) -> list[m.GroupOutcomeOut]:

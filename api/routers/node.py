@@ -5,24 +5,24 @@ lease and fences: the outcome is per instance."""
 
 from __future__ import annotations
 
-from typing import Any
-
 from fastapi import APIRouter, Depends, HTTPException, Request
 from fastapi.responses import Response
 from sqlalchemy import Connection
 from starlette.concurrency import run_in_threadpool
+from typing_extensions import TypedDict
 
 from staleflow_db.errors import NotFound
 from staleflow_db.protocol import NodeDelivery, NodeHeartbeat, NodeItem, NodeOutcome
+from staleflow_db.protocol.rollout import Command, Work
 from workers.wire.enums import Role, SegmentKind
-from workers.wire.models import NodeDeliveryOut, NodeErrorOut, NodeItemOut, NodeSyncIn, NodeSyncOut, errors
+from workers.wire.models import NodeErrorOut, NodeItemOut, NodeSyncIn, NodeSyncOut, errors
 from workers.wire.models.common import Limit
 
 from ..auth import Principal
 from ..body import ModelBodyRoute
 from ..deps import AppState, IdempotencyKey, RunId, State, Wait, allow_run, long_poll
 from ..notify import REWARDS, instance_topic
-from ..service import respond, scoped_key
+from ..service import dump, respond, respond_json, scoped_key
 from .rollout import reports_of
 
 router = APIRouter(
@@ -61,26 +61,27 @@ async def sync(
     results: list[NodeItemOut] = []
     if body.items:
         results = await run_in_threadpool(_apply, state, run_id, body, scoped_key(skey, "items"))
-    deliveries: list[NodeDeliveryOut] = []
-    if body.poll:
-        pkey = scoped_key(skey, "poll")
+    if not body.poll:
+        return respond(NodeSyncOut(results=results))
+    pkey = scoped_key(skey, "poll")
 
-        def call(conn: Connection) -> NodeSyncOut:
-            delivered = state.protocol.poll_node(body.poll, limit, conn=conn)
-            return NodeSyncOut(deliveries=[_delivery(d) for d in delivered])
+    def call(conn: Connection) -> bytes:
+        return _polled(state.protocol.poll_node(body.poll, limit, conn=conn))
 
-        def idle(conn: Connection) -> NodeSyncOut | None:
-            # a re-check with nothing to deliver to any instance: one read in autocommit, no transaction
-            if not state.protocol.poll_node_idle(body.poll, pkey, conn=conn):
-                return None
-            return NodeSyncOut(deliveries=[_delivery(NodeDelivery(i)) for i in body.poll])
+    def idle(conn: Connection) -> bytes | None:
+        # a re-check with nothing to deliver to any instance: one read in autocommit, no transaction
+        if not state.protocol.poll_node_idle(body.poll, pkey, conn=conn):
+            return None
+        return _polled([NodeDelivery(i) for i in body.poll])
 
-        def fetch() -> NodeSyncOut:
-            return state.protocol.once(pkey, "node_poll", body, call, NodeSyncOut, store=_delivered, idle=idle)[0]
+    def fetch() -> bytes:
+        return state.protocol.once_json(pkey, "node_poll", body, call, NodeSyncOut, store=_delivered, idle=idle)[0]
 
-        topics = [instance_topic(i) for i in body.poll]
-        deliveries = (await long_poll(request, state, run_id, topics, wait, fetch, _answered)).deliveries
-    return respond(NodeSyncOut(results=results, deliveries=deliveries))
+    topics = [instance_topic(i) for i in body.poll]
+    polled = await long_poll(request, state, run_id, topics, wait, fetch, _answered)
+    if not results:
+        return respond_json(polled)
+    return respond(NodeSyncOut(results=results, deliveries=NodeSyncOut.model_validate_json(polled).deliveries))
 
 
 def _check(body: NodeSyncIn) -> None:
@@ -147,23 +148,54 @@ def _result(o: NodeOutcome) -> NodeItemOut:
     return NodeItemOut(instance_id=o.instance_id, status=409, applied=0, error=_error(o.code, o.message, o.refused))
 
 
-def _delivery(d: NodeDelivery) -> NodeDeliveryOut:
-    if d.refused is not None:
-        return NodeDeliveryOut(instance_id=d.instance_id, status=409, error=_error(d.code, d.message, d.refused))
-    data: dict[str, Any] = {
-        "instance_id": d.instance_id,
-        "status": 200,
-        "work": d.poll.work,
-        "commands": d.poll.commands,
-    }
-    return NodeDeliveryOut.model_validate(data, from_attributes=True)
+class _DeliveryJson(TypedDict):
+    """NodeDeliveryOut, its work and commands as the data layer's Work and Command (their fields
+    are the model's)."""
+
+    instance_id: int
+    status: int
+    work: list[Work]
+    commands: list[Command]
+    error: NodeErrorOut | None
 
 
-def _delivered(out: NodeSyncOut) -> bool:
+class _PolledJson(TypedDict):
+    """NodeSyncOut of a poll: no item results."""
+
+    results: list[NodeItemOut]
+    deliveries: list[_DeliveryJson]
+
+
+def _polled(delivered: list[NodeDelivery]) -> bytes:
+    """The poll's NodeSyncOut as JSON, serialised from the data layer's deliveries without a
+    model per work item (each carries its prompt: a validated list per work item cost more
+    than the poll's statements)."""
+    deliveries: list[_DeliveryJson] = [
+        {"instance_id": d.instance_id, "status": 200, "work": d.poll.work, "commands": d.poll.commands, "error": None}
+        if d.refused is None
+        else {
+            "instance_id": d.instance_id,
+            "status": 409,
+            "work": [],
+            "commands": [],
+            "error": _error(d.code, d.message, d.refused),
+        }
+        for d in delivered
+    ]
+    return dump(_PolledJson, {"results": [], "deliveries": deliveries})
+
+
+# A poll's JSON is compact, its keys in the models' order: a delivery with work or commands holds
+# `"work":[{` or `"commands":[{`, a fenced one `"status":409`. Nothing else can: a string's quotes
+# are escaped, and the only free JSON, a prompt's `meta`, lies inside a work item.
+_WORK, _COMMANDS, _FENCED = b'"work":[{', b'"commands":[{', b'"status":409'
+
+
+def _delivered(out: bytes) -> bool:
     """Kept under the key: a delivery (delivered once; a retry must get it back)."""
-    return any(d.work or d.commands for d in out.deliveries)
+    return _WORK in out or _COMMANDS in out
 
 
-def _answered(out: NodeSyncOut) -> bool:
+def _answered(out: bytes) -> bool:
     """The long-poll returns: something delivered, or an instance fenced (it registers again)."""
-    return any(d.work or d.commands or d.status != 200 for d in out.deliveries)
+    return _delivered(out) or _FENCED in out

@@ -25,6 +25,7 @@ from workers.wire.models import (
     RewardsOut,
     errors,
 )
+from workers.wire.packed import PACKED_CONTEXT
 
 from ..auth import Principal
 from ..body import ModelBodyRoute
@@ -47,22 +48,27 @@ async def claim(
     state: State,
     key: IdempotencyKey = None,
     wait: Wait = 0.0,
+    packed: Annotated[bool, Query(description="token ids as packed arrays (base64 strings)")] = False,
     who: Principal = Reward,
 ) -> Response:
     """Long-poll: claim up to `limit` finished samples for scoring. Claims not scored within
-    `claim_seconds` become claimable again; with an Idempotency-Key a retry gets the same claim."""
+    `claim_seconds` become claimable again; with an Idempotency-Key a retry gets the same claim.
+    `packed`: `prompt_tokens` and `response_tokens` as base64 of little-endian int32."""
     skey = scoped_key(key, f"run{run_id}")
+    context = PACKED_CONTEXT if packed else None
 
     def call(conn: Connection) -> bytes:
         tasks = state.protocol.claim_rewards(run_id, body.limit, body.claim_seconds, conn=conn)
-        return dump(_ClaimJson, {"tasks": tasks})
+        return dump(_ClaimJson, {"tasks": tasks}, context=context)
 
     def idle(conn: Connection) -> bytes | None:
         # a re-check with nothing to claim: one read in autocommit, no transaction
         return _NO_TASKS if state.protocol.claim_idle(run_id, skey, conn=conn) else None
 
     def fetch() -> bytes:
-        return state.protocol.once_json(skey, "claim", body, call, ClaimOut, store=_claimed, idle=idle)[0]
+        return state.protocol.once_json(
+            skey, "claim", body, call, ClaimOut, store=_claimed, idle=idle, context=context
+        )[0]
 
     return respond_json(await long_poll(request, state, run_id, REWARDS, wait, fetch, _claimed))
 

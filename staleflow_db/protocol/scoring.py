@@ -9,11 +9,12 @@ import math
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, cast
+from typing import Annotated, Any, NamedTuple, cast
 
 from sqlalchemy import Connection
 
 from workers.wire.enums import DropReason, GroupState
+from workers.wire.packed import PACKED_TOKEN_IDS
 
 from .. import payloads, queries
 from ..errors import Conflict, InvalidInput, NotFound
@@ -46,8 +47,10 @@ class RewardTask:
     sample_id: int
     reward_attempt: int
     group_id: int
-    prompt_tokens: list[int]
-    response_tokens: list[int]
+    prompt_tokens: Annotated[list[int], PACKED_TOKEN_IDS]
+    # the stored bytes (workers.wire.packed.PackedArray), as TrainSample's tokens: a sequence of
+    # their values, serialised packed as they are (context {"packed": True}) or as a list
+    response_tokens: Annotated[Sequence[int], PACKED_TOKEN_IDS]
     finish_reason: str | None
     meta: dict[str, Any] = field(default_factory=dict)
     response_mask: list[int] = field(default_factory=list)  # per response token: 1 generated, 0 observed
@@ -108,7 +111,7 @@ class ScoringOps(TxMixin):
                     r.reward_attempt,
                     r.group_id,
                     list(r.prompt_tokens),
-                    payloads.unpack_tokens(r.response),
+                    payloads.packed_tokens(r.response or b""),
                     r.finish_reason,
                     r.meta,
                     payloads.per_token(r.lengths, [int(g) for g in r.generated or ()]),

@@ -10,7 +10,8 @@ from ..enums import DropReason, GroupState
 from ..packed import PACKED_LOGPROBS, PACKED_TOKEN_IDS
 from .common import INT64_MAX, Attempt, ClaimSeconds, Finite, Id, In, Int, Location, Name, Out
 
-# Arrays of a batch: JSON lists, or packed strings (consume?packed=true) read into lists
+# Arrays of a batch or a claim: JSON lists, or packed strings (consume?packed=true,
+# claim?packed=true) read into lists
 TokenList = Annotated[list[int], PACKED_TOKEN_IDS]
 FloatList = Annotated[list[float], PACKED_LOGPROBS]
 
@@ -28,8 +29,8 @@ class RewardTaskOut(Out):
     sample_id: int
     reward_attempt: int = Field(description="fences the reward for this claim")
     group_id: int
-    prompt_tokens: list[int]
-    response_tokens: list[int]
+    prompt_tokens: TokenList
+    response_tokens: TokenList
     finish_reason: str | None
     meta: dict[str, Any]
     response_mask: list[int] = Field(
