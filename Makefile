@@ -8,6 +8,7 @@
 #   make test-all                               # the whole suite, slow tests included (about twice make test)
 #   make test-vllm                              # the vLLM adapter against vLLM's real classes (CPU)
 #   make install TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu   # the CPU build of torch
+#   make lock                                   # .ci/constraints.txt anew from the newest releases
 #
 # The tests run through .ci/pytest (pytest on 2 workers, `-m "not slow"` unless PYTEST_ARGS
 # brings its own -m); pytest shows its progress and names every skipped test with its reason.
@@ -15,11 +16,18 @@
 # torch: pip resolves TORCH_SPEC first, on its own, so nothing later can pull another build.
 # From PyPI on Linux x86-64 that is a CUDA build (several GB of nvidia-* wheels), GPU or not;
 # TORCH_INDEX_URL points pip at another index for torch only (e.g. PyTorch's CPU index).
+#
+# Everything else installs at the versions of CONSTRAINTS (.ci/constraints.txt: the set the suite
+# last passed with), so a release published upstream cannot change what CI tests overnight.
+# `make lock` builds a virtualenv without them (the newest releases pyproject.toml admits) and
+# writes what it installed there; run the suite on it before committing the file.
+# `make install CONSTRAINTS=` installs without them.
 
 PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 TORCH_INDEX_URL ?=
+CONSTRAINTS ?= .ci/constraints.txt
 PYTEST_ARGS ?=
 DEMO_ARGS ?=
 PIP := $(VENV)/bin/python -m pip
@@ -27,15 +35,15 @@ STAMP := $(VENV)/.staleflow-installed
 # Runs a command inside the virtualenv (its bin/ first on PATH), as `source activate` would.
 IN_VENV := PATH="$(abspath $(VENV))/bin:$$PATH" VIRTUAL_ENV="$(abspath $(VENV))"
 
-.PHONY: install demo test test-all install-vllm test-vllm clean-venv
+.PHONY: install demo test test-all install-vllm test-vllm clean-venv lock
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml $(CONSTRAINTS)
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --upgrade --progress-bar off pip
 	$(PIP) install --progress-bar off $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL)) '$(TORCH_SPEC)'
-	$(PIP) install --progress-bar off -e '.[dev,demo]'
+	$(PIP) install --progress-bar off $(if $(CONSTRAINTS),--constraint $(CONSTRAINTS)) -e '.[dev,demo]'
 	touch $@
 
 demo: $(STAMP)
@@ -72,3 +80,12 @@ test-vllm: $(VLLM_STAMP)
 
 clean-venv:
 	rm -rf $(VENV) $(VLLM_VENV)
+
+# The constraints anew: a fresh .venv without them, then its packages, torch and staleflow aside,
+# under the file's own header (its first lines, kept).
+lock:
+	rm -rf $(VENV)
+	$(MAKE) install CONSTRAINTS=
+	{ sed -n '/^#/!q;p' .ci/constraints.txt; $(PIP) freeze --exclude-editable | grep -v -i '^torch=='; } > .ci/constraints.txt.new
+	mv .ci/constraints.txt.new .ci/constraints.txt
+	touch $(STAMP)
