@@ -10,7 +10,10 @@ import uuid
 import pytest
 from sqlalchemy import text
 
+from api.routers.node import _answered, _delivered, _polled
 from staleflow_db.db import make_engine
+from staleflow_db.protocol import NodeDelivery
+from staleflow_db.protocol.rollout import Command, Poll, Work
 from tests.api_helpers import in_process, token
 from workers.client import StaleFlowClient
 from workers.wire.models import ClaimOut, ClusterSnapshotOut, ConsumeOut, NodeSyncOut, PollOut, RouteOut
@@ -195,9 +198,6 @@ def test_a_node_polls_json_says_what_it_delivered():
     """The long-poll's and the store's tests read the serialised poll: nothing delivered waits and
     is not kept; work or a command returns and is kept; a fenced instance returns, not kept. A
     prompt's free `meta` (strings and keys that look like the markers) cannot fool them."""
-    from api.routers.node import _answered, _delivered, _polled
-    from staleflow_db.protocol import NodeDelivery
-    from staleflow_db.protocol.rollout import Command, Poll, Work
 
     tricky = {"work": [{"x": 1}], "commands": [{}], "status": 409, "s": '"work":[{ "status":409'}
     work = Work(1, 1, "t", 1, 0, [5], [], [], 10, meta=tricky)
