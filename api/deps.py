@@ -195,19 +195,23 @@ async def long_poll(
     wait: float,
     fetch: Callable[[], T],
     done: Callable[[T], bool],
+    fetch_woken: Callable[[], T] | None = None,
 ) -> T:
     """Call `fetch` (a short transaction, in a thread) until `done` or the wait ends. Between
     calls no transaction is open: the wait is on an in-process event (woken on commit here
-    or by NOTIFY from another replica) with a polling fallback. Several topics: woken by any."""
+    or by NOTIFY from another replica) with a polling fallback. Several topics: woken by any.
+    `fetch_woken`: the call after a wake instead of `fetch` (where a topic's wake says there is
+    something to deliver, it skips the idle read `fetch` starts with)."""
     deadline = time.monotonic() + min(wait, state.settings.max_wait)
     notifier = state.notifier
     topics = [topic] if isinstance(topic, str) else list(topic)
+    woken = False
     while True:
         events = [notifier.event(run_id, t) for t in topics]
-        result = await run_in_threadpool(fetch)
+        result = await run_in_threadpool(fetch_woken if woken and fetch_woken is not None else fetch)
         remaining = deadline - time.monotonic()
         if done(result) or remaining <= 0 or notifier.draining or await request.is_disconnected():
             return result
         with state.metrics.waiting(topics[0]):
             recheck = state.settings.notified_poll_interval if notifier.listening else state.settings.poll_interval
-            await wait_any(events, min(remaining, recheck))
+            woken = await wait_any(events, min(remaining, recheck))

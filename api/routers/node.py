@@ -74,11 +74,14 @@ async def sync(
             return None
         return _polled([NodeDelivery(i) for i in body.poll])
 
-    def fetch() -> bytes:
-        return state.protocol.once_json(pkey, "node_poll", body, call, NodeSyncOut, store=_delivered, idle=idle)[0]
+    def fetch(check_idle: bool = True) -> bytes:
+        return state.protocol.once_json(
+            pkey, "node_poll", body, call, NodeSyncOut, store=_delivered, idle=idle if check_idle else None
+        )[0]
 
     topics = [instance_topic(i) for i in body.poll]
-    polled = await long_poll(request, state, run_id, topics, wait, fetch, _answered)
+    # an instance's topic wakes for its routes and commands only: after a wake, the transaction
+    polled = await long_poll(request, state, run_id, topics, wait, fetch, _answered, lambda: fetch(False))
     if not results:
         return respond_json(polled)
     return respond(NodeSyncOut(results=results, deliveries=NodeSyncOut.model_validate_json(polled).deliveries))

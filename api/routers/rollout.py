@@ -129,10 +129,13 @@ async def poll(
         # a re-check with nothing to deliver: one read in autocommit, no transaction
         return _EMPTY_POLL if state.protocol.poll_idle(instance_id, skey, conn=conn) else None
 
-    def fetch() -> bytes:
-        return state.protocol.once_json(skey, "poll", None, call, PollOut, store=_nonempty, idle=idle)[0]
+    def fetch(check_idle: bool = True) -> bytes:
+        check = idle if check_idle else None
+        return state.protocol.once_json(skey, "poll", None, call, PollOut, store=_nonempty, idle=check)[0]
 
-    return respond_json(await long_poll(request, state, run_id, instance_topic(instance_id), wait, fetch, _nonempty))
+    # the instance's topic wakes for its routes and commands only: after a wake, the transaction
+    topic = instance_topic(instance_id)
+    return respond_json(await long_poll(request, state, run_id, topic, wait, fetch, _nonempty, lambda: fetch(False)))
 
 
 def reports_of(items: list[ReportIn], instance_id: int) -> list[Report]:

@@ -2,9 +2,14 @@
 every polled instance would answer empty, `POST …/instances/sync` with `poll` answers the empty
 deliveries from one read sent in autocommit (`node_poll_idle`), no transaction and no key lock;
 work routed to any one instance, a command pending for one, a lease renewal due or a fenced
-instance send it through the transaction as before, and a keyed retry still replays."""
+instance send it through the transaction as before, and a keyed retry still replays. A long-poll
+(node or single instance) woken by its instance's topic goes to the transaction without a second
+idle read."""
 
 from __future__ import annotations
+
+import threading
+import time
 
 import pytest
 from api_helpers import in_process
@@ -86,3 +91,48 @@ def test_an_idle_node_poll_is_one_read_without_a_transaction(db_url, engine):
         for _ in range(2):
             got, transaction = sync()
             assert transaction and [x["status"] for x in got] == [409, 200, 200]
+
+
+@pytest.mark.parametrize("endpoint", ["node", "instance"])
+def test_a_long_poll_woken_by_its_instances_topic_goes_straight_to_its_transaction(db_url, engine, endpoint):
+    """A long-poll reads idle once on arrival; the wake a route publishes for its instance
+    says there is something to deliver, so the re-check after it is the transaction alone."""
+    p = Protocol(engine)
+    run = p.create_run(f"woken-{endpoint}", RunConfig(batch_size=2, group_size=1, eta=1))
+    p.enqueue(run, [Prompt(f"p{k}", [1, 2, 3]) for k in range(2)])
+    rollout = {"Authorization": f"Bearer {create_token(engine, 'rollout', run)['token']}"}
+    coordinator = {"Authorization": f"Bearer {create_token(engine, 'coordinator', run)['token']}"}
+    with in_process(db_url) as http:
+        app_engine = http.app.state.staleflow.engine
+        register = {"version": 0, "lease_seconds": LEASE}
+        iid = http.post(f"/v1/runs/{run}/instances", json={"name": "i"} | register, headers=rollout).json()[
+            "instance_id"
+        ]
+        if endpoint == "node":
+            url, body, idle_mark = f"/v1/runs/{run}/instances/sync", {"poll": [iid]}, IDLE_MARK
+        else:
+            url, body, idle_mark = f"/v1/runs/{run}/instances/{iid}/poll", None, "AND NOT delivered)"
+        assert http.post(url, params={"wait": 0}, json=body, headers=rollout).status_code == 200  # owners cached
+        got: list = []
+        with sent(app_engine) as statements:
+            poll = threading.Thread(
+                target=lambda: got.append(http.post(url, params={"wait": 20}, json=body, headers=rollout))
+            )
+            poll.start()
+            deadline = time.monotonic() + 20
+            while not any(idle_mark in s for s, _ in list(statements)):  # parked after its first read
+                assert time.monotonic() < deadline, "the long-poll never read"
+                time.sleep(0.01)
+            time.sleep(0.1)
+            sid = p.snapshot(run).queued[0].sample_id
+            routed = http.post(
+                f"/v1/runs/{run}/routes", json={"routes": [{"sample_id": sid, "instance_id": iid}]}, headers=coordinator
+            )
+            assert routed.status_code == 200, routed.text
+            poll.join(20)
+        (r,) = got
+        assert r.status_code == 200, r.text
+        work = r.json()["deliveries"][0]["work"] if endpoint == "node" else r.json()["work"]
+        assert [w["sample_id"] for w in work] == [sid]
+        idle_reads = [s for s, auto in statements if idle_mark in s]
+        assert len(idle_reads) == 1 and all(auto for s, auto in statements if idle_mark in s)
