@@ -26,6 +26,10 @@ generated: those reported plus what the held samples had not yet reported at the
 less at its start; random token ids and log-probs, as incompressible as real ones). The load generator shares the
 machine's cores with the server: its CPU is reported so the bound is visible.
 
+After the ramp, `pgbench -N` runs on the same server and cores for `--pgbench-seconds` (in a
+scratch database, the replicas idle): each step's calls/s is also given as a ratio to its TPS,
+the database's own transaction rate.
+
     python bench/capacity.py [--replicas 2] [--processes 2] [--setup qwen_14b] [--turns 1]
                              [--start 16] [--max-instances 1024] [--seconds 45] [--quick]
 
@@ -57,9 +61,12 @@ import psycopg
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.harness import PrivatePostgres
+from bench.pgbench import pgbench, pgbench_tps
+from bench.server_stats import scratch_database
 from staleflow_cli.enqueue import CHUNK as ENQUEUE_CHUNK
 from staleflow_cli.launch import Cluster
 from staleflow_db import migrate
+from staleflow_db.settings import to_libpq_url
 from workers.client import StaleFlowClient
 from workers.reward.worker import CLAIM_LINGER_S
 from workers.rollout.worker import CHECKPOINT_EVERY_S, CHECKPOINT_TOKENS, FINISH_SLACK_MAX_S, FINISH_SLACK_SHARE
@@ -437,11 +444,19 @@ def main() -> None:
         help="reports' token ids and log-probs as the worker's client sends them (packed) or as JSON lists",
     )
     ap.add_argument("--keep-going", action="store_true", help="ramp on past a step outside the service level")
+    ap.add_argument(
+        "--pgbench-seconds",
+        type=float,
+        default=10.0,
+        help="pgbench -N on the same server after the ramp, the baseline of calls/s (0: none)",
+    )
+    ap.add_argument("--pgbench-clients", type=int, default=8)
     ap.add_argument("--report-dir", type=Path, default=Path("reports"))
     args = ap.parse_args()
     if args.quick:
         args.replicas, args.processes, args.start, args.max_instances = 1, 1, 4, 8
         args.seconds, args.warmup, args.slots = 15, 10, args.slots or 8
+        args.pgbench_seconds = min(args.pgbench_seconds, 2.0)
         args.train_seconds = 1.0
         args.setup = args.setup or "short_many"  # short samples: versions, so pulls, within the window
     args.setup = args.setup or "qwen_14b"
@@ -472,9 +487,11 @@ def main() -> None:
         pg = PrivatePostgres(report / "home", {"max_connections": "200"})
         url = pg.start()
     args.url = url
+    baseline = None
     try:
         migrate.upgrade(url)
         steps = ramp(args, cad, report)
+        baseline = pgbench_baseline(url, args.pgbench_clients, args.pgbench_seconds)
     finally:
         if pg is not None:
             pg.stop_fast()
@@ -491,6 +508,14 @@ def main() -> None:
             f"{s['db_ms_per_sample'] + s['api_ms_per_sample']:>10.1f}"
             f"{s['connections']:>6}{s['errors']:>7}  {'yes' if s['ok'] else 'no'}"
         )
+    if baseline is not None:
+        for s in steps:
+            s["pgbench_tps"], s["calls_per_pgbench_tx"] = baseline, s["calls_per_s"] / baseline
+        print(
+            f"pgbench -N on the same server ({args.pgbench_clients} clients, {args.pgbench_seconds:g} s, after the "
+            f"ramp): {baseline:,.0f} TPS; calls/s per pgbench TPS: "
+            + ", ".join(f"{s['instances']} instances {s['calls_per_pgbench_tx']:.3f}" for s in steps)
+        )
     report.mkdir(parents=True, exist_ok=True)
     (report / "capacity.json").write_text(
         json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "cadence": cad, "steps": steps}, indent=1)
@@ -502,6 +527,15 @@ def main() -> None:
         f"capacity instances={best['instances'] if passed else 0} calls_per_s={best['calls_per_s']:.0f} "
         f"p99_ms={best['p99_ms']:.0f} db_us_per_call={best['db_us']:.0f} api_us_per_call={best['api_us']:.0f}"
     )
+
+
+def pgbench_baseline(url: str, clients: int, seconds: float) -> float | None:
+    """`pgbench -N` TPS on the server of `url`, in a scratch database (scale 10); None for 0 s."""
+    if seconds <= 0:
+        return None
+    with scratch_database(to_libpq_url(url), "sf_capacity_pgbench") as scratch:
+        pgbench(scratch, ["-i", "-q", "-s", "10"])
+        return pgbench_tps(scratch, clients, seconds)[0]
 
 
 def ramp(args, cad: dict, report: Path) -> list[dict]:

@@ -8,7 +8,7 @@ import resource
 import shutil
 import subprocess
 
-from server_stats import BackendCPU, db_work, work_per
+from bench.server_stats import BackendCPU, db_work, work_per
 
 
 def pgbench_path() -> str:
