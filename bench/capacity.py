@@ -509,12 +509,21 @@ def main() -> None:
             f"{s['connections']:>6}{s['errors']:>7}  {'yes' if s['ok'] else 'no'}"
         )
     if baseline is not None:
+        tps, cpu = baseline
+        tx_us = cpu["clients"] + cpu["database"]
         for s in steps:
-            s["pgbench_tps"], s["calls_per_pgbench_tx"] = baseline, s["calls_per_s"] / baseline
+            s["pgbench_tps"], s["pgbench_cpu_us"] = tps, cpu
+            s["calls_per_pgbench_tx"] = s["calls_per_s"] / tps
+            s["call_cpu_per_pgbench_tx"] = (s["db_us"] + s["api_us"]) / tx_us
         print(
             f"pgbench -N on the same server ({args.pgbench_clients} clients, {args.pgbench_seconds:g} s, after the "
-            f"ramp): {baseline:,.0f} TPS; calls/s per pgbench TPS: "
-            + ", ".join(f"{s['instances']} instances {s['calls_per_pgbench_tx']:.3f}" for s in steps)
+            f"ramp): {tps:,.0f} TPS at {cpu['clients']:.0f} + {cpu['database']:.0f} us of CPU a transaction "
+            "(clients + database); per step, calls/s per pgbench TPS and the server's CPU a call in pgbench "
+            "transactions: "
+            + ", ".join(
+                f"{s['instances']} instances {s['calls_per_pgbench_tx']:.3f}, {s['call_cpu_per_pgbench_tx']:.1f}"
+                for s in steps
+            )
         )
     report.mkdir(parents=True, exist_ok=True)
     (report / "capacity.json").write_text(
@@ -529,13 +538,15 @@ def main() -> None:
     )
 
 
-def pgbench_baseline(url: str, clients: int, seconds: float) -> float | None:
-    """`pgbench -N` TPS on the server of `url`, in a scratch database (scale 10); None for 0 s."""
+def pgbench_baseline(url: str, clients: int, seconds: float) -> tuple[float, dict] | None:
+    """`pgbench -N` on the server of `url`, in a scratch database (scale 10): its TPS and its CPU
+    per transaction (`cpu_us`: clients, database); None for 0 s."""
     if seconds <= 0:
         return None
     with scratch_database(to_libpq_url(url), "sf_capacity_pgbench") as scratch:
         pgbench(scratch, ["-i", "-q", "-s", "10"])
-        return pgbench_tps(scratch, clients, seconds)[0]
+        tps, work = pgbench_tps(scratch, clients, seconds)
+        return tps, work["cpu_us"]
 
 
 def ramp(args, cad: dict, report: Path) -> list[dict]:
