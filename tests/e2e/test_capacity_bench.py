@@ -1,8 +1,9 @@
 """bench/capacity.py --quick: Locust-driven simulated instances, reward workers and a trainer
 against a real API replica on a private embedded PostgreSQL, the instances on their own and as
 nodes of four (one sync per flush, one long-poll). Every call must succeed, samples
-must finish, pulls must reach the instances, and the last line must have its shape; the figures
-themselves depend on the machine and are not asserted."""
+must finish, pulls must reach the instances, pgbench must run beside them on the same server, and
+the last line must have its shape; the figures themselves depend on the machine and are not
+asserted."""
 
 from __future__ import annotations
 
@@ -49,4 +50,6 @@ def test_quick_capacity_run_has_no_errors(tmp_path, per_node):
     for row in steps:  # instances calls/s calls/sample inst/s p99 worst pull db api load ms/sample conns errors ok
         assert int(row[0]) > 0 and float(row[2]) > 0 and float(row[10]) > 0 and row[12] == "0", tail
     assert re.search(r"command delivery p99 \d+ ms \(\d+ pulls\)", out.stdout), tail
+    # the baseline on the same server: each step's calls/s against pgbench -N's TPS
+    assert re.search(r"pgbench -N on the same server \(.*\): [\d,]+ TPS at \d+ \+ \d+ us", out.stdout), tail
     assert "error:" not in out.stdout, tail
