@@ -30,8 +30,14 @@ After the ramp, `pgbench -N` runs on the same server and cores for `--pgbench-se
 scratch database, the replicas idle): each step's calls/s is also given as a ratio to its TPS,
 the database's own transaction rate.
 
+`--pgbouncer POOL`: the replicas reach the server through a local PgBouncer in transaction mode
+(bench/pooler.py; Debian's `pgbouncer`) with POOL server connections, their LISTEN straight to
+the server, as deploy/ runs them; below PgBouncer 1.21 with prepared statements off. Its CPU is
+reported per call beside the server's.
+
     python bench/capacity.py [--replicas 2] [--processes 2] [--setup qwen_14b] [--turns 1]
-                             [--start 16] [--max-instances 1024] [--seconds 45] [--quick]
+                             [--start 16] [--max-instances 1024] [--seconds 45] [--pgbouncer POOL]
+                             [--quick]
 
 `STALEFLOW_DATABASE_URL` set: that server (migrated here) instead of a private embedded one.
 Last line: `capacity instances=N calls_per_s=C p99_ms=P db_us_per_call=D api_us_per_call=A`
@@ -62,6 +68,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from bench.harness import PrivatePostgres
 from bench.pgbench import pgbench, pgbench_tps
+from bench.pooler import keeps_prepared_statements, local_pgbouncer, pgbouncer_binary, pgbouncer_version
 from bench.server_stats import scratch_database
 from staleflow_cli.enqueue import CHUNK as ENQUEUE_CHUNK
 from staleflow_cli.launch import Cluster
@@ -313,6 +320,7 @@ def summarize(instances: int, got: list[dict], cpus, load_cpu: CPU, conns: list[
         db_us=cpus[0].seconds / calls * 1e6 if calls else 0.0,
         api_us=cpus[1].seconds / calls * 1e6 if calls else 0.0,
         load_us=load_cpu.seconds / calls * 1e6 if calls else 0.0,
+        pooler_us=cpus[2].seconds / calls * 1e6 if calls and len(cpus) > 2 else None,
         db_cores=cpus[0].seconds / seconds,
         api_cores=cpus[1].seconds / seconds,
         load_cores=load_cpu.seconds / seconds,
@@ -355,6 +363,8 @@ def show(step: dict) -> None:
         f"  CPU per call: db {s['db_us']:.0f} us, api {s['api_us']:.0f} us, load generator {s['load_us']:.0f} us "
         f"(cores busy: db {s['db_cores']:.2f}, api {s['api_cores']:.2f}, load {s['load_cores']:.2f})"
     )
+    if s.get("pooler_us") is not None:
+        print(f"  CPU per call of the PgBouncer between the replicas and the server: {s['pooler_us']:.0f} us")
     print(
         f"  server CPU per finished sample ({s['finished'] / s['seconds']:.1f}/s): db {s['db_ms_per_sample']:.1f} ms, "
         f"api {s['api_ms_per_sample']:.1f} ms"
@@ -451,6 +461,14 @@ def main() -> None:
         help="pgbench -N on the same server after the ramp, the baseline of calls/s (0: none)",
     )
     ap.add_argument("--pgbench-clients", type=int, default=8)
+    ap.add_argument(
+        "--pgbouncer",
+        type=int,
+        default=0,
+        metavar="POOL",
+        help="the replicas through a local PgBouncer in transaction mode with POOL server connections "
+        "(their LISTEN straight to the server; prepared statements off below PgBouncer 1.21); 0: direct",
+    )
     ap.add_argument("--report-dir", type=Path, default=Path("reports"))
     args = ap.parse_args()
     if args.quick:
@@ -546,7 +564,7 @@ def pgbench_baseline(url: str, clients: int, seconds: float) -> tuple[float, dic
     statements do not survive a pooler that moves them between server connections."""
     if seconds <= 0:
         return None
-    server = to_libpq_url(os.environ.get("STALEFLOW_LISTEN_DATABASE_URL") or url)
+    server = to_libpq_url(os.environ.get("STALEFLOW_LISTEN_DATABASE_URL") or url)  # the server, not a pooler
     try:
         with scratch_database(server, "sf_capacity_pgbench") as scratch:
             pgbench(scratch, ["-i", "-q", "-s", "10"])
@@ -558,6 +576,27 @@ def pgbench_baseline(url: str, clients: int, seconds: float) -> tuple[float, dic
 
 
 def ramp(args, cad: dict, report: Path) -> list[dict]:
+    """The steps, the replicas straight to the server or through a local PgBouncer."""
+    if not args.pgbouncer:
+        return ramp_on(args, cad, report, args.url, {}, None)
+    binary = pgbouncer_binary()
+    if binary is None:
+        raise SystemExit("--pgbouncer: pgbouncer is not installed (apt-get install -y pgbouncer)")
+    server = to_libpq_url(args.url)
+    prepared = keeps_prepared_statements(binary)
+    with local_pgbouncer(server, args.pgbouncer, binary) as bouncer:
+        print(
+            f"replicas through PgBouncer {'.'.join(map(str, pgbouncer_version(binary)))} (transaction mode, "
+            f"{args.pgbouncer} server connections), their LISTEN straight to the server, prepared statements "
+            f"{'kept' if prepared else 'off'}"
+        )
+        env = {"STALEFLOW_LISTEN_DATABASE_URL": server} | ({} if prepared else {"STALEFLOW_PREPARED_STATEMENTS": "0"})
+        return ramp_on(args, cad, report, bouncer.url, env, bouncer.pid)
+
+
+def ramp_on(
+    args, cad: dict, report: Path, replicas_url: str, replicas_env: dict[str, str], pooler: int | None
+) -> list[dict]:
     from api.auth import create_token
     from staleflow_db.db import make_engine
 
@@ -568,15 +607,16 @@ def ramp(args, cad: dict, report: Path) -> list[dict]:
         "STALEFLOW_POOL_SIZE": str(args.pool),
         "STALEFLOW_MAX_OVERFLOW": str(args.overflow),
         "STALEFLOW_HOME": str(report / "home"),
+        **replicas_env,
     }
     with psycopg.connect(args.url, autocommit=True) as c:  # the backend lives while connected
         backend = c.execute("SELECT pg_backend_pid()").fetchone()[0]
         postmaster = psutil.Process(backend).parent().pid  # the server on this machine
     steps: list[dict] = []
-    with Cluster(report, args.url, env=env) as cluster:
+    with Cluster(report, replicas_url, env=env) as cluster:
         bases = [cluster.start_api() for _ in range(args.replicas)]
         api_pids = [p.popen.pid for p in cluster.procs]
-        cpus = (CPU(lambda: [postmaster]), CPU(lambda: api_pids))
+        cpus = (CPU(lambda: [postmaster]), CPU(lambda: api_pids)) + ((CPU(lambda: [pooler]),) if pooler else ())
         admin = StaleFlowClient(bases, token, timeout=60)
         n = args.start
         while n <= args.max_instances:

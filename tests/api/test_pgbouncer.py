@@ -9,90 +9,32 @@ Debian's)."""
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
-import tempfile
 import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
-import psycopg
 import pytest
 from psycopg.conninfo import conninfo_to_dict
 
-from staleflow_cli.launch import free_port
+from bench.pooler import local_pgbouncer, pgbouncer_binary
 from tests.api_helpers import ROLES, ApiServer, token, walk_lifecycle
 
 pytestmark = pytest.mark.slow
-
-CONFIG = """\
-[databases]
-* = host={host} port={port}
-
-[pgbouncer]
-listen_addr = 127.0.0.1
-listen_port = {listen}
-unix_socket_dir =
-auth_type = trust
-auth_file = {dir}/users.txt
-pool_mode = transaction
-default_pool_size = 4
-max_client_conn = 400
-; psycopg sends the timeouts as `options` (-c ...): behind a pooler they belong on the role
-ignore_startup_parameters = extra_float_digits,options
-server_reset_query =
-admin_users = {user}
-logfile = {dir}/pgbouncer.log
-pidfile = {dir}/pgbouncer.pid
-"""
 
 
 @pytest.fixture
 def pgbouncer(db_url: str) -> Iterator[str]:
     """A PgBouncer in transaction mode in front of the test database's server, on a free
     port: yields the test database's URL through it."""
-    binary = shutil.which("pgbouncer") or next(
-        (p for p in ("/usr/sbin/pgbouncer", "/usr/bin/pgbouncer") if os.path.exists(p)), None
-    )
-    if binary is None:
+    if pgbouncer_binary() is None:
         pytest.skip("pgbouncer is not installed (apt-get install -y pgbouncer)")
-    server = conninfo_to_dict(db_url)
-    if not server.get("host") or str(server["host"]).startswith("/"):
+    host = conninfo_to_dict(db_url).get("host")
+    if not host or str(host).startswith("/"):
         pytest.skip("the test server is not on TCP (set STALEFLOW_TEST_DATABASE_URL to a host:port)")
-    user = str(server.get("user") or "postgres")
-    listen = free_port()
-    # PgBouncer refuses to run as root: then it runs as `nobody`, which must read its files
-    workdir = Path(tempfile.mkdtemp(prefix="sf-pgbouncer-"))
-    workdir.chmod(0o777)
-    (workdir / "users.txt").write_text(f'"{user}" ""\n')
-    config = workdir / "pgbouncer.ini"
-    config.write_text(
-        CONFIG.format(host=server["host"], port=server.get("port") or 5432, listen=listen, dir=workdir, user=user)
-    )
-    for f in workdir.iterdir():
-        f.chmod(0o666)
-    as_user = ["-u", "nobody"] if os.geteuid() == 0 else []
-    proc = subprocess.Popen([binary, *as_user, str(config)], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-    url = f"postgresql://{user}@127.0.0.1:{listen}/{server['dbname']}"
-    try:
-        deadline = time.monotonic() + 30
-        while True:  # up once it serves a query
-            try:
-                with psycopg.connect(url, connect_timeout=2, prepare_threshold=None) as c:
-                    c.execute("SELECT 1")
-                break
-            except psycopg.OperationalError:
-                log = workdir / "pgbouncer.log"
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"pgbouncer did not start: {log.read_text() if log.exists() else ''}") from None
-                time.sleep(0.1)
-        yield url
-    finally:
-        proc.terminate()
-        proc.wait(10)
-        shutil.rmtree(workdir, ignore_errors=True)
+    with local_pgbouncer(db_url) as bouncer:
+        yield bouncer.url
 
 
 def pooler_transactions(bouncer_url: str) -> int:
