@@ -68,7 +68,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from bench.harness import PrivatePostgres
 from bench.pgbench import pgbench, pgbench_tps
-from bench.pooler import keeps_prepared_statements, local_pgbouncer, pgbouncer_binary, pgbouncer_version
+from bench.pooler import local_pgbouncer, pgbouncer_binary
 from bench.server_stats import scratch_database
 from staleflow_cli.enqueue import CHUNK as ENQUEUE_CHUNK
 from staleflow_cli.launch import Cluster
@@ -579,23 +579,23 @@ def ramp(args, cad: dict, report: Path) -> list[dict]:
     """The steps, the replicas straight to the server or through a local PgBouncer."""
     if not args.pgbouncer:
         return ramp_on(args, cad, report, args.url, {}, None)
-    binary = pgbouncer_binary()
-    if binary is None:
+    if pgbouncer_binary() is None:
         raise SystemExit("--pgbouncer: pgbouncer is not installed (apt-get install -y pgbouncer)")
     server = to_libpq_url(args.url)
-    prepared = keeps_prepared_statements(binary)
-    with local_pgbouncer(server, args.pgbouncer, binary) as bouncer:
+    with local_pgbouncer(server, args.pgbouncer) as bouncer:
         print(
-            f"replicas through PgBouncer {'.'.join(map(str, pgbouncer_version(binary)))} (transaction mode, "
+            f"replicas through PgBouncer {'.'.join(map(str, bouncer.version))} (transaction mode, "
             f"{args.pgbouncer} server connections), their LISTEN straight to the server, prepared statements "
-            f"{'kept' if prepared else 'off'}"
+            f"{'kept' if bouncer.prepared else 'off'}"
         )
-        env = {"STALEFLOW_LISTEN_DATABASE_URL": server} | ({} if prepared else {"STALEFLOW_PREPARED_STATEMENTS": "0"})
+        env = {"STALEFLOW_LISTEN_DATABASE_URL": server}
+        if not bouncer.prepared:
+            env["STALEFLOW_PREPARED_STATEMENTS"] = "0"
         return ramp_on(args, cad, report, bouncer.url, env, bouncer.pid)
 
 
 def ramp_on(
-    args, cad: dict, report: Path, replicas_url: str, replicas_env: dict[str, str], pooler: int | None
+    args, cad: dict, report: Path, replicas_url: str, replicas_env: dict[str, str], pooler_pid: int | None
 ) -> list[dict]:
     from api.auth import create_token
     from staleflow_db.db import make_engine
@@ -616,7 +616,7 @@ def ramp_on(
     with Cluster(report, replicas_url, env=env) as cluster:
         bases = [cluster.start_api() for _ in range(args.replicas)]
         api_pids = [p.popen.pid for p in cluster.procs]
-        cpus = (CPU(lambda: [postmaster]), CPU(lambda: api_pids)) + ((CPU(lambda: [pooler]),) if pooler else ())
+        cpus = (CPU(lambda: [postmaster]), CPU(lambda: api_pids)) + ((CPU(lambda: [pooler_pid]),) if pooler_pid else ())
         admin = StaleFlowClient(bases, token, timeout=60)
         n = args.start
         while n <= args.max_instances:

@@ -49,6 +49,14 @@ pidfile = {dir}/pgbouncer.pid
 class Pooler(NamedTuple):
     url: str  # the server's database through the pooler
     pid: int  # the PgBouncer process (its CPU is the server side's too)
+    version: tuple[int, int]
+    prepared: bool  # keeps prepared statements (else the API runs with STALEFLOW_PREPARED_STATEMENTS=0)
+
+
+def on_tcp(url: str) -> bool:
+    """Whether the libpq URL's server is reached over TCP (a pooler cannot front a socket path here)."""
+    host = conninfo_to_dict(url).get("host")
+    return bool(host) and not str(host).startswith("/")
 
 
 def pgbouncer_binary() -> str | None:
@@ -66,31 +74,26 @@ def pgbouncer_version(binary: str) -> tuple[int, int]:
     return int(found.group(1)), int(found.group(2))
 
 
-def keeps_prepared_statements(binary: str) -> bool:
-    """Whether this PgBouncer carries prepared statements in transaction mode (else the API runs
-    with STALEFLOW_PREPARED_STATEMENTS=0 behind it)."""
-    return pgbouncer_version(binary) >= PREPARED_SINCE
-
-
 @contextmanager
 def local_pgbouncer(server_url: str, pool_size: int = 4, binary: str | None = None) -> Iterator[Pooler]:
     """A PgBouncer in transaction mode in front of `server_url`'s server (libpq URL, on TCP),
     `pool_size` server connections per database and user, on a free port, with prepared
     statements kept where its version can (`max_prepared_statements` 256); yields `server_url`'s
-    database through it, and its process. Stopped afterwards."""
+    database through it, its process and version. Stopped afterwards."""
     binary = binary or pgbouncer_binary()
     if binary is None:
         raise RuntimeError("pgbouncer is not installed (apt-get install -y pgbouncer)")
-    server = conninfo_to_dict(server_url)
-    if not server.get("host") or str(server["host"]).startswith("/"):
+    if not on_tcp(server_url):
         raise RuntimeError(f"the server is not on TCP: {server_url}")
+    server = conninfo_to_dict(server_url)
     user = str(server.get("user") or "postgres")
     listen = free_port()
     # PgBouncer refuses to run as root: then it runs as `nobody`, which must read its files
     workdir = Path(tempfile.mkdtemp(prefix="sf-pgbouncer-"))
     workdir.chmod(0o777)
     (workdir / "users.txt").write_text(f'"{user}" ""\n')
-    prepared = "max_prepared_statements = 256" if keeps_prepared_statements(binary) else ""
+    version = pgbouncer_version(binary)
+    prepared = version >= PREPARED_SINCE
     config = workdir / "pgbouncer.ini"
     config.write_text(
         CONFIG.format(
@@ -100,7 +103,7 @@ def local_pgbouncer(server_url: str, pool_size: int = 4, binary: str | None = No
             dir=workdir,
             user=user,
             pool=pool_size,
-            prepared=prepared,
+            prepared="max_prepared_statements = 256" if prepared else "",
         )
     )
     for f in workdir.iterdir():
@@ -120,7 +123,7 @@ def local_pgbouncer(server_url: str, pool_size: int = 4, binary: str | None = No
                 if proc.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError(f"pgbouncer did not start: {log.read_text() if log.exists() else ''}") from None
                 time.sleep(0.1)
-        yield Pooler(url, proc.pid)
+        yield Pooler(url, proc.pid, version, prepared)
     finally:
         proc.terminate()
         proc.wait(10)

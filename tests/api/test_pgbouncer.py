@@ -16,9 +16,8 @@ import time
 from collections.abc import Iterator
 
 import pytest
-from psycopg.conninfo import conninfo_to_dict
 
-from bench.pooler import local_pgbouncer, pgbouncer_binary
+from bench.pooler import local_pgbouncer, on_tcp, pgbouncer_binary
 from tests.api_helpers import ROLES, ApiServer, token, walk_lifecycle
 
 pytestmark = pytest.mark.slow
@@ -30,8 +29,7 @@ def pgbouncer(db_url: str) -> Iterator[str]:
     port: yields the test database's URL through it."""
     if pgbouncer_binary() is None:
         pytest.skip("pgbouncer is not installed (apt-get install -y pgbouncer)")
-    host = conninfo_to_dict(db_url).get("host")
-    if not host or str(host).startswith("/"):
+    if not on_tcp(db_url):
         pytest.skip("the test server is not on TCP (set STALEFLOW_TEST_DATABASE_URL to a host:port)")
     with local_pgbouncer(db_url) as bouncer:
         yield bouncer.url
