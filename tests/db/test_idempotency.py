@@ -91,7 +91,7 @@ def test_api_duplicate_requests_over_http(db_url, engine):
 
 def test_a_deadlock_victim_is_retried_whole(engine):
     """Two transactions lock two rows in opposite orders: PostgreSQL aborts one (40P01); the
-    runner runs it again and both commit."""
+    runner runs it again and both commit, each exactly once."""
     with engine.begin() as c:
         c.execute(text("CREATE TABLE pair (id int PRIMARY KEY, n int NOT NULL)"))
         c.execute(text("INSERT INTO pair VALUES (1, 0), (2, 0)"))
@@ -119,7 +119,10 @@ def test_a_deadlock_victim_is_retried_whole(engine):
         return idempotency.transaction(engine, tx)
 
     assert _together(2, body) == [0, 1]
-    assert sorted(runs) == [1, 2]  # the victim ran twice, the other once
+    # Each deadlock aborts exactly one of the two, which runs again. The retry may take its first
+    # row back before the survivor wakes and deadlock once more (then the other is the victim),
+    # so the count of runs is 2 + the number of deadlocks, at least one.
+    assert max(runs) >= 2 and min(runs) >= 1
     with engine.connect() as c:
         assert c.execute(text("SELECT n FROM pair ORDER BY id")).scalars().all() == [2, 2]
 
