@@ -11,7 +11,8 @@ mean of the best variant chosen per cell: an upper bound for parameter tuning th
 optimistic, since it picks per cell on the very runs it reports. Then, for the default staleflow
 and strict runs, what bounds them (`diagnose`: KV fill, samples decoding against the staleness
 budget, time with budget left unreserved, the coordinator's regime estimate and the time the
-trainer waits on a buffer with a queued sample). 168 simulations, about 20 minutes on 2 cores. The
+trainer waits on a buffer with a queued sample, and what its buffer's samples decode alongside
+while it waits). 168 simulations, about 20 minutes on 2 cores. The
 last line is
 
     sweep default=<mean> best_variant=<mean> per_cell_best=<mean>
@@ -62,11 +63,14 @@ def one(job: tuple[str, int, int, int, int]) -> tuple[str, int, int, float]:
 def diagnose(job: tuple[str, str, int, int, int]) -> tuple[str, str, int, dict]:
     """What bounds a run, time-weighted over its steady part (after the first fifth of the
     virtual time): the rollout's KV fill, samples decoding against the samples the staleness
-    budget lets into flight ((η+1)·B·N), and the share of time that some group could still
-    reserve a buffer at the PS's version (budget left unused)."""
+    budget lets into flight ((η+1)·B·N), the share of time that some group could still
+    reserve a buffer at the PS's version (budget left unused), and, while the trainer waits
+    for a buffer, that buffer's samples decoding, the samples running on their engines, and
+    how much faster they would decode alone (an upper bound for any rule that keeps newer
+    work off them)."""
     setup, policy, eta, seed, steps = job
     sim = Simulator(setup, policy, eta, seed)
-    rec: list[tuple[float, float, float, float]] = []
+    rec: list[tuple[float, ...]] = []
 
     def sample(*_: object) -> None:
         p, engines = sim.p, sim.engines.values()
@@ -78,7 +82,29 @@ def diagnose(job: tuple[str, str, int, int, int]) -> tuple[str, str, int, dict]:
             elif not buf.consumed:
                 free += max(0, p.limits.buffer_capacity - buf.occupied - buf.reserved)
         kv = sum(e.kv for e in engines) / sum(e.cap for e in engines)
-        rec.append((sim.now, kv, sum(e.n for e in engines), float(free > 0)))
+        rec.append((sim.now, kv, sum(e.n for e in engines), float(free > 0), *trainer_waits_for()))
+
+    def trainer_waits_for() -> tuple[float, float, float, float]:
+        """While the trainer waits for the buffer of the run's version: (1, the buffer's
+        samples decoding, the samples running on their engines, and the factor by which
+        their decode iterations would shorten if those engines ran nothing else), weighted
+        per gating sample; (0, 0, 0, 0) while it trains."""
+        if sim.trainer.until is not None:
+            return 0.0, 0.0, 0.0, 0.0
+        p, reserved, group = sim.p, sim.p.reserved, sim.table.group
+        count, running, speedup = 0, 0.0, 0.0
+        for e in sim.engines.values():
+            gating = [
+                sid
+                for sid in e.batch.run
+                if (g := reserved.get(group[sid])) is not None and g.reserved_buffer == p.version
+            ]
+            if gating:
+                alone = e.cost.latency(len(gating), sum(e.batch.context(sid) for sid in gating))
+                count += len(gating)
+                running += e.n * len(gating)
+                speedup += e.cost.latency(e.n, e.kv) / alone * len(gating)
+        return 1.0, float(count), running / max(count, 1), speedup / max(count, 1)
 
     sim.on_cycle = sample
     result = sim.run(steps)
@@ -86,6 +112,9 @@ def diagnose(job: tuple[str, str, int, int, int]) -> tuple[str, str, int, dict]:
     spans = [(t1 - t0, row) for (t0, *row), (t1, *_) in zip(rec, rec[1:], strict=False) if t0 >= start]
     total = sum(w for w, _ in spans) or 1.0
     kv, decoding, free = (sum(w * row[i] for w, row in spans) / total for i in range(3))
+    waiting = [(w, row) for w, row in spans if row[3] and row[4] > 0]  # the trainer waits, its buffer decodes
+    wait_total = sum(w for w, _ in waiting) or 1.0
+    gating, engine_n, speedup = (sum(w * row[i] for w, row in waiting) / wait_total for i in (4, 5, 6))
     budget = (sim.eta + 1) * sim.setup.batch_size * sim.setup.group_size
     regime = max(result.extra["regime_share"].items(), key=lambda kv: kv[1])
     return (
@@ -98,6 +127,9 @@ def diagnose(job: tuple[str, str, int, int, int]) -> tuple[str, str, int, dict]:
             "budget_free": free,
             "regime": f"{regime[0]} {regime[1]:.0%}",
             "waits_on_queued": result.extra["trainer_waits_on_queued"],
+            "gating_decoding": gating,
+            "gating_engine_running": engine_n,
+            "gating_speedup_alone": speedup,
         },
     )
 
@@ -137,9 +169,11 @@ def main() -> None:
         print(f"| {label(VARIANTS[k])} | {m:.3f} |")
     print(
         "\n| set-up | η | KV fill staleflow / strict | decoding / budgeted samples | time with budget free "
-        "| regime estimate staleflow / strict | trainer waits on a queued sample's buffer |"
+        "| regime estimate staleflow / strict | trainer waits on a queued sample's buffer "
+        "| while staleflow's trainer waits: its buffer's samples decoding, running on their engines, "
+        "speed-up alone |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     diag_jobs = [(s, pol, e, args.seed, args.steps) for s, e in cells for pol in ("staleflow", "strict")]
     with ProcessPoolExecutor(args.jobs) as pool:
         diag = {(s, pol, e): d for s, pol, e, d in pool.map(diagnose, diag_jobs)}
@@ -148,7 +182,8 @@ def main() -> None:
         print(
             f"| {s} | {e} | {a['kv_fill']:.0%} / {b['kv_fill']:.0%} | {a['decoding_share']:.0%} / "
             f"{b['decoding_share']:.0%} | {a['budget_free']:.0%} / {b['budget_free']:.0%} | "
-            f"{a['regime']} / {b['regime']} | {a['waits_on_queued']:.1%} / {b['waits_on_queued']:.1%} |"
+            f"{a['regime']} / {b['regime']} | {a['waits_on_queued']:.1%} / {b['waits_on_queued']:.1%} | "
+            f"{a['gating_decoding']:.0f}, {a['gating_engine_running']:.1f}, {a['gating_speedup_alone']:.2f}x |"
         )
     top = max(means.values())
     print(f"sweep default={means[0]:.3f} best_variant={top:.3f} per_cell_best={sum(best) / len(best):.3f}")
