@@ -1,6 +1,6 @@
 """Coordinator policies compared in the discrete-event simulator (docs/coordinator.md, docs/policies.md).
 
-    python bench/policies.py            # reference set-ups + workload shapes, η = 1, 2, 3, 20 steps
+    python bench/policies.py            # reference set-ups + workload shapes, η = 1, 2, 3, 32 steps
     python bench/policies.py --quick    # CI-sized: the small set-up, 10 steps
     python bench/policies.py --setups short_many,heavy_tail --out /tmp/pol   # some shapes
     python bench/policies.py --seeds 0,1,2 --steps 16 --reuse bench/results/policies.json   # rerun staleflow only
@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="CI-sized run: the small set-up, 10 steps")
     ap.add_argument("--setups", help="comma-separated set-ups (default: the reference four and the workload shapes)")
-    ap.add_argument("--steps", type=int, help="training steps per run")
+    ap.add_argument("--steps", type=int, help="training steps per run (default 32)")
     ap.add_argument("--etas", help="comma-separated staleness bounds (default 1,2,3)")
     ap.add_argument("--jobs", type=int, help="parallel processes (default: min(2, CPUs))")
     ap.add_argument("--seeds", default="0", help="comma-separated workload seeds; figures are means over them")

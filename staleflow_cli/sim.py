@@ -72,7 +72,7 @@ def bench(
     setups: str = typer.Option(
         None, help="Comma-separated set-ups (default: the four reference set-ups and the workload shapes)."
     ),
-    steps: int = typer.Option(None, help="Training steps per run."),
+    steps: int = typer.Option(None, help="Training steps per run (default 32)."),
     jobs: int = typer.Option(None, help="Parallel processes."),
     seeds: str = typer.Option("0", help="Comma-separated workload seeds (means over them)."),
     out: Path = typer.Option(Path("bench/results"), help="Where policies.md, policies.json and the plots go."),
