@@ -84,13 +84,13 @@ def diagnose(job: tuple[str, str, int, int, int]) -> tuple[str, str, int, dict]:
         kv = sum(e.kv for e in engines) / sum(e.cap for e in engines)
         rec.append((sim.now, kv, sum(e.n for e in engines), float(free > 0), *trainer_waits_for()))
 
-    def trainer_waits_for() -> tuple[float, float, float, float]:
-        """While the trainer waits for the buffer of the run's version: (1, the buffer's
-        samples decoding, the samples running on their engines, and the factor by which
-        their decode iterations would shorten if those engines ran nothing else), weighted
-        per gating sample; (0, 0, 0, 0) while it trains."""
+    def trainer_waits_for() -> tuple[float, float, float]:
+        """While the trainer waits for the buffer of the run's version: the buffer's samples
+        decoding, the samples running on their engines, and the factor by which their decode
+        iterations would shorten if those engines ran nothing else, weighted per gating
+        sample; (0, 0, 0) while it trains."""
         if sim.trainer.until is not None:
-            return 0.0, 0.0, 0.0, 0.0
+            return 0.0, 0.0, 0.0
         p, reserved, group = sim.p, sim.p.reserved, sim.table.group
         count, running, speedup = 0, 0.0, 0.0
         for e in sim.engines.values():
@@ -104,7 +104,7 @@ def diagnose(job: tuple[str, str, int, int, int]) -> tuple[str, str, int, dict]:
                 count += len(gating)
                 running += e.n * len(gating)
                 speedup += e.cost.latency(e.n, e.kv) / alone * len(gating)
-        return 1.0, float(count), running / max(count, 1), speedup / max(count, 1)
+        return float(count), running / max(count, 1), speedup / max(count, 1)
 
     sim.on_cycle = sample
     result = sim.run(steps)
@@ -112,9 +112,9 @@ def diagnose(job: tuple[str, str, int, int, int]) -> tuple[str, str, int, dict]:
     spans = [(t1 - t0, row) for (t0, *row), (t1, *_) in zip(rec, rec[1:], strict=False) if t0 >= start]
     total = sum(w for w, _ in spans) or 1.0
     kv, decoding, free = (sum(w * row[i] for w, row in spans) / total for i in range(3))
-    waiting = [(w, row) for w, row in spans if row[3] and row[4] > 0]  # the trainer waits, its buffer decodes
+    waiting = [(w, row) for w, row in spans if row[3] > 0]  # the trainer waits, its buffer decodes
     wait_total = sum(w for w, _ in waiting) or 1.0
-    gating, engine_n, speedup = (sum(w * row[i] for w, row in waiting) / wait_total for i in (4, 5, 6))
+    gating, engine_n, speedup = (sum(w * row[i] for w, row in waiting) / wait_total for i in (3, 4, 5))
     budget = (sim.eta + 1) * sim.setup.batch_size * sim.setup.group_size
     regime = max(result.extra["regime_share"].items(), key=lambda kv: kv[1])
     return (
