@@ -13,3 +13,13 @@ def test_while_the_trainer_waits_its_buffer_would_decode_no_slower_alone():
     # (the cost model's latency grows with the samples and the KV an engine holds)
     assert d["gating_engine_running"] >= 1.0
     assert d["gating_speedup_alone"] >= 1.0
+
+
+def test_the_diagnosis_observes_only():
+    """The sweep takes strict's and the default's tokens/s from the diagnosed runs: its
+    per-cycle sampling must leave the run exactly as `simulate` runs it."""
+    from workers.sim.simulator import simulate
+
+    for policy in ("staleflow", "strict"):
+        *_, d = diagnose(("tiny", policy, 2, 0, 4))
+        assert d["steady_tokens_per_s"] == simulate("tiny", policy, eta=2, steps=4, seed=0).steady_tokens_per_s
