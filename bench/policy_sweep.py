@@ -5,9 +5,10 @@
 Runs `staleflow` under each of a set of one-parameter changes (routing μ, migration ψ and
 gain, pull threshold and horizons, φ_wait, and the naive routing and pull rules) on every
 reference set-up and η = 1, 2, 3, and divides each run's steady tokens/s by strict's on the
-same seed and steps (run here: the diagnosis below runs strict anyway). Prints each cell's ratio under every variant, each variant's mean, and the
-mean of the best variant chosen per cell: an upper bound for parameter tuning that is
-optimistic, since it picks per cell on the very runs it reports. Then, for the default staleflow
+same seed and steps (run here: the diagnosis below runs strict anyway). Prints each cell's
+ratio under every variant, each variant's mean, and the mean of the best variant chosen per
+cell: an upper bound for parameter tuning that is optimistic, since it picks per cell on the
+very runs it reports. Then, for the default staleflow
 and strict runs, what bounds them (`diagnose`: KV fill, samples decoding against the staleness
 budget, time with budget left unreserved, the coordinator's regime estimate and the time the
 trainer waits on a buffer with a queued sample, and what its buffer's samples decode alongside
@@ -58,13 +59,13 @@ def one(job: tuple[str, int, int, int, int]) -> tuple[str, int, int, float]:
 
 
 def diagnose(job: tuple[str, str, int, int, int]) -> tuple[str, str, int, dict]:
-    """A run's steady tokens/s and what bounds it, time-weighted over its steady part (after the first fifth of the
-    virtual time): the rollout's KV fill, samples decoding against the samples the staleness
-    budget lets into flight ((η+1)·B·N), the share of time that some group could still
-    reserve a buffer at the PS's version (budget left unused), and, while the trainer waits
-    for a buffer, that buffer's samples decoding, the samples running on their engines, and
-    how much faster they would decode alone (an upper bound for any rule that keeps newer
-    work off them)."""
+    """A run's steady tokens/s and what bounds it, time-weighted over its steady part (after
+    the first fifth of the virtual time): the rollout's KV fill, samples decoding against the
+    samples the staleness budget lets into flight ((η+1)·B·N), the share of time that some
+    group could still reserve a buffer at the PS's version (budget left unused), and, while
+    the trainer waits for a buffer, that buffer's samples decoding, the samples running on
+    their engines, and how much faster they would decode alone (an upper bound for any rule
+    that keeps newer work off them)."""
     setup, policy, eta, seed, steps = job
     sim = Simulator(setup, policy, eta, seed)
     rec: list[tuple[float, ...]] = []
