@@ -3,10 +3,10 @@
     python bench/policies.py            # reference set-ups + workload shapes, η = 1, 2, 3, 32 steps
     python bench/policies.py --quick    # CI-sized: the small set-up, 10 steps
     python bench/policies.py --setups short_many,heavy_tail --out /tmp/pol   # some shapes
-    python bench/policies.py --seeds 0,1,2 --steps 16 --reuse bench/results/policies.json   # rerun staleflow only
+    python bench/policies.py --seeds 0,1,2 --reuse bench/results/policies.json   # rerun staleflow only
 
 Set-ups: the four reference ones (qwen_14b, qwen_32b, qwen_moe_30b, qwen_7b) and the workload
-shapes short_many, heavy_tail, correlated, few_instances, many_instances, agentic
+shapes short_many, heavy_tail, correlated, few_instances, many_instances, balanced, agentic
 (workers/sim/setups.py).
 For each set-up and η: tokens/s and samples/s of every policy, the ratios staleflow/sync,
 staleflow/one_step and staleflow/strict, the ratio to ideal, rollout idle fraction and the
