@@ -8,12 +8,11 @@ reference set-up and η = 1, 2, 3, and divides each run's steady tokens/s by str
 same seed and steps (run here: the diagnosis below runs strict anyway). Prints each cell's
 ratio under every variant, each variant's mean, and the mean of the best variant chosen per
 cell: an upper bound for parameter tuning that is optimistic, since it picks per cell on the
-very runs it reports. Then, for the default staleflow
-and strict runs, what bounds them (`diagnose`: KV fill, samples decoding against the staleness
-budget, time with budget left unreserved, the coordinator's regime estimate and the time the
-trainer waits on a buffer with a queued sample, and what its buffer's samples decode alongside
-while it waits). 156 simulations, about 30 minutes on 2 cores at 32 steps. The
-last line is
+very runs it reports. Then, for the default staleflow and strict runs, what bounds them
+(`diagnose`: KV fill, samples decoding against the staleness budget, time with budget left
+unreserved, the coordinator's regime estimate and the time the trainer waits on a buffer with
+a queued sample, and what its buffer's samples decode alongside while it waits). 156
+simulations, about 30 minutes on 2 cores at 32 steps. The last line is
 
     sweep default=<mean> best_variant=<mean> per_cell_best=<mean>
 """
@@ -54,7 +53,7 @@ def label(variant: dict) -> str:
 
 def one(job: tuple[str, int, int, int, int]) -> tuple[str, int, int, float]:
     setup, eta, k, seed, steps = job
-    policy = get_policy("staleflow", **VARIANTS[k]) if VARIANTS[k] else "staleflow"
+    policy = get_policy("staleflow", **VARIANTS[k])
     return setup, eta, k, simulate(setup, policy, eta=eta, steps=steps, seed=seed).steady_tokens_per_s
 
 
