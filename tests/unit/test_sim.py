@@ -154,3 +154,20 @@ def test_result_fields_are_consistent():
     assert r.generated_tokens >= r.trained_tokens
     d = r.to_dict()
     assert d["mean_staleness"] == r.mean_staleness and "staleness" in r.summary()
+
+
+def test_switching_migration_off_changes_nothing_but_migration():
+    """An ablation must differ in its one ingredient: without migration the keep-oldest pull rule
+    still reads which running samples are about to finish (snapshots keep per-sample details),
+    so the run equals one whose migrations can never pass their gain test."""
+    from workers.coordinator.policies import get_policy
+
+    setup = get_setup("small", instances=6, batch_size=12, max_response=2_000)
+    off = simulate(setup, get_policy("staleflow", migration=False), eta=1, steps=6, seed=1)
+    never = simulate(setup, get_policy("staleflow", migrate_min_gain=1e9), eta=1, steps=6, seed=1)
+    assert off.commands.get("migration", 0) == never.commands.get("migration", 0) == 0
+    assert (off.virtual_time, off.trained_tokens, off.prefill_tokens) == (
+        never.virtual_time,
+        never.trained_tokens,
+        never.prefill_tokens,
+    )

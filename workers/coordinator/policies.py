@@ -97,6 +97,12 @@ class Policy:
         """φ_wait for the engines, or None when the engine-side rule is off."""
         return self.phi_wait if self.engine_migration else None
 
+    @property
+    def reads_running_samples(self) -> bool:
+        """Whether its cycle reads the per-sample details of the running samples (the samples
+        migration moves, the ones `keep_oldest` waits for), which snapshots may then omit."""
+        return self.migration or (self.sync == "status" and self.keep_oldest)
+
     def with_params(self, **overrides: Any) -> Policy:
         return replace(self, **overrides)
 

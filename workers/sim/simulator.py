@@ -115,7 +115,7 @@ class Simulator:
         # seconds in run_cycle (the simulator's side, `_apply`, excluded): bench/coordinator.py
         self.on_cycle = on_cycle
         self.apply_s = self.apply_cpu_s = 0.0
-        self.detail = self.policy.migration
+        self.detail = self.policy.reads_running_samples
         rng = np.random.default_rng([seed, 7])
         self.engines: dict[int, SimInstance] = {}
         self.next_hb: dict[int, float] = {}
