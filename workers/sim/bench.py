@@ -247,14 +247,16 @@ def _hist(h: dict[int, int]) -> str:
     return " ".join(f"{k}:{v / tot:.0%}" for k, v in sorted(h.items()))
 
 
-def markdown(results: dict[Job, Averaged], cfg: BenchConfig, wall: float, runs: int) -> str:
+def markdown(results: dict[Job, Averaged], cfg: BenchConfig, wall: float, runs: int, reused: int = 0) -> str:
     cs = cells(results, cfg)
     lines = [
         "# Policy comparison (simulated)",
         "",
         f"`python bench/policies.py{' --quick' if cfg.setups == ('small',) else ''}` — {cfg.steps} training steps per run, "
         f"seeds {', '.join(map(str, cfg.seeds))} (figures are means over seeds; every policy of a seed sees the same "
-        f"workload), set-ups {', '.join(cfg.setups)}; {runs} runs in {wall:,.0f} s on this machine.",
+        f"workload), set-ups {', '.join(cfg.setups)}; {runs} runs"
+        + (f" ({reused} of them baselines taken from {cfg.reuse.name})" if reused and cfg.reuse else "")
+        + f" in {wall:,.0f} s on this machine.",
         "Throughput = trained response tokens per second of simulated time, steady state (after the first fifth",
         "of the steps). Ideal = every rollout instance always at its peak T (KV cache full of average-context",
         "samples). Idle = rollout instance-time with nothing to decode. Staleness = share of trained groups by b − V_group.",
@@ -445,7 +447,7 @@ def run_bench(
     results = {**reused, **run_jobs([j for j in jobs if j not in reused], cfg.jobs, progress)}
     wall = time.perf_counter() - t0
     avg = average(results)
-    md = markdown(avg, cfg, wall, len(results))
+    md = markdown(avg, cfg, wall, len(results), len(reused))
     (out_dir / "policies.md").write_text(md)
     raw = [{"job": j.__dict__, "result": r.to_dict()} for j, r in results.items()]
     (out_dir / "policies.json").write_text(json.dumps(raw, indent=1, default=str))
