@@ -67,15 +67,22 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--quick", action="store_true", help="CI-sized: shapes 0-1, η = 1, 8 steps")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
     a = ap.parse_args(argv)
-    shapes = [0, 1] if a.quick else parse_shapes(a.shapes)
-    etas = (1,) if a.quick else tuple(int(x) for x in a.etas.split(","))
-    seeds = tuple(int(x) for x in a.seeds.split(","))
+    try:
+        shapes = [0, 1] if a.quick else parse_shapes(a.shapes)
+        etas = (1,) if a.quick else tuple(int(x) for x in a.etas.split(","))
+        seeds = tuple(int(x) for x in a.seeds.split(","))
+        pairs = [(k, e) for k in shapes for e in etas]
+        if a.cells:
+            pairs = [(int(k), int(e)) for k, e in (c.split(":") for c in a.cells.split(","))]
+            shapes = list(dict.fromkeys(k for k, _ in pairs))
+            etas = tuple(sorted({e for _, e in pairs}))
+    except ValueError:
+        ap.error(
+            "--shapes takes ranges and lists (0-63 or 39,41), --cells shape:η pairs (39:2,41:1), --etas and --seeds integers"
+        )
+    if min(shapes) < 0 or min(etas) < 1 or a.steps < 1:
+        ap.error("shape indices must be >= 0, η >= 1 and --steps >= 1")
     steps = 8 if a.quick else a.steps
-    pairs = [(k, e) for k in shapes for e in etas]
-    if a.cells:
-        pairs = [(int(k), int(e)) for k, e in (c.split(":") for c in a.cells.split(","))]
-        shapes = list(dict.fromkeys(k for k, _ in pairs))
-        etas = tuple(sorted({e for _, e in pairs}))
     jobs = [(k, p, e, s, steps) for k, e in pairs for s in seeds for p in POLICIES]
     print(f"{len(pairs)} cells (shape, η) × seeds {seeds} × {POLICIES}: {len(jobs)} runs of {steps} steps", flush=True)
     t0 = time.perf_counter()

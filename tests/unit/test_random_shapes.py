@@ -39,3 +39,16 @@ def test_the_quick_bench_writes_its_tables_and_prints_its_summary_last(tmp_path,
         assert c["ratio"] == runs[(c["shape"], "staleflow", c["eta"])] / runs[(c["shape"], "strict", c["eta"])]
     assert int(m.group(2)) == sum(c["ratio"] < 1.0 for c in data["cells"])
     assert last in (tmp_path / "random_shapes.md").read_text()
+
+
+def test_bad_arguments_exit_with_a_message_and_write_nothing(tmp_path, capsys):
+    import pytest
+
+    from bench.random_shapes import main
+
+    for args in (["--cells", "39"], ["--shapes", "a-b"], ["--etas", "0"], ["--shapes", "-3"]):
+        with pytest.raises(SystemExit) as e:
+            main([*args, "--out", str(tmp_path)])
+        assert e.value.code == 2
+        assert "error:" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
